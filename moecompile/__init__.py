@@ -1,0 +1,12 @@
+"""moecompile: a torch.compile backend for Mixture-of-Experts models.
+
+    compiled = torch.compile(model, backend="moe")     # finds, proves and rewrites the MoE layers
+    print(moecompile.explain(model, input_ids))        # what was found, proved, rewritten, skipped and why
+"""
+
+from .backend import moe_backend
+from .config import MoEOptions
+from .explain import ExplainReport, explain
+from moecompile.runtime.stats import token_drops
+
+__all__ = ["moe_backend", "MoEOptions", "ExplainReport", "explain", "token_drops"]

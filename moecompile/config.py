@@ -1,0 +1,71 @@
+"""Backend options: one frozen dataclass, parsed once at the backend boundary and passed down explicitly."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+PASS_NAMES = ("detect", "verify", "canonicalize", "lower")
+INNER_BACKENDS = ("inductor", "aot_eager")
+LOWERINGS = ("auto", "torch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEOptions:
+    """Options of ``torch.compile(model, backend="moe", options={...})``.
+
+    inner:            what compiles the graph after the MoE passes: "inductor" (default) or "aot_eager".
+    lowering:         implementation of the canonical ops: "auto" (torch reference ops; Triton kernels come
+                      with the lowering issue) or "torch".
+    disable_passes:   pass names to skip (see moecompile.pipeline.PASSES). Without "verify" nothing is rewritten.
+    strict:           raise instead of leaving an MoE block that could not be proved or rewritten as it was.
+    verify_backward:  also prove gradients (tokens and every parameter) before rewriting.
+    probe_seed:       seed of the random probe tokens used by verify.
+    max_candidates:   most candidate specs verify may try per block.
+    record_graphs:    keep the readable graph before and after each pass (explain() turns it on).
+    """
+
+    inner: str = "inductor"
+    lowering: str = "auto"
+    disable_passes: tuple[str, ...] = ()
+    strict: bool = False
+    verify_backward: bool = True
+    probe_seed: int = 0
+    max_candidates: int = 64
+    record_graphs: bool = False
+
+
+_CHOICES = {"inner": INNER_BACKENDS, "lowering": LOWERINGS}
+
+
+def parse_options(options: dict | MoEOptions | None) -> MoEOptions:
+    """Check user options; an unknown key or a bad value raises ValueError naming the valid choices."""
+    if options is None:
+        return MoEOptions()
+    if isinstance(options, MoEOptions):
+        return options
+    if not isinstance(options, dict):
+        raise ValueError(f"options must be a dict, got {type(options).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(MoEOptions)}
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown moecompile option(s) {unknown}; valid options: {sorted(fields)}")
+    for key, value in options.items():
+        default = fields[key].default
+        if key in _CHOICES and value not in _CHOICES[key]:
+            raise ValueError(f"option {key}={value!r} is not valid; choose one of {list(_CHOICES[key])}")
+        if key == "disable_passes":
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError("option disable_passes must be a list of pass names")
+            bad = sorted(set(value) - set(PASS_NAMES))
+            if bad:
+                raise ValueError(f"disable_passes names unknown pass(es) {bad}; passes: {list(PASS_NAMES)}")
+        elif isinstance(default, bool) and not isinstance(value, bool):
+            raise ValueError(f"option {key} must be True or False, got {value!r}")
+        elif isinstance(default, int) and not isinstance(default, bool) and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            raise ValueError(f"option {key} must be a non-negative int, got {value!r}")
+    if "disable_passes" in options:
+        options = {**options, "disable_passes": tuple(options["disable_passes"])}
+    return MoEOptions(**options)

@@ -1,0 +1,66 @@
+"""explain(): compile a model with the moe passes and report what was found, proved, rewritten and skipped."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moecompile.passes.report import LayerRecord, PassReport, SkipRecord
+
+from .backend import rewrite
+from .config import parse_options
+
+
+@dataclasses.dataclass
+class ExplainReport:
+    """``layers``: one record per rewritten MoE layer (module path, MoESpec, proof error, lowering);
+    ``skipped``: (region, reason) for every MoE-looking region left as it was; ``graphs``: (stage, code) for
+    the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made."""
+
+    layers: list[LayerRecord]
+    skipped: list[SkipRecord]
+    graphs: list[tuple[str, str]]
+    counters: dict
+    num_graphs: int
+
+    def __str__(self) -> str:
+        out = [f"moecompile: {len(self.layers)} MoE layer(s) rewritten, {len(self.skipped)} skipped, "
+               f"{self.num_graphs} graph(s)"]
+        for rec in self.layers:
+            out.append(f"  rewritten {rec.path} ({rec.spec.block_type}) lowering={rec.lowering} "
+                       f"proof error={rec.max_error:.2g} after {rec.candidates_tried} candidate(s)")
+            out.append(f"      {rec.spec.summary()}")
+        for s in self.skipped:
+            out.append(f"  skipped {s.region}: {s.reason}")
+        if self.counters:
+            out.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
+        return "\n".join(out)
+
+    def graph(self, stage: str, index: int = 0) -> str:
+        """Readable code of the ``index``-th graph after ``stage`` ("input", "detect", ..., "lower")."""
+        codes = [code for s, code in self.graphs if s == stage]
+        if not codes:
+            raise ValueError(f"no graph recorded for stage {stage!r}; stages: {sorted({s for s, _ in self.graphs})}")
+        return codes[index]
+
+
+def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
+    """Run ``model(*args)`` once through the moe passes (graphs run eagerly afterwards) and report.
+
+    Keyword arguments are backend options (see ``moecompile.MoEOptions``); the model itself is not changed.
+    """
+    config = dataclasses.replace(parse_options(options), record_graphs=True)
+    report = PassReport()
+    graphs = []
+
+    def backend(gm, example_inputs, **_):
+        graphs.append(gm)
+        return rewrite(gm, example_inputs, config, report).forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        compiled(*args)
+    torch._dynamo.reset()
+    return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs))

@@ -1,0 +1,29 @@
+"""Alias tables: the different names model families give the same MoE attribute, and fixed explanations.
+
+Detection itself reads the graph, not attributes; these tables serve the places that read a model or config
+(``explain``, the CLI, tests) so that a new family is a row here, not a new function.
+"""
+
+from __future__ import annotations
+
+CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_experts": ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"),
+    "top_k": ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"),
+    "expert_intermediate": ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size"),
+    "hidden": ("hidden_size", "d_model", "n_embd"),
+}
+
+EAGER_EXPERTS_REASON = (
+    "a router was found but the expert math is not in this graph: the experts most likely run with "
+    "experts_implementation='eager' (a Python loop over nonzero() that breaks the graph). Fix: load the model "
+    "with experts_implementation='grouped_mm' (the default) or set config._experts_implementation = 'grouped_mm'"
+)
+
+
+def config_value(config, field: str, default=None):
+    """The first attribute of ``config`` named by ``CONFIG_ALIASES[field]``."""
+    for name in CONFIG_ALIASES[field]:
+        v = getattr(config, name, None)
+        if v is not None:
+            return v
+    return default

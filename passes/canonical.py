@@ -1,0 +1,76 @@
+"""The canonical padding-free form of one MoE block, written once and used twice.
+
+``canonical_moe`` runs eagerly on real tensors (``verify`` proves it equal to the original region) and on
+``torch.fx.Proxy`` values (``canonicalize`` traces it into the graph), so what was proved is what is spliced in:
+
+    x_TH      = x.reshape(-1, H)
+    w_TK, ids = moe.route(logits.reshape(-1, E), correction_bias, ...)
+    tok, exp, counts, cw, src = moe.build_pft(ids, w_TK, E, capacity, drop_order, layer)
+    y_BH      = moe.expert_mlp(x_TH, tok, counts, w_gate, w_up, w_down, biases..., activation)
+    out_TH    = moe.combine(y_BH, tok, cw, T)
+
+Weight roles in ``weights``: ``gate``, ``up``, ``down`` (or ``gate_up`` when fused) and the same with ``_bias``.
+A role's value is a stacked ``[E, ...]`` tensor, or a list of E per-expert tensors (ModuleList experts, stacked
+here). Layouts are normalised with views: transposes and gate/up splits copy nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moecompile.runtime import ops  # noqa: F401  (registers torch.ops.moe)
+
+from .spec import MoESpec
+
+
+def _stacked(v):
+    return torch.stack(v) if isinstance(v, (list, tuple)) else v
+
+
+def _split_gate_up(t, how: str, inter: int):
+    """(gate, up) rows of a fused [E, 2I, ...] tensor."""
+    if how == "interleave":
+        return t[:, 0::2], t[:, 1::2]
+    first, second = t[:, :inter], t[:, inter:]
+    return (second, first) if how == "chunk_up_first" else (first, second)
+
+
+def expert_tensors(spec: MoESpec, weights: dict):
+    """(w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH) in canonical layout."""
+    e = spec.experts
+    w = {k: _stacked(v) for k, v in weights.items()}
+    if e.gate_up != "separate":
+        gu = w["gate_up"].transpose(1, 2) if e.up_transposed else w["gate_up"]
+        gate, up = _split_gate_up(gu, e.gate_up, e.intermediate)
+        b_gate, b_up = (None, None)
+        if "gate_up_bias" in w:
+            b_gate, b_up = _split_gate_up(w["gate_up_bias"], e.gate_up, e.intermediate)
+    else:
+        up = w["up"].transpose(1, 2) if e.up_transposed else w["up"]
+        gate = w.get("gate")
+        if gate is not None and e.up_transposed:
+            gate = gate.transpose(1, 2)
+        b_gate, b_up = w.get("gate_bias"), w.get("up_bias")
+    down = w["down"].transpose(1, 2) if e.down_transposed else w["down"]
+    return gate, up, down, b_gate, b_up, w.get("down_bias")
+
+
+def canonical_moe(
+    spec: MoESpec, x, logits, correction_bias, weights: dict, *, layer: str, out_dtype: torch.dtype, out_3d: bool
+):
+    """The routed-experts output of the block, [T, H] (or x's shape when ``out_3d``), in ``out_dtype``."""
+    r, e = spec.routing, spec.experts
+    x_TH = x.reshape(-1, e.hidden)
+    routed = torch.ops.moe.route(logits.reshape(-1, e.num_experts), correction_bias, *r.route_args())
+    weights_TK, ids_TK = routed[0], routed[1]
+    pft = torch.ops.moe.build_pft(ids_TK, weights_TK, e.num_experts, r.capacity, r.drop_order, layer)
+    token_ids_B, tokens_per_expert_E, combine_weights_B = pft[0], pft[2], pft[3]
+    gate, up, down, b_gate, b_up, b_down = expert_tensors(spec, weights)
+    input_scale_B = combine_weights_B if r.weights_on_input else None
+    y_BH = torch.ops.moe.expert_mlp(
+        x_TH, token_ids_B, tokens_per_expert_E, gate if e.gated else None, up, down,
+        b_gate if e.gated else None, b_up, b_down, input_scale_B, e.activation, e.alpha, e.limit,
+    )
+    out_TH = torch.ops.moe.combine(y_BH, token_ids_B, None if r.weights_on_input else combine_weights_B, x_TH.size(0))
+    out = out_TH.to(out_dtype)
+    return out.reshape(x.shape) if out_3d else out

@@ -1,0 +1,64 @@
+"""canonicalize: replace each proved MoE block's routed computation by the canonical padding-free ops.
+
+    before                                        after
+    logits = linear(x, w_router)                  logits = linear(x, w_router)          (kept: may be an output)
+    routed = <sort, grouped_mm, loop, einsum...>  r = moe.route(logits, ...); p = moe.build_pft(r[1], r[0], ...)
+                                                  y = moe.expert_mlp(x, p[0], p[2], w...); routed = moe.combine(...)
+    out = routed + shared(x)                      out = routed + shared(x)
+
+The new nodes are ``canonical_moe`` traced with ``torch.fx.Proxy`` values, so the code that ``verify`` ran is the
+code that lands. The original routed nodes that nothing else uses are then removed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .canonical import canonical_moe
+from .graph_utils import example
+from .report import PassReport
+
+
+def canonicalize_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
+    for node in list(gm.graph.nodes):
+        cand = node.meta.pop("moe", None)
+        if cand is None:
+            continue
+        spec, b = cand.specs[0], cand.bindings[0]
+        out_val, x_val = example(b.routed), example(b.x)
+        out_3d = out_val.dim() == x_val.dim() and out_val.dim() != 2
+        tracer = fx.proxy.GraphAppendingTracer(gm.graph)
+        proxy = lambda n: fx.Proxy(n, tracer)  # noqa: E731
+        weights = {k: [proxy(p) for p in v] if isinstance(v, list) else proxy(v) for k, v in b.weights.items()}
+        existing = set(gm.graph.nodes)
+        with gm.graph.inserting_before(b.routed):
+            new = canonical_moe(
+                spec, proxy(b.x), proxy(b.logits), None if b.correction_bias is None else proxy(b.correction_bias),
+                weights, layer=cand.path, out_dtype=out_val.dtype, out_3d=out_3d,
+            ).node
+        stack = b.routed.meta.get("nn_module_stack")
+        for n in [n for n in gm.graph.nodes if n not in existing]:
+            if stack is not None:
+                n.meta["nn_module_stack"] = dict(stack)
+            n.meta["moe_layer"] = cand.path
+        b.routed.replace_all_uses_with(new)
+        removed = _remove_dead(gm.graph, cand.slice_nodes)
+        report.counters["canonicalize.rewritten"] += 1
+        report.counters["canonicalize.nodes_removed"] += removed
+    return gm
+
+
+def _remove_dead(graph: fx.Graph, slice_nodes: set[fx.Node]) -> int:
+    """Erase the old routed computation: slice nodes nothing uses any more (in-place ops on slice-local tensors
+    included, which the generic dead-code pass would keep)."""
+    removed, changed = 0, True
+    while changed:
+        changed = False
+        for n in reversed(list(graph.nodes)):
+            if n in slice_nodes and n.op not in ("placeholder", "output") and not n.users:
+                graph.erase_node(n)
+                slice_nodes.discard(n)
+                removed += 1
+                changed = True
+    return removed

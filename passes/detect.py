@@ -1,0 +1,444 @@
+"""detect: find MoE blocks in a Dynamo graph and describe each as candidate ``MoESpec``s (annotation only).
+
+A block is found from its router: a top-k (or, for sparsemixer, a max) over scores that come from a ``linear``
+whose weight is an [E, H] parameter. The block is the innermost module around that router which also uses the
+expert weights. Inside it, the node holding the routed experts' sum is the one to replace; shared experts and
+everything else stay as they are:
+
+    before                                          after detect (graph unchanged)
+    logits = linear(x, w_router)                    logits = linear(x, w_router)
+    ... softmax, topk, renorm ...                   ...
+    routed = <grouped_mm | loop | einsum ...>       routed = ...    meta["moe"] = Candidate(specs, binding)
+    out    = routed + shared(x)                     out    = routed + shared(x)
+
+Structure fixes what it can (E, K, H, I, the routing ops present, the weight shapes); what the graph leaves
+ambiguous (gate/up order, a fused weight's split, transposition when I == H) becomes a short list of candidate
+specs, and ``verify`` keeps the first one that reproduces the block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from . import aliases
+from .graph_utils import (
+    ancestors, descendants, float_consts, hint, is_param, module_stack, mutated_input, nodes_by_module, op_name,
+    placeholder_values, shape_of,
+)
+from .report import PassReport
+from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
+
+
+@dataclass
+class Candidate:
+    """Everything verify and canonicalize need about one detected block."""
+
+    path: str
+    block_type: str
+    specs: list[MoESpec]
+    bindings: list[Binding]  # one per spec (ModuleList experts bind lists)
+    slice_nodes: set[fx.Node] = field(default_factory=set)  # the original routed computation
+    logits_nodes: set[fx.Node] = field(default_factory=set)  # what computes the router logits
+
+
+class Skip(Exception):
+    """A region that does not qualify: left as it was, with this reason."""
+
+
+def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
+    values = placeholder_values(gm, example_inputs)
+    by_key = nodes_by_module(gm.graph)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    seen: set[fx.Node] = set()
+    for sel in _selections(gm.graph):
+        router = _router_linear(sel, values)
+        if router is None or router in seen:
+            continue
+        seen.add(router)
+        path = _path_of(router)
+        try:
+            key = _block_key(router, by_key, values)
+            if key is None:
+                raise Skip(aliases.EAGER_EXPERTS_REASON)
+            region = set(by_key[key])
+            path, block_type = next((p, t) for k, p, t in module_stack(router) if k == key)
+            if path in {c.path for c in _annotated(gm)}:
+                continue
+            cand = _describe(path, block_type, region, router, values, order, config)
+        except Skip as why:
+            report.skip(path, str(why))
+            continue
+        cand.bindings[0].routed.meta["moe"] = cand
+        report.counters["detect.blocks"] += 1
+        report.counters["detect.candidates"] += len(cand.specs)
+    return gm
+
+
+def _annotated(gm):
+    return [n.meta["moe"] for n in gm.graph.nodes if "moe" in n.meta]
+
+
+def _path_of(n: fx.Node) -> str:
+    st = module_stack(n)
+    return st[-1][1] if st else n.name
+
+
+# ---- router ------------------------------------------------------------------------------------------------
+
+
+def _selections(graph: fx.Graph) -> list[fx.Node]:
+    """top-k nodes, then max(dim) nodes (sparsemixer picks with max)."""
+    topk = [n for n in graph.nodes if op_name(n) == "topk"]
+    maxes = [n for n in graph.nodes if op_name(n) == "max" and (len(n.args) > 1 or "dim" in n.kwargs)]
+    return topk + maxes
+
+
+def _router_linear(sel: fx.Node, values) -> fx.Node | None:
+    """The ``linear`` producing the scores a selection picks from, if its weight is an [E, H] parameter."""
+    src = sel.args[0]
+    shape = shape_of(src)
+    if shape is None or len(shape) != 2:
+        return None
+    E = hint(shape[-1])
+    frontier, seen = [src], set()
+    while frontier:
+        n = frontier.pop(0)
+        if n in seen or len(seen) > 40:
+            continue
+        seen.add(n)
+        if op_name(n) == "linear" and len(n.args) > 1 and is_param(n.args[1], values):
+            w = values[n.args[1]]
+            return n if w.dim() == 2 and w.shape[0] == E else None
+        frontier.extend(a for a in n.all_input_nodes if a.op != "placeholder")
+    return None
+
+
+def _expert_params(nodes, values, E: int) -> list[fx.Node]:
+    """Parameters used in ``nodes`` that look like routed-expert weights: stacked [E, ...] or one per expert."""
+    params = {a for n in nodes for a in n.all_input_nodes if is_param(a, values)}
+    stacked = [p for p in params if values[p].dim() >= 2 and values[p].shape[0] == E]
+    if any(values[p].dim() == 3 for p in stacked):
+        return stacked
+    listed = [p for p in params if _expert_index(p.name) is not None]
+    return listed if len({_expert_index(p.name) for p in listed}) == E else []
+
+
+def _expert_index(name: str) -> int | None:
+    m = re.findall(r"_modules_(\d+)_", name)
+    return int(m[-1]) if len(m) >= 2 else None  # the last index (the first is usually the layer)
+
+
+def _block_key(router: fx.Node, by_key, values) -> str | None:
+    E = values[router.args[1]].shape[0]
+    for key, _, _ in reversed(module_stack(router)):
+        if _expert_params(by_key[key], values, E):
+            return key
+    return None
+
+
+# ---- the block ----------------------------------------------------------------------------------------------
+
+
+def _describe(path, block_type, region, router, values, order, config) -> Candidate:
+    w_router = values[router.args[1]]
+    E, H = w_router.shape
+    logits = router
+    sels = [n for n in region if n in _selection_set(region) and _router_linear(n, values) is router]
+    dep = descendants(sels, region)
+    routed = _routed_node(region, dep, H)
+    slice_nodes = ancestors([routed], region)
+    for n in slice_nodes:
+        tgt = mutated_input(n)
+        if tgt is not None and tgt not in slice_nodes:
+            raise Skip(f"the block writes in place to a tensor it did not create ({n.name}); not rewritten")
+    externals = {a for n in slice_nodes for a in n.all_input_nodes if a not in slice_nodes}
+    x_in = [a for a in externals if not is_param(a, values) and isinstance(a.meta.get("example_value"), torch.Tensor)]
+    if len(x_in) != 1:
+        raise Skip(f"expected one token input to the routed experts, found {len(x_in)}")
+    x_in = x_in[0]
+    if shape_of(x_in)[-1] != H:
+        raise Skip(f"token input has last dim {shape_of(x_in)[-1]}, router expects {H}")
+    routing = _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in)
+    experts, binds = _expert_options(slice_nodes, values, order, E, H, router)
+    corr = routing.pop("correction_bias_node")
+    specs, bindings = [], []
+    for (r_kwargs, (e_kwargs, weights)) in itertools.product(_product(routing), zip(experts, binds)):
+        spec = MoESpec(
+            path=path, block_type=block_type,
+            routing=RoutingSpec(**r_kwargs, correction_bias=corr is not None, router_bias=len(router.args) > 2
+                                and router.args[2] is not None),
+            experts=ExpertSpec(num_experts=E, hidden=H, **e_kwargs),
+            shared_experts=_shared_paths(region, slice_nodes, values, path),
+            shared_gate=_shared_gated(region, slice_nodes, values),
+            dtype=str(values[router.args[1]].dtype).replace("torch.", ""),
+        )
+        specs.append(spec)
+        bindings.append(Binding(x=x_in, logits=logits, correction_bias=corr, weights=weights, routed=routed))
+    specs, bindings = specs[: config.max_candidates], bindings[: config.max_candidates]
+    logits_nodes = ancestors([logits], slice_nodes)
+    return Candidate(path, block_type, specs, bindings, slice_nodes, logits_nodes)
+
+
+def _selection_set(region):
+    return {n for n in region if op_name(n) == "topk" or (op_name(n) == "max" and (len(n.args) > 1 or "dim" in n.kwargs))}
+
+
+_PASS_THROUGH = {"view", "reshape", "to", "float", "type_as", "contiguous", "type", "squeeze", "unsqueeze"}
+
+
+def _routed_node(region, dep, H) -> fx.Node:
+    """Walk from the block output through views, casts and the shared-expert add to the routed sum."""
+    outs = [n for n in region if any(u not in region for u in n.users) and shape_of(n) and shape_of(n)[-1] == H]
+    if not outs:
+        raise Skip("no [.., H] output leaves the block")
+    node = outs[-1] if len(outs) == 1 else max(outs, key=lambda n: len(ancestors([n], region)))
+    if node not in dep:  # Llama4: out = shared(x); out.add_(routed)
+        adds = [u for u in node.users if op_name(u) in ("add_", "iadd") and u.args[0] is node and u.args[1] in dep]
+        if not adds:
+            raise Skip("the block output does not depend on the router")
+        node = adds[0].args[1]
+    while True:
+        name = op_name(node)
+        tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
+        if name in _PASS_THROUGH and tensor_args and tensor_args[0] in dep:
+            node = tensor_args[0]
+        elif name in ("add", "iadd", "add_") and len(tensor_args) == 2 and sum(a in dep for a in tensor_args) == 1:
+            node = next(a for a in tensor_args if a in dep)
+        else:
+            return node
+
+
+def _product(options: dict) -> list[dict]:
+    keys = list(options)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(options[k] for k in keys))]
+
+
+def _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in) -> dict:
+    """Candidate values per RoutingSpec field, most likely first."""
+    final = max((s for s in sels if op_name(s) == "topk"), key=order.get, default=None)
+    names = {op_name(n) for n in slice_nodes}
+    before = ancestors([final.args[0]], slice_nodes) - ancestors([logits]) if final is not None else set()
+    after = descendants([final], slice_nodes) if final is not None else dep & slice_nodes
+    after_names = {op_name(n) for n in after}
+    corr = None
+    for n in before:
+        if op_name(n) in ("add", "iadd"):
+            for a in n.all_input_nodes:
+                if is_param(a, values) and tuple(values[a].shape) == (E,):
+                    corr = a
+    opts: dict = {"correction_bias_node": corr}
+    if final is None:
+        picks = [s for s in sels if shape_of(s.args[0]) and len(shape_of(s.args[0])) == 2]
+        opts["score_fn"] = ["sparsemixer"]
+        opts["top_k"] = [len(picks)]
+        gts = [c for n in slice_nodes if op_name(n) == "gt" for c in float_consts(n)]
+        opts["jitter_eps"] = [gts[0] / 2 if gts else 0.0]
+    else:
+        k = final.args[1] if len(final.args) > 1 else final.kwargs.get("k")
+        opts["top_k"] = [hint(k)]
+        before_names = {op_name(n) for n in before}
+        if "softmax" in before_names:
+            opts["score_fn"] = ["softmax"]
+        elif "sigmoid" in before_names:
+            opts["score_fn"] = ["sigmoid"]
+        elif "sigmoid" in after_names and "softmax" not in after_names:
+            opts["score_fn"] = ["topk_sigmoid", "topk_softmax"]
+        else:
+            opts["score_fn"] = ["topk_softmax", "topk_sigmoid"]
+        grouped = [n for n in before if op_name(n) in ("topk", "max") and shape_of(n.args[0])
+                   and len(shape_of(n.args[0])) == 3]
+        if grouped:
+            g = grouped[0]
+            n_group = hint(shape_of(g.args[0])[1])
+            group_topk = [n for n in before if op_name(n) == "topk" and shape_of(n.args[0])
+                          and len(shape_of(n.args[0])) == 2 and hint(shape_of(n.args[0])[-1]) == n_group]
+            opts["n_group"] = [n_group]
+            opts["topk_group"] = [hint(group_topk[0].args[1]) if group_topk else 1]
+            opts["group_score"] = ["top2_sum", "max"] if op_name(g) == "topk" else ["max", "top2_sum"]
+    weight_only = after - descendants([n for n in slice_nodes if any(
+        is_param(a, values) and values[a].dim() >= 2 and a is not logits.args[1] for a in n.all_input_nodes)])
+    sums = [n for n in weight_only if op_name(n) == "sum"]
+    divs = [n for n in weight_only if op_name(n) in ("truediv", "itruediv", "div", "div_")
+            and any(a in descendants(sums, weight_only) for a in n.all_input_nodes[1:])]
+    opts["renormalize"] = [True, False] if divs else [False, True]
+    eps = [c for s in sums for u in s.users if op_name(u) in ("add", "iadd") for c in float_consts(u)]
+    opts["renorm_eps"] = [eps[0] if eps else 0.0]
+    scale = 1.0
+    for n in weight_only:
+        if op_name(n) in ("mul", "imul", "mul_"):
+            for c in float_consts(n):
+                scale *= c
+    opts["scaling"] = [scale]
+    on_input = opts["score_fn"][0] == "topk_sigmoid"
+    opts["weights_on_input"] = [True, False] if on_input else [False]
+    T = hint(_numel(shape_of(x_in)) // hint(shape_of(x_in)[-1]))
+    caps = [hint(shape_of(n)[2]) for n in slice_nodes if shape_of(n) and len(shape_of(n)) == 3
+            and hint(shape_of(n)[0]) == T and hint(shape_of(n)[1]) == E and op_name(n) != "linear"]
+    caps = [c for c in caps if c is not None and c != hint(shape_of(x_in)[-1])]
+    if caps:
+        opts["capacity"] = [caps[0]]
+        opts["drop_order"] = ["slot_major", "token_major"]
+    return opts
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= hint(s)
+    return out
+
+
+# ---- experts ------------------------------------------------------------------------------------------------
+
+
+def _first_use(p: fx.Node, order) -> int:
+    return min(order[u] for u in p.users)
+
+
+def _expert_options(slice_nodes, values, order, E, H, router):
+    """Candidate ExpertSpec fields and weight bindings, most likely first."""
+    skip = {router.args[1]} | ({router.args[2]} if len(router.args) > 2 and isinstance(router.args[2], fx.Node) else set())
+    params = [p for p in _expert_params(slice_nodes, values, E) if p not in skip]
+    if not params:
+        raise Skip("found a router but no expert weights in the same block")
+    if all(values[p].shape[0] == E for p in params) and any(values[p].dim() == 3 for p in params):
+        storage = "stacked"
+        mats = sorted((p for p in params if values[p].dim() == 3), key=lambda p: _first_use(p, order))
+        vecs = sorted((p for p in params if values[p].dim() == 2), key=lambda p: _first_use(p, order))
+        shape = lambda p: tuple(values[p].shape[1:])  # noqa: E731
+        bind = lambda p: p  # noqa: E731
+    else:
+        storage = "modulelist"
+        groups: dict[str, list[fx.Node]] = {}
+        for p in params:
+            leaf = re.sub(r".*_modules_\d+_", "", p.name)
+            groups.setdefault(leaf, []).append(p)
+        for g in groups.values():
+            g.sort(key=lambda p: _expert_index(p.name))
+        if any(len(g) != E for g in groups.values()):
+            raise Skip("ModuleList experts with differing parameters per expert")
+        firsts = {leaf: min(_first_use(p, order) for p in g) for leaf, g in groups.items()}
+        leaves = sorted(groups, key=firsts.get)
+        mats = [leaf for leaf in leaves if values[groups[leaf][0]].dim() == 2]
+        vecs = [leaf for leaf in leaves if values[groups[leaf][0]].dim() == 1]
+        shape = lambda leaf: tuple(values[groups[leaf][0]].shape)  # noqa: E731
+        bind = lambda leaf: groups[leaf]  # noqa: E731
+    acts = _activations(slice_nodes)
+    if len(mats) not in (2, 3):
+        raise Skip(f"expected 2 or 3 expert weight matrices, found {len(mats)}")
+    down = mats[-1]
+    d0, d1 = shape(down)
+    down_options = []  # (transposed, I)
+    if d0 == H:
+        down_options.append((False, d1))
+    if d1 == H:
+        down_options.append((True, d0))
+    if not down_options:
+        raise Skip(f"expert down-projection shape {shape(down)} does not map to hidden size {H}")
+    out_specs, out_binds = [], []
+    for down_t, inter in down_options:
+        for act in acts:
+            if len(mats) == 3:
+                layouts = [("separate", (mats[0], mats[1])), ("separate", (mats[1], mats[0]))]
+            else:
+                a0, a1 = shape(mats[0])
+                wide = 2 * inter in (a0, a1)
+                splits = _split_order(slice_nodes) if wide else []
+                layouts = [(s, (mats[0],)) for s in splits] + ([("ungated", (mats[0],))] if inter in (a0, a1) else [])
+            for how, ups in layouts:
+                rows = 2 * inter if how not in ("separate", "ungated") else inter
+                u0, u1 = shape(ups[0])
+                for up_t in [t for t, ok in ((False, (u0, u1) == (rows, H)), (True, (u0, u1) == (H, rows))) if ok]:
+                    weights = {"down": bind(down)}
+                    if how == "separate":
+                        weights.update(gate=bind(ups[0]), up=bind(ups[1]))
+                    elif how == "ungated":
+                        weights.update(up=bind(ups[0]))
+                    else:
+                        weights.update(gate_up=bind(ups[0]))
+                    for bias_binding in _bias_options(vecs, shape, bind, how, inter, H):
+                        if act[0] == "swiglu_clamp" and how == "ungated":
+                            continue
+                        out_specs.append(dict(
+                            intermediate=inter, activation=act[0], alpha=act[1], limit=act[2], storage=storage,
+                            gated=how != "ungated", gate_up=how if how not in ("separate", "ungated") else "separate",
+                            up_transposed=up_t, down_transposed=down_t, biases=bool(vecs),
+                        ))
+                        out_binds.append({**weights, **bias_binding})
+    if not out_specs:
+        raise Skip("expert weight shapes do not form an MLP of the hidden size")
+    return out_specs, out_binds
+
+
+def _split_order(slice_nodes) -> list[str]:
+    strided = any(op_name(n) == "getitem" and isinstance(n.args[1], tuple) and any(
+        isinstance(s, slice) and s.step == 2 for s in n.args[1]) for n in slice_nodes)
+    return ["interleave", "chunk", "chunk_up_first"] if strided else ["chunk", "chunk_up_first", "interleave"]
+
+
+def _bias_options(vecs, shape, bind, how, inter, H) -> list[dict]:
+    if not vecs:
+        return [{}]
+    by_size = {}
+    for v in vecs:
+        by_size.setdefault(shape(v)[-1], []).append(v)
+    out = {}
+    if H in by_size:
+        out["down_bias"] = bind(by_size[H][-1])
+    if how not in ("separate", "ungated") and 2 * inter in by_size:
+        return [{**out, "gate_up_bias": bind(by_size[2 * inter][0])}]
+    mids = by_size.get(inter, [])
+    if how == "ungated" or len(mids) == 1:
+        return [{**out, "up_bias": bind(mids[0])}] if mids else [out]
+    if len(mids) == 2:
+        return [{**out, "gate_bias": bind(mids[0]), "up_bias": bind(mids[1])},
+                {**out, "gate_bias": bind(mids[1]), "up_bias": bind(mids[0])}]
+    return [out]
+
+
+def _activations(slice_nodes) -> list[tuple[str, float, float]]:
+    """(name, alpha, limit) candidates from the activation ops present."""
+    names = [op_name(n) for n in slice_nodes]
+    found = []
+    clamps = [n for n in slice_nodes if op_name(n) == "clamp"]
+    if clamps and "sigmoid" in names:
+        limit = max((c for n in clamps for c in float_consts(n)), default=7.0)
+        alpha = next((c for n in slice_nodes if op_name(n) == "mul" for u in n.users if op_name(u) == "sigmoid"
+                      for c in float_consts(n)), 1.702)
+        found.append(("swiglu_clamp", alpha, limit))
+    for n in slice_nodes:
+        name = op_name(n)
+        if name == "gelu":
+            found.append(("gelu_tanh" if n.kwargs.get("approximate") == "tanh" else "gelu", 1.702, 7.0))
+        elif name in ("silu", "relu"):
+            found.append((name, 1.702, 7.0))
+    found = list(dict.fromkeys(found))
+    return found or [("silu", 1.702, 7.0)]
+
+
+# ---- shared experts (recorded, left in place) ---------------------------------------------------------------
+
+
+def _shared_paths(region, slice_nodes, values, block_path) -> tuple[str, ...]:
+    paths = set()
+    for n in region - slice_nodes:
+        if any(is_param(a, values) for a in n.all_input_nodes):
+            st = [p for _, p, _ in module_stack(n)]
+            inner = [p for p in st if p.startswith(block_path + ".")]
+            if inner:
+                paths.add(inner[0])
+    return tuple(sorted(paths))
+
+
+def _shared_gated(region, slice_nodes, values) -> bool:
+    for n in region - slice_nodes:
+        if op_name(n) == "sigmoid":
+            for a in ancestors([n], region):
+                if op_name(a) == "linear" and is_param(a.args[1], values) and values[a.args[1]].shape[0] == 1:
+                    return True
+    return False

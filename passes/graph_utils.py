@@ -1,0 +1,149 @@
+"""Small helpers over Dynamo FX graphs: op names, module stacks, slices, parameters, sub-graph extraction."""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+
+def op_name(n: fx.Node) -> str:
+    """A readable name for what a node computes: ``linear``, ``topk``, ``softmax``, ``mul``, ``getitem``..."""
+    if n.op == "call_method":
+        return n.target
+    if n.op == "call_function":
+        t = n.target
+        if isinstance(t, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
+            return str(t)
+        return getattr(t, "__name__", str(t))
+    return n.op
+
+
+def clean_path(path: str) -> str:
+    """``L['self'].model.layers.0.mlp`` -> ``model.layers.0.mlp``."""
+    return re.sub(r"^L\['self'\]\.?", "", path).replace("L['self']", "")
+
+
+def module_stack(n: fx.Node) -> list[tuple[str, str, str]]:
+    """[(key, path, type name)] from outermost to innermost module."""
+    out = []
+    for key, (path, typ) in (n.meta.get("nn_module_stack") or {}).items():
+        out.append((key, clean_path(path), getattr(typ, "__name__", str(typ))))
+    return out
+
+
+def nodes_by_module(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    by_key: dict[str, list[fx.Node]] = defaultdict(list)
+    for n in graph.nodes:
+        for key, _, _ in module_stack(n):
+            by_key[key].append(n)
+    return by_key
+
+
+def example(n) -> object:
+    return n.meta.get("example_value") if isinstance(n, fx.Node) else n
+
+
+def shape_of(n) -> tuple | None:
+    v = example(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def hint(v) -> int | None:
+    """A concrete int for an int or SymInt (its hint), or None."""
+    if isinstance(v, int):
+        return v
+    if isinstance(v, torch.SymInt):
+        try:
+            return int(v.node.hint) if v.node.hint is not None else None
+        except Exception:
+            return None
+    return None
+
+
+def node_args(n: fx.Node) -> list[fx.Node]:
+    return [a for a in n.all_input_nodes]
+
+
+def ancestors(nodes, within: set[fx.Node] | None = None) -> set[fx.Node]:
+    """Nodes that ``nodes`` depend on (inclusive), staying inside ``within`` when given. In-place ops that
+    write to a node taken in (``inv[perm] = arange``) are taken in too: the values read depend on them."""
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen or (within is not None and n not in within):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+        stack.extend(u for u in n.users if mutated_input(u) is n)
+    return seen
+
+
+def descendants(nodes, within: set[fx.Node] | None = None) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen or (within is not None and n not in within):
+            continue
+        seen.add(n)
+        stack.extend(n.users)
+    return seen
+
+
+def float_consts(n: fx.Node) -> list[float]:
+    return [a for a in list(n.args) + list(n.kwargs.values()) if isinstance(a, float)]
+
+
+def placeholder_values(gm: fx.GraphModule, example_inputs) -> dict[fx.Node, object]:
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return dict(zip(phs, example_inputs))
+
+
+def is_param(n: fx.Node, values: dict) -> bool:
+    """A placeholder holding a parameter or buffer of the model (not an activation or a size)."""
+    if n.op != "placeholder":
+        return False
+    v = values.get(n)
+    if isinstance(v, torch.nn.Parameter):
+        return True
+    return isinstance(v, torch.Tensor) and ("_parameters_" in n.name or "_buffers_" in n.name)
+
+
+def extract(nodes: set[fx.Node], output: fx.Node | list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """A GraphModule computing ``output`` from ``nodes``; returns it and the outside nodes its inputs stand for."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+    ordered = [n for n in next(iter(nodes)).graph.nodes if n in nodes]
+    for n in ordered:
+        for a in n.all_input_nodes:
+            if a not in nodes and a not in env:
+                env[a] = graph.placeholder(f"in_{len(inputs)}")
+                inputs.append(a)
+        if n.op == "placeholder":
+            env[n] = graph.placeholder(f"in_{len(inputs)}")
+            inputs.append(n)
+        else:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    outs = [env[o] for o in output] if isinstance(output, list) else env[output]
+    graph.output(outs)
+    return fx.GraphModule(torch.nn.Module(), graph), inputs
+
+
+INPLACE = {"setitem", "iadd", "isub", "imul", "itruediv", "add_", "mul_", "div_", "sub_", "index_add_", "scatter_",
+           "masked_fill_", "copy_", "zero_", "fill_", "clamp_", "uniform_", "exponential_", "normal_"}
+
+
+def mutated_input(n: fx.Node) -> fx.Node | None:
+    """The node an in-place op writes to, if ``n`` is one."""
+    if op_name(n) in INPLACE and n.args and isinstance(n.args[0], fx.Node):
+        return n.args[0]
+    return None
+
+
+GETITEM = operator.getitem

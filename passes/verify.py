@@ -1,0 +1,141 @@
+"""verify: prove each detected block equal to its canonical form before anything is rewritten.
+
+For every ``meta["moe"]`` candidate, the original routed computation is cut out of the graph and run on random
+probe tokens with the block's real parameters, next to ``canonical_moe`` under each candidate spec. The first spec
+whose output matches (normwise relative error within the dtype's tolerance) is then checked again on gradients of
+the tokens and of every parameter. A block no spec reproduces keeps its original graph and is reported.
+
+    before: routed.meta["moe"] = Candidate(specs=[s1, s2, ...])
+    after:  routed.meta["moe"] = Candidate(specs=[s_proved])      (or no annotation + a skip record)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .canonical import canonical_moe
+from .graph_utils import example, extract, hint, placeholder_values
+from .report import LayerRecord, PassReport
+
+# Normwise relative error allowed between the original block and its canonical form, per dtype. fp32: the
+# reordering of a top-k sum; half types: what eager itself shows when two reductions are reordered.
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
+    values = placeholder_values(gm, example_inputs)
+    for node in list(gm.graph.nodes):
+        cand = node.meta.get("moe")
+        if cand is None:
+            continue
+        ok, detail = _prove(cand, values, config)
+        if ok:
+            report.counters["verify.proved"] += 1
+            report.layers.append(LayerRecord(cand.path, cand.specs[0], detail["tried"], detail["error"]))
+        else:
+            del node.meta["moe"]
+            report.counters["verify.rejected"] += 1
+            report.skip(cand.path, detail["reason"])
+    return gm
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return float("inf")
+    if not torch.isfinite(a).all() or not torch.isfinite(b).all():
+        return float("inf") if not torch.equal(torch.isfinite(a), torch.isfinite(b)) else 0.0
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
+
+
+def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Generator):
+    out = []
+    for n in outside:
+        if n is x_node:
+            x = example(n)
+            shape = [hint(s) for s in x.shape]
+            param = next(v for v in values.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+            probe = torch.randn(shape, generator=gen, dtype=torch.float32).to(x.dtype).to(param.device)
+            out.append(probe)
+        elif n in values:
+            out.append(values[n])
+        else:
+            v = hint(example(n))
+            if v is None:
+                raise ValueError(f"the block reads {n.name}, which cannot be probed")
+            out.append(v)
+    return out
+
+
+def _prove(cand, values, config):
+    routed = cand.bindings[0].routed
+    out_val = example(routed)
+    x_node = cand.bindings[0].x
+    if not isinstance(out_val, torch.Tensor):
+        return False, {"reason": "routed output is not a tensor"}
+    out_3d = out_val.dim() == example(x_node).dim() and out_val.dim() != 2
+    if out_val.dim() not in (2, example(x_node).dim()):
+        return False, {"reason": f"routed output has shape {tuple(out_val.shape)}; cannot map it to tokens"}
+    try:
+        orig_gm, outside = extract(cand.slice_nodes, routed)
+        logits_gm, logits_outside = extract(cand.logits_nodes, cand.bindings[0].logits)
+        gen = torch.Generator().manual_seed(config.probe_seed)
+        inputs = _probe_inputs(outside, x_node, values, gen)
+    except ValueError as err:
+        return False, {"reason": str(err)}
+    tol = TOLERANCE.get(out_val.dtype, 2e-2)
+    env = dict(zip(outside, inputs))
+
+    def run_canonical(spec, binding, env):
+        logits = logits_gm(*[env[n] for n in logits_outside])
+        weights = {k: [env[p] for p in v] if isinstance(v, list) else env[v] for k, v in binding.weights.items()}
+        corr = env[binding.correction_bias] if binding.correction_bias is not None else None
+        return canonical_moe(spec, env[x_node], logits, corr, weights, layer=cand.path,
+                             out_dtype=out_val.dtype, out_3d=out_3d)
+
+    with torch.no_grad():
+        reference = orig_gm(*inputs)
+        errors = []
+        for i, (spec, binding) in enumerate(zip(cand.specs, cand.bindings)):
+            try:
+                err = rel_error(run_canonical(spec, binding, env), reference)
+            except Exception as exc:  # a wrong guess may not even have consistent shapes
+                err = float("inf")
+                errors.append((spec, f"{type(exc).__name__}: {exc}"))
+            if err <= tol:
+                break
+            errors.append((spec, err))
+        else:
+            best = min((e for _, e in errors if isinstance(e, float)), default=float("inf"))
+            return False, {"reason": f"no candidate spec reproduced the block ({len(cand.specs)} tried, best "
+                                     f"normwise error {best:.3g} > {tol:g}); left as it was"}
+    spec, binding = cand.specs[i], cand.bindings[i]
+    if config.verify_backward:
+        grad_err = _backward_error(orig_gm, outside, inputs, lambda e: run_canonical(spec, binding, e), gen)
+        if grad_err > tol:
+            return False, {"reason": f"forward matched but gradients differ (normwise error {grad_err:.3g}); "
+                                     "left as it was"}
+        err = max(err, grad_err)
+    cand.specs, cand.bindings = [spec], [binding]
+    return True, {"tried": i + 1, "error": err}
+
+
+def _backward_error(orig_gm, outside, inputs, canonical, gen) -> float:
+    """Worst normwise error over the gradients of the tokens and every floating parameter."""
+    leaves = [t.detach().clone().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point()
+              else t for t in inputs]
+    diff = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    out_o = orig_gm(*leaves)
+    grad_out = torch.randn(out_o.shape, generator=gen).to(out_o.dtype).to(out_o.device)
+    g_o = torch.autograd.grad(out_o, diff, grad_out, allow_unused=True)
+    out_c = canonical(dict(zip(outside, leaves)))
+    g_c = torch.autograd.grad(out_c, diff, grad_out, allow_unused=True)
+    worst = 0.0
+    for t, a, b in zip(diff, g_c, g_o):
+        a = torch.zeros_like(t) if a is None else a
+        b = torch.zeros_like(t) if b is None else b
+        if b.abs().max() == 0 and a.abs().max() == 0:
+            continue
+        worst = max(worst, rel_error(a, b))
+    return worst

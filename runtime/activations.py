@@ -1,0 +1,47 @@
+"""Expert activations, by name.
+
+An expert MLP is ``down(act(gate(x)) * up(x))`` when gated and ``down(act(up(x)))`` when not. The names here are
+the values of ``MoESpec.activation`` and of the ``activation`` argument of ``moe::expert_mlp``.
+
+``swiglu_clamp`` is GPT-OSS's gated unit: ``gate`` clamped above at ``limit``, ``up`` clamped to ``[-limit, limit]``,
+``(up + 1) * gate * sigmoid(alpha * gate)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_clamp")
+
+
+def check_activation(name: str, gated: bool) -> None:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {name!r}; valid: {', '.join(ACTIVATIONS)}")
+    if name == "swiglu_clamp" and not gated:
+        raise ValueError("activation 'swiglu_clamp' needs a gate projection (gated=True)")
+
+
+def _act(name: str, h: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(h)
+    if name == "gelu":
+        return F.gelu(h)
+    if name == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if name == "relu":
+        return F.relu(h)
+    raise ValueError(f"activation {name!r} has no ungated form")
+
+
+def apply_activation(
+    name: str, gate: torch.Tensor | None, up: torch.Tensor, *, alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
+    """The expert's hidden activation from its gate and up projections (``gate`` is None when ungated)."""
+    if gate is None:
+        return _act(name, up)
+    if name == "swiglu_clamp":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return _act(name, gate) * up

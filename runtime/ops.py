@@ -1,0 +1,262 @@
+"""The canonical MoE IR: ``torch.library`` custom ops ``moe::route``, ``moe::build_pft``, ``moe::expert_mlp`` and
+``moe::combine``, each with a fake (shape) function and autograd. The passes target these ops; the lower pass
+picks their implementation (the torch references in ``reference.py`` on CPU).
+
+Legend: T tokens, K top-k, E experts, H hidden, I expert intermediate, B kept assignments (T*K without capacity).
+
+Backward. ``route`` and ``expert_mlp`` recompute their forward inside an opaque backward op and differentiate it
+there (``torch.func.vjp`` of the reference), so they save only their inputs for backward: no [B, I] intermediate is kept alive between forward and
+backward (the expert MLP is, in effect, checkpointed). ``build_pft`` and ``combine`` have closed-form adjoints
+written as plain torch ops, which the compiler sees and fuses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op, get_ctx, register_autograd, register_fake
+
+from . import reference as ref
+from .stats import DROPS
+
+Tensor = torch.Tensor
+
+
+# ---- route ---------------------------------------------------------------------------------------------------
+
+
+@custom_op("moe::route", mutates_args=())
+def route(
+    logits_TE: Tensor,
+    correction_bias_E: Tensor | None,
+    top_k: int,
+    score_fn: str,
+    renormalize: bool,
+    renorm_eps: float,
+    scaling: float,
+    n_group: int,
+    topk_group: int,
+    group_score: str,
+    jitter_eps: float,
+) -> tuple[Tensor, Tensor]:
+    w, ids = ref.route_ref(
+        logits_TE, correction_bias_E, top_k=top_k, score_fn=score_fn, renormalize=renormalize,
+        renorm_eps=renorm_eps, scaling=scaling, n_group=n_group, topk_group=topk_group,
+        group_score=group_score, jitter_eps=jitter_eps,
+    )
+    return w.contiguous(), ids.contiguous()
+
+
+@register_fake("moe::route")
+def _route_fake(logits_TE, correction_bias_E, top_k, *args):
+    T = logits_TE.shape[0]
+    return logits_TE.new_empty(T, top_k, dtype=torch.float32), logits_TE.new_empty(T, top_k, dtype=torch.int64)
+
+
+@custom_op("moe::route_backward", mutates_args=())
+def route_backward(
+    grad_weights_TK: Tensor,
+    logits_TE: Tensor,
+    correction_bias_E: Tensor | None,
+    top_k: int,
+    score_fn: str,
+    renormalize: bool,
+    renorm_eps: float,
+    scaling: float,
+    n_group: int,
+    topk_group: int,
+    group_score: str,
+    jitter_eps: float,
+) -> Tensor:
+    def weights(logits):
+        return ref.route_ref(
+            logits, correction_bias_E, top_k=top_k, score_fn=score_fn, renormalize=renormalize,
+            renorm_eps=renorm_eps, scaling=scaling, n_group=n_group, topk_group=topk_group,
+            group_score=group_score, jitter_eps=jitter_eps,
+        )[0]
+
+    _, vjp = torch.func.vjp(weights, logits_TE)
+    return vjp(grad_weights_TK)[0]
+
+
+@register_fake("moe::route_backward")
+def _route_backward_fake(grad_weights_TK, logits_TE, *args):
+    return torch.empty_like(logits_TE)
+
+
+def _route_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.args = inputs[2:]
+
+
+def _route_bwd(ctx, grad_w, grad_ids):
+    logits, bias = ctx.saved_tensors
+    g = torch.ops.moe.route_backward(grad_w, logits, bias, *ctx.args)
+    return (g,) + (None,) * 10
+
+
+register_autograd("moe::route", _route_bwd, setup_context=_route_setup)
+
+
+# ---- build_pft -----------------------------------------------------------------------------------------------
+
+
+@custom_op("moe::build_pft", mutates_args=())
+def build_pft(
+    ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_order: str, layer: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = ref.build_pft_ref(ids_TK, weights_TK, num_experts, capacity, drop_order)
+    if capacity >= 0:
+        routed = ids_TK.numel()
+        DROPS.add(layer, routed, routed - out[0].numel())
+    return tuple(t.contiguous() for t in out)
+
+
+@register_fake("moe::build_pft")
+def _build_pft_fake(ids_TK, weights_TK, num_experts, capacity, drop_order, layer):
+    B = ids_TK.numel() if capacity < 0 else get_ctx().new_dynamic_size()
+    i64 = dict(dtype=torch.int64)
+    return (
+        ids_TK.new_empty(B, **i64),
+        ids_TK.new_empty(B, **i64),
+        ids_TK.new_empty(num_experts, **i64),
+        weights_TK.new_empty(B),
+        ids_TK.new_empty(B, **i64),
+    )
+
+
+def _build_pft_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[4])
+    ctx.shape = inputs[1].shape
+
+
+def _build_pft_bwd(ctx, g_tok, g_exp, g_cnt, grad_cw_B, g_src):
+    (src_B,) = ctx.saved_tensors
+    grad_flat = grad_cw_B.new_zeros(ctx.shape.numel()).index_put((src_B,), grad_cw_B)
+    return None, grad_flat.view(ctx.shape), None, None, None, None
+
+
+register_autograd("moe::build_pft", _build_pft_bwd, setup_context=_build_pft_setup)
+
+
+# ---- expert_mlp ----------------------------------------------------------------------------------------------
+
+_MLP_TENSORS = ("x", "token_ids", "tokens_per_expert", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "scale")
+
+
+@custom_op("moe::expert_mlp", mutates_args=())
+def expert_mlp(
+    x_TH: Tensor,
+    token_ids_B: Tensor,
+    tokens_per_expert_E: Tensor,
+    w_gate_EIH: Tensor | None,
+    w_up_EIH: Tensor,
+    w_down_EHI: Tensor,
+    b_gate_EI: Tensor | None,
+    b_up_EI: Tensor | None,
+    b_down_EH: Tensor | None,
+    input_scale_B: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float,
+) -> Tensor:
+    return ref.expert_mlp_ref(
+        x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH,
+        input_scale_B, activation=activation, alpha=alpha, limit=limit,
+    )
+
+
+@register_fake("moe::expert_mlp")
+def _expert_mlp_fake(x_TH, token_ids_B, tokens_per_expert_E, w_gate, w_up, w_down, *rest):
+    return x_TH.new_empty(token_ids_B.shape[0], w_down.shape[1], dtype=w_up.dtype)
+
+
+@custom_op("moe::expert_mlp_backward", mutates_args=())
+def expert_mlp_backward(
+    grad_y_BH: Tensor,
+    x_TH: Tensor,
+    token_ids_B: Tensor,
+    tokens_per_expert_E: Tensor,
+    w_gate_EIH: Tensor | None,
+    w_up_EIH: Tensor,
+    w_down_EHI: Tensor,
+    b_gate_EI: Tensor | None,
+    b_up_EI: Tensor | None,
+    b_down_EH: Tensor | None,
+    input_scale_B: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float,
+) -> list[Tensor]:
+    """Gradients of every tensor input that is present, in argument order (skipping the index inputs)."""
+    inputs = [x_TH, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH, input_scale_B]
+    where = [i for i, t in enumerate(inputs) if t is not None]
+
+    def forward(*present):
+        full = list(inputs)
+        for i, t in zip(where, present):
+            full[i] = t
+        x, wg, wu, wd, bg, bu, bd, sc = full
+        return ref.expert_mlp_ref(
+            x, token_ids_B, tokens_per_expert_E, wg, wu, wd, bg, bu, bd, sc,
+            activation=activation, alpha=alpha, limit=limit,
+        )
+
+    _, vjp = torch.func.vjp(forward, *[inputs[i] for i in where])
+    return list(vjp(grad_y_BH))
+
+
+@register_fake("moe::expert_mlp_backward")
+def _expert_mlp_backward_fake(grad_y_BH, x_TH, token_ids_B, tokens_per_expert_E, *rest):
+    tensors = [x_TH, *rest[:7]]
+    return [torch.empty_like(t) for t in tensors if t is not None]
+
+
+def _expert_mlp_setup(ctx, inputs, output):
+    ctx.save_for_backward(*[t for t in inputs[:10] if t is not None])
+    ctx.present = [t is not None for t in inputs[:10]]
+    ctx.attrs = inputs[10:]
+
+
+def _expert_mlp_bwd(ctx, grad_y_BH):
+    saved = iter(ctx.saved_tensors)
+    full = [next(saved) if p else None for p in ctx.present]
+    grads = iter(torch.ops.moe.expert_mlp_backward(grad_y_BH, *full, *ctx.attrs))
+    out = []
+    for i, t in enumerate(full):
+        differentiable = i not in (1, 2)  # token_ids and tokens_per_expert are indices
+        out.append(next(grads) if (t is not None and differentiable) else None)
+    return tuple(out) + (None, None, None)
+
+
+register_autograd("moe::expert_mlp", _expert_mlp_bwd, setup_context=_expert_mlp_setup)
+
+
+# ---- combine -------------------------------------------------------------------------------------------------
+
+
+@custom_op("moe::combine", mutates_args=())
+def combine(y_BH: Tensor, token_ids_B: Tensor, combine_weights_B: Tensor | None, num_tokens: int) -> Tensor:
+    return ref.combine_ref(y_BH, token_ids_B, combine_weights_B, num_tokens)
+
+
+@register_fake("moe::combine")
+def _combine_fake(y_BH, token_ids_B, combine_weights_B, num_tokens):
+    dtype = y_BH.dtype if combine_weights_B is None else torch.promote_types(y_BH.dtype, combine_weights_B.dtype)
+    return y_BH.new_empty(num_tokens, y_BH.shape[-1], dtype=dtype)
+
+
+def _combine_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2])
+
+
+def _combine_bwd(ctx, grad_out_TH):
+    y_BH, token_ids_B, cw_B = ctx.saved_tensors
+    g_BH = grad_out_TH[token_ids_B]
+    if cw_B is None:
+        return g_BH.to(y_BH.dtype), None, None, None
+    grad_y = (g_BH * cw_B.unsqueeze(-1)).to(y_BH.dtype)
+    grad_cw = (g_BH * y_BH).sum(-1).to(cw_B.dtype)
+    return grad_y, None, grad_cw, None
+
+
+register_autograd("moe::combine", _combine_bwd, setup_context=_combine_setup)

@@ -1,0 +1,169 @@
+"""Plain-torch references of the canonical MoE ops: the meaning of each op, written to be read.
+
+Legend: T tokens, K experts per token (top-k), E experts, H hidden size, I expert intermediate size,
+B routed assignments kept after capacity dropping (B == T*K when there is no capacity).
+
+    route          logits_TE            -> weights_TK (fp32), ids_TK (int64)
+    build_pft      ids_TK, weights_TK   -> token_ids_B, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B
+    expert_mlp     x_TH, token_ids_B, tokens_per_expert_E, expert weights -> y_BH   (rows sorted by expert)
+    combine        y_BH, token_ids_B, combine_weights_B -> out_TH
+
+The padding-free token buffer (PFT) holds only the B routed rows; there is no [T, E, C] mask and no capacity
+padding anywhere. ``src_B`` is the position of each kept row in the flattened ``ids_TK`` (its adjoint scatters
+the combine-weight gradient back).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .activations import apply_activation
+
+SCORE_FNS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid", "sparsemixer")
+GROUP_SCORES = ("max", "top2_sum")
+DROP_ORDERS = ("slot_major", "token_major")
+
+
+def _group_limit(choice_TE: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
+    """Keep only the experts of the ``topk_group`` best of ``n_group`` expert groups (others scored 0)."""
+    T, E = choice_TE.shape
+    grouped = choice_TE.view(T, n_group, E // n_group)
+    if group_score == "max":
+        g_TG = grouped.max(dim=-1).values
+    else:
+        g_TG = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    keep_TG = torch.zeros_like(g_TG).scatter_(1, g_TG.topk(topk_group, dim=-1).indices, 1.0)
+    keep_TE = keep_TG.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+    return choice_TE.masked_fill(keep_TE == 0, 0.0)
+
+
+def _sparsemixer_pick(scores_TE: torch.Tensor, taken: torch.Tensor | None, jitter_eps: float):
+    """One sparsemixer choice (PhiMoE, evaluation mode): the best remaining expert, and its weight as the softmax
+    over the experts within a relative ``2 * jitter_eps`` of it."""
+    masked = scores_TE if taken is None else scores_TE.scatter(-1, taken, float("-inf"))
+    with torch.no_grad():
+        best, best_id = masked.max(dim=-1, keepdim=True)
+        far = (best - scores_TE) / scores_TE.abs().clamp(min=best) > 2 * jitter_eps
+    gates = torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1)
+    return gates.gather(-1, best_id), best_id
+
+
+def route_ref(
+    logits_TE: torch.Tensor,
+    correction_bias_E: torch.Tensor | None = None,
+    *,
+    top_k: int,
+    score_fn: str = "softmax",
+    renormalize: bool = False,
+    renorm_eps: float = 0.0,
+    scaling: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
+    group_score: str = "top2_sum",
+    jitter_eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick ``top_k`` experts per token and their combine weights, as the source model's router does."""
+    logits = logits_TE.float()
+    if score_fn == "sparsemixer":
+        picks, taken = [], None
+        for _ in range(top_k):
+            w, i = _sparsemixer_pick(logits, taken, jitter_eps)
+            picks.append((w, i))
+            taken = i if taken is None else torch.cat([taken, i], dim=-1)
+        weights_TK = torch.cat([w for w, _ in picks], dim=-1)
+        ids_TK = taken
+    elif score_fn in ("topk_softmax", "topk_sigmoid"):
+        vals_TK, ids_TK = logits.topk(top_k, dim=-1)
+        weights_TK = vals_TK.softmax(dim=-1) if score_fn == "topk_softmax" else torch.sigmoid(vals_TK)
+    else:
+        scores_TE = logits.softmax(dim=-1) if score_fn == "softmax" else torch.sigmoid(logits)
+        choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.float()
+        if n_group > 1:
+            choice_TE = _group_limit(choice_TE, n_group, topk_group, group_score)
+        ids_TK = choice_TE.topk(top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, ids_TK)
+    if renormalize:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + renorm_eps)
+    if scaling != 1.0:
+        weights_TK = weights_TK * scaling
+    return weights_TK, ids_TK
+
+
+def build_pft_ref(
+    ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int = -1, drop_order: str = "slot_major"
+):
+    """Sort the T*K assignments by expert, dropping those past ``capacity`` per expert (none when -1).
+
+    ``drop_order`` says which assignments an expert keeps when it is over capacity: ``slot_major`` ranks every
+    token's first choice before any second choice (GShard, DeepSpeed top-2), ``token_major`` ranks by token.
+    Returns (token_ids_B, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B).
+    """
+    T, K = ids_TK.shape
+    flat_ids = ids_TK.reshape(-1)
+    if capacity < 0:
+        src_B = torch.argsort(flat_ids, stable=True)
+    else:
+        pos = torch.arange(T * K, device=ids_TK.device)
+        # priority order of the flattened (token-major) assignments
+        prio = pos if drop_order == "token_major" else (pos % K) * T + pos // K
+        by_prio = torch.argsort(prio)
+        order = by_prio[torch.argsort(flat_ids[by_prio], stable=True)]  # by expert, then by priority
+        sorted_e = flat_ids[order]
+        counts = torch.bincount(flat_ids, minlength=num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(T * K, device=ids_TK.device) - starts[sorted_e]
+        src_B = order[rank < capacity]
+    expert_ids_B = flat_ids[src_B]
+    tokens_per_expert_E = torch.bincount(expert_ids_B, minlength=num_experts)
+    combine_weights_B = weights_TK.reshape(-1)[src_B]
+    return src_B // K, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B
+
+
+def expert_mlp_ref(
+    x_TH: torch.Tensor,
+    token_ids_B: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    w_gate_EIH: torch.Tensor | None,
+    w_up_EIH: torch.Tensor,
+    w_down_EHI: torch.Tensor,
+    b_gate_EI: torch.Tensor | None = None,
+    b_up_EI: torch.Tensor | None = None,
+    b_down_EH: torch.Tensor | None = None,
+    input_scale_B: torch.Tensor | None = None,
+    *,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """Each row ``x_TH[token_ids_B[b]]`` through its expert's MLP; rows are grouped by expert in order."""
+    dtype = w_up_EIH.dtype
+    x_BH = x_TH[token_ids_B].to(dtype)
+    if input_scale_B is not None:
+        x_BH = x_BH * input_scale_B.to(dtype).unsqueeze(-1)
+    outs = []
+    start = 0
+    for e, n in enumerate(tokens_per_expert_E.tolist()):
+        if n == 0:
+            continue
+        xe = x_BH[start : start + n]
+        start += n
+        up = F.linear(xe, w_up_EIH[e], None if b_up_EI is None else b_up_EI[e])
+        gate = None if w_gate_EIH is None else F.linear(xe, w_gate_EIH[e], None if b_gate_EI is None else b_gate_EI[e])
+        h = apply_activation(activation, gate, up, alpha=alpha, limit=limit)
+        outs.append(F.linear(h, w_down_EHI[e], None if b_down_EH is None else b_down_EH[e]))
+    if not outs:
+        return x_BH.new_zeros(0, w_down_EHI.shape[1])
+    return torch.cat(outs, dim=0)
+
+
+def combine_ref(
+    y_BH: torch.Tensor, token_ids_B: torch.Tensor, combine_weights_B: torch.Tensor | None, num_tokens: int
+) -> torch.Tensor:
+    """``out[t] = sum over rows b of token t of combine_weights[b] * y[b]`` (plain sum when weights are None)."""
+    if combine_weights_B is None:
+        rows = y_BH
+    else:
+        rows = y_BH * combine_weights_B.unsqueeze(-1)
+    out_TH = rows.new_zeros(num_tokens, y_BH.shape[-1])
+    return out_TH.index_add_(0, token_ids_B, rows)
