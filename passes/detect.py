@@ -111,11 +111,22 @@ def _router_linear(sel: fx.Node, values) -> fx.Node | None:
         if n in seen or len(seen) > 40:
             continue
         seen.add(n)
-        if op_name(n) == "linear" and len(n.args) > 1 and is_param(n.args[1], values):
-            w = values[n.args[1]]
+        if op_name(n) == "linear" and len(n.args) > 1 and is_param(router_weight(n), values):
+            w = values[router_weight(n)]
             return n if w.dim() == 2 and w.shape[0] == E else None
         frontier.extend(a for a in n.all_input_nodes if a.op != "placeholder")
     return None
+
+
+_CASTS = ("type", "to", "float", "bfloat16", "half")
+
+
+def router_weight(linear: fx.Node) -> fx.Node:
+    """The weight of a router ``linear``, looking through casts (DeepSeek: ``weight.type(torch.float32)``)."""
+    w = linear.args[1]
+    while isinstance(w, fx.Node) and op_name(w) in _CASTS:
+        w = w.args[0]
+    return w
 
 
 def _expert_params(nodes, values, E: int) -> list[fx.Node]:
@@ -134,7 +145,7 @@ def _expert_index(name: str) -> int | None:
 
 
 def _block_key(router: fx.Node, by_key, values) -> str | None:
-    E = values[router.args[1]].shape[0]
+    E = values[router_weight(router)].shape[0]
     for key, _, _ in reversed(module_stack(router)):
         if _expert_params(by_key[key], values, E):
             return key
@@ -145,7 +156,7 @@ def _block_key(router: fx.Node, by_key, values) -> str | None:
 
 
 def _describe(path, block_type, region, router, values, order, config) -> Candidate:
-    w_router = values[router.args[1]]
+    w_router = values[router_weight(router)]
     E, H = w_router.shape
     logits = router
     sels = [n for n in region if n in _selection_set(region) and _router_linear(n, values) is router]
@@ -175,7 +186,7 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
             experts=ExpertSpec(num_experts=E, hidden=H, **e_kwargs),
             shared_experts=_shared_paths(region, slice_nodes, values, path),
             shared_gate=_shared_gated(region, slice_nodes, values),
-            dtype=str(values[router.args[1]].dtype).replace("torch.", ""),
+            dtype=str(values[router_weight(router)].dtype).replace("torch.", ""),
         )
         specs.append(spec)
         bindings.append(Binding(x=x_in, logits=logits, correction_bias=corr, weights=weights, routed=routed))
@@ -239,8 +250,7 @@ def _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in) -> 
         gts = [c for n in slice_nodes if op_name(n) == "gt" for c in float_consts(n)]
         opts["jitter_eps"] = [gts[0] / 2 if gts else 0.0]
     else:
-        k = final.args[1] if len(final.args) > 1 else final.kwargs.get("k")
-        opts["top_k"] = [hint(k)]
+        opts["top_k"] = [_topk_k(final)]
         before_names = {op_name(n) for n in before}
         if "softmax" in before_names:
             opts["score_fn"] = ["softmax"]
@@ -258,10 +268,10 @@ def _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in) -> 
             group_topk = [n for n in before if op_name(n) == "topk" and shape_of(n.args[0])
                           and len(shape_of(n.args[0])) == 2 and hint(shape_of(n.args[0])[-1]) == n_group]
             opts["n_group"] = [n_group]
-            opts["topk_group"] = [hint(group_topk[0].args[1]) if group_topk else 1]
+            opts["topk_group"] = [_topk_k(group_topk[0]) if group_topk else 1]
             opts["group_score"] = ["top2_sum", "max"] if op_name(g) == "topk" else ["max", "top2_sum"]
     weight_only = after - descendants([n for n in slice_nodes if any(
-        is_param(a, values) and values[a].dim() >= 2 and a is not logits.args[1] for a in n.all_input_nodes)])
+        is_param(a, values) and values[a].dim() >= 2 and a is not router_weight(logits) for a in n.all_input_nodes)])
     sums = [n for n in weight_only if op_name(n) == "sum"]
     divs = [n for n in weight_only if op_name(n) in ("truediv", "itruediv", "div", "div_")
             and any(a in descendants(sums, weight_only) for a in n.all_input_nodes[1:])]
@@ -286,6 +296,10 @@ def _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in) -> 
     return opts
 
 
+def _topk_k(n: fx.Node) -> int | None:
+    return hint(n.args[1] if len(n.args) > 1 else n.kwargs.get("k"))
+
+
 def _numel(shape) -> int:
     out = 1
     for s in shape:
@@ -302,7 +316,7 @@ def _first_use(p: fx.Node, order) -> int:
 
 def _expert_options(slice_nodes, values, order, E, H, router):
     """Candidate ExpertSpec fields and weight bindings, most likely first."""
-    skip = {router.args[1]} | ({router.args[2]} if len(router.args) > 2 and isinstance(router.args[2], fx.Node) else set())
+    skip = {router_weight(router)} | ({router.args[2]} if len(router.args) > 2 and isinstance(router.args[2], fx.Node) else set())
     params = [p for p in _expert_params(slice_nodes, values, E) if p not in skip]
     if not params:
         raise Skip("found a router but no expert weights in the same block")

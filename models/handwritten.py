@@ -1,0 +1,182 @@
+"""Three hand-written MoE blocks in plain PyTorch, and a tiny LM around them.
+
+Each block maps ``x [B, S, H] -> [B, S, H]`` and is written the way MoE layers
+are found in the wild, so the compiler has to recognise three different idioms:
+
+* ``ModuleListMoE`` -- an ``nn.ModuleList`` of SwiGLU experts run densely on
+  every token and masked by the routing weight (no data-dependent shapes).
+* ``GShardMoE``     -- GShard/DeepSpeed capacity-based dispatch: one-hot
+  ``dispatch_mask``/``combine_weights [T, E, C]``, einsum dispatch, stacked
+  GELU experts, tokens beyond an expert's capacity dropped.
+* ``GatherMoE``     -- gpt-fast style: gather each token's top-k expert weights
+  (``w[expert_indices] -> [T, K, ...]``) and einsum with them.
+
+``TinyMoELM(kind)`` stacks ``num_layers`` (LayerNorm -> block, residual) between
+an embedding and an LM head; ``kind`` is one of ``HANDWRITTEN``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HANDWRITTEN = ("modulelist", "gshard", "gather")
+INIT_STD = 0.1
+
+
+def _route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax -> top-k -> renormalise; returns (weights [T, K], expert ids [T, K])."""
+    probs = logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+class SwiGLUExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)  # gate
+        self.w3 = nn.Linear(hidden, inter, bias=False)  # up
+        self.w2 = nn.Linear(inter, hidden, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ModuleListMoE(nn.Module):
+    """Router + ``nn.ModuleList`` of SwiGLU experts; every expert runs on every token, masked by its weight."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLUExpert(hidden, inter) for _ in range(num_experts))
+        _init(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, ids = _route(self.router(h), self.top_k)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            weight_e = torch.where(ids == e, weights, torch.zeros_like(weights)).sum(dim=-1)  # [T]
+            out = out + weight_e[:, None] * expert(h)
+        return out.view_as(x)
+
+
+class GShardMoE(nn.Module):
+    """GShard capacity-based top-k MoE with stacked GELU experts ``wi [E, H, I]``, ``wo [E, I, H]``.
+
+    Capacity ``C = ceil(T * top_k / E * capacity_factor)``.  Buffer positions are
+    assigned slot-major (every token's first choice before any second choice);
+    assignments landing at position >= C are dropped.
+    """
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int = 2, capacity_factor: float = 1.25):
+        super().__init__()
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.wi = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.wo = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        _init(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        T, E, K = h.shape[0], self.num_experts, self.top_k
+        capacity = math.ceil(T * K / E * self.capacity_factor)
+        weights, ids = _route(self.gate(h), K)                        # [T, K]
+        mask = F.one_hot(ids, E)                                       # [T, K, E]
+        # running count per expert, slot-major: slot k's positions follow all of slots < k
+        slot_major = mask.transpose(0, 1).reshape(K * T, E)
+        position = torch.cumsum(slot_major, dim=0).reshape(K, T, E).transpose(0, 1) - 1
+        position = (position * mask).sum(dim=-1)                      # [T, K]
+        keep = position < capacity
+        position_1h = F.one_hot(torch.where(keep, position, torch.zeros_like(position)), capacity)  # [T, K, C]
+        kept = (mask * keep[..., None]).to(h.dtype)                    # [T, K, E]
+        dispatch_mask = torch.einsum("tke,tkc->tec", kept, position_1h.to(h.dtype))          # [T, E, C]
+        combine_weights = torch.einsum("tke,tkc->tec", kept * weights[..., None], position_1h.to(h.dtype))
+        expert_in = torch.einsum("tec,th->ech", dispatch_mask, h)
+        hidden = F.gelu(torch.einsum("ech,ehi->eci", expert_in, self.wi))
+        expert_out = torch.einsum("eci,eih->ech", hidden, self.wo)
+        return torch.einsum("tec,ech->th", combine_weights, expert_out).view_as(x)
+
+
+class GatheredSwiGLU(nn.Module):
+    """Stacked SwiGLU experts ``w1, w3 [E, I, H]``, ``w2 [E, H, I]`` applied by gathering per-token weights."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.w3 = nn.Parameter(torch.empty(num_experts, inter, hidden))
+
+    def forward(self, x: torch.Tensor, expert_indices: torch.Tensor) -> torch.Tensor:
+        """x [T, H], expert_indices [T, K] -> per-slot expert outputs [T, K, H]."""
+        x1 = F.silu(torch.einsum("ti,taoi->tao", x, self.w1[expert_indices]))
+        x3 = torch.einsum("ti,taoi->tao", x, self.w3[expert_indices])
+        return torch.einsum("tao,taio->tai", x1 * x3, self.w2[expert_indices])
+
+
+class GatherMoE(nn.Module):
+    """gpt-fast style MoE: ``gate`` router + ``cond_ffn`` experts indexed by the top-k ids."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.cond_ffn = GatheredSwiGLU(hidden, inter, num_experts)
+        _init(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        expert_weights, expert_indices = _route(self.gate(h), self.top_k)
+        expert_outs = self.cond_ffn(h, expert_indices)
+        return torch.einsum("tai,ta->ti", expert_outs, expert_weights).view_as(x)
+
+
+@torch.no_grad()
+def _init(module: nn.Module) -> None:
+    for p in module.parameters():
+        p.normal_(0.0, INIT_STD)
+
+
+_BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE}
+
+
+class LMOutput(NamedTuple):
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class TinyMoELM(nn.Module):
+    """embedding -> num_layers x (x + moe(LayerNorm(x))) -> LayerNorm -> lm_head."""
+
+    def __init__(self, kind: str, vocab: int = 128, hidden: int = 32, inter: int = 16, num_experts: int = 8,
+                 top_k: int = 2, num_layers: int = 2, **kw):
+        super().__init__()
+        if kind not in _BLOCKS:
+            raise ValueError(f"unknown handwritten MoE kind {kind!r}; valid: {', '.join(HANDWRITTEN)}")
+        self.kind = kind
+        self.embed = nn.Embedding(vocab, hidden)
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(num_layers))
+        self.blocks = nn.ModuleList(_BLOCKS[kind](hidden, inter, num_experts, top_k, **kw) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> LMOutput:
+        x = self.embed(input_ids)
+        for norm, block in zip(self.norms, self.blocks):
+            x = x + block(norm(x))
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if labels is not None:  # next-token loss, as HF causal LMs compute it
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+        return LMOutput(logits, loss)
+
+
+__all__ = ["HANDWRITTEN", "ModuleListMoE", "GShardMoE", "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert",
+           "TinyMoELM", "LMOutput"]
