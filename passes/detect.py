@@ -46,6 +46,9 @@ class Candidate:
     logits_nodes: set[fx.Node] = field(default_factory=set)  # what computes the router logits
 
 
+ROOT = "<root>"  # path of a block that is the compiled module itself
+
+
 class Skip(Exception):
     """A region that does not qualify: left as it was, with this reason."""
 
@@ -63,10 +66,15 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
         path = _path_of(router)
         try:
             key = _block_key(router, by_key, values)
-            if key is None:
+            if key is not None:
+                region = set(by_key[key])
+                path, block_type = next((p, t) for k, p, t in module_stack(router) if k == key)
+            elif _expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
+                # the compiled module is the MoE block itself: the whole graph is the block
+                region = {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
+                path, block_type = ROOT, "<compiled module>"
+            else:
                 raise Skip(aliases.EAGER_EXPERTS_REASON)
-            region = set(by_key[key])
-            path, block_type = next((p, t) for k, p, t in module_stack(router) if k == key)
             if path in {c.path for c in _annotated(gm)}:
                 continue
             cand = _describe(path, block_type, region, router, values, order, config)
@@ -162,7 +170,8 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     sels = [n for n in region if n in _selection_set(region) and _router_linear(n, values) is router]
     dep = descendants(sels, region)
     routed = _routed_node(region, dep, H)
-    slice_nodes = ancestors([routed], region)
+    # the compiled module's own inputs may carry the block's module stack: they are inputs, not computation
+    slice_nodes = {n for n in ancestors([routed], region) if n.op != "placeholder"}
     for n in slice_nodes:
         tgt = mutated_input(n)
         if tgt is not None and tgt not in slice_nodes:
@@ -443,7 +452,7 @@ def _shared_paths(region, slice_nodes, values, block_path) -> tuple[str, ...]:
     for n in region - slice_nodes:
         if any(is_param(a, values) for a in n.all_input_nodes):
             st = [p for _, p, _ in module_stack(n)]
-            inner = [p for p in st if p.startswith(block_path + ".")]
+            inner = st if block_path == ROOT else [p for p in st if p.startswith(block_path + ".")]
             if inner:
                 paths.add(inner[0])
     return tuple(sorted(paths))

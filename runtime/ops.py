@@ -13,7 +13,7 @@ written as plain torch ops, which the compiler sees and fuses.
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op, get_ctx, register_autograd, register_fake
+from torch.library import custom_op, register_autograd, register_fake
 
 from . import reference as ref
 from .stats import DROPS
@@ -105,15 +105,15 @@ def build_pft(
     ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_order: str, layer: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     out = ref.build_pft_ref(ids_TK, weights_TK, num_experts, capacity, drop_order)
-    if capacity >= 0:
+    if capacity >= 0 and layer:  # layer "": not counted (verify's probes)
         routed = ids_TK.numel()
-        DROPS.add(layer, routed, routed - out[0].numel())
+        DROPS.add(layer, routed, routed - int(out[2].sum()))
     return tuple(t.contiguous() for t in out)
 
 
 @register_fake("moe::build_pft")
 def _build_pft_fake(ids_TK, weights_TK, num_experts, capacity, drop_order, layer):
-    B = ids_TK.numel() if capacity < 0 else get_ctx().new_dynamic_size()
+    B = ids_TK.numel()
     i64 = dict(dtype=torch.int64)
     return (
         ids_TK.new_empty(B, **i64),
@@ -125,13 +125,15 @@ def _build_pft_fake(ids_TK, weights_TK, num_experts, capacity, drop_order, layer
 
 
 def _build_pft_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[4])
+    ctx.save_for_backward(output[1], output[4])
     ctx.shape = inputs[1].shape
+    ctx.num_experts = inputs[2]
 
 
 def _build_pft_bwd(ctx, g_tok, g_exp, g_cnt, grad_cw_B, g_src):
-    (src_B,) = ctx.saved_tensors
-    grad_flat = grad_cw_B.new_zeros(ctx.shape.numel()).index_put((src_B,), grad_cw_B)
+    expert_ids_B, src_B = ctx.saved_tensors
+    kept = grad_cw_B * (expert_ids_B < ctx.num_experts)  # dropped assignments get no gradient
+    grad_flat = grad_cw_B.new_zeros(ctx.shape.numel()).index_put((src_B,), kept)
     return None, grad_flat.view(ctx.shape), None, None, None, None
 
 

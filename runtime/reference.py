@@ -1,7 +1,7 @@
 """Plain-torch references of the canonical MoE ops: the meaning of each op, written to be read.
 
 Legend: T tokens, K experts per token (top-k), E experts, H hidden size, I expert intermediate size,
-B routed assignments kept after capacity dropping (B == T*K when there is no capacity).
+B routed assignments (B == T*K; with a capacity the dropped ones sit at the tail, uncomputed, weight 0).
 
     route          logits_TE            -> weights_TK (fp32), ids_TK (int64)
     build_pft      ids_TK, weights_TK   -> token_ids_B, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B
@@ -97,12 +97,16 @@ def build_pft_ref(
 
     ``drop_order`` says which assignments an expert keeps when it is over capacity: ``slot_major`` ranks every
     token's first choice before any second choice (GShard, DeepSpeed top-2), ``token_major`` ranks by token.
+    Dropped assignments go to the tail of the buffer with expert id ``num_experts`` and combine weight 0; they
+    are not counted in ``tokens_per_expert`` and no expert computes them (so every size stays T*K, static).
     Returns (token_ids_B, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B).
     """
     T, K = ids_TK.shape
     flat_ids = ids_TK.reshape(-1)
     if capacity < 0:
         src_B = torch.argsort(flat_ids, stable=True)
+        expert_ids_B = flat_ids[src_B]
+        combine_weights_B = weights_TK.reshape(-1)[src_B]
     else:
         pos = torch.arange(T * K, device=ids_TK.device)
         # priority order of the flattened (token-major) assignments
@@ -111,12 +115,12 @@ def build_pft_ref(
         order = by_prio[torch.argsort(flat_ids[by_prio], stable=True)]  # by expert, then by priority
         sorted_e = flat_ids[order]
         counts = torch.bincount(flat_ids, minlength=num_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(T * K, device=ids_TK.device) - starts[sorted_e]
-        src_B = order[rank < capacity]
-    expert_ids_B = flat_ids[src_B]
-    tokens_per_expert_E = torch.bincount(expert_ids_B, minlength=num_experts)
-    combine_weights_B = weights_TK.reshape(-1)[src_B]
+        rank = pos - (torch.cumsum(counts, 0) - counts)[sorted_e]
+        keep = rank < capacity
+        src_B = torch.cat([order[keep], order[~keep]])
+        expert_ids_B = torch.cat([sorted_e[keep], torch.full_like(sorted_e[~keep], num_experts)])
+        combine_weights_B = weights_TK.reshape(-1)[src_B] * (expert_ids_B < num_experts)
+    tokens_per_expert_E = torch.bincount(expert_ids_B, minlength=num_experts + 1)[:num_experts]
     return src_B // K, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B
 
 
@@ -152,8 +156,8 @@ def expert_mlp_ref(
         gate = None if w_gate_EIH is None else F.linear(xe, w_gate_EIH[e], None if b_gate_EI is None else b_gate_EI[e])
         h = apply_activation(activation, gate, up, alpha=alpha, limit=limit)
         outs.append(F.linear(h, w_down_EHI[e], None if b_down_EH is None else b_down_EH[e]))
-    if not outs:
-        return x_BH.new_zeros(0, w_down_EHI.shape[1])
+    if start < x_BH.shape[0]:  # assignments dropped by a capacity: not computed, zero rows
+        outs.append(x_BH.new_zeros(x_BH.shape[0] - start, w_down_EHI.shape[1]))
     return torch.cat(outs, dim=0)
 
 

@@ -112,7 +112,9 @@ def test_capacity_drops_match_brute_force_and_are_counted(order):
         if fill[e] < C:
             kept.add(t * K + k)
             fill[e] += 1
-    assert set(src.tolist()) == kept
+    n_kept = int(cnt.sum())
+    assert set(src[:n_kept].tolist()) == kept and src.numel() == T * K  # dropped ones at the tail
+    assert (exp[n_kept:] == E).all() and (cw[n_kept:] == 0).all() and (exp[:n_kept] < E).all()
     assert cnt.tolist() == fill and max(fill) == C
     assert DROPS.snapshot()["layer.x"] == {"routed": T * K, "dropped": T * K - len(kept)}
 
@@ -122,7 +124,7 @@ def test_build_pft_gradient_scatters_back():
     w = torch.rand(3, 2, requires_grad=True)
     cw = torch.ops.moe.build_pft(ids, w, 2, 2, "slot_major", "t")[3]
     (g,) = torch.autograd.grad((cw * torch.arange(1.0, cw.numel() + 1)).sum(), w)
-    assert g.count_nonzero() == cw.numel() == 4  # two assignments dropped get no gradient
+    assert g.count_nonzero() == 4 and cw.numel() == 6  # the two dropped assignments get no gradient
 
 
 @pytest.mark.parametrize("T,case", [(6, "random"), (42, "one_expert"), (123, "empty_expert"), (5, "k_equals_e")])

@@ -1,0 +1,43 @@
+import os
+import warnings
+
+import pytest
+import torch
+
+from moecompile.backend import compile_inner, rewrite
+from moecompile.config import parse_options
+from moecompile.passes.report import PassReport
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message=".*experts_implementation.*")
+
+
+class RecordingBackend:
+    """The moe backend, keeping the pass report of every graph it compiled (for assertions)."""
+
+    def __init__(self, **options):
+        self.config = parse_options(options)
+        self.report = PassReport()
+        self.errors: list[BaseException] = []  # torch 2.13 may turn a backend error into a silent graph break
+
+    def __call__(self, gm, example_inputs, **_):
+        try:
+            gm = rewrite(gm, example_inputs, self.config, self.report)
+            return compile_inner(gm, example_inputs, self.config)
+        except torch._dynamo.exc.RestartAnalysis:
+            raise  # Dynamo's own control flow: it traces again, not an error
+        except BaseException as exc:
+            self.errors.append(exc)
+            raise
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
