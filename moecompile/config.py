@@ -21,6 +21,8 @@ class MoEOptions:
     strict:           raise instead of leaving an MoE block that could not be proved or rewritten as it was.
     verify_backward:  also prove gradients (tokens and every parameter) before rewriting.
     probe_seed:       seed of the random probe tokens used by verify.
+    probe_tokens:     at least this many random tokens are routed through each block by verify (in rounds of
+                      the block's own token count).
     max_candidates:   most candidate specs verify may try per block.
     record_graphs:    keep the readable graph before and after each pass (explain() turns it on).
     """
@@ -31,6 +33,7 @@ class MoEOptions:
     strict: bool = False
     verify_backward: bool = True
     probe_seed: int = 0
+    probe_tokens: int = 512
     max_candidates: int = 64
     record_graphs: bool = False
 

@@ -74,7 +74,9 @@ def route_ref(
         weights_TK = torch.cat([w for w, _ in picks], dim=-1)
         ids_TK = taken
     elif score_fn in ("topk_softmax", "topk_sigmoid"):
-        vals_TK, ids_TK = logits.topk(top_k, dim=-1)
+        choice_TE = logits if correction_bias_E is None else logits + correction_bias_E.float()
+        ids_TK = choice_TE.topk(top_k, dim=-1).indices
+        vals_TK = logits.gather(1, ids_TK)
         weights_TK = vals_TK.softmax(dim=-1) if score_fn == "topk_softmax" else torch.sigmoid(vals_TK)
     else:
         scores_TE = logits.softmax(dim=-1) if score_fn == "softmax" else torch.sigmoid(logits)

@@ -1,0 +1,91 @@
+"""Options, entry point, CLI and pass-pipeline behaviour."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import RecordingBackend
+
+from moecompile.config import MoEOptions, parse_options
+from moecompile.models import hf
+
+IDS = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+
+
+def test_defaults_and_frozen():
+    opts = parse_options(None)
+    assert opts == MoEOptions() and opts.inner == "inductor"
+    with pytest.raises(Exception):
+        opts.inner = "aot_eager"
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"innr": "aot_eager"}, r"unknown moecompile option\(s\) \['innr'\]; valid options: \["),
+    ({"inner": "tvm"}, r"inner='tvm' is not valid; choose one of \['inductor', 'aot_eager'\]"),
+    ({"lowering": "cuda"}, r"choose one of \['auto', 'torch'\]"),
+    ({"disable_passes": ["detect", "fuse"]}, r"unknown pass\(es\) \['fuse'\]; passes: \['detect'"),
+    ({"strict": "yes"}, r"strict must be True or False"),
+    ({"max_candidates": -1}, r"non-negative int"),
+])
+def test_bad_options_name_the_valid_choices(bad, match):
+    with pytest.raises(ValueError, match=match):
+        parse_options(bad)
+
+
+def test_bad_option_through_torch_compile():
+    model = hf.tiny_model("mixtral")
+    with pytest.raises(Exception, match="valid options"):
+        torch.compile(model, backend="moe", options={"bogus": 1})(IDS)
+
+
+def test_disabling_verify_rewrites_nothing():
+    model = hf.tiny_model("mixtral")
+    backend = RecordingBackend(inner="aot_eager", disable_passes=["verify"])
+    torch.compile(model, backend=backend)(IDS)
+    assert backend.report.counters["detect.blocks"] == 2
+    assert backend.report.counters["canonicalize.rewritten"] == 0
+
+
+def test_strict_turns_skips_into_errors():
+    model = hf.tiny_model("mixtral", experts_implementation="eager")
+    with pytest.raises(Exception, match="strict=True and some MoE blocks were not rewritten"):
+        torch.compile(model, backend=RecordingBackend(inner="aot_eager", strict=True))(IDS)
+
+
+def test_explain_report_has_layers_graphs_and_readable_summary():
+    import moecompile
+
+    report = moecompile.explain(hf.tiny_model("deepseek_v3"), IDS)
+    assert [r.path for r in report.layers] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    spec = report.layers[0].spec
+    assert (spec.experts.num_experts, spec.routing.top_k, spec.routing.score_fn) == (8, 2, "sigmoid")
+    assert spec.routing.n_group == 2 and spec.routing.correction_bias and spec.routing.scaling == 2.5
+    assert spec.shared_experts == ("model.layers.0.mlp.shared_experts",)
+    assert "torch.ops.moe.expert_mlp" in report.graph("canonicalize")
+    assert "torch.ops.moe" not in report.graph("input")
+    text = str(report)
+    assert "2 MoE layer(s) rewritten" in text and "group-limited 1/2" in text
+
+
+def test_entry_point_resolves_without_import():
+    code = ("import torch, torch.nn as nn; m = nn.Linear(4, 4); "
+            "y = torch.compile(m, backend='moe', options={'inner': 'aot_eager'})(torch.randn(2, 4)); "
+            "import sys; print('moecompile' in sys.modules, tuple(y.shape))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("True (2, 4)")  # imported by torch through the entry point
+
+
+def test_cli_inspect_family_and_config_json(tmp_path):
+    cfg = hf.tiny_config("qwen2_moe")
+    cfg.save_pretrained(tmp_path)
+    for target in ["gather", str(tmp_path / "config.json")]:
+        out = subprocess.run([sys.executable, "-m", "moecompile", "inspect", target], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "MoE layer(s) rewritten" in out.stdout and "rewritten" in out.stdout
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2_moe"
+    bad = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "nope"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "give a path to a config.json" in bad.stderr
