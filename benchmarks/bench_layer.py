@@ -64,22 +64,6 @@ TRANSPARENT_NAMESPACES = ("moe::", "transformers::")
 # ---------------------------------------------------------------------------------------------- the layer
 
 
-class MoELayer(nn.Module):
-    """The HF block, called on a view of the input.
-
-    The view costs nothing and makes the block's token input a graph node rather than a graph input: moecompile
-    does not rewrite a block whose token input is the graph's own input (see README, "Known issue"). Every
-    variant runs this same wrapper. ``--bare`` benchmarks the block itself instead.
-    """
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return self.block(x.view(x.shape))
-
-
 def build_block(shape: str, dims: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
     """An HF MoE block with random fan-in-scaled weights (activations stay O(1) at any width)."""
     common = dict(hidden_size=dims["hidden"], num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8,
@@ -360,7 +344,7 @@ def header(args, device: torch.device, dims: dict) -> str:
     out = [f"# MoE layer benchmark ({datetime.datetime.now().isoformat(timespec='seconds')})", "",
            f"- device: {dev}; dtype: {args.dtype}; repeats: {args.repeats} (median, after {WARMUP} warm-up)",
            f"- torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-           f"- layer: {'bare HF block' if args.bare else 'HF block called on x.view(x.shape)'}, input [1, T, H]",
+           f"- layer: the HF block compiled on its own, input [1, T, H]",
            f"- moecompile: torch.compile(layer, backend='moe', options={ {**args.moe_options, 'inner': 'inductor'} })"]
     for shape, d in dims.items():
         extra = f", n_group={d['n_group']}, topk_group={d['topk_group']}, 1 shared expert, scaling 2.5" \
@@ -388,7 +372,6 @@ def parse_args(argv=None):
     p.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option for the moecompile variant (and its explain check), e.g. "
                         "verify_backward=false; repeatable. Values: true/false, ints, or strings")
-    p.add_argument("--bare", action="store_true", help="benchmark the bare HF block (no x.view wrapper)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads; default 1 on cpu (stable timings on a shared machine: with more "
                         "threads than idle cores one busy core stalls every parallel region), unchanged on cuda; "
@@ -462,7 +445,7 @@ def main(argv=None) -> int:
         dims = args.dims[shape]
         # one layer per shape, shared by the variants (torch.compile wraps it, explain() leaves it as it was)
         block = build_block(shape, dims, dtype, device)
-        layer = block if args.bare else MoELayer(block)
+        layer = block
         gen = torch.Generator(device="cpu").manual_seed(1)
         x = torch.randn(1, dims["tokens"], dims["hidden"], generator=gen).to(device=device, dtype=dtype)
         gy = torch.randn(1, dims["tokens"], dims["hidden"], generator=gen).to(device=device, dtype=dtype)

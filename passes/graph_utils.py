@@ -64,35 +64,27 @@ def hint(v) -> int | None:
     return None
 
 
-def node_args(n: fx.Node) -> list[fx.Node]:
-    return [a for a in n.all_input_nodes]
+def _closure(nodes, step, within: set[fx.Node] | None) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen or (within is not None and n not in within):
+            continue
+        seen.add(n)
+        stack.extend(step(n))
+    return seen
 
 
 def ancestors(nodes, within: set[fx.Node] | None = None) -> set[fx.Node]:
     """Nodes that ``nodes`` depend on (inclusive), staying inside ``within`` when given. In-place ops that
     write to a node taken in (``inv[perm] = arange``) are taken in too: the values read depend on them."""
-    seen: set[fx.Node] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if n in seen or (within is not None and n not in within):
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-        stack.extend(u for u in n.users if mutated_input(u) is n)
-    return seen
+    return _closure(nodes, lambda n: [*n.all_input_nodes, *(u for u in n.users if mutated_input(u) is n)], within)
 
 
 def descendants(nodes, within: set[fx.Node] | None = None) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if n in seen or (within is not None and n not in within):
-            continue
-        seen.add(n)
-        stack.extend(n.users)
-    return seen
+    """Nodes that depend on ``nodes`` (inclusive), staying inside ``within`` when given."""
+    return _closure(nodes, lambda n: n.users, within)
 
 
 def float_consts(n: fx.Node) -> list[float]:
