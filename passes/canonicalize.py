@@ -12,7 +12,6 @@ code that lands. The original routed nodes that nothing else uses are then remov
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from .canonical import canonical_moe

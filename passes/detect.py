@@ -19,7 +19,6 @@ specs, and ``verify`` keeps the first one that reproduces the block.
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +29,7 @@ from .graph_utils import (
     ancestors, descendants, float_consts, hint, is_param, module_stack, mutated_input, nodes_by_module, op_name,
     placeholder_values, shape_of,
 )
+from .experts import Skip, expert_options, expert_params
 from .report import PassReport
 from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
 
@@ -49,10 +49,6 @@ class Candidate:
 ROOT = "<root>"  # path of a block that is the compiled module itself
 
 
-class Skip(Exception):
-    """A region that does not qualify: left as it was, with this reason."""
-
-
 def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
     values = placeholder_values(gm, example_inputs)
     by_key = nodes_by_module(gm.graph)
@@ -69,7 +65,7 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
             if key is not None:
                 region = set(by_key[key])
                 path, block_type = next((p, t) for k, p, t in module_stack(router) if k == key)
-            elif _expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
+            elif expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
                 # the compiled module is the MoE block itself: the whole graph is the block
                 region = {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
                 path, block_type = ROOT, "<compiled module>"
@@ -100,10 +96,8 @@ def _path_of(n: fx.Node) -> str:
 
 
 def _selections(graph: fx.Graph) -> list[fx.Node]:
-    """top-k nodes, then max(dim) nodes (sparsemixer picks with max)."""
-    topk = [n for n in graph.nodes if op_name(n) == "topk"]
-    maxes = [n for n in graph.nodes if op_name(n) == "max" and (len(n.args) > 1 or "dim" in n.kwargs)]
-    return topk + maxes
+    """top-k nodes first, then max(dim) nodes."""
+    return sorted(_selections_in(graph.nodes), key=lambda n: op_name(n) != "topk")
 
 
 def _router_linear(sel: fx.Node, values) -> fx.Node | None:
@@ -137,25 +131,10 @@ def router_weight(linear: fx.Node) -> fx.Node:
     return w
 
 
-def _expert_params(nodes, values, E: int) -> list[fx.Node]:
-    """Parameters used in ``nodes`` that look like routed-expert weights: stacked [E, ...] or one per expert."""
-    params = {a for n in nodes for a in n.all_input_nodes if is_param(a, values)}
-    stacked = [p for p in params if values[p].dim() >= 2 and values[p].shape[0] == E]
-    if any(values[p].dim() == 3 for p in stacked):
-        return stacked
-    listed = [p for p in params if _expert_index(p.name) is not None]
-    return listed if len({_expert_index(p.name) for p in listed}) == E else []
-
-
-def _expert_index(name: str) -> int | None:
-    m = re.findall(r"_modules_(\d+)_", name)
-    return int(m[-1]) if len(m) >= 2 else None  # the last index (the first is usually the layer)
-
-
 def _block_key(router: fx.Node, by_key, values) -> str | None:
     E = values[router_weight(router)].shape[0]
     for key, _, _ in reversed(module_stack(router)):
-        if _expert_params(by_key[key], values, E):
+        if expert_params(by_key[key], values, E):
             return key
     return None
 
@@ -167,7 +146,7 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     w_router = values[router_weight(router)]
     E, H = w_router.shape
     logits = router
-    sels = [n for n in region if n in _selection_set(region) and _router_linear(n, values) is router]
+    sels = [n for n in _selections_in(region) if _router_linear(n, values) is router]
     dep = descendants(sels, region)
     routed = _routed_node(region, dep, H)
     # the compiled module's own inputs may carry the block's module stack: they are inputs, not computation
@@ -184,7 +163,8 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     if shape_of(x_in)[-1] != H:
         raise Skip(f"token input has last dim {shape_of(x_in)[-1]}, router expects {H}")
     routing = _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in)
-    experts, binds = _expert_options(slice_nodes, values, order, E, H, router)
+    router_params = {router_weight(router)} | {a for a in router.args[2:3] if isinstance(a, fx.Node)}
+    experts, binds = expert_options(slice_nodes, values, order, E, H, router_params)
     corr = routing.pop("correction_bias_node")
     specs, bindings = [], []
     for (r_kwargs, (e_kwargs, weights)) in itertools.product(_product(routing), zip(experts, binds)):
@@ -204,8 +184,13 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     return Candidate(path, block_type, specs, bindings, slice_nodes, logits_nodes)
 
 
-def _selection_set(region):
-    return {n for n in region if op_name(n) == "topk" or (op_name(n) == "max" and (len(n.args) > 1 or "dim" in n.kwargs))}
+def _is_selection(n: fx.Node) -> bool:
+    """A top-k, or a max over a dim (sparsemixer picks its experts with max)."""
+    return op_name(n) == "topk" or (op_name(n) == "max" and (len(n.args) > 1 or "dim" in n.kwargs))
+
+
+def _selections_in(nodes) -> list[fx.Node]:
+    return [n for n in nodes if _is_selection(n)]
 
 
 _PASS_THROUGH = {"view", "reshape", "to", "float", "type_as", "contiguous", "type", "squeeze", "unsqueeze"}
@@ -241,7 +226,6 @@ def _product(options: dict) -> list[dict]:
 def _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in) -> dict:
     """Candidate values per RoutingSpec field, most likely first."""
     final = max((s for s in sels if op_name(s) == "topk"), key=order.get, default=None)
-    names = {op_name(n) for n in slice_nodes}
     before = ancestors([final.args[0]], slice_nodes) - ancestors([logits]) if final is not None else set()
     after = descendants([final], slice_nodes) if final is not None else dep & slice_nodes
     after_names = {op_name(n) for n in after}
@@ -314,134 +298,6 @@ def _numel(shape) -> int:
     for s in shape:
         out *= hint(s)
     return out
-
-
-# ---- experts ------------------------------------------------------------------------------------------------
-
-
-def _first_use(p: fx.Node, order) -> int:
-    return min(order[u] for u in p.users)
-
-
-def _expert_options(slice_nodes, values, order, E, H, router):
-    """Candidate ExpertSpec fields and weight bindings, most likely first."""
-    skip = {router_weight(router)} | ({router.args[2]} if len(router.args) > 2 and isinstance(router.args[2], fx.Node) else set())
-    params = [p for p in _expert_params(slice_nodes, values, E) if p not in skip]
-    if not params:
-        raise Skip("found a router but no expert weights in the same block")
-    if all(values[p].shape[0] == E for p in params) and any(values[p].dim() == 3 for p in params):
-        storage = "stacked"
-        mats = sorted((p for p in params if values[p].dim() == 3), key=lambda p: _first_use(p, order))
-        vecs = sorted((p for p in params if values[p].dim() == 2), key=lambda p: _first_use(p, order))
-        shape = lambda p: tuple(values[p].shape[1:])  # noqa: E731
-        bind = lambda p: p  # noqa: E731
-    else:
-        storage = "modulelist"
-        groups: dict[str, list[fx.Node]] = {}
-        for p in params:
-            leaf = re.sub(r".*_modules_\d+_", "", p.name)
-            groups.setdefault(leaf, []).append(p)
-        for g in groups.values():
-            g.sort(key=lambda p: _expert_index(p.name))
-        if any(len(g) != E for g in groups.values()):
-            raise Skip("ModuleList experts with differing parameters per expert")
-        firsts = {leaf: min(_first_use(p, order) for p in g) for leaf, g in groups.items()}
-        leaves = sorted(groups, key=firsts.get)
-        mats = [leaf for leaf in leaves if values[groups[leaf][0]].dim() == 2]
-        vecs = [leaf for leaf in leaves if values[groups[leaf][0]].dim() == 1]
-        shape = lambda leaf: tuple(values[groups[leaf][0]].shape)  # noqa: E731
-        bind = lambda leaf: groups[leaf]  # noqa: E731
-    acts = _activations(slice_nodes)
-    if len(mats) not in (2, 3):
-        raise Skip(f"expected 2 or 3 expert weight matrices, found {len(mats)}")
-    down = mats[-1]
-    d0, d1 = shape(down)
-    down_options = []  # (transposed, I)
-    if d0 == H:
-        down_options.append((False, d1))
-    if d1 == H:
-        down_options.append((True, d0))
-    if not down_options:
-        raise Skip(f"expert down-projection shape {shape(down)} does not map to hidden size {H}")
-    out_specs, out_binds = [], []
-    for down_t, inter in down_options:
-        for act in acts:
-            if len(mats) == 3:
-                layouts = [("separate", (mats[0], mats[1])), ("separate", (mats[1], mats[0]))]
-            else:
-                a0, a1 = shape(mats[0])
-                wide = 2 * inter in (a0, a1)
-                splits = _split_order(slice_nodes) if wide else []
-                layouts = [(s, (mats[0],)) for s in splits] + ([("ungated", (mats[0],))] if inter in (a0, a1) else [])
-            for how, ups in layouts:
-                rows = 2 * inter if how not in ("separate", "ungated") else inter
-                u0, u1 = shape(ups[0])
-                for up_t in [t for t, ok in ((False, (u0, u1) == (rows, H)), (True, (u0, u1) == (H, rows))) if ok]:
-                    weights = {"down": bind(down)}
-                    if how == "separate":
-                        weights.update(gate=bind(ups[0]), up=bind(ups[1]))
-                    elif how == "ungated":
-                        weights.update(up=bind(ups[0]))
-                    else:
-                        weights.update(gate_up=bind(ups[0]))
-                    for bias_binding in _bias_options(vecs, shape, bind, how, inter, H):
-                        if act[0] == "swiglu_clamp" and how == "ungated":
-                            continue
-                        out_specs.append(dict(
-                            intermediate=inter, activation=act[0], alpha=act[1], limit=act[2], storage=storage,
-                            gated=how != "ungated", gate_up=how if how not in ("separate", "ungated") else "separate",
-                            up_transposed=up_t, down_transposed=down_t, biases=bool(vecs),
-                        ))
-                        out_binds.append({**weights, **bias_binding})
-    if not out_specs:
-        raise Skip("expert weight shapes do not form an MLP of the hidden size")
-    return out_specs, out_binds
-
-
-def _split_order(slice_nodes) -> list[str]:
-    strided = any(op_name(n) == "getitem" and isinstance(n.args[1], tuple) and any(
-        isinstance(s, slice) and s.step == 2 for s in n.args[1]) for n in slice_nodes)
-    return ["interleave", "chunk", "chunk_up_first"] if strided else ["chunk", "chunk_up_first", "interleave"]
-
-
-def _bias_options(vecs, shape, bind, how, inter, H) -> list[dict]:
-    if not vecs:
-        return [{}]
-    by_size = {}
-    for v in vecs:
-        by_size.setdefault(shape(v)[-1], []).append(v)
-    out = {}
-    if H in by_size:
-        out["down_bias"] = bind(by_size[H][-1])
-    if how not in ("separate", "ungated") and 2 * inter in by_size:
-        return [{**out, "gate_up_bias": bind(by_size[2 * inter][0])}]
-    mids = by_size.get(inter, [])
-    if how == "ungated" or len(mids) == 1:
-        return [{**out, "up_bias": bind(mids[0])}] if mids else [out]
-    if len(mids) == 2:
-        return [{**out, "gate_bias": bind(mids[0]), "up_bias": bind(mids[1])},
-                {**out, "gate_bias": bind(mids[1]), "up_bias": bind(mids[0])}]
-    return [out]
-
-
-def _activations(slice_nodes) -> list[tuple[str, float, float]]:
-    """(name, alpha, limit) candidates from the activation ops present."""
-    names = [op_name(n) for n in slice_nodes]
-    found = []
-    clamps = [n for n in slice_nodes if op_name(n) == "clamp"]
-    if clamps and "sigmoid" in names:
-        limit = max((c for n in clamps for c in float_consts(n)), default=7.0)
-        alpha = next((c for n in slice_nodes if op_name(n) == "mul" for u in n.users if op_name(u) == "sigmoid"
-                      for c in float_consts(n)), 1.702)
-        found.append(("swiglu_clamp", alpha, limit))
-    for n in slice_nodes:
-        name = op_name(n)
-        if name == "gelu":
-            found.append(("gelu_tanh" if n.kwargs.get("approximate") == "tanh" else "gelu", 1.702, 7.0))
-        elif name in ("silu", "relu"):
-            found.append((name, 1.702, 7.0))
-    found = list(dict.fromkeys(found))
-    return found or [("silu", 1.702, 7.0)]
 
 
 # ---- shared experts (recorded, left in place) ---------------------------------------------------------------

@@ -90,7 +90,6 @@ def _prove(cand, values, config):
         return False, {"reason": str(err)}
     float_dtypes = [t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
     tol = max(TOLERANCE.get(d, 2e-2) for d in float_dtypes + [out_val.dtype])  # the least precise one decides
-    env = dict(zip(outside, inputs))
 
     def run_canonical(spec, binding, env):
         logits = logits_gm(*[env[n] for n in logits_outside])

@@ -1,0 +1,155 @@
+"""Expert-weight reading for detect: which parameters are the routed experts' gate, up and down projections, in
+which layout, with which activation. Ambiguities become candidates (most likely first) for verify to settle."""
+
+from __future__ import annotations
+
+import re
+
+import torch.fx as fx
+
+from .graph_utils import float_consts, is_param, op_name
+
+
+class Skip(Exception):
+    """A region that does not qualify: left as it was, with this reason."""
+
+
+def expert_index(name: str) -> int | None:
+    """The expert number in a ModuleList parameter's placeholder name (the last index; the first is the layer)."""
+    m = re.findall(r"_modules_(\d+)_", name)
+    return int(m[-1]) if len(m) >= 2 else None
+
+
+def expert_params(nodes, values, E: int) -> list[fx.Node]:
+    """Parameters used in ``nodes`` that look like routed-expert weights: stacked [E, ...] or one per expert."""
+    params = {a for n in nodes for a in n.all_input_nodes if is_param(a, values)}
+    stacked = [p for p in params if values[p].dim() >= 2 and values[p].shape[0] == E]
+    if any(values[p].dim() == 3 for p in stacked):
+        return stacked
+    listed = [p for p in params if expert_index(p.name) is not None]
+    return listed if len({expert_index(p.name) for p in listed}) == E else []
+
+
+
+def _first_use(p: fx.Node, order) -> int:
+    return min(order[u] for u in p.users)
+
+
+def expert_options(slice_nodes, values, order, E, H, exclude: set):
+    """Candidate ExpertSpec fields and weight bindings, most likely first."""
+    params = [p for p in expert_params(slice_nodes, values, E) if p not in exclude]
+    if not params:
+        raise Skip("found a router but no expert weights in the same block")
+    if all(values[p].shape[0] == E for p in params) and any(values[p].dim() == 3 for p in params):
+        storage = "stacked"
+        mats = sorted((p for p in params if values[p].dim() == 3), key=lambda p: _first_use(p, order))
+        vecs = sorted((p for p in params if values[p].dim() == 2), key=lambda p: _first_use(p, order))
+        shape = lambda p: tuple(values[p].shape[1:])  # noqa: E731
+        bind = lambda p: p  # noqa: E731
+    else:
+        storage = "modulelist"
+        groups: dict[str, list[fx.Node]] = {}
+        for p in params:
+            leaf = re.sub(r".*_modules_\d+_", "", p.name)
+            groups.setdefault(leaf, []).append(p)
+        for g in groups.values():
+            g.sort(key=lambda p: expert_index(p.name))
+        if any(len(g) != E for g in groups.values()):
+            raise Skip("ModuleList experts with differing parameters per expert")
+        firsts = {leaf: min(_first_use(p, order) for p in g) for leaf, g in groups.items()}
+        leaves = sorted(groups, key=firsts.get)
+        mats = [leaf for leaf in leaves if values[groups[leaf][0]].dim() == 2]
+        vecs = [leaf for leaf in leaves if values[groups[leaf][0]].dim() == 1]
+        shape = lambda leaf: tuple(values[groups[leaf][0]].shape)  # noqa: E731
+        bind = lambda leaf: groups[leaf]  # noqa: E731
+    acts = _activations(slice_nodes)
+    if len(mats) not in (2, 3):
+        raise Skip(f"expected 2 or 3 expert weight matrices, found {len(mats)}")
+    down = mats[-1]
+    d0, d1 = shape(down)
+    down_options = []  # (transposed, I)
+    if d0 == H:
+        down_options.append((False, d1))
+    if d1 == H:
+        down_options.append((True, d0))
+    if not down_options:
+        raise Skip(f"expert down-projection shape {shape(down)} does not map to hidden size {H}")
+    out_specs, out_binds = [], []
+    for down_t, inter in down_options:
+        for act in acts:
+            if len(mats) == 3:
+                layouts = [("separate", (mats[0], mats[1])), ("separate", (mats[1], mats[0]))]
+            else:
+                a0, a1 = shape(mats[0])
+                wide = 2 * inter in (a0, a1)
+                splits = _split_order(slice_nodes) if wide else []
+                layouts = [(s, (mats[0],)) for s in splits] + ([("ungated", (mats[0],))] if inter in (a0, a1) else [])
+            for how, ups in layouts:
+                rows = 2 * inter if how not in ("separate", "ungated") else inter
+                u0, u1 = shape(ups[0])
+                for up_t in [t for t, ok in ((False, (u0, u1) == (rows, H)), (True, (u0, u1) == (H, rows))) if ok]:
+                    weights = {"down": bind(down)}
+                    if how == "separate":
+                        weights.update(gate=bind(ups[0]), up=bind(ups[1]))
+                    elif how == "ungated":
+                        weights.update(up=bind(ups[0]))
+                    else:
+                        weights.update(gate_up=bind(ups[0]))
+                    for bias_binding in _bias_options(vecs, shape, bind, how, inter, H):
+                        if act[0] == "swiglu_clamp" and how == "ungated":
+                            continue
+                        out_specs.append(dict(
+                            intermediate=inter, activation=act[0], alpha=act[1], limit=act[2], storage=storage,
+                            gated=how != "ungated", gate_up=how if how not in ("separate", "ungated") else "separate",
+                            up_transposed=up_t, down_transposed=down_t, biases=bool(vecs),
+                        ))
+                        out_binds.append({**weights, **bias_binding})
+    if not out_specs:
+        raise Skip("expert weight shapes do not form an MLP of the hidden size")
+    return out_specs, out_binds
+
+
+def _split_order(slice_nodes) -> list[str]:
+    strided = any(op_name(n) == "getitem" and isinstance(n.args[1], tuple) and any(
+        isinstance(s, slice) and s.step == 2 for s in n.args[1]) for n in slice_nodes)
+    return ["interleave", "chunk", "chunk_up_first"] if strided else ["chunk", "chunk_up_first", "interleave"]
+
+
+def _bias_options(vecs, shape, bind, how, inter, H) -> list[dict]:
+    if not vecs:
+        return [{}]
+    by_size = {}
+    for v in vecs:
+        by_size.setdefault(shape(v)[-1], []).append(v)
+    out = {}
+    if H in by_size:
+        out["down_bias"] = bind(by_size[H][-1])
+    if how not in ("separate", "ungated") and 2 * inter in by_size:
+        return [{**out, "gate_up_bias": bind(by_size[2 * inter][0])}]
+    mids = by_size.get(inter, [])
+    if how == "ungated" or len(mids) == 1:
+        return [{**out, "up_bias": bind(mids[0])}] if mids else [out]
+    if len(mids) == 2:
+        return [{**out, "gate_bias": bind(mids[0]), "up_bias": bind(mids[1])},
+                {**out, "gate_bias": bind(mids[1]), "up_bias": bind(mids[0])}]
+    return [out]
+
+
+def _activations(slice_nodes) -> list[tuple[str, float, float]]:
+    """(name, alpha, limit) candidates from the activation ops present."""
+    names = [op_name(n) for n in slice_nodes]
+    found = []
+    clamps = [n for n in slice_nodes if op_name(n) == "clamp"]
+    if clamps and "sigmoid" in names:
+        limit = max((c for n in clamps for c in float_consts(n)), default=7.0)
+        alpha = next((c for n in slice_nodes if op_name(n) == "mul" for u in n.users if op_name(u) == "sigmoid"
+                      for c in float_consts(n)), 1.702)
+        found.append(("swiglu_clamp", alpha, limit))
+    for n in slice_nodes:
+        name = op_name(n)
+        if name == "gelu":
+            found.append(("gelu_tanh" if n.kwargs.get("approximate") == "tanh" else "gelu", 1.702, 7.0))
+        elif name in ("silu", "relu"):
+            found.append((name, 1.702, 7.0))
+    found = list(dict.fromkeys(found))
+    return found or [("silu", 1.702, 7.0)]
