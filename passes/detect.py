@@ -193,6 +193,7 @@ def _selections_in(nodes) -> list[fx.Node]:
     return [n for n in nodes if _is_selection(n)]
 
 
+_SCALAR_OPS = {"truediv", "div", "mul", "itruediv", "imul"}  # by a Python number
 _PASS_THROUGH = {"view", "reshape", "to", "float", "type_as", "contiguous", "type", "squeeze", "unsqueeze"}
 
 
@@ -214,6 +215,8 @@ def _routed_node(region, dep, H) -> fx.Node:
             node = tensor_args[0]
         elif name in ("add", "iadd", "add_") and len(tensor_args) == 2 and sum(a in dep for a in tensor_args) == 1:
             node = next(a for a in tensor_args if a in dep)
+        elif name in _SCALAR_OPS and tensor_args == [node.args[0]] and tensor_args[0] in dep:
+            node = tensor_args[0]  # (routed + shared) / 2 (Cohere2-MoE "average"): the scale stays outside
         else:
             return node
 
@@ -233,7 +236,9 @@ def _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in) -> 
     for n in before:
         if op_name(n) in ("add", "iadd"):
             for a in n.all_input_nodes:
-                if is_param(a, values) and tuple(values[a].shape) == (E,):
+                while op_name(a) in _PASS_THROUGH:  # Ernie-4.5: bias [1, E].squeeze()
+                    a = a.args[0]
+                if is_param(a, values) and values[a].numel() == E and values[a].shape[-1] == E:
                     corr = a
     opts: dict = {"correction_bias_node": corr}
     if final is None:

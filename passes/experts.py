@@ -149,7 +149,10 @@ def _activations(slice_nodes) -> list[tuple[str, float, float]]:
         name = op_name(n)
         if name == "gelu":
             found.append(("gelu_tanh" if n.kwargs.get("approximate") == "tanh" else "gelu", 1.702, 7.0))
-        elif name in ("silu", "relu"):
+        elif name == "relu":
+            squared = any(op_name(u) == "square" or (op_name(u) == "pow" and 2 in u.args[1:]) for u in n.users)
+            found.append(("relu2" if squared else "relu", 1.702, 7.0))
+        elif name == "silu":
             found.append((name, 1.702, 7.0))
     found = list(dict.fromkeys(found))
     return found or [("silu", 1.702, 7.0)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_clamp")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_clamp")
 
 
 def check_activation(name: str, gated: bool) -> None:
@@ -31,6 +31,8 @@ def _act(name: str, h: torch.Tensor) -> torch.Tensor:
         return F.gelu(h, approximate="tanh")
     if name == "relu":
         return F.relu(h)
+    if name == "relu2":  # squared ReLU (Nemotron-H)
+        return F.relu(h).square()
     raise ValueError(f"activation {name!r} has no ungated form")
 
 

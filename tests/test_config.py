@@ -89,3 +89,13 @@ def test_cli_inspect_family_and_config_json(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2_moe"
     bad = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "nope"], capture_output=True, text=True)
     assert bad.returncode != 0 and "give a path to a config.json" in bad.stderr
+
+
+def test_block_with_zero_output_is_not_proved_vacuously():
+    model = hf.tiny_model("mixtral")
+    for layer in model.model.layers:
+        layer.mlp.experts.down_proj.data.zero_()  # every expert outputs 0: any spec would "match"
+    backend = RecordingBackend(inner="aot_eager")
+    torch.compile(model, backend=backend)(IDS)
+    assert backend.report.counters["canonicalize.rewritten"] == 0
+    assert all("all-zero output" in s.reason for s in backend.report.skipped) and backend.report.skipped
