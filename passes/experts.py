@@ -14,10 +14,18 @@ class Skip(Exception):
     """A region that does not qualify: left as it was, with this reason."""
 
 
-def expert_index(name: str) -> int | None:
-    """The expert number in a ModuleList parameter's placeholder name (the last index; the first is the layer)."""
-    m = re.findall(r"_modules_(\d+)_", name)
-    return int(m[-1]) if len(m) >= 2 else None
+def modulelist_indices(params, E: int) -> dict[fx.Node, tuple[int, str]]:
+    """{parameter: expert number} for the parameters of a ModuleList with E entries, read from placeholder names
+    (``..._experts_modules_3_modules_w1_...``): the list is the name prefix under which E indices occur.
+    Each parameter maps to (expert number, its name within the expert)."""
+    by_prefix: dict[str, dict[fx.Node, tuple[int, str]]] = {}
+    for p in params:
+        for m in re.finditer(r"_modules_(\d+)_", p.name):
+            by_prefix.setdefault(p.name[: m.start()], {})[p] = (int(m.group(1)), p.name[m.end():])
+    for members in by_prefix.values():
+        if len({i for i, _ in members.values()}) == E:
+            return members
+    return {}
 
 
 def expert_params(nodes, values, E: int) -> list[fx.Node]:
@@ -26,8 +34,7 @@ def expert_params(nodes, values, E: int) -> list[fx.Node]:
     stacked = [p for p in params if values[p].dim() >= 2 and values[p].shape[0] == E]
     if any(values[p].dim() == 3 for p in stacked):
         return stacked
-    listed = [p for p in params if expert_index(p.name) is not None]
-    return listed if len({expert_index(p.name) for p in listed}) == E else []
+    return list(modulelist_indices(params, E))
 
 
 
@@ -48,12 +55,12 @@ def expert_options(slice_nodes, values, order, E, H, exclude: set):
         bind = lambda p: p  # noqa: E731
     else:
         storage = "modulelist"
+        index = modulelist_indices(params, E)
         groups: dict[str, list[fx.Node]] = {}
         for p in params:
-            leaf = re.sub(r".*_modules_\d+_", "", p.name)
-            groups.setdefault(leaf, []).append(p)
+            groups.setdefault(index[p][1], []).append(p)
         for g in groups.values():
-            g.sort(key=lambda p: expert_index(p.name))
+            g.sort(key=lambda p: index[p][0])
         if any(len(g) != E for g in groups.values()):
             raise Skip("ModuleList experts with differing parameters per expert")
         firsts = {leaf: min(_first_use(p, order) for p in g) for leaf, g in groups.items()}
