@@ -226,13 +226,18 @@ def _per_layer_lists(cfg: PretrainedConfig, num_layers: int) -> dict[str, list]:
             and len(set(v)) <= 4}
 
 
-def shrink_config(family: str) -> PretrainedConfig | None:
+_ROUTING_KEYS = {*_EXPERT_COUNT_KEYS, *_TOPK_KEYS, "n_group", "num_expert_group", "topk_group"}
+
+
+def shrink_config(family: str, base: PretrainedConfig | None = None) -> PretrainedConfig | None:
     """Best-effort tiny config of any transformers MoE family (its defaults, sizes shrunk); None if it fails.
 
+    With ``base`` (a user's config), that config is shrunk instead and its routing is kept: number of experts,
+    top-k and expert groups stay as they are, so the tiny model routes like the real one.
     Per-layer lists (``layer_types``, ``mlp_layer_types``...) keep the first layer of every kind they
     contain, so hybrid models keep one layer of each kind (2 layers at least).
     """
-    default = _default_config(family)
+    default = _default_config(family) if base is None else base
     if default is None:
         return None
     values = default.to_dict()
@@ -240,6 +245,8 @@ def shrink_config(family: str) -> PretrainedConfig | None:
     kw = {}
     for names, value in _SHRINK:
         for name in names:
+            if base is not None and name in _ROUTING_KEYS:
+                continue
             v = _get(default, name)
             if name in present and (isinstance(v, (int, float)) and not isinstance(v, bool)
                                     or v is None and name in _SET_EVEN_IF_NONE):
@@ -264,7 +271,7 @@ def shrink_config(family: str) -> PretrainedConfig | None:
                 {k: v for k, v in kw.items() if k != "per_layer_config"})  # or on their per-layer overrides
     for attempt in attempts:
         try:
-            return CONFIG_MAPPING[family](**attempt)
+            return CONFIG_MAPPING[family](**attempt) if base is None else type(base)(**{**values, **attempt})
         except Exception:
             pass
     return None

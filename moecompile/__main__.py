@@ -10,11 +10,18 @@ import time
 import torch
 
 
-def _model_for(target: str, dtype: torch.dtype):
+def _model_for(target: str, dtype: torch.dtype, full_size: bool = False):
     from moecompile.models import hf
 
     if os.path.exists(target):
-        return hf.build_model(hf.load_config(target), dtype=dtype)
+        config = hf.load_config(target)
+        if not full_size:
+            small = hf.shrink_config(config.model_type, base=config)
+            if small is None:
+                raise SystemExit(f"could not shrink {target}; pass --full-size to build it as it is")
+            print(f"{target}: sizes shrunk to a tiny random model, routing kept (--full-size builds it as is)")
+            config = small
+        return hf.build_model(config, dtype=dtype)
     if target in hf.FAMILIES:
         return hf.tiny_model(target, dtype=dtype)
     from moecompile.models import handwritten
@@ -31,8 +38,8 @@ def inspect(args) -> int:
     import moecompile
 
     dtype = getattr(torch, args.dtype)
-    model = _model_for(args.model, dtype)
-    ids = torch.randint(0, 64, (args.batch, args.seq))
+    model = _model_for(args.model, dtype, args.full_size)
+    ids = torch.randint(0, min(64, model.config.vocab_size if hasattr(model, "config") else 64), (args.batch, args.seq))
     report = moecompile.explain(model, ids, inner=args.inner)
     print(report)
     if args.graphs:
@@ -77,6 +84,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("inspect", help="explain what the moe backend does to a model")
     p.add_argument("model", help="a family name (e.g. mixtral), a hand-written kind, or a path to a config.json")
     p.add_argument("--graphs", action="store_true", help="print the graph before and after each pass")
+    p.add_argument("--full-size", action="store_true", help="build a config.json at its real size (random weights)")
     p.add_argument("--inner", default="aot_eager", choices=("inductor", "aot_eager"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--batch", type=int, default=2)

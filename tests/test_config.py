@@ -79,14 +79,18 @@ def test_entry_point_resolves_without_import():
 
 
 def test_cli_inspect_family_and_config_json(tmp_path):
-    cfg = hf.tiny_config("qwen2_moe")
-    cfg.save_pretrained(tmp_path)
+    import transformers
+
+    transformers.DeepseekV3Config().save_pretrained(tmp_path)  # the real DeepSeek-V3 sizes and routing
+    assert json.loads((tmp_path / "config.json").read_text())["n_routed_experts"] == 256
+    outs = []
     for target in ["gather", str(tmp_path / "config.json")]:
         out = subprocess.run([sys.executable, "-m", "moecompile", "inspect", target], capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
-        assert "MoE layer(s) rewritten" in out.stdout and "rewritten" in out.stdout
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2_moe"
+        assert "2 MoE layer(s) rewritten" in out.stdout
+        outs.append(out.stdout)
+    assert "sizes shrunk" in outs[1] and "E=256 k=8" in outs[1] and "group-limited 4/8" in outs[1]
     bad = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "nope"], capture_output=True, text=True)
     assert bad.returncode != 0 and "give a path to a config.json" in bad.stderr
 
