@@ -103,24 +103,22 @@ def _prove(cand, values, config):
         if all(isinstance(r, torch.Tensor) and not r.abs().any() for r in references):
             return False, {"reason": "the block gave an all-zero output on every probe: nothing to prove it "
                                      "against; left as it was"}
-        errors = []
+        best, failure = float("inf"), ""
         for i, (spec, binding) in enumerate(zip(cand.specs, cand.bindings)):
             err = 0.0
             for r, reference in zip(rounds, references):
                 try:
                     err = max(err, rel_error(run_canonical(spec, binding, dict(zip(outside, r))), reference))
                 except Exception as exc:  # a wrong guess may not even have consistent shapes
-                    err = float("inf")
-                    errors.append((spec, f"{type(exc).__name__}: {exc}"))
+                    err, failure = float("inf"), failure or f"; first failure: {type(exc).__name__}: {exc}"
                 if err > tol:
                     break
             if err <= tol:
                 break
-            errors.append((spec, err))
+            best = min(best, err)
         else:
-            best = min((e for _, e in errors if isinstance(e, float)), default=float("inf"))
             return False, {"reason": f"no candidate spec reproduced the block ({len(cand.specs)} tried, best "
-                                     f"normwise error {best:.3g} > {tol:g}); left as it was"}
+                                     f"normwise error {best:.3g} > {tol:g}{failure[:300]}); left as it was"}
     spec, binding = cand.specs[i], cand.bindings[i]
     if config.verify_backward:
         grad_err = _backward_error(orig_gm, outside, inputs, lambda e: run_canonical(spec, binding, e), gen)

@@ -18,11 +18,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .activations import apply_activation
+from .activations import apply_activation, check_activation
 
 SCORE_FNS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid", "sparsemixer")
 GROUP_SCORES = ("max", "top2_sum")
 DROP_ORDERS = ("slot_major", "token_major")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
 
 
 def _group_limit(choice_TE: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
@@ -64,6 +69,13 @@ def route_ref(
     jitter_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick ``top_k`` experts per token and their combine weights, as the source model's router does."""
+    _check_choice("score_fn", score_fn, SCORE_FNS)
+    _check_choice("group_score", group_score, GROUP_SCORES)
+    E = logits_TE.shape[-1]
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({E})")
+    if n_group > 1 and (E % n_group or not 1 <= topk_group <= n_group):
+        raise ValueError(f"n_group={n_group} must divide the {E} experts and topk_group={topk_group} be 1..n_group")
     logits = logits_TE.float()
     if score_fn == "sparsemixer":
         picks, taken = [], None
@@ -103,6 +115,7 @@ def build_pft_ref(
     are not counted in ``tokens_per_expert`` and no expert computes them (so every size stays T*K, static).
     Returns (token_ids_B, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B).
     """
+    _check_choice("drop_order", drop_order, DROP_ORDERS)
     T, K = ids_TK.shape
     flat_ids = ids_TK.reshape(-1)
     if capacity < 0:
@@ -143,6 +156,7 @@ def expert_mlp_ref(
     limit: float = 7.0,
 ) -> torch.Tensor:
     """Each row ``x_TH[token_ids_B[b]]`` through its expert's MLP; rows are grouped by expert in order."""
+    check_activation(activation, gated=w_gate_EIH is not None)
     dtype = w_up_EIH.dtype
     x_BH = x_TH[token_ids_B].to(dtype)
     if input_scale_B is not None:

@@ -206,3 +206,23 @@ def test_unknown_activation_is_a_clear_error():
 
     with pytest.raises(ValueError, match="valid: silu"):
         check_activation("swish2", True)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(score_fn="softplus"), r"score_fn='softplus' is not valid; choose one of \['softmax'"),
+    (dict(top_k=9), r"top_k=9 must be between 1 and the number of experts \(8\)"),
+    (dict(score_fn="sigmoid", n_group=3), r"n_group=3 must divide the 8 experts"),
+])
+def test_route_rejects_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        route(torch.randn(4, 8), **{"top_k": 2, "score_fn": "softmax", **kw})
+
+
+def test_build_pft_and_expert_mlp_reject_bad_arguments():
+    ids, w = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with pytest.raises(ValueError, match="drop_order='random' is not valid"):
+        torch.ops.moe.build_pft(ids, w, 2, 1, "random", "t")
+    x, wu, wd = torch.randn(3, 4), torch.randn(2, 5, 4), torch.randn(2, 4, 5)
+    tok, _, cnt, _, _ = torch.ops.moe.build_pft(ids, w, 2, -1, "slot_major", "t")
+    with pytest.raises(ValueError, match="needs a gate projection"):
+        torch.ops.moe.expert_mlp(x, tok, cnt, None, wu, wd, None, None, None, None, "swiglu_clamp", 1.0, 1.0)
