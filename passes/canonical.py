@@ -55,6 +55,11 @@ def expert_tensors(spec: MoESpec, weights: dict):
     return gate, up, down, b_gate, b_up, w.get("down_bias")
 
 
+def routed_like_input(routed, x) -> bool:
+    """Whether the routed output has the token input's shape (else it is [T, H]): the ``out_3d`` argument."""
+    return routed.dim() == x.dim() and routed.dim() != 2
+
+
 def canonical_moe(
     spec: MoESpec, x, logits, correction_bias, weights: dict, *, layer: str, out_dtype: torch.dtype, out_3d: bool
 ):

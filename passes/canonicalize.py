@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .canonical import canonical_moe
+from .canonical import canonical_moe, routed_like_input
 from .graph_utils import example
 from .report import PassReport
 
@@ -25,8 +25,8 @@ def canonicalize_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report:
         if cand is None:
             continue
         spec, b = cand.specs[0], cand.bindings[0]
-        out_val, x_val = example(b.routed), example(b.x)
-        out_3d = out_val.dim() == x_val.dim() and out_val.dim() != 2
+        out_val = example(b.routed)
+        out_3d = routed_like_input(out_val, example(b.x))
         tracer = fx.proxy.GraphAppendingTracer(gm.graph)
         proxy = lambda n: fx.Proxy(n, tracer)  # noqa: E731
         weights = {k: [proxy(p) for p in v] if isinstance(v, list) else proxy(v) for k, v in b.weights.items()}
@@ -50,14 +50,10 @@ def canonicalize_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report:
 
 def _remove_dead(graph: fx.Graph, slice_nodes: set[fx.Node]) -> int:
     """Erase the old routed computation: slice nodes nothing uses any more (in-place ops on slice-local tensors
-    included, which the generic dead-code pass would keep)."""
-    removed, changed = 0, True
-    while changed:
-        changed = False
-        for n in reversed(list(graph.nodes)):
-            if n in slice_nodes and n.op not in ("placeholder", "output") and not n.users:
-                graph.erase_node(n)
-                slice_nodes.discard(n)
-                removed += 1
-                changed = True
+    included, which the generic dead-code pass would keep). Walking backwards, users go before what they use."""
+    removed = 0
+    for n in reversed([n for n in graph.nodes if n in slice_nodes]):
+        if n.op not in ("placeholder", "output") and not n.users:
+            graph.erase_node(n)
+            removed += 1
     return removed

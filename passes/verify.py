@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .canonical import canonical_moe
+from .canonical import canonical_moe, routed_like_input
 from .graph_utils import example, extract, hint, placeholder_values
 from .report import LayerRecord, PassReport
 
@@ -74,7 +74,7 @@ def _prove(cand, values, config):
     x_node = cand.bindings[0].x
     if not isinstance(out_val, torch.Tensor):
         return False, {"reason": "routed output is not a tensor"}
-    out_3d = out_val.dim() == example(x_node).dim() and out_val.dim() != 2
+    out_3d = routed_like_input(out_val, example(x_node))
     if out_val.dim() not in (2, example(x_node).dim()):
         return False, {"reason": f"routed output has shape {tuple(out_val.shape)}; cannot map it to tokens"}
     try:

@@ -142,8 +142,6 @@ register_autograd("moe::build_pft", _build_pft_bwd, setup_context=_build_pft_set
 
 # ---- expert_mlp ----------------------------------------------------------------------------------------------
 
-_MLP_TENSORS = ("x", "token_ids", "tokens_per_expert", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "scale")
-
 
 @custom_op("moe::expert_mlp", mutates_args=())
 def expert_mlp(
