@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from moecompile.passes import aliases
 from moecompile.passes.report import LayerRecord, PassReport, SkipRecord
 
 from .backend import rewrite
@@ -16,17 +17,20 @@ from .config import parse_options
 class ExplainReport:
     """``layers``: one record per rewritten MoE layer (module path, MoESpec, proof error, lowering);
     ``skipped``: (region, reason) for every MoE-looking region left as it was; ``graphs``: (stage, code) for
-    the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made."""
+    the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made;
+    ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table)."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
     graphs: list[tuple[str, str]]
     counters: dict
     num_graphs: int
+    config_mismatches: list[str] = dataclasses.field(default_factory=list)  # detected spec vs model.config
 
     def __str__(self) -> str:
         out = [f"moecompile: {len(self.layers)} MoE layer(s) rewritten, {len(self.skipped)} skipped, "
                f"{self.num_graphs} graph(s)"]
+        out += [f"  warning: {m}" for m in self.config_mismatches]
         for rec in self.layers:
             out.append(f"  rewritten {rec.path} ({rec.spec.block_type}) lowering={rec.lowering} "
                        f"proof error={rec.max_error:.2g} after {rec.candidates_tried} candidate(s)")
@@ -48,7 +52,8 @@ class ExplainReport:
 def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     """Run ``model(*args)`` once through the moe passes (graphs run eagerly afterwards) and report.
 
-    Keyword arguments are backend options (see ``moecompile.MoEOptions``); the model itself is not changed.
+    Keyword arguments are backend options (see ``moecompile.MoEOptions``); the model itself is not changed, but
+    Dynamo's caches are reset before and after (so the model is captured afresh; other compiled code recompiles).
     """
     config = dataclasses.replace(parse_options(options), record_graphs=True)
     report = PassReport()
@@ -63,4 +68,21 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     with torch.no_grad():
         compiled(*args)
     torch._dynamo.reset()
-    return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs))
+    mismatches = _check_against_config(getattr(model, "config", None), report.layers)
+    return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches)
+
+
+def _check_against_config(config, layers: list[LayerRecord]) -> list[str]:
+    """Detection reads the graph; where the model has a config, say where the two disagree."""
+    if config is None:
+        return []
+    out = []
+    for field, got in (("num_experts", lambda s: s.experts.num_experts), ("top_k", lambda s: s.routing.top_k)):
+        want = aliases.config_value(config, field)
+        if not isinstance(want, int):
+            continue
+        for rec in layers:
+            if got(rec.spec) != want:
+                names = "|".join(aliases.CONFIG_ALIASES[field])
+                out.append(f"{rec.path}: detected {field}={got(rec.spec)} but config {names} says {want}")
+    return out

@@ -1,7 +1,7 @@
 """Alias tables: the different names model families give the same MoE attribute, and fixed explanations.
 
-Detection itself reads the graph, not attributes; these tables serve the places that read a model or config
-(``explain``, the CLI, tests) so that a new family is a row here, not a new function.
+Detection itself reads the graph, not attributes; ``explain`` reads the model's config through these tables to
+check what detection found, so that a new family's naming is a row here, not a new function.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
     "num_experts": ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"),
     "top_k": ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"),
-    "expert_intermediate": ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size"),
-    "hidden": ("hidden_size", "d_model", "n_embd"),
 }
 
 EAGER_EXPERTS_REASON = (

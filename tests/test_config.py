@@ -67,6 +67,16 @@ def test_explain_report_has_layers_graphs_and_readable_summary():
     assert "torch.ops.moe" not in report.graph("input")
     text = str(report)
     assert "2 MoE layer(s) rewritten" in text and "group-limited 1/2" in text
+    assert report.config_mismatches == [] and "warning" not in text
+
+
+def test_explain_warns_when_detection_disagrees_with_config():
+    import moecompile
+
+    model = hf.tiny_model("mixtral")
+    model.config.num_experts_per_tok = 3  # the config now lies about the model
+    report = moecompile.explain(model, IDS)
+    assert report.config_mismatches and "detected top_k=2 but config" in report.config_mismatches[0]
 
 
 def test_entry_point_resolves_without_import():
