@@ -12,9 +12,10 @@ CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 EAGER_EXPERTS_REASON = (
-    "a router was found but the expert math is not in this graph: the experts most likely run with "
-    "experts_implementation='eager' (a Python loop over nonzero() that breaks the graph). Fix: load the model "
-    "with experts_implementation='grouped_mm' (the default) or set config._experts_implementation = 'grouped_mm'"
+    "a router was found but no expert weights are used in this graph: the experts run outside it, behind a graph "
+    "break (for transformers models, experts_implementation='eager' loops over nonzero() and does this). Fix, "
+    "where the model supports it: load it with experts_implementation='grouped_mm' (the default) or set "
+    "config._experts_implementation = 'grouped_mm'"
 )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .canonical import canonical_moe, routed_like_input
-from .graph_utils import example
+from .graph_utils import example, hint
 from .report import PassReport
 
 
@@ -44,6 +44,13 @@ def canonicalize_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report:
         b.routed.replace_all_uses_with(new)
         removed = _remove_dead(gm.graph, cand.slice_nodes)
         report.counters["canonicalize.rewritten"] += 1
+        r = spec.routing
+        if r.capacity >= 0:  # the source's [E, C, H] expert buffers against our T*K rows, at the traced size
+            numel = hint(example(b.x).numel())
+            delta = spec.experts.num_experts * r.capacity - (numel // spec.experts.hidden) * r.top_k if numel else 0
+            report.counters["canonicalize.padding_rows_removed"] += max(0, delta)
+            # a tight capacity (C * E < T * K): our buffer keeps the dropped rows at its tail, never computed
+            report.counters["canonicalize.dropped_rows_kept"] += max(0, -delta)
         report.counters["canonicalize.nodes_removed"] += removed
     return gm
 

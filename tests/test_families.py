@@ -61,6 +61,11 @@ def test_gshard_keeps_drop_semantics_without_padding():
     report = _check_against_eager(model)
     spec = report.layers[0].spec
     assert spec.routing.capacity == 2 and spec.routing.drop_order == "slot_major"  # ceil(14 * 2 / 8 * 0.5)
+    assert report.counters["canonicalize.padding_rows_removed"] == 0  # C * E = 16 < T * K = 28 rows
+    assert report.counters["canonicalize.dropped_rows_kept"] == 2 * (28 - 16)  # two layers
+    torch._dynamo.reset()
+    roomy = _check_against_eager(handwritten.TinyMoELM("gshard", capacity_factor=2.0))
+    assert roomy.counters["canonicalize.padding_rows_removed"] == 2 * (8 * 7 - 14 * 2)  # two layers, C = 7
     from moecompile.runtime.stats import DROPS
 
     DROPS.reset()
