@@ -113,3 +113,13 @@ def test_block_with_zero_output_is_not_proved_vacuously():
     torch.compile(model, backend=backend)(IDS)
     assert backend.report.counters["canonicalize.rewritten"] == 0
     assert all("all-zero output" in s.reason for s in backend.report.skipped) and backend.report.skipped
+
+
+def test_readme_options_table_lists_every_option():
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    documented = set(re.findall(r"^\| `(\w+)` \| `", readme, re.M))
+    assert documented == {f.name for f in dataclasses.fields(MoEOptions)}
