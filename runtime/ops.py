@@ -75,12 +75,12 @@ def route_backward(
         )[0]
 
     _, vjp = torch.func.vjp(weights, logits_TE)
-    return vjp(grad_weights_TK)[0]
+    return vjp(grad_weights_TK)[0].contiguous()
 
 
 @register_fake("moe::route_backward")
 def _route_backward_fake(grad_weights_TK, logits_TE, *args):
-    return torch.empty_like(logits_TE)
+    return logits_TE.new_empty(logits_TE.shape)
 
 
 def _route_setup(ctx, inputs, output):
@@ -202,13 +202,13 @@ def expert_mlp_backward(
         )
 
     _, vjp = torch.func.vjp(forward, *[inputs[i] for i in where])
-    return list(vjp(grad_y_BH))
+    return [g.contiguous() for g in vjp(grad_y_BH)]  # contiguous whatever the input's strides (see the fake)
 
 
 @register_fake("moe::expert_mlp_backward")
 def _expert_mlp_backward_fake(grad_y_BH, x_TH, token_ids_B, tokens_per_expert_E, *rest):
     tensors = [x_TH, *rest[:7]]
-    return [torch.empty_like(t) for t in tensors if t is not None]
+    return [t.new_empty(t.shape) for t in tensors if t is not None]
 
 
 def _expert_mlp_setup(ctx, inputs, output):

@@ -226,3 +226,25 @@ def test_build_pft_and_expert_mlp_reject_bad_arguments():
     tok, _, cnt, _, _ = torch.ops.moe.build_pft(ids, w, 2, -1, "slot_major", "t")
     with pytest.raises(ValueError, match="needs a gate projection"):
         torch.ops.moe.expert_mlp(x, tok, cnt, None, wu, wd, None, None, None, None, "swiglu_clamp", 1.0, 1.0)
+
+
+def test_opcheck_every_op_with_transposed_weights():
+    """torch.library.opcheck: schema, fake functions (shapes and strides) and autograd registration agree."""
+    torch.manual_seed(0)
+    T, H, I, E = 6, 8, 4, 3
+    logits = torch.randn(T, E, requires_grad=True)
+    torch.library.opcheck(torch.ops.moe.route.default,
+                          (logits, torch.rand(E), 2, "sigmoid", True, 1e-20, 2.5, 1, 1, "top2_sum", 0.0))
+    ids, w = torch.randint(0, E, (T, 2)), torch.rand(T, 2, requires_grad=True)
+    for cap in (-1, 3):  # (opcheck's aot_dispatch check cannot sum an op whose first output is an int tensor)
+        torch.library.opcheck(torch.ops.moe.build_pft.default, (ids, w, E, cap, "slot_major", ""),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    tok, _, cnt, cw, _ = torch.ops.moe.build_pft(ids, w.detach(), E, -1, "slot_major", "")
+    x = torch.randn(T, H, requires_grad=True)
+    wg = torch.randn(E, H, I).transpose(1, 2).requires_grad_(True)  # [E, I, H] view, strides of [E, H, I]
+    wu = torch.randn(E, I, H, requires_grad=True)
+    wd = torch.randn(E, I, H).transpose(1, 2).requires_grad_(True)
+    torch.library.opcheck(torch.ops.moe.expert_mlp.default,
+                          (x, tok, cnt, wg, wu, wd, None, None, None, None, "silu", 1.702, 7.0))
+    y = torch.randn(T * 2, H, requires_grad=True)
+    torch.library.opcheck(torch.ops.moe.combine.default, (y, tok, cw.requires_grad_(True), T))
