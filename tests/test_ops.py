@@ -228,6 +228,19 @@ def test_build_pft_and_expert_mlp_reject_bad_arguments():
         torch.ops.moe.expert_mlp(x, tok, cnt, None, wu, wd, None, None, None, None, "swiglu_clamp", 1.0, 1.0)
 
 
+def _same_layout_as_fake(op, *args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    real = op(*args)
+    mode = FakeTensorMode()
+    fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    with mode:
+        fake = op(*fake_args)
+    real, fake = (list(t) if isinstance(t, (list, tuple)) else [t] for t in (real, fake))
+    assert [(r.shape, r.stride(), r.dtype) for r in real] == [(f.shape, f.stride(), f.dtype) for f in fake]
+
+
 def test_opcheck_every_op_with_transposed_weights():
     """torch.library.opcheck: schema, fake functions (shapes and strides) and autograd registration agree."""
     torch.manual_seed(0)
@@ -244,7 +257,11 @@ def test_opcheck_every_op_with_transposed_weights():
     wg = torch.randn(E, H, I).transpose(1, 2).requires_grad_(True)  # [E, I, H] view, strides of [E, H, I]
     wu = torch.randn(E, I, H, requires_grad=True)
     wd = torch.randn(E, I, H).transpose(1, 2).requires_grad_(True)
-    torch.library.opcheck(torch.ops.moe.expert_mlp.default,
-                          (x, tok, cnt, wg, wu, wd, None, None, None, None, "silu", 1.702, 7.0))
+    args = (x, tok, cnt, wg, wu, wd, None, None, None, None, "silu", 1.702, 7.0)
+    torch.library.opcheck(torch.ops.moe.expert_mlp.default, args)
+    # the backward ops run inside autograd only: check that their fakes promise the real shapes and strides
+    _same_layout_as_fake(torch.ops.moe.expert_mlp_backward, torch.randn(T * 2, H), *args)
+    _same_layout_as_fake(torch.ops.moe.route_backward, torch.randn(T, 2), torch.randn(E, T).t(), None, 2,
+                         "softmax", False, 0.0, 1.0, 1, 1, "top2_sum", 0.0)
     y = torch.randn(T * 2, H, requires_grad=True)
     torch.library.opcheck(torch.ops.moe.combine.default, (y, tok, cw.requires_grad_(True), T))
