@@ -19,6 +19,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from moecompile.passes.aliases import CONFIG_ALIASES
+
 _COMMON = dict(
     vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -138,9 +140,8 @@ def load_config(path: str | os.PathLike) -> PretrainedConfig:
 
 # ---------------------------------------------------------------- every MoE family of transformers
 
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
-                      "num_routed_experts", "n_experts")
-_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "num_selected_experts", "top_k", "moe_k")
+_EXPERT_COUNT_KEYS = CONFIG_ALIASES["num_experts"]
+_TOPK_KEYS = CONFIG_ALIASES["top_k"]
 
 
 def _default_config(family: str) -> PretrainedConfig | None:
