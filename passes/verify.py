@@ -91,24 +91,29 @@ def _prove(cand, values, config):
     float_dtypes = [t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
     tol = max(TOLERANCE.get(d, 2e-2) for d in float_dtypes + [out_val.dtype])  # the least precise one decides
 
-    def run_canonical(spec, binding, env):
-        logits = logits_gm(*[env[n] for n in logits_outside])
+    def router_logits(env):
+        return logits_gm(*[env[n] for n in logits_outside])
+
+    def run_canonical(spec, binding, env, logits=None):
+        logits = router_logits(env) if logits is None else logits
         weights = {k: [env[p] for p in v] if isinstance(v, list) else env[v] for k, v in binding.weights.items()}
         corr = env[binding.correction_bias] if binding.correction_bias is not None else None
         return canonical_moe(spec, env[x_node], logits, corr, weights, layer="",  # "": probes count no drops
                              out_dtype=out_val.dtype, out_3d=out_3d)
 
     with torch.no_grad():
+        envs = [dict(zip(outside, r)) for r in rounds]
         references = [orig_gm(*r) for r in rounds]
+        logits = [router_logits(env) for env in envs]  # the same for every candidate
         if all(isinstance(r, torch.Tensor) and not r.abs().any() for r in references):
             return False, {"reason": "the block gave an all-zero output on every probe: nothing to prove it "
                                      "against; left as it was"}
         best, failure = float("inf"), ""
         for i, (spec, binding) in enumerate(zip(cand.specs, cand.bindings)):
             err = 0.0
-            for r, reference in zip(rounds, references):
+            for env, round_logits, reference in zip(envs, logits, references):
                 try:
-                    err = max(err, rel_error(run_canonical(spec, binding, dict(zip(outside, r))), reference))
+                    err = max(err, rel_error(run_canonical(spec, binding, env, round_logits), reference))
                 except Exception as exc:  # a wrong guess may not even have consistent shapes
                     err, failure = float("inf"), failure or f"; first failure: {type(exc).__name__}: {exc}"
                 if err > tol:
