@@ -166,16 +166,17 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     router_params = {router_weight(router)} | {a for a in router.args[2:3] if isinstance(a, fx.Node)}
     experts, binds = expert_options(slice_nodes, values, order, E, H, router_params)
     corr = routing.pop("correction_bias_node")
+    router_bias = len(router.args) > 2 and router.args[2] is not None
+    block = dict(  # the same for every candidate
+        path=path, block_type=block_type, shared_experts=_shared_paths(region, slice_nodes, values, path),
+        shared_gate=_shared_gated(region, slice_nodes, values), dtype=str(w_router.dtype).replace("torch.", ""),
+    )
     specs, bindings = [], []
     for (r_kwargs, (e_kwargs, weights)) in itertools.product(_product(routing), zip(experts, binds)):
         spec = MoESpec(
-            path=path, block_type=block_type,
-            routing=RoutingSpec(**r_kwargs, correction_bias=corr is not None, router_bias=len(router.args) > 2
-                                and router.args[2] is not None),
+            **block,
+            routing=RoutingSpec(**r_kwargs, correction_bias=corr is not None, router_bias=router_bias),
             experts=ExpertSpec(num_experts=E, hidden=H, **e_kwargs),
-            shared_experts=_shared_paths(region, slice_nodes, values, path),
-            shared_gate=_shared_gated(region, slice_nodes, values),
-            dtype=str(values[router_weight(router)].dtype).replace("torch.", ""),
         )
         specs.append(spec)
         bindings.append(Binding(x=x_in, logits=logits, correction_bias=corr, weights=weights, routed=routed))
@@ -202,7 +203,7 @@ def _routed_node(region, dep, H) -> fx.Node:
     outs = [n for n in region if any(u not in region for u in n.users) and shape_of(n) and shape_of(n)[-1] == H]
     if not outs:
         raise Skip("no [.., H] output leaves the block")
-    node = outs[-1] if len(outs) == 1 else max(outs, key=lambda n: len(ancestors([n], region)))
+    node = max(outs, key=lambda n: len(ancestors([n], region)))  # the block's main output computes the most
     if node not in dep:  # Llama4: out = shared(x); out.add_(routed)
         adds = [u for u in node.users if op_name(u) in ("add_", "iadd") and u.args[0] is node and u.args[1] in dep]
         if not adds:
@@ -271,8 +272,9 @@ def _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in) -> 
     weight_only = after - descendants([n for n in slice_nodes if any(
         is_param(a, values) and values[a].dim() >= 2 and a is not router_weight(logits) for a in n.all_input_nodes)])
     sums = [n for n in weight_only if op_name(n) == "sum"]
+    after_sums = descendants(sums, weight_only)
     divs = [n for n in weight_only if op_name(n) in ("truediv", "itruediv", "div", "div_")
-            and any(a in descendants(sums, weight_only) for a in n.all_input_nodes[1:])]
+            and any(a in after_sums for a in n.all_input_nodes[1:])]
     opts["renormalize"] = [True, False] if divs else [False, True]
     eps = [c for s in sums for u in s.users if op_name(u) in ("add", "iadd") for c in float_consts(u)]
     opts["renorm_eps"] = [eps[0] if eps else 0.0]
