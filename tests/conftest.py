@@ -1,6 +1,9 @@
 import os
 import warnings
 
+# Triton kernels run in the interpreter on CPU; the switch is read when kernels are decorated, so before any import
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

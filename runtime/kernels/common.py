@@ -1,0 +1,121 @@
+"""What the Triton kernels share: where they may run, the activation math, shape checks, launch configurations.
+
+Interpreter. Without CUDA, Triton runs kernels in its interpreter when ``TRITON_INTERPRET=1`` is set *before* the
+kernels are decorated (imported). ``moecompile.runtime.kernels.load()`` sets it on a machine without CUDA, so
+``lowering="triton"`` works on CPU (slowly: it exists to prove the kernels, not to be fast).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Activation codes (constexpr ACT of the expert kernels); names are those of runtime/activations.py.
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "swiglu_clamp": 5}
+SQRT_2_OVER_PI = 0.7978845608028654
+GELU_TANH_C = 0.044715
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_device(*tensors: torch.Tensor | None) -> None:
+    """Kernels run on CUDA tensors, or on CPU tensors under the interpreter; all on one device."""
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"moecompile Triton kernels got tensors on several devices: {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type == "cpu" and not interpreting():
+        raise ValueError(
+            "moecompile Triton kernels got CPU tensors but Triton is not in interpreter mode; use "
+            "lowering='torch' on CPU, or set TRITON_INTERPRET=1 before moecompile's kernels are imported"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"moecompile Triton kernels run on CUDA (or CPU under the interpreter), not {device}")
+
+
+def check_shape(name: str, t: torch.Tensor | None, shape: tuple) -> None:
+    if t is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full precision ("ieee"), as torch's default fp32 matmul does (no TF32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * _sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def act_fwd(g, u, ACT: tl.constexpr, alpha, limit):
+    """The expert's hidden activation from fp32 gate ``g`` and up ``u`` tiles (``g`` unused when ungated:
+    the ungated activations read ``u``)."""
+    if ACT == 0:  # silu(g) * u
+        h = g * _sigmoid(g) * u
+    elif ACT == 1:  # gelu(g) * u (or gelu(u) ungated: the launcher passes u as g and ones as u)
+        h = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
+    elif ACT == 2:
+        h = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u
+    elif ACT == 3:
+        h = tl.maximum(g, 0.0) * u
+    elif ACT == 4:
+        r = tl.maximum(g, 0.0)
+        h = r * r * u
+    else:  # GPT-OSS: (clamp(u) + 1) * gc * sigmoid(alpha * gc), gc = min(g, limit)
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        h = (uc + 1.0) * gc * _sigmoid(alpha * gc)
+    return h
+
+
+@triton.jit
+def act_bwd(g, u, dh, ACT: tl.constexpr, alpha, limit):
+    """Gradients (dg, du) of ``act_fwd`` given the output gradient ``dh``, all fp32."""
+    if ACT == 0:
+        s = _sigmoid(g)
+        a = g * s
+        dg = dh * u * (s + a * (1.0 - s))
+        du = dh * a
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        pdf = 0.3989422804014327 * tl.exp(-0.5 * g * g)
+        dg = dh * u * (cdf + g * pdf)
+        du = dh * g * cdf
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = _tanh(inner)
+        dinner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+        dg = dh * u * (0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * dinner)
+        du = dh * 0.5 * g * (1.0 + t)
+    elif ACT == 3:
+        dg = tl.where(g > 0.0, dh * u, 0.0)
+        du = dh * tl.maximum(g, 0.0)
+    elif ACT == 4:
+        r = tl.maximum(g, 0.0)
+        dg = dh * u * 2.0 * r
+        du = dh * r * r
+    else:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = _sigmoid(alpha * gc)
+        glu = gc * s
+        dgc = dh * (uc + 1.0) * (s + alpha * glu * (1.0 - s))
+        dg = tl.where(g <= limit, dgc, 0.0)  # torch.clamp passes the gradient at the bound
+        du = tl.where((u >= -limit) & (u <= limit), dh * glu, 0.0)
+    return dg, du
