@@ -1,0 +1,385 @@
+"""Forward expert kernels over the padding-free token buffer: grouped GEMMs on variable-size expert segments.
+
+Legend: T tokens, B routed rows (sorted by expert), E experts, H hidden, I expert intermediate, M/N/K tile sizes.
+
+    up_act          h_BI = act(x[token_ids] * s @ w_gate[e]^T + b_gate, x[token_ids] * s @ w_up[e]^T + b_up)
+    down_combine    out_TH += cw_B * (h_BI @ w_down[e]^T + b_down)   (scatter-add by token; or y_BH stored)
+    fused_experts   both in ONE persistent launch: each program walks row tiles of every expert, runs the whole
+                    MLP of its tile (h kept in a per-program scratch, never a [B, I] tensor) and combines.
+
+Segments are never padded to a block multiple in memory. Row tiles are numbered expert by expert
+(``schedule``: tiles_E = ceil(rows_E / BLOCK_M)); a tile past the end of its expert's rows masks them, and a tile
+number past the last tile does nothing. The grid is a static upper bound (ceil(B / BLOCK_M) + E tiles), so no
+tile count ever travels to the host: nothing here synchronises with the GPU.
+
+Gated activations read (gate, up); the ungated ones apply to up alone (``GATED=False``). Arithmetic is fp32 in
+registers; the gathered rows are rounded to the weights' dtype before the dot, as the torch reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference as ref
+from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting
+
+# ---- schedule ------------------------------------------------------------------------------------------------
+
+
+def schedule(tokens_per_expert_E: torch.Tensor, block_m: int) -> torch.Tensor:
+    """int32 [4, E] on the device: first tile, end tile (exclusive), first row, rows of each expert. Device
+    ops only (no host synchronisation)."""
+    counts = tokens_per_expert_E.to(torch.int32)
+    tiles = (counts + (block_m - 1)) // block_m
+    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
+    row_end = torch.cumsum(counts, 0, dtype=torch.int32)
+    return torch.stack([tile_end - tiles, tile_end, row_end - counts, counts]).contiguous()
+
+
+def max_tiles(B: int, E: int, block_m: int) -> int:
+    return triton.cdiv(B, block_m) + E  # sum of ceil(n_e / M) <= B / M + E
+
+
+@triton.jit
+def _locate(t, sched_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Expert ``e`` of row tile ``t`` (E when past the last tile), its rows and the mask of real ones."""
+    offs_e = tl.arange(0, BLOCK_E)
+    ends = tl.load(sched_ptr + E + offs_e, mask=offs_e < E, other=2147483647)
+    e = tl.sum((ends <= t).to(tl.int32), axis=0)
+    valid = e < E
+    first_tile = tl.load(sched_ptr + e, mask=valid, other=0)
+    row0 = tl.load(sched_ptr + 2 * E + e, mask=valid, other=0)
+    nrows = tl.load(sched_ptr + 3 * E + e, mask=valid, other=0)
+    local = (t - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_ok = (local < nrows) & valid
+    return e, row0 + local, rows_ok, valid
+
+
+# ---- tile bodies (shared by the separate kernels and the fused one) ------------------------------------------
+
+
+@triton.jit
+def _load_scale(s_ptr, rows, rows_ok, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
+    if HAS_SCALE:
+        return tl.load(s_ptr + rows, mask=rows_ok, other=0.0).to(DT).to(tl.float32)
+    else:
+        return tl.full(rows.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _up_tile(
+    x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
+    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue, alpha, limit,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    """fp32 [M, N] tile of the activated hidden state for rows ``tok`` of expert ``e64``, columns n0 + [0, N)."""
+    DT = wu_ptr.dtype.element_ty
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        a = tl.load(x_ptr + tok[:, None] * sxt + offs_k[None, :] * sxh, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        a = a.to(DT)
+        if HAS_SCALE:
+            a = (a.to(tl.float32) * scale[:, None]).to(DT)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        wu = tl.load(wu_ptr + e64 * sue + offs_n[None, :] * sui + offs_k[:, None] * suh, mask=w_mask, other=0.0)
+        acc_u += tl.dot(a, wu, input_precision=PREC)
+        if GATED:
+            wg = tl.load(wg_ptr + e64 * sge + offs_n[None, :] * sgi + offs_k[:, None] * sgh, mask=w_mask, other=0.0)
+            acc_g += tl.dot(a, wg, input_precision=PREC)
+    if HAS_BU:
+        acc_u += tl.load(bu_ptr + e64 * sbue + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        if HAS_BG:
+            acc_g += tl.load(bg_ptr + e64 * sbge + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        # the reference rounds each projection to the weights' dtype before the activation
+        return act_fwd(acc_g.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32), ACT, alpha, limit)
+    else:
+        return act_fwd(acc_u.to(DT).to(tl.float32), 1.0, ACT, alpha, limit)
+
+
+@triton.jit
+def _down_tile(
+    h_ptr, shr, hrow, rows_ok, e64, n0, H, I, wd_ptr, sde, sdh, sdi, bd_ptr, sbde,
+    HAS_BD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    """fp32 [M, N] tile of ``h @ w_down[e]^T + b_down`` (columns n0 + [0, N) of H), rounded to the dtype."""
+    DT = wd_ptr.dtype.element_ty
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < I
+        a = tl.load(h_ptr + hrow[:, None] * shr + offs_k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(wd_ptr + e64 * sde + offs_n[None, :] * sdh + offs_k[:, None] * sdi,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a.to(DT), w, input_precision=PREC)
+    if HAS_BD:
+        acc += tl.load(bd_ptr + e64 * sbde + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return acc.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _emit(acc, rows, tok, rows_ok, n0, H, out_ptr, cw_ptr, COMBINE: tl.constexpr, HAS_CW: tl.constexpr,
+          BLOCK_N: tl.constexpr):
+    """Down-projection epilogue: weighted scatter-add into the fp32 [T, H] output, or store of y_BH rows."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask = rows_ok[:, None] & (offs_n[None, :] < H)
+    if COMBINE:
+        if HAS_CW:
+            acc = acc * tl.load(cw_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
+        tl.atomic_add(out_ptr + tok[:, None] * H + offs_n[None, :], acc, mask=mask)
+    else:
+        tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- kernels -------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _up_act_kernel(
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, sched_ptr, h_ptr,
+    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
+    E, H, I, alpha, limit,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (row tiles, I tiles): gather + up (+gate) GEMM + activation, h_BI stored in the weights' dtype."""
+    e, rows, rows_ok, valid = _locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    if valid:
+        n0 = tl.program_id(1) * BLOCK_N
+        tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0)
+        scale = _load_scale(s_ptr, rows, rows_ok, HAS_SCALE, wu_ptr.dtype.element_ty)
+        h = _up_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e.to(tl.int64), n0, H, I,
+                     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue, alpha, limit,
+                     GATED, HAS_BG, HAS_BU, HAS_SCALE, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=rows_ok[:, None] & (offs_n[None, :] < I))
+
+
+@triton.jit
+def _down_combine_kernel(
+    h_ptr, tok_ptr, cw_ptr, sched_ptr, out_ptr, wd_ptr, sde, sdh, sdi, bd_ptr, sbde, E, H, I,
+    HAS_BD: tl.constexpr, COMBINE: tl.constexpr, HAS_CW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (row tiles, H tiles): down GEMM, bias, then the weighted scatter-combine (or y_BH when not COMBINE)."""
+    e, rows, rows_ok, valid = _locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    if valid:
+        n0 = tl.program_id(1) * BLOCK_N
+        tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
+        acc = _down_tile(h_ptr, I, rows.to(tl.int64), rows_ok, e.to(tl.int64), n0, H, I, wd_ptr, sde, sdh, sdi,
+                         bd_ptr, sbde, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        _emit(acc, rows.to(tl.int64), tok, rows_ok, n0, H, out_ptr, cw_ptr, COMBINE, HAS_CW, BLOCK_N)
+
+
+@triton.jit
+def _fused_experts_kernel(
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, sched_ptr, scratch_ptr, out_ptr,
+    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, wd_ptr, sde, sdh, sdi,
+    bg_ptr, sbge, bu_ptr, sbue, bd_ptr, sbde, E, H, I, num_tiles, alpha, limit,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_CW: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
+):
+    """Persistent whole-layer forward: program p takes row tiles p, p + P, ... across all experts (uneven
+    experts simply own more tiles) and runs gather -> up -> activation -> down -> weighted combine for each.
+    The activated [M, I] rows go to this program's own scratch slot, so no program waits on another."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    slot = scratch_ptr + pid.to(tl.int64) * BLOCK_M * I
+    local = tl.arange(0, BLOCK_M).to(tl.int64)
+    for t in range(pid, num_tiles, nprog):
+        e, rows, rows_ok, valid = _locate(t, sched_ptr, E, BLOCK_M, BLOCK_E)
+        if valid:
+            e64 = e.to(tl.int64)
+            tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
+            scale = _load_scale(s_ptr, rows, rows_ok, HAS_SCALE, wu_ptr.dtype.element_ty)
+            for n0 in range(0, I, BLOCK_N):
+                h = _up_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
+                             wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue, alpha, limit,
+                             GATED, HAS_BG, HAS_BU, HAS_SCALE, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                tl.store(slot + local[:, None] * I + offs_n[None, :], h.to(scratch_ptr.dtype.element_ty),
+                         mask=offs_n[None, :] < I)
+            tl.debug_barrier()  # the whole [M, I] slot is written before any thread reads it back
+            for n0 in range(0, H, BLOCK_N):
+                acc = _down_tile(slot, I, local, rows_ok, e64, n0, H, I, wd_ptr, sde, sdh, sdi, bd_ptr, sbde,
+                                 HAS_BD, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+                _emit(acc, rows.to(tl.int64), tok, rows_ok, n0, H, out_ptr, cw_ptr, True, HAS_CW, BLOCK_N)
+            tl.debug_barrier()  # the slot is read by every thread before the next tile overwrites it
+
+
+# ---- configurations ------------------------------------------------------------------------------------------
+
+
+def pick_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
+    """Tile sizes for the grouped GEMMs. The interpreter gets the smallest legal tiles (it runs each program in
+    Python, so fewer wasted masked rows is what counts). On the GPU: M tiles of 64 rows when experts see few rows
+    (decode, many experts) to waste less of each tile, 128 otherwise; 128-wide N and 64-deep K for 16-bit
+    (wgmma-sized, fits shared memory at 3 stages); fp32 halves K to stay within shared memory."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
+    block_m = 64 if rows_per_expert < 128 else 128
+    block_k = 32 if dtype == torch.float32 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, num_warps=8 if block_m == 128 else 4, num_stages=3)
+
+
+GPU_CONFIGS = [
+    dict(BLOCK_M=m, BLOCK_N=128, BLOCK_K=32 if dt == torch.float32 else 64, dtype=dt)
+    for m in (64, 128)
+    for dt in (torch.float32, torch.float16, torch.bfloat16)
+]
+
+
+# ---- host launchers ------------------------------------------------------------------------------------------
+
+
+def check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI,
+                      b_down_EH, input_scale_B, activation):
+    """Shapes, dtypes and devices of an expert MLP call; returns (B, E, H, I)."""
+    from ..activations import check_activation
+
+    check_activation(activation, gated=w_gate_EIH is not None)
+    check_device(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI,
+                 b_down_EH, input_scale_B)
+    if x_TH.dim() != 2 or w_up_EIH.dim() != 3:
+        raise ValueError(f"expected x [T, H] and w_up [E, I, H]; got {tuple(x_TH.shape)} and {tuple(w_up_EIH.shape)}")
+    E, I, H = w_up_EIH.shape
+    B = token_ids_B.shape[0]
+    check_shape("x_TH", x_TH, (x_TH.shape[0], H))
+    check_shape("w_gate_EIH", w_gate_EIH, (E, I, H))
+    check_shape("w_down_EHI", w_down_EHI, (E, H, I))
+    check_shape("tokens_per_expert_E", tokens_per_expert_E, (E,))
+    check_shape("b_gate_EI", b_gate_EI, (E, I))
+    check_shape("b_up_EI", b_up_EI, (E, I))
+    check_shape("b_down_EH", b_down_EH, (E, H))
+    check_shape("input_scale_B", input_scale_B, (B,))
+    if token_ids_B.dim() != 1 or token_ids_B.dtype.is_floating_point:
+        raise ValueError(f"token_ids_B must be a 1-D integer tensor, got {token_ids_B.dtype} {tuple(token_ids_B.shape)}")
+    dtypes = {t.dtype for t in (w_gate_EIH, w_up_EIH, w_down_EHI) if t is not None}
+    if len(dtypes) != 1:
+        raise ValueError(f"expert weights must share one dtype, got {sorted(map(str, dtypes))}")
+    return B, E, H, I
+
+
+def _opt(t, dummy):
+    """(tensor or a dummy pointer, its leading stride) for an optional argument."""
+    return (dummy, 0) if t is None else (t, t.stride(0))
+
+
+def _config(config, B, E, dtype):
+    return config or pick_config(B / max(E, 1), dtype)
+
+
+def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI=None, b_up_EI=None,
+           input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0, config=None):
+    """h_BI: gathered rows through each expert's up (and gate) projection and activation."""
+    B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH,
+                                   w_up_EIH.transpose(1, 2), b_gate_EI, b_up_EI, None, input_scale_B, activation)
+    cfg = _config(config, B, E, w_up_EIH.dtype)
+    sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
+    h_BI = torch.zeros(B, I, dtype=w_up_EIH.dtype, device=x_TH.device)  # dropped tail rows stay 0
+    wg = w_up_EIH if w_gate_EIH is None else w_gate_EIH
+    bg, sbg = _opt(b_gate_EI, wg)
+    bu, sbu = _opt(b_up_EI, wg)
+    s = input_scale_B if input_scale_B is not None else token_ids_B
+    grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(I, cfg["BLOCK_N"]))
+    _up_act_kernel[grid](
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, sched, h_BI,
+        wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
+        GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
+        HAS_SCALE=input_scale_B is not None, ACT=ACT_CODES[activation], BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
+        PREC=dot_precision(w_up_EIH.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return h_BI
+
+
+def _combine_dtype(w_dtype, combine_weights_B):
+    return w_dtype if combine_weights_B is None else torch.promote_types(w_dtype, combine_weights_B.dtype)
+
+
+def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=None, combine_weights_B=None,
+                 num_tokens=None, *, combine=True, config=None):
+    """``combine``: out_TH = sum over each token's rows of cw * (h @ w_down[e]^T + b_down); else y_BH."""
+    E, H, I = w_down_EHI.shape
+    B = token_ids_B.shape[0]
+    check_device(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B)
+    check_shape("h_BI", h_BI, (B, I))
+    check_shape("b_down_EH", b_down_EH, (E, H))
+    check_shape("combine_weights_B", combine_weights_B, (B,))
+    if combine and num_tokens is None:
+        raise ValueError("down_combine(combine=True) needs num_tokens")
+    cfg = _config(config, B, E, w_down_EHI.dtype)
+    sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
+    if combine:
+        out = torch.zeros(num_tokens, H, dtype=torch.float32, device=h_BI.device)
+    else:
+        out = torch.zeros(B, H, dtype=w_down_EHI.dtype, device=h_BI.device)  # dropped tail rows stay 0
+    bd, sbd = _opt(b_down_EH, w_down_EHI)
+    cw = combine_weights_B if combine_weights_B is not None else h_BI
+    grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(H, cfg["BLOCK_N"]))
+    _down_combine_kernel[grid](
+        h_BI.contiguous(), token_ids_B, cw, sched, out, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I,
+        HAS_BD=b_down_EH is not None, COMBINE=combine, HAS_CW=combine_weights_B is not None,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
+        PREC=dot_precision(w_down_EHI.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out.to(_combine_dtype(w_down_EHI.dtype, combine_weights_B)) if combine else out
+
+
+def _num_programs(device, num_tiles):
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(num_tiles, sms))  # one resident program per SM: the persistent schedule
+    return max(1, min(num_tiles, 4))
+
+
+def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
+                  b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *, num_tokens, activation="silu",
+                  alpha=1.702, limit=7.0, config=None, num_programs=None):
+    """The whole routed MLP + combine of one layer in one persistent launch: out_TH (fp32 accumulation, returned
+    in the dtype the torch reference's combine would have: weights' dtype promoted with combine weights')."""
+    B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
+                                   b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
+    check_shape("combine_weights_B", combine_weights_B, (B,))
+    check_shape("x_TH", x_TH, (num_tokens, H))
+    cfg = _config(config, B, E, w_up_EIH.dtype)
+    sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
+    tiles = max_tiles(B, E, cfg["BLOCK_M"])
+    P = num_programs or _num_programs(x_TH.device, tiles)
+    scratch = torch.empty(P, cfg["BLOCK_M"], I, dtype=w_up_EIH.dtype, device=x_TH.device)
+    out = torch.zeros(num_tokens, H, dtype=torch.float32, device=x_TH.device)
+    wg = w_up_EIH if w_gate_EIH is None else w_gate_EIH
+    (bg, sbg), (bu, sbu), (bd, sbd) = _opt(b_gate_EI, wg), _opt(b_up_EI, wg), _opt(b_down_EH, wg)
+    s = input_scale_B if input_scale_B is not None else token_ids_B
+    cw = combine_weights_B if combine_weights_B is not None else token_ids_B
+    _fused_experts_kernel[(P,)](
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, sched, scratch, out,
+        wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(),
+        bg, sbg, bu, sbu, bd, sbd, E, H, I, tiles, float(alpha), float(limit),
+        GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
+        HAS_BD=b_down_EH is not None, HAS_SCALE=input_scale_B is not None, HAS_CW=combine_weights_B is not None,
+        ACT=ACT_CODES[activation], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(w_up_EIH.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out.to(_combine_dtype(w_up_EIH.dtype, combine_weights_B))
+
+
+def fused_experts_ref(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
+                      b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *, num_tokens,
+                      activation="silu", alpha=1.702, limit=7.0):
+    y_BH = ref.expert_mlp_ref(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
+                              b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit)
+    return ref.combine_ref(y_BH, token_ids_B, combine_weights_B, num_tokens)
