@@ -43,7 +43,7 @@ def max_tiles(B: int, E: int, block_m: int) -> int:
 
 
 @triton.jit
-def _locate(t, sched_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def locate(t, sched_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """Expert ``e`` of row tile ``t`` (E when past the last tile), its rows and the mask of real ones."""
     offs_e = tl.arange(0, BLOCK_E)
     ends = tl.load(sched_ptr + E + offs_e, mask=offs_e < E, other=2147483647)
@@ -61,7 +61,7 @@ def _locate(t, sched_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _load_scale(s_ptr, rows, rows_ok, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
+def load_scale(s_ptr, rows, rows_ok, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
     if HAS_SCALE:
         return tl.load(s_ptr + rows, mask=rows_ok, other=0.0).to(DT).to(tl.float32)
     else:
@@ -69,13 +69,14 @@ def _load_scale(s_ptr, rows, rows_ok, HAS_SCALE: tl.constexpr, DT: tl.constexpr)
 
 
 @triton.jit
-def _up_tile(
+def proj_tile(
     x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
-    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue, alpha, limit,
-    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr, ACT: tl.constexpr,
+    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
-    """fp32 [M, N] tile of the activated hidden state for rows ``tok`` of expert ``e64``, columns n0 + [0, N)."""
+    """fp32 [M, N] tiles (gate, up) of the projections of rows ``tok`` of expert ``e64``, columns n0 + [0, N),
+    each rounded to the weights' dtype as the reference rounds them (gate is up when not GATED)."""
     DT = wu_ptr.dtype.element_ty
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -99,10 +100,26 @@ def _up_tile(
     if GATED:
         if HAS_BG:
             acc_g += tl.load(bg_ptr + e64 * sbge + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        # the reference rounds each projection to the weights' dtype before the activation
-        return act_fwd(acc_g.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32), ACT, alpha, limit)
+        return acc_g.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32)
     else:
-        return act_fwd(acc_u.to(DT).to(tl.float32), 1.0, ACT, alpha, limit)
+        return acc_u.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _up_tile(
+    x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
+    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue, alpha, limit,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    """fp32 [M, N] tile of the activated hidden state (ungated: the activation of up alone)."""
+    g, u = proj_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
+                     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
+                     GATED, HAS_BG, HAS_BU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+    if GATED:
+        return act_fwd(g, u, ACT, alpha, limit)
+    else:
+        return act_fwd(u, 1.0, ACT, alpha, limit)
 
 
 @triton.jit
@@ -153,11 +170,11 @@ def _up_act_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (row tiles, I tiles): gather + up (+gate) GEMM + activation, h_BI stored in the weights' dtype."""
-    e, rows, rows_ok, valid = _locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    e, rows, rows_ok, valid = locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         n0 = tl.program_id(1) * BLOCK_N
         tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0)
-        scale = _load_scale(s_ptr, rows, rows_ok, HAS_SCALE, wu_ptr.dtype.element_ty)
+        scale = load_scale(s_ptr, rows, rows_ok, HAS_SCALE, wu_ptr.dtype.element_ty)
         h = _up_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e.to(tl.int64), n0, H, I,
                      wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue, alpha, limit,
                      GATED, HAS_BG, HAS_BU, HAS_SCALE, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
@@ -173,7 +190,7 @@ def _down_combine_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (row tiles, H tiles): down GEMM, bias, then the weighted scatter-combine (or y_BH when not COMBINE)."""
-    e, rows, rows_ok, valid = _locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    e, rows, rows_ok, valid = locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         n0 = tl.program_id(1) * BLOCK_N
         tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
@@ -199,11 +216,11 @@ def _fused_experts_kernel(
     slot = scratch_ptr + pid.to(tl.int64) * BLOCK_M * I
     local = tl.arange(0, BLOCK_M).to(tl.int64)
     for t in range(pid, num_tiles, nprog):
-        e, rows, rows_ok, valid = _locate(t, sched_ptr, E, BLOCK_M, BLOCK_E)
+        e, rows, rows_ok, valid = locate(t, sched_ptr, E, BLOCK_M, BLOCK_E)
         if valid:
             e64 = e.to(tl.int64)
             tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
-            scale = _load_scale(s_ptr, rows, rows_ok, HAS_SCALE, wu_ptr.dtype.element_ty)
+            scale = load_scale(s_ptr, rows, rows_ok, HAS_SCALE, wu_ptr.dtype.element_ty)
             for n0 in range(0, I, BLOCK_N):
                 h = _up_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
                              wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue, alpha, limit,

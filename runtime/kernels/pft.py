@@ -13,7 +13,8 @@ Shape suffixes: T tokens, K top-k (assignments per token), E experts, B = T*K fl
 C chunks of CHUNK assignments.
 
 Per call: 2 kernel launches and 3 torch ops on device (cumsum, subtract, sum) besides the 5 output/table
-allocations; nothing reads a tensor value on the host, so the call is CUDA-graph and torch.compile friendly.
+allocations (and one copy when ids are not int64); nothing reads a tensor value on the host, so the call is
+CUDA-graph and torch.compile friendly. B, C, E, K are i32 arguments: B < 2**31.
 
 Ids out of [0, E) cannot be checked without a host sync: such assignments are not counted and not written (no
 out-of-bounds access), leaving those buffer slots unwritten. ``build_pft_ref`` (torch) is the checker.

@@ -167,6 +167,7 @@ def _route_backward_kernel(
 
     if RENORM:  # w = c * r / S, S = sum(r) + eps:  dr = c * (g / S - sum(g * r) / S^2)
         s_T = tl.sum(r_TE, axis=1) + renorm_eps
+        s_T = tl.where(s_T != 0.0, s_T, 1.0)  # rows past T pick nothing
         gr_T = tl.sum(g_TE * r_TE, axis=1)
         dr_TE = scaling * (g_TE / s_T[:, None] - (gr_T / (s_T * s_T))[:, None])
     else:

@@ -1,0 +1,268 @@
+"""Backward of the fused expert layer (``grouped_mlp.fused_experts``): grouped GEMMs for the input and weight
+gradients, with the gather/scatter adjoints fused into them.
+
+Legend: T tokens, B routed rows (sorted by expert), E experts, H hidden, I expert intermediate, P partial sums.
+
+Forward, per row b of expert e and token t = tok[b]:
+    xs_b = x[t] * s_b;  g_b, u_b = xs_b @ Wg[e]^T + bg, xs_b @ Wu[e]^T + bu;  h_b = act(g_b, u_b)
+    out[t] += cw_b * (h_b @ Wd[e]^T + bd)
+Backward, given dout_TH (three kernel kinds, five launches gated, four ungated):
+    dh_kernel    G_b = dout[t] @ Wd[e] (recomputing g, u, h: nothing [B, I] is kept from the forward)
+                 dcw_b = <h_b, G_b> (+ <bd, dout[t]>),  dh_b = cw_b G_b,  (dg_b, du_b) = act'(g_b, u_b) dh_b
+    dx_kernel    dxs_b = dg_b @ Wg[e] + du_b @ Wu[e];  dx[t] += s_b dxs_b (atomic: the gather's adjoint);
+                 ds_b = <dxs_b, x[t]>
+    wgrad_kernel dW[e] = A_e^T @ C_e over expert e's rows, A and C optionally gathered by token and scaled by
+                 row: dWg = dg^T xs, dWu = du^T xs, dWd = (cw dout[tok])^T h; bias gradients = column sums of A
+Partial dot products ([B, P], one column per tile of the reduced axis) are summed on the device by torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import ACT_CODES, act_bwd, act_fwd, dot_precision
+from .grouped_mlp import (_config, _opt, check_expert_args, load_scale, locate, max_tiles,
+                          proj_tile, schedule)
+
+
+@triton.jit
+def _dh_kernel(
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, sched_ptr, dout_ptr, h_ptr, dg_ptr, du_ptr, pcw_ptr,
+    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, wd_ptr, sde, sdh, sdi, bg_ptr, sbge, bu_ptr, sbue,
+    E, H, I, alpha, limit,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_CW: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (row tiles, I tiles): recompute the projections, G = dout[tok] @ Wd[e], then dh and act'."""
+    e, rows, rows_ok, valid = locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    if valid:
+        DT = wu_ptr.dtype.element_ty
+        e64 = e.to(tl.int64)
+        pid_n = tl.program_id(1)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        rows64 = rows.to(tl.int64)
+        tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
+        scale = load_scale(s_ptr, rows, rows_ok, HAS_SCALE, DT)
+        g, u = proj_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
+                         wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
+                         GATED, HAS_BG, HAS_BU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        G = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < H
+            a = tl.load(dout_ptr + tok[:, None] * H + offs_k[None, :], mask=rows_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(wd_ptr + e64 * sde + offs_k[:, None] * sdh + offs_n[None, :] * sdi,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            G += tl.dot(a.to(DT), w, input_precision=PREC)
+        if GATED:
+            h = act_fwd(g, u, ACT, alpha, limit).to(DT)
+        else:
+            h = act_fwd(u, 1.0, ACT, alpha, limit).to(DT)
+        mask = rows_ok[:, None] & n_ok[None, :]
+        tl.store(h_ptr + rows64[:, None] * I + offs_n[None, :], h, mask=mask)
+        if HAS_CW:
+            cw = tl.load(cw_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
+            tl.store(pcw_ptr + rows64 * tl.num_programs(1) + pid_n, tl.sum(h.to(tl.float32) * G, axis=1),
+                     mask=rows_ok)
+            G = G * cw[:, None]
+        dh = G.to(DT).to(tl.float32)  # the reference's grad of h is in the weights' dtype
+        if GATED:
+            dg, du = act_bwd(g, u, dh, ACT, alpha, limit)
+            tl.store(dg_ptr + rows64[:, None] * I + offs_n[None, :], dg.to(DT), mask=mask)
+        else:
+            du, _unused = act_bwd(u, 1.0, dh, ACT, alpha, limit)
+        tl.store(du_ptr + rows64[:, None] * I + offs_n[None, :], du.to(DT), mask=mask)
+
+
+@triton.jit
+def _dx_kernel(
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, sched_ptr, dg_ptr, du_ptr, dx_ptr, ps_ptr, dout_ptr, bd_ptr, sbde, pbd_ptr,
+    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, E, H, I,
+    GATED: tl.constexpr, HAS_SCALE: tl.constexpr, BD_DCW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (row tiles, H tiles): dxs = dg @ Wg[e] + du @ Wu[e], scattered to dx[tok] (fp32, atomic) with the
+    row scale; partial <dxs, x[tok]> for the scale's gradient and <bd, dout[tok]> for the combine weights'."""
+    e, rows, rows_ok, valid = locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    if valid:
+        DT = wu_ptr.dtype.element_ty
+        e64 = e.to(tl.int64)
+        pid_n = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        rows64 = rows.to(tl.int64)
+        tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < I
+            a_mask = rows_ok[:, None] & k_ok[None, :]
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            du = tl.load(du_ptr + rows64[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
+            wu = tl.load(wu_ptr + e64 * sue + offs_k[:, None] * sui + offs_n[None, :] * suh, mask=w_mask, other=0.0)
+            acc += tl.dot(du, wu, input_precision=PREC)
+            if GATED:
+                dg = tl.load(dg_ptr + rows64[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
+                wg = tl.load(wg_ptr + e64 * sge + offs_k[:, None] * sgi + offs_n[None, :] * sgh, mask=w_mask,
+                             other=0.0)
+                acc += tl.dot(dg, wg, input_precision=PREC)
+        acc = acc.to(DT).to(tl.float32)  # the reference's grad of the gathered rows is in the weights' dtype
+        mask = rows_ok[:, None] & n_ok[None, :]
+        if HAS_SCALE:
+            x = tl.load(x_ptr + tok[:, None] * sxt + offs_n[None, :] * sxh, mask=mask, other=0.0)
+            x = x.to(DT).to(tl.float32)
+            tl.store(ps_ptr + rows64 * tl.num_programs(1) + pid_n, tl.sum(acc * x, axis=1), mask=rows_ok)
+            acc = acc * load_scale(s_ptr, rows, rows_ok, HAS_SCALE, DT)[:, None]
+        tl.atomic_add(dx_ptr + tok[:, None] * H + offs_n[None, :], acc, mask=mask)
+        if BD_DCW:
+            d = tl.load(dout_ptr + tok[:, None] * H + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            bd = tl.load(bd_ptr + e64 * sbde + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(pbd_ptr + rows64 * tl.num_programs(1) + pid_n, tl.sum(d * bd[None, :], axis=1), mask=rows_ok)
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, sa, a_tok_ptr, a_scale_ptr, c_ptr, sc, c_tok_ptr, c_scale_ptr, sched_ptr, dw_ptr, db_ptr,
+    E, N1, N2,
+    A_GATHER: tl.constexpr, A_SCALE: tl.constexpr, C_GATHER: tl.constexpr, C_SCALE: tl.constexpr,
+    HAS_DB: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Grid (E, N1 tiles x N2 tiles): dW[e] = A_e^T @ C_e, reducing over expert e's rows (a variable-length
+    segment, masked in BLOCK_K steps); A row r is a[tok[r]] * scale[r] when gathered and scaled, C likewise.
+    db[e] = column sums of A_e (only the N2-tile-0 programs write it)."""
+    DT = dw_ptr.dtype.element_ty
+    e = tl.program_id(0)
+    n2_tiles = tl.cdiv(N2, BLOCK_N2)
+    pid_n1 = tl.program_id(1) // n2_tiles
+    pid_n2 = tl.program_id(1) % n2_tiles
+    offs_1 = pid_n1 * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+    offs_2 = pid_n2 * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+    row0 = tl.load(sched_ptr + 2 * E + e)
+    nrows = tl.load(sched_ptr + 3 * E + e)
+    acc = tl.zeros((BLOCK_N1, BLOCK_N2), tl.float32)
+    colsum = tl.zeros((BLOCK_N1,), tl.float32)
+    for k0 in range(0, nrows, BLOCK_K):
+        rows = row0 + k0 + tl.arange(0, BLOCK_K)
+        r_ok = (k0 + tl.arange(0, BLOCK_K)) < nrows
+        ra = rows.to(tl.int64)
+        if A_GATHER:
+            ra = tl.load(a_tok_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+        rc = rows.to(tl.int64)
+        if C_GATHER:
+            rc = tl.load(c_tok_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+        a = tl.load(a_ptr + ra[:, None] * sa + offs_1[None, :], mask=r_ok[:, None] & (offs_1[None, :] < N1),
+                    other=0.0)
+        if A_SCALE:  # (dout[tok] * cw) rounded once, as the reference's combine adjoint
+            a = a.to(tl.float32) * tl.load(a_scale_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+        a = a.to(DT)
+        c = tl.load(c_ptr + rc[:, None] * sc + offs_2[None, :], mask=r_ok[:, None] & (offs_2[None, :] < N2),
+                    other=0.0).to(DT)
+        if C_SCALE:  # x[tok].to(dtype) * s.to(dtype), as the reference's gather
+            c = (c.to(tl.float32) * load_scale(c_scale_ptr, rows, r_ok, True, DT)[:, None]).to(DT)
+        acc += tl.dot(tl.trans(a), c, input_precision=PREC)
+        if HAS_DB:
+            colsum += tl.sum(a.to(tl.float32), axis=0)
+    e64 = e.to(tl.int64)
+    tl.store(dw_ptr + e64 * N1 * N2 + offs_1[:, None] * N2 + offs_2[None, :], acc.to(DT),
+             mask=(offs_1[:, None] < N1) & (offs_2[None, :] < N2))
+    if HAS_DB:
+        if pid_n2 == 0:
+            tl.store(db_ptr + e64 * N1 + offs_1, colsum.to(db_ptr.dtype.element_ty), mask=offs_1 < N1)
+
+
+# ---- host launcher -------------------------------------------------------------------------------------------
+
+
+def wgrad_config(dtype) -> dict:
+    """Tiles of the weight-gradient GEMM: 128 x 128 outputs (16-bit) reduced over 64 rows per step (32 in fp32 to
+    fit shared memory); the interpreter gets the smallest legal tiles."""
+    from .common import interpreting
+
+    if interpreting():
+        return dict(BLOCK_N1=16, BLOCK_N2=16, BLOCK_K=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=8,
+                num_stages=3)
+
+
+def _wgrad(a, a_tok, a_scale, c, c_tok, c_scale, sched, E, want_db, cfg):
+    N1, N2 = a.shape[1], c.shape[1]
+    dw = torch.empty(E, N1, N2, dtype=cfg["dtype"], device=a.device)
+    db = torch.zeros(E, N1, dtype=cfg["dtype"], device=a.device) if want_db else dw
+    grid = (E, triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]))
+    _wgrad_kernel[grid](
+        a, a.stride(0), a_tok if a_tok is not None else sched, a_scale if a_scale is not None else a,
+        c, c.stride(0), c_tok if c_tok is not None else sched, c_scale if c_scale is not None else c,
+        sched, dw, db, E, N1, N2,
+        A_GATHER=a_tok is not None, A_SCALE=a_scale is not None, C_GATHER=c_tok is not None,
+        C_SCALE=c_scale is not None, HAS_DB=want_db, BLOCK_N1=cfg["BLOCK_N1"], BLOCK_N2=cfg["BLOCK_N2"],
+        BLOCK_K=cfg["BLOCK_K"], PREC=dot_precision(cfg["dtype"]), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return dw, (db if want_db else None)
+
+
+def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
+                           w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
+                           activation="silu", alpha=1.702, limit=7.0, config=None):
+    """Gradients of ``fused_experts`` for (x, combine_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
+    input_scale), None where that input is None. Weight and bias gradients come back contiguous."""
+    B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
+                                   b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
+    T = x_TH.shape[0]
+    dt = w_up_EIH.dtype
+    gated = w_gate_EIH is not None
+    cfg = _config(config, B, E, dt)
+    sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
+    dout = dout_TH.contiguous()
+    dev = x_TH.device
+    n_i, n_h = triton.cdiv(I, cfg["BLOCK_N"]), triton.cdiv(H, cfg["BLOCK_N"])
+    h_BI = torch.zeros(B, I, dtype=dt, device=dev)  # rows past the routed ones (dropped) stay 0
+    du_BI = torch.zeros(B, I, dtype=dt, device=dev)
+    dg_BI = torch.zeros(B, I, dtype=dt, device=dev) if gated else du_BI
+    has_cw = combine_weights_B is not None
+    pcw = torch.zeros(B, n_i, dtype=torch.float32, device=dev) if has_cw else dout
+    wg = w_gate_EIH if gated else w_up_EIH
+    (bg, sbg), (bu, sbu), (bd, sbd) = _opt(b_gate_EI, wg), _opt(b_up_EI, wg), _opt(b_down_EH, wg)
+    s = input_scale_B if input_scale_B is not None else token_ids_B
+    cw = combine_weights_B if has_cw else token_ids_B
+    common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                  BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(dt), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    tiles = max_tiles(B, E, cfg["BLOCK_M"])
+    _dh_kernel[(tiles, n_i)](
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, sched, dout, h_BI, dg_BI, du_BI, pcw,
+        wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(), bg, sbg, bu, sbu,
+        E, H, I, float(alpha), float(limit),
+        GATED=gated, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None, HAS_SCALE=input_scale_B is not None,
+        HAS_CW=has_cw, ACT=ACT_CODES[activation], **common,
+    )
+    dx = torch.zeros(T, H, dtype=torch.float32, device=dev)
+    has_s = input_scale_B is not None
+    bd_dcw = has_cw and b_down_EH is not None
+    ps = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if has_s else dx
+    pbd = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if bd_dcw else dx
+    _dx_kernel[(tiles, n_h)](
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, sched, dg_BI, du_BI, dx, ps, dout, bd, sbd, pbd,
+        wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), E, H, I,
+        GATED=gated, HAS_SCALE=has_s, BD_DCW=bd_dcw, **common,
+    )
+    wcfg = dict(wgrad_config(dt), dtype=dt)
+    xs = dict(c=x_TH.contiguous(), c_tok=token_ids_B, c_scale=input_scale_B)
+    dwg, dbg = _wgrad(dg_BI, None, None, **xs, sched=sched, E=E, want_db=b_gate_EI is not None, cfg=wcfg) \
+        if gated else (None, None)
+    dwu, dbu = _wgrad(du_BI, None, None, **xs, sched=sched, E=E, want_db=b_up_EI is not None, cfg=wcfg)
+    dwd, dbd = _wgrad(dout, token_ids_B, combine_weights_B, h_BI, None, None, sched=sched, E=E,
+                      want_db=b_down_EH is not None, cfg=wcfg)
+    dcw = None
+    if has_cw:
+        dcw = pcw.sum(1) + (pbd.sum(1) if bd_dcw else 0)
+        dcw = dcw.to(combine_weights_B.dtype)
+    ds = ps.sum(1).to(input_scale_B.dtype) if has_s else None
+    return dx.to(x_TH.dtype), dcw, dwg, dwu, dwd, dbg, dbu, dbd, ds
