@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 PASS_NAMES = ("detect", "verify", "canonicalize", "lower")
 INNER_BACKENDS = ("inductor", "aot_eager")
-LOWERINGS = ("auto", "torch")
+LOWERINGS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,8 +15,9 @@ class MoEOptions:
     """Options of ``torch.compile(model, backend="moe", options={...})``.
 
     inner:            what compiles the graph after the MoE passes: "inductor" (default) or "aot_eager".
-    lowering:         implementation of the canonical ops: "auto" (torch reference ops; Triton kernels come
-                      with the lowering issue) or "torch".
+    lowering:         implementation of the canonical ops: "auto" (Triton kernels on CUDA tensors, torch reference
+                      ops on CPU), "triton" (kernels everywhere; on a machine without CUDA they run in Triton's
+                      interpreter, slowly: for tests) or "torch" (reference ops everywhere).
     disable_passes:   pass names to skip (see moecompile.pipeline.PASSES). Without "verify" nothing is rewritten.
     strict:           raise instead of leaving an MoE block that could not be proved or rewritten as it was.
     verify_backward:  also prove gradients (tokens and every parameter) before rewriting.

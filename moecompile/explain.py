@@ -35,6 +35,7 @@ class ExplainReport:
             out.append(f"  rewritten {rec.path} ({rec.spec.block_type}) lowering={rec.lowering} "
                        f"proof error={rec.max_error:.2g} after {rec.candidates_tried} candidate(s)")
             out.append(f"      {rec.spec.summary()}")
+            out += [f"      lowering: {note}" for note in rec.lowering_notes]
         for s in self.skipped:
             out.append(f"  skipped {s.region}: {s.reason}")
         if self.counters:

@@ -1,28 +1,109 @@
-"""lower: choose the implementation of every canonical MoE op, per layer.
+"""lower: choose the implementation of every canonical MoE op, per layer: Triton kernels or torch references.
 
-For now one implementation exists: the torch reference ops (``moecompile.runtime.reference``), which run on CPU
-and GPU. The choice is recorded per layer so that ``explain()`` shows it; ``lowering="triton"`` is accepted by the
-options once the Triton kernels land.
+    before                                              after (Triton)
+    r = moe.route(logits, bias, ...)                    r = moe.route_triton(logits, bias, ...)
+    p = moe.build_pft(r[1], r[0], E, -1, ...)           p = moe.build_pft_triton(r[1], r[0], E, -1, ...)
+    y = moe.expert_mlp(x, p[0], p[2], w..., act)        out = moe.fused_experts(x, p[0], p[2], p[3], w..., act, T)
+    out = moe.combine(y, p[0], p[3], T)
 
-    before: y = moe.expert_mlp(...)      after: y = moe.expert_mlp(...)   meta["moe_lowering"] = "torch"
+``lowering``: "torch" keeps the reference ops; "triton" lowers every op that has a kernel; "auto" lowers when the
+layer's tensors are on CUDA (Triton on a GPU) and keeps the references on CPU. On a machine without CUDA,
+"triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for the layer's form
+(sparsemixer routing, capacity-limited buffers, an expert output used elsewhere than its combine) stays on torch,
+and the layer record says which and why (``explain()``).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
+from .graph_utils import example
 from .report import PassReport
+
+_ops = torch.ops.moe
+_SWAPS = {"route": "route_triton", "build_pft": "build_pft_triton"}
 
 
 def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
-    lowered = {}
+    layers: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        layer = n.meta.get("moe_layer")
-        if layer is not None:
-            n.meta["moe_lowering"] = "torch"
-            lowered[layer] = "torch"
+        if n.meta.get("moe_layer") is not None:
+            layers.setdefault(n.meta["moe_layer"], []).append(n)
+    choices = {}
+    for path, nodes in layers.items():
+        choice, notes = _choose(nodes, config.lowering)
+        if choice == "triton":
+            notes += _lower_layer(gm.graph, nodes)
+        for n in gm.graph.nodes:
+            if n.meta.get("moe_layer") == path:
+                n.meta["moe_lowering"] = choice
+        choices[path] = (choice, notes)
+        report.counters[f"lower.{choice}"] += 1
     for rec in report.layers:
-        if rec.path in lowered:
-            rec.lowering = lowered[rec.path]
-    report.counters["lower.torch"] += len(lowered)
+        if rec.path in choices:
+            rec.lowering, rec.lowering_notes = choices[rec.path][0], list(choices[rec.path][1])
     return gm
+
+
+def _op_name(n: fx.Node) -> str | None:
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "moe":
+        return n.target._opname
+    return None
+
+
+def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
+    if lowering == "torch":
+        return "torch", []
+    mlp = next((n for n in nodes if _op_name(n) == "expert_mlp"), None)
+    device = example(mlp.args[0]).device if mlp is not None else torch.device("cpu")
+    if lowering == "auto" and device.type != "cuda":
+        return "torch", [f"auto: tensors on {device.type}, the torch reference ops run there"]
+    if device.type == "cpu":
+        from ..runtime import kernels
+        from ..runtime.kernels.common import interpreting
+
+        kernels.load()  # no CUDA: switches Triton to its interpreter before the kernels are decorated
+        if not interpreting():
+            return "torch", ["triton on CPU tensors needs TRITON_INTERPRET=1 before moecompile's kernels load"]
+    from ..runtime import triton_ops  # noqa: F401  (registers the moe::*_triton ops)
+
+    return "triton", []
+
+
+def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> list[str]:
+    notes = []
+    for n in nodes:
+        name = _op_name(n)
+        if name == "route":
+            if n.args[3] == "sparsemixer":
+                notes.append("route: torch (sparsemixer routing has no Triton kernel)")
+            else:
+                n.target = getattr(_ops, _SWAPS[name]).default
+        elif name == "build_pft":
+            if n.args[3] >= 0:
+                notes.append("build_pft: torch (capacity-limited buffers have no Triton kernel)")
+            else:
+                n.target = getattr(_ops, _SWAPS[name]).default
+        elif name == "expert_mlp":
+            if not _fuse_with_combine(graph, n):
+                notes.append("expert_mlp: torch (its output is used other than by one combine)")
+    return notes
+
+
+def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
+    users = list(mlp.users)
+    if len(users) != 1 or _op_name(users[0]) != "combine" or users[0].args[1] is not mlp.args[1]:
+        return False
+    combine = users[0]
+    x, tok, counts, wg, wu, wd, bg, bu, bd, s, act, alpha, limit = mlp.args
+    _y, _tok, cw, num_tokens = combine.args
+    with graph.inserting_before(combine):
+        fused = graph.call_function(
+            _ops.fused_experts.default, (x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, act, alpha, limit, num_tokens)
+        )
+    fused.meta.update(combine.meta)
+    combine.replace_all_uses_with(fused)
+    graph.erase_node(combine)
+    graph.erase_node(mlp)
+    return True

@@ -14,7 +14,8 @@ class LayerRecord:
     spec: MoESpec
     candidates_tried: int = 1
     max_error: float = 0.0  # worst normwise error of the proof (forward and backward)
-    lowering: str = "torch"
+    lowering: str = "torch"  # "triton" or "torch", chosen by the lower pass
+    lowering_notes: list[str] = field(default_factory=list)  # ops kept on torch in a Triton layer, and why
 
 
 @dataclass

@@ -24,7 +24,7 @@ def test_defaults_and_frozen():
 @pytest.mark.parametrize("bad,match", [
     ({"innr": "aot_eager"}, r"unknown moecompile option\(s\) \['innr'\]; valid options: \["),
     ({"inner": "tvm"}, r"inner='tvm' is not valid; choose one of \['inductor', 'aot_eager'\]"),
-    ({"lowering": "cuda"}, r"choose one of \['auto', 'torch'\]"),
+    ({"lowering": "cuda"}, r"choose one of \['auto', 'triton', 'torch'\]"),
     ({"disable_passes": ["detect", "fuse"]}, r"unknown pass\(es\) \['fuse'\]; passes: \['detect'"),
     ({"strict": "yes"}, r"strict must be True or False"),
     ({"max_candidates": -1}, r"non-negative int"),

@@ -1,0 +1,167 @@
+"""The Triton lowering of the canonical MoE ops: custom ops with the same meaning as those of ``ops.py``, whose
+implementations launch the kernels of ``runtime/kernels``. The ``lower`` pass swaps them in:
+
+    moe.route           -> moe.route_triton          (same arguments; fused router kernel, backward kernel)
+    moe.build_pft       -> moe.build_pft_triton      (same arguments; counts/ranks/scatter kernels, no capacity)
+    moe.expert_mlp + moe.combine -> moe.fused_experts (one persistent kernel forward; five launches backward)
+
+Like the torch ops they are opaque to the compiler (``triton_op`` cannot be traced without a GPU), carry fake
+functions whose shapes and strides match the real outputs, and save only their inputs for backward: the expert
+MLP is recomputed inside the backward kernels. The kernels are imported on first use (``kernels.load()``), so
+importing moecompile never switches Triton into interpreter mode by itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.library import custom_op, register_autograd, register_fake
+
+from . import ops  # noqa: F401  (defines moe::build_pft, whose autograd formulas are reused)
+from .ops import _build_pft_bwd, _build_pft_fake, _build_pft_setup, _route_fake
+
+Tensor = torch.Tensor
+
+
+@functools.cache
+def _kernels():
+    from . import kernels
+
+    return kernels.load()
+
+
+# ---- route ---------------------------------------------------------------------------------------------------
+
+
+@custom_op("moe::route_triton", mutates_args=())
+def route_triton(
+    logits_TE: Tensor, correction_bias_E: Tensor | None, top_k: int, score_fn: str, renormalize: bool,
+    renorm_eps: float, scaling: float, n_group: int, topk_group: int, group_score: str, jitter_eps: float,
+) -> tuple[Tensor, Tensor]:
+    return _kernels()["router"].route(
+        logits_TE, correction_bias_E, top_k=top_k, score_fn=score_fn, renormalize=renormalize,
+        renorm_eps=renorm_eps, scaling=scaling, n_group=n_group, topk_group=topk_group, group_score=group_score,
+    )
+
+
+register_fake("moe::route_triton", _route_fake)
+
+
+@custom_op("moe::route_triton_backward", mutates_args=())
+def route_triton_backward(
+    grad_weights_TK: Tensor, logits_TE: Tensor, ids_TK: Tensor, correction_bias_E: Tensor | None, top_k: int,
+    score_fn: str, renormalize: bool, renorm_eps: float, scaling: float, n_group: int, topk_group: int,
+    group_score: str,
+) -> Tensor:
+    return _kernels()["router"].route_backward(
+        grad_weights_TK.contiguous(), logits_TE, ids_TK, correction_bias_E, top_k=top_k, score_fn=score_fn,
+        renormalize=renormalize, renorm_eps=renorm_eps, scaling=scaling, n_group=n_group, topk_group=topk_group,
+        group_score=group_score,
+    )
+
+
+@register_fake("moe::route_triton_backward")
+def _route_triton_backward_fake(grad_weights_TK, logits_TE, *args):
+    return logits_TE.new_empty(logits_TE.shape)
+
+
+def _route_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1], inputs[1])
+    ctx.args = inputs[2:10]  # top_k .. group_score (jitter_eps is sparsemixer's, never lowered here)
+
+
+def _route_bwd(ctx, grad_w, grad_ids):
+    logits, ids, bias = ctx.saved_tensors
+    return (torch.ops.moe.route_triton_backward(grad_w, logits, ids, bias, *ctx.args),) + (None,) * 10
+
+
+register_autograd("moe::route_triton", _route_bwd, setup_context=_route_setup)
+
+
+# ---- build_pft -----------------------------------------------------------------------------------------------
+
+
+@custom_op("moe::build_pft_triton", mutates_args=())
+def build_pft_triton(
+    ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_order: str, layer: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if capacity >= 0:
+        raise ValueError("moe::build_pft_triton builds capacity-free buffers; capacity layers keep moe::build_pft")
+    return _kernels()["pft"].build_pft(ids_TK, weights_TK, num_experts)
+
+
+register_fake("moe::build_pft_triton", _build_pft_fake)
+register_autograd("moe::build_pft_triton", _build_pft_bwd, setup_context=_build_pft_setup)
+
+
+# ---- fused experts (expert_mlp + combine) --------------------------------------------------------------------
+
+# the tensor arguments of fused_experts that can have gradients, in order
+_GRAD_INPUTS = ("x", "combine_weights", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "input_scale")
+
+
+@custom_op("moe::fused_experts", mutates_args=())
+def fused_experts(
+    x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, combine_weights_B: Tensor | None,
+    w_gate_EIH: Tensor | None, w_up_EIH: Tensor, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
+    b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None, activation: str, alpha: float,
+    limit: float, num_tokens: int,
+) -> Tensor:
+    """``combine(expert_mlp(x, ...), token_ids, combine_weights, num_tokens)`` in one persistent kernel."""
+    return _kernels()["grouped_mlp"].fused_experts(
+        x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
+        b_up_EI, b_down_EH, input_scale_B, num_tokens=num_tokens, activation=activation, alpha=alpha, limit=limit,
+    )
+
+
+@register_fake("moe::fused_experts")
+def _fused_experts_fake(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate, w_up, w_down, *rest):
+    num_tokens = rest[-1]
+    dtype = w_up.dtype if combine_weights_B is None else torch.promote_types(w_up.dtype, combine_weights_B.dtype)
+    return x_TH.new_empty(num_tokens, w_down.shape[1], dtype=dtype)
+
+
+@custom_op("moe::fused_experts_backward", mutates_args=())
+def fused_experts_backward(
+    grad_out_TH: Tensor, x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor,
+    combine_weights_B: Tensor | None, w_gate_EIH: Tensor | None, w_up_EIH: Tensor, w_down_EHI: Tensor,
+    b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None,
+    activation: str, alpha: float, limit: float,
+) -> list[Tensor]:
+    """Gradients of the present inputs among ``_GRAD_INPUTS``, in that order, contiguous."""
+    grads = _kernels()["grouped_mlp_bwd"].fused_experts_backward(
+        grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
+        b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit,
+    )
+    return [g.contiguous() for g in grads if g is not None]
+
+
+def _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s):
+    return [x, cw, wg, wu, wd, bg, bu, bd, s]
+
+
+@register_fake("moe::fused_experts_backward")
+def _fused_experts_backward_fake(grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, cw, wg, wu, wd, bg, bu, bd,
+                                 s, *attrs):
+    return [t.new_empty(t.shape) for t in _grad_inputs(x_TH, cw, wg, wu, wd, bg, bu, bd, s) if t is not None]
+
+
+def _fused_setup(ctx, inputs, output):
+    ctx.save_for_backward(*[t for t in inputs[:11] if t is not None])
+    ctx.present = [t is not None for t in inputs[:11]]
+    ctx.attrs = inputs[11:14]
+
+
+def _fused_bwd(ctx, grad_out):
+    saved = iter(ctx.saved_tensors)
+    x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s = [next(saved) if p else None for p in ctx.present]
+    grads = iter(torch.ops.moe.fused_experts_backward(grad_out, x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s,
+                                                      *ctx.attrs))
+    g = {name: (next(grads) if t is not None else None)
+         for name, t in zip(_GRAD_INPUTS, _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s))}
+    return (g["x"], None, None, g["combine_weights"], g["w_gate"], g["w_up"], g["w_down"], g["b_gate"], g["b_up"],
+            g["b_down"], g["input_scale"], None, None, None, None)
+
+
+register_autograd("moe::fused_experts", _fused_bwd, setup_context=_fused_setup)
