@@ -119,3 +119,22 @@ def act_bwd(g, u, dh, ACT: tl.constexpr, alpha, limit):
         dg = tl.where(g <= limit, dgc, 0.0)  # torch.clamp passes the gradient at the bound
         du = tl.where((u >= -limit) & (u <= limit), dh * glu, 0.0)
     return dg, du
+
+
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+                torch.int32: "i32"}
+
+
+def target(fn, ptr_dtypes: dict, constexprs: dict, default_ptr=torch.float32, floats=("alpha", "limit"), **options):
+    """A compile target (fn, signature, constexprs, options) for ``tests/test_kernels_compile.py``: pointers
+    named ``*_ptr`` get their dtype from ``ptr_dtypes`` (else ``default_ptr``), ``floats`` are fp32 scalars,
+    other scalars i32."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + TRITON_TYPES[ptr_dtypes.get(name, default_ptr)]
+        else:
+            sig[name] = "fp32" if name in floats else "i32"
+    return fn, sig, dict(constexprs), options

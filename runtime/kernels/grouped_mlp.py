@@ -241,21 +241,24 @@ def _fused_experts_kernel(
 
 def pick_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
     """Tile sizes for the grouped GEMMs. The interpreter gets the smallest legal tiles (it runs each program in
-    Python, so fewer wasted masked rows is what counts). On the GPU: M tiles of 64 rows when experts see few rows
-    (decode, many experts) to waste less of each tile, 128 otherwise; 128-wide N and 64-deep K for 16-bit
-    (wgmma-sized, fits shared memory at 3 stages); fp32 halves K to stay within shared memory."""
+    Python, so fewer wasted masked rows is what counts); a GPU gets ``gpu_config``."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
+    return gpu_config(rows_per_expert, dtype)
+
+
+def gpu_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
+    """M tiles of 64 rows when experts see few rows (decode, many experts: less of each tile is masked), 128
+    otherwise; 128-wide N and 64-deep K for 16-bit inputs (wgmma-sized, three stages fit shared memory); fp32
+    halves K to fit shared memory."""
     block_m = 64 if rows_per_expert < 128 else 128
-    block_k = 32 if dtype == torch.float32 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, num_warps=8 if block_m == 128 else 4, num_stages=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32 if dtype == torch.float32 else 64,
+                num_warps=8 if block_m == 128 else 4, num_stages=3)
 
 
-GPU_CONFIGS = [
-    dict(BLOCK_M=m, BLOCK_N=128, BLOCK_K=32 if dt == torch.float32 else 64, dtype=dt)
-    for m in (64, 128)
-    for dt in (torch.float32, torch.float16, torch.bfloat16)
-]
+def gpu_configs():
+    """(dtype, config) for every tile configuration ``gpu_config`` can return."""
+    return [(dt, gpu_config(rows, dt)) for dt in (torch.float32, torch.float16, torch.bfloat16) for rows in (1, 1024)]
 
 
 # ---- host launchers ------------------------------------------------------------------------------------------
@@ -400,3 +403,49 @@ def fused_experts_ref(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B,
     y_BH = ref.expert_mlp_ref(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
                               b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit)
     return ref.combine_ref(y_BH, token_ids_B, combine_weights_B, num_tokens)
+
+
+
+# ---- compile targets (CI compiles each for sm_90) ------------------------------------------------------------
+
+# (GATED, HAS_BG, HAS_BU, HAS_BD, HAS_SCALE, HAS_CW, ACT): Mixtral-like, GPT-OSS-like, Llama4-like, ungated
+FLAG_SETS = (
+    (True, False, False, False, False, True, 0), (True, True, True, True, False, True, 5),
+    (True, False, False, False, True, False, 0), (False, False, True, True, False, True, 1),
+)
+
+
+def _ptrs(dt, **extra):
+    names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "scratch_ptr")
+    return {**{n: dt for n in names}, "tok_ptr": torch.int64, "sched_ptr": torch.int32, **extra}
+
+
+def compile_targets():
+    """Each forward kernel: every GPU tile configuration (Mixtral-like flags), every flag set (one
+    configuration), every activation (fused kernel), with a few expert counts (BLOCK_E)."""
+    from .common import target
+
+    def three(dt, cfg, flag_set, block_e):
+        gated, bg, bu, bd, sc, cw, act = flag_set
+        consts = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=block_e,
+                      PREC=dot_precision(dt))
+        flags = dict(GATED=gated, HAS_BG=bg, HAS_BU=bu, HAS_SCALE=sc, ACT=act)
+        opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        combine = bool(cw or not sc)  # exercise the y_BH store (COMBINE=False) with the Llama4-like set
+        return [
+            target(_up_act_kernel, _ptrs(dt), dict(consts, **flags), **opts),
+            target(_down_combine_kernel, _ptrs(dt, out_ptr=torch.float32 if combine else dt),
+                   dict(consts, HAS_BD=bd, COMBINE=combine, HAS_CW=cw), **opts),
+            target(_fused_experts_kernel, _ptrs(dt), dict(consts, **flags, HAS_BD=bd, HAS_CW=cw), **opts),
+        ]
+
+    out = []
+    for i, (dt, cfg) in enumerate(gpu_configs()):
+        out += three(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])
+    dt, cfg = torch.bfloat16, gpu_config(1024, torch.bfloat16)
+    for flag_set in FLAG_SETS[1:]:
+        out += three(dt, cfg, flag_set, 32)
+    for name, act in ACT_CODES.items():
+        if act not in (f[-1] for f in FLAG_SETS):
+            out.append(three(dt, cfg, (name != "relu2", False, False, False, False, True, act), 64)[2])
+    return out

@@ -187,6 +187,10 @@ def wgrad_config(dtype) -> dict:
 
     if interpreting():
         return dict(BLOCK_N1=16, BLOCK_N2=16, BLOCK_K=16, num_warps=4, num_stages=1)
+    return wgrad_gpu_config(dtype)
+
+
+def wgrad_gpu_config(dtype) -> dict:
     return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=8,
                 num_stages=3)
 
@@ -266,3 +270,53 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         dcw = dcw.to(combine_weights_B.dtype)
     ds = ps.sum(1).to(input_scale_B.dtype) if has_s else None
     return dx.to(x_TH.dtype), dcw, dwg, dwu, dwd, dbg, dbu, dbd, ds
+
+
+# ---- compile targets (CI compiles each for sm_90) ------------------------------------------------------------
+
+
+def compile_targets():
+    """dh and dx kernels: every GPU tile configuration (Mixtral-like flags), every flag set and activation on one
+    configuration; the weight-gradient kernel in each of its three uses, per dtype."""
+    from .common import target
+    from .grouped_mlp import FLAG_SETS, gpu_config, gpu_configs
+
+    f32 = torch.float32
+
+    def ptrs(dt):
+        names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "dg_ptr", "du_ptr")
+        return {**{n: dt for n in names}, "tok_ptr": torch.int64, "sched_ptr": torch.int32}
+
+    def pair(dt, cfg, flag_set, block_e, with_dx=True):
+        gated, bg, bu, bd, sc, cw, act = flag_set
+        consts = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=block_e,
+                      PREC=dot_precision(dt), GATED=gated, HAS_SCALE=sc)
+        opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        out = [target(_dh_kernel, ptrs(dt), dict(consts, HAS_BG=bg, HAS_BU=bu, HAS_CW=cw, ACT=act), **opts)]
+        if with_dx:
+            out.append(target(_dx_kernel, ptrs(dt), dict(consts, BD_DCW=bool(bd and cw)), **opts))
+        return out
+
+    out = []
+    for i, (dt, cfg) in enumerate(gpu_configs()):
+        out += pair(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])
+    cfg = gpu_config(1024, torch.bfloat16)
+    for flag_set in FLAG_SETS[1:]:
+        out += pair(torch.bfloat16, cfg, flag_set, 32)
+    for name, act in ACT_CODES.items():
+        if act not in (f[-1] for f in FLAG_SETS):
+            out += pair(torch.bfloat16, cfg, (name != "relu2", False, False, False, False, True, act), 64, False)
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        w = wgrad_gpu_config(dt)
+        opts = dict(num_warps=w.pop("num_warps"), num_stages=w.pop("num_stages"))
+        w["PREC"] = dot_precision(dt)
+        uses = (  # (A dtype, A_GATHER, A_SCALE, C_GATHER, C_SCALE, HAS_DB): dWg/dWu, dWd
+            (dt, False, False, True, True, True), (f32, True, True, False, False, True),
+            (dt, False, False, True, False, False),
+        )
+        for a_dt, ag, asc, cg, csc, db in uses:
+            p = {"a_ptr": a_dt, "c_ptr": dt, "dw_ptr": dt, "db_ptr": dt, "a_tok_ptr": torch.int64,
+                 "c_tok_ptr": torch.int64, "sched_ptr": torch.int32}
+            out.append(target(_wgrad_kernel, p, dict(w, A_GATHER=ag, A_SCALE=asc, C_GATHER=cg, C_SCALE=csc,
+                                                      HAS_DB=db), **opts))
+    return out

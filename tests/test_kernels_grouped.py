@@ -1,0 +1,155 @@
+"""The grouped expert kernels (runtime/kernels/grouped_mlp*.py) against the torch reference, under Triton's
+interpreter: odd token counts, hidden and intermediate sizes that are not tile multiples, experts with no rows,
+every row on one expert, every activation, biases, input scales, transposed weight layouts; fp32 and fp16;
+forward (separate kernels and the persistent fused one) and backward (every gradient)."""
+
+import pytest
+import torch
+
+from moecompile.runtime import reference as ref
+from moecompile.runtime.kernels import grouped_mlp as gm
+from moecompile.runtime.kernels import grouped_mlp_bwd as gb
+
+E, H, I = 8, 40, 24  # H and I not multiples of the 16-wide tiles: partial tiles are masked, never padded
+NAMES = ("x", "cw", "wg", "wu", "wd", "bg", "bu", "bd", "s")
+LAYOUTS = {  # activation, gated, biases, input scale (weights on the input, Llama4), transposed weights (GPT-OSS)
+    "mixtral": ("silu", True, False, False, False),
+    "gpt_oss": ("swiglu_clamp", True, True, False, True),
+    "llama4": ("silu", True, False, True, False),
+    "gelu_ungated": ("gelu", False, True, False, False),
+    "gelu_tanh": ("gelu_tanh", True, False, False, False),
+    "relu2_ungated": ("relu2", False, False, True, False),
+}
+
+
+def _ids(T, K, routing, gen):
+    if routing == "one_expert":  # every assignment on expert 5, the others empty
+        return torch.full((T, 1), 5, dtype=torch.int64)
+    if routing == "skewed":  # experts 1, 4 and 6 get nothing
+        pool = torch.tensor([0, 2, 3, 5, 7])
+        return torch.stack([pool[torch.randperm(5, generator=gen)[:K]] for _ in range(T)])
+    return torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+
+
+def make_problem(T, layout, dtype, routing="random", K=2, seed=0):
+    act, gated, biases, scale, transposed = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s).to(dtype)  # noqa: E731
+    ids = _ids(T, K, routing, gen)
+    w_TK = torch.rand(ids.shape, generator=gen)
+    tok, _, counts, cw, _ = ref.build_pft_ref(ids, w_TK, E)
+    t = dict(x=rnd(T, H), cw=None if scale else cw, s=cw if scale else None)
+    if transposed:  # stored [E, H, I] and seen through a transposed view, as GPT-OSS's experts are
+        t["wu"] = rnd(E, H, I, s=H**-0.5).transpose(1, 2)
+        t["wg"] = rnd(E, H, I, s=H**-0.5).transpose(1, 2)
+        t["wd"] = rnd(E, I, H, s=I**-0.5).transpose(1, 2)
+    else:
+        t["wu"], t["wd"] = rnd(E, I, H, s=H**-0.5), rnd(E, H, I, s=I**-0.5)
+        t["wg"] = rnd(E, I, H, s=H**-0.5) if gated else None
+    if not gated:
+        t["wg"] = None
+    t["bg"] = rnd(E, I) if biases and gated else None
+    t["bu"] = rnd(E, I) if biases else None
+    t["bd"] = rnd(E, H) if biases else None
+    # GPT-OSS's clamp at a limit the activations actually reach, so both sides of it are exercised
+    kw = dict(activation=act, alpha=1.702, limit=0.5 if act == "swiglu_clamp" else 7.0)
+    return t, tok, counts, kw
+
+
+def _args(t):
+    return [t[n] for n in ("wg", "wu", "wd", "bg", "bu", "bd", "s")]
+
+
+def _reference(t, tok, counts, kw, dtype=None, grad_out=None):
+    """Reference output (and gradients) computed in ``dtype`` (default: the problem's)."""
+    tt = {k: None if v is None else v.detach().to(dtype or v.dtype).requires_grad_(v.is_floating_point())
+          for k, v in t.items()}
+    out = gm.fused_experts_ref(tt["x"], tok, counts, tt["cw"], *_args(tt), num_tokens=tt["x"].shape[0], **kw)
+    if grad_out is None:
+        return out.detach(), None
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), {k: None if v is None else v.grad for k, v in tt.items()}
+
+
+def relerr(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def check(got, truth, ref_lowp, dtype, what):
+    """fp32: to 1e-5 normwise; fp16: no worse than twice the fp16 torch reference's own error (plus a floor)."""
+    err = relerr(got, truth)
+    bound = 1e-5 if dtype == torch.float32 else 2 * relerr(ref_lowp, truth) + 2e-3
+    assert err <= bound, f"{what}: error {err:.2e} > {bound:.2e}"
+
+
+CASES = [(6, "mixtral", "random"), (42, "gpt_oss", "skewed"), (123, "llama4", "random"),
+         (42, "gelu_ungated", "one_expert"), (6, "gelu_tanh", "skewed"), (42, "relu2_ungated", "random")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("T,layout,routing", CASES)
+def test_forward(T, layout, routing, dtype):
+    t, tok, counts, kw = make_problem(T, layout, dtype, routing)
+    truth, _ = _reference(t, tok, counts, kw, torch.float32)
+    lowp, _ = _reference(t, tok, counts, kw)
+    fused = gm.fused_experts(t["x"], tok, counts, t["cw"], *_args(t), num_tokens=T, **kw)
+    assert fused.dtype == lowp.dtype and fused.shape == lowp.shape
+    check(fused, truth, lowp, dtype, "fused_experts")
+    h = gm.up_act(t["x"], tok, counts, t["wg"], t["wu"], t["bg"], t["bu"], t["s"], **kw)
+    out = gm.down_combine(h, tok, counts, t["wd"], t["bd"], t["cw"], T)
+    check(out, truth, lowp, dtype, "up_act + down_combine")
+    y = gm.down_combine(h, tok, counts, t["wd"], t["bd"], combine=False)
+    y_ref = ref.expert_mlp_ref(t["x"].float(), tok, counts, *[None if a is None else a.float() for a in _args(t)], **kw)
+    check(y, y_ref, ref.expert_mlp_ref(t["x"], tok, counts, *_args(t), **kw), dtype, "down (y_BH stored)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("T,layout,routing", CASES)
+def test_backward(T, layout, routing, dtype):
+    t, tok, counts, kw = make_problem(T, layout, dtype, routing)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
+    _, truth = _reference(t, tok, counts, kw, torch.float32, grad_out)
+    _, lowp = _reference(t, tok, counts, kw, None, grad_out)
+    out_dtype = lowp["x"].dtype if t["cw"] is None else torch.promote_types(dtype, t["cw"].dtype)
+    grads = gb.fused_experts_backward(grad_out.to(out_dtype), t["x"], tok, counts, t["cw"], *_args(t), **kw)
+    for name, g in zip(NAMES, grads):
+        if t[name] is None:
+            assert g is None, name
+            continue
+        assert g.shape == t[name].shape and g.dtype == t[name].dtype and g.is_contiguous(), name
+        check(g, truth[name], lowp[name], dtype, f"grad {name}")
+
+
+def test_one_program_walks_every_tile():
+    """The persistent kernel with a single program: it must visit every tile of every expert itself."""
+    t, tok, counts, kw = make_problem(42, "mixtral", torch.float32, "skewed")
+    want, _ = _reference(t, tok, counts, kw)
+    got = gm.fused_experts(t["x"], tok, counts, t["cw"], *_args(t), num_tokens=42, num_programs=1, **kw)
+    assert relerr(got, want) < 1e-5
+
+
+def test_dropped_tail_rows_are_not_computed():
+    """Capacity-dropped rows sit past the counted ones (expert id E, weight 0): no kernel touches them."""
+    t, tok, counts, kw = make_problem(42, "mixtral", torch.float32)
+    counts = counts.clone()
+    counts[-1] = 0  # the last expert's rows become an uncounted tail, as build_pft leaves dropped rows
+    cw = t["cw"].clone()
+    cw[int(counts.sum()):] = 0.0
+    want = gm.fused_experts_ref(t["x"], tok, counts, cw, *_args(t), num_tokens=42, **kw)
+    got = gm.fused_experts(t["x"], tok, counts, cw, *_args(t), num_tokens=42, **kw)
+    assert relerr(got, want) < 1e-5
+    y = gm.down_combine(gm.up_act(t["x"], tok, counts, t["wg"], t["wu"], **kw), tok, counts, t["wd"], combine=False)
+    assert y[int(counts.sum()):].abs().max() == 0
+
+
+def test_bad_input_is_named():
+    t, tok, counts, kw = make_problem(6, "mixtral", torch.float32)
+    with pytest.raises(ValueError, match="w_down_EHI has shape"):
+        gm.fused_experts(t["x"], tok, counts, t["cw"], t["wg"], t["wu"], t["wd"][:, :-1], num_tokens=6, **kw)
+    with pytest.raises(ValueError, match="share one dtype"):
+        gm.fused_experts(t["x"], tok, counts, t["cw"], t["wg"].half(), t["wu"], t["wd"], num_tokens=6, **kw)
+    with pytest.raises(ValueError, match="needs a gate projection"):
+        gm.fused_experts(t["x"], tok, counts, t["cw"], None, t["wu"], t["wd"], num_tokens=6,
+                         activation="swiglu_clamp")
+    with pytest.raises(ValueError, match="tokens_per_expert_E has shape"):
+        gm.up_act(t["x"], tok, counts[:-1], t["wg"], t["wu"], **kw)
