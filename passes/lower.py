@@ -34,7 +34,9 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
     for path, nodes in layers.items():
         choice, notes = _choose(nodes, config.lowering)
         if choice == "triton":
-            notes += _lower_layer(gm.graph, nodes)
+            swapped, kept = _lower_layer(gm.graph, nodes)
+            notes += kept
+            report.counters.update(f"lower.ops.{op}" for op in swapped)
         for n in gm.graph.nodes:
             if n.meta.get("moe_layer") == path:
                 n.meta["moe_lowering"] = choice
@@ -47,16 +49,22 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
 
 
 def _op_name(n: fx.Node) -> str | None:
-    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "moe":
-        return n.target._opname
+    """``"route"`` for a call of ``torch.ops.moe.route`` (packet or overload), else None."""
+    target = n.target
+    if n.op != "call_function":
+        return None
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    if isinstance(target, torch._ops.OpOverload):
+        namespace, _, name = target._schema.name.partition("::")
+        return name if namespace == "moe" else None
     return None
 
 
 def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
     if lowering == "torch":
         return "torch", []
-    mlp = next((n for n in nodes if _op_name(n) == "expert_mlp"), None)
-    device = example(mlp.args[0]).device if mlp is not None else torch.device("cpu")
+    device = _layer_device(nodes)
     if lowering == "auto" and device.type != "cuda":
         return "torch", [f"auto: tensors on {device.type}, the torch reference ops run there"]
     if device.type == "cpu":
@@ -71,8 +79,23 @@ def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
     return "triton", []
 
 
-def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> list[str]:
-    notes = []
+def _layer_device(nodes: list[fx.Node]) -> torch.device:
+    """Device of the layer's tensors: the first example value found walking up from its expert op (the nodes
+    that canonicalize traced carry none; the graph's own nodes do)."""
+    todo, seen = [next(n for n in nodes if _op_name(n) == "expert_mlp")], set()
+    while todo:
+        n = todo.pop()
+        v = example(n)
+        if isinstance(v, torch.Tensor):
+            return v.device
+        seen.add(n)
+        todo += [a for a in n.all_input_nodes if a not in seen]
+    raise AssertionError("an MoE layer with no example value above its expert op")
+
+
+def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> tuple[list[str], list[str]]:
+    """Swap the layer's ops for their Triton forms: (the new ops' names, notes on the ops kept on torch)."""
+    swapped, notes = [], []
     for n in nodes:
         name = _op_name(n)
         if name == "route":
@@ -80,15 +103,19 @@ def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> list[str]:
                 notes.append("route: torch (sparsemixer routing has no Triton kernel)")
             else:
                 n.target = getattr(_ops, _SWAPS[name]).default
+                swapped.append(_SWAPS[name])
         elif name == "build_pft":
             if n.args[3] >= 0:
                 notes.append("build_pft: torch (capacity-limited buffers have no Triton kernel)")
             else:
                 n.target = getattr(_ops, _SWAPS[name]).default
+                swapped.append(_SWAPS[name])
         elif name == "expert_mlp":
-            if not _fuse_with_combine(graph, n):
+            if _fuse_with_combine(graph, n):
+                swapped.append("fused_experts")
+            else:
                 notes.append("expert_mlp: torch (its output is used other than by one combine)")
-    return notes
+    return swapped, notes
 
 
 def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:

@@ -50,6 +50,9 @@ def make_problem(T, layout, dtype, routing="random", K=2, seed=0):
         t["wg"] = None
     t["bg"] = rnd(E, I) if biases and gated else None
     t["bu"] = rnd(E, I) if biases else None
+    if biases and transposed:  # GPT-OSS's gate and up biases are interleaved columns of one [E, 2I] tensor
+        both = rnd(E, 2 * I)
+        t["bg"], t["bu"] = both[:, ::2], both[:, 1::2]
     t["bd"] = rnd(E, H) if biases else None
     # GPT-OSS's clamp at a limit the activations actually reach, so both sides of it are exercised
     kw = dict(activation=act, alpha=1.702, limit=0.5 if act == "swiglu_clamp" else 7.0)

@@ -293,8 +293,17 @@ def check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_E
 
 
 def _opt(t, dummy):
-    """(tensor or a dummy pointer, its leading stride) for an optional argument."""
-    return (dummy, 0) if t is None else (t, t.stride(0))
+    """(tensor or a dummy pointer, its leading stride) for an optional bias: the kernels read a bias row with
+    unit stride (GPT-OSS's interleaved biases are strided views: copied here, they are small)."""
+    if t is None:
+        return dummy, 0
+    t = t.contiguous()
+    return t, t.stride(0)
+
+
+def rows_contiguous(*vectors):
+    """The per-row vectors (token ids, scales, weights) as the kernels index them: unit stride."""
+    return [None if v is None else v.contiguous() for v in vectors]
 
 
 def _config(config, B, E, dtype):
@@ -306,6 +315,7 @@ def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_
     """h_BI: gathered rows through each expert's up (and gate) projection and activation."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH,
                                    w_up_EIH.transpose(1, 2), b_gate_EI, b_up_EI, None, input_scale_B, activation)
+    token_ids_B, input_scale_B = rows_contiguous(token_ids_B, input_scale_B)
     cfg = _config(config, B, E, w_up_EIH.dtype)
     sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
     h_BI = torch.zeros(B, I, dtype=w_up_EIH.dtype, device=x_TH.device)  # dropped tail rows stay 0
@@ -340,6 +350,7 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
     check_shape("combine_weights_B", combine_weights_B, (B,))
     if combine and num_tokens is None:
         raise ValueError("down_combine(combine=True) needs num_tokens")
+    token_ids_B, combine_weights_B = rows_contiguous(token_ids_B, combine_weights_B)
     cfg = _config(config, B, E, w_down_EHI.dtype)
     sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
     if combine:
@@ -374,6 +385,7 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     check_shape("combine_weights_B", combine_weights_B, (B,))
     check_shape("x_TH", x_TH, (num_tokens, H))
+    token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
     cfg = _config(config, B, E, w_up_EIH.dtype)
     sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
     tiles = max_tiles(B, E, cfg["BLOCK_M"])

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .common import ACT_CODES, act_bwd, act_fwd, dot_precision
-from .grouped_mlp import (_config, _opt, check_expert_args, load_scale, locate, max_tiles,
-                          proj_tile, schedule)
+from .grouped_mlp import (_config, _opt, check_expert_args, load_scale, locate, max_tiles, proj_tile,
+                          rows_contiguous, schedule)
 
 
 @triton.jit
@@ -219,6 +219,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     input_scale), None where that input is None. Weight and bias gradients come back contiguous."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
+    token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
     T = x_TH.shape[0]
     dt = w_up_EIH.dtype
     gated = w_gate_EIH is not None
