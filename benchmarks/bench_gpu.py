@@ -84,7 +84,6 @@ def expert_flops(shape: Shape, tokens: int) -> int:
     return 2 * expert_rows(shape, tokens) * shape.hidden * shape.inter * 3
 
 
-
 def build_block(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
     """The HF block with N(0, 1/fan_in) weights (router too: logits O(1)), built on the meta device and then
     materialised on ``device`` in ``dtype``: no float32 host copy of DeepSeek-V3's 22 GB of experts."""
@@ -140,21 +139,24 @@ def make_module(variant: str, block: nn.Module, moe_options: dict):
                          options={**moe_options, "lowering": LOWERING[variant]})
 
 
-
 def time_ms(fn, reps: int, device: torch.device, prep=None) -> float:
     """Median of ``reps`` calls: CUDA events around each (queue drained first), or the host clock on CPU."""
-    cuda, times = device.type == "cuda", []
+    times = []
     for _ in range(reps):
         if prep is not None:
             prep()
-        sync(device)
-        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (0, 0)
-        t0 = start.record() if cuda else time.perf_counter()
-        fn()
-        if cuda:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
             end.record()
             end.synchronize()
-        times.append(start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -257,8 +259,9 @@ def guarded(fn, row: Row, device: torch.device):
         result = fn()
     except torch.OutOfMemoryError:
         row.status = "OOM"
-    except Exception as exc:  # a benchmark prints its table whatever one variant does
-        row.status = f"ERROR: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    except Exception as exc:  # a benchmark prints its table whatever one variant does (Dynamo wraps OOMs too)
+        kind = "OOM" if "out of memory" in str(exc).lower() else "ERROR"
+        row.status = f"{kind}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     free(device)
     return result
 
@@ -269,7 +272,6 @@ def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
 
 
 def fmt(v: float, spec: str = ".4g") -> str:
@@ -323,13 +325,13 @@ def report(args, shapes: dict[str, Shape], rows: list[Row]) -> str:
     return "\n".join([header(args, shapes), "", table(rows), ""] + (["Notes:", ""] + notes + [""] if notes else []))
 
 
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--tokens", help="comma-separated T values (default 4096,16384; 64 with --tiny)")
-    p.add_argument("--variants", default="eager,inductor,moe",
-                   help=f"comma-separated subset of {','.join(VARIANTS)} (the error column needs eager)")
+    p.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} (the error column needs "
+                   "eager); default eager,inductor,moe on cuda, eager,inductor,moe-torch on cpu, where moe's "
+                   "kernels run in Triton's interpreter, seconds per call")
     p.add_argument("--reps", type=int, help="timed repetitions (default 20 on cuda, 5 on cpu)")
     p.add_argument("--warmup", type=int, help="fwd+bwd warm-ups after the first call (default 3 on cuda, 1 on cpu)")
     p.add_argument("--tiny", action="store_true", help="H=64, I=96, E=8/16, k=2 (smoke test, runs on CPU)")
@@ -341,11 +343,12 @@ def parse_args(argv=None):
                    help="extra backend option of the moe variants (true/false, ints, strings); repeatable")
     p.add_argument("--out", help="also write the report (markdown) here, rewritten after every row")
     args = p.parse_args(argv)
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    args.variants = [v for v in VARIANTS if v in {v.strip() for v in args.variants.split(",")}]  # eager first
-    if set(args.models) - set(MODELS) or not args.models or not args.variants:
-        p.error(f"--models / --variants: choose from {','.join(MODELS)} / {','.join(VARIANTS)}")
     cuda = args.device == "cuda"
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    chosen = {v.strip() for v in (args.variants or f"eager,inductor,{'moe' if cuda else 'moe-torch'}").split(",")}
+    args.variants = [v for v in VARIANTS if v in chosen]  # eager first: the reference
+    if set(args.models) - set(MODELS) or chosen - set(VARIANTS) or not args.models or not args.variants:
+        p.error(f"--models / --variants: choose from {','.join(MODELS)} / {','.join(VARIANTS)}")
     args.tokens = [int(t) for t in (args.tokens or ("64" if args.tiny else "4096,16384")).split(",")]
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
