@@ -71,9 +71,13 @@ def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
         from ..runtime import kernels
         from ..runtime.kernels.common import interpreting
 
-        kernels.load()  # no CUDA: switches Triton to its interpreter before the kernels are decorated
+        try:
+            kernels.load()  # no CUDA: switches Triton to its interpreter if it still can, else says how
+        except RuntimeError as exc:
+            raise ValueError(f"lowering='triton' on CPU tensors: {exc}") from exc
         if not interpreting():
-            return "torch", ["triton on CPU tensors needs TRITON_INTERPRET=1 before moecompile's kernels load"]
+            raise ValueError("lowering='triton' got CPU tensors on a machine with CUDA: move the model to the GPU, "
+                             "or run with TRITON_INTERPRET=1 to test the kernels on CPU")
     from ..runtime import triton_ops  # noqa: F401  (registers the moe::*_triton ops)
 
     return "triton", []

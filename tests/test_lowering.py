@@ -2,6 +2,10 @@
 interpreter on CPU) matches eager forward and backward; "auto" keeps the torch references on CPU; explain()
 shows the choice per layer and what stayed on torch."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import RecordingBackend, normwise
@@ -55,3 +59,16 @@ def test_triton_lowering_under_inductor_with_changing_shapes():
         g_want = torch.autograd.grad(want.loss, list(model.parameters()))
         assert max(normwise(a, b) for a, b in zip(g_got, g_want)) <= 1e-5
     assert not backend.errors and backend.report.counters["lower.triton"] >= 2
+
+
+def test_triton_on_cpu_without_the_interpreter_says_how():
+    """Building a transformers model imports Triton, too late to switch its interpreter on: a clear error."""
+    code = (
+        "import torch\nfrom moecompile.models import hf\nm = hf.tiny_model('mixtral')\n"
+        "c = torch.compile(m, backend='moe', options={'lowering': 'triton', 'inner': 'aot_eager'})\n"
+        "c(torch.randint(0, 128, (2, 5)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0
+    assert "run Python with TRITON_INTERPRET=1 in the environment" in run.stderr

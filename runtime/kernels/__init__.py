@@ -10,8 +10,10 @@
 Every module has ``compile_targets()``: each kernel with every configuration its launcher can pick, which CI
 compiles for sm_90 (tests/test_kernels_compile.py).
 
-Import the kernels through ``load()``: on a machine without CUDA it turns on Triton's interpreter first (the
-switch is read when the kernels are decorated), so the kernels run, slowly, on CPU tensors.
+Import the kernels through ``load()``. Without CUDA they can only run in Triton's interpreter, which must be
+switched on (``TRITON_INTERPRET=1``) before Triton's language module is first imported: ``load()`` does it when
+it still can, and otherwise says how (building a transformers model imports Triton, so on CPU it is usually
+too late: start Python with ``TRITON_INTERPRET=1`` in the environment).
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ KERNEL_MODULES = ("router", "pft", "grouped_mlp", "grouped_mlp_bwd")
 
 
 def load():
-    """The kernel modules, imported (interpreter mode first when there is no CUDA)."""
+    """The kernel modules, imported (Triton's interpreter switched on first when there is no CUDA)."""
+    import sys
+
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if "triton.language" in sys.modules:
+            raise RuntimeError(
+                "moecompile's Triton kernels need CUDA, or Triton's interpreter on CPU, which must be switched on "
+                "before Triton is imported: run Python with TRITON_INTERPRET=1 in the environment, or use "
+                "lowering='torch' (or 'auto') on CPU"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
     return {name: importlib.import_module(f"{__name__}.{name}") for name in KERNEL_MODULES}

@@ -1,8 +1,8 @@
 """What the Triton kernels share: where they may run, the activation math, shape checks, launch configurations.
 
-Interpreter. Without CUDA, Triton runs kernels in its interpreter when ``TRITON_INTERPRET=1`` is set *before* the
-kernels are decorated (imported). ``moecompile.runtime.kernels.load()`` sets it on a machine without CUDA, so
-``lowering="triton"`` works on CPU (slowly: it exists to prove the kernels, not to be fast).
+Interpreter. Without CUDA, Triton runs kernels in its interpreter when ``TRITON_INTERPRET=1`` is set before
+``triton.language`` is first imported (see ``moecompile.runtime.kernels.load``); it exists to prove the kernels
+on CPU, not to be fast.
 """
 
 from __future__ import annotations
