@@ -41,6 +41,19 @@ def _block_t(block_e: int) -> int:
 
 
 @triton.jit
+def _load_logits(logits_ptr, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's [BLOCK_T, BLOCK_E] fp32 tile of logits_TE, with its lane offsets and masks."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    t_mask = offs_t < T
+    e_mask = offs_e < E
+    row_T = offs_t.to(tl.int64)
+    x_TE = tl.load(logits_ptr + row_T[:, None] * E + offs_e[None, :], mask=t_mask[:, None] & e_mask[None, :],
+                   other=0.0).to(tl.float32)
+    return offs_e, t_mask, e_mask, row_T, x_TE
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,  # logits_TE, correction_bias_E (fp32), weights_TK, ids_TK
     T, E, K, n_group, topk_group, renorm_eps, scaling,
@@ -48,13 +61,7 @@ def _route_kernel(
     GROUPED: tl.constexpr, GROUP_SCORE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_e = tl.arange(0, BLOCK_E)
-    t_mask = offs_t < T
-    e_mask = offs_e < E
-    mask_TE = t_mask[:, None] & e_mask[None, :]
-    row_T = offs_t.to(tl.int64)
-    x_TE = tl.load(logits_ptr + row_T[:, None] * E + offs_e[None, :], mask=mask_TE, other=0.0).to(tl.float32)
+    offs_e, t_mask, e_mask, row_T, x_TE = _load_logits(logits_ptr, T, E, BLOCK_T, BLOCK_E)
 
     if SCORE_FN == 0:
         xm_TE = tl.where(e_mask[None, :], x_TE, NEG_INF)
@@ -130,13 +137,7 @@ def _route_backward_kernel(
     T, E, K, renorm_eps, scaling,
     SCORE_FN: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_e = tl.arange(0, BLOCK_E)
-    t_mask = offs_t < T
-    e_mask = offs_e < E
-    mask_TE = t_mask[:, None] & e_mask[None, :]
-    row_T = offs_t.to(tl.int64)
-    x_TE = tl.load(logits_ptr + row_T[:, None] * E + offs_e[None, :], mask=mask_TE, other=0.0).to(tl.float32)
+    offs_e, t_mask, e_mask, row_T, x_TE = _load_logits(logits_ptr, T, E, BLOCK_T, BLOCK_E)
 
     # scatter the slot gradients to expert lanes (the K ids of a token are distinct)
     g_TE = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
@@ -181,7 +182,7 @@ def _route_backward_kernel(
     else:  # sigmoid adjoint, picked lanes only
         dx_TE = dr_TE * r_TE * (1.0 - r_TE)
     tl.store(grad_logits_ptr + row_T[:, None] * E + offs_e[None, :],
-             dx_TE.to(grad_logits_ptr.dtype.element_ty), mask=mask_TE)
+             dx_TE.to(grad_logits_ptr.dtype.element_ty), mask=t_mask[:, None] & e_mask[None, :])
 
 
 def _check_args(logits_TE, correction_bias_E, top_k, score_fn, n_group, topk_group, group_score):
