@@ -8,7 +8,7 @@ Legend: T tokens, B routed rows (sorted by expert), E experts, H hidden, I exper
                     MLP of its tile (h kept in a per-program scratch, never a [B, I] tensor) and combines.
 
 Segments are never padded to a block multiple in memory. Row tiles are numbered expert by expert
-(``schedule``: tiles_E = ceil(rows_E / BLOCK_M)); a tile past the end of its expert's rows masks them, and a tile
+(``locate``: tiles_E = ceil(rows_E / BLOCK_M), computed in the kernel from the counts); a tile past the end of its expert's rows masks them, and a tile
 number past the last tile does nothing. The grid is a static upper bound (ceil(B / BLOCK_M) + E tiles), so no
 tile count ever travels to the host: nothing here synchronises with the GPU.
 
@@ -25,17 +25,7 @@ import triton.language as tl
 from .. import reference as ref
 from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting
 
-# ---- schedule ------------------------------------------------------------------------------------------------
-
-
-def schedule(tokens_per_expert_E: torch.Tensor, block_m: int) -> torch.Tensor:
-    """int32 [4, E] on the device: first tile, end tile (exclusive), first row, rows of each expert. Device
-    ops only (no host synchronisation)."""
-    counts = tokens_per_expert_E.to(torch.int32)
-    tiles = (counts + (block_m - 1)) // block_m
-    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
-    row_end = torch.cumsum(counts, 0, dtype=torch.int32)
-    return torch.stack([tile_end - tiles, tile_end, row_end - counts, counts]).contiguous()
+# ---- tile schedule -------------------------------------------------------------------------------------------
 
 
 def max_tiles(B: int, E: int, block_m: int) -> int:
@@ -43,16 +33,27 @@ def max_tiles(B: int, E: int, block_m: int) -> int:
 
 
 @triton.jit
-def locate(t, sched_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Expert ``e`` of row tile ``t`` (E when past the last tile), its rows and the mask of real ones."""
+def segments(counts_ptr, E, BLOCK_E: tl.constexpr):
+    """Rows per expert and each expert's first row (exclusive prefix sum), from tokens_per_expert_E."""
     offs_e = tl.arange(0, BLOCK_E)
-    ends = tl.load(sched_ptr + E + offs_e, mask=offs_e < E, other=2147483647)
-    e = tl.sum((ends <= t).to(tl.int32), axis=0)
-    valid = e < E
-    first_tile = tl.load(sched_ptr + e, mask=valid, other=0)
-    row0 = tl.load(sched_ptr + 2 * E + e, mask=valid, other=0)
-    nrows = tl.load(sched_ptr + 3 * E + e, mask=valid, other=0)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
+    return offs_e, counts, tl.cumsum(counts, axis=0) - counts
+
+
+@triton.jit
+def locate(t, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Expert ``e`` of row tile ``t`` (>= E past the last tile), its rows and the mask of real ones. Tiles are
+    numbered expert by expert, ceil(rows_e / BLOCK_M) each, from the counts alone: nothing precomputed."""
+    offs_e, counts, first_row = segments(counts_ptr, E, BLOCK_E)
+    tiles = (counts + (BLOCK_M - 1)) // BLOCK_M
+    tile_end = tl.cumsum(tiles, axis=0)
+    e = tl.sum((tile_end <= t).to(tl.int32), axis=0)  # padded lanes end at the total: counted only past it
+    is_e = offs_e == e
+    first_tile = tl.sum(tl.where(is_e, tile_end - tiles, 0), axis=0)
+    row0 = tl.sum(tl.where(is_e, first_row, 0), axis=0)
+    nrows = tl.sum(tl.where(is_e, counts, 0), axis=0)
     local = (t - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = e < E
     rows_ok = (local < nrows) & valid
     return e, row0 + local, rows_ok, valid
 
@@ -163,14 +164,14 @@ def _emit(acc, rows, tok, rows_ok, n0, H, out_ptr, cw_ptr, COMBINE: tl.constexpr
 
 @triton.jit
 def _up_act_kernel(
-    x_ptr, sxt, sxh, tok_ptr, s_ptr, sched_ptr, h_ptr,
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, counts_ptr, h_ptr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
     E, H, I, alpha, limit,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (row tiles, I tiles): gather + up (+gate) GEMM + activation, h_BI stored in the weights' dtype."""
-    e, rows, rows_ok, valid = locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         n0 = tl.program_id(1) * BLOCK_N
         tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0)
@@ -185,12 +186,12 @@ def _up_act_kernel(
 
 @triton.jit
 def _down_combine_kernel(
-    h_ptr, tok_ptr, cw_ptr, sched_ptr, out_ptr, wd_ptr, sde, sdh, sdi, bd_ptr, sbde, E, H, I,
+    h_ptr, tok_ptr, cw_ptr, counts_ptr, out_ptr, wd_ptr, sde, sdh, sdi, bd_ptr, sbde, E, H, I,
     HAS_BD: tl.constexpr, COMBINE: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (row tiles, H tiles): down GEMM, bias, then the weighted scatter-combine (or y_BH when not COMBINE)."""
-    e, rows, rows_ok, valid = locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         n0 = tl.program_id(1) * BLOCK_N
         tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
@@ -201,7 +202,7 @@ def _down_combine_kernel(
 
 @triton.jit
 def _fused_experts_kernel(
-    x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, sched_ptr, scratch_ptr, out_ptr,
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, counts_ptr, scratch_ptr, out_ptr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, wd_ptr, sde, sdh, sdi,
     bg_ptr, sbge, bu_ptr, sbue, bd_ptr, sbde, E, H, I, num_tiles, alpha, limit,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
@@ -216,7 +217,7 @@ def _fused_experts_kernel(
     slot = scratch_ptr + pid.to(tl.int64) * BLOCK_M * I
     local = tl.arange(0, BLOCK_M).to(tl.int64)
     for t in range(pid, num_tiles, nprog):
-        e, rows, rows_ok, valid = locate(t, sched_ptr, E, BLOCK_M, BLOCK_E)
+        e, rows, rows_ok, valid = locate(t, counts_ptr, E, BLOCK_M, BLOCK_E)
         if valid:
             e64 = e.to(tl.int64)
             tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
@@ -317,7 +318,7 @@ def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_
                                    w_up_EIH.transpose(1, 2), b_gate_EI, b_up_EI, None, input_scale_B, activation)
     token_ids_B, input_scale_B = rows_contiguous(token_ids_B, input_scale_B)
     cfg = _config(config, B, E, w_up_EIH.dtype)
-    sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
+    counts = tokens_per_expert_E.contiguous()
     h_BI = torch.zeros(B, I, dtype=w_up_EIH.dtype, device=x_TH.device)  # dropped tail rows stay 0
     wg = w_up_EIH if w_gate_EIH is None else w_gate_EIH
     bg, sbg = _opt(b_gate_EI, wg)
@@ -325,7 +326,7 @@ def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_
     s = input_scale_B if input_scale_B is not None else token_ids_B
     grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(I, cfg["BLOCK_N"]))
     _up_act_kernel[grid](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, sched, h_BI,
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, h_BI,
         wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
         GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
         HAS_SCALE=input_scale_B is not None, ACT=ACT_CODES[activation], BLOCK_M=cfg["BLOCK_M"],
@@ -352,7 +353,7 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
         raise ValueError("down_combine(combine=True) needs num_tokens")
     token_ids_B, combine_weights_B = rows_contiguous(token_ids_B, combine_weights_B)
     cfg = _config(config, B, E, w_down_EHI.dtype)
-    sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
+    counts = tokens_per_expert_E.contiguous()
     if combine:
         out = torch.zeros(num_tokens, H, dtype=torch.float32, device=h_BI.device)
     else:
@@ -361,7 +362,7 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
     cw = combine_weights_B if combine_weights_B is not None else h_BI
     grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(H, cfg["BLOCK_N"]))
     _down_combine_kernel[grid](
-        h_BI.contiguous(), token_ids_B, cw, sched, out, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I,
+        h_BI.contiguous(), token_ids_B, cw, counts, out, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I,
         HAS_BD=b_down_EH is not None, COMBINE=combine, HAS_CW=combine_weights_B is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
         PREC=dot_precision(w_down_EHI.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -387,7 +388,7 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
     check_shape("x_TH", x_TH, (num_tokens, H))
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
     cfg = _config(config, B, E, w_up_EIH.dtype)
-    sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
+    counts = tokens_per_expert_E.contiguous()
     tiles = max_tiles(B, E, cfg["BLOCK_M"])
     P = num_programs or _num_programs(x_TH.device, tiles)
     scratch = torch.empty(P, cfg["BLOCK_M"], I, dtype=w_up_EIH.dtype, device=x_TH.device)
@@ -397,7 +398,7 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
     s = input_scale_B if input_scale_B is not None else token_ids_B
     cw = combine_weights_B if combine_weights_B is not None else token_ids_B
     _fused_experts_kernel[(P,)](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, sched, scratch, out,
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, scratch, out,
         wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(),
         bg, sbg, bu, sbu, bd, sbd, E, H, I, tiles, float(alpha), float(limit),
         GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
@@ -429,7 +430,7 @@ FLAG_SETS = (
 
 def _ptrs(dt, **extra):
     names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "scratch_ptr")
-    return {**{n: dt for n in names}, "tok_ptr": torch.int64, "sched_ptr": torch.int32, **extra}
+    return {**{n: dt for n in names}, "tok_ptr": torch.int64, "counts_ptr": torch.int64, **extra}
 
 
 def compile_targets():

@@ -24,12 +24,12 @@ import triton.language as tl
 
 from .common import ACT_CODES, act_bwd, act_fwd, dot_precision
 from .grouped_mlp import (_config, _opt, check_expert_args, load_scale, locate, max_tiles, proj_tile,
-                          rows_contiguous, schedule)
+                          rows_contiguous, segments)
 
 
 @triton.jit
 def _dh_kernel(
-    x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, sched_ptr, dout_ptr, h_ptr, dg_ptr, du_ptr, pcw_ptr,
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, counts_ptr, dout_ptr, h_ptr, dg_ptr, du_ptr, pcw_ptr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, wd_ptr, sde, sdh, sdi, bg_ptr, sbge, bu_ptr, sbue,
     E, H, I, alpha, limit,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -37,7 +37,7 @@ def _dh_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (row tiles, I tiles): recompute the projections, G = dout[tok] @ Wd[e], then dh and act'."""
-    e, rows, rows_ok, valid = locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         DT = wu_ptr.dtype.element_ty
         e64 = e.to(tl.int64)
@@ -82,14 +82,14 @@ def _dh_kernel(
 
 @triton.jit
 def _dx_kernel(
-    x_ptr, sxt, sxh, tok_ptr, s_ptr, sched_ptr, dg_ptr, du_ptr, dx_ptr, ps_ptr, dout_ptr, bd_ptr, sbde, pbd_ptr,
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, counts_ptr, dg_ptr, du_ptr, dx_ptr, ps_ptr, dout_ptr, bd_ptr, sbde, pbd_ptr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, E, H, I,
     GATED: tl.constexpr, HAS_SCALE: tl.constexpr, BD_DCW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (row tiles, H tiles): dxs = dg @ Wg[e] + du @ Wu[e], scattered to dx[tok] (fp32, atomic) with the
     row scale; partial <dxs, x[tok]> for the scale's gradient and <bd, dout[tok]> for the combine weights'."""
-    e, rows, rows_ok, valid = locate(tl.program_id(0), sched_ptr, E, BLOCK_M, BLOCK_E)
+    e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         DT = wu_ptr.dtype.element_ty
         e64 = e.to(tl.int64)
@@ -128,11 +128,11 @@ def _dx_kernel(
 
 @triton.jit
 def _wgrad_kernel(
-    a_ptr, sa, a_tok_ptr, a_scale_ptr, c_ptr, sc, c_tok_ptr, c_scale_ptr, sched_ptr, dw_ptr, db_ptr,
+    a_ptr, sa, a_tok_ptr, a_scale_ptr, c_ptr, sc, c_tok_ptr, c_scale_ptr, counts_ptr, dw_ptr, db_ptr,
     E, N1, N2,
     A_GATHER: tl.constexpr, A_SCALE: tl.constexpr, C_GATHER: tl.constexpr, C_SCALE: tl.constexpr,
     HAS_DB: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREC: tl.constexpr,
+    BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (E, N1 tiles x N2 tiles): dW[e] = A_e^T @ C_e, reducing over expert e's rows (a variable-length
     segment, masked in BLOCK_K steps); A row r is a[tok[r]] * scale[r] when gathered and scaled, C likewise.
@@ -144,8 +144,9 @@ def _wgrad_kernel(
     pid_n2 = tl.program_id(1) % n2_tiles
     offs_1 = pid_n1 * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     offs_2 = pid_n2 * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-    row0 = tl.load(sched_ptr + 2 * E + e)
-    nrows = tl.load(sched_ptr + 3 * E + e)
+    offs_e, counts, first_row = segments(counts_ptr, E, BLOCK_E)
+    row0 = tl.sum(tl.where(offs_e == e, first_row, 0), axis=0)
+    nrows = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
     acc = tl.zeros((BLOCK_N1, BLOCK_N2), tl.float32)
     colsum = tl.zeros((BLOCK_N1,), tl.float32)
     for k0 in range(0, nrows, BLOCK_K):
@@ -195,18 +196,19 @@ def wgrad_gpu_config(dtype) -> dict:
                 num_stages=3)
 
 
-def _wgrad(a, a_tok, a_scale, c, c_tok, c_scale, sched, E, want_db, cfg):
+def _wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, cfg):
     N1, N2 = a.shape[1], c.shape[1]
     dw = torch.empty(E, N1, N2, dtype=cfg["dtype"], device=a.device)
     db = torch.zeros(E, N1, dtype=cfg["dtype"], device=a.device) if want_db else dw
     grid = (E, triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]))
     _wgrad_kernel[grid](
-        a, a.stride(0), a_tok if a_tok is not None else sched, a_scale if a_scale is not None else a,
-        c, c.stride(0), c_tok if c_tok is not None else sched, c_scale if c_scale is not None else c,
-        sched, dw, db, E, N1, N2,
+        a, a.stride(0), a_tok if a_tok is not None else counts, a_scale if a_scale is not None else a,
+        c, c.stride(0), c_tok if c_tok is not None else counts, c_scale if c_scale is not None else c,
+        counts, dw, db, E, N1, N2,
         A_GATHER=a_tok is not None, A_SCALE=a_scale is not None, C_GATHER=c_tok is not None,
         C_SCALE=c_scale is not None, HAS_DB=want_db, BLOCK_N1=cfg["BLOCK_N1"], BLOCK_N2=cfg["BLOCK_N2"],
-        BLOCK_K=cfg["BLOCK_K"], PREC=dot_precision(cfg["dtype"]), num_warps=cfg["num_warps"],
+        BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(cfg["dtype"]),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     return dw, (db if want_db else None)
@@ -224,7 +226,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     dt = w_up_EIH.dtype
     gated = w_gate_EIH is not None
     cfg = _config(config, B, E, dt)
-    sched = schedule(tokens_per_expert_E, cfg["BLOCK_M"])
+    counts = tokens_per_expert_E.contiguous()
     dout = dout_TH.contiguous()
     dev = x_TH.device
     n_i, n_h = triton.cdiv(I, cfg["BLOCK_N"]), triton.cdiv(H, cfg["BLOCK_N"])
@@ -242,7 +244,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
                   num_stages=cfg["num_stages"])
     tiles = max_tiles(B, E, cfg["BLOCK_M"])
     _dh_kernel[(tiles, n_i)](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, sched, dout, h_BI, dg_BI, du_BI, pcw,
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, dout, h_BI, dg_BI, du_BI, pcw,
         wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(), bg, sbg, bu, sbu,
         E, H, I, float(alpha), float(limit),
         GATED=gated, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None, HAS_SCALE=input_scale_B is not None,
@@ -254,16 +256,16 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     ps = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if has_s else dx
     pbd = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if bd_dcw else dx
     _dx_kernel[(tiles, n_h)](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, sched, dg_BI, du_BI, dx, ps, dout, bd, sbd, pbd,
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, dg_BI, du_BI, dx, ps, dout, bd, sbd, pbd,
         wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), E, H, I,
         GATED=gated, HAS_SCALE=has_s, BD_DCW=bd_dcw, **common,
     )
     wcfg = dict(wgrad_config(dt), dtype=dt)
     xs = dict(c=x_TH.contiguous(), c_tok=token_ids_B, c_scale=input_scale_B)
-    dwg, dbg = _wgrad(dg_BI, None, None, **xs, sched=sched, E=E, want_db=b_gate_EI is not None, cfg=wcfg) \
+    dwg, dbg = _wgrad(dg_BI, None, None, **xs, counts=counts, E=E, want_db=b_gate_EI is not None, cfg=wcfg) \
         if gated else (None, None)
-    dwu, dbu = _wgrad(du_BI, None, None, **xs, sched=sched, E=E, want_db=b_up_EI is not None, cfg=wcfg)
-    dwd, dbd = _wgrad(dout, token_ids_B, combine_weights_B, h_BI, None, None, sched=sched, E=E,
+    dwu, dbu = _wgrad(du_BI, None, None, **xs, counts=counts, E=E, want_db=b_up_EI is not None, cfg=wcfg)
+    dwd, dbd = _wgrad(dout, token_ids_B, combine_weights_B, h_BI, None, None, counts=counts, E=E,
                       want_db=b_down_EH is not None, cfg=wcfg)
     dcw = None
     if has_cw:
@@ -286,7 +288,7 @@ def compile_targets():
 
     def ptrs(dt):
         names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "dg_ptr", "du_ptr")
-        return {**{n: dt for n in names}, "tok_ptr": torch.int64, "sched_ptr": torch.int32}
+        return {**{n: dt for n in names}, "tok_ptr": torch.int64, "counts_ptr": torch.int64}
 
     def pair(dt, cfg, flag_set, block_e, with_dx=True):
         gated, bg, bu, bd, sc, cw, act = flag_set
@@ -310,14 +312,14 @@ def compile_targets():
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         w = wgrad_gpu_config(dt)
         opts = dict(num_warps=w.pop("num_warps"), num_stages=w.pop("num_stages"))
-        w["PREC"] = dot_precision(dt)
+        w.update(PREC=dot_precision(dt), BLOCK_E=(8, 128, 256)[len(out) % 3])
         uses = (  # (A dtype, A_GATHER, A_SCALE, C_GATHER, C_SCALE, HAS_DB): dWg/dWu, dWd
             (dt, False, False, True, True, True), (f32, True, True, False, False, True),
             (dt, False, False, True, False, False),
         )
         for a_dt, ag, asc, cg, csc, db in uses:
             p = {"a_ptr": a_dt, "c_ptr": dt, "dw_ptr": dt, "db_ptr": dt, "a_tok_ptr": torch.int64,
-                 "c_tok_ptr": torch.int64, "sched_ptr": torch.int32}
+                 "c_tok_ptr": torch.int64, "counts_ptr": torch.int64}
             out.append(target(_wgrad_kernel, p, dict(w, A_GATHER=ag, A_SCALE=asc, C_GATHER=cg, C_SCALE=csc,
                                                       HAS_DB=db), **opts))
     return out
