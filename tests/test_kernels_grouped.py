@@ -143,6 +143,14 @@ def test_dropped_tail_rows_are_not_computed():
     assert relerr(got, want) < 1e-5
     y = gm.down_combine(gm.up_act(t["x"], tok, counts, t["wg"], t["wu"], **kw), tok, counts, t["wd"], combine=False)
     assert y[int(counts.sum()):].abs().max() == 0
+    t["cw"] = cw
+    grad_out = torch.randn(42, H, generator=torch.Generator().manual_seed(2))
+    _, want_grads = _reference(t, tok, counts, kw, None, grad_out)
+    grads = gb.fused_experts_backward(grad_out, t["x"], tok, counts, cw, *_args(t), **kw)
+    for name, g in zip(NAMES, grads):
+        if g is not None:
+            assert relerr(g, want_grads[name]) < 1e-5, name
+    assert grads[1][int(counts.sum()):].abs().max() == 0  # dropped rows: no combine-weight gradient
 
 
 def test_bad_input_is_named():

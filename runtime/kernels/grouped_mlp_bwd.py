@@ -199,7 +199,7 @@ def wgrad_gpu_config(dtype) -> dict:
 def _wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, cfg):
     N1, N2 = a.shape[1], c.shape[1]
     dw = torch.empty(E, N1, N2, dtype=cfg["dtype"], device=a.device)
-    db = torch.zeros(E, N1, dtype=cfg["dtype"], device=a.device) if want_db else dw
+    db = torch.empty(E, N1, dtype=cfg["dtype"], device=a.device) if want_db else dw  # every row written
     grid = (E, triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]))
     _wgrad_kernel[grid](
         a, a.stride(0), a_tok if a_tok is not None else counts, a_scale if a_scale is not None else a,
@@ -230,9 +230,10 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     dout = dout_TH.contiguous()
     dev = x_TH.device
     n_i, n_h = triton.cdiv(I, cfg["BLOCK_N"]), triton.cdiv(H, cfg["BLOCK_N"])
-    h_BI = torch.zeros(B, I, dtype=dt, device=dev)  # rows past the routed ones (dropped) stay 0
-    du_BI = torch.zeros(B, I, dtype=dt, device=dev)
-    dg_BI = torch.zeros(B, I, dtype=dt, device=dev) if gated else du_BI
+    # only the counted rows are written and read (dropped tail rows never are): no memset
+    h_BI = torch.empty(B, I, dtype=dt, device=dev)
+    du_BI = torch.empty(B, I, dtype=dt, device=dev)
+    dg_BI = torch.empty(B, I, dtype=dt, device=dev) if gated else du_BI
     has_cw = combine_weights_B is not None
     pcw = torch.zeros(B, n_i, dtype=torch.float32, device=dev) if has_cw else dout
     wg = w_gate_EIH if gated else w_up_EIH
