@@ -109,8 +109,12 @@ def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> tuple[list[str], list
                 n.target = getattr(_ops, _SWAPS[name]).default
                 swapped.append(_SWAPS[name])
         elif name == "build_pft":
+            from ..runtime.kernels.pft import MAX_BLOCK_E
+
             if n.args[3] >= 0:
                 notes.append("build_pft: torch (capacity-limited buffers have no Triton kernel)")
+            elif n.args[2] > MAX_BLOCK_E:
+                notes.append(f"build_pft: torch (the Triton kernel takes at most {MAX_BLOCK_E} experts)")
             else:
                 n.target = getattr(_ops, _SWAPS[name]).default
                 swapped.append(_SWAPS[name])

@@ -72,3 +72,10 @@ def test_triton_on_cpu_without_the_interpreter_says_how():
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode != 0
     assert "run Python with TRITON_INTERPRET=1 in the environment" in run.stderr
+
+
+def test_more_experts_than_the_pft_kernel_takes_keep_torch_pft():
+    report = _check_against_eager(hf.tiny_model("qwen3_moe", num_experts=520), lowering="triton")
+    assert all(r.lowering_notes == ["build_pft: torch (the Triton kernel takes at most 512 experts)"]
+               for r in report.layers)
+    assert report.counters["lower.ops.fused_experts"] == len(report.layers) > 0
