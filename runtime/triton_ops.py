@@ -18,8 +18,7 @@ import functools
 import torch
 from torch.library import custom_op, register_autograd, register_fake
 
-from . import ops  # noqa: F401  (defines moe::build_pft, whose autograd formulas are reused)
-from .ops import _build_pft_bwd, _build_pft_fake, _build_pft_setup, _route_fake
+from .ops import _build_pft_bwd, _build_pft_fake, _build_pft_setup, _route_fake  # moe::build_pft's formulas
 
 Tensor = torch.Tensor
 
