@@ -23,9 +23,10 @@ for name in sys.argv[1:]:
     for t in importlib.import_module("moecompile.runtime.kernels." + name).compile_targets():
         fn, sig, consts = t[:3]
         options = t[3] if len(t) > 3 else {}
+        attrs = t[4] if len(t) > 4 else None
         count += 1
         try:
-            triton_compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=options)
+            triton_compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
         except Exception:
             failures.append(f"{name}.{fn.__name__} {consts} {options}:\n{traceback.format_exc(limit=3)}")
 print(f"compiled {count - len(failures)}/{count} in {time.time() - t0:.0f}s")
@@ -51,5 +52,6 @@ def test_compile_targets_name_every_parameter(name):
     import importlib
 
     for t in importlib.import_module(f"moecompile.runtime.kernels.{name}").compile_targets():
-        fn, sig = t[0], t[1]
+        fn, sig, consts = t[0], t[1], t[2]
         assert list(sig) == list(fn.arg_names), f"{fn.__name__}: signature does not list every parameter in order"
+        assert all(consts.get(n) is not None for n, kind in sig.items() if kind == "constexpr"), fn.__name__

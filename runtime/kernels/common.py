@@ -125,16 +125,26 @@ TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
                 torch.int32: "i32"}
 
 
-def target(fn, ptr_dtypes: dict, constexprs: dict, default_ptr=torch.float32, floats=("alpha", "limit"), **options):
-    """A compile target (fn, signature, constexprs, options) for ``tests/test_kernels_compile.py``: pointers
-    named ``*_ptr`` get their dtype from ``ptr_dtypes`` (else ``default_ptr``), ``floats`` are fp32 scalars,
-    other scalars i32."""
-    sig = {}
-    for name in fn.arg_names:
-        if name in constexprs:
+def target(fn, ptr_dtypes: dict, constexprs: dict, default_ptr=torch.float32, floats=("alpha", "limit"),
+           unit=(), aligned=(), **options):
+    """A compile target (fn, signature, constexprs, options, attrs) for ``tests/test_kernels_compile.py``:
+    pointers named ``*_ptr`` get their dtype from ``ptr_dtypes`` (else ``default_ptr``), ``floats`` are fp32
+    scalars, other scalars i32. As a GPU launch specialises its arguments, the integers named in ``unit`` become
+    the constant 1 (unit inner strides of contiguous tensors) and every pointer and the integers in ``aligned``
+    are marked divisible by 16 (what real model widths and strides are): that is the code a launch at real
+    sizes compiles, with its software pipelining and vector loads."""
+    sig, attrs = {}, {}
+    consts = dict(constexprs)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
             sig[name] = "constexpr"
+        elif name in unit:
+            sig[name], consts[name] = "constexpr", 1
         elif name.endswith("_ptr"):
             sig[name] = "*" + TRITON_TYPES[ptr_dtypes.get(name, default_ptr)]
+            attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in floats else "i32"
-    return fn, sig, dict(constexprs), options
+            if name in aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return fn, sig, consts, options, attrs

@@ -249,12 +249,14 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
 
 
 def gpu_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
-    """M tiles of 64 rows when experts see few rows (decode, many experts: less of each tile is masked), 128
-    otherwise; 128-wide N and 64-deep K for 16-bit inputs (wgmma-sized, three stages fit shared memory); fp32
-    halves K to fit shared memory."""
+    """16-bit: M tiles of 64 rows when experts see few rows (decode, many experts: less of each tile is masked),
+    128 otherwise; 128-wide N and 64-deep K (wgmma-sized; three stages fit shared memory). fp32 runs without
+    tensor cores (as torch's fp32 default, no TF32) in 64 x 64 tiles so the FMA accumulators fit the registers.
+    Registers and spills of each: ``benchmarks/kernel_resources.py``."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
     block_m = 64 if rows_per_expert < 128 else 128
-    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32 if dtype == torch.float32 else 64,
-                num_warps=8 if block_m == 128 else 4, num_stages=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_warps=8 if block_m == 128 else 4, num_stages=3)
 
 
 def gpu_configs():
@@ -428,6 +430,11 @@ FLAG_SETS = (
 )
 
 
+# what a launch at real sizes specialises: unit inner strides (contiguous x and weights), 16-divisible widths
+REAL_LAUNCH = dict(unit=("sxh", "sgh", "suh", "sdi"),
+                   aligned=("sxt", "sge", "sgi", "sue", "sui", "sde", "sdh", "sbge", "sbue", "sbde", "H", "I"))
+
+
 def _ptrs(dt, **extra):
     names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "scratch_ptr")
     return {**{n: dt for n in names}, "tok_ptr": torch.int64, "counts_ptr": torch.int64, **extra}
@@ -438,7 +445,7 @@ def compile_targets():
     configuration), every activation (fused kernel), with a few expert counts (BLOCK_E)."""
     from .common import target
 
-    def three(dt, cfg, flag_set, block_e):
+    def three(dt, cfg, flag_set, block_e, launch=REAL_LAUNCH):
         gated, bg, bu, bd, sc, cw, act = flag_set
         consts = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=block_e,
                       PREC=dot_precision(dt))
@@ -446,16 +453,17 @@ def compile_targets():
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         combine = bool(cw or not sc)  # exercise the y_BH store (COMBINE=False) with the Llama4-like set
         return [
-            target(_up_act_kernel, _ptrs(dt), dict(consts, **flags), **opts),
+            target(_up_act_kernel, _ptrs(dt), dict(consts, **flags), **opts, **launch),
             target(_down_combine_kernel, _ptrs(dt, out_ptr=torch.float32 if combine else dt),
-                   dict(consts, HAS_BD=bd, COMBINE=combine, HAS_CW=cw), **opts),
-            target(_fused_experts_kernel, _ptrs(dt), dict(consts, **flags, HAS_BD=bd, HAS_CW=cw), **opts),
+                   dict(consts, HAS_BD=bd, COMBINE=combine, HAS_CW=cw), **opts, **launch),
+            target(_fused_experts_kernel, _ptrs(dt), dict(consts, **flags, HAS_BD=bd, HAS_CW=cw), **opts, **launch),
         ]
 
     out = []
     for i, (dt, cfg) in enumerate(gpu_configs()):
         out += three(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])
     dt, cfg = torch.bfloat16, gpu_config(1024, torch.bfloat16)
+    out += three(dt, cfg, FLAG_SETS[0], 8, launch={})  # odd widths and strided views: nothing specialised
     for flag_set in FLAG_SETS[1:]:
         out += three(dt, cfg, flag_set, 32)
     for name, act in ACT_CODES.items():

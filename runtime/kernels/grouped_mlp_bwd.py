@@ -181,6 +181,12 @@ def _wgrad_kernel(
 # ---- host launcher -------------------------------------------------------------------------------------------
 
 
+def dh_block_n(cfg) -> int:
+    """The dh kernel holds three [M, N] fp32 accumulators (gate, up, dout @ Wd): half the forward's N keeps
+    them in registers (at N=128 ptxas spills 300-600 bytes a thread, benchmarks/kernel_resources.py)."""
+    return max(16, cfg["BLOCK_N"] // 2)
+
+
 def wgrad_config(dtype) -> dict:
     """Tiles of the weight-gradient GEMM: 128 x 128 outputs (16-bit) reduced over 64 rows per step (32 in fp32 to
     fit shared memory); the interpreter gets the smallest legal tiles."""
@@ -192,8 +198,11 @@ def wgrad_config(dtype) -> dict:
 
 
 def wgrad_gpu_config(dtype) -> dict:
-    return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=8,
-                num_stages=3)
+    """128 x 128 output tiles on the tensor cores for 16-bit; fp32 (no tensor cores: torch's fp32 default is
+    not TF32 either) takes 64 x 64 so its FMA accumulators fit the registers."""
+    if dtype == torch.float32:
+        return dict(BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def _wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, cfg):
@@ -229,7 +238,8 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     counts = tokens_per_expert_E.contiguous()
     dout = dout_TH.contiguous()
     dev = x_TH.device
-    n_i, n_h = triton.cdiv(I, cfg["BLOCK_N"]), triton.cdiv(H, cfg["BLOCK_N"])
+    dh_n = dh_block_n(cfg)
+    n_i, n_h = triton.cdiv(I, dh_n), triton.cdiv(H, cfg["BLOCK_N"])
     # only the counted rows are written and read (dropped tail rows never are): no memset
     h_BI = torch.empty(B, I, dtype=dt, device=dev)
     du_BI = torch.empty(B, I, dtype=dt, device=dev)
@@ -249,7 +259,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(), bg, sbg, bu, sbu,
         E, H, I, float(alpha), float(limit),
         GATED=gated, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None, HAS_SCALE=input_scale_B is not None,
-        HAS_CW=has_cw, ACT=ACT_CODES[activation], **common,
+        HAS_CW=has_cw, ACT=ACT_CODES[activation], **dict(common, BLOCK_N=dh_n),
     )
     dx = torch.zeros(T, H, dtype=torch.float32, device=dev)
     has_s = input_scale_B is not None
@@ -283,7 +293,7 @@ def compile_targets():
     """dh and dx kernels: every GPU tile configuration (Mixtral-like flags), every flag set and activation on one
     configuration; the weight-gradient kernel in each of its three uses, per dtype."""
     from .common import target
-    from .grouped_mlp import FLAG_SETS, gpu_config, gpu_configs
+    from .grouped_mlp import FLAG_SETS, REAL_LAUNCH, gpu_config, gpu_configs
 
     f32 = torch.float32
 
@@ -291,12 +301,13 @@ def compile_targets():
         names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "dg_ptr", "du_ptr")
         return {**{n: dt for n in names}, "tok_ptr": torch.int64, "counts_ptr": torch.int64}
 
-    def pair(dt, cfg, flag_set, block_e, with_dx=True):
+    def pair(dt, cfg, flag_set, block_e, with_dx=True, launch=REAL_LAUNCH):
         gated, bg, bu, bd, sc, cw, act = flag_set
         consts = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=block_e,
                       PREC=dot_precision(dt), GATED=gated, HAS_SCALE=sc)
-        opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        out = [target(_dh_kernel, ptrs(dt), dict(consts, HAS_BG=bg, HAS_BU=bu, HAS_CW=cw, ACT=act), **opts)]
+        opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
+        out = [target(_dh_kernel, ptrs(dt), dict(consts, BLOCK_N=dh_block_n(cfg), HAS_BG=bg, HAS_BU=bu, HAS_CW=cw,
+                                                  ACT=act), **opts)]
         if with_dx:
             out.append(target(_dx_kernel, ptrs(dt), dict(consts, BD_DCW=bool(bd and cw)), **opts))
         return out
@@ -305,6 +316,7 @@ def compile_targets():
     for i, (dt, cfg) in enumerate(gpu_configs()):
         out += pair(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])
     cfg = gpu_config(1024, torch.bfloat16)
+    out += pair(torch.bfloat16, cfg, FLAG_SETS[0], 8, launch={})  # nothing specialised
     for flag_set in FLAG_SETS[1:]:
         out += pair(torch.bfloat16, cfg, flag_set, 32)
     for name, act in ACT_CODES.items():
@@ -312,7 +324,7 @@ def compile_targets():
             out += pair(torch.bfloat16, cfg, (name != "relu2", False, False, False, False, True, act), 64, False)
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         w = wgrad_gpu_config(dt)
-        opts = dict(num_warps=w.pop("num_warps"), num_stages=w.pop("num_stages"))
+        opts = dict(num_warps=w.pop("num_warps"), num_stages=w.pop("num_stages"), aligned=("sa", "sc", "N1", "N2"))
         w.update(PREC=dot_precision(dt), BLOCK_E=(8, 128, 256)[len(out) % 3])
         uses = (  # (A dtype, A_GATHER, A_SCALE, C_GATHER, C_SCALE, HAS_DB): dWg/dWu, dWd
             (dt, False, False, True, True, True), (f32, True, True, False, False, True),
