@@ -372,27 +372,41 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
     return out.to(_combine_dtype(w_down_EHI.dtype, combine_weights_B)) if combine else out
 
 
-def _num_programs(device, num_tiles):
+def _programs_available(device) -> int:
+    """Programs resident at once: one per SM on a GPU (the persistent schedule); a few in the interpreter."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(num_tiles, sms))  # one resident program per SM: the persistent schedule
-    return max(1, min(num_tiles, 4))
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
                   b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *, num_tokens, activation="silu",
-                  alpha=1.702, limit=7.0, config=None, num_programs=None):
-    """The whole routed MLP + combine of one layer in one persistent launch: out_TH (fp32 accumulation, returned
-    in the dtype the torch reference's combine would have: weights' dtype promoted with combine weights')."""
+                  alpha=1.702, limit=7.0, config=None, num_programs=None, single_launch=None):
+    """The whole routed MLP + combine of one layer: out_TH (fp32 accumulation, returned in the dtype the torch
+    reference's combine would have: weights' dtype promoted with combine weights').
+
+    One persistent launch when there are at least as many row tiles as resident programs. A program of the
+    fused kernel owns whole row tiles (all of I, then all of H), so with fewer tiles than SMs (few tokens per
+    layer, e.g. Mixtral at 4096 tokens: 64 tiles for 132 SMs) part of the GPU would idle; then (``single_launch``
+    None) the work is split over (row tile, column tile) programs in two launches, ``up_act`` and
+    ``down_combine``, at the price of an h_BI buffer. ``single_launch`` True or False forces the choice."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     check_shape("combine_weights_B", combine_weights_B, (B,))
     check_shape("x_TH", x_TH, (num_tokens, H))
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
     cfg = _config(config, B, E, w_up_EIH.dtype)
+    available = _programs_available(x_TH.device)
+    if single_launch is None:
+        single_launch = interpreting() or triton.cdiv(B, cfg["BLOCK_M"]) >= available
+    if not single_launch:
+        h_BI = up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI,
+                      input_scale_B, activation=activation, alpha=alpha, limit=limit, config=cfg)
+        return down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B,
+                            num_tokens, config=cfg)
     counts = tokens_per_expert_E.contiguous()
     tiles = max_tiles(B, E, cfg["BLOCK_M"])
-    P = num_programs or _num_programs(x_TH.device, tiles)
+    P = num_programs or max(1, min(tiles, available))
     scratch = torch.empty(P, cfg["BLOCK_M"], I, dtype=w_up_EIH.dtype, device=x_TH.device)
     out = torch.zeros(num_tokens, H, dtype=torch.float32, device=x_TH.device)
     wg = w_up_EIH if w_gate_EIH is None else w_gate_EIH
