@@ -79,3 +79,16 @@ def test_more_experts_than_the_pft_kernel_takes_keep_torch_pft():
     assert all(r.lowering_notes == ["build_pft: torch (the Triton kernel takes at most 512 experts)"]
                for r in report.layers)
     assert report.counters["lower.ops.fused_experts"] == len(report.layers) > 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_triton_lowering_fp16_as_accurate_as_eager(family):
+    """fp16 through the kernels: the error to the fp32 model is no larger than eager fp16's own, up to 2x."""
+    ref = hf.tiny_model(family)
+    low = hf.tiny_model(family, dtype=torch.float16)
+    want = ref(IDS).logits
+    eager_err = normwise(low(IDS).logits, want)
+    backend = RecordingBackend(inner="aot_eager", lowering="triton")
+    got = torch.compile(low, backend=backend)(IDS).logits
+    assert not backend.errors and backend.report.counters["lower.ops.fused_experts"] == 2
+    assert normwise(got, want) <= 2 * eager_err + 1e-3
