@@ -1,7 +1,10 @@
 """The grouped expert kernels (runtime/kernels/grouped_mlp*.py) against the torch reference, under Triton's
 interpreter: odd token counts, hidden and intermediate sizes that are not tile multiples, experts with no rows,
 every row on one expert, every activation, biases, input scales, transposed weight layouts; fp32 and fp16;
-forward (separate kernels and the persistent fused one) and backward (every gradient)."""
+forward (separate kernels and the persistent fused one) and backward (every gradient).
+
+On a GPU machine, ``TRITON_INTERPRET=0 python -m pytest tests/test_kernels_grouped.py`` runs the same checks on
+CUDA with the compiled kernels, bf16 included (the interpreter's bf16 arithmetic is wrong, so CPU skips it)."""
 
 import pytest
 import torch
@@ -9,6 +12,17 @@ import torch
 from moecompile.runtime import reference as ref
 from moecompile.runtime.kernels import grouped_mlp as gm
 from moecompile.runtime.kernels import grouped_mlp_bwd as gb
+from moecompile.runtime.kernels.common import interpreting
+
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+def on_device(fn, *args, **kwargs):
+    """``fn`` with its tensor arguments on DEV; its tensor results back on the CPU (where the references run)."""
+    move = lambda v, dev: v.to(dev) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    out = fn(*[move(a, DEV) for a in args], **{k: move(v, DEV) for k, v in kwargs.items()})
+    return tuple(move(o, "cpu") for o in out) if isinstance(out, tuple) else move(out, "cpu")
 
 E, H, I = 8, 40, 24  # H and I not multiples of the 16-wide tiles: partial tiles are masked, never padded
 NAMES = ("x", "cw", "wg", "wu", "wd", "bg", "bu", "bd", "s")
@@ -89,24 +103,25 @@ CASES = [(6, "mixtral", "random"), (42, "gpt_oss", "skewed"), (123, "llama4", "r
          (42, "gelu_ungated", "one_expert"), (6, "gelu_tanh", "skewed"), (42, "relu2_ungated", "random")]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
 @pytest.mark.parametrize("T,layout,routing", CASES)
 def test_forward(T, layout, routing, dtype):
     t, tok, counts, kw = make_problem(T, layout, dtype, routing)
     truth, _ = _reference(t, tok, counts, kw, torch.float32)
     lowp, _ = _reference(t, tok, counts, kw)
-    fused = gm.fused_experts(t["x"], tok, counts, t["cw"], *_args(t), num_tokens=T, **kw)
+    fused = on_device(gm.fused_experts, t["x"], tok, counts, t["cw"], *_args(t), num_tokens=T, single_launch=True,
+                      **kw)
     assert fused.dtype == lowp.dtype and fused.shape == lowp.shape
     check(fused, truth, lowp, dtype, "fused_experts")
-    h = gm.up_act(t["x"], tok, counts, t["wg"], t["wu"], t["bg"], t["bu"], t["s"], **kw)
-    out = gm.down_combine(h, tok, counts, t["wd"], t["bd"], t["cw"], T)
+    h = on_device(gm.up_act, t["x"], tok, counts, t["wg"], t["wu"], t["bg"], t["bu"], t["s"], **kw)
+    out = on_device(gm.down_combine, h, tok, counts, t["wd"], t["bd"], t["cw"], T)
     check(out, truth, lowp, dtype, "up_act + down_combine")
-    y = gm.down_combine(h, tok, counts, t["wd"], t["bd"], combine=False)
+    y = on_device(gm.down_combine, h, tok, counts, t["wd"], t["bd"], combine=False)
     y_ref = ref.expert_mlp_ref(t["x"].float(), tok, counts, *[None if a is None else a.float() for a in _args(t)], **kw)
     check(y, y_ref, ref.expert_mlp_ref(t["x"], tok, counts, *_args(t), **kw), dtype, "down (y_BH stored)")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
 @pytest.mark.parametrize("T,layout,routing", CASES)
 def test_backward(T, layout, routing, dtype):
     t, tok, counts, kw = make_problem(T, layout, dtype, routing)
@@ -114,7 +129,8 @@ def test_backward(T, layout, routing, dtype):
     _, truth = _reference(t, tok, counts, kw, torch.float32, grad_out)
     _, lowp = _reference(t, tok, counts, kw, None, grad_out)
     out_dtype = lowp["x"].dtype if t["cw"] is None else torch.promote_types(dtype, t["cw"].dtype)
-    grads = gb.fused_experts_backward(grad_out.to(out_dtype), t["x"], tok, counts, t["cw"], *_args(t), **kw)
+    grads = on_device(gb.fused_experts_backward, grad_out.to(out_dtype), t["x"], tok, counts, t["cw"], *_args(t),
+                      **kw)
     for name, g in zip(NAMES, grads):
         if t[name] is None:
             assert g is None, name
@@ -127,8 +143,8 @@ def test_two_launch_split_equals_the_single_launch():
     """With fewer row tiles than SMs the layer runs as up_act + down_combine: same result."""
     t, tok, counts, kw = make_problem(42, "gpt_oss", torch.float32, "skewed")
     args = (t["x"], tok, counts, t["cw"], *_args(t))
-    one = gm.fused_experts(*args, num_tokens=42, single_launch=True, **kw)
-    two = gm.fused_experts(*args, num_tokens=42, single_launch=False, **kw)
+    one = on_device(gm.fused_experts, *args, num_tokens=42, single_launch=True, **kw)
+    two = on_device(gm.fused_experts, *args, num_tokens=42, single_launch=False, **kw)
     assert relerr(two, one) < 1e-6
 
 
@@ -136,7 +152,7 @@ def test_one_program_walks_every_tile():
     """The persistent kernel with a single program: it must visit every tile of every expert itself."""
     t, tok, counts, kw = make_problem(42, "mixtral", torch.float32, "skewed")
     want, _ = _reference(t, tok, counts, kw)
-    got = gm.fused_experts(t["x"], tok, counts, t["cw"], *_args(t), num_tokens=42, num_programs=1, **kw)
+    got = on_device(gm.fused_experts, t["x"], tok, counts, t["cw"], *_args(t), num_tokens=42, num_programs=1, **kw)
     assert relerr(got, want) < 1e-5
 
 
@@ -148,14 +164,15 @@ def test_dropped_tail_rows_are_not_computed():
     cw = t["cw"].clone()
     cw[int(counts.sum()):] = 0.0
     want = gm.fused_experts_ref(t["x"], tok, counts, cw, *_args(t), num_tokens=42, **kw)
-    got = gm.fused_experts(t["x"], tok, counts, cw, *_args(t), num_tokens=42, **kw)
+    got = on_device(gm.fused_experts, t["x"], tok, counts, cw, *_args(t), num_tokens=42, single_launch=True, **kw)
     assert relerr(got, want) < 1e-5
-    y = gm.down_combine(gm.up_act(t["x"], tok, counts, t["wg"], t["wu"], **kw), tok, counts, t["wd"], combine=False)
+    h = on_device(gm.up_act, t["x"], tok, counts, t["wg"], t["wu"], **kw)
+    y = on_device(gm.down_combine, h, tok, counts, t["wd"], combine=False)
     assert y[int(counts.sum()):].abs().max() == 0
     t["cw"] = cw
     grad_out = torch.randn(42, H, generator=torch.Generator().manual_seed(2))
     _, want_grads = _reference(t, tok, counts, kw, None, grad_out)
-    grads = gb.fused_experts_backward(grad_out, t["x"], tok, counts, cw, *_args(t), **kw)
+    grads = on_device(gb.fused_experts_backward, grad_out, t["x"], tok, counts, cw, *_args(t), **kw)
     for name, g in zip(NAMES, grads):
         if g is not None:
             assert relerr(g, want_grads[name]) < 1e-5, name
@@ -164,6 +181,8 @@ def test_dropped_tail_rows_are_not_computed():
 
 def test_bad_input_is_named():
     t, tok, counts, kw = make_problem(6, "mixtral", torch.float32)
+    t = {k: None if v is None else v.to(DEV) for k, v in t.items()}
+    tok, counts = tok.to(DEV), counts.to(DEV)
     with pytest.raises(ValueError, match="w_down_EHI has shape"):
         gm.fused_experts(t["x"], tok, counts, t["cw"], t["wg"], t["wu"], t["wd"][:, :-1], num_tokens=6, **kw)
     with pytest.raises(ValueError, match="share one dtype"):
