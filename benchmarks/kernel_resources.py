@@ -37,11 +37,13 @@ def resources(t) -> dict:
     os.unlink(f.name)
     num = lambda pattern: int(m.group(1)) if (m := re.search(pattern, out.stderr)) else 0  # noqa: E731
     dtype = next((v for k, v in sig.items() if k.endswith("_ptr") and v[1:] in ("bf16", "fp16")), "*fp32")[1:]
+    specialised = any(not fn.arg_names[i].endswith("_ptr") for (i,) in (attrs or {}))
+    mma = "wgmma" if "wgmma" in ptx else ("mma" if "mma.sync" in ptx else "-")
     return dict(
         kernel=fn.__name__, dtype=dtype, config=" ".join(f"{k}={consts[k]}" for k in KEYS if k in consts),
         warps=options.get("num_warps", 4), stages=options.get("num_stages", 3),
-        specialised="yes" if any(not fn.arg_names[i].endswith("_ptr") for (i,) in (attrs or {})) else "no", regs=num(r"Used (\d+) registers"), spill=num(r"(\d+) bytes spill stores"),
-        smem_kib=compiled.metadata.shared / 1024, mma="wgmma" if "wgmma" in ptx else ("mma" if "mma.sync" in ptx else "-"),
+        specialised="yes" if specialised else "no", regs=num(r"Used (\d+) registers"),
+        spill=num(r"(\d+) bytes spill stores"), smem_kib=compiled.metadata.shared / 1024, mma=mma,
     )
 
 

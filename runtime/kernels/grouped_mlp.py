@@ -5,12 +5,13 @@ Legend: T tokens, B routed rows (sorted by expert), E experts, H hidden, I exper
     up_act          h_BI = act(x[token_ids] * s @ w_gate[e]^T + b_gate, x[token_ids] * s @ w_up[e]^T + b_up)
     down_combine    out_TH += cw_B * (h_BI @ w_down[e]^T + b_down)   (scatter-add by token; or y_BH stored)
     fused_experts   both in ONE persistent launch: each program walks row tiles of every expert, runs the whole
-                    MLP of its tile (h kept in a per-program scratch, never a [B, I] tensor) and combines.
+                    MLP of its tile (h kept in a per-program scratch, never a [B, I] tensor) and combines
+                    (or up_act + down_combine when there are fewer row tiles than SMs)
 
-Segments are never padded to a block multiple in memory. Row tiles are numbered expert by expert
-(``locate``: tiles_E = ceil(rows_E / BLOCK_M), computed in the kernel from the counts); a tile past the end of its expert's rows masks them, and a tile
-number past the last tile does nothing. The grid is a static upper bound (ceil(B / BLOCK_M) + E tiles), so no
-tile count ever travels to the host: nothing here synchronises with the GPU.
+Segments are never padded to a block multiple in memory. Row tiles are numbered expert by expert (``locate``:
+tiles_E = ceil(rows_E / BLOCK_M), computed in the kernel from the counts); a tile past the end of its expert's
+rows masks them, and a tile number past the last tile does nothing. The grid is a static upper bound
+(ceil(B / BLOCK_M) + E tiles), so no tile count ever travels to the host: nothing here synchronises with the GPU.
 
 Gated activations read (gate, up); the ungated ones apply to up alone (``GATED=False``). Arithmetic is fp32 in
 registers; the gathered rows are rounded to the weights' dtype before the dot, as the torch reference does.
@@ -86,7 +87,8 @@ def proj_tile(
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
-        a = tl.load(x_ptr + tok[:, None] * sxt + offs_k[None, :] * sxh, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptr + tok[:, None] * sxt + offs_k[None, :] * sxh, mask=rows_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         a = a.to(DT)
         if HAS_SCALE:
             a = (a.to(tl.float32) * scale[:, None]).to(DT)
@@ -288,7 +290,8 @@ def check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_E
     check_shape("b_down_EH", b_down_EH, (E, H))
     check_shape("input_scale_B", input_scale_B, (B,))
     if token_ids_B.dim() != 1 or token_ids_B.dtype.is_floating_point:
-        raise ValueError(f"token_ids_B must be a 1-D integer tensor, got {token_ids_B.dtype} {tuple(token_ids_B.shape)}")
+        raise ValueError(f"token_ids_B must be a 1-D integer tensor, got {token_ids_B.dtype} "
+                         f"{tuple(token_ids_B.shape)}")
     dtypes = {t.dtype for t in (w_gate_EIH, w_up_EIH, w_down_EHI) if t is not None}
     if len(dtypes) != 1:
         raise ValueError(f"expert weights must share one dtype, got {sorted(map(str, dtypes))}")
