@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from .config import LOWERINGS
+
 
 def _model_for(target: str, dtype: torch.dtype, full_size: bool = False):
     from moecompile.models import hf
@@ -40,7 +42,7 @@ def inspect(args) -> int:
     dtype = getattr(torch, args.dtype)
     model = _model_for(args.model, dtype, args.full_size)
     ids = torch.randint(0, min(64, model.config.vocab_size if hasattr(model, "config") else 64), (args.batch, args.seq))
-    report = moecompile.explain(model, ids, inner=args.inner)
+    report = moecompile.explain(model, ids, inner=args.inner, lowering=args.lowering)
     print(report)
     if args.graphs:
         for stage, code in report.graphs:
@@ -57,8 +59,8 @@ def demo(args) -> int:
     ids = torch.randint(0, 128, (2, 16))
     eager, compiled_src = hf.tiny_model(args.family), hf.tiny_model(args.family)
     compiled_src.load_state_dict(eager.state_dict())
-    print(moecompile.explain(compiled_src, ids))
-    compiled = torch.compile(compiled_src, backend="moe", options={"inner": args.inner})
+    print(moecompile.explain(compiled_src, ids, lowering=args.lowering))
+    compiled = torch.compile(compiled_src, backend="moe", options={"inner": args.inner, "lowering": args.lowering})
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, compiled_src)]
     print(f"\ntraining {args.steps} steps of {args.family} (inner compiler: {args.inner})")
     for step in range(args.steps):
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--full-size", action="store_true", help="build a config.json at its real size (random weights)")
     p.add_argument("--inner", default="aot_eager", choices=("inductor", "aot_eager"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--lowering", default="auto", choices=LOWERINGS,
+                   help="kernels: 'triton' on CPU needs TRITON_INTERPRET=1 in the environment")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=8)
     p.set_defaults(fn=inspect)
@@ -94,6 +98,8 @@ def main(argv=None) -> int:
     d.add_argument("--family", default="mixtral")
     d.add_argument("--steps", type=int, default=3)
     d.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"))
+    d.add_argument("--lowering", default="auto", choices=LOWERINGS,
+                   help="kernels: 'triton' on CPU needs TRITON_INTERPRET=1 in the environment")
     d.set_defaults(fn=demo)
     args = parser.parse_args(argv)
     return args.fn(args)

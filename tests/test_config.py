@@ -101,6 +101,10 @@ def test_cli_inspect_family_and_config_json(tmp_path):
         assert "2 MoE layer(s) rewritten" in out.stdout
         outs.append(out.stdout)
     assert "sizes shrunk" in outs[1] and "E=256 k=8" in outs[1] and "group-limited 4/8" in outs[1]
+    kernels = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "mixtral", "--lowering", "triton"],
+                             capture_output=True, text=True, timeout=300)  # TRITON_INTERPRET=1 from conftest
+    assert kernels.returncode == 0, kernels.stderr[-2000:]
+    assert kernels.stdout.count("lowering=triton") == 2 and "lower.ops.fused_experts=2" in kernels.stdout
     bad = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "nope"], capture_output=True, text=True)
     assert bad.returncode != 0 and "give a path to a config.json" in bad.stderr
 
