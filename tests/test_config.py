@@ -127,3 +127,20 @@ def test_readme_options_table_lists_every_option():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \| `", readme, re.M))
     assert documented == {f.name for f in dataclasses.fields(MoEOptions)}
+
+
+def test_every_subpackage_is_installed():
+    """pyproject lists packages explicitly (the folders are mapped): a new subpackage must be listed, or a wheel
+    install lacks it (an editable install would not notice)."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = cfg["package-dir"]
+    found = set()
+    for pkg, folder in dirs.items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder).parts
+            found.add(".".join((pkg, *rel)))
+    assert found == set(cfg["packages"]), f"pyproject packages {sorted(cfg['packages'])} vs {sorted(found)}"
