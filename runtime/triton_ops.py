@@ -3,7 +3,7 @@ implementations launch the kernels of ``runtime/kernels``. The ``lower`` pass sw
 
     moe.route           -> moe.route_triton          (same arguments; fused router kernel, backward kernel)
     moe.build_pft       -> moe.build_pft_triton      (same arguments; counts/ranks/scatter kernels, no capacity)
-    moe.expert_mlp + moe.combine -> moe.fused_experts (one persistent kernel forward; five launches backward)
+    moe.expert_mlp + moe.combine -> moe.fused_experts (one persistent kernel forward; four launches backward)
 
 Like the torch ops they are opaque to the compiler (``triton_op`` cannot be traced without a GPU), carry fake
 functions whose shapes and strides match the real outputs, and save only their inputs for backward: the expert

@@ -449,7 +449,7 @@ FLAG_SETS = (
 
 # what a launch at real sizes specialises: unit inner strides (contiguous x and weights), 16-divisible widths
 REAL_LAUNCH = dict(unit=("sxh", "sgh", "suh", "sdi"),
-                   aligned=("sxt", "sge", "sgi", "sue", "sui", "sde", "sdh", "sbge", "sbue", "sbde", "H", "I"))
+                   aligned=("sxt", "sge", "sgi", "sue", "sui", "sde", "sdh", "sbge", "sbue", "sbde", "sdr", "H", "I"))
 
 
 def _ptrs(dt, **extra):

@@ -6,13 +6,14 @@ Legend: T tokens, B routed rows (sorted by expert), E experts, H hidden, I exper
 Forward, per row b of expert e and token t = tok[b]:
     xs_b = x[t] * s_b;  g_b, u_b = xs_b @ Wg[e]^T + bg, xs_b @ Wu[e]^T + bu;  h_b = act(g_b, u_b)
     out[t] += cw_b * (h_b @ Wd[e]^T + bd)
-Backward, given dout_TH (three kernel kinds, five launches gated, four ungated):
+Backward, given dout_TH (three kernel kinds, four launches):
     dh_kernel    G_b = dout[t] @ Wd[e] (recomputing g, u, h: nothing [B, I] is kept from the forward)
                  dcw_b = <h_b, G_b> (+ <bd, dout[t]>),  dh_b = cw_b G_b,  (dg_b, du_b) = act'(g_b, u_b) dh_b
     dx_kernel    dxs_b = dg_b @ Wg[e] + du_b @ Wu[e];  dx[t] += s_b dxs_b (atomic: the gather's adjoint);
                  ds_b = <dxs_b, x[t]>
     wgrad_kernel dW[e] = A_e^T @ C_e over expert e's rows, A and C optionally gathered by token and scaled by
-                 row: dWg = dg^T xs, dWu = du^T xs, dWd = (cw dout[tok])^T h; bias gradients = column sums of A
+                 row: [dWg | dWu] = [dg | du]^T xs (one launch), dWd = (cw dout[tok])^T h; bias gradients =
+                 column sums of A
 Partial dot products ([B, P], one column per tile of the reduced axis) are summed on the device by torch.
 """
 
@@ -29,7 +30,7 @@ from .grouped_mlp import (_config, _opt, check_expert_args, load_scale, locate, 
 
 @triton.jit
 def _dh_kernel(
-    x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, counts_ptr, dout_ptr, h_ptr, dg_ptr, du_ptr, pcw_ptr,
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, counts_ptr, dout_ptr, h_ptr, dg_ptr, du_ptr, sdr, pcw_ptr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, wd_ptr, sde, sdh, sdi, bg_ptr, sbge, bu_ptr, sbue,
     E, H, I, alpha, limit,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -74,15 +75,15 @@ def _dh_kernel(
         dh = G.to(DT).to(tl.float32)  # the reference's grad of h is in the weights' dtype
         if GATED:
             dg, du = act_bwd(g, u, dh, ACT, alpha, limit)
-            tl.store(dg_ptr + rows64[:, None] * I + offs_n[None, :], dg.to(DT), mask=mask)
+            tl.store(dg_ptr + rows64[:, None] * sdr + offs_n[None, :], dg.to(DT), mask=mask)
         else:
             du, _unused = act_bwd(u, 1.0, dh, ACT, alpha, limit)
-        tl.store(du_ptr + rows64[:, None] * I + offs_n[None, :], du.to(DT), mask=mask)
+        tl.store(du_ptr + rows64[:, None] * sdr + offs_n[None, :], du.to(DT), mask=mask)
 
 
 @triton.jit
 def _dx_kernel(
-    x_ptr, sxt, sxh, tok_ptr, s_ptr, counts_ptr, dg_ptr, du_ptr, dx_ptr, ps_ptr, dout_ptr, bd_ptr, sbde, pbd_ptr,
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, counts_ptr, dg_ptr, du_ptr, sdr, dx_ptr, ps_ptr, dout_ptr, bd_ptr, sbde, pbd_ptr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, E, H, I,
     GATED: tl.constexpr, HAS_SCALE: tl.constexpr, BD_DCW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
@@ -104,11 +105,11 @@ def _dx_kernel(
             k_ok = offs_k < I
             a_mask = rows_ok[:, None] & k_ok[None, :]
             w_mask = k_ok[:, None] & n_ok[None, :]
-            du = tl.load(du_ptr + rows64[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
+            du = tl.load(du_ptr + rows64[:, None] * sdr + offs_k[None, :], mask=a_mask, other=0.0)
             wu = tl.load(wu_ptr + e64 * sue + offs_k[:, None] * sui + offs_n[None, :] * suh, mask=w_mask, other=0.0)
             acc += tl.dot(du, wu, input_precision=PREC)
             if GATED:
-                dg = tl.load(dg_ptr + rows64[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
+                dg = tl.load(dg_ptr + rows64[:, None] * sdr + offs_k[None, :], mask=a_mask, other=0.0)
                 wg = tl.load(wg_ptr + e64 * sge + offs_k[:, None] * sgi + offs_n[None, :] * sgh, mask=w_mask,
                              other=0.0)
                 acc += tl.dot(dg, wg, input_precision=PREC)
@@ -129,14 +130,15 @@ def _dx_kernel(
 @triton.jit
 def _wgrad_kernel(
     a_ptr, sa, a_tok_ptr, a_scale_ptr, c_ptr, sc, c_tok_ptr, c_scale_ptr, counts_ptr, dw_ptr, db_ptr,
-    E, N1, N2,
+    dw2_ptr, db2_ptr, E, N1, N2, N_SPLIT,
     A_GATHER: tl.constexpr, A_SCALE: tl.constexpr, C_GATHER: tl.constexpr, C_SCALE: tl.constexpr,
-    HAS_DB: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PREC: tl.constexpr,
+    HAS_DB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (E, N1 tiles x N2 tiles): dW[e] = A_e^T @ C_e, reducing over expert e's rows (a variable-length
     segment, masked in BLOCK_K steps); A row r is a[tok[r]] * scale[r] when gathered and scaled, C likewise.
-    db[e] = column sums of A_e (only the N2-tile-0 programs write it)."""
+    db[e] = column sums of A_e (only the N2-tile-0 programs write it). SPLIT: A holds two operands side by side
+    ([dg | du], N1 = 2 N_SPLIT) and output rows from N_SPLIT on go to dw2/db2: both gradients in one launch."""
     DT = dw_ptr.dtype.element_ty
     e = tl.program_id(0)
     n2_tiles = tl.cdiv(N2, BLOCK_N2)
@@ -171,11 +173,20 @@ def _wgrad_kernel(
         if HAS_DB:
             colsum += tl.sum(a.to(tl.float32), axis=0)
     e64 = e.to(tl.int64)
-    tl.store(dw_ptr + e64 * N1 * N2 + offs_1[:, None] * N2 + offs_2[None, :], acc.to(DT),
-             mask=(offs_1[:, None] < N1) & (offs_2[None, :] < N2))
+    mask_1 = offs_1 < N1
+    if SPLIT:  # rows past N_SPLIT belong to the second gradient (its own [E, N_SPLIT, N2] tensor)
+        second = offs_1 >= N_SPLIT
+        row = tl.where(second, offs_1 - N_SPLIT, offs_1) + e64 * N_SPLIT
+        dw_rows = tl.where(second, dw2_ptr + row * N2, dw_ptr + row * N2)  # [N1] row pointers
+        db_rows = tl.where(second, db2_ptr + row, db_ptr + row)
+    else:
+        row = offs_1 + e64 * N1
+        dw_rows = dw_ptr + row * N2
+        db_rows = db_ptr + row
+    tl.store(dw_rows[:, None] + offs_2[None, :], acc.to(DT), mask=mask_1[:, None] & (offs_2[None, :] < N2))
     if HAS_DB:
         if pid_n2 == 0:
-            tl.store(db_ptr + e64 * N1 + offs_1, colsum.to(db_ptr.dtype.element_ty), mask=offs_1 < N1)
+            tl.store(db_rows, colsum.to(db_ptr.dtype.element_ty), mask=mask_1)
 
 
 # ---- host launcher -------------------------------------------------------------------------------------------
@@ -205,22 +216,24 @@ def wgrad_gpu_config(dtype) -> dict:
     return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def _wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, cfg):
+def _wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, cfg, split=None):
+    """dW [E, N1, N2] (and db [E, N1]); with ``split`` the two [E, split, N2] halves of A's columns instead."""
     N1, N2 = a.shape[1], c.shape[1]
-    dw = torch.empty(E, N1, N2, dtype=cfg["dtype"], device=a.device)
-    db = torch.empty(E, N1, dtype=cfg["dtype"], device=a.device) if want_db else dw  # every row written
+    n_out = split or N1
+    new = lambda *shape: torch.empty(*shape, dtype=cfg["dtype"], device=a.device)  # noqa: E731 (all written)
+    dws = [new(E, n_out, N2) for _ in range(2 if split else 1)]
+    dbs = [new(E, n_out) for _ in dws] if want_db else dws
     grid = (E, triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]))
     _wgrad_kernel[grid](
         a, a.stride(0), a_tok if a_tok is not None else counts, a_scale if a_scale is not None else a,
         c, c.stride(0), c_tok if c_tok is not None else counts, c_scale if c_scale is not None else c,
-        counts, dw, db, E, N1, N2,
+        counts, dws[0], dbs[0], dws[-1], dbs[-1], E, N1, N2, n_out,
         A_GATHER=a_tok is not None, A_SCALE=a_scale is not None, C_GATHER=c_tok is not None,
-        C_SCALE=c_scale is not None, HAS_DB=want_db, BLOCK_N1=cfg["BLOCK_N1"], BLOCK_N2=cfg["BLOCK_N2"],
-        BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(cfg["dtype"]),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        C_SCALE=c_scale is not None, HAS_DB=want_db, SPLIT=split is not None, BLOCK_N1=cfg["BLOCK_N1"],
+        BLOCK_N2=cfg["BLOCK_N2"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
+        PREC=dot_precision(cfg["dtype"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return dw, (db if want_db else None)
+    return dws, (dbs if want_db else [None] * len(dws))
 
 
 def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
@@ -242,8 +255,9 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     n_i, n_h = triton.cdiv(I, dh_n), triton.cdiv(H, cfg["BLOCK_N"])
     # only the counted rows are written and read (dropped tail rows never are): no memset
     h_BI = torch.empty(B, I, dtype=dt, device=dev)
-    du_BI = torch.empty(B, I, dtype=dt, device=dev)
-    dg_BI = torch.empty(B, I, dtype=dt, device=dev) if gated else du_BI
+    # [dg | du] side by side (gated) so one weight-gradient launch computes both; du alone when ungated
+    dgu = torch.empty(B, 2 * I if gated else I, dtype=dt, device=dev)
+    dg_BI, du_BI = (dgu[:, :I], dgu[:, I:]) if gated else (dgu, dgu)
     has_cw = combine_weights_B is not None
     pcw = torch.zeros(B, n_i, dtype=torch.float32, device=dev) if has_cw else dout
     wg = w_gate_EIH if gated else w_up_EIH
@@ -255,7 +269,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
                   num_stages=cfg["num_stages"])
     tiles = max_tiles(B, E, cfg["BLOCK_M"])
     _dh_kernel[(tiles, n_i)](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, dout, h_BI, dg_BI, du_BI, pcw,
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, dout, h_BI, dg_BI, du_BI, dgu.stride(0), pcw,
         wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(), bg, sbg, bu, sbu,
         E, H, I, float(alpha), float(limit),
         GATED=gated, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None, HAS_SCALE=input_scale_B is not None,
@@ -267,17 +281,24 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     ps = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if has_s else dx
     pbd = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if bd_dcw else dx
     _dx_kernel[(tiles, n_h)](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, dg_BI, du_BI, dx, ps, dout, bd, sbd, pbd,
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, dg_BI, du_BI, dgu.stride(0), dx, ps, dout, bd,
+        sbd, pbd,
         wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), E, H, I,
         GATED=gated, HAS_SCALE=has_s, BD_DCW=bd_dcw, **common,
     )
     wcfg = dict(wgrad_config(dt), dtype=dt)
     xs = dict(c=x_TH.contiguous(), c_tok=token_ids_B, c_scale=input_scale_B)
-    dwg, dbg = _wgrad(dg_BI, None, None, **xs, counts=counts, E=E, want_db=b_gate_EI is not None, cfg=wcfg) \
-        if gated else (None, None)
-    dwu, dbu = _wgrad(du_BI, None, None, **xs, counts=counts, E=E, want_db=b_up_EI is not None, cfg=wcfg)
-    dwd, dbd = _wgrad(dout, token_ids_B, combine_weights_B, h_BI, None, None, counts=counts, E=E,
-                      want_db=b_down_EH is not None, cfg=wcfg)
+    want_db = b_gate_EI is not None or b_up_EI is not None
+    dwg = dbg = None
+    if gated:  # dWg and dWu in one launch, from [dg | du]
+        (dwg, dwu), (dbg, dbu) = _wgrad(dgu, None, None, **xs, counts=counts, E=E, want_db=want_db, cfg=wcfg,
+                                        split=I)
+    else:
+        (dwu,), (dbu,) = _wgrad(dgu, None, None, **xs, counts=counts, E=E, want_db=want_db, cfg=wcfg)
+    dbg = dbg if b_gate_EI is not None else None
+    dbu = dbu if b_up_EI is not None else None
+    (dwd,), (dbd,) = _wgrad(dout, token_ids_B, combine_weights_B, h_BI, None, None, counts=counts, E=E,
+                            want_db=b_down_EH is not None, cfg=wcfg)
     dcw = None
     if has_cw:
         dcw = pcw.sum(1) + (pbd.sum(1) if bd_dcw else 0)
@@ -324,15 +345,16 @@ def compile_targets():
             out += pair(torch.bfloat16, cfg, (name != "relu2", False, False, False, False, True, act), 64, False)
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         w = wgrad_gpu_config(dt)
-        opts = dict(num_warps=w.pop("num_warps"), num_stages=w.pop("num_stages"), aligned=("sa", "sc", "N1", "N2"))
+        opts = dict(num_warps=w.pop("num_warps"), num_stages=w.pop("num_stages"),
+                    aligned=("sa", "sc", "N1", "N2", "N_SPLIT"))
         w.update(PREC=dot_precision(dt), BLOCK_E=(8, 128, 256)[len(out) % 3])
-        uses = (  # (A dtype, A_GATHER, A_SCALE, C_GATHER, C_SCALE, HAS_DB): dWg/dWu, dWd
-            (dt, False, False, True, True, True), (f32, True, True, False, False, True),
-            (dt, False, False, True, False, False),
+        uses = (  # (A dtype, A_GATHER, A_SCALE, C_GATHER, C_SCALE, HAS_DB, SPLIT): [dWg|dWu], dWd, ungated dWu
+            (dt, False, False, True, True, True, True), (f32, True, True, False, False, True, False),
+            (dt, False, False, True, False, False, False),
         )
-        for a_dt, ag, asc, cg, csc, db in uses:
-            p = {"a_ptr": a_dt, "c_ptr": dt, "dw_ptr": dt, "db_ptr": dt, "a_tok_ptr": torch.int64,
-                 "c_tok_ptr": torch.int64, "counts_ptr": torch.int64}
+        for a_dt, ag, asc, cg, csc, db, split in uses:
+            p = {"a_ptr": a_dt, "c_ptr": dt, "dw_ptr": dt, "db_ptr": dt, "dw2_ptr": dt, "db2_ptr": dt,
+                 "a_tok_ptr": torch.int64, "c_tok_ptr": torch.int64, "counts_ptr": torch.int64}
             out.append(target(_wgrad_kernel, p, dict(w, A_GATHER=ag, A_SCALE=asc, C_GATHER=cg, C_SCALE=csc,
-                                                      HAS_DB=db), **opts))
+                                                      HAS_DB=db, SPLIT=split), **opts))
     return out
