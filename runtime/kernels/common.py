@@ -15,8 +15,6 @@ import triton.language as tl
 
 # Activation codes (constexpr ACT of the expert kernels); names are those of runtime/activations.py.
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "swiglu_clamp": 5}
-SQRT_2_OVER_PI = 0.7978845608028654
-GELU_TANH_C = 0.044715
 
 
 def interpreting() -> bool:
@@ -32,7 +30,7 @@ def check_device(*tensors: torch.Tensor | None) -> None:
     if device.type == "cpu" and not interpreting():
         raise ValueError(
             "moecompile Triton kernels got CPU tensors but Triton is not in interpreter mode; use "
-            "lowering='torch' on CPU, or set TRITON_INTERPRET=1 before moecompile's kernels are imported"
+            "lowering='torch' on CPU, or start Python with TRITON_INTERPRET=1 in the environment"
         )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"moecompile Triton kernels run on CUDA (or CPU under the interpreter), not {device}")
@@ -71,7 +69,7 @@ def act_fwd(g, u, ACT: tl.constexpr, alpha, limit):
     elif ACT == 1:  # gelu(g) * u (or gelu(u) ungated: the launcher passes u as g and ones as u)
         h = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
     elif ACT == 2:
-        h = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u
+        h = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u  # sqrt(2/pi), cubic coefficient
     elif ACT == 3:
         h = tl.maximum(g, 0.0) * u
     elif ACT == 4:
