@@ -68,8 +68,8 @@ def act_fwd(g, u, ACT: tl.constexpr, alpha, limit):
         h = g * _sigmoid(g) * u
     elif ACT == 1:  # gelu(g) * u (or gelu(u) ungated: the launcher passes u as g and ones as u)
         h = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
-    elif ACT == 2:
-        h = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u  # sqrt(2/pi), cubic coefficient
+    elif ACT == 2:  # tanh approximation: sqrt(2/pi) * (g + 0.044715 g^3)
+        h = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u
     elif ACT == 3:
         h = tl.maximum(g, 0.0) * u
     elif ACT == 4:
