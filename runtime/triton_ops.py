@@ -6,8 +6,8 @@ implementations launch the kernels of ``runtime/kernels``. The ``lower`` pass sw
     moe.expert_mlp + moe.combine -> moe.fused_experts (one persistent kernel forward; four launches backward)
 
 Like the torch ops they are opaque to the compiler (``triton_op`` cannot be traced without a GPU), carry fake
-functions whose shapes and strides match the real outputs, and save only their inputs for backward: the expert
-MLP is recomputed inside the backward kernels. The kernels are imported on first use (``kernels.load()``), so
+functions whose shapes and strides match the real outputs, and save only their inputs for backward (the router
+also its chosen ids): the expert MLP is recomputed inside the backward kernels. The kernels are imported on first use (``kernels.load()``), so
 importing moecompile never switches Triton into interpreter mode by itself.
 """
 
