@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from .. import reference as ref
-from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting
+from ..activations import check_activation
+from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, target
 
 # ---- tile schedule -------------------------------------------------------------------------------------------
 
@@ -272,8 +273,6 @@ def gpu_configs():
 def check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI,
                       b_down_EH, input_scale_B, activation):
     """Shapes, dtypes and devices of an expert MLP call; returns (B, E, H, I)."""
-    from ..activations import check_activation
-
     check_activation(activation, gated=w_gate_EIH is not None)
     check_device(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI,
                  b_down_EH, input_scale_B)
@@ -319,8 +318,8 @@ def _config(config, B, E, dtype):
 def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI=None, b_up_EI=None,
            input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0, config=None):
     """h_BI: gathered rows through each expert's up (and gate) projection and activation."""
-    B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH,
-                                   w_up_EIH.transpose(1, 2), b_gate_EI, b_up_EI, None, input_scale_B, activation)
+    B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, None, b_gate_EI,
+                                   b_up_EI, None, input_scale_B, activation)
     token_ids_B, input_scale_B = rows_contiguous(token_ids_B, input_scale_B)
     cfg = _config(config, B, E, w_up_EIH.dtype)
     counts = tokens_per_expert_E.contiguous()
@@ -460,7 +459,6 @@ def _ptrs(dt, **extra):
 def compile_targets():
     """Each forward kernel: every GPU tile configuration (Mixtral-like flags), every flag set (one
     configuration), every activation (fused kernel), with a few expert counts (BLOCK_E)."""
-    from .common import target
 
     def three(dt, cfg, flag_set, block_e, launch=REAL_LAUNCH):
         gated, bg, bu, bd, sc, cw, act = flag_set

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ACT_CODES, act_bwd, act_fwd, dot_precision
-from .grouped_mlp import (_config, _opt, check_expert_args, load_scale, locate, max_tiles, proj_tile,
-                          rows_contiguous, segments)
+from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, interpreting, target
+from .grouped_mlp import (FLAG_SETS, REAL_LAUNCH, _config, _opt, check_expert_args, gpu_config, gpu_configs,
+                          load_scale, locate, max_tiles, proj_tile, rows_contiguous, segments)
 
 
 @triton.jit
@@ -201,8 +201,6 @@ def dh_block_n(cfg) -> int:
 def wgrad_config(dtype) -> dict:
     """Tiles of the weight-gradient GEMM: 128 x 128 outputs (16-bit) reduced over 64 rows per step (32 in fp32 to
     fit shared memory); the interpreter gets the smallest legal tiles."""
-    from .common import interpreting
-
     if interpreting():
         return dict(BLOCK_N1=16, BLOCK_N2=16, BLOCK_K=16, num_warps=4, num_stages=1)
     return wgrad_gpu_config(dtype)
@@ -313,8 +311,6 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
 def compile_targets():
     """dh and dx kernels: every GPU tile configuration (Mixtral-like flags), every flag set and activation on one
     configuration; the weight-gradient kernel in each of its three uses, per dtype."""
-    from .common import target
-    from .grouped_mlp import FLAG_SETS, REAL_LAUNCH, gpu_config, gpu_configs
 
     f32 = torch.float32
 

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moecompile.runtime import reference
-from moecompile.runtime.kernels.common import check_device, pow2
+from .. import reference
+from .common import check_device, pow2
 
 MAX_TILE = 16384  # elements of the [CHUNK, BLOCK_E] int32 one-hot tile: 64 registers a thread at 8 warps
 MIN_BLOCK_E = 8  # smallest expert tile: below it the tile is too narrow to be worth its own configuration

@@ -41,6 +41,14 @@ def _block_t(block_e: int) -> int:
 
 
 @triton.jit
+def _row_softmax(x_TE, lane_mask):
+    """Softmax of each row over the lanes where ``lane_mask`` holds (0 on the others)."""
+    xm_TE = tl.where(lane_mask[None, :], x_TE, NEG_INF)
+    ex_TE = tl.exp(xm_TE - tl.max(xm_TE, axis=1)[:, None])
+    return ex_TE / tl.sum(ex_TE, axis=1)[:, None]
+
+
+@triton.jit
 def _load_logits(logits_ptr, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     """This program's [BLOCK_T, BLOCK_E] fp32 tile of logits_TE, with its lane offsets and masks."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -64,9 +72,7 @@ def _route_kernel(
     offs_e, t_mask, e_mask, row_T, x_TE = _load_logits(logits_ptr, T, E, BLOCK_T, BLOCK_E)
 
     if SCORE_FN == 0:
-        xm_TE = tl.where(e_mask[None, :], x_TE, NEG_INF)
-        ex_TE = tl.exp(xm_TE - tl.max(xm_TE, axis=1)[:, None])
-        scores_TE = ex_TE / tl.sum(ex_TE, axis=1)[:, None]
+        scores_TE = _row_softmax(x_TE, e_mask)
     elif SCORE_FN == 1:
         scores_TE = _sigmoid(x_TE)
     else:  # topk_*: choose on the logits, weigh the picked logits afterwards
@@ -114,9 +120,7 @@ def _route_kernel(
 
     k_mask = offs_e < K
     if SCORE_FN == 2:
-        vm_TE = tl.where(k_mask[None, :], slot_vals_TE, NEG_INF)
-        ev_TE = tl.exp(vm_TE - tl.max(vm_TE, axis=1)[:, None])
-        w_TE = ev_TE / tl.sum(ev_TE, axis=1)[:, None]
+        w_TE = _row_softmax(slot_vals_TE, k_mask)
     elif SCORE_FN == 3:
         w_TE = _sigmoid(slot_vals_TE)
     else:
@@ -152,9 +156,7 @@ def _route_backward_kernel(
 
     # raw weights r (before renorm and scaling) on the picked lanes, 0 elsewhere
     if SCORE_FN == 0:
-        xm_TE = tl.where(e_mask[None, :], x_TE, NEG_INF)
-        ex_TE = tl.exp(xm_TE - tl.max(xm_TE, axis=1)[:, None])
-        p_TE = ex_TE / tl.sum(ex_TE, axis=1)[:, None]
+        p_TE = _row_softmax(x_TE, e_mask)
         r_TE = p_TE
     elif SCORE_FN == 2:
         m_T = tl.max(tl.where(sel, x_TE, NEG_INF), axis=1)
