@@ -3,7 +3,8 @@
     before                                              after (Triton)
     r = moe.route(logits, bias, ...)                    r = moe.route_triton(logits, bias, ...)
     p = moe.build_pft(r[1], r[0], E, -1, ...)           p = moe.build_pft_triton(r[1], r[0], E, -1, ...)
-    y = moe.expert_mlp(x, p[0], p[2], w..., act)        out = moe.fused_experts(x, p[0], p[2], p[3], w..., act, T)
+    y = moe.expert_mlp(x, p[0], p[2], w..., act)        out = moe.fused_experts(x, p[0], p[2], p[3], w..., act, T,
+                                                                            p[4])
     out = moe.combine(y, p[0], p[3], T)
 
 ``lowering``: "torch" keeps the reference ops; "triton" lowers every op that has a kernel; "auto" lowers when the
@@ -14,6 +15,8 @@ and the layer record says which and why (``explain()``).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -126,6 +129,13 @@ def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> tuple[list[str], list
     return swapped, notes
 
 
+def _pft_output(graph: fx.Graph, token_ids: fx.Node, index: int) -> fx.Node | None:
+    """Output ``index`` of the build_pft call whose token ids are ``token_ids`` (a new getitem), or None."""
+    if token_ids.target is not operator.getitem or _op_name(token_ids.args[0]) not in ("build_pft", "build_pft_triton"):
+        return None
+    return graph.call_function(operator.getitem, (token_ids.args[0], index))
+
+
 def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
     users = list(mlp.users)
     if len(users) != 1 or _op_name(users[0]) != "combine" or users[0].args[1] is not mlp.args[1]:
@@ -134,8 +144,10 @@ def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
     x, tok, counts, wg, wu, wd, bg, bu, bd, s, act, alpha, limit = mlp.args
     _y, _tok, cw, num_tokens = combine.args
     with graph.inserting_before(combine):
+        src = _pft_output(graph, tok, 4)  # the flat assignment of each row: the combine sums tokens' rows in k order
         fused = graph.call_function(
-            _ops.fused_experts.default, (x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, act, alpha, limit, num_tokens)
+            _ops.fused_experts.default,
+            (x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, act, alpha, limit, num_tokens, src),
         )
     fused.meta.update(combine.meta)
     combine.replace_all_uses_with(fused)

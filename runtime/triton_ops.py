@@ -3,7 +3,8 @@ implementations launch the kernels of ``runtime/kernels``. The ``lower`` pass sw
 
     moe.route           -> moe.route_triton          (same arguments; fused router kernel, backward kernel)
     moe.build_pft       -> moe.build_pft_triton      (same arguments; counts/ranks/scatter kernels, no capacity)
-    moe.expert_mlp + moe.combine -> moe.fused_experts (one persistent kernel forward; four launches backward)
+    moe.expert_mlp + moe.combine -> moe.fused_experts (grouped GEMM kernels + a deterministic combine; backward
+                                                       kernels, no float atomics anywhere)
 
 Like the torch ops they are opaque to the compiler (``triton_op`` cannot be traced without a GPU), carry fake
 functions whose shapes and strides match the real outputs, and save only their inputs for backward (the router
@@ -105,18 +106,20 @@ def fused_experts(
     x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, combine_weights_B: Tensor | None,
     w_gate_EIH: Tensor | None, w_up_EIH: Tensor, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
     b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None, activation: str, alpha: float,
-    limit: float, num_tokens: int,
+    limit: float, num_tokens: int, src_B: Tensor | None = None,
 ) -> Tensor:
-    """``combine(expert_mlp(x, ...), token_ids, combine_weights, num_tokens)`` in one persistent kernel."""
+    """``combine(expert_mlp(x, ...), token_ids, combine_weights, num_tokens)``: grouped GEMM kernels, then each
+    token's rows summed in k order (``src_B``: the PFT's flat assignment of each row) without atomics."""
     return _kernels()["grouped_mlp"].fused_experts(
         x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
         b_up_EI, b_down_EH, input_scale_B, num_tokens=num_tokens, activation=activation, alpha=alpha, limit=limit,
+        src_B=src_B,
     )
 
 
 @register_fake("moe::fused_experts")
 def _fused_experts_fake(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate, w_up, w_down, *rest):
-    num_tokens = rest[-1]
+    num_tokens = rest[7]
     dtype = w_up.dtype if combine_weights_B is None else torch.promote_types(w_up.dtype, combine_weights_B.dtype)
     return x_TH.new_empty(num_tokens, w_down.shape[1], dtype=dtype)
 
@@ -126,12 +129,12 @@ def fused_experts_backward(
     grad_out_TH: Tensor, x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor,
     combine_weights_B: Tensor | None, w_gate_EIH: Tensor | None, w_up_EIH: Tensor, w_down_EHI: Tensor,
     b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None,
-    activation: str, alpha: float, limit: float,
+    activation: str, alpha: float, limit: float, src_B: Tensor | None = None,
 ) -> list[Tensor]:
     """Gradients of the present inputs among ``_GRAD_INPUTS``, in that order, contiguous."""
     grads = _kernels()["grouped_mlp_bwd"].fused_experts_backward(
         grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
-        b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit,
+        b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit, src_B=src_B,
     )
     return [g.contiguous() for g in grads if g is not None]
 
@@ -146,21 +149,25 @@ def _fused_experts_backward_fake(grad_out_TH, x_TH, token_ids_B, tokens_per_expe
     return [t.new_empty(t.shape) for t in _grad_inputs(x_TH, cw, wg, wu, wd, bg, bu, bd, s) if t is not None]
 
 
+_TENSOR_ARGS = list(range(11)) + [15]  # x .. input_scale, src
+
+
 def _fused_setup(ctx, inputs, output):
-    ctx.save_for_backward(*[t for t in inputs[:11] if t is not None])
-    ctx.present = [t is not None for t in inputs[:11]]
+    tensors = [inputs[i] if i < len(inputs) else None for i in _TENSOR_ARGS]
+    ctx.save_for_backward(*[t for t in tensors if t is not None])
+    ctx.present = [t is not None for t in tensors]
     ctx.attrs = inputs[11:14]
 
 
 def _fused_bwd(ctx, grad_out):
     saved = iter(ctx.saved_tensors)
-    x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s = [next(saved) if p else None for p in ctx.present]
+    x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, src = [next(saved) if p else None for p in ctx.present]
     grads = iter(torch.ops.moe.fused_experts_backward(grad_out, x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s,
-                                                      *ctx.attrs))
+                                                      *ctx.attrs, src))
     g = {name: (next(grads) if t is not None else None)
          for name, t in zip(_GRAD_INPUTS, _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s))}
     return (g["x"], None, None, g["combine_weights"], g["w_gate"], g["w_up"], g["w_down"], g["b_gate"], g["b_up"],
-            g["b_down"], g["input_scale"], None, None, None, None)
+            g["b_down"], g["input_scale"], None, None, None, None, None)
 
 
 register_autograd("moe::fused_experts", _fused_bwd, setup_context=_fused_setup)

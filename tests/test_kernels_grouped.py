@@ -51,8 +51,8 @@ def make_problem(T, layout, dtype, routing="random", K=2, seed=0):
     rnd = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s).to(dtype)  # noqa: E731
     ids = _ids(T, K, routing, gen)
     w_TK = torch.rand(ids.shape, generator=gen)
-    tok, _, counts, cw, _ = ref.build_pft_ref(ids, w_TK, E)
-    t = dict(x=rnd(T, H), cw=None if scale else cw, s=cw if scale else None)
+    tok, _, counts, cw, src = ref.build_pft_ref(ids, w_TK, E)
+    t = dict(x=rnd(T, H), cw=None if scale else cw, s=cw if scale else None, src=src)
     if transposed:  # stored [E, H, I] and seen through a transposed view, as GPT-OSS's experts are
         t["wu"] = rnd(E, H, I, s=H**-0.5).transpose(1, 2)
         t["wg"] = rnd(E, H, I, s=H**-0.5).transpose(1, 2)
@@ -80,7 +80,7 @@ def _args(t):
 def _reference(t, tok, counts, kw, dtype=None, grad_out=None):
     """Reference output (and gradients) computed in ``dtype`` (default: the problem's)."""
     tt = {k: None if v is None else v.detach().to(dtype or v.dtype).requires_grad_(v.is_floating_point())
-          for k, v in t.items()}
+          for k, v in t.items() if k != "src"}
     out = gm.fused_experts_ref(tt["x"], tok, counts, tt["cw"], *_args(tt), num_tokens=tt["x"].shape[0], **kw)
     if grad_out is None:
         return out.detach(), None
@@ -192,3 +192,62 @@ def test_bad_input_is_named():
                          activation="swiglu_clamp")
     with pytest.raises(ValueError, match="tokens_per_expert_E has shape"):
         gm.up_act(t["x"], tok, counts[:-1], t["wg"], t["wu"], **kw)
+
+
+# ---- deterministic combine (runtime/kernels/combine.py) --------------------------------------------------------
+
+
+def _src_problem(T, K, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    return ref.build_pft_ref(ids, torch.rand(ids.shape, generator=gen), E)
+
+
+@pytest.mark.parametrize("T,K", [(6, 2), (123, 3), (1, 8)])
+def test_token_rows_inverts_the_pft(T, K):
+    """rows_TK[t, k] is the buffer row of assignment (t, k): from src (one scatter kernel) or by sorting."""
+    from moecompile.runtime.kernels import combine as cb
+
+    tok, _, _, _, src = _src_problem(T, K)
+    rows = on_device(cb.token_rows, tok, T, src)
+    assert torch.equal(src[rows.reshape(-1)], torch.arange(T * K))
+    sorted_rows = on_device(cb.token_rows, tok, T)
+    assert torch.equal(tok[sorted_rows], torch.arange(T)[:, None].expand(T, K))
+    with pytest.raises(ValueError, match="K rows per token"):
+        cb.token_rows(tok, T * K + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+def test_combine_kernel_against_its_reference(dtype):
+    from moecompile.runtime.kernels import combine as cb
+
+    T, K = 42, 3
+    tok, _, counts, cw, src = _src_problem(T, K)
+    counts = counts.clone()
+    counts[-1] = 0  # the last expert's rows become an uncounted (dropped) tail: skipped
+    y = torch.randn(T * K, 200, generator=torch.Generator().manual_seed(3)).to(dtype)
+    rows = cb.token_rows(tok, T)
+    for w, rnd, out_dtype in ((cw, False, torch.float32), (None, False, dtype), (cw, True, dtype)):
+        got = on_device(cb.combine, y, rows, counts, w, out_dtype=out_dtype, round_weights=rnd)
+        want = cb.combine_ref(y, rows, counts, w, out_dtype=out_dtype, round_weights=rnd)
+        assert got.dtype == out_dtype
+        assert relerr(got, want) <= (1e-6 if out_dtype == torch.float32 else 1e-3)
+
+
+def test_forward_and_backward_are_bitwise_deterministic():
+    """Run to run, the same inputs give bitwise the same output and gradients (no float atomics): the forward
+    in both forms, the backward, with the PFT's src and without it."""
+    T = 123
+    t, tok, counts, kw = make_problem(T, "llama4", torch.float32)  # input scale: dx sums scaled rows
+    t2, tok2, counts2, kw2 = make_problem(T, "mixtral", torch.float32, seed=1)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    for p, tk, cn, k, src in ((t, tok, counts, kw, None), (t2, tok2, counts2, kw2, t2["src"])):
+        runs = []
+        for _ in range(2):
+            outs = [on_device(gm.fused_experts, p["x"], tk, cn, p["cw"], *_args(p), num_tokens=T,
+                              single_launch=single, src_B=src, **k) for single in (True, False)]
+            grads = on_device(gb.fused_experts_backward, grad_out, p["x"], tk, cn, p["cw"], *_args(p), src_B=src,
+                              **k)
+            runs.append(outs + [g for g in grads if g is not None])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 
-KERNEL_MODULES = ("router", "pft", "grouped_mlp", "grouped_mlp_bwd")
+KERNEL_MODULES = ("router", "pft", "grouped_mlp", "grouped_mlp_bwd", "combine")
 
 
 def load():

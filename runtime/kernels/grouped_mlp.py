@@ -3,10 +3,11 @@
 Legend: T tokens, B routed rows (sorted by expert), E experts, H hidden, I expert intermediate, M/N/K tile sizes.
 
     up_act          h_BI = act(x[token_ids] * s @ w_gate[e]^T + b_gate, x[token_ids] * s @ w_up[e]^T + b_up)
-    down_combine    out_TH += cw_B * (h_BI @ w_down[e]^T + b_down)   (scatter-add by token; or y_BH stored)
-    fused_experts   both in ONE persistent launch: each program walks row tiles of every expert, runs the whole
-                    MLP of its tile (h kept in a per-program scratch, never a [B, I] tensor) and combines
-                    (or up_act + down_combine when there are fewer row tiles than SMs)
+    down            y_BH = h_BI @ w_down[e]^T + b_down
+    down_combine    down, then out_TH[t] = sum_k cw * y over each token's rows in k order (combine.py: no atomics)
+    fused_experts   up_act + down_combine; or the persistent form: ONE launch in which each program walks row
+                    tiles of every expert and runs the whole MLP of its tile (h kept in a per-program scratch,
+                    never a [B, I] tensor), storing y rows; then the combine
 
 Segments are never padded to a block multiple in memory. Row tiles are numbered expert by expert (``locate``:
 tiles_E = ceil(rows_E / BLOCK_M), computed in the kernel from the counts); a tile past the end of its expert's
@@ -25,6 +26,7 @@ import triton.language as tl
 
 from .. import reference as ref
 from ..activations import check_activation
+from . import combine as cb
 from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, target
 
 # ---- tile schedule -------------------------------------------------------------------------------------------
@@ -149,17 +151,11 @@ def _down_tile(
 
 
 @triton.jit
-def _emit(acc, rows, tok, rows_ok, n0, H, out_ptr, cw_ptr, COMBINE: tl.constexpr, HAS_CW: tl.constexpr,
-          BLOCK_N: tl.constexpr):
-    """Down-projection epilogue: weighted scatter-add into the fp32 [T, H] output, or store of y_BH rows."""
+def _store_rows(acc, rows, rows_ok, n0, H, y_ptr, BLOCK_N: tl.constexpr):
+    """Down-projection epilogue: the y_BH rows, in the weights' dtype (the combine sums them in a fixed order)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask = rows_ok[:, None] & (offs_n[None, :] < H)
-    if COMBINE:
-        if HAS_CW:
-            acc = acc * tl.load(cw_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
-        tl.atomic_add(out_ptr + tok[:, None] * H + offs_n[None, :], acc, mask=mask)
-    else:
-        tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[:, None] * H + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------
@@ -188,33 +184,33 @@ def _up_act_kernel(
 
 
 @triton.jit
-def _down_combine_kernel(
-    h_ptr, tok_ptr, cw_ptr, counts_ptr, out_ptr, wd_ptr, sde, sdh, sdi, bd_ptr, sbde, E, H, I,
-    HAS_BD: tl.constexpr, COMBINE: tl.constexpr, HAS_CW: tl.constexpr,
+def _down_kernel(
+    h_ptr, counts_ptr, y_ptr, wd_ptr, sde, sdh, sdi, bd_ptr, sbde, E, H, I,
+    HAS_BD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (row tiles, H tiles): down GEMM, bias, then the weighted scatter-combine (or y_BH when not COMBINE)."""
+    """Grid (row tiles, H tiles): down GEMM and bias, y_BH rows stored."""
     e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         n0 = tl.program_id(1) * BLOCK_N
-        tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
         acc = _down_tile(h_ptr, I, rows.to(tl.int64), rows_ok, e.to(tl.int64), n0, H, I, wd_ptr, sde, sdh, sdi,
                          bd_ptr, sbde, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
-        _emit(acc, rows.to(tl.int64), tok, rows_ok, n0, H, out_ptr, cw_ptr, COMBINE, HAS_CW, BLOCK_N)
+        _store_rows(acc, rows.to(tl.int64), rows_ok, n0, H, y_ptr, BLOCK_N)
 
 
 @triton.jit
 def _fused_experts_kernel(
-    x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, counts_ptr, scratch_ptr, out_ptr,
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, counts_ptr, scratch_ptr, y_ptr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, wd_ptr, sde, sdh, sdi,
     bg_ptr, sbge, bu_ptr, sbue, bd_ptr, sbde, E, H, I, num_tiles, alpha, limit,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_CW: tl.constexpr, ACT: tl.constexpr,
+    HAS_SCALE: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
     """Persistent whole-layer forward: program p takes row tiles p, p + P, ... across all experts (uneven
-    experts simply own more tiles) and runs gather -> up -> activation -> down -> weighted combine for each.
-    The activated [M, I] rows go to this program's own scratch slot, so no program waits on another."""
+    experts simply own more tiles) and runs gather -> up -> activation -> down for each, storing y rows (the
+    combine kernel sums them). The activated [M, I] rows go to this program's own scratch slot, so no program
+    waits on another."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     slot = scratch_ptr + pid.to(tl.int64) * BLOCK_M * I
@@ -236,7 +232,7 @@ def _fused_experts_kernel(
             for n0 in range(0, H, BLOCK_N):
                 acc = _down_tile(slot, I, local, rows_ok, e64, n0, H, I, wd_ptr, sde, sdh, sdi, bd_ptr, sbde,
                                  HAS_BD, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
-                _emit(acc, rows.to(tl.int64), tok, rows_ok, n0, H, out_ptr, cw_ptr, True, HAS_CW, BLOCK_N)
+                _store_rows(acc, rows.to(tl.int64), rows_ok, n0, H, y_ptr, BLOCK_N)
             tl.debug_barrier()  # the slot is read by every thread before the next tile overwrites it
 
 
@@ -345,33 +341,35 @@ def _combine_dtype(w_dtype, combine_weights_B):
 
 
 def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=None, combine_weights_B=None,
-                 num_tokens=None, *, combine=True, config=None):
-    """``combine``: out_TH = sum over each token's rows of cw * (h @ w_down[e]^T + b_down); else y_BH."""
+                 num_tokens=None, *, combine=True, config=None, src_B=None):
+    """``combine``: out_TH = sum over each token's rows of cw * (h @ w_down[e]^T + b_down), summed in k order
+    (``src_B``: the PFT's flat assignment of each row, which gives that order; without it, buffer order); else
+    y_BH (dropped tail rows 0)."""
     E, H, I = w_down_EHI.shape
     B = token_ids_B.shape[0]
-    check_device(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B)
+    check_device(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B, src_B)
     check_shape("h_BI", h_BI, (B, I))
     check_shape("b_down_EH", b_down_EH, (E, H))
     check_shape("combine_weights_B", combine_weights_B, (B,))
     if combine and num_tokens is None:
         raise ValueError("down_combine(combine=True) needs num_tokens")
-    token_ids_B, combine_weights_B = rows_contiguous(token_ids_B, combine_weights_B)
     cfg = _config(config, B, E, w_down_EHI.dtype)
     counts = tokens_per_expert_E.contiguous()
-    if combine:
-        out = torch.zeros(num_tokens, H, dtype=torch.float32, device=h_BI.device)
-    else:
-        out = torch.zeros(B, H, dtype=w_down_EHI.dtype, device=h_BI.device)  # dropped tail rows stay 0
+    # rows past the counted ones are never written: zeroed only when y is handed out, the combine skips them
+    y_BH = (torch.empty if combine else torch.zeros)(B, H, dtype=w_down_EHI.dtype, device=h_BI.device)
     bd, sbd = _opt(b_down_EH, w_down_EHI)
-    cw = combine_weights_B if combine_weights_B is not None else h_BI
     grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(H, cfg["BLOCK_N"]))
-    _down_combine_kernel[grid](
-        h_BI.contiguous(), token_ids_B, cw, counts, out, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I,
-        HAS_BD=b_down_EH is not None, COMBINE=combine, HAS_CW=combine_weights_B is not None,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
-        PREC=dot_precision(w_down_EHI.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    _down_kernel[grid](
+        h_BI.contiguous(), counts, y_BH, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I,
+        HAS_BD=b_down_EH is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(w_down_EHI.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
-    return out.to(_combine_dtype(w_down_EHI.dtype, combine_weights_B)) if combine else out
+    if not combine:
+        return y_BH
+    rows_TK = cb.token_rows(token_ids_B, num_tokens, src_B)
+    return cb.combine(y_BH, rows_TK, counts, combine_weights_B,
+                      out_dtype=_combine_dtype(w_down_EHI.dtype, combine_weights_B))
 
 
 def _programs_available(device) -> int:
@@ -383,49 +381,51 @@ def _programs_available(device) -> int:
 
 def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
                   b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *, num_tokens, activation="silu",
-                  alpha=1.702, limit=7.0, config=None, num_programs=None, single_launch=None):
-    """The whole routed MLP + combine of one layer: out_TH (fp32 accumulation, returned in the dtype the torch
-    reference's combine would have: weights' dtype promoted with combine weights').
+                  alpha=1.702, limit=7.0, config=None, num_programs=None, single_launch=None, src_B=None):
+    """The whole routed MLP + combine of one layer: out_TH (fp32 sums in a fixed order, returned in the dtype the
+    torch reference's combine would have: weights' dtype promoted with combine weights'). Deterministic: no
+    float atomics anywhere (``combine.py``); ``src_B`` (the PFT's flat assignment of each row) sums each token's
+    rows in k order.
 
-    One persistent launch when there are at least as many row tiles as resident programs. A program of the
-    fused kernel owns whole row tiles (all of I, then all of H), so with fewer tiles than SMs (few tokens per
-    layer, e.g. Mixtral at 4096 tokens: 64 tiles for 132 SMs) part of the GPU would idle; then (``single_launch``
-    None) the work is split over (row tile, column tile) programs in two launches, ``up_act`` and
-    ``down_combine``, at the price of an h_BI buffer. ``single_launch`` True or False forces the choice."""
+    Two launches over (row tile, column tile) programs, ``up_act`` then ``down``, then the combine; or
+    (``single_launch``) the persistent kernel, one program per SM walking whole row tiles (all of I, then all of
+    H) with h in a per-program scratch slot instead of an h_BI buffer. On an H100 the persistent form was slower
+    than the two launches at every shape measured (``../shared/measurements/h100-2026-11-23.md``), so
+    ``single_launch=None`` takes it only in the interpreter, where fewer programs run faster."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     check_shape("combine_weights_B", combine_weights_B, (B,))
     check_shape("x_TH", x_TH, (num_tokens, H))
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
     cfg = _config(config, B, E, w_up_EIH.dtype)
-    available = _programs_available(x_TH.device)
     if single_launch is None:
-        single_launch = interpreting() or triton.cdiv(B, cfg["BLOCK_M"]) >= available
+        single_launch = interpreting()
     if not single_launch:
         h_BI = up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI,
                       input_scale_B, activation=activation, alpha=alpha, limit=limit, config=cfg)
         return down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B,
-                            num_tokens, config=cfg)
+                            num_tokens, config=cfg, src_B=src_B)
     counts = tokens_per_expert_E.contiguous()
     tiles = max_tiles(B, E, cfg["BLOCK_M"])
-    P = num_programs or max(1, min(tiles, available))
+    P = num_programs or max(1, min(tiles, _programs_available(x_TH.device)))
     scratch = torch.empty(P, cfg["BLOCK_M"], I, dtype=w_up_EIH.dtype, device=x_TH.device)
-    out = torch.zeros(num_tokens, H, dtype=torch.float32, device=x_TH.device)
+    y_BH = torch.empty(B, H, dtype=w_down_EHI.dtype, device=x_TH.device)  # dropped tail rows: never read
     wg = w_up_EIH if w_gate_EIH is None else w_gate_EIH
     (bg, sbg), (bu, sbu), (bd, sbd) = _opt(b_gate_EI, wg), _opt(b_up_EI, wg), _opt(b_down_EH, wg)
     s = input_scale_B if input_scale_B is not None else token_ids_B
-    cw = combine_weights_B if combine_weights_B is not None else token_ids_B
     _fused_experts_kernel[(P,)](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, scratch, out,
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, scratch, y_BH,
         wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(),
         bg, sbg, bu, sbu, bd, sbd, E, H, I, tiles, float(alpha), float(limit),
         GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
-        HAS_BD=b_down_EH is not None, HAS_SCALE=input_scale_B is not None, HAS_CW=combine_weights_B is not None,
+        HAS_BD=b_down_EH is not None, HAS_SCALE=input_scale_B is not None,
         ACT=ACT_CODES[activation], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(w_up_EIH.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out.to(_combine_dtype(w_up_EIH.dtype, combine_weights_B))
+    rows_TK = cb.token_rows(token_ids_B, num_tokens, src_B)
+    return cb.combine(y_BH, rows_TK, counts, combine_weights_B,
+                      out_dtype=_combine_dtype(w_up_EIH.dtype, combine_weights_B))
 
 
 def fused_experts_ref(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
@@ -452,7 +452,7 @@ REAL_LAUNCH = dict(unit=("sxh", "sgh", "suh", "sdi"),
 
 
 def _ptrs(dt, **extra):
-    names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "scratch_ptr")
+    names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "scratch_ptr", "y_ptr")
     return {**{n: dt for n in names}, "tok_ptr": torch.int64, "counts_ptr": torch.int64, **extra}
 
 
@@ -466,12 +466,10 @@ def compile_targets():
                       PREC=dot_precision(dt))
         flags = dict(GATED=gated, HAS_BG=bg, HAS_BU=bu, HAS_SCALE=sc, ACT=act)
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        combine = bool(cw or not sc)  # exercise the y_BH store (COMBINE=False) with the Llama4-like set
         return [
             target(_up_act_kernel, _ptrs(dt), dict(consts, **flags), **opts, **launch),
-            target(_down_combine_kernel, _ptrs(dt, out_ptr=torch.float32 if combine else dt),
-                   dict(consts, HAS_BD=bd, COMBINE=combine, HAS_CW=cw), **opts, **launch),
-            target(_fused_experts_kernel, _ptrs(dt), dict(consts, **flags, HAS_BD=bd, HAS_CW=cw), **opts, **launch),
+            target(_down_kernel, _ptrs(dt), dict(consts, HAS_BD=bd), **opts, **launch),
+            target(_fused_experts_kernel, _ptrs(dt), dict(consts, **flags, HAS_BD=bd), **opts, **launch),
         ]
 
     out = []

@@ -6,11 +6,12 @@ Legend: T tokens, B routed rows (sorted by expert), E experts, H hidden, I exper
 Forward, per row b of expert e and token t = tok[b]:
     xs_b = x[t] * s_b;  g_b, u_b = xs_b @ Wg[e]^T + bg, xs_b @ Wu[e]^T + bu;  h_b = act(g_b, u_b)
     out[t] += cw_b * (h_b @ Wd[e]^T + bd)
-Backward, given dout_TH (three kernel kinds, four launches):
+Backward, given dout_TH (four kernel kinds, five launches and the row inversion):
     dh_kernel    G_b = dout[t] @ Wd[e] (recomputing g, u, h: nothing [B, I] is kept from the forward)
                  dcw_b = <h_b, G_b> (+ <bd, dout[t]>),  dh_b = cw_b G_b,  (dg_b, du_b) = act'(g_b, u_b) dh_b
-    dx_kernel    dxs_b = dg_b @ Wg[e] + du_b @ Wu[e];  dx[t] += s_b dxs_b (atomic: the gather's adjoint);
-                 ds_b = <dxs_b, x[t]>
+    dx_kernel    dxs_b = dg_b @ Wg[e] + du_b @ Wu[e] stored;  ds_b = <dxs_b, x[t]>
+    combine      dx[t] = sum over k of s_b dxs_b (the gather's adjoint: each token's rows in k order, no atomics,
+                 combine.py)
     wgrad_kernel dW[e] = A_e^T @ C_e over expert e's rows, A and C optionally gathered by token and scaled by
                  row: [dWg | dWu] = [dg | du]^T xs (one launch), dWd = (cw dout[tok])^T h; bias gradients =
                  column sums of A
@@ -23,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import combine as cb
 from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, interpreting, target
 from .grouped_mlp import (FLAG_SETS, REAL_LAUNCH, _config, _opt, check_expert_args, gpu_config, gpu_configs,
                           load_scale, locate, max_tiles, proj_tile, rows_contiguous, segments)
@@ -83,13 +85,14 @@ def _dh_kernel(
 
 @triton.jit
 def _dx_kernel(
-    x_ptr, sxt, sxh, tok_ptr, s_ptr, counts_ptr, dg_ptr, du_ptr, sdr, dx_ptr, ps_ptr, dout_ptr, bd_ptr, sbde, pbd_ptr,
+    x_ptr, sxt, sxh, tok_ptr, counts_ptr, dg_ptr, du_ptr, sdr, dxs_ptr, ps_ptr, dout_ptr, bd_ptr, sbde, pbd_ptr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, E, H, I,
     GATED: tl.constexpr, HAS_SCALE: tl.constexpr, BD_DCW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (row tiles, H tiles): dxs = dg @ Wg[e] + du @ Wu[e], scattered to dx[tok] (fp32, atomic) with the
-    row scale; partial <dxs, x[tok]> for the scale's gradient and <bd, dout[tok]> for the combine weights'."""
+    """Grid (row tiles, H tiles): dxs = dg @ Wg[e] + du @ Wu[e] stored by row (the combine kernel sums each
+    token's rows times the row scale into dx); partial <dxs, x[tok]> for the scale's gradient and
+    <bd, dout[tok]> for the combine weights'."""
     e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         DT = wu_ptr.dtype.element_ty
@@ -119,8 +122,7 @@ def _dx_kernel(
             x = tl.load(x_ptr + tok[:, None] * sxt + offs_n[None, :] * sxh, mask=mask, other=0.0)
             x = x.to(DT).to(tl.float32)
             tl.store(ps_ptr + rows64 * tl.num_programs(1) + pid_n, tl.sum(acc * x, axis=1), mask=rows_ok)
-            acc = acc * load_scale(s_ptr, rows, rows_ok, HAS_SCALE, DT)[:, None]
-        tl.atomic_add(dx_ptr + tok[:, None] * H + offs_n[None, :], acc, mask=mask)
+        tl.store(dxs_ptr + rows64[:, None] * H + offs_n[None, :], acc.to(DT), mask=mask)
         if BD_DCW:
             d = tl.load(dout_ptr + tok[:, None] * H + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
             bd = tl.load(bd_ptr + e64 * sbde + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -236,9 +238,10 @@ def _wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, cfg, split=
 
 def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
                            w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
-                           activation="silu", alpha=1.702, limit=7.0, config=None):
+                           activation="silu", alpha=1.702, limit=7.0, config=None, src_B=None):
     """Gradients of ``fused_experts`` for (x, combine_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
-    input_scale), None where that input is None. Weight and bias gradients come back contiguous."""
+    input_scale), None where that input is None. Weight and bias gradients come back contiguous. Deterministic:
+    no float atomics (``src_B`` as in ``fused_experts``)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
@@ -273,14 +276,14 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         GATED=gated, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None, HAS_SCALE=input_scale_B is not None,
         HAS_CW=has_cw, ACT=ACT_CODES[activation], **dict(common, BLOCK_N=dh_n),
     )
-    dx = torch.zeros(T, H, dtype=torch.float32, device=dev)
+    dxs_BH = torch.empty(B, H, dtype=dt, device=dev)  # dropped tail rows: never written, never read
     has_s = input_scale_B is not None
     bd_dcw = has_cw and b_down_EH is not None
-    ps = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if has_s else dx
-    pbd = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if bd_dcw else dx
+    ps = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if has_s else dxs_BH
+    pbd = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if bd_dcw else dxs_BH
     _dx_kernel[(tiles, n_h)](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, dg_BI, du_BI, dgu.stride(0), dx, ps, dout, bd,
-        sbd, pbd,
+        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, counts, dg_BI, du_BI, dgu.stride(0), dxs_BH, ps, dout,
+        bd, sbd, pbd,
         wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), E, H, I,
         GATED=gated, HAS_SCALE=has_s, BD_DCW=bd_dcw, **common,
     )
@@ -302,7 +305,9 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         dcw = pcw.sum(1) + (pbd.sum(1) if bd_dcw else 0)
         dcw = dcw.to(combine_weights_B.dtype)
     ds = ps.sum(1).to(input_scale_B.dtype) if has_s else None
-    return dx.to(x_TH.dtype), dcw, dwg, dwu, dwd, dbg, dbu, dbd, ds
+    dx = cb.combine(dxs_BH, cb.token_rows(token_ids_B, T, src_B), counts, input_scale_B, out_dtype=x_TH.dtype,
+                    round_weights=True)
+    return dx, dcw, dwg, dwu, dwd, dbg, dbu, dbd, ds
 
 
 # ---- compile targets (CI compiles each for sm_90) ------------------------------------------------------------
@@ -315,7 +320,8 @@ def compile_targets():
     f32 = torch.float32
 
     def ptrs(dt):
-        names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "dg_ptr", "du_ptr")
+        names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "dg_ptr", "du_ptr",
+                 "dxs_ptr")
         return {**{n: dt for n in names}, "tok_ptr": torch.int64, "counts_ptr": torch.int64}
 
     def pair(dt, cfg, flag_set, block_e, with_dx=True, launch=REAL_LAUNCH):
