@@ -21,6 +21,9 @@ class MoEOptions:
     disable_passes:   pass names to skip (see moecompile.pipeline.PASSES). Without "verify" nothing is rewritten.
     strict:           raise instead of leaving an MoE block that could not be proved or rewritten as it was.
     verify_backward:  also prove gradients (tokens and every parameter) before rewriting.
+    verify_lowering:  before a layer's Triton kernels are used, run them beside the proved torch references on
+                      probe inputs (forward, and gradients with verify_backward); a layer where they disagree keeps
+                      the references, and explain() says so.
     probe_seed:       seed of the random probe tokens used by verify.
     probe_tokens:     at least this many random tokens are routed through each block by verify (in rounds of
                       the block's own token count).
@@ -33,6 +36,7 @@ class MoEOptions:
     disable_passes: tuple[str, ...] = ()
     strict: bool = False
     verify_backward: bool = True
+    verify_lowering: bool = True
     probe_seed: int = 0
     probe_tokens: int = 512
     max_candidates: int = 64

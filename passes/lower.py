@@ -12,6 +12,10 @@ layer's tensors are on CUDA (Triton on a GPU) and keeps the references on CPU. O
 "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for the layer's form
 (sparsemixer routing, capacity-limited buffers, an expert output used elsewhere than its combine) stays on torch,
 and the layer record says which and why (``explain()``).
+
+Before a layer's kernels are used they are proved against the references on probe inputs, forward and (with
+``verify_backward``) gradients (``lowering_proof.py``); a layer whose kernels disagree, or raise, keeps the
+references and says so. ``verify_lowering=False`` skips the proof.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_utils import example
+from .graph_utils import example, placeholder_values
+from .lowering_proof import prove_lowered
 from .report import PassReport
 
 _ops = torch.ops.moe
@@ -33,9 +38,19 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
     for n in gm.graph.nodes:
         if n.meta.get("moe_layer") is not None:
             layers.setdefault(n.meta["moe_layer"], []).append(n)
+    values = placeholder_values(gm, example_inputs)
     choices = {}
     for path, nodes in layers.items():
         choice, notes = _choose(nodes, config.lowering)
+        error = None
+        if choice == "triton" and config.verify_lowering:
+            ok, error, why = prove_lowered(nodes, values, _lower_layer, seed=config.probe_seed,
+                                           backward=config.verify_backward)
+            report.counters["lower.proved" if ok else "lower.fallback"] += 1
+            if not ok:
+                choice = "torch"
+                notes.append(f"Triton kernels disagreed with the torch references on probe inputs ({why}): "
+                             "this layer keeps the references")
         if choice == "triton":
             swapped, kept = _lower_layer(gm.graph, nodes)
             notes += kept
@@ -43,11 +58,12 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
         for n in gm.graph.nodes:
             if n.meta.get("moe_layer") == path:
                 n.meta["moe_lowering"] = choice
-        choices[path] = (choice, notes)
+        choices[path] = (choice, notes, error)
         report.counters[f"lower.{choice}"] += 1
     for rec in report.layers:
         if rec.path in choices:
-            rec.lowering, rec.lowering_notes = choices[rec.path][0], list(choices[rec.path][1])
+            rec.lowering, notes, rec.lowering_error = choices[rec.path]
+            rec.lowering_notes = list(notes)
     return gm
 
 

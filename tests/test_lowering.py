@@ -28,6 +28,52 @@ def test_triton_lowering_matches_eager(family):
     n = len(report.layers)
     assert report.counters["lower.triton"] == n
     assert all(report.counters[f"lower.ops.{op}"] == n for op in ("route_triton", "build_pft_triton", "fused_experts"))
+    # the kernels were proved on probe inputs beside the references before they were used
+    assert report.counters["lower.proved"] == n and all(r.lowering_error <= 1e-5 for r in report.layers)
+
+
+def test_kernels_that_disagree_with_the_references_are_not_used(monkeypatch):
+    """A kernel that computes something else (here: a grouped MLP off by 1%, then one that raises) fails the
+    probe check: the layer keeps the torch references, says so, and the model still matches eager."""
+    from moecompile.runtime import kernels
+
+    grouped = kernels.load()["grouped_mlp"]
+    right = grouped.fused_experts
+    monkeypatch.setattr(grouped, "fused_experts", lambda *a, **k: right(*a, **k) * 1.01)
+    report = _check_against_eager(hf.tiny_model("mixtral"), lowering="triton")
+    assert report.counters["lower.fallback"] == len(report.layers) == 2 and not report.counters["lower.triton"]
+    assert all(r.lowering == "torch" and "forward normwise error" in r.lowering_notes[0] for r in report.layers)
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(grouped, "fused_experts", broken)
+    report = _check_against_eager(hf.tiny_model("mixtral"), lowering="triton")
+    assert all(r.lowering == "torch" and "raised RuntimeError: no kernel for this" in r.lowering_notes[0]
+               for r in report.layers)
+    # a backward kernel that is wrong is caught by the gradient check
+    monkeypatch.setattr(grouped, "fused_experts", right)
+    bwd = kernels.load()["grouped_mlp_bwd"]
+    right_bwd = bwd.fused_experts_backward
+    monkeypatch.setattr(bwd, "fused_experts_backward",
+                        lambda *a, **k: tuple(None if g is None else g * 1.01 for g in right_bwd(*a, **k)))
+    report = _check_against_eager(hf.tiny_model("mixtral"), lowering="triton")
+    assert all(r.lowering == "torch" and "gradient of" in r.lowering_notes[0] for r in report.layers)
+    monkeypatch.setattr(bwd, "fused_experts_backward", right_bwd)
+    report = _check_against_eager(hf.tiny_model("mixtral"), lowering="triton", verify_lowering=False)
+    assert not report.counters["lower.proved"] and report.counters["lower.triton"] == 2  # unchecked: trusted
+
+
+def test_triton_router_takes_a_1_by_E_correction_bias():
+    """ERNIE 4.5 keeps its correction bias as [1, E]: the canonical form hands the router kernel [E]."""
+    model = hf.build_model(hf.shrink_config("ernie4_5_moe"))
+    biases = [p for n, p in model.named_parameters() if "correction_bias" in n]
+    assert biases and all(tuple(p.shape) == (1, 8) for p in biases)
+    for p in biases:
+        p.requires_grad_(False)  # it only chooses experts: no gradient in eager either
+    report = _check_against_eager(model, lowering="triton")
+    assert report.layers and all(r.lowering == "triton" and r.spec.routing.correction_bias for r in report.layers)
+    assert report.counters["lower.ops.route_triton"] == len(report.layers)
 
 
 def test_ops_without_kernels_stay_on_torch_and_say_why():
