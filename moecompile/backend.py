@@ -12,20 +12,35 @@ import torch.fx as fx
 from moecompile.passes.report import PassReport
 
 from .config import MoEOptions, parse_options
-from .pipeline import run_passes
+from .pipeline import Checkpoint, MoECompileError, run_passes
 
 
 def moe_backend(gm: fx.GraphModule, example_inputs, options: dict | MoEOptions | None = None, **_ignored):
     """torch.compile backend entry: rewrite the MoE blocks of ``gm``, then hand it to the inner compiler."""
-    config = parse_options(options)
-    report = PassReport()
-    gm = rewrite(gm, example_inputs, config, report)
-    return compile_inner(gm, example_inputs, config)
+    return compile_graph(gm, example_inputs, parse_options(options), PassReport())
 
 
-def rewrite(gm, example_inputs, config: MoEOptions, report: PassReport) -> fx.GraphModule:
+def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport):
+    """The MoE passes, then the inner compiler. A rewritten graph the inner compiler rejects is compiled as it came
+    in instead, and the failure reported like a pass's (``strict=True`` raises)."""
+    checkpoint = Checkpoint.take(gm, report)
+    gm = rewrite(gm, example_inputs, config, report, checkpoint)
+    if not checkpoint.rewrote(report):
+        return compile_inner(gm, example_inputs, config)
+    try:
+        return compile_inner(gm, example_inputs, config)
+    except torch._dynamo.exc.RestartAnalysis:
+        raise  # Dynamo's own control flow: it traces again
+    except Exception as exc:
+        if config.strict:
+            raise MoECompileError(f"the inner compiler ({config.inner}) failed on the rewritten graph: {exc}") from exc
+        return compile_inner(checkpoint.restore(report, "inner", exc, config), example_inputs, config)
+
+
+def rewrite(gm, example_inputs, config: MoEOptions, report: PassReport,
+            checkpoint: Checkpoint | None = None) -> fx.GraphModule:
     with torch.enable_grad():  # verify differentiates probes even when the model runs under no_grad
-        return run_passes(gm, example_inputs, config, report)
+        return run_passes(gm, example_inputs, config, report, checkpoint)
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs, config: MoEOptions):

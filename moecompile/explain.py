@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
 from moecompile.passes import aliases
-from moecompile.passes.report import LayerRecord, PassReport, SkipRecord
+from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, SkipRecord
 
 from .backend import rewrite
 from .config import parse_options
+from .pipeline import MoEFallbackWarning
 
 
 @dataclasses.dataclass
@@ -18,7 +20,8 @@ class ExplainReport:
     """``layers``: one record per rewritten MoE layer (module path, MoESpec, proof error, lowering);
     ``skipped``: (region, reason) for every MoE-looking region left as it was; ``graphs``: (stage, code) for
     the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made;
-    ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table)."""
+    ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table);
+    ``failures``: (stage, region, error) for every pass that raised: that graph ran as it came in."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
@@ -26,11 +29,15 @@ class ExplainReport:
     counters: dict
     num_graphs: int
     config_mismatches: list[str] = dataclasses.field(default_factory=list)  # detected spec vs model.config
+    failures: list[FailureRecord] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         out = [f"moecompile: {len(self.layers)} MoE layer(s) rewritten, {len(self.skipped)} skipped, "
-               f"{self.num_graphs} graph(s)"]
+               f"{self.num_graphs} graph(s)" + (f", {len(self.failures)} pass failure(s)" if self.failures else "")]
         out += [f"  warning: {m}" for m in self.config_mismatches]
+        for f in self.failures:
+            out.append(f"  failed: {f.what} raised on {f.region}: {f.error}; that graph runs as it came in "
+                       "(strict=True raises)")
         for rec in self.layers:
             out.append(f"  rewritten {rec.path} ({rec.spec.block_type}) lowering={rec.lowering} "
                        f"proof error={rec.max_error:.2g} after {rec.candidates_tried} candidate(s)")
@@ -66,11 +73,13 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
         compiled(*args)
     torch._dynamo.reset()
     mismatches = _check_against_config(getattr(model, "config", None), report.layers)
-    return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches)
+    return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
+                         report.failures)
 
 
 def _check_against_config(config, layers: list[LayerRecord]) -> list[str]:

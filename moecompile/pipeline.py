@@ -1,18 +1,28 @@
 """The one ordered list of MoE graph passes, and the runner that applies it.
 
 Each pass is ``<name>_pass(gm, example_inputs, *, config, report) -> gm``. After each pass the graph is linted
-and recompiled; a failure is re-raised naming the pass and the passes that ran before it. The invariants
-between passes are written down in passes/README.md.
+and recompiled. The invariants between passes are written down in passes/README.md.
+
+No model stops the user's program: a pass that raises leaves the graph as it came in from Dynamo (restored from a
+copy taken before the first pass), the report is rolled back to where it stood before that graph, and the failure
+(pass, block, error) is recorded in ``report.failures``, counted (``pipeline.failed.<pass>``) and warned about.
+With ``strict=True`` it raises ``MoECompileError`` instead, naming the pass and the passes that ran before it.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
 import torch.fx as fx
 
 from moecompile.passes.canonicalize import canonicalize_moe_pass
 from moecompile.passes.detect import detect_moe_pass
 from moecompile.passes.lower import lower_moe_pass
-from moecompile.passes.report import PassReport
+from moecompile.passes.report import FailureRecord, PassReport
 from moecompile.passes.verify import verify_moe_pass
 
 from .config import MoEOptions
@@ -29,21 +39,31 @@ class MoECompileError(RuntimeError):
     """A pass failed, or (with strict=True) an MoE block was left unrewritten."""
 
 
-def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport) -> fx.GraphModule:
+class MoEFallbackWarning(UserWarning):
+    """A pass failed on a graph, which runs as it came in (its MoE blocks not rewritten); explain() says which."""
+
+
+def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport,
+               checkpoint: Checkpoint | None = None) -> fx.GraphModule:
+    checkpoint = checkpoint or Checkpoint.take(gm, report)
     if config.record_graphs:
         report.graphs.append(("input", gm.print_readable(print_output=False)))
     done: list[str] = []
     for name, fn in PASSES:
         if name in config.disable_passes:
             continue
-        if name == "canonicalize" and "verify" in config.disable_passes:
-            _drop_unproved(gm)
+        if name == "lower":
+            _check_lowering_can_run(gm, example_inputs, config)  # the user's setting: raised, never a fallback
         try:
+            if name == "canonicalize" and "verify" in config.disable_passes:
+                _drop_unproved(gm)
             gm = fn(gm, example_inputs, config=config, report=report)
             gm.graph.lint()
             gm.recompile()
         except Exception as exc:
-            raise MoECompileError(f"moecompile pass {name!r} failed (after {done or 'no passes'}): {exc}") from exc
+            if config.strict:
+                raise MoECompileError(f"moecompile pass {name!r} failed (after {done or 'no passes'}): {exc}") from exc
+            return checkpoint.restore(report, name, exc, config)
         done.append(name)
         if config.record_graphs:
             report.graphs.append((name, gm.print_readable(print_output=False)))
@@ -51,6 +71,82 @@ def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: P
         lines = "\n".join(f"  {s.region}: {s.reason}" for s in report.skipped)
         raise MoECompileError(f"strict=True and some MoE blocks were not rewritten:\n{lines}")
     return gm
+
+
+@dataclass
+class Checkpoint:
+    """A graph as it came in from Dynamo, and where the report stood before its passes ran."""
+
+    gm: fx.GraphModule
+    graph: fx.Graph  # a copy: the passes edit ``gm.graph`` in place (node meta is copied shallowly)
+    index: int  # which graph of the report this is (0 for the first)
+    layers: int
+    skipped: int
+    counters: Counter
+
+    @classmethod
+    def take(cls, gm: fx.GraphModule, report: PassReport) -> Checkpoint:
+        report.graphs_seen += 1
+        graph = copy.deepcopy(gm.graph)
+        for old, new in zip(gm.graph.nodes, graph.nodes):  # what Dynamo sets on nodes (placeholders' sources)
+            new.__dict__.update(old.__dict__)
+        return cls(gm, graph, report.graphs_seen - 1, len(report.layers), len(report.skipped), Counter(report.counters))
+
+    def rewrote(self, report: PassReport) -> bool:
+        """Whether the passes changed the graph (only proved layers are rewritten)."""
+        return len(report.layers) > self.layers
+
+    def restore(self, report: PassReport, stage: str, exc: Exception, config: MoEOptions) -> fx.GraphModule:
+        """Put the graph back as it came in and make the report say so: the failure, and each layer this graph
+        had proved turned into a skip (nothing of this graph is rewritten); this graph's pass counters are void."""
+        proved = report.layers[self.layers:]
+        del report.layers[self.layers:]
+        new_skips = len(report.skipped) - self.skipped
+        region = getattr(exc, "moe_region", None) or f"graph {self.index}" + (
+            f" (MoE blocks {', '.join(r.path for r in proved)})" if proved else "")
+        failure = FailureRecord(stage, region, _short(f"{type(exc).__name__}: {exc}"))
+        report.counters.clear()
+        report.counters.update(self.counters)
+        if new_skips:  # this graph's skips stand: those blocks are as they came in
+            report.counters["skipped"] += new_skips
+        for rec in proved:
+            report.skip(rec.path, f"proved, but not rewritten: {failure.what} failed on its graph "
+                                  f"({failure.error}); left as it was")
+        report.failures.append(failure)
+        report.counters[f"pipeline.failed.{stage}"] += 1
+        self.gm.graph = self.graph
+        self.gm.recompile()
+        if config.record_graphs:
+            report.graphs.append(("fallback", self.gm.print_readable(print_output=False)))
+        warnings.warn(f"moecompile: {failure.what} failed on {region} ({failure.error}); that graph runs as it "
+                      "came in, its MoE blocks not rewritten. moecompile.explain() reports it; "
+                      "options={'strict': True} raises instead.", MoEFallbackWarning, stacklevel=2)
+        return self.gm
+
+
+def _short(text: str, n: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _check_lowering_can_run(gm: fx.GraphModule, example_inputs, config: MoEOptions) -> None:
+    """lowering="triton" on CPU tensors where the kernels cannot run is the user's setting, not the model's doing:
+    a ValueError naming the fix (the same check ``lower`` makes per layer, made where it is not a fallback)."""
+    if config.lowering != "triton" or not any(n.meta.get("moe_layer") for n in gm.graph.nodes):
+        return
+    floats = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats or any(t.device.type != "cpu" for t in floats):
+        return
+    from moecompile.runtime import kernels
+    from moecompile.runtime.kernels.common import interpreting
+
+    try:
+        kernels.load()  # no CUDA: switches Triton to its interpreter if it still can, else says how
+    except RuntimeError as exc:
+        raise ValueError(f"lowering='triton' on CPU tensors: {exc}") from exc
+    if not interpreting():
+        raise ValueError("lowering='triton' got CPU tensors on a machine with CUDA: move the model to the GPU, "
+                         "or run with TRITON_INTERPRET=1 to test the kernels on CPU")
 
 
 def _drop_unproved(gm: fx.GraphModule) -> None:

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from .canonical import canonical_moe, routed_like_input
 from .graph_utils import example, hint
-from .report import PassReport
+from .report import PassReport, block
 
 
 def canonicalize_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
@@ -24,35 +24,40 @@ def canonicalize_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report:
         cand = node.meta.pop("moe", None)
         if cand is None:
             continue
-        spec, b = cand.specs[0], cand.bindings[0]
-        out_val = example(b.routed)
-        out_3d = routed_like_input(out_val, example(b.x))
-        tracer = fx.proxy.GraphAppendingTracer(gm.graph)
-        proxy = lambda n: fx.Proxy(n, tracer)  # noqa: E731
-        weights = {k: [proxy(p) for p in v] if isinstance(v, list) else proxy(v) for k, v in b.weights.items()}
-        existing = set(gm.graph.nodes)
-        with gm.graph.inserting_before(b.routed):
-            new = canonical_moe(
-                spec, proxy(b.x), proxy(b.logits), None if b.correction_bias is None else proxy(b.correction_bias),
-                weights, layer=cand.path, out_dtype=out_val.dtype, out_3d=out_3d,
-            ).node
-        stack = b.routed.meta.get("nn_module_stack")
-        for n in [n for n in gm.graph.nodes if n not in existing]:
-            if stack is not None:
-                n.meta["nn_module_stack"] = dict(stack)
-            n.meta["moe_layer"] = cand.path
-        b.routed.replace_all_uses_with(new)
-        removed = _remove_dead(gm.graph, cand.slice_nodes)
-        report.counters["canonicalize.rewritten"] += 1
-        r = spec.routing
-        if r.capacity >= 0:  # the source's [E, C, H] expert buffers against our T*K rows, at the traced size
-            numel = hint(example(b.x).numel())
-            delta = spec.experts.num_experts * r.capacity - (numel // spec.experts.hidden) * r.top_k if numel else 0
-            report.counters["canonicalize.padding_rows_removed"] += max(0, delta)
-            # a tight capacity (C * E < T * K): our buffer keeps the dropped rows at its tail, never computed
-            report.counters["canonicalize.dropped_rows_kept"] += max(0, -delta)
-        report.counters["canonicalize.nodes_removed"] += removed
+        with block(cand.path):
+            _rewrite_block(gm, cand, report)
     return gm
+
+
+def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
+    spec, b = cand.specs[0], cand.bindings[0]
+    out_val = example(b.routed)
+    out_3d = routed_like_input(out_val, example(b.x))
+    tracer = fx.proxy.GraphAppendingTracer(gm.graph)
+    proxy = lambda n: fx.Proxy(n, tracer)  # noqa: E731
+    weights = {k: [proxy(p) for p in v] if isinstance(v, list) else proxy(v) for k, v in b.weights.items()}
+    existing = set(gm.graph.nodes)
+    with gm.graph.inserting_before(b.routed):
+        new = canonical_moe(
+            spec, proxy(b.x), proxy(b.logits), None if b.correction_bias is None else proxy(b.correction_bias),
+            weights, layer=cand.path, out_dtype=out_val.dtype, out_3d=out_3d,
+        ).node
+    stack = b.routed.meta.get("nn_module_stack")
+    for n in [n for n in gm.graph.nodes if n not in existing]:
+        if stack is not None:
+            n.meta["nn_module_stack"] = dict(stack)
+        n.meta["moe_layer"] = cand.path
+    b.routed.replace_all_uses_with(new)
+    removed = _remove_dead(gm.graph, cand.slice_nodes)
+    report.counters["canonicalize.rewritten"] += 1
+    r = spec.routing
+    if r.capacity >= 0:  # the source's [E, C, H] expert buffers against our T*K rows, at the traced size
+        numel = hint(example(b.x).numel())
+        delta = spec.experts.num_experts * r.capacity - (numel // spec.experts.hidden) * r.top_k if numel else 0
+        report.counters["canonicalize.padding_rows_removed"] += max(0, delta)
+        # a tight capacity (C * E < T * K): our buffer keeps the dropped rows at its tail, never computed
+        report.counters["canonicalize.dropped_rows_kept"] += max(0, -delta)
+    report.counters["canonicalize.nodes_removed"] += removed
 
 
 def _remove_dead(graph: fx.Graph, slice_nodes: set[fx.Node]) -> int:

@@ -30,7 +30,7 @@ from .graph_utils import (
     placeholder_values, shape_of,
 )
 from .experts import Skip, expert_options, expert_params
-from .report import PassReport
+from .report import PassReport, block
 from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
 
 
@@ -60,23 +60,24 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
             continue
         seen.add(router)
         path = _path_of(router)
-        try:
-            key = _block_key(router, by_key, values)
-            if key is not None:
-                region = set(by_key[key])
-                path, block_type = next((p, t) for k, p, t in module_stack(router) if k == key)
-            elif expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
-                # the compiled module is the MoE block itself: the whole graph is the block
-                region = {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
-                path, block_type = ROOT, "<compiled module>"
-            else:
-                raise Skip(aliases.EAGER_EXPERTS_REASON)
-            if path in {c.path for c in _annotated(gm)}:
+        with block(path):  # a failure names the router's module
+            try:
+                key = _block_key(router, by_key, values)
+                if key is not None:
+                    region = set(by_key[key])
+                    path, block_type = next((p, t) for k, p, t in module_stack(router) if k == key)
+                elif expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
+                    # the compiled module is the MoE block itself: the whole graph is the block
+                    region = {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
+                    path, block_type = ROOT, "<compiled module>"
+                else:
+                    raise Skip(aliases.EAGER_EXPERTS_REASON)
+                if path in {c.path for c in _annotated(gm)}:
+                    continue
+                cand = _describe(path, block_type, region, router, values, order, config)
+            except Skip as why:
+                report.skip(path, str(why))
                 continue
-            cand = _describe(path, block_type, region, router, values, order, config)
-        except Skip as why:
-            report.skip(path, str(why))
-            continue
         cand.bindings[0].routed.meta["moe"] = cand
         report.counters["detect.blocks"] += 1
         report.counters["detect.candidates"] += len(cand.specs)

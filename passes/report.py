@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .spec import MoESpec
@@ -25,6 +26,19 @@ class SkipRecord:
 
 
 @dataclass
+class FailureRecord:
+    """A pass (or the inner compiler) raised: the graph ran as it came in from Dynamo."""
+
+    stage: str  # the pass name, or "inner" for the compiler after the passes
+    region: str  # the MoE block being worked on when it raised, else the graph
+    error: str  # "TypeName: message"
+
+    @property
+    def what(self) -> str:
+        return "the inner compiler" if self.stage == "inner" else f"pass {self.stage!r}"
+
+
+@dataclass
 class PassReport:
     """Filled by the passes of one or more graphs (a model that breaks into several graphs has several)."""
 
@@ -32,7 +46,20 @@ class PassReport:
     skipped: list[SkipRecord] = field(default_factory=list)
     graphs: list[tuple[str, str]] = field(default_factory=list)  # (stage, readable code)
     counters: Counter = field(default_factory=Counter)
+    failures: list[FailureRecord] = field(default_factory=list)
+    graphs_seen: int = 0  # graphs that entered the pipeline: "graph 1" in a failure is the second
 
     def skip(self, region: str, reason: str) -> None:
         self.skipped.append(SkipRecord(region, reason))
         self.counters["skipped"] += 1
+
+
+@contextmanager
+def block(region: str):
+    """Tag an exception raised while a pass works on one block with the block's path, for the failure record."""
+    try:
+        yield
+    except Exception as exc:
+        if getattr(exc, "moe_region", None) is None:
+            exc.moe_region = region
+        raise

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from .canonical import canonical_moe, routed_like_input
 from .graph_utils import example, extract, hint, placeholder_values
-from .report import LayerRecord, PassReport
+from .report import LayerRecord, PassReport, block
 
 # Normwise relative error allowed between the original block and its canonical form, per dtype. fp32: the
 # reordering of a top-k sum; half types: what eager itself shows when two reductions are reordered.
@@ -29,7 +29,8 @@ def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
         cand = node.meta.get("moe")
         if cand is None:
             continue
-        ok, detail = _prove(cand, values, config)
+        with block(cand.path):
+            ok, detail = _prove(cand, values, config)
         if ok:
             report.counters["verify.proved"] += 1
             report.layers.append(LayerRecord(cand.path, cand.specs[0], detail["tried"], detail["error"]))

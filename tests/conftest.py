@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from moecompile.backend import compile_inner, rewrite
+from moecompile.backend import compile_graph
 from moecompile.config import parse_options
 from moecompile.passes.report import PassReport
 
@@ -25,8 +25,7 @@ class RecordingBackend:
 
     def __call__(self, gm, example_inputs, **_):
         try:
-            gm = rewrite(gm, example_inputs, self.config, self.report)
-            return compile_inner(gm, example_inputs, self.config)
+            return compile_graph(gm, example_inputs, self.config, self.report)
         except torch._dynamo.exc.RestartAnalysis:
             raise  # Dynamo's own control flow: it traces again, not an error
         except BaseException as exc:

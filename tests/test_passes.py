@@ -91,7 +91,8 @@ def test_canonicalize_then_lower_leave_only_canonical_ops():
     torch.testing.assert_close(gm(*ex), want, rtol=1e-5, atol=1e-6)
 
 
-def test_pass_failure_names_the_pass_and_those_before(monkeypatch):
+def test_strict_pass_failure_names_the_pass_and_those_before(monkeypatch):
+    """strict=True: a pass that raises stops compilation (without it the graph runs as it came in: test_fallback)."""
     from moecompile import pipeline
 
     def broken(gm, example_inputs, *, config, report):
@@ -100,7 +101,7 @@ def test_pass_failure_names_the_pass_and_those_before(monkeypatch):
     monkeypatch.setattr(pipeline, "PASSES", (pipeline.PASSES[0], ("verify", broken)) + pipeline.PASSES[2:])
     gm, ex = block_graph()
     with pytest.raises(MoECompileError, match=r"pass 'verify' failed \(after \['detect'\]\): boom"):
-        pipeline.run_passes(gm, ex, CONFIG, PassReport())
+        pipeline.run_passes(gm, ex, dataclasses.replace(CONFIG, strict=True), PassReport())
 
 
 def test_a_graph_without_moe_is_left_alone():
