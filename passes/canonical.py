@@ -4,7 +4,7 @@
 ``torch.fx.Proxy`` values (``canonicalize`` traces it into the graph), so what was proved is what is spliced in:
 
     x_TH      = x.reshape(-1, H)
-    w_TK, ids = moe.route(logits.reshape(-1, E), correction_bias, ...)
+    w_TK, ids = moe.route(logits.reshape(-1, E), correction_bias.reshape(E), ...)
     tok, exp, counts, cw, src = moe.build_pft(ids, w_TK, E, capacity, drop_order, layer)
     y_BH      = moe.expert_mlp(x_TH, tok, counts, w_gate, w_up, w_down, biases..., activation)
     out_TH    = moe.combine(y_BH, tok, cw, T)
@@ -66,6 +66,8 @@ def canonical_moe(
     """The routed-experts output of the block, [T, H] (or x's shape when ``out_3d``), in ``out_dtype``."""
     r, e = spec.routing, spec.experts
     x_TH = x.reshape(-1, e.hidden)
+    if correction_bias is not None:  # one bias per expert, [E]: ERNIE keeps it as [1, E]
+        correction_bias = correction_bias.reshape(e.num_experts)
     routed = torch.ops.moe.route(logits.reshape(-1, e.num_experts), correction_bias, *r.route_args())
     weights_TK, ids_TK = routed[0], routed[1]
     pft = torch.ops.moe.build_pft(ids_TK, weights_TK, e.num_experts, r.capacity, r.drop_order, layer)
