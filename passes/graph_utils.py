@@ -124,7 +124,38 @@ def extract(nodes: set[fx.Node], output: fx.Node | list[fx.Node]) -> tuple[fx.Gr
             env[n] = graph.node_copy(n, lambda a: env[a])
     outs = [env[o] for o in output] if isinstance(output, list) else env[output]
     graph.output(outs)
-    return fx.GraphModule(torch.nn.Module(), graph), inputs
+    # get_attr nodes (the bodies of a higher-order op, e.g. an autograd.Function's fwd_body_0) read the owner
+    root = ordered[0].graph.owning_module or torch.nn.Module()
+    return fx.GraphModule(root, graph), inputs
+
+
+def draws_random(n: fx.Node) -> bool:
+    """Whether ``n`` draws random numbers: an ATen op tagged ``nondeterministic_seeded`` (``rand_like``,
+    ``exponential_``, ``bernoulli``, ``dropout`` while training...), called as itself, a torch function or a
+    method; a higher-order op's bodies (``get_attr`` graphs) are looked into."""
+    if n.op == "get_attr":
+        owner = n.graph.owning_module
+        body = getattr(owner, n.target, None) if owner is not None and isinstance(n.target, str) else None
+        return isinstance(body, fx.GraphModule) and any(draws_random(m) for m in body.graph.nodes)
+    if n.op not in ("call_function", "call_method"):
+        return False
+    target = n.target
+    if isinstance(target, torch._ops.OpOverload):
+        overloads = [target]
+    else:
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        try:
+            packet = target if isinstance(target, torch._ops.OpOverloadPacket) else getattr(torch.ops.aten, name)
+        except (AttributeError, RuntimeError):
+            return False
+        overloads = [getattr(packet, o) for o in packet.overloads()]
+    if not any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads):
+        return False
+    if "dropout" in op_name(n):  # dropout(x, p, train): p = 0 or train = False draws nothing
+        p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
+        train = n.kwargs.get("training", n.kwargs.get("train", n.args[2] if len(n.args) > 2 else True))
+        return p != 0 and train is not False
+    return True
 
 
 INPLACE = {"setitem", "iadd", "isub", "imul", "itruediv", "add_", "mul_", "div_", "sub_", "index_add_", "scatter_",

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from .canonical import canonical_moe, routed_like_input
-from .graph_utils import example, extract, hint, placeholder_values
+from .graph_utils import draws_random, example, extract, hint, op_name, placeholder_values
 from .report import LayerRecord, PassReport, block
 
 # Normwise relative error allowed between the original block and its canonical form, per dtype. fp32: the
@@ -78,6 +78,12 @@ def _prove(cand, values, config):
     out_3d = routed_like_input(out_val, example(x_node))
     if out_val.dim() not in (2, example(x_node).dim()):
         return False, {"reason": f"routed output has shape {tuple(out_val.shape)}; cannot map it to tokens"}
+    random = sorted({op_name(n) for n in cand.slice_nodes | cand.logits_nodes if draws_random(n)})
+    if random:  # checked before anything runs: running it would also move the program's random stream
+        return False, {"reason": f"the block draws random numbers ({', '.join(random[:4])}): random routing "
+                                 "(training-mode sampling or jitter) is not a function of the tokens, so no probe "
+                                 "can prove it; left as it was (in eval() mode a model usually routes "
+                                 "deterministically)"}
     try:
         orig_gm, outside = extract(cand.slice_nodes, routed)
         logits_gm, logits_outside = extract(cand.logits_nodes, cand.bindings[0].logits)

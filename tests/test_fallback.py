@@ -7,13 +7,14 @@ import dataclasses
 import pytest
 import torch
 from conftest import RecordingBackend, normwise
-from test_passes import CONFIG, annotated, block_graph
+from test_passes import CONFIG, annotated, block_graph, capture
 
 import moecompile
 from moecompile import backend as moe_backend_module
 from moecompile import pipeline
 from moecompile.models import handwritten
 from moecompile.passes import verify
+from moecompile.passes.graph_utils import draws_random, extract, op_name
 from moecompile.passes.report import PassReport
 from moecompile.pipeline import MoECompileError, MoEFallbackWarning
 
@@ -130,3 +131,35 @@ def test_inner_compiler_failure_on_the_rewritten_graph_compiles_it_as_it_came_in
     with pytest.raises(Exception, match="the inner compiler"):
         torch.compile(model, backend=strict, fullgraph=True)(IDS)
     assert isinstance(strict.errors[0], MoECompileError)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return (x > 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_extract_carries_higher_order_op_bodies():
+    """An autograd.Function in the graph is a higher-order op whose bodies are get_attr submodules."""
+    gm, ex = capture(lambda x: _StraightThrough.apply(x * 2.0) + 1.0, torch.randn(3, 4, requires_grad=True))
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    body = {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    sub, inputs = extract(body, out[0] if isinstance(out, (tuple, list)) else out)
+    assert [i.op for i in inputs] == ["placeholder"]
+    torch.testing.assert_close(sub(ex[0]), (ex[0] * 2 > 0).float() + 1)  # was: no attribute 'fwd_body_0'
+
+
+def test_draws_random_reads_op_tags():
+    def f(x):
+        noise = torch.empty_like(x).exponential_() + torch.rand_like(x)
+        kept = torch.nn.functional.dropout(x, 0.1, False) + torch.nn.functional.dropout(x, 0.0, True)
+        return x.softmax(-1) + noise + kept + torch.nn.functional.dropout(x, 0.1, True)
+
+    gm, _ = capture(f, torch.randn(3, 3))
+    drawn = [op_name(n) for n in gm.graph.nodes if draws_random(n)]
+    assert drawn == ["exponential_", "rand_like", "dropout"]  # dropout with p=0 or training=False draws nothing

@@ -168,3 +168,33 @@ def test_eager_experts_reported_with_fix_and_not_miscompiled():
     assert any("experts_implementation='grouped_mm'" in s.reason for s in report.skipped)
     compiled = torch.compile(model, backend=RecordingBackend(inner="aot_eager"))
     assert normwise(compiled(IDS).logits, model(IDS).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_phimoe_in_train_and_eval_mode_matches_eager(mode):
+    """eval(): the sparsemixer routing is proved and rewritten. train(): it samples its experts (Gumbel noise) and
+    draws Heun's multiplier mask, so it is no function of the tokens: verify refuses it, saying why, and the block
+    runs as it came in, drawing the same random numbers as eager (same seed, same outputs and gradients)."""
+    model = getattr(hf.tiny_model("phimoe", router_jitter_noise=0.5), mode)()  # a wide window: sampling picks
+    eager = copy.deepcopy(model)
+    backend = RecordingBackend(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        got = _train_step(compiled, IDS, True)
+        torch.manual_seed(seed)
+        want = _train_step(eager, IDS, True)
+        assert normwise(got, want) <= 1e-5
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert normwise(p.grad, q.grad) <= 1e-5, name
+        if seed == 1:
+            first = want.detach()
+    assert (normwise(want, first) > 1e-3) == (mode == "train")  # training really samples
+    report = backend.report
+    assert not backend.errors and not report.failures
+    if mode == "eval":
+        assert len(report.layers) == 2 and not report.skipped
+    else:
+        assert not report.layers and report.counters["verify.rejected"] == 2
+        assert all(s.reason.startswith("the block draws random numbers (exponential_, rand_like")
+                   for s in report.skipped)
