@@ -144,6 +144,8 @@ def _check_lowering_can_run(gm: fx.GraphModule, example_inputs, config: MoEOptio
         kernels.load()  # no CUDA: switches Triton to its interpreter if it still can, else says how
     except RuntimeError as exc:
         raise ValueError(f"lowering='triton' on CPU tensors: {exc}") from exc
+    except Exception:  # not the setting (a kernel module that does not import): lower meets it, a fallback
+        return
     if not interpreting():
         raise ValueError("lowering='triton' got CPU tensors on a machine with CUDA: move the model to the GPU, "
                          "or run with TRITON_INTERPRET=1 to test the kernels on CPU")

@@ -7,13 +7,17 @@ a changed output. The README's support table is generated from this walk (the te
 import copy
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import RecordingBackend, normwise
 
+from moecompile import pipeline
+from moecompile.backend import rewrite
 from moecompile.models import hf
+from moecompile.passes.canonicalize import canonicalize_moe_pass
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- family-table:start -->", "<!-- family-table:end -->"
@@ -26,15 +30,26 @@ def _short(text: str, n: int = 150) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def _build(family: str):
+    """The family's model, or the exception that stopped building it (nothing of ours ran)."""
+    try:
+        return hf.tiny_model(family) if family in hf.FAMILIES else hf.build_model(hf.shrink_config(family))
+    except Exception as exc:
+        return exc
+
+
+def _ids(model) -> torch.Tensor:
+    return torch.randint(0, min(64, model.config.vocab_size), (1, 6), generator=torch.Generator().manual_seed(0))
+
+
 def _walk_one(family: str) -> tuple[str, str, str, str]:
     """(family, model, result, detail) for the table."""
     tiny = family in hf.FAMILIES
-    try:
-        model = hf.tiny_model(family) if tiny else hf.build_model(hf.shrink_config(family))
-    except Exception as exc:  # the model itself cannot be built here: nothing of ours ran
-        return family, "shrunk default config", "not built", _short(f"{type(exc).__name__}: {exc}")
+    model = _build(family)
+    if isinstance(model, Exception):  # the model itself cannot be built here: nothing of ours ran
+        return family, "shrunk default config", "not built", _short(f"{type(model).__name__}: {model}")
     eager = copy.deepcopy(model)
-    ids = torch.randint(0, min(64, model.config.vocab_size), (1, 6), generator=torch.Generator().manual_seed(0))
+    ids = _ids(model)
     backward = tiny and family not in FORWARD_ONLY
     backend = RecordingBackend(inner="aot_eager")
     torch._dynamo.reset()
@@ -87,3 +102,59 @@ def test_every_moe_family_rewritten_or_skipped_with_reason():
 def test_walk_row_reports_layers(family):
     f, _, result, detail = _walk_one(family)
     assert result == "rewritten" and detail.startswith("2 layer(s)")
+
+
+def test_every_family_runs_as_eager_when_a_pass_fails(monkeypatch):
+    """A pass that raises after rewriting (canonicalize, unproved, then an error) on every family of the walk: each
+    graph comes back as it came in, the model gives eager's output, the report names the pass and the error, a
+    warning says so; with strict=True the backend raises instead. Forward only, no proof, and the graphs run as
+    the passes return them (tests/test_fallback.py sends restored graphs on to aot_eager): about two minutes."""
+    rewritten: list[int] = []
+
+    def canonicalize_then_raise(gm, example_inputs, *, config, report):
+        canonicalize_moe_pass(gm, example_inputs, config=config, report=report)
+        rewritten.append(report.counters["canonicalize.rewritten"])  # the graph was edited before the error
+        raise RuntimeError("forced failure after rewriting")
+
+    monkeypatch.setattr(pipeline, "PASSES", (pipeline.PASSES[0], ("canonicalize", canonicalize_then_raise)))
+    families = sorted(set(hf.moe_families_in_transformers()) | set(hf.FAMILIES))
+    ran = 0
+    for family in families:
+        model = _build(family)
+        if isinstance(model, Exception):
+            continue
+        eager, ids = copy.deepcopy(model), _ids(model)
+        backend = _PassesOnly()
+        torch._dynamo.reset()
+        rewritten.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = torch.compile(model, backend=backend)(ids)
+        assert not backend.errors, f"{family}: backend raised {backend.errors[0]!r}"
+        assert normwise(got.logits, eager(ids).logits) <= 1e-5, f"{family}: outputs changed"
+        rep = backend.report
+        assert rep.graphs_seen and len(rep.failures) == rep.graphs_seen, family
+        assert all((f.stage, f.error) == ("canonicalize", "RuntimeError: forced failure after rewriting")
+                   for f in rep.failures), family
+        assert not rep.layers and rep.counters["pipeline.failed.canonicalize"] == rep.graphs_seen, family
+        assert any(issubclass(w.category, pipeline.MoEFallbackWarning) for w in caught), family
+        if family in hf.FAMILIES:
+            assert sum(rewritten) == model.config.num_hidden_layers, family  # every block was spliced, then undone
+            torch._dynamo.reset()
+            strict = _PassesOnly(strict=True)
+            with pytest.raises(Exception):
+                torch.compile(model, backend=strict, fullgraph=True)(ids)
+            assert isinstance(strict.errors[0], pipeline.MoECompileError), family
+        ran += 1
+    assert ran >= len(hf.FAMILIES)
+
+
+class _PassesOnly(RecordingBackend):
+    """The MoE passes, then the graph runs as they return it (no inner compiler)."""
+
+    def __call__(self, gm, example_inputs, **_):
+        try:
+            return rewrite(gm, example_inputs, self.config, self.report).forward
+        except BaseException as exc:
+            self.errors.append(exc)
+            raise
