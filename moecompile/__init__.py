@@ -7,6 +7,8 @@
 from .backend import moe_backend
 from .config import MoEOptions
 from .explain import ExplainReport, explain
+from .pipeline import MoECompileError, MoEFallbackWarning
 from moecompile.runtime.stats import token_drops
 
-__all__ = ["moe_backend", "MoEOptions", "ExplainReport", "explain", "token_drops"]
+__all__ = ["moe_backend", "MoEOptions", "ExplainReport", "explain", "token_drops", "MoECompileError",
+           "MoEFallbackWarning"]
