@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of every Triton kernel configuration on the H100, without a GPU.
 
-    python benchmarks/kernel_resources.py [router pft grouped_mlp grouped_mlp_bwd]    (TRITON_INTERPRET unset)
+    python benchmarks/kernel_resources.py [router pft grouped_mlp grouped_mlp_bwd combine]  (TRITON_INTERPRET unset)
 
 Compiles each compile target of ``moecompile.runtime.kernels`` (the configurations the launchers pick, with the
 argument specialisations of a launch at real sizes) for sm_90 and runs Triton's bundled ``ptxas -v`` on the PTX:
@@ -59,4 +59,6 @@ def main(names) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["router", "pft", "grouped_mlp", "grouped_mlp_bwd"])
+    from moecompile.runtime.kernels import KERNEL_MODULES
+
+    main(sys.argv[1:] or list(KERNEL_MODULES))

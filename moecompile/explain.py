@@ -43,6 +43,10 @@ class ExplainReport:
                        f"proof error={rec.max_error:.2g} after {rec.candidates_tried} candidate(s)")
             out.append(f"      {rec.spec.summary()}")
             out += [f"      lowering: {note}" for note in rec.lowering_notes]
+            if rec.lowering_error is not None:
+                out.append(f"      kernels checked against the references on probes: error {rec.lowering_error:.2g}")
+            if rec.kernel_tiles:
+                out.append(f"      kernel tiles: {rec.kernel_tiles}")
         for s in self.skipped:
             out.append(f"  skipped {s.region}: {s.reason}")
         if self.counters:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from moecompile.runtime import ops  # noqa: F401  (registers torch.ops.moe)
+from moecompile.runtime.layouts import split_gate_up
 
 from .spec import MoESpec
 
@@ -27,24 +28,16 @@ def _stacked(v):
     return torch.stack(v) if isinstance(v, (list, tuple)) else v
 
 
-def _split_gate_up(t, how: str, inter: int):
-    """(gate, up) rows of a fused [E, 2I, ...] tensor."""
-    if how == "interleave":
-        return t[:, 0::2], t[:, 1::2]
-    first, second = t[:, :inter], t[:, inter:]
-    return (second, first) if how == "chunk_up_first" else (first, second)
-
-
 def expert_tensors(spec: MoESpec, weights: dict):
     """(w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH) in canonical layout."""
     e = spec.experts
     w = {k: _stacked(v) for k, v in weights.items()}
     if e.gate_up != "separate":
         gu = w["gate_up"].transpose(1, 2) if e.up_transposed else w["gate_up"]
-        gate, up = _split_gate_up(gu, e.gate_up, e.intermediate)
+        gate, up = split_gate_up(gu, e.gate_up, e.intermediate)
         b_gate, b_up = (None, None)
         if "gate_up_bias" in w:
-            b_gate, b_up = _split_gate_up(w["gate_up_bias"], e.gate_up, e.intermediate)
+            b_gate, b_up = split_gate_up(w["gate_up_bias"], e.gate_up, e.intermediate)
     else:
         up = w["up"].transpose(1, 2) if e.up_transposed else w["up"]
         gate = w.get("gate")

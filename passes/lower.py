@@ -4,7 +4,7 @@
     r = moe.route(logits, bias, ...)                    r = moe.route_triton(logits, bias, ...)
     p = moe.build_pft(r[1], r[0], E, -1, ...)           p = moe.build_pft_triton(r[1], r[0], E, -1, ...)
     y = moe.expert_mlp(x, p[0], p[2], w..., act)        out = moe.fused_experts(x, p[0], p[2], p[3], w..., act, T,
-                                                                            p[4])
+                                                                            p[4], W_gate_up, layout)
     out = moe.combine(y, p[0], p[3], T)
 
 ``lowering``: "torch" keeps the reference ops; "triton" lowers every op that has a kernel; "auto" lowers when the
@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_utils import example, placeholder_values
+from .graph_utils import example, hint, placeholder_values
 from .lowering_proof import prove_lowered
 from .report import PassReport
 
@@ -39,10 +39,11 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
         if n.meta.get("moe_layer") is not None:
             layers.setdefault(n.meta["moe_layer"], []).append(n)
     values = placeholder_values(gm, example_inputs)
+    specs = {rec.path: rec.spec for rec in report.layers}
     choices = {}
     for path, nodes in layers.items():
         choice, notes = _choose(nodes, config.lowering)
-        error = None
+        error, tiles = None, ""
         if choice == "triton" and config.verify_lowering:
             ok, error, why = prove_lowered(nodes, values, _lower_layer, seed=config.probe_seed,
                                            backward=config.verify_backward)
@@ -52,17 +53,18 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
                 notes.append(f"Triton kernels disagreed with the torch references on probe inputs ({why}): "
                              "this layer keeps the references")
         if choice == "triton":
+            tiles = _kernel_tiles(nodes, specs[path]) if path in specs else ""
             swapped, kept = _lower_layer(gm.graph, nodes)
             notes += kept
             report.counters.update(f"lower.ops.{op}" for op in swapped)
         for n in gm.graph.nodes:
             if n.meta.get("moe_layer") == path:
                 n.meta["moe_lowering"] = choice
-        choices[path] = (choice, notes, error)
+        choices[path] = (choice, notes, error, tiles)
         report.counters[f"lower.{choice}"] += 1
     for rec in report.layers:
         if rec.path in choices:
-            rec.lowering, notes, rec.lowering_error = choices[rec.path]
+            rec.lowering, notes, rec.lowering_error, rec.kernel_tiles = choices[rec.path]
             rec.lowering_notes = list(notes)
     return gm
 
@@ -103,17 +105,41 @@ def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
 
 
 def _layer_device(nodes: list[fx.Node]) -> torch.device:
-    """Device of the layer's tensors: the first example value found walking up from its expert op (the nodes
-    that canonicalize traced carry none; the graph's own nodes do)."""
-    todo, seen = [next(n for n in nodes if _op_name(n) == "expert_mlp")], set()
+    """Device of the layer's tensors."""
+    return _example_above(next(n for n in nodes if _op_name(n) == "expert_mlp")).device
+
+
+def _example_above(node: fx.Node) -> torch.Tensor:
+    """The first example tensor found walking up from ``node`` (the nodes that canonicalize traced carry none;
+    the graph's own nodes do)."""
+    todo, seen = [node], set()
     while todo:
         n = todo.pop()
         v = example(n)
         if isinstance(v, torch.Tensor):
-            return v.device
+            return v
         seen.add(n)
         todo += [a for a in n.all_input_nodes if a not in seen]
     raise AssertionError("an MoE layer with no example value above its expert op")
+
+
+def _kernel_tiles(nodes: list[fx.Node], spec) -> str:
+    """One line naming the tile configuration each grouped GEMM kernel of the layer will use at the traced
+    token count, and where it comes from (runtime/kernels/tuning.py)."""
+    from ..runtime.kernels import grouped_mlp_bwd, tuning
+
+    e = spec.experts
+    mlp = next(n for n in nodes if _op_name(n) == "expert_mlp")
+    x = _example_above(mlp.args[0])
+    T = (hint(x.numel()) or 0) // e.hidden
+    dtype = _example_above(mlp.args[4]).dtype  # the expert weights' (the kernels compute in it)
+    configs = grouped_mlp_bwd.layer_configs(dtype, x.device, T * spec.routing.top_k, e.num_experts, e.hidden,
+                                            e.intermediate, e.gated)
+    tunes = tuning.tuner().enabled and x.device.type == "cuda"
+    line = ", ".join(f"{role} {tuning.describe(cfg)} ({source}"
+                     f"{'; tuned at first run' if tunes and source in ('rule', 'shipped table') else ''})"
+                     for role, (cfg, source) in configs.items())
+    return f"at {T} tokens: {line}"
 
 
 def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> tuple[list[str], list[str]]:
@@ -159,14 +185,42 @@ def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
     combine = users[0]
     x, tok, counts, wg, wu, wd, bg, bu, bd, s, act, alpha, limit = mlp.args
     _y, _tok, cw, num_tokens = combine.args
+    gate_up, layout = _gate_up_source(wg, wu)
     with graph.inserting_before(combine):
         src = _pft_output(graph, tok, 4)  # the flat assignment of each row: the combine sums tokens' rows in k order
+        weights = (None, None) if gate_up is not None else (wg, wu)
         fused = graph.call_function(
             _ops.fused_experts.default,
-            (x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, act, alpha, limit, num_tokens, src),
+            (x, tok, counts, cw, *weights, wd, bg, bu, bd, s, act, alpha, limit, num_tokens, src, gate_up, layout),
         )
     fused.meta.update(combine.meta)
     combine.replace_all_uses_with(fused)
     graph.erase_node(combine)
     graph.erase_node(mlp)
+    for view in (wg, wu) if gate_up is not None else ():
+        if not view.users:
+            graph.erase_node(view)
     return True
+
+
+def _gate_up_source(wg, wu) -> tuple[fx.Node | None, str]:
+    """(W, layout) when gate and up are the two halves of one fused [E, 2I, H] weight (``W[:, :I]`` and
+    ``W[:, I:]``, or rows interleaved: the views ``canonical.expert_tensors`` makes), so that the fused op takes
+    W itself and writes its gradient whole, in its own layout; else (None, "")."""
+    views = []
+    for n in (wg, wu):
+        if not (isinstance(n, fx.Node) and n.target is operator.getitem and isinstance(n.args[1], tuple)
+                and len(n.args[1]) == 2 and n.args[1][0] == slice(None)):
+            return None, ""
+        views.append(n.args[1][1])
+    if wg.args[0] is not wu.args[0]:
+        return None, ""
+    g, u = views
+    if g.step is None and u.step is None:
+        if g.start is None and g.stop is not None and u.start == g.stop and u.stop is None:
+            return wg.args[0], "chunk"
+        if u.start is None and u.stop is not None and g.start == u.stop and g.stop is None:
+            return wg.args[0], "chunk_up_first"
+    elif g.step == u.step == 2 and g.start in (None, 0) and u.start == 1 and g.stop is None and u.stop is None:
+        return wg.args[0], "interleave"
+    return None, ""

@@ -17,6 +17,8 @@ class LayerRecord:
     max_error: float = 0.0  # worst normwise error of the proof (forward and backward)
     lowering: str = "torch"  # "triton" or "torch", chosen by the lower pass
     lowering_notes: list[str] = field(default_factory=list)  # ops kept on torch in a Triton layer, and why
+    lowering_error: float | None = None  # the Triton kernels against the references on probes (lower's proof)
+    kernel_tiles: str = ""  # tile configuration of each grouped GEMM kernel, and where it comes from
 
 
 @dataclass

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-# How a fused gate/up weight ([E, 2I, H]) splits into gate and up rows.
-GATE_UP_SPLITS = ("chunk", "interleave", "chunk_up_first")
+from moecompile.runtime.layouts import GATE_UP_LAYOUTS as GATE_UP_SPLITS  # how a fused [E, 2I, H] weight splits
 
 
 @dataclass(frozen=True, kw_only=True)

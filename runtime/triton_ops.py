@@ -19,6 +19,7 @@ import functools
 import torch
 from torch.library import custom_op, register_autograd, register_fake
 
+from .layouts import split_gate_up
 from .ops import _build_pft_bwd, _build_pft_fake, _build_pft_setup, _route_fake  # moe::build_pft's formulas
 
 Tensor = torch.Tensor
@@ -98,18 +99,32 @@ register_autograd("moe::build_pft_triton", _build_pft_bwd, setup_context=_build_
 # ---- fused experts (expert_mlp + combine) --------------------------------------------------------------------
 
 # the tensor arguments of fused_experts that can have gradients, in order
-_GRAD_INPUTS = ("x", "combine_weights", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "input_scale")
+_GRAD_INPUTS = ("x", "combine_weights", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "input_scale",
+                "w_gate_up")
+
+
+def _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout):
+    """(gate, up) weights: given, or the views of the one fused gate/up weight (``runtime/layouts.py``)."""
+    if w_gate_up is None:
+        return w_gate_EIH, w_up_EIH
+    if w_gate_EIH is not None or w_up_EIH is not None:
+        raise ValueError("moe::fused_experts takes w_gate_up or w_gate/w_up, not both")
+    return split_gate_up(w_gate_up, gate_up_layout, w_down_EHI.shape[2])
 
 
 @custom_op("moe::fused_experts", mutates_args=())
 def fused_experts(
     x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, combine_weights_B: Tensor | None,
-    w_gate_EIH: Tensor | None, w_up_EIH: Tensor, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
+    w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
     b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None, activation: str, alpha: float,
-    limit: float, num_tokens: int, src_B: Tensor | None = None,
+    limit: float, num_tokens: int, src_B: Tensor | None = None, w_gate_up: Tensor | None = None,
+    gate_up_layout: str = "",
 ) -> Tensor:
     """``combine(expert_mlp(x, ...), token_ids, combine_weights, num_tokens)``: grouped GEMM kernels, then each
-    token's rows summed in k order (``src_B``: the PFT's flat assignment of each row) without atomics."""
+    token's rows summed in k order (``src_B``: the PFT's flat assignment of each row) without atomics. With
+    ``w_gate_up`` (one [E, 2I, H] weight, ``gate_up_layout`` saying where its halves are) instead of ``w_gate``
+    and ``w_up``, its gradient is written whole, in its own layout."""
+    w_gate_EIH, w_up_EIH = _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
     return _kernels()["grouped_mlp"].fused_experts(
         x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
         b_up_EI, b_down_EH, input_scale_B, num_tokens=num_tokens, activation=activation, alpha=alpha, limit=limit,
@@ -120,36 +135,50 @@ def fused_experts(
 @register_fake("moe::fused_experts")
 def _fused_experts_fake(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate, w_up, w_down, *rest):
     num_tokens = rest[7]
-    dtype = w_up.dtype if combine_weights_B is None else torch.promote_types(w_up.dtype, combine_weights_B.dtype)
+    dt = w_down.dtype
+    dtype = dt if combine_weights_B is None else torch.promote_types(dt, combine_weights_B.dtype)
     return x_TH.new_empty(num_tokens, w_down.shape[1], dtype=dtype)
 
 
 @custom_op("moe::fused_experts_backward", mutates_args=())
 def fused_experts_backward(
     grad_out_TH: Tensor, x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor,
-    combine_weights_B: Tensor | None, w_gate_EIH: Tensor | None, w_up_EIH: Tensor, w_down_EHI: Tensor,
+    combine_weights_B: Tensor | None, w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor,
     b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None,
-    activation: str, alpha: float, limit: float, src_B: Tensor | None = None,
+    activation: str, alpha: float, limit: float, src_B: Tensor | None = None, w_gate_up: Tensor | None = None,
+    gate_up_layout: str = "",
 ) -> list[Tensor]:
-    """Gradients of the present inputs among ``_GRAD_INPUTS``, in that order, contiguous."""
-    grads = _kernels()["grouped_mlp_bwd"].fused_experts_backward(
-        grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
+    """Gradients of the present inputs among ``_GRAD_INPUTS``, in that order: weights' in the weights' own
+    layout (each written once by its kernel), the rest contiguous."""
+    gate, up = _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
+    out = None
+    if w_gate_up is not None:
+        d_gate_up = torch.empty_like(w_gate_up)  # the fused parameter's layout; its halves written in place
+        out = (*split_gate_up(d_gate_up, gate_up_layout, w_down_EHI.shape[2]), torch.empty_like(w_down_EHI))
+    grads = list(_kernels()["grouped_mlp_bwd"].fused_experts_backward(
+        grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, gate, up, w_down_EHI,
         b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit, src_B=src_B,
-    )
-    return [g.contiguous() for g in grads if g is not None]
+        weight_grads=out,
+    ))
+    if w_gate_up is not None:
+        grads[2:4] = [None, None]
+        grads.append(d_gate_up)
+    return [g for g in grads if g is not None]
 
 
-def _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s):
-    return [x, cw, wg, wu, wd, bg, bu, bd, s]
+def _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu):
+    return [x, cw, wg, wu, wd, bg, bu, bd, s, gu]
 
 
 @register_fake("moe::fused_experts_backward")
 def _fused_experts_backward_fake(grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, cw, wg, wu, wd, bg, bu, bd,
-                                 s, *attrs):
-    return [t.new_empty(t.shape) for t in _grad_inputs(x_TH, cw, wg, wu, wd, bg, bu, bd, s) if t is not None]
+                                 s, activation, alpha, limit, src=None, gu=None, layout=""):
+    like = (wg, wu, wd, gu)  # weights: their own strides, as the kernels write them
+    return [torch.empty_like(t) if any(t is w for w in like) else t.new_empty(t.shape)
+            for t in _grad_inputs(x_TH, cw, wg, wu, wd, bg, bu, bd, s, gu) if t is not None]
 
 
-_TENSOR_ARGS = list(range(11)) + [15]  # x .. input_scale, src
+_TENSOR_ARGS = list(range(11)) + [15, 16]  # x .. input_scale, src, w_gate_up
 
 
 def _fused_setup(ctx, inputs, output):
@@ -157,17 +186,18 @@ def _fused_setup(ctx, inputs, output):
     ctx.save_for_backward(*[t for t in tensors if t is not None])
     ctx.present = [t is not None for t in tensors]
     ctx.attrs = inputs[11:14]
+    ctx.layout = inputs[17] if len(inputs) > 17 else ""
 
 
 def _fused_bwd(ctx, grad_out):
     saved = iter(ctx.saved_tensors)
-    x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, src = [next(saved) if p else None for p in ctx.present]
+    x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, src, gu = [next(saved) if p else None for p in ctx.present]
     grads = iter(torch.ops.moe.fused_experts_backward(grad_out, x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s,
-                                                      *ctx.attrs, src))
+                                                      *ctx.attrs, src, gu, ctx.layout))
     g = {name: (next(grads) if t is not None else None)
-         for name, t in zip(_GRAD_INPUTS, _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s))}
+         for name, t in zip(_GRAD_INPUTS, _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu))}
     return (g["x"], None, None, g["combine_weights"], g["w_gate"], g["w_up"], g["w_down"], g["b_gate"], g["b_up"],
-            g["b_down"], g["input_scale"], None, None, None, None, None)
+            g["b_down"], g["input_scale"], None, None, None, None, None, g["w_gate_up"], None)
 
 
 register_autograd("moe::fused_experts", _fused_bwd, setup_context=_fused_setup)

@@ -92,6 +92,10 @@ def test_auto_keeps_torch_on_cpu_and_explain_shows_the_choice():
     assert not any(op in auto.graph("lower") for op in LOWERED_OPS)
     lowered = moecompile.explain(model, IDS, lowering="triton")
     assert all(r.lowering == "triton" for r in lowered.layers) and "lowering=triton" in str(lowered)
+    # which tiles each kernel uses, and from where (the interpreter's fixed ones here); the probe check's error
+    assert "kernel tiles: at 14 tokens: up_act 16x16x16 w4 s1 (interpreter)" in str(lowered)
+    assert "wgrad_down 16x16x16 w4 s1 (interpreter)" in str(lowered)
+    assert "kernels checked against the references on probes" in str(lowered)
     code = lowered.graph("lower")
     assert all(op in code for op in LOWERED_OPS)
     assert "moe.expert_mlp" not in code and "moe.combine" not in code  # fused into one op per layer
@@ -143,3 +147,63 @@ def test_triton_lowering_fp16_as_accurate_as_eager(family):
     got = torch.compile(low, backend=backend)(IDS).logits
     assert not backend.errors and backend.report.counters["lower.ops.fused_experts"] == 2
     assert normwise(got, want) <= 2 * eager_err + 1e-3
+
+
+@pytest.mark.parametrize("layout", ["chunk", "interleave_transposed"])
+def test_fused_gate_up_gradient_written_once_in_the_parameters_layout(layout):
+    """moe::fused_experts given the fused gate/up parameter itself (as the lower pass passes it) returns its
+    gradient whole, with the parameter's strides: autograd stores it as the parameter's .grad without a copy
+    (no second [E, 2I, H] tensor, no slice_backward); the transposed down weight likewise. The gradients equal
+    the reference's through the views."""
+    from moecompile.runtime import reference as ref
+    from moecompile.runtime import triton_ops  # noqa: F401  (registers the ops)
+    from moecompile.runtime.layouts import split_gate_up
+
+    E, H, I, T, K = 4, 32, 16, 6, 2
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    tok, _, counts, cw, src = ref.build_pft_ref(ids, torch.rand(T, K, generator=gen), E)
+    transposed = layout != "chunk"
+    how = "interleave" if transposed else "chunk"
+    gate_up = torch.randn((E, H, 2 * I) if transposed else (E, 2 * I, H), generator=gen).requires_grad_()
+    down = torch.randn((E, I, H) if transposed else (E, H, I), generator=gen).requires_grad_()
+    x = torch.randn(T, H, generator=gen, requires_grad=True)
+    view = lambda t: t.transpose(1, 2) if transposed else t  # noqa: E731
+    seen = {}
+    for name, p in (("gate_up", gate_up), ("down", down)):
+        p.register_hook(lambda g, name=name: seen.update({name: (g.data_ptr(), g.stride())}))
+    out = torch.ops.moe.fused_experts(x, tok, counts, cw, None, None, view(down), None, None, None, None, "silu",
+                                      1.702, 7.0, T, src, view(gate_up), how)
+    grad_out = torch.randn(T, H, generator=gen)
+    with _CountOutputs(gate_up.numel()) as full_size:
+        out.backward(grad_out)
+    assert full_size.count == 1  # the one gradient buffer, nothing made beside it and copied
+    for name, p in (("gate_up", gate_up), ("down", down)):
+        assert seen[name] == (p.grad.data_ptr(), p.stride()), f"{name}: its gradient was copied into place"
+    leaves = [t.detach().clone().requires_grad_() for t in (x, gate_up, down)]
+    g, u = split_gate_up(view(leaves[1]), how, I)
+    want = ref.combine_ref(ref.expert_mlp_ref(leaves[0], tok, counts, g, u, view(leaves[2])), tok, cw, T)
+    want.backward(grad_out)
+    assert normwise(out, want) <= 1e-5
+    for got, truth in zip((x, gate_up, down), leaves):
+        assert normwise(got.grad, truth.grad) <= 1e-5
+
+
+class _CountOutputs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the distinct storages of the tensors of ``numel`` elements that ATen ops produce (allocations
+    and copies; an alias of one of them adds nothing)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.storages = numel, set()
+
+    @property
+    def count(self):
+        return len(self.storages)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(o, torch.Tensor) and o.numel() == self.numel:
+                self.storages.add(o.untyped_storage().data_ptr())
+        return out

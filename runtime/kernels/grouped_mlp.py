@@ -27,6 +27,7 @@ import triton.language as tl
 from .. import reference as ref
 from ..activations import check_activation
 from . import combine as cb
+from . import tuning
 from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, target
 
 # ---- tile schedule -------------------------------------------------------------------------------------------
@@ -239,14 +240,6 @@ def _fused_experts_kernel(
 # ---- configurations ------------------------------------------------------------------------------------------
 
 
-def pick_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
-    """Tile sizes for the grouped GEMMs. The interpreter gets the smallest legal tiles (it runs each program in
-    Python, so fewer wasted masked rows is what counts); a GPU gets ``gpu_config``."""
-    if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
-    return gpu_config(rows_per_expert, dtype)
-
-
 def gpu_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
     """16-bit: M tiles of 64 rows when experts see few rows (decode, many experts: less of each tile is masked),
     128 otherwise; 128-wide N and 64-deep K (wgmma-sized; three stages fit shared memory). fp32 runs without
@@ -261,6 +254,28 @@ def gpu_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
 def gpu_configs():
     """(dtype, config) for every tile configuration ``gpu_config`` can return."""
     return [(dt, gpu_config(rows, dt)) for dt in (torch.float32, torch.float16, torch.bfloat16) for rows in (1, 1024)]
+
+
+def rule_config(role: str, rows_per_expert: float, dtype: torch.dtype) -> dict:
+    """The untuned configuration of a kernel role: ``gpu_config``; the dh kernel holds three [M, N] fp32
+    accumulators (gate, up, dout @ Wd), so it takes half the N (at N=128 ptxas spills 300-600 bytes a thread,
+    benchmarks/kernel_resources.py); the weight gradients have their own (``grouped_mlp_bwd``)."""
+    cfg = gpu_config(rows_per_expert, dtype)
+    if role == "dh":
+        cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
+    return cfg
+
+
+def tile_config(role: str, config: dict | None, launch, *, dtype, device, B: int, E: int, H: int, I: int,
+                gated: bool, rule=None) -> dict:
+    """``config`` when the caller gives one; else the tuner's for this role and shape (``tuning.py``: the
+    interpreter's fixed tiles, a tuning cached on disk, a tuning made now by timing ``launch(cfg)``, the shipped
+    table, or ``rule()``, by default ``rule_config``)."""
+    if config is not None:
+        return config
+    k = tuning.key(role, dtype, H, I, E, B, gated)
+    rule = rule or (lambda: rule_config(role, B / max(E, 1), dtype))
+    return tuning.tuner().choose(role, k, dtype, device, gated, launch, rule)
 
 
 # ---- host launchers ------------------------------------------------------------------------------------------
@@ -307,32 +322,33 @@ def rows_contiguous(*vectors):
     return [None if v is None else v.contiguous() for v in vectors]
 
 
-def _config(config, B, E, dtype):
-    return config or pick_config(B / max(E, 1), dtype)
-
-
 def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI=None, b_up_EI=None,
-           input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0, config=None):
-    """h_BI: gathered rows through each expert's up (and gate) projection and activation."""
+           input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0, config=None, zero_tail=True):
+    """h_BI: gathered rows through each expert's up (and gate) projection and activation. Rows past the counted
+    ones (dropped by a capacity) are 0, or left unwritten with ``zero_tail=False`` (no memset)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, None, b_gate_EI,
                                    b_up_EI, None, input_scale_B, activation)
     token_ids_B, input_scale_B = rows_contiguous(token_ids_B, input_scale_B)
-    cfg = _config(config, B, E, w_up_EIH.dtype)
     counts = tokens_per_expert_E.contiguous()
-    h_BI = torch.zeros(B, I, dtype=w_up_EIH.dtype, device=x_TH.device)  # dropped tail rows stay 0
+    h_BI = (torch.zeros if zero_tail else torch.empty)(B, I, dtype=w_up_EIH.dtype, device=x_TH.device)
     wg = w_up_EIH if w_gate_EIH is None else w_gate_EIH
     bg, sbg = _opt(b_gate_EI, wg)
     bu, sbu = _opt(b_up_EI, wg)
     s = input_scale_B if input_scale_B is not None else token_ids_B
-    grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(I, cfg["BLOCK_N"]))
-    _up_act_kernel[grid](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, h_BI,
-        wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
-        GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
-        HAS_SCALE=input_scale_B is not None, ACT=ACT_CODES[activation], BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
-        PREC=dot_precision(w_up_EIH.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+
+    def launch(cfg):
+        grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(I, cfg["BLOCK_N"]))
+        _up_act_kernel[grid](
+            x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, h_BI,
+            wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
+            GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
+            HAS_SCALE=input_scale_B is not None, ACT=ACT_CODES[activation], BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
+            PREC=dot_precision(w_up_EIH.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    launch(tile_config("up_act", config, launch, dtype=w_up_EIH.dtype, device=x_TH.device, B=B, E=E, H=H, I=I,
+                       gated=w_gate_EIH is not None))
     return h_BI
 
 
@@ -353,18 +369,23 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
     check_shape("combine_weights_B", combine_weights_B, (B,))
     if combine and num_tokens is None:
         raise ValueError("down_combine(combine=True) needs num_tokens")
-    cfg = _config(config, B, E, w_down_EHI.dtype)
     counts = tokens_per_expert_E.contiguous()
     # rows past the counted ones are never written: zeroed only when y is handed out, the combine skips them
     y_BH = (torch.empty if combine else torch.zeros)(B, H, dtype=w_down_EHI.dtype, device=h_BI.device)
     bd, sbd = _opt(b_down_EH, w_down_EHI)
-    grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(H, cfg["BLOCK_N"]))
-    _down_kernel[grid](
-        h_BI.contiguous(), counts, y_BH, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I,
-        HAS_BD=b_down_EH is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(w_down_EHI.dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    h_BI = h_BI.contiguous()
+
+    def launch(cfg):
+        grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(H, cfg["BLOCK_N"]))
+        _down_kernel[grid](
+            h_BI, counts, y_BH, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I,
+            HAS_BD=b_down_EH is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(w_down_EHI.dtype), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+
+    launch(tile_config("down", config, launch, dtype=w_down_EHI.dtype, device=h_BI.device, B=B, E=E, H=H, I=I,
+                       gated=False))
     if not combine:
         return y_BH
     rows_TK = cb.token_rows(token_ids_B, num_tokens, src_B)
@@ -397,14 +418,17 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
     check_shape("combine_weights_B", combine_weights_B, (B,))
     check_shape("x_TH", x_TH, (num_tokens, H))
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
-    cfg = _config(config, B, E, w_up_EIH.dtype)
     if single_launch is None:
         single_launch = interpreting()
     if not single_launch:
         h_BI = up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI,
-                      input_scale_B, activation=activation, alpha=alpha, limit=limit, config=cfg)
+                      input_scale_B, activation=activation, alpha=alpha, limit=limit, config=config, zero_tail=False)
         return down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B,
-                            num_tokens, config=cfg, src_B=src_B)
+                            num_tokens, config=config, src_B=src_B)
+    # the persistent kernel holds both GEMMs: the up projection's configuration, untuned (never timed here)
+    cfg = config or tuning.tuner().lookup("up_act", tuning.key("up_act", w_up_EIH.dtype, H, I, E, B, True),
+                                          w_up_EIH.dtype, x_TH.device,
+                                          lambda: rule_config("up_act", B / max(E, 1), w_up_EIH.dtype))[0]
     counts = tokens_per_expert_E.contiguous()
     tiles = max_tiles(B, E, cfg["BLOCK_M"])
     P = num_programs or max(1, min(tiles, _programs_available(x_TH.device)))
@@ -438,6 +462,18 @@ def fused_experts_ref(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B,
 
 
 # ---- compile targets (CI compiles each for sm_90) ------------------------------------------------------------
+
+
+def tuner_configs(roles):
+    """(role, dtype, config) for every configuration the tuner keeps for these roles (16-bit: bf16 stands for
+    fp16 too, the same code), beyond the rule's own (compiled with every flag set)."""
+    out = []
+    for role in roles:
+        for dt in (torch.bfloat16, torch.float32):
+            kept = tuning.prune_configs(role, tuning.candidates(role, dt), dt, True, tuning.SMEM_DEFAULT)
+            out += [(role, dt, cfg) for cfg in kept]
+    return out
+
 
 # (GATED, HAS_BG, HAS_BU, HAS_BD, HAS_SCALE, HAS_CW, ACT): Mixtral-like, GPT-OSS-like, Llama4-like, ungated
 FLAG_SETS = (
@@ -475,6 +511,8 @@ def compile_targets():
     out = []
     for i, (dt, cfg) in enumerate(gpu_configs()):
         out += three(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])
+    for i, (role, dt, cfg) in enumerate(tuner_configs(("up_act", "down"))):  # every configuration it may time
+        out.append(three(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])[0 if role == "up_act" else 1])
     dt, cfg = torch.bfloat16, gpu_config(1024, torch.bfloat16)
     out += three(dt, cfg, FLAG_SETS[0], 8, launch={})  # odd widths and strided views: nothing specialised
     for flag_set in FLAG_SETS[1:]:

@@ -25,9 +25,11 @@ import triton
 import triton.language as tl
 
 from . import combine as cb
-from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, interpreting, target
-from .grouped_mlp import (FLAG_SETS, REAL_LAUNCH, _config, _opt, check_expert_args, gpu_config, gpu_configs,
-                          load_scale, locate, max_tiles, proj_tile, rows_contiguous, segments)
+from . import tuning
+from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, target
+from .grouped_mlp import (FLAG_SETS, REAL_LAUNCH, _opt, check_expert_args, gpu_config, gpu_configs,
+                          load_scale, locate, max_tiles, proj_tile, rows_contiguous, rule_config, segments,
+                          tile_config, tuner_configs)
 
 
 @triton.jit
@@ -132,7 +134,7 @@ def _dx_kernel(
 @triton.jit
 def _wgrad_kernel(
     a_ptr, sa, a_tok_ptr, a_scale_ptr, c_ptr, sc, c_tok_ptr, c_scale_ptr, counts_ptr, dw_ptr, db_ptr,
-    dw2_ptr, db2_ptr, E, N1, N2, N_SPLIT,
+    dw2_ptr, db2_ptr, E, N1, N2, N_SPLIT, swe, swr, swc,
     A_GATHER: tl.constexpr, A_SCALE: tl.constexpr, C_GATHER: tl.constexpr, C_SCALE: tl.constexpr,
     HAS_DB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
@@ -140,7 +142,9 @@ def _wgrad_kernel(
     """Grid (E, N1 tiles x N2 tiles): dW[e] = A_e^T @ C_e, reducing over expert e's rows (a variable-length
     segment, masked in BLOCK_K steps); A row r is a[tok[r]] * scale[r] when gathered and scaled, C likewise.
     db[e] = column sums of A_e (only the N2-tile-0 programs write it). SPLIT: A holds two operands side by side
-    ([dg | du], N1 = 2 N_SPLIT) and output rows from N_SPLIT on go to dw2/db2: both gradients in one launch."""
+    ([dg | du], N1 = 2 N_SPLIT) and output rows from N_SPLIT on go to dw2/db2: both gradients in one launch.
+    dW is written through strides (swe, swr, swc): into the parameter's own layout (a transposed view, or the
+    gate and up halves of one fused [E, 2I, H] parameter), so the gradient exists once."""
     DT = dw_ptr.dtype.element_ty
     e = tl.program_id(0)
     n2_tiles = tl.cdiv(N2, BLOCK_N2)
@@ -176,16 +180,18 @@ def _wgrad_kernel(
             colsum += tl.sum(a.to(tl.float32), axis=0)
     e64 = e.to(tl.int64)
     mask_1 = offs_1 < N1
-    if SPLIT:  # rows past N_SPLIT belong to the second gradient (its own [E, N_SPLIT, N2] tensor)
+    if SPLIT:  # rows past N_SPLIT belong to the second gradient (a [E, N_SPLIT, N2] view of its own)
         second = offs_1 >= N_SPLIT
-        row = tl.where(second, offs_1 - N_SPLIT, offs_1) + e64 * N_SPLIT
-        dw_rows = tl.where(second, dw2_ptr + row * N2, dw_ptr + row * N2)  # [N1] row pointers
-        db_rows = tl.where(second, db2_ptr + row, db_ptr + row)
+        row = tl.where(second, offs_1 - N_SPLIT, offs_1).to(tl.int64)
+        at = e64 * swe + row * swr
+        dw_rows = tl.where(second, dw2_ptr + at, dw_ptr + at)  # [N1] row pointers
+        db_rows = tl.where(second, db2_ptr + row + e64 * N_SPLIT, db_ptr + row + e64 * N_SPLIT)
     else:
-        row = offs_1 + e64 * N1
-        dw_rows = dw_ptr + row * N2
-        db_rows = db_ptr + row
-    tl.store(dw_rows[:, None] + offs_2[None, :], acc.to(DT), mask=mask_1[:, None] & (offs_2[None, :] < N2))
+        row = offs_1.to(tl.int64)
+        dw_rows = dw_ptr + e64 * swe + row * swr
+        db_rows = db_ptr + row + e64 * N1
+    tl.store(dw_rows[:, None] + offs_2[None, :].to(tl.int64) * swc, acc.to(DT),
+             mask=mask_1[:, None] & (offs_2[None, :] < N2))
     if HAS_DB:
         if pid_n2 == 0:
             tl.store(db_rows, colsum.to(db_ptr.dtype.element_ty), mask=mask_1)
@@ -194,117 +200,146 @@ def _wgrad_kernel(
 # ---- host launcher -------------------------------------------------------------------------------------------
 
 
-def dh_block_n(cfg) -> int:
-    """The dh kernel holds three [M, N] fp32 accumulators (gate, up, dout @ Wd): half the forward's N keeps
-    them in registers (at N=128 ptxas spills 300-600 bytes a thread, benchmarks/kernel_resources.py)."""
-    return max(16, cfg["BLOCK_N"] // 2)
-
-
-def wgrad_config(dtype) -> dict:
-    """Tiles of the weight-gradient GEMM: 128 x 128 outputs (16-bit) reduced over 64 rows per step (32 in fp32 to
-    fit shared memory); the interpreter gets the smallest legal tiles."""
-    if interpreting():
-        return dict(BLOCK_N1=16, BLOCK_N2=16, BLOCK_K=16, num_warps=4, num_stages=1)
-    return wgrad_gpu_config(dtype)
-
-
 def wgrad_gpu_config(dtype) -> dict:
-    """128 x 128 output tiles on the tensor cores for 16-bit; fp32 (no tensor cores: torch's fp32 default is
-    not TF32 either) takes 64 x 64 so its FMA accumulators fit the registers."""
+    """Untuned weight-gradient tiles: 128 x 128 outputs on the tensor cores for 16-bit, reduced over 64 rows per
+    step; fp32 (no tensor cores: torch's fp32 default is not TF32 either) takes 64 x 64 so its FMA accumulators
+    fit the registers."""
     if dtype == torch.float32:
         return dict(BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=32, num_warps=4, num_stages=2)
     return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def _wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, cfg, split=None):
-    """dW [E, N1, N2] (and db [E, N1]); with ``split`` the two [E, split, N2] halves of A's columns instead."""
+def _wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype, config, split=None, out=None):
+    """dW [E, N1, N2] (and db [E, N1]); with ``split`` the two [E, split, N2] halves of A's columns instead. ``out``:
+    the views to write dW into (one, or two with ``split``, sharing strides), else new contiguous tensors. The
+    tile configuration is ``config`` or the tuner's for ``role``."""
     N1, N2 = a.shape[1], c.shape[1]
     n_out = split or N1
-    new = lambda *shape: torch.empty(*shape, dtype=cfg["dtype"], device=a.device)  # noqa: E731 (all written)
-    dws = [new(E, n_out, N2) for _ in range(2 if split else 1)]
+    new = lambda *shape: torch.empty(*shape, dtype=dtype, device=a.device)  # noqa: E731 (all written)
+    dws = list(out) if out is not None else [new(E, n_out, N2) for _ in range(2 if split else 1)]
+    assert all(dw.shape == (E, n_out, N2) and dw.stride() == dws[0].stride() for dw in dws)
     dbs = [new(E, n_out) for _ in dws] if want_db else dws
-    grid = (E, triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]))
-    _wgrad_kernel[grid](
-        a, a.stride(0), a_tok if a_tok is not None else counts, a_scale if a_scale is not None else a,
-        c, c.stride(0), c_tok if c_tok is not None else counts, c_scale if c_scale is not None else c,
-        counts, dws[0], dbs[0], dws[-1], dbs[-1], E, N1, N2, n_out,
-        A_GATHER=a_tok is not None, A_SCALE=a_scale is not None, C_GATHER=c_tok is not None,
-        C_SCALE=c_scale is not None, HAS_DB=want_db, SPLIT=split is not None, BLOCK_N1=cfg["BLOCK_N1"],
-        BLOCK_N2=cfg["BLOCK_N2"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
-        PREC=dot_precision(cfg["dtype"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+
+    def launch(cfg):
+        grid = (E, triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]))
+        _wgrad_kernel[grid](
+            a, a.stride(0), a_tok if a_tok is not None else counts, a_scale if a_scale is not None else a,
+            c, c.stride(0), c_tok if c_tok is not None else counts, c_scale if c_scale is not None else c,
+            counts, dws[0], dbs[0], dws[-1], dbs[-1], E, N1, N2, n_out, *dws[0].stride(),
+            A_GATHER=a_tok is not None, A_SCALE=a_scale is not None, C_GATHER=c_tok is not None,
+            C_SCALE=c_scale is not None, HAS_DB=want_db, SPLIT=split is not None, BLOCK_N1=cfg["BLOCK_N1"],
+            BLOCK_N2=cfg["BLOCK_N2"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
+            PREC=dot_precision(dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    rows = a.shape[0] if a_tok is None else c.shape[0]  # the buffer's routed rows (the other may be [T, ...])
+    launch(tile_config(role, config, launch, dtype=dtype, device=a.device, B=rows, E=E, H=N2, I=N1,
+                       gated=split is not None, rule=lambda: wgrad_gpu_config(dtype)))
     return dws, (dbs if want_db else [None] * len(dws))
+
+
+def layer_configs(dtype, device, B: int, E: int, H: int, I: int, gated: bool) -> dict[str, tuple[dict, str]]:
+    """role -> (tile configuration, where it comes from) for every grouped GEMM kernel of a layer of this shape,
+    as the launchers will pick it, without tuning (``explain()``): interpreter, tuned, shipped table or rule."""
+    rows = B / max(E, 1)
+    shapes = {"up_act": (H, I, gated), "down": (H, I, False), "dh": (H, I, gated), "dx": (H, I, gated),
+              "wgrad_up": (H, 2 * I if gated else I, gated), "wgrad_down": (I, H, False)}
+    out = {}
+    for role, (h, i, g) in shapes.items():
+        rule = (lambda: wgrad_gpu_config(dtype)) if role.startswith("wgrad") else (
+            lambda role=role: rule_config(role, rows, dtype))
+        out[role] = tuning.tuner().lookup(role, tuning.key(role, dtype, h, i, E, B, g), dtype, device, rule)
+    return out
 
 
 def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
                            w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
-                           activation="silu", alpha=1.702, limit=7.0, config=None, src_B=None):
+                           activation="silu", alpha=1.702, limit=7.0, config=None, src_B=None, weight_grads=None):
     """Gradients of ``fused_experts`` for (x, combine_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
-    input_scale), None where that input is None. Weight and bias gradients come back contiguous. Deterministic:
-    no float atomics (``src_B`` as in ``fused_experts``)."""
+    input_scale), None where that input is None. Deterministic: no float atomics (``src_B`` as in
+    ``fused_experts``). Weight gradients are written once, where ``weight_grads`` (views for dWg, dWu, dWd)
+    says: the halves of one fused gate/up gradient, say; by default new tensors with each weight's own strides
+    (``empty_like``: a transposed weight gets a transposed gradient, no copy to its layout afterwards). Bias
+    gradients are contiguous. ``config``: one tile configuration for every kernel
+    (``{"gemm": {...}, "wgrad": {...}}``); None lets each kernel take the tuner's (``tuning.py``)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
+    config = config or {}
     T = x_TH.shape[0]
     dt = w_up_EIH.dtype
     gated = w_gate_EIH is not None
-    cfg = _config(config, B, E, dt)
     counts = tokens_per_expert_E.contiguous()
     dout = dout_TH.contiguous()
     dev = x_TH.device
-    dh_n = dh_block_n(cfg)
-    n_i, n_h = triton.cdiv(I, dh_n), triton.cdiv(H, cfg["BLOCK_N"])
+    shape = dict(dtype=dt, device=dev, B=B, E=E, H=H, I=I, gated=gated)
     # only the counted rows are written and read (dropped tail rows never are): no memset
     h_BI = torch.empty(B, I, dtype=dt, device=dev)
     # [dg | du] side by side (gated) so one weight-gradient launch computes both; du alone when ungated
     dgu = torch.empty(B, 2 * I if gated else I, dtype=dt, device=dev)
     dg_BI, du_BI = (dgu[:, :I], dgu[:, I:]) if gated else (dgu, dgu)
     has_cw = combine_weights_B is not None
-    pcw = torch.zeros(B, n_i, dtype=torch.float32, device=dev) if has_cw else dout
     wg = w_gate_EIH if gated else w_up_EIH
     (bg, sbg), (bu, sbu), (bd, sbd) = _opt(b_gate_EI, wg), _opt(b_up_EI, wg), _opt(b_down_EH, wg)
     s = input_scale_B if input_scale_B is not None else token_ids_B
     cw = combine_weights_B if has_cw else token_ids_B
-    common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                  BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(dt), num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
-    tiles = max_tiles(B, E, cfg["BLOCK_M"])
-    _dh_kernel[(tiles, n_i)](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, dout, h_BI, dg_BI, du_BI, dgu.stride(0), pcw,
-        wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(), bg, sbg, bu, sbu,
-        E, H, I, float(alpha), float(limit),
-        GATED=gated, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None, HAS_SCALE=input_scale_B is not None,
-        HAS_CW=has_cw, ACT=ACT_CODES[activation], **dict(common, BLOCK_N=dh_n),
-    )
+    partial = {}  # per-column-tile partial sums: their width depends on the tile
+
+    def common(cfg):
+        return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                    BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(dt), num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"])
+
+    def launch_dh(cfg):
+        n_i = triton.cdiv(I, cfg["BLOCK_N"])
+        partial["cw"] = pcw = torch.zeros(B, n_i, dtype=torch.float32, device=dev) if has_cw else dout
+        _dh_kernel[(max_tiles(B, E, cfg["BLOCK_M"]), n_i)](
+            x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, dout, h_BI, dg_BI, du_BI,
+            dgu.stride(0), pcw, wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(),
+            bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
+            GATED=gated, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
+            HAS_SCALE=input_scale_B is not None, HAS_CW=has_cw, ACT=ACT_CODES[activation], **common(cfg),
+        )
+
+    launch_dh(tile_config("dh", config.get("gemm"), launch_dh, **shape))
     dxs_BH = torch.empty(B, H, dtype=dt, device=dev)  # dropped tail rows: never written, never read
     has_s = input_scale_B is not None
     bd_dcw = has_cw and b_down_EH is not None
-    ps = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if has_s else dxs_BH
-    pbd = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if bd_dcw else dxs_BH
-    _dx_kernel[(tiles, n_h)](
-        x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, counts, dg_BI, du_BI, dgu.stride(0), dxs_BH, ps, dout,
-        bd, sbd, pbd,
-        wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), E, H, I,
-        GATED=gated, HAS_SCALE=has_s, BD_DCW=bd_dcw, **common,
-    )
-    wcfg = dict(wgrad_config(dt), dtype=dt)
+
+    def launch_dx(cfg):
+        n_h = triton.cdiv(H, cfg["BLOCK_N"])
+        partial["s"] = ps = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if has_s else dxs_BH
+        partial["bd"] = pbd = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if bd_dcw else dxs_BH
+        _dx_kernel[(max_tiles(B, E, cfg["BLOCK_M"]), n_h)](
+            x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, counts, dg_BI, du_BI, dgu.stride(0), dxs_BH, ps,
+            dout, bd, sbd, pbd, wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), E, H, I,
+            GATED=gated, HAS_SCALE=has_s, BD_DCW=bd_dcw, **common(cfg),
+        )
+
+    launch_dx(tile_config("dx", config.get("gemm"), launch_dx, **shape))
     xs = dict(c=x_TH.contiguous(), c_tok=token_ids_B, c_scale=input_scale_B)
     want_db = b_gate_EI is not None or b_up_EI is not None
+    wargs = dict(counts=counts, E=E, dtype=dt, config=config.get("wgrad"))
+    out_g, out_u, out_d = weight_grads or (None if w is None else torch.empty_like(w)
+                                           for w in (w_gate_EIH, w_up_EIH, w_down_EHI))
     dwg = dbg = None
     if gated:  # dWg and dWu in one launch, from [dg | du]
-        (dwg, dwu), (dbg, dbu) = _wgrad(dgu, None, None, **xs, counts=counts, E=E, want_db=want_db, cfg=wcfg,
-                                        split=I)
+        both = [out_g, out_u] if out_g.stride() == out_u.stride() else None  # else new, then copied in
+        (dwg, dwu), (dbg, dbu) = _wgrad("wgrad_up", dgu, None, None, **xs, want_db=want_db, split=I, out=both,
+                                        **wargs)
+        if both is None:
+            dwg, dwu = out_g.copy_(dwg), out_u.copy_(dwu)
     else:
-        (dwu,), (dbu,) = _wgrad(dgu, None, None, **xs, counts=counts, E=E, want_db=want_db, cfg=wcfg)
+        (dwu,), (dbu,) = _wgrad("wgrad_up", dgu, None, None, **xs, want_db=want_db, out=[out_u], **wargs)
     dbg = dbg if b_gate_EI is not None else None
     dbu = dbu if b_up_EI is not None else None
-    (dwd,), (dbd,) = _wgrad(dout, token_ids_B, combine_weights_B, h_BI, None, None, counts=counts, E=E,
-                            want_db=b_down_EH is not None, cfg=wcfg)
+    (dwd,), (dbd,) = _wgrad("wgrad_down", dout, token_ids_B, combine_weights_B, h_BI, None, None,
+                            want_db=b_down_EH is not None, out=[out_d], **wargs)
     dcw = None
     if has_cw:
-        dcw = pcw.sum(1) + (pbd.sum(1) if bd_dcw else 0)
+        dcw = partial["cw"].sum(1) + (partial["bd"].sum(1) if bd_dcw else 0)
         dcw = dcw.to(combine_weights_B.dtype)
-    ds = ps.sum(1).to(input_scale_B.dtype) if has_s else None
+    ds = partial["s"].sum(1).to(input_scale_B.dtype) if has_s else None
     dx = cb.combine(dxs_BH, cb.token_rows(token_ids_B, T, src_B), counts, input_scale_B, out_dtype=x_TH.dtype,
                     round_weights=True)
     return dx, dcw, dwg, dwu, dwd, dbg, dbu, dbd, ds
@@ -329,8 +364,8 @@ def compile_targets():
         consts = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=block_e,
                       PREC=dot_precision(dt), GATED=gated, HAS_SCALE=sc)
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
-        out = [target(_dh_kernel, ptrs(dt), dict(consts, BLOCK_N=dh_block_n(cfg), HAS_BG=bg, HAS_BU=bu, HAS_CW=cw,
-                                                  ACT=act), **opts)]
+        dh_consts = dict(consts, BLOCK_N=max(16, cfg["BLOCK_N"] // 2), HAS_BG=bg, HAS_BU=bu, HAS_CW=cw, ACT=act)
+        out = [target(_dh_kernel, ptrs(dt), dh_consts, **opts)]
         if with_dx:
             out.append(target(_dx_kernel, ptrs(dt), dict(consts, BD_DCW=bool(bd and cw)), **opts))
         return out
@@ -338,6 +373,10 @@ def compile_targets():
     out = []
     for i, (dt, cfg) in enumerate(gpu_configs()):
         out += pair(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])
+    for i, (role, dt, cfg) in enumerate(tuner_configs(("dh", "dx"))):  # every configuration the tuner may time
+        if role == "dh":  # pair() halves N for dh as the rule does; the tuner's N is the dh kernel's own
+            cfg = dict(cfg, BLOCK_N=2 * cfg["BLOCK_N"])
+        out.append(pair(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])[0 if role == "dh" else 1])
     cfg = gpu_config(1024, torch.bfloat16)
     out += pair(torch.bfloat16, cfg, FLAG_SETS[0], 8, launch={})  # nothing specialised
     for flag_set in FLAG_SETS[1:]:
@@ -345,16 +384,22 @@ def compile_targets():
     for name, act in ACT_CODES.items():
         if act not in (f[-1] for f in FLAG_SETS):
             out += pair(torch.bfloat16, cfg, (name != "relu2", False, False, False, False, True, act), 64, False)
-    for dt in (torch.float32, torch.float16, torch.bfloat16):
-        w = wgrad_gpu_config(dt)
-        opts = dict(num_warps=w.pop("num_warps"), num_stages=w.pop("num_stages"),
-                    aligned=("sa", "sc", "N1", "N2", "N_SPLIT"))
+    # (role, dtype, config, uses); a use is (A dtype, A_GATHER, A_SCALE, C_GATHER, C_SCALE, HAS_DB, SPLIT)
+    up, down, ungated = (True, False, False, True, True, True, True), (f32, True, True, False, False, True, False), \
+        (True, False, False, True, False, False, False)
+    real = dict(aligned=("sa", "sc", "N1", "N2", "N_SPLIT", "swe", "swr"), unit=("swc",))
+    wgrad = [("rule", dt, wgrad_gpu_config(dt), (up, down, ungated), real)
+             for dt in (f32, torch.float16, torch.bfloat16)]
+    wgrad += [(role, dt, cfg, (up,) if role == "wgrad_up" else (down,), real)
+              for role, dt, cfg in tuner_configs(("wgrad_up", "wgrad_down"))]
+    # a transposed weight's gradient (GPT-OSS) is written with a column stride: nothing specialised
+    wgrad.append(("rule", torch.bfloat16, wgrad_gpu_config(torch.bfloat16), (up, down), {}))
+    for _role, dt, w, uses, launch in wgrad:
+        w = dict(w)
+        opts = dict(num_warps=w.pop("num_warps"), num_stages=w.pop("num_stages"), **launch)
         w.update(PREC=dot_precision(dt), BLOCK_E=(8, 128, 256)[len(out) % 3])
-        uses = (  # (A dtype, A_GATHER, A_SCALE, C_GATHER, C_SCALE, HAS_DB, SPLIT): [dWg|dWu], dWd, ungated dWu
-            (dt, False, False, True, True, True, True), (f32, True, True, False, False, True, False),
-            (dt, False, False, True, False, False, False),
-        )
         for a_dt, ag, asc, cg, csc, db, split in uses:
+            a_dt = dt if a_dt is True else a_dt
             p = {"a_ptr": a_dt, "c_ptr": dt, "dw_ptr": dt, "db_ptr": dt, "dw2_ptr": dt, "db2_ptr": dt,
                  "a_tok_ptr": torch.int64, "c_tok_ptr": torch.int64, "counts_ptr": torch.int64}
             out.append(target(_wgrad_kernel, p, dict(w, A_GATHER=ag, A_SCALE=asc, C_GATHER=cg, C_SCALE=csc,

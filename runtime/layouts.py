@@ -1,0 +1,21 @@
+"""How a fused gate/up expert weight holds its two halves: the one definition shared by the canonical form (which
+views the parameter) and the Triton lowering (which writes the gradient of the whole parameter at once).
+
+    chunk            [E, 2I, ...] = [gate; up]           (Mixtral, Qwen, DeepSeek in transformers 5)
+    chunk_up_first   [E, 2I, ...] = [up; gate]
+    interleave       rows 0, 2, 4, ... gate; 1, 3, 5, ... up   (GPT-OSS)
+"""
+
+from __future__ import annotations
+
+GATE_UP_LAYOUTS = ("chunk", "chunk_up_first", "interleave")
+
+
+def split_gate_up(t, how: str, inter: int):
+    """(gate, up): views of the rows of a fused [E, 2I, ...] tensor (works on tensors and FX proxies)."""
+    if how not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate/up layout {how!r} is not one of {list(GATE_UP_LAYOUTS)}")
+    if how == "interleave":
+        return t[:, 0::2], t[:, 1::2]
+    first, second = t[:, :inter], t[:, inter:]
+    return (second, first) if how == "chunk_up_first" else (first, second)

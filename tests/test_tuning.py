@@ -1,0 +1,131 @@
+"""The tile tuner (runtime/kernels/tuning.py) without a GPU: pruning by shared memory and registers, the choice
+by timing (with an injected timer), the disk cache shared by processes, the shipped table, the rule, and the
+interpreter's fixed tiles. (On a GPU the same code times real launches with triton.testing.do_bench.)"""
+
+import json
+
+import pytest
+import torch
+
+from moecompile.runtime.kernels import grouped_mlp as gm
+from moecompile.runtime.kernels import grouped_mlp_bwd as gb
+from moecompile.runtime.kernels import tuning
+
+GPU = torch.device("cuda")  # a device object needs no GPU; the tuner only reads its type here
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretend to be a GPU named "Test GPU" outside the interpreter."""
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Test GPU")
+    monkeypatch.setattr(tuning, "_smem", lambda device: tuning.SMEM_DEFAULT)
+
+
+def cfg(m, n, k, w, s):
+    return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+
+
+def test_pruning_drops_what_overflowed_on_the_h100_and_keeps_the_rules():
+    """The tiles that ptxas or the launch rejected on the H100 (shared/measurements) are pruned before timing;
+    every rule configuration survives."""
+    overflowed = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 128, 8, 3), cfg(256, 128, 64, 8, 3)]
+    assert not tuning.prune_configs("up_act", overflowed, BF16, True, tuning.SMEM_DEFAULT)
+    assert not tuning.prune_configs("dx", [cfg(128, 128, 64, 4, 4)], BF16, True, tuning.SMEM_DEFAULT)
+    for role in ("up_act", "down", "dh", "dx"):
+        for rows in (1, 1024):
+            rule = gm.rule_config(role, rows, BF16)
+            assert tuning.prune_configs(role, [rule], BF16, True, tuning.SMEM_DEFAULT) == [rule], (role, rule)
+            assert rule in tuning.candidates(role, BF16)
+    for role in ("wgrad_up", "wgrad_down"):
+        for dt in (BF16, torch.float32):
+            rule = gb.wgrad_gpu_config(dt)
+            assert rule in tuning.prune_configs(role, tuning.candidates(role, dt), dt, True, tuning.SMEM_DEFAULT)
+    # a smaller shared memory keeps fewer
+    few = tuning.prune_configs("up_act", tuning.candidates("up_act", BF16), BF16, True, 100_000)
+    assert 0 < len(few) < len(tuning.prune_configs("up_act", tuning.candidates("up_act", BF16), BF16, True,
+                                                    tuning.SMEM_DEFAULT))
+
+
+def test_key_buckets_rows_per_expert():
+    k = tuning.key("up_act", BF16, 4096, 14336, 8, 8192, True)
+    assert k == "up_act|bfloat16|H4096|I14336|E8|gated|r1024"
+    assert tuning.key("up_act", BF16, 4096, 14336, 8, 9000, True) == k  # same bucket
+    assert tuning.key("up_act", BF16, 4096, 14336, 8, 32, True).endswith("|r4")
+
+
+def test_tunes_by_timing_caches_on_disk_and_other_processes_reuse_it(tmp_path, fake_gpu):
+    launched = []
+
+    def launch(c):
+        launched.append(tuning.describe(c))
+
+    def timer(fn):  # 64 x 256 tiles are fastest; everything else 1 ms
+        fn()
+        return 0.5 if launched[-1].startswith("64x256") else 1.0
+
+    k = tuning.key("up_act", BF16, 2048, 768, 128, 32768, True)
+    rule = lambda: gm.rule_config("up_act", 256, BF16)  # noqa: E731
+    tuner = tuning.Tuner(cache_dir=tmp_path, shipped=tmp_path / "none.json", bench=timer, enabled=True)
+    assert tuner.lookup("up_act", k, BF16, GPU, rule) == (rule(), "rule")
+    best = tuner.choose("up_act", k, BF16, GPU, True, launch, rule)
+    kept = tuning.prune_configs("up_act", tuning.candidates("up_act", BF16), BF16, True, tuning.SMEM_DEFAULT)
+    assert len(launched) == len(kept) and best == cfg(64, 256, 64, 8, 3)
+    stored = json.loads(tuner.cache_file("Test GPU").read_text())
+    assert stored == {k: best}
+
+    def no_timing(fn):
+        raise AssertionError("a tuned key is never timed again")
+
+    other = tuning.Tuner(cache_dir=tmp_path, shipped=tmp_path / "none.json", bench=no_timing, enabled=True)
+    assert other.choose("up_act", k, BF16, GPU, True, launch, rule) == best
+    assert other.lookup("up_act", k, BF16, GPU, rule) == (best, "tuned")
+    # a second process tuning another key merges into the same file
+    k2 = tuning.key("down", BF16, 2048, 768, 128, 32768, False)
+    tuning.Tuner(cache_dir=tmp_path, shipped=tmp_path / "none.json", bench=timer, enabled=True).choose(
+        "down", k2, BF16, GPU, False, launch, lambda: gm.rule_config("down", 256, BF16))
+    assert set(json.loads(tuner.cache_file("Test GPU").read_text())) == {k, k2}
+
+
+def test_shipped_table_until_tuned_then_rule(tmp_path, fake_gpu):
+    k = tuning.key("up_act", BF16, 7168, 2048, 256, 32768, True)
+    shipped = tmp_path / "table.json"
+    shipped.write_text(json.dumps({"Test GPU": {k: cfg(64, 256, 64, 8, 3)}}))
+    rule = lambda: gm.rule_config("up_act", 128, BF16)  # noqa: E731
+    off = tuning.Tuner(cache_dir=tmp_path, shipped=shipped, enabled=False)
+    assert off.choose("up_act", k, BF16, GPU, True, lambda c: None, rule) == cfg(64, 256, 64, 8, 3)
+    assert off.lookup("up_act", k, BF16, GPU, rule)[1] == "shipped table"
+    other = tuning.key("up_act", BF16, 7168, 2048, 256, 64, True)
+    assert off.lookup("up_act", other, BF16, GPU, rule) == (rule(), "rule")
+    assert not off.cache_file("Test GPU").exists()  # nothing tuned, nothing written
+
+
+def test_the_shipped_h100_table_holds_configurations_the_tuner_may_pick():
+    table = json.loads(tuning.SHIPPED.read_text())
+    entries = table["NVIDIA H100 80GB HBM3"]
+    assert entries
+    for k, c in entries.items():
+        role = k.split("|")[0]
+        assert role in tuning.ROLES
+        assert c in tuning.prune_configs(role, tuning.candidates(role, BF16), BF16, "gated" in k,
+                                         tuning.SMEM_DEFAULT), k
+
+
+def test_a_candidate_that_fails_to_launch_is_skipped(tmp_path, fake_gpu):
+    def launch(c):
+        if c["BLOCK_M"] == 128:
+            raise RuntimeError("out of resources")
+
+    tuner = tuning.Tuner(cache_dir=tmp_path, shipped=tmp_path / "none.json",
+                         bench=lambda fn: (fn(), 1.0)[1], enabled=True)
+    k = tuning.key("down", BF16, 64, 64, 4, 64, False)
+    assert tuner.choose("down", k, BF16, GPU, False, launch, lambda: cfg(128, 128, 64, 8, 3))["BLOCK_M"] == 64
+
+
+def test_interpreter_keeps_its_small_fixed_tiles(tmp_path):
+    tuner = tuning.Tuner(cache_dir=tmp_path, enabled=True)
+    k = tuning.key("up_act", torch.float32, 40, 24, 8, 84, True)
+    assert tuner.choose("up_act", k, torch.float32, torch.device("cpu"), True, lambda c: None,
+                        lambda: {}) == tuning.INTERPRETER
+    assert tuner.lookup("wgrad_up", k, torch.float32, torch.device("cpu"), dict)[0] == tuning.WGRAD_INTERPRETER
