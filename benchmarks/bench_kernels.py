@@ -1,0 +1,214 @@
+"""Each grouped GEMM of one MoE layer, ours against ``torch._grouped_mm`` (CUTLASS, what transformers runs), with the
+layer's roofline measured in the same run.
+
+    python benchmarks/bench_kernels.py --out benchmarks/kernels_h100.md      # GPU: Mixtral, Qwen3, DeepSeek-V3 shapes
+    python benchmarks/bench_kernels.py --tiny --tokens 32                    # CPU smoke test (Triton interpreter)
+
+Per (shape, T), bf16 on a GPU: the time and TFLOP/s of each GEMM ours and CUTLASS's for the same work
+
+    up      x[tok] @ [Wg | Wu]^T      ours: gather + both projections + activation (up_act)
+    down    h @ Wd^T                  ours: the down GEMM storing y rows (down)
+    dh      dout[tok] @ Wd            ours: the dh kernel, which also recomputes up (CUTLASS: both GEMMs)
+    dx      [dg | du] @ [Wg | Wu]     ours: the dx kernel (its rows; the combine into dx is listed apart)
+    dWgu    [dg | du]^T @ x[tok]      ours: wgrad_up, into the fused parameter's layout
+    dWd     (cw dout[tok])^T @ h      ours: wgrad_down
+
+and the layer's roofline: max(FLOPs / the dense-matmul rate, bytes / the copy rate), both rates measured in the
+same run (a [B, H] x [H, 2I] matmul; a copy of the expert weights), against the sum of our kernels' times. Bytes:
+the expert weights read in the forward, read again in the backward and their gradients written, plus x, out,
+dout and dx. Decode sizes (--decode, forward only): the bound is reading the weights of the experts that get a
+token, at the copy rate. Kernel times come from the profiler (device time per kernel); on CPU only the total of
+each call is timed (the interpreter: a check that the script runs, no figure of speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {"mixtral": ("Mixtral-8x7B", 4096, 14336, 8, 2), "qwen3": ("Qwen3-30B-A3B", 2048, 768, 128, 8),
+          "dsv3": ("DeepSeek-V3", 7168, 2048, 256, 8)}
+TINY = {"mixtral": ("tiny-mixtral", 64, 96, 8, 2), "qwen3": ("tiny-qwen3", 64, 48, 16, 4),
+        "dsv3": ("tiny-dsv3", 96, 64, 16, 4)}
+KERNELS = {"_up_act_kernel": "up", "_down_kernel": "down", "_dh_kernel": "dh", "_dx_kernel": "dx",
+           "_combine_kernel": "combine"}
+
+
+def bench_ms(fn, device) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=50, return_mode="median")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_ms(fn, device) -> dict[str, float]:
+    """Device time of each of our kernels in one call of ``fn`` (the profiler; the two weight-gradient launches
+    in their order: dWgu then dWd); empty on CPU."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    wgrads = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        name = e.name
+        if name == "_wgrad_kernel":
+            key = ("dWgu", "dWd")[min(wgrads, 1)]
+            wgrads += 1
+        else:
+            key = KERNELS.get(name)
+        if key is not None:
+            out[key] = out.get(key, 0.0) + e.device_time_total / 1e3
+    return out
+
+
+def problem(H, I, E, K, T, dtype, device, seed=0):
+    g = torch.Generator(device).manual_seed(seed)
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=device) * scale).to(dtype)  # noqa: E731
+    x = rnd(T, H)
+    gate_up = rnd(E, 2 * I, H, scale=H ** -0.5)
+    wd = rnd(E, H, I, scale=I ** -0.5)
+    ids = torch.rand(T, E, generator=g, device=device).topk(K, dim=1).indices
+    from moecompile.runtime import reference as ref
+
+    tok, _, counts, cw, src = ref.build_pft_ref(ids, torch.rand(T, K, generator=g, device=device), E)
+    return x, gate_up, wd, tok, counts, cw, src
+
+
+def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows):
+    from moecompile.runtime import triton_ops  # noqa: F401  (registers moe::fused_experts)
+    from moecompile.runtime.kernels import grouped_mlp as gm
+
+    dev, dt = args.device, args.dtype
+    elt = torch.finfo(dt).bits // 8
+    x, gate_up, wd, tok, counts, cw, src = problem(H, I, E, K, T, dt, dev)
+    B = T * K
+    wg, wu = gate_up[:, :I], gate_up[:, I:]
+    fl_up, fl_dn = 2 * B * H * 2 * I, 2 * B * I * H
+    if args.decode:  # forward only: bound by reading the weights of the experts that get a token
+        fwd = lambda: torch.ops.moe.fused_experts(x, tok, counts, cw, None, None, wd, None, None, None, None,  # noqa
+                                                  "silu", 1.702, 7.0, T, src, gate_up, "chunk")
+        touched = int((counts > 0).sum())
+        copy_rate = _copy_rate(gate_up, dev)  # bytes / ms
+        bound = touched * 3 * H * I * elt / copy_rate
+        ms = bench_ms(fwd, dev)
+        decode_rows.append((label, T, touched, ms, bound, bound / ms))
+        return
+    # the same-run rates: a dense matmul of the up GEMM's size; a copy of the expert weights
+    a, b = torch.randn(B, H, device=dev).to(dt), torch.randn(H, 2 * I, device=dev).to(dt)
+    dense_rate = fl_up / bench_ms(lambda: a @ b, dev)  # FLOP / ms
+    copy_rate = _copy_rate(gate_up, dev)
+    del a, b
+    # CUTLASS (torch._grouped_mm) for the same six GEMMs, with the gathers done beforehand
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xg, dout = x[tok], torch.randn(T, H, device=dev).to(dt)
+    h, dgu = torch.randn(B, I, device=dev).to(dt), torch.randn(B, 2 * I, device=dev).to(dt)
+    gmm = torch._grouped_mm
+    base = {
+        "up": bench_ms(lambda: gmm(xg, gate_up.transpose(1, 2), offs=offs), dev),
+        "down": bench_ms(lambda: gmm(h, wd.transpose(1, 2), offs=offs), dev),
+        "dh": bench_ms(lambda: (gmm(dout[tok], wd, offs=offs), gmm(xg, gate_up.transpose(1, 2), offs=offs)), dev),
+        "dx": bench_ms(lambda: gmm(dgu, gate_up, offs=offs), dev),
+        "dWgu": bench_ms(lambda: gmm(dgu.t(), xg, offs=offs), dev),
+        "dWd": bench_ms(lambda: gmm((dout[tok] * cw[:, None].to(dt)).t(), h, offs=offs), dev),
+    }
+    flops = {"up": fl_up, "down": fl_dn, "dh": fl_dn + fl_up, "dx": fl_up, "dWgu": fl_up, "dWd": fl_dn}
+    # ours: the forward kernels called alone, the backward's through the profiler
+    ours = {"up": bench_ms(lambda: gm.up_act(x, tok, counts, wg, wu, zero_tail=False), dev)}
+    h_ours = gm.up_act(x, tok, counts, wg, wu)
+    ours["down"] = bench_ms(lambda: gm.down_combine(h_ours, tok, counts, wd, combine=False), dev)
+    leaves = [t.detach().requires_grad_() for t in (x, gate_up, wd)]
+
+    def fwd_bwd():
+        out = torch.ops.moe.fused_experts(leaves[0], tok, counts, cw, None, None, leaves[2], None, None, None, None,
+                                          "silu", 1.702, 7.0, T, src, leaves[1], "chunk")
+        out.backward(dout.to(out.dtype))
+
+    total = bench_ms(fwd_bwd, dev)
+    ours.update({k: v for k, v in kernel_ms(fwd_bwd, dev).items() if k not in ours})
+    weights = 3 * E * H * I * elt
+    bytes_moved = 3 * weights + 4 * T * H * elt
+    roof = max(3 * (fl_up + fl_dn) / dense_rate, bytes_moved / copy_rate)
+    for k in ("up", "down", "dh", "dx", "dWgu", "dWd"):
+        mine = ours.get(k, math.nan)
+        rows.append((label, T, k, mine, flops[k] / mine / 1e9, base[k], flops[k] / base[k] / 1e9, base[k] / mine))
+    rows.append((label, T, "layer fwd+bwd (all launches)", total, 3 * (fl_up + fl_dn) / total / 1e9, roof,
+                 3 * (fl_up + fl_dn) / roof / 1e9, roof / total))
+
+
+def _copy_rate(t, dev) -> float:
+    """Bytes per ms of a device copy of ``t`` (read + write)."""
+    dst = torch.empty_like(t)
+    return 2 * t.numel() * t.element_size() / bench_ms(lambda: dst.copy_(t), dev)
+
+
+def report(args, rows, decode_rows) -> str:
+    import triton
+
+    dev = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu (Triton interpreter)"
+    out = ["# Grouped GEMMs of one MoE layer: ours vs torch._grouped_mm", "",
+           f"- device: {dev}; dtype {str(args.dtype).removeprefix('torch.')}; torch {torch.__version__}, "
+           f"triton {triton.__version__}", ""]
+    if rows:
+        out += ["| shape | T | GEMM | ours ms | ours TFLOP/s | grouped_mm ms | grouped_mm TFLOP/s | ours vs grouped_mm |",
+                "|---|---|---|---|---|---|---|---|"]
+        out += [f"| {a} | {b} | {c} | {d:.3f} | {e:.0f} | {f:.3f} | {g:.0f} | {h:.2f}x |" for a, b, c, d, e, f, g, h
+                in rows]
+        out += ["", "The layer row: ours against the roofline (its columns: roofline ms and TFLOP/s; the last, the "
+                "fraction of it reached)."]
+    if decode_rows:
+        out += ["", "| shape | T | experts touched | fwd ms | weight-read bound ms | fraction of bound |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {a} | {b} | {c} | {d:.3f} | {e:.3f} | {f:.2f} |" for a, b, c, d, e, f in decode_rows]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="mixtral,qwen3,dsv3")
+    p.add_argument("--tokens", help="comma-separated (default 4096,16384; 16,256 with --decode; 32 with --tiny)")
+    p.add_argument("--decode", action="store_true", help="forward only, against the weight-read bound")
+    p.add_argument("--tiny", action="store_true", help="small widths (runs on CPU in the interpreter)")
+    p.add_argument("--out", help="also write the markdown report here")
+    args = p.parse_args(argv)
+    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if not args.tiny:
+            p.error("without a GPU only --tiny runs (the kernels run in Triton's interpreter)")
+    args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    default = "32" if args.tiny else ("16,256" if args.decode else "4096,16384")
+    tokens = [int(t) for t in (args.tokens or default).split(",")]
+    rows, decode_rows = [], []
+    for name in args.models.split(","):
+        label, H, I, E, K = (TINY if args.tiny else SHAPES)[name]
+        for T in tokens:
+            run_shape(name, label, H, I, E, K, T, args, rows, decode_rows)
+            print(f"{label} T={T} done", file=sys.stderr, flush=True)
+    text = report(args, rows, decode_rows)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
