@@ -113,10 +113,8 @@ def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows):
         decode_rows.append((label, T, touched, ms, bound, bound / ms))
         return
     # the same-run rates: a dense matmul of the up GEMM's size; a copy of the expert weights
-    a, b = torch.randn(B, H, device=dev).to(dt), torch.randn(H, 2 * I, device=dev).to(dt)
-    dense_rate = fl_up / bench_ms(lambda: a @ b, dev)  # FLOP / ms
+    dense_rate = fl_up / _matmul_ms(B, H, 2 * I, dt, dev)  # FLOP / ms
     copy_rate = _copy_rate(gate_up, dev)
-    del a, b
     # CUTLASS (torch._grouped_mm) for the same six GEMMs, with the gathers done beforehand
     offs = torch.cumsum(counts, 0).to(torch.int32)
     xg, dout = x[tok], torch.randn(T, H, device=dev).to(dt)
@@ -152,6 +150,11 @@ def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows):
         rows.append((label, T, k, mine, flops[k] / mine / 1e9, base[k], flops[k] / base[k] / 1e9, base[k] / mine))
     rows.append((label, T, "layer fwd+bwd (all launches)", total, 3 * (fl_up + fl_dn) / total / 1e9, roof,
                  3 * (fl_up + fl_dn) / roof / 1e9, roof / total))
+
+
+def _matmul_ms(M, K, N, dt, dev) -> float:
+    a, b = torch.randn(M, K, device=dev).to(dt), torch.randn(K, N, device=dev).to(dt)
+    return bench_ms(lambda: a @ b, dev)
 
 
 def _copy_rate(t, dev) -> float:

@@ -16,12 +16,11 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from moecompile.passes.canonicalize import canonicalize_moe_pass
 from moecompile.passes.detect import detect_moe_pass
-from moecompile.passes.lower import lower_moe_pass
+from moecompile.passes.lower import LoweringUnavailable, lower_moe_pass
 from moecompile.passes.report import FailureRecord, PassReport
 from moecompile.passes.verify import verify_moe_pass
 
@@ -52,14 +51,14 @@ def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: P
     for name, fn in PASSES:
         if name in config.disable_passes:
             continue
-        if name == "lower":
-            _check_lowering_can_run(gm, example_inputs, config)  # the user's setting: raised, never a fallback
         try:
             if name == "canonicalize" and "verify" in config.disable_passes:
                 _drop_unproved(gm)
             gm = fn(gm, example_inputs, config=config, report=report)
             gm.graph.lint()
             gm.recompile()
+        except LoweringUnavailable:  # the user's setting, not the model's doing: raised, never a fallback
+            raise
         except Exception as exc:
             if config.strict:
                 raise MoECompileError(f"moecompile pass {name!r} failed (after {done or 'no passes'}): {exc}") from exc
@@ -127,28 +126,6 @@ class Checkpoint:
 def _short(text: str, n: int = 300) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 1] + "…"
-
-
-def _check_lowering_can_run(gm: fx.GraphModule, example_inputs, config: MoEOptions) -> None:
-    """lowering="triton" on CPU tensors where the kernels cannot run is the user's setting, not the model's doing:
-    a ValueError naming the fix (the same check ``lower`` makes per layer, made where it is not a fallback)."""
-    if config.lowering != "triton" or not any(n.meta.get("moe_layer") for n in gm.graph.nodes):
-        return
-    floats = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not floats or any(t.device.type != "cpu" for t in floats):
-        return
-    from moecompile.runtime import kernels
-    from moecompile.runtime.kernels.common import interpreting
-
-    try:
-        kernels.load()  # no CUDA: switches Triton to its interpreter if it still can, else says how
-    except RuntimeError as exc:
-        raise ValueError(f"lowering='triton' on CPU tensors: {exc}") from exc
-    except Exception:  # not the setting (a kernel module that does not import): lower meets it, a fallback
-        return
-    if not interpreting():
-        raise ValueError("lowering='triton' got CPU tensors on a machine with CUDA: move the model to the GPU, "
-                         "or run with TRITON_INTERPRET=1 to test the kernels on CPU")
 
 
 def _drop_unproved(gm: fx.GraphModule) -> None:

@@ -30,6 +30,13 @@ from .lowering_proof import prove_lowered
 from .report import PassReport
 
 _ops = torch.ops.moe
+
+
+class LoweringUnavailable(ValueError):
+    """``lowering="triton"`` where the kernels cannot run (CPU tensors without Triton's interpreter): the user's
+    setting, not the model's doing, so the pipeline raises it instead of falling back."""
+
+
 _SWAPS = {"route": "route_triton", "build_pft": "build_pft_triton"}
 
 
@@ -95,9 +102,9 @@ def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
         try:
             kernels.load()  # no CUDA: switches Triton to its interpreter if it still can, else says how
         except RuntimeError as exc:
-            raise ValueError(f"lowering='triton' on CPU tensors: {exc}") from exc
+            raise LoweringUnavailable(f"lowering='triton' on CPU tensors: {exc}") from exc
         if not interpreting():
-            raise ValueError("lowering='triton' got CPU tensors on a machine with CUDA: move the model to the GPU, "
+            raise LoweringUnavailable("lowering='triton' got CPU tensors on a machine with CUDA: move the model to the GPU, "
                              "or run with TRITON_INTERPRET=1 to test the kernels on CPU")
     from ..runtime import triton_ops  # noqa: F401  (registers the moe::*_triton ops)
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from moecompile.runtime.layouts import GATE_UP_LAYOUTS as GATE_UP_SPLITS  # how a fused [E, 2I, H] weight splits
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +32,7 @@ class RoutingSpec:
     weights_on_input: bool = False  # Llama4 scales the expert input, not its output
     capacity: int = -1  # max tokens per expert (-1: no capacity, nothing dropped)
     drop_order: str = "slot_major"
+    kept: str = ""  # why the model's own router stays (its top-k weights and ids feed build_pft); "": moe.route
 
     def route_args(self) -> tuple:
         return (
@@ -53,7 +53,7 @@ class ExpertSpec:
     alpha: float = 1.702  # swiglu_clamp only
     limit: float = 7.0  # swiglu_clamp only
     storage: str = "stacked"  # stacked: [E, ...] parameters | modulelist: one nn.Linear per expert
-    gate_up: str = "separate"  # separate | one of GATE_UP_SPLITS for a fused gate/up weight
+    gate_up: str = "separate"  # separate | a fused gate/up weight's layout (runtime/layouts.py GATE_UP_LAYOUTS)
     up_transposed: bool = False  # stored [E, H, I] instead of [E, I, H]
     down_transposed: bool = False  # stored [E, I, H] instead of [E, H, I]
     biases: bool = False
@@ -74,7 +74,7 @@ class MoESpec:
 
     def summary(self) -> str:
         r, e = self.routing, self.experts
-        route = r.score_fn
+        route = f"kept: the model's own router ({r.kept})" if r.kept else r.score_fn
         if r.n_group > 1:
             route += f", group-limited {r.topk_group}/{r.n_group} ({r.group_score})"
         if r.correction_bias:
@@ -109,3 +109,5 @@ class Binding:
     correction_bias: fx.Node | None = None
     weights: dict[str, fx.Node | list[fx.Node]] = field(default_factory=dict)  # role -> node(s), see canonical.py
     routed: fx.Node | None = None  # the node the canonical output replaces
+    topk_weights: fx.Node | None = None  # a kept router's [T, K] weights (RoutingSpec.kept)
+    topk_ids: fx.Node | None = None  # ... and its [T, K] expert ids
