@@ -261,11 +261,12 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     says: the halves of one fused gate/up gradient, say; by default new tensors with each weight's own strides
     (``empty_like``: a transposed weight gets a transposed gradient, no copy to its layout afterwards). Bias
     gradients are contiguous. ``config``: one tile configuration for every kernel
-    (``{"gemm": {...}, "wgrad": {...}}``); None lets each kernel take the tuner's (``tuning.py``)."""
+    (``{"gemm": {...}, "wgrad": {...}}``, or one GEMM configuration for dh and dx); None lets each kernel take
+    the tuner's (``tuning.py``)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
-    config = config or {}
+    config = {"gemm": config} if config is not None and "BLOCK_M" in config else (config or {})
     T = x_TH.shape[0]
     dt = w_up_EIH.dtype
     gated = w_gate_EIH is not None
