@@ -4,7 +4,8 @@
 ``torch.fx.Proxy`` values (``canonicalize`` traces it into the graph), so what was proved is what is spliced in:
 
     x_TH      = x.reshape(-1, H)
-    w_TK, ids = moe.route(logits.reshape(-1, E), correction_bias.reshape(E), ...)
+    w_TK, ids = moe.route(logits.reshape(-1, E), correction_bias.reshape(E), ...)   (a kept router: its own
+                                                                                       [T, K] weights and ids)
     tok, exp, counts, cw, src = moe.build_pft(ids, w_TK, E, capacity, drop_order, layer)
     y_BH      = moe.expert_mlp(x_TH, tok, counts, w_gate, w_up, w_down, biases..., activation)
     out_TH    = moe.combine(y_BH, tok, cw, T)
@@ -54,15 +55,20 @@ def routed_like_input(routed, x) -> bool:
 
 
 def canonical_moe(
-    spec: MoESpec, x, logits, correction_bias, weights: dict, *, layer: str, out_dtype: torch.dtype, out_3d: bool
+    spec: MoESpec, x, logits, correction_bias, weights: dict, *, layer: str, out_dtype: torch.dtype, out_3d: bool,
+    topk=None,
 ):
-    """The routed-experts output of the block, [T, H] (or x's shape when ``out_3d``), in ``out_dtype``."""
+    """The routed-experts output of the block, [T, H] (or x's shape when ``out_3d``), in ``out_dtype``. ``topk``:
+    a kept router's (weights, ids), each [T, K], used in place of ``moe.route`` (``spec.routing.kept``)."""
     r, e = spec.routing, spec.experts
     x_TH = x.reshape(-1, e.hidden)
-    if correction_bias is not None:  # one bias per expert, [E]: ERNIE keeps it as [1, E]
-        correction_bias = correction_bias.reshape(e.num_experts)
-    routed = torch.ops.moe.route(logits.reshape(-1, e.num_experts), correction_bias, *r.route_args())
-    weights_TK, ids_TK = routed[0], routed[1]
+    if r.kept:
+        weights_TK, ids_TK = topk[0].reshape(-1, r.top_k), topk[1].reshape(-1, r.top_k)
+    else:
+        if correction_bias is not None:  # one bias per expert, [E]: ERNIE keeps it as [1, E]
+            correction_bias = correction_bias.reshape(e.num_experts)
+        routed = torch.ops.moe.route(logits.reshape(-1, e.num_experts), correction_bias, *r.route_args())
+        weights_TK, ids_TK = routed[0], routed[1]
     pft = torch.ops.moe.build_pft(ids_TK, weights_TK, e.num_experts, r.capacity, r.drop_order, layer)
     token_ids_B, tokens_per_expert_E, combine_weights_B = pft[0], pft[2], pft[3]
     gate, up, down, b_gate, b_up, b_down = expert_tensors(spec, weights)

@@ -6,8 +6,10 @@
                                                   y = moe.expert_mlp(x, p[0], p[2], w...); routed = moe.combine(...)
     out = routed + shared(x)                      out = routed + shared(x)
 
-The new nodes are ``canonical_moe`` traced with ``torch.fx.Proxy`` values, so the code that ``verify`` ran is the
-code that lands. The original routed nodes that nothing else uses are then removed.
+A kept router (``RoutingSpec.kept``: one that draws random numbers) stays as it is, and its own top-k weights and
+ids feed ``moe.build_pft`` in place of ``moe.route``. The new nodes are ``canonical_moe`` traced with
+``torch.fx.Proxy`` values, so the code that ``verify`` ran is the code that lands. The original routed nodes that
+nothing else uses are then removed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
         new = canonical_moe(
             spec, proxy(b.x), proxy(b.logits), None if b.correction_bias is None else proxy(b.correction_bias),
             weights, layer=cand.path, out_dtype=out_val.dtype, out_3d=out_3d,
+            topk=None if b.topk_ids is None else (proxy(b.topk_weights), proxy(b.topk_ids)),
         ).node
     stack = b.routed.meta.get("nn_module_stack")
     for n in [n for n in gm.graph.nodes if n not in existing]:

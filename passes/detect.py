@@ -13,7 +13,8 @@ everything else stay as they are:
 
 Structure fixes what it can (E, K, H, I, the routing ops present, the weight shapes); what the graph leaves
 ambiguous (gate/up order, a fused weight's split, transposition when I == H) becomes a short list of candidate
-specs, and ``verify`` keeps the first one that reproduces the block.
+specs, and ``verify`` keeps the first one that reproduces the block. A router that draws random numbers (PhiMoE
+in ``train()``) is kept as it is: the spec's routing says ``kept`` and the binding names its top-k weights and ids.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch.fx as fx
 
 from . import aliases
 from .graph_utils import (
-    ancestors, descendants, float_consts, hint, is_param, module_stack, mutated_input, nodes_by_module, op_name,
-    placeholder_values, shape_of,
+    ancestors, descendants, draws_random, example, float_consts, hint, is_param, module_stack, mutated_input,
+    nodes_by_module, op_name, placeholder_values, shape_of,
 )
 from .experts import Skip, expert_options, expert_params
 from .report import PassReport, block
@@ -44,6 +45,7 @@ class Candidate:
     bindings: list[Binding]  # one per spec (ModuleList experts bind lists)
     slice_nodes: set[fx.Node] = field(default_factory=set)  # the original routed computation
     logits_nodes: set[fx.Node] = field(default_factory=set)  # what computes the router logits
+    router_nodes: set[fx.Node] = field(default_factory=set)  # a kept router (RoutingSpec.kept): left unproved
 
 
 ROOT = "<root>"  # path of a block that is the compiled module itself
@@ -80,6 +82,7 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
                 continue
         cand.bindings[0].routed.meta["moe"] = cand
         report.counters["detect.blocks"] += 1
+        report.counters["detect.router_kept"] += bool(cand.specs[0].routing.kept)
         report.counters["detect.candidates"] += len(cand.specs)
     return gm
 
@@ -168,6 +171,16 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     experts, binds = expert_options(slice_nodes, values, order, E, H, router_params)
     corr = routing.pop("correction_bias_node")
     router_bias = len(router.args) > 2 and router.args[2] is not None
+    logits_nodes = ancestors([logits], slice_nodes)
+    kept, router_nodes = {}, set()
+    if any(draws_random(n) for n in slice_nodes | logits_nodes):
+        topk = _kept_router(slice_nodes, sels, x_in, values, router_params)
+        if topk is not None:  # else verify refuses the block, saying it draws random numbers
+            for name in ("n_group", "topk_group", "group_score"):  # the router's own business now
+                routing.pop(name, None)
+            routing.update(score_fn=["kept"], top_k=[hint(shape_of(topk[1])[-1])], jitter_eps=[0.0],
+                           renormalize=[False], renorm_eps=[0.0], scaling=[1.0], kept=["draws random numbers"])
+            kept, router_nodes, corr = dict(topk_weights=topk[0], topk_ids=topk[1]), topk[2], None
     block = dict(  # the same for every candidate
         path=path, block_type=block_type, shared_experts=_shared_paths(region, slice_nodes, values, path),
         shared_gate=_shared_gated(region, slice_nodes, values), dtype=str(w_router.dtype).replace("torch.", ""),
@@ -180,10 +193,61 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
             experts=ExpertSpec(num_experts=E, hidden=H, **e_kwargs),
         )
         specs.append(spec)
-        bindings.append(Binding(x=x_in, logits=logits, correction_bias=corr, weights=weights, routed=routed))
+        bindings.append(Binding(x=x_in, logits=logits, correction_bias=corr, weights=weights, routed=routed, **kept))
     specs, bindings = specs[: config.max_candidates], bindings[: config.max_candidates]
-    logits_nodes = ancestors([logits], slice_nodes)
-    return Candidate(path, block_type, specs, bindings, slice_nodes, logits_nodes)
+    return Candidate(path, block_type, specs, bindings, slice_nodes, logits_nodes, router_nodes)
+
+
+_VIEWS = {"view", "reshape", "contiguous", "squeeze", "unsqueeze", "flatten", "view_as", "reshape_as"}
+
+
+def _kept_router(slice_nodes, sels, x_in, values, router_params):
+    """(weights_TK, ids_TK, router nodes) for a router kept as it is (one that draws random numbers: PhiMoE's
+    training sparsemixer samples its experts): ids_TK, an integer [T, K] node of widest K computed from the
+    selections without the expert weights, and weights_TK, a float [T, K] one: the latest pair that the experts
+    read with nothing else of the router but views of the tokens. The router nodes are what computes the pair,
+    those views excepted (they feed the experts too). None when there is no such pair, or the experts draw random
+    numbers themselves: only the whole block could then be proved, and verify refuses it."""
+    H = hint(shape_of(x_in)[-1])
+    T = hint(_numel(shape_of(x_in)) // H)
+    experts_read = [n for n in slice_nodes if any(is_param(a, values) and a not in router_params
+                                                  for a in n.all_input_nodes)]
+    router = descendants(sels, slice_nodes) - descendants(experts_read, slice_nodes)
+
+    def tk(n, floating):
+        v = example(n)
+        return (isinstance(v, torch.Tensor) and v.dim() == 2 and hint(v.shape[0]) == T
+                and v.is_floating_point() == floating and not v.is_complex() and v.dtype != torch.bool)
+
+    def views_of_x(n):  # the chain of views from x_in to n, or None
+        chain = set()
+        while n is not x_in:
+            if op_name(n) not in _VIEWS or not n.args or not isinstance(n.args[0], fx.Node):
+                return None
+            chain.add(n)
+            n = n.args[0]
+        return chain
+
+    order = {n: i for i, n in enumerate(next(iter(slice_nodes)).graph.nodes)}
+    ids = [n for n in router if tk(n, False)]
+    if not ids:
+        return None
+    K = max(hint(shape_of(n)[-1]) for n in ids)
+    ids = sorted((n for n in ids if hint(shape_of(n)[-1]) == K), key=order.get, reverse=True)
+    weights = sorted((n for n in router if tk(n, True) and hint(shape_of(n)[-1]) == K), key=order.get, reverse=True)
+    for ids_TK, weights_TK in itertools.product(ids, weights):  # the latest pair the experts read alone
+        kept = ancestors([weights_TK, ids_TK], slice_nodes)
+        experts = slice_nodes - kept
+        read = {a for n in experts for a in n.all_input_nodes if a not in experts}
+        others = [a for a in read - {weights_TK, ids_TK} if not is_param(a, values)
+                  and isinstance(example(a), torch.Tensor)]
+        chains = [views_of_x(a) for a in others]
+        if {weights_TK, ids_TK} <= read and others and all(c is not None for c in chains):
+            views = set().union(*chains)
+            if any(draws_random(n) for n in experts | views):
+                return None
+            return weights_TK, ids_TK, kept - views
+    return None
 
 
 def _is_selection(n: fx.Node) -> bool:

@@ -75,9 +75,9 @@ class MoESpec:
     def summary(self) -> str:
         r, e = self.routing, self.experts
         route = f"kept: the model's own router ({r.kept})" if r.kept else r.score_fn
-        if r.n_group > 1:
+        if r.n_group > 1 and not r.kept:
             route += f", group-limited {r.topk_group}/{r.n_group} ({r.group_score})"
-        if r.correction_bias:
+        if r.correction_bias and not r.kept:
             route += ", correction bias"
         if r.renormalize:
             route += ", renormalized"

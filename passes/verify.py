@@ -3,7 +3,9 @@
 For every ``meta["moe"]`` candidate, the original routed computation is cut out of the graph and run on random
 probe tokens with the block's real parameters, next to ``canonical_moe`` under each candidate spec. The first spec
 whose output matches (normwise relative error within the dtype's tolerance) is then checked again on gradients of
-the tokens and of every parameter. A block no spec reproduces keeps its original graph and is reported.
+the tokens and of every parameter. A block no spec reproduces keeps its original graph and is reported. A kept
+router (one that draws random numbers: ``RoutingSpec.kept``) never runs here: the experts alone are proved, its
+top-k weights and ids probed with random routings (K distinct experts per token) like the tokens.
 
     before: routed.meta["moe"] = Candidate(specs=[s1, s2, ...])
     after:  routed.meta["moe"] = Candidate(specs=[s_proved])      (or no annotation + a skip record)
@@ -42,10 +44,22 @@ def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
     return gm
 
 
-def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Generator):
+def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Generator, topk=None):
+    """Random tokens for ``x_node``, the block's own parameters and sizes; for a kept router (``topk``: its
+    weights node, ids node and E), a random routing too: K distinct experts per token, positive weights."""
     out = []
+    weights_node, ids_node, E = topk or (None, None, 0)
     for n in outside:
-        if n is x_node:
+        if n is ids_node or n is weights_node:
+            v = example(n)
+            T, K = hint(v.shape[0]), hint(v.shape[1])
+            device = next(t for t in values.values() if isinstance(t, torch.Tensor)).device
+            if n is ids_node:
+                probe = torch.rand(T, E, generator=gen).argsort(-1)[:, :K]
+            else:
+                probe = torch.rand(T, K, generator=gen) + 0.1
+            out.append(probe.to(v.dtype).to(device))
+        elif n is x_node:
             x = example(n)
             shape = [hint(s) for s in x.shape]
             param = next(v for v in values.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
@@ -70,20 +84,27 @@ def _prove(cand, values, config):
     out_3d = routed_like_input(out_val, example(x_node))
     if out_val.dim() not in (2, example(x_node).dim()):
         return False, {"reason": f"routed output has shape {tuple(out_val.shape)}; cannot map it to tokens"}
-    random = sorted({op_name(n) for n in cand.slice_nodes | cand.logits_nodes if draws_random(n)})
+    b0 = cand.bindings[0]
+    kept = b0.topk_ids is not None  # the model's own router stays: prove the experts on random routings
+    region = cand.slice_nodes - cand.router_nodes
+    random = sorted({op_name(n) for n in (region if kept else region | cand.logits_nodes) if draws_random(n)})
     if random:  # checked before anything runs: running it would also move the program's random stream
         return False, {"reason": f"the block draws random numbers ({', '.join(random[:4])}): random routing "
                                  "(training-mode sampling or jitter) is not a function of the tokens, so no probe "
                                  "can prove it; left as it was (in eval() mode a model usually routes "
                                  "deterministically)"}
     try:
-        orig_gm, outside = extract(cand.slice_nodes, routed)
-        logits_gm, logits_outside = extract(cand.logits_nodes, cand.bindings[0].logits)
+        orig_gm, outside = extract(region, routed)
+        if not kept:
+            logits_gm, logits_outside = extract(cand.logits_nodes, cand.bindings[0].logits)
+        elif not {x_node, b0.topk_weights, b0.topk_ids} <= set(outside):
+            raise ValueError("the experts do not read the kept router's top-k weights and ids")
+        topk = (b0.topk_weights, b0.topk_ids, cand.specs[0].experts.num_experts) if kept else None
         gen = torch.Generator().manual_seed(config.probe_seed)
-        inputs = _probe_inputs(outside, x_node, values, gen)
+        inputs = _probe_inputs(outside, x_node, values, gen, topk)
         tokens = max(1, inputs[outside.index(x_node)].numel() // inputs[outside.index(x_node)].shape[-1])
         # several rounds of fresh tokens: a routing detail (a bias, a tie rule) must show on enough tokens
-        rounds = [inputs] + [_probe_inputs(outside, x_node, values, gen)
+        rounds = [inputs] + [_probe_inputs(outside, x_node, values, gen, topk)
                              for _ in range(-(-config.probe_tokens // tokens) - 1)]
     except ValueError as err:
         return False, {"reason": str(err)}
@@ -91,14 +112,15 @@ def _prove(cand, values, config):
     tol = max(TOLERANCE.get(d, 2e-2) for d in float_dtypes + [out_val.dtype])  # the least precise one decides
 
     def router_logits(env):
-        return logits_gm(*[env[n] for n in logits_outside])
+        return None if kept else logits_gm(*[env[n] for n in logits_outside])
 
     def run_canonical(spec, binding, env, logits=None):
         logits = router_logits(env) if logits is None else logits
         weights = {k: [env[p] for p in v] if isinstance(v, list) else env[v] for k, v in binding.weights.items()}
         corr = env[binding.correction_bias] if binding.correction_bias is not None else None
+        topk = (env[binding.topk_weights], env[binding.topk_ids]) if kept else None
         return canonical_moe(spec, env[x_node], logits, corr, weights, layer="",  # "": probes count no drops
-                             out_dtype=out_val.dtype, out_3d=out_3d)
+                             out_dtype=out_val.dtype, out_3d=out_3d, topk=topk)
 
     with torch.no_grad():
         envs = [dict(zip(outside, r)) for r in rounds]

@@ -112,3 +112,92 @@ def test_a_graph_without_moe_is_left_alone():
     for p in (detect_moe_pass, verify_moe_pass, canonicalize_moe_pass, lower_moe_pass):
         gm = p(gm, ex, config=CONFIG, report=report)
     assert gm.code == before and not report.layers and not report.skipped
+
+
+class _SampledRouterMoE(handwritten.ModuleListMoE):
+    """ModuleList experts behind a router that, in train(), samples its top-2 with Gumbel noise (as PhiMoE's
+    sparsemixer does) and, with ``expert_noise``, experts that draw random numbers too."""
+
+    def __init__(self, expert_noise=False):
+        super().__init__(32, 16, 8, 2)
+        self.expert_noise = expert_noise
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        logits = self.router(h)
+        noisy = logits - torch.empty_like(logits).exponential_().log() if self.training else logits
+        ids = noisy.topk(2, dim=-1).indices
+        weights = logits.softmax(-1).gather(-1, ids)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            y = expert(h) * (torch.rand_like(h) > 0.1) if self.expert_noise else expert(h)
+            out = out + torch.where(ids == e, weights, torch.zeros_like(weights)).sum(-1)[:, None] * y
+        return out.view_as(x)
+
+
+def _sampled_block_graph(**kw):
+    torch.manual_seed(0)
+    block = _SampledRouterMoE(**kw).train()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    gm, ex = capture(block, x)
+    return block, x, gm, ex
+
+
+def test_a_router_that_draws_random_numbers_is_kept_and_its_experts_proved_on_random_routings(monkeypatch):
+    block, x, gm, ex = _sampled_block_graph()
+    report = PassReport()
+    detect_moe_pass(gm, ex, config=CONFIG, report=report)
+    cand = annotated(gm)[0].meta["moe"]
+    b = cand.bindings[0]
+    assert report.counters["detect.router_kept"] == 1 and cand.specs[0].routing.kept == "draws random numbers"
+    assert (op_name(b.topk_ids), op_name(b.topk_weights), cand.specs[0].routing.top_k) == ("getitem", "gather", 2)
+
+    from moecompile.passes import verify
+
+    probed = []
+    real_probe = verify._probe_inputs
+    monkeypatch.setattr(verify, "_probe_inputs", lambda *a: probed.append(real_probe(*a)) or probed[-1])
+    verify_moe_pass(gm, ex, config=CONFIG, report=report)
+    assert report.counters["verify.proved"] == 1 and report.layers[0].max_error <= 1e-5
+    routings = [next(t for t in inputs if isinstance(t, torch.Tensor) and t.dtype == torch.int64) for inputs in probed]
+    for ids in routings:  # the probes: random routings, K distinct experts per token
+        assert ids.shape == (10, 2) and (ids[:, 0] != ids[:, 1]).all() and 0 <= ids.min() and ids.max() < 8
+    assert len({tuple(ids.flatten().tolist()) for ids in routings}) > 1
+
+    canonicalize_moe_pass(gm, ex, config=CONFIG, report=report)
+    gm.graph.lint()
+    gm.recompile()
+    names = [op_name(n) for n in gm.graph.nodes]
+    assert names.count("exponential_") == 1 and "topk" in names and "gather" in names  # the router as it was
+    moe_ops = {str(n.target) for n in gm.graph.nodes if n.meta.get("moe_layer")}
+    assert "silu" not in names and "moe.route" not in moe_ops
+    assert {"moe.build_pft", "moe.expert_mlp", "moe.combine"} <= moe_ops
+    params = dict(block.named_parameters())
+    for seed in (1, 2):  # the same random stream: the same sampled experts, outputs and gradients
+        torch.manual_seed(seed)
+        want = block(x)
+        g_want = torch.autograd.grad(want.square().sum(), [x, *params.values()])
+        torch.manual_seed(seed)
+        got = gm(*[x if t is ex[0] else t for t in ex])
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        g_got = torch.autograd.grad(got.square().sum(), [x, *params.values()], allow_unused=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for name, a, w in zip(["x", *params], g_got, g_want):
+            torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_kept_router_still_proves_its_experts_and_random_experts_are_refused():
+    _, _, gm, ex = _sampled_block_graph()
+    report = PassReport()
+    detect_moe_pass(gm, ex, config=CONFIG, report=report)
+    cand = annotated(gm)[0].meta["moe"]
+    cand.specs = [s.replace(experts=dataclasses.replace(s.experts, activation="gelu")) for s in cand.specs]
+    verify_moe_pass(gm, ex, config=CONFIG, report=report)
+    assert not annotated(gm) and "no candidate spec reproduced the block" in report.skipped[0].reason
+
+    _, _, gm, ex = _sampled_block_graph(expert_noise=True)  # random draws in the experts: nothing to keep apart
+    report = PassReport()
+    detect_moe_pass(gm, ex, config=CONFIG, report=report)
+    verify_moe_pass(gm, ex, config=CONFIG, report=report)
+    assert not annotated(gm) and not report.counters["detect.router_kept"]
+    assert report.skipped[0].reason.startswith("the block draws random numbers (exponential_, rand_like)")
