@@ -37,7 +37,8 @@ def prove_lowered(
     lower_fn(lowered.graph, [n for n in lowered.graph.nodes if n.meta.get("moe_layer") is not None])
     lowered.recompile()
     gen = torch.Generator().manual_seed(seed)
-    inputs = [_probe(n, values, gen) for n in outside]
+    num_experts = next(n.args[2] for n in nodes if _is_op(n, "build_pft"))
+    inputs = [_probe(n, values, gen, num_experts) for n in outside]
     diff = [(n.name, t) for n, t in zip(outside, inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     tol = max(TOLERANCE.get(t.dtype, 2e-2) for _, t in diff) if diff else 1e-5
     with torch.enable_grad():
@@ -63,8 +64,16 @@ def prove_lowered(
     return True, worst, ""
 
 
-def _probe(n: fx.Node, values: dict, gen: torch.Generator):
-    """The layer's own parameters (as leaves sharing their storage); random activations of the traced shape."""
+def _is_op(n: fx.Node, name: str) -> bool:
+    """Whether ``n`` calls ``torch.ops.moe.<name>`` (packet or overload)."""
+    target = n.target.default if isinstance(n.target, torch._ops.OpOverloadPacket) else n.target
+    return n.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
+        target._schema.name == f"moe::{name}"
+
+
+def _probe(n: fx.Node, values: dict, gen: torch.Generator, num_experts: int):
+    """The layer's own parameters (as leaves sharing their storage); random activations of the traced shape; for
+    the expert ids of a router the model keeps ([T, K] integers), K distinct random experts per token."""
     if is_param(n, values):
         v = values[n]
         return v.detach().requires_grad_(v.is_floating_point())
@@ -76,6 +85,9 @@ def _probe(n: fx.Node, values: dict, gen: torch.Generator):
         return v if h is None else h
     shape = [hint(s) for s in v.shape]
     if not v.is_floating_point():
-        raise ValueError(f"the layer reads the integer tensor {n.name}, which cannot be probed")
+        if len(shape) != 2 or not 0 < shape[1] <= num_experts:
+            raise ValueError(f"the layer reads the integer tensor {n.name}, which cannot be probed")
+        ids = torch.rand(shape[0], num_experts, generator=gen).topk(shape[1], dim=1).indices
+        return ids.to(v.dtype).to(v.device)
     t = torch.randn(shape, generator=gen).to(v.dtype).to(v.device)
     return t.requires_grad_(True)

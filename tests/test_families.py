@@ -170,15 +170,16 @@ def test_eager_experts_reported_with_fix_and_not_miscompiled():
     assert normwise(compiled(IDS).logits, model(IDS).logits) <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["eval", "train"])
-def test_phimoe_in_train_and_eval_mode_matches_eager(mode):
+@pytest.mark.parametrize("mode,lowering", [("eval", "torch"), ("train", "torch"), ("train", "triton")])
+def test_phimoe_in_train_and_eval_mode_matches_eager(mode, lowering):
     """eval(): the sparsemixer routing is proved and rewritten. train(): it samples its experts (Gumbel noise) and
     draws Heun's multiplier mask, so it is no function of the tokens: the model's own router stays in the graph,
     drawing the same random numbers in the same order as eager (same seed, same outputs and gradients, its custom
-    backward included), and only the experts, proved on random routings, are rewritten."""
+    backward included), and only the experts, proved on random routings, are rewritten (and lowered to the
+    Triton kernels, in the interpreter here, after their own proof on random routings)."""
     model = getattr(hf.tiny_model("phimoe", router_jitter_noise=0.5), mode)()  # a wide window: sampling picks
     eager = copy.deepcopy(model)
-    backend = RecordingBackend(inner="aot_eager")
+    backend = RecordingBackend(inner="aot_eager", lowering=lowering)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     for seed in (1, 2):
         torch.manual_seed(seed)
@@ -200,3 +201,5 @@ def test_phimoe_in_train_and_eval_mode_matches_eager(mode):
         assert all(rec.spec.routing.kept == "draws random numbers" and rec.spec.routing.top_k == 2
                    for rec in report.layers)
         assert "route: kept: the model's own router (draws random numbers)" in report.layers[0].spec.summary()
+    if lowering == "triton":
+        assert report.counters["lower.proved"] == 2 and all(r.lowering == "triton" for r in report.layers)
