@@ -82,7 +82,8 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
                 continue
         cand.bindings[0].routed.meta["moe"] = cand
         report.counters["detect.blocks"] += 1
-        report.counters["detect.router_kept"] += bool(cand.specs[0].routing.kept)
+        if cand.specs[0].routing.kept:
+            report.counters["detect.router_kept"] += 1
         report.counters["detect.candidates"] += len(cand.specs)
     return gm
 
