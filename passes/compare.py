@@ -35,3 +35,12 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
             diff = max(diff, (x - y).abs().max().item())
             scale = max(scale, y.abs().max().item())
     return diff / max(scale, 1e-30)
+
+
+def grad_error(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """``rel_error`` of two gradients, either of which may be None (an input one side does not use): then they
+    agree only if the other is None or all zero (nothing allocated to stand for the missing one)."""
+    if a is None or b is None:
+        other = b if a is None else a
+        return 0.0 if other is None or not other.any() else float("inf")
+    return rel_error(a, b)

@@ -22,6 +22,19 @@ def op_name(n: fx.Node) -> str:
     return n.op
 
 
+def moe_op_name(n: fx.Node) -> str | None:
+    """``"route"`` for a call of ``torch.ops.moe.route`` (packet or overload), else None."""
+    target = n.target
+    if n.op != "call_function":
+        return None
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    if isinstance(target, torch._ops.OpOverload):
+        namespace, _, name = target._schema.name.partition("::")
+        return name if namespace == "moe" else None
+    return None
+
+
 def clean_path(path: str) -> str:
     """``L['self'].model.layers.0.mlp`` -> ``model.layers.0.mlp``."""
     return re.sub(r"^L\['self'\]\.?", "", path).replace("L['self']", "")

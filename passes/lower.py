@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_utils import example, hint, placeholder_values
+from .graph_utils import example, hint, moe_op_name, placeholder_values
 from .lowering_proof import prove_lowered
 from .report import PassReport
 
@@ -76,19 +76,6 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
     return gm
 
 
-def _op_name(n: fx.Node) -> str | None:
-    """``"route"`` for a call of ``torch.ops.moe.route`` (packet or overload), else None."""
-    target = n.target
-    if n.op != "call_function":
-        return None
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        target = target.default
-    if isinstance(target, torch._ops.OpOverload):
-        namespace, _, name = target._schema.name.partition("::")
-        return name if namespace == "moe" else None
-    return None
-
-
 def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
     if lowering == "torch":
         return "torch", []
@@ -104,8 +91,8 @@ def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
         except RuntimeError as exc:
             raise LoweringUnavailable(f"lowering='triton' on CPU tensors: {exc}") from exc
         if not interpreting():
-            raise LoweringUnavailable("lowering='triton' got CPU tensors on a machine with CUDA: move the model to the GPU, "
-                             "or run with TRITON_INTERPRET=1 to test the kernels on CPU")
+            raise LoweringUnavailable("lowering='triton' got CPU tensors on a machine with CUDA: move the model to "
+                                      "the GPU, or run with TRITON_INTERPRET=1 to test the kernels on CPU")
     from ..runtime import triton_ops  # noqa: F401  (registers the moe::*_triton ops)
 
     return "triton", []
@@ -113,7 +100,7 @@ def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
 
 def _layer_device(nodes: list[fx.Node]) -> torch.device:
     """Device of the layer's tensors."""
-    return _example_above(next(n for n in nodes if _op_name(n) == "expert_mlp")).device
+    return _example_above(next(n for n in nodes if moe_op_name(n) == "expert_mlp")).device
 
 
 def _example_above(node: fx.Node) -> torch.Tensor:
@@ -136,7 +123,7 @@ def _kernel_tiles(nodes: list[fx.Node], spec) -> str:
     from ..runtime.kernels import grouped_mlp_bwd, tuning
 
     e = spec.experts
-    mlp = next(n for n in nodes if _op_name(n) == "expert_mlp")
+    mlp = next(n for n in nodes if moe_op_name(n) == "expert_mlp")
     x = _example_above(mlp.args[0])
     T = (hint(x.numel()) or 0) // e.hidden
     dtype = _example_above(mlp.args[4]).dtype  # the expert weights' (the kernels compute in it)
@@ -153,7 +140,7 @@ def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> tuple[list[str], list
     """Swap the layer's ops for their Triton forms: (the new ops' names, notes on the ops kept on torch)."""
     swapped, notes = [], []
     for n in nodes:
-        name = _op_name(n)
+        name = moe_op_name(n)
         if name == "route":
             if n.args[3] == "sparsemixer":
                 notes.append("route: torch (sparsemixer routing has no Triton kernel)")
@@ -180,14 +167,15 @@ def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> tuple[list[str], list
 
 def _pft_output(graph: fx.Graph, token_ids: fx.Node, index: int) -> fx.Node | None:
     """Output ``index`` of the build_pft call whose token ids are ``token_ids`` (a new getitem), or None."""
-    if token_ids.target is not operator.getitem or _op_name(token_ids.args[0]) not in ("build_pft", "build_pft_triton"):
+    pft = token_ids.args[0] if token_ids.target is operator.getitem else None
+    if pft is None or moe_op_name(pft) not in ("build_pft", "build_pft_triton"):
         return None
-    return graph.call_function(operator.getitem, (token_ids.args[0], index))
+    return graph.call_function(operator.getitem, (pft, index))
 
 
 def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
     users = list(mlp.users)
-    if len(users) != 1 or _op_name(users[0]) != "combine" or users[0].args[1] is not mlp.args[1]:
+    if len(users) != 1 or moe_op_name(users[0]) != "combine" or users[0].args[1] is not mlp.args[1]:
         return False
     combine = users[0]
     x, tok, counts, wg, wu, wd, bg, bu, bd, s, act, alpha, limit = mlp.args

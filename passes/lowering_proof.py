@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from .compare import rel_error
-from .graph_utils import example, extract, hint, is_param
-from .verify import TOLERANCE  # the kernels round where the references do: only the order of sums differs
+from .compare import grad_error, rel_error
+from .graph_utils import example, extract, hint, is_param, moe_op_name
+from .verify import TOLERANCE, random_expert_ids  # the kernels round where the references do
 
 
 def prove_lowered(
@@ -37,7 +37,7 @@ def prove_lowered(
     lower_fn(lowered.graph, [n for n in lowered.graph.nodes if n.meta.get("moe_layer") is not None])
     lowered.recompile()
     gen = torch.Generator().manual_seed(seed)
-    num_experts = next(n.args[2] for n in nodes if _is_op(n, "build_pft"))
+    num_experts = next(n.args[2] for n in nodes if moe_op_name(n) == "build_pft")
     try:
         inputs = [_probe(n, values, gen, num_experts) for n in outside]
     except ValueError as exc:  # nothing to prove the kernels on: the references stay
@@ -59,19 +59,12 @@ def prove_lowered(
         leaves = [t for _, t in diff]
         g_want = torch.autograd.grad(want, leaves, grad_out, allow_unused=True)
         g_got = torch.autograd.grad(got, leaves, grad_out, allow_unused=True)
-    for (name, t), g, w in zip(diff, g_got, g_want):
-        err = rel_error(torch.zeros_like(t) if g is None else g, torch.zeros_like(t) if w is None else w)
+    for (name, _), g, w in zip(diff, g_got, g_want):
+        err = grad_error(g, w)
         worst = max(worst, err)
         if err > tol:
             return False, worst, f"gradient of {name}: normwise error {err:.3g} > {tol:g}"
     return True, worst, ""
-
-
-def _is_op(n: fx.Node, name: str) -> bool:
-    """Whether ``n`` calls ``torch.ops.moe.<name>`` (packet or overload)."""
-    target = n.target.default if isinstance(n.target, torch._ops.OpOverloadPacket) else n.target
-    return n.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
-        target._schema.name == f"moe::{name}"
 
 
 def _probe(n: fx.Node, values: dict, gen: torch.Generator, num_experts: int):
@@ -90,7 +83,6 @@ def _probe(n: fx.Node, values: dict, gen: torch.Generator, num_experts: int):
     if not v.is_floating_point():
         if len(shape) != 2 or not 0 < shape[1] <= num_experts:
             raise ValueError(f"the layer reads the integer tensor {n.name}, which cannot be probed")
-        ids = torch.rand(shape[0], num_experts, generator=gen).topk(shape[1], dim=1).indices
-        return ids.to(v.dtype).to(v.device)
+        return random_expert_ids(shape[0], shape[1], num_experts, gen).to(v.dtype).to(v.device)
     t = torch.randn(shape, generator=gen).to(v.dtype).to(v.device)
     return t.requires_grad_(True)

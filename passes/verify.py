@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from .canonical import canonical_moe, routed_like_input
-from .compare import rel_error
+from .compare import grad_error, rel_error
 from .graph_utils import draws_random, example, extract, hint, op_name, placeholder_values
 from .report import LayerRecord, PassReport, block
 
@@ -55,7 +55,7 @@ def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Ge
             T, K = hint(v.shape[0]), hint(v.shape[1])
             device = next(t for t in values.values() if isinstance(t, torch.Tensor)).device
             if n is ids_node:
-                probe = torch.rand(T, E, generator=gen).argsort(-1)[:, :K]
+                probe = random_expert_ids(T, K, E, gen)
             else:
                 probe = torch.rand(T, K, generator=gen) + 0.1
             out.append(probe.to(v.dtype).to(device))
@@ -170,11 +170,9 @@ def _backward_error(orig_gm, outside, inputs, canonical, gen) -> float:
     out_c = canonical(dict(zip(outside, leaves)))
     g_c = torch.autograd.grad(out_c, diff, grad_out, allow_unused=True)
     del out_o, out_c
-    worst = 0.0
-    for a, b in zip(g_c, g_o):
-        if a is None or b is None:  # unused on one side: equal only if the other side's gradient is zero
-            other = b if a is None else a
-            worst = max(worst, 0.0 if other is None or not other.any() else float("inf"))
-            continue
-        worst = max(worst, rel_error(a, b))
-    return worst
+    return max((grad_error(a, b) for a, b in zip(g_c, g_o)), default=0.0)
+
+
+def random_expert_ids(T: int, K: int, E: int, gen: torch.Generator) -> torch.Tensor:
+    """A random routing: K distinct experts of E for each of T tokens, [T, K] int64 (CPU)."""
+    return torch.rand(T, E, generator=gen).argsort(-1)[:, :K]

@@ -168,11 +168,12 @@ class Tuner:
         """(configuration, where it came from) without tuning: interpreter, tuned, shipped table, rule."""
         if interpreting():
             return dict(WGRAD_INTERPRETER if role.startswith("wgrad") else INTERPRETER), "interpreter"
-        name = _device_name(device)
-        if k in self._load(name):
-            return dict(self._load(name)[k]), "tuned"
-        if k in self.shipped.get(name, {}):
-            return dict(self.shipped[name][k]), "shipped table"
+        tuned = self._load(_device_name(device))
+        if k in tuned:
+            return dict(tuned[k]), "tuned"
+        shipped = self.shipped.get(_device_name(device), {})
+        if k in shipped:
+            return dict(shipped[k]), "shipped table"
         return rule(), "rule"
 
     def choose(self, role: str, k: str, dtype: torch.dtype, device: torch.device, gated: bool,
