@@ -1,7 +1,7 @@
-"""Three hand-written MoE blocks in plain PyTorch, and a tiny LM around them.
+"""Hand-written MoE blocks in plain PyTorch, and a tiny LM around them.
 
 Each block maps ``x [B, S, H] -> [B, S, H]`` and is written the way MoE layers
-are found in the wild, so the compiler has to recognise three different idioms:
+are found in the wild, so the compiler has to recognise each idiom:
 
 * ``ModuleListMoE`` -- an ``nn.ModuleList`` of SwiGLU experts run densely on
   every token and masked by the routing weight (no data-dependent shapes).
@@ -10,6 +10,8 @@ are found in the wild, so the compiler has to recognise three different idioms:
   GELU experts, tokens beyond an expert's capacity dropped.
 * ``GatherMoE``     -- gpt-fast style: gather each token's top-k expert weights
   (``w[expert_indices] -> [T, K, ...]``) and einsum with them.
+* ``LoopMoE``       -- an ``nn.ModuleList`` of ``nn.Linear`` experts called in a loop on the rows
+  ``torch.where`` selects, summed back with ``index_add_`` (data-dependent shapes).
 
 ``TinyMoELM(kind)`` stacks ``num_layers`` (LayerNorm -> block, residual) between
 an embedding and an LM head; ``kind`` is one of ``HANDWRITTEN``.
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HANDWRITTEN = ("modulelist", "gshard", "gather")
+HANDWRITTEN = ("modulelist", "gshard", "gather", "loop")
 INIT_STD = 0.1
 
 
@@ -64,6 +66,28 @@ class ModuleListMoE(nn.Module):
         for e, expert in enumerate(self.experts):
             weight_e = torch.where(ids == e, weights, torch.zeros_like(weights)).sum(dim=-1)  # [T]
             out = out + weight_e[:, None] * expert(h)
+        return out.view_as(x)
+
+
+class LoopMoE(nn.Module):
+    """Router + ``nn.ModuleList`` of SwiGLU experts, each run on the tokens that chose it: ``torch.where`` finds
+    them (a data-dependent number of rows) and ``index_add_`` adds the weighted outputs back. Dynamo captures the
+    loop in one graph only under ``moecompile.capture()`` (capture of data-dependent shapes)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLUExpert(hidden, inter) for _ in range(num_experts))
+        _init(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, ids = _route(self.router(h), self.top_k)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, expert(h[token]) * weights[token, slot, None])
         return out.view_as(x)
 
 
@@ -143,7 +167,7 @@ def _init(module: nn.Module) -> None:
         p.normal_(0.0, INIT_STD)
 
 
-_BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE}
+_BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE, "loop": LoopMoE}
 
 
 class LMOutput(NamedTuple):
@@ -178,5 +202,5 @@ class TinyMoELM(nn.Module):
         return LMOutput(logits, loss)
 
 
-__all__ = ["HANDWRITTEN", "ModuleListMoE", "GShardMoE", "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert",
+__all__ = ["HANDWRITTEN", "ModuleListMoE", "LoopMoE", "GShardMoE", "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert",
            "TinyMoELM", "LMOutput"]

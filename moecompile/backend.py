@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from moecompile.passes.report import PassReport
 
+from .capture import capture
 from .config import MoEOptions, parse_options
 from .pipeline import Checkpoint, MoECompileError, run_passes
 
@@ -18,6 +19,12 @@ from .pipeline import Checkpoint, MoECompileError, run_passes
 def moe_backend(gm: fx.GraphModule, example_inputs, options: dict | MoEOptions | None = None, **_ignored):
     """torch.compile backend entry: rewrite the MoE blocks of ``gm``, then hand it to the inner compiler."""
     return compile_graph(gm, example_inputs, parse_options(options), PassReport())
+
+
+# Dynamo's documented hook for a backend's context, entered around every call of the compiled model: data-dependent
+# shapes are captured (expert loops stay in the graph). torch._dynamo.optimize("moe") enters it; torch.compile in
+# torch 2.13 drops it (see moecompile/capture.py), hence moecompile.capture() for such models.
+moe_backend.backend_ctx_ctor = capture
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport):

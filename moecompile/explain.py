@@ -77,13 +77,32 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
+    breaks_before = _data_dependent_breaks()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
         compiled(*args)
     torch._dynamo.reset()
+    breaks = _data_dependent_breaks() - breaks_before
+    if breaks:
+        report.skipped.append(SkipRecord("<graph breaks>", DATA_DEPENDENT_BREAKS.format(n=breaks)))
     mismatches = _check_against_config(getattr(model, "config", None), report.layers)
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
                          report.failures)
+
+
+DATA_DEPENDENT_BREAKS = (
+    "Dynamo reported {n} graph break(s) at data-dependent shapes (nonzero(), where(mask), .item(), .tolist()): "
+    "an MoE block whose experts loop over such results is cut into pieces the backend cannot recognise. Fix: run "
+    "under `with moecompile.capture():` (see the README, 'Expert loops')"
+)
+
+
+def _data_dependent_breaks() -> int:
+    """Graph breaks so far that Dynamo's capture settings (moecompile.capture()) would have avoided."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for why, n in counters["unimplemented"].items()
+               if "capture_dynamic_output_shape_ops" in why or "capture_scalar_outputs" in why)
 
 
 def _check_against_config(config, layers: list[LayerRecord]) -> list[str]:

@@ -24,6 +24,7 @@ from moecompile.passes.lower import LoweringUnavailable, lower_moe_pass
 from moecompile.passes.report import FailureRecord, PassReport
 from moecompile.passes.verify import verify_moe_pass
 
+from .capture import complete_missing_experts
 from .config import MoEOptions
 
 PASSES = (
@@ -66,6 +67,7 @@ def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: P
         done.append(name)
         if config.record_graphs:
             report.graphs.append((name, gm.print_readable(print_output=False)))
+    complete_missing_experts(report)
     if config.strict and report.skipped:
         lines = "\n".join(f"  {s.region}: {s.reason}" for s in report.skipped)
         raise MoECompileError(f"strict=True and some MoE blocks were not rewritten:\n{lines}")

@@ -13,12 +13,8 @@ CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
     "top_k": ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"),
 }
 
-EAGER_EXPERTS_REASON = (
-    "a router was found but no expert weights are used in this graph: the experts run outside it, behind a graph "
-    "break (for transformers models, experts_implementation='eager' loops over nonzero() and does this). Fix, "
-    "where the model supports it: load it with experts_implementation='grouped_mm' (the default) or set "
-    "config._experts_implementation = 'grouped_mm'"
-)
+# detect's finding; moecompile/capture.py completes it with why and the fix (which depend on how Dynamo traced)
+EAGER_EXPERTS_REASON = "a router was found but no expert weights are used in this graph"
 
 
 def config_value(config, field: str, default=None):

@@ -96,8 +96,9 @@ def ancestors(nodes, within: set[fx.Node] | None = None) -> set[fx.Node]:
 
 
 def descendants(nodes, within: set[fx.Node] | None = None) -> set[fx.Node]:
-    """Nodes that depend on ``nodes`` (inclusive), staying inside ``within`` when given."""
-    return _closure(nodes, lambda n: n.users, within)
+    """Nodes that depend on ``nodes`` (inclusive), staying inside ``within`` when given. A tensor written in place
+    by a dependent op (``out.index_add_(0, rows, y)``) depends on it, and so do its users."""
+    return _closure(nodes, lambda n: [*n.users, *filter(None, [mutated_input(n)])], within)
 
 
 def float_consts(n: fx.Node) -> list[float]:
