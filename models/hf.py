@@ -7,8 +7,11 @@ re-draws every router / expert tensor and every all-zero tensor (biases,
 ``e_score_correction_bias``, zero-centred norms) so routing is decisive and
 every code path (biases included) changes the output.
 
-``moe_families_in_transformers`` and ``shrink_config`` cover *every* MoE causal
-LM of the installed transformers, best effort, for tests that walk them all.
+``moe_families_in_transformers`` and ``walk_config`` cover *every* MoE causal
+LM of the installed transformers, for tests that walk them all: ``shrink_config``
+shrinks a family's default config, best effort; ``WRITTEN_CONFIGS`` holds the
+tiny configs of the families whose default config cannot be built or has its
+MoE switched off.
 """
 
 from __future__ import annotations
@@ -167,16 +170,73 @@ def _is_moe_config(cfg: PretrainedConfig) -> bool:
     return any(_int(cfg, k) > 1 for k in _EXPERT_COUNT_KEYS) or _int(cfg, "num_experts_per_tok") > 0
 
 
+def _sub_configs(cfg: PretrainedConfig) -> list[PretrainedConfig]:
+    return [v for v in vars(cfg).values() if isinstance(v, PretrainedConfig)]
+
+
+def _is_moe_family_config(cfg: PretrainedConfig) -> bool:
+    """MoE settings on ``cfg`` itself or in a nested sub-config (dbrx: ``ffn_config.moe_num_experts``).
+
+    A composite multimodal wrapper (gemma4, llama4, qwen3_5_moe, qwen4_exp, dots3_note) nests the config of its
+    text model, a causal LM family of its own that the walk takes under its own name (``*_text``): the wrapper
+    is left out (so is dots3_note's vision-tower MoE, which token ids never reach).
+    """
+    subs = _sub_configs(cfg)
+    if any(s.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES for s in subs):
+        return False
+    return _is_moe_config(cfg) or any(_is_moe_config(s) for s in subs)
+
+
 def moe_families_in_transformers() -> list[str]:
-    """Sorted model_types of the installed transformers that are MoE causal LMs."""
-    out = []
+    """Sorted model_types of the installed transformers that are MoE causal LMs: MoE by their default config
+    (nested sub-configs included), or MoE by the config written for them in ``WRITTEN_CONFIGS``."""
+    out = {family for family in WRITTEN_CONFIGS if family in CONFIG_MAPPING}
     for family in CONFIG_MAPPING.keys():
         if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             continue
         cfg = _default_config(family)
-        if cfg is not None and _is_moe_config(cfg):
-            out.append(family)
+        if cfg is not None and _is_moe_family_config(cfg):
+            out.add(family)
     return sorted(out)
+
+
+# Families the walk cannot take from their shrunk default config, with the tiny sizes of ``FAMILIES``.
+WRITTEN_CONFIGS: dict[str, dict] = {
+    # MoE settings nested in ffn_config; its attention reads attn_config.rope_theta, which has no default, and
+    # clamps q/k/v by attn_config.clip_qkv, whose default None fails in torch.clamp
+    "dbrx": dict(vocab_size=128, d_model=32, n_heads=4, n_layers=2, max_seq_len=128, tie_word_embeddings=False,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=16, moe_num_experts=8, moe_top_k=2)),
+    # routed experts are off by default (n_routed_experts / num_experts_per_tok None)
+    "dots1": {**_COMMON, **_DEEPSEEK_MOE},
+    # MoE block off by default (enable_moe_block False, num_experts / top_k_experts / moe_intermediate_size None);
+    # it runs beside the dense MLP of every layer; one sliding and one full-attention layer, small per-layer input
+    "gemma4_text": dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+                        max_position_embeddings=128, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention"],
+                        vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, tie_word_embeddings=False,
+                        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16),
+    # layer_types defaults to None, which the decoder layers index: one short-conv and one attention layer
+    "lfm2_moe": {**_COMMON, **dict(num_experts=8, moe_intermediate_size=16, num_dense_layers=0,
+                                   layer_types=["conv", "full_attention"])},
+    # the indexed-attention layers need the QSA indexer sizes (all None by default); one layer of each kind
+    "qwen4_exp_text": {**_COMMON, **dict(num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                         layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                         hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8,
+                                         indexer_budget=4, indexer_compress_ratio=2)},
+}
+
+
+def walk_config(family: str) -> PretrainedConfig | None:
+    """The config the walk builds for ``family``: its tiny config (``FAMILIES``), else its written config
+    (``WRITTEN_CONFIGS``), else its shrunk default config (None if that fails)."""
+    if family in FAMILIES:
+        return tiny_config(family)
+    if family in WRITTEN_CONFIGS:
+        return CONFIG_MAPPING[family](**WRITTEN_CONFIGS[family])
+    return shrink_config(family)
 
 
 # (attribute names, tiny value): every name present on the default config with a number is set.
@@ -279,4 +339,4 @@ def shrink_config(family: str, base: PretrainedConfig | None = None) -> Pretrain
 
 
 __all__ = ["FAMILIES", "tiny_config", "tiny_model", "build_model", "randomize_moe_", "load_config",
-           "moe_families_in_transformers", "shrink_config"]
+           "moe_families_in_transformers", "shrink_config", "WRITTEN_CONFIGS", "walk_config"]

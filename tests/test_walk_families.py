@@ -31,11 +31,21 @@ def _short(text: str, n: int = 150) -> str:
 
 
 def _build(family: str):
-    """The family's model, or the exception that stopped building it (nothing of ours ran)."""
+    """The family's model from its walk config (``hf.walk_config``), or the exception that stopped building it
+    (nothing of ours ran)."""
     try:
-        return hf.tiny_model(family) if family in hf.FAMILIES else hf.build_model(hf.shrink_config(family))
+        return hf.build_model(hf.walk_config(family))
     except Exception as exc:
         return exc
+
+
+def _model_kind(family: str) -> str:
+    """Which config the walk built the family from, for the table's "model" column."""
+    if family in hf.FAMILIES:
+        return "tiny config (models/hf.py)"
+    if family in hf.WRITTEN_CONFIGS:
+        return "config written for the walk (models/hf.py)"
+    return "shrunk default config"
 
 
 def _ids(model) -> torch.Tensor:
@@ -45,9 +55,10 @@ def _ids(model) -> torch.Tensor:
 def _walk_one(family: str) -> tuple[str, str, str, str]:
     """(family, model, result, detail) for the table."""
     tiny = family in hf.FAMILIES
+    model_kind = _model_kind(family)
     model = _build(family)
     if isinstance(model, Exception):  # the model itself cannot be built here: nothing of ours ran
-        return family, "shrunk default config", "not built", _short(f"{type(model).__name__}: {model}")
+        return family, model_kind, "not built", _short(f"{type(model).__name__}: {model}")
     eager = copy.deepcopy(model)
     ids = _ids(model)
     backward = tiny and family not in FORWARD_ONLY
@@ -66,7 +77,6 @@ def _walk_one(family: str) -> tuple[str, str, str, str]:
     rep = backend.report
     n = len(rep.layers)
     checked = "logits + all gradients" if backward else "logits"
-    model_kind = "tiny config (models/hf.py)" if tiny else "shrunk default config"
     if n:
         kinds = sorted({r.spec.routing.score_fn + "/" + r.spec.experts.activation for r in rep.layers})
         detail = f"{n} layer(s); routing/activation: {', '.join(kinds)}; checked: {checked}"
@@ -96,6 +106,22 @@ def test_every_moe_family_rewritten_or_skipped_with_reason():
     else:
         current = text.split(START)[1].split(END)[0].strip()
         assert current == table, "README family table is stale: rerun with MOECOMPILE_WRITE_README=1"
+
+
+@pytest.mark.parametrize("family", sorted(hf.WRITTEN_CONFIGS))
+def test_written_config_builds_and_runs(family):
+    """Every config written for the walk builds its model and runs a forward: it is ours, never "not built"."""
+    model = _build(family)
+    assert not isinstance(model, Exception), f"{family}: {model!r}"
+    assert model(_ids(model)).logits.shape == (1, 6, model.config.vocab_size)
+
+
+def test_walk_finds_nested_and_written_families():
+    """dbrx (expert count nested in ffn_config) and every family with a written config are walked; composite
+    wrappers whose text model is a family of its own are not walked twice."""
+    families = set(hf.moe_families_in_transformers())
+    assert {"dbrx", *hf.WRITTEN_CONFIGS} <= families
+    assert not families & {"llama4", "qwen3_5_moe", "qwen4_exp", "dots3_note", "gemma4"}
 
 
 @pytest.mark.parametrize("family", ["mixtral"])
