@@ -31,7 +31,7 @@ class RoutingSpec:
     router_bias: bool = False
     weights_on_input: bool = False  # Llama4 scales the expert input, not its output
     capacity: int = -1  # max tokens per expert (-1: no capacity, nothing dropped)
-    drop_order: str = "slot_major"
+    drop_order: str = "slot_major"  # which assignments an over-full expert keeps: slot_major | token_major | priority
     kept: str = ""  # why the model's own router stays (its top-k weights and ids feed build_pft); "": moe.route
 
     def route_args(self) -> tuple:

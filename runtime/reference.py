@@ -22,7 +22,7 @@ from .activations import apply_activation, check_activation
 
 SCORE_FNS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid", "sparsemixer")
 GROUP_SCORES = ("max", "top2_sum")
-DROP_ORDERS = ("slot_major", "token_major")
+DROP_ORDERS = ("slot_major", "token_major", "priority")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -104,13 +104,28 @@ def route_ref(
     return weights_TK, ids_TK
 
 
+def _assignment_priority(weights_TK: torch.Tensor, drop_order: str) -> torch.Tensor:
+    """The rank of each flattened (token-major) assignment in the order an over-capacity expert keeps them."""
+    T, K = weights_TK.shape
+    pos = torch.arange(T * K, device=weights_TK.device)
+    if drop_order == "token_major":
+        return pos
+    token_rank_T = pos[:T]
+    if drop_order == "priority":
+        by_gate = torch.argsort(weights_TK.detach().float().amax(dim=-1), descending=True, stable=True)
+        token_rank_T = torch.empty_like(by_gate).index_put_((by_gate,), pos[:T])
+    return (pos % K) * T + token_rank_T[pos // K]
+
+
 def build_pft_ref(
     ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int = -1, drop_order: str = "slot_major"
 ):
     """Sort the T*K assignments by expert, dropping those past ``capacity`` per expert (none when -1).
 
     ``drop_order`` says which assignments an expert keeps when it is over capacity: ``slot_major`` ranks every
-    token's first choice before any second choice (GShard, DeepSpeed top-2), ``token_major`` ranks by token.
+    token's first choice before any second choice (GShard, DeepSpeed top-2), ``token_major`` ranks by token,
+    ``priority`` is slot-major over the tokens sorted by their highest weight, highest first (V-MoE's batch
+    prioritized routing; ties keep token order).
     Dropped assignments go to the tail of the buffer with expert id ``num_experts`` and combine weight 0; they
     are not counted in ``tokens_per_expert`` and no expert computes them (so every size stays T*K, static).
     Returns (token_ids_B, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B).
@@ -124,8 +139,7 @@ def build_pft_ref(
         combine_weights_B = weights_TK.reshape(-1)[src_B]
     else:
         pos = torch.arange(T * K, device=ids_TK.device)
-        # priority order of the flattened (token-major) assignments
-        prio = pos if drop_order == "token_major" else (pos % K) * T + pos // K
+        prio = _assignment_priority(weights_TK, drop_order)
         by_prio = torch.argsort(prio)
         order = by_prio[torch.argsort(flat_ids[by_prio], stable=True)]  # by expert, then by priority
         sorted_e = flat_ids[order]
