@@ -270,12 +270,13 @@ def _routed_node(region, dep, H) -> fx.Node:
     if not outs:
         raise Skip("no [.., H] output leaves the block")
     node = max(outs, key=lambda n: len(ancestors([n], region)))  # the block's main output computes the most
-    if node not in dep:  # Llama4: out = shared(x); out.add_(routed)
-        adds = [u for u in node.users if op_name(u) in ("add_", "iadd") and u.args[0] is node and u.args[1] in dep]
-        if not adds:
-            raise Skip("the block output does not depend on the router")
-        node = adds[0].args[1]
     while True:
+        added = _added_in_place(node, dep)
+        if added is not None:
+            node = added
+            continue
+        if node not in dep:
+            raise Skip("the block output does not depend on the router")
         name = op_name(node)
         tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
         if name in _PASS_THROUGH and tensor_args and tensor_args[0] in dep:
@@ -286,6 +287,15 @@ def _routed_node(region, dep, H) -> fx.Node:
             node = tensor_args[0]  # (routed + shared) / 2 (Cohere2-MoE "average"): the scale stays outside
         else:
             return node
+
+
+def _added_in_place(node: fx.Node, dep) -> fx.Node | None:
+    """The routed sum added in place into ``node``, a tensor computed without the router (Llama4: ``out =
+    shared(x); out.add_(routed)``; the write makes ``out`` depend on the router, its own inputs do not)."""
+    if any(a in dep for a in node.all_input_nodes):
+        return None
+    adds = [u for u in node.users if op_name(u) in ("add_", "iadd") and u.args[0] is node and u.args[1] in dep]
+    return adds[0].args[1] if adds else None
 
 
 def _product(options: dict) -> list[dict]:
