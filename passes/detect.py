@@ -1,7 +1,8 @@
 """detect: find MoE blocks in a Dynamo graph and describe each as candidate ``MoESpec``s (annotation only).
 
-A block is found from its router: a top-k (or, for sparsemixer, a max) over scores that come from a ``linear``
-whose weight is an [E, H] parameter. The block is the innermost module around that router which also uses the
+A block is found from its router: a selection (top-k, argmax, max, or a descending sort or argsort cut to the
+first K: ``routing.py``) over scores that come from a ``linear`` whose weight is an [E, H] parameter, and that
+steers expert weights or the tokens. The block is the innermost module around that router which also uses the
 expert weights. Inside it, the node holding the routed experts' sum is the one to replace; shared experts and
 everything else stay as they are:
 
@@ -27,12 +28,18 @@ import torch.fx as fx
 
 from . import aliases
 from .graph_utils import (
-    ancestors, descendants, draws_random, example, float_consts, hint, is_param, module_stack, mutated_input,
+    ancestors, descendants, draws_random, example, hint, is_param, module_stack, mutated_input,
     nodes_by_module, op_name, placeholder_values, shape_of,
 )
 from .experts import Skip, expert_options, expert_params
 from .report import PassReport, block
+from .routing import (
+    PASS_THROUGH, numel, router_linear, router_weight, routing_options, selections_in, steered_by,
+)
 from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
+
+
+ROOT = "<root>"  # path of a block that is the compiled module itself
 
 
 @dataclass
@@ -48,37 +55,28 @@ class Candidate:
     router_nodes: set[fx.Node] = field(default_factory=set)  # a kept router (RoutingSpec.kept): left unproved
 
 
-ROOT = "<root>"  # path of a block that is the compiled module itself
-
-
 def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
     values = placeholder_values(gm, example_inputs)
     by_key = nodes_by_module(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[fx.Node] = set()
-    for sel in _selections(gm.graph):
-        router = _router_linear(sel, values)
-        if router is None or router in seen:
+    paths: set[str] = set()
+    for sel in selections_in(gm.graph.nodes):
+        router = router_linear(sel, values)
+        if router is None or router in seen or steered_by(sel, router, values) is None:
             continue
         seen.add(router)
         path = _path_of(router)
         with block(path):  # a failure names the router's module
             try:
-                key = _block_key(router, by_key, values)
-                if key is not None:
-                    region = set(by_key[key])
-                    path, block_type = next((p, t) for k, p, t in module_stack(router) if k == key)
-                elif expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
-                    # the compiled module is the MoE block itself: the whole graph is the block
-                    region = {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
-                    path, block_type = ROOT, "<compiled module>"
-                else:
-                    raise Skip(aliases.EAGER_EXPERTS_REASON)
-                if path in {c.path for c in _annotated(gm)}:
+                region, path, block_type = _block_of(router, gm, by_key, values)
+                if path in paths:
                     continue
+                paths.add(path)
                 cand = _describe(path, block_type, region, router, values, order, config)
             except Skip as why:
                 report.skip(path, str(why))
+                paths.add(path)
                 continue
         cand.bindings[0].routed.meta["moe"] = cand
         report.counters["detect.blocks"] += 1
@@ -88,52 +86,21 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
     return gm
 
 
-def _annotated(gm):
-    return [n.meta["moe"] for n in gm.graph.nodes if "moe" in n.meta]
+def _block_of(router: fx.Node, gm: fx.GraphModule, by_key, values) -> tuple[set[fx.Node], str, str]:
+    """(nodes, path, type) of the block around ``router``: the innermost module that also uses expert weights,
+    or the whole graph when the compiled module is the block itself."""
+    key = _block_key(router, by_key, values)
+    if key is not None:
+        path, block_type = next((p, t) for k, p, t in module_stack(router) if k == key)
+        return set(by_key[key]), path, block_type
+    if expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
+        return {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}, ROOT, "<compiled module>"
+    raise Skip(aliases.EAGER_EXPERTS_REASON)
 
 
 def _path_of(n: fx.Node) -> str:
     st = module_stack(n)
     return st[-1][1] if st else n.name
-
-
-# ---- router ------------------------------------------------------------------------------------------------
-
-
-def _selections(graph: fx.Graph) -> list[fx.Node]:
-    """top-k nodes first, then max(dim) nodes."""
-    return sorted(_selections_in(graph.nodes), key=lambda n: op_name(n) != "topk")
-
-
-def _router_linear(sel: fx.Node, values) -> fx.Node | None:
-    """The ``linear`` producing the scores a selection picks from, if its weight is an [E, H] parameter."""
-    src = sel.args[0]
-    shape = shape_of(src)
-    if shape is None or len(shape) != 2:
-        return None
-    E = hint(shape[-1])
-    frontier, seen = [src], set()
-    while frontier:
-        n = frontier.pop(0)
-        if n in seen or len(seen) > 40:
-            continue
-        seen.add(n)
-        if op_name(n) == "linear" and len(n.args) > 1 and is_param(router_weight(n), values):
-            w = values[router_weight(n)]
-            return n if w.dim() == 2 and w.shape[0] == E else None
-        frontier.extend(a for a in n.all_input_nodes if a.op != "placeholder")
-    return None
-
-
-_CASTS = ("type", "to", "float", "bfloat16", "half")
-
-
-def router_weight(linear: fx.Node) -> fx.Node:
-    """The weight of a router ``linear``, looking through casts (DeepSeek: ``weight.type(torch.float32)``)."""
-    w = linear.args[1]
-    while isinstance(w, fx.Node) and op_name(w) in _CASTS:
-        w = w.args[0]
-    return w
 
 
 def _block_key(router: fx.Node, by_key, values) -> str | None:
@@ -151,7 +118,7 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     w_router = values[router_weight(router)]
     E, H = w_router.shape
     logits = router
-    sels = [n for n in _selections_in(region) if _router_linear(n, values) is router]
+    sels = [n for n in selections_in(region) if router_linear(n, values) is router]
     dep = descendants(sels, region)
     routed = _routed_node(region, dep, H)
     # the compiled module's own inputs may carry the block's module stack: they are inputs, not computation
@@ -167,7 +134,7 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     x_in = x_in[0]
     if shape_of(x_in)[-1] != H:
         raise Skip(f"token input has last dim {shape_of(x_in)[-1]}, router expects {H}")
-    routing = _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in)
+    routing = routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in)
     router_params = {router_weight(router)} | {a for a in router.args[2:3] if isinstance(a, fx.Node)}
     experts, binds = expert_options(slice_nodes, values, order, E, H, router_params)
     corr = routing.pop("correction_bias_node")
@@ -210,7 +177,7 @@ def _kept_router(slice_nodes, sels, x_in, values, router_params):
     those views excepted (they feed the experts too). None when there is no such pair, or the experts draw random
     numbers themselves: only the whole block could then be proved, and verify refuses it."""
     H = hint(shape_of(x_in)[-1])
-    T = hint(_numel(shape_of(x_in)) // H)
+    T = hint(numel(shape_of(x_in)) // H)
     experts_read = [n for n in slice_nodes if any(is_param(a, values) and a not in router_params
                                                   for a in n.all_input_nodes)]
     router = descendants(sels, slice_nodes) - descendants(experts_read, slice_nodes)
@@ -251,17 +218,7 @@ def _kept_router(slice_nodes, sels, x_in, values, router_params):
     return None
 
 
-def _is_selection(n: fx.Node) -> bool:
-    """A top-k, or a max over a dim (sparsemixer picks its experts with max)."""
-    return op_name(n) == "topk" or (op_name(n) == "max" and (len(n.args) > 1 or "dim" in n.kwargs))
-
-
-def _selections_in(nodes) -> list[fx.Node]:
-    return [n for n in nodes if _is_selection(n)]
-
-
 _SCALAR_OPS = {"truediv", "div", "mul", "itruediv", "imul"}  # by a Python number
-_PASS_THROUGH = {"view", "reshape", "to", "float", "type_as", "contiguous", "type", "squeeze", "unsqueeze"}
 
 
 def _routed_node(region, dep, H) -> fx.Node:
@@ -279,7 +236,7 @@ def _routed_node(region, dep, H) -> fx.Node:
             raise Skip("the block output does not depend on the router")
         name = op_name(node)
         tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
-        if name in _PASS_THROUGH and tensor_args and tensor_args[0] in dep:
+        if name in PASS_THROUGH and tensor_args and tensor_args[0] in dep:
             node = tensor_args[0]
         elif name in ("add", "iadd", "add_") and len(tensor_args) == 2 and sum(a in dep for a in tensor_args) == 1:
             node = next(a for a in tensor_args if a in dep)
@@ -301,86 +258,6 @@ def _added_in_place(node: fx.Node, dep) -> fx.Node | None:
 def _product(options: dict) -> list[dict]:
     keys = list(options)
     return [dict(zip(keys, combo)) for combo in itertools.product(*(options[k] for k in keys))]
-
-
-def _routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in) -> dict:
-    """Candidate values per RoutingSpec field, most likely first."""
-    final = max((s for s in sels if op_name(s) == "topk"), key=order.get, default=None)
-    before = ancestors([final.args[0]], slice_nodes) - ancestors([logits]) if final is not None else set()
-    after = descendants([final], slice_nodes) if final is not None else dep & slice_nodes
-    after_names = {op_name(n) for n in after}
-    corr = None
-    for n in before:
-        if op_name(n) in ("add", "iadd"):
-            for a in n.all_input_nodes:
-                while op_name(a) in _PASS_THROUGH:  # Ernie-4.5: bias [1, E].squeeze()
-                    a = a.args[0]
-                if is_param(a, values) and values[a].numel() == E and values[a].shape[-1] == E:
-                    corr = a
-    opts: dict = {"correction_bias_node": corr}
-    if final is None:
-        picks = [s for s in sels if shape_of(s.args[0]) and len(shape_of(s.args[0])) == 2]
-        opts["score_fn"] = ["sparsemixer"]
-        opts["top_k"] = [len(picks)]
-        gts = [c for n in slice_nodes if op_name(n) == "gt" for c in float_consts(n)]
-        opts["jitter_eps"] = [gts[0] / 2 if gts else 0.0]
-    else:
-        opts["top_k"] = [_topk_k(final)]
-        before_names = {op_name(n) for n in before}
-        if "softmax" in before_names:
-            opts["score_fn"] = ["softmax"]
-        elif "sigmoid" in before_names:
-            opts["score_fn"] = ["sigmoid"]
-        elif "sigmoid" in after_names and "softmax" not in after_names:
-            opts["score_fn"] = ["topk_sigmoid", "topk_softmax"]
-        else:
-            opts["score_fn"] = ["topk_softmax", "topk_sigmoid"]
-        grouped = [n for n in before if op_name(n) in ("topk", "max") and shape_of(n.args[0])
-                   and len(shape_of(n.args[0])) == 3]
-        if grouped:
-            g = grouped[0]
-            n_group = hint(shape_of(g.args[0])[1])
-            group_topk = [n for n in before if op_name(n) == "topk" and shape_of(n.args[0])
-                          and len(shape_of(n.args[0])) == 2 and hint(shape_of(n.args[0])[-1]) == n_group]
-            opts["n_group"] = [n_group]
-            opts["topk_group"] = [_topk_k(group_topk[0]) if group_topk else 1]
-            opts["group_score"] = ["top2_sum", "max"] if op_name(g) == "topk" else ["max", "top2_sum"]
-    weight_only = after - descendants([n for n in slice_nodes if any(
-        is_param(a, values) and values[a].dim() >= 2 and a is not router_weight(logits) for a in n.all_input_nodes)])
-    sums = [n for n in weight_only if op_name(n) == "sum"]
-    after_sums = descendants(sums, weight_only)
-    divs = [n for n in weight_only if op_name(n) in ("truediv", "itruediv", "div", "div_")
-            and any(a in after_sums for a in n.all_input_nodes[1:])]
-    opts["renormalize"] = [True, False] if divs else [False, True]
-    eps = [c for s in sums for u in s.users if op_name(u) in ("add", "iadd") for c in float_consts(u)]
-    opts["renorm_eps"] = [eps[0] if eps else 0.0]
-    scale = 1.0
-    for n in weight_only:
-        if op_name(n) in ("mul", "imul", "mul_"):
-            for c in float_consts(n):
-                scale *= c
-    opts["scaling"] = [scale]
-    on_input = opts["score_fn"][0] == "topk_sigmoid"
-    opts["weights_on_input"] = [True, False] if on_input else [False]
-    T = hint(_numel(shape_of(x_in)) // hint(shape_of(x_in)[-1]))
-    caps = [hint(shape_of(n)[2]) for n in slice_nodes if shape_of(n) and len(shape_of(n)) == 3
-            and hint(shape_of(n)[0]) == T and hint(shape_of(n)[1]) == E and op_name(n) != "linear"]
-    caps = [c for c in caps if c is not None and c != hint(shape_of(x_in)[-1])]
-    if caps:
-        opts["capacity"] = [caps[0]]
-        opts["drop_order"] = ["slot_major", "token_major"]
-    return opts
-
-
-def _topk_k(n: fx.Node) -> int | None:
-    return hint(n.args[1] if len(n.args) > 1 else n.kwargs.get("k"))
-
-
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= hint(s)
-    return out
 
 
 # ---- shared experts (recorded, left in place) ---------------------------------------------------------------
