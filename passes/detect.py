@@ -16,6 +16,7 @@ Structure fixes what it can (E, K, H, I, the routing ops present, the weight sha
 ambiguous (gate/up order, a fused weight's split, transposition when I == H) becomes a short list of candidate
 specs, and ``verify`` keeps the first one that reproduces the block. A router that draws random numbers (PhiMoE
 in ``train()``) is kept as it is: the spec's routing says ``kept`` and the binding names its top-k weights and ids.
+Last, whatever looks like an MoE block but no block took (``unexplained.py``) is a skip record with its reason.
 """
 
 from __future__ import annotations
@@ -37,9 +38,7 @@ from .routing import (
     PASS_THROUGH, numel, router_linear, router_weight, routing_options, selections_in, steered_by,
 )
 from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
-
-
-ROOT = "<root>"  # path of a block that is the compiled module itself
+from .unexplained import ROOT, unexplained_blocks
 
 
 @dataclass
@@ -60,16 +59,19 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
     by_key = nodes_by_module(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[fx.Node] = set()
+    handled: set[fx.Node] = set()  # the nodes of every block looked at, annotated or skipped
     paths: set[str] = set()
     for sel in selections_in(gm.graph.nodes):
         router = router_linear(sel, values)
         if router is None or router in seen or steered_by(sel, router, values) is None:
             continue
         seen.add(router)
+        handled.add(router)
         path = _path_of(router)
         with block(path):  # a failure names the router's module
             try:
                 region, path, block_type = _block_of(router, gm, by_key, values)
+                handled |= region
                 if path in paths:
                     continue
                 paths.add(path)
@@ -83,6 +85,10 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
         if cand.specs[0].routing.kept:
             report.counters["detect.router_kept"] += 1
         report.counters["detect.candidates"] += len(cand.specs)
+    for path, reason in unexplained_blocks(gm.graph, values, handled):
+        if path not in paths:
+            report.skip(path, reason)
+            report.counters["detect.unexplained"] += 1
     return gm
 
 

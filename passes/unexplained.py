@@ -1,0 +1,135 @@
+"""detect's last look: what looks like an MoE block but was neither annotated nor skipped, so nothing is missed
+silently. Two signs, each reported in ``report.skipped`` with what was recognised and what stopped detection:
+
+* a router-shaped ``linear`` (an [E, H] weight parameter) whose scores feed a selection op (``topk``, ``argmax``,
+  ``max``, ``sort``, ``argsort``) that steers expert weights or the tokens;
+* stacked [E, ...] weights applied per token: indexed by ids that a selection op produced (``w[ids]``), or taken
+  by a batched matmul with an [E, C, ...] buffer of token data (``bmm``, ``einsum``).
+
+    before: a block detect could not describe, nothing said      after: report.skipped gains (block, reason)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .graph_utils import example, is_param, module_stack, op_name, shape_of
+from .routing import (
+    BATCHED_MATMULS, PARAM_VIEWS, SELECTION_OPS, nearest, router_linear, router_weight, selection_problem, steered_by,
+)
+
+ROOT = "<root>"  # path of a block that is the compiled module itself
+_INDEXING = ("getitem", "index_select", "embedding", "take")
+
+
+def unexplained_blocks(graph: fx.Graph, values, handled: set[fx.Node]) -> list[tuple[str, str]]:
+    """(block path, reason) for each region that looks like an MoE block and has no node in ``handled`` (the
+    blocks detect annotated or skipped), one per block."""
+    found: dict[str, str] = {}
+    for path, reason in [*_unexplained_routers(graph, values, handled), *_unexplained_experts(graph, values, handled)]:
+        found.setdefault(path, reason)
+    return list(found.items())
+
+
+# ---- routers ------------------------------------------------------------------------------------------------
+
+
+def _unexplained_routers(graph, values, handled):
+    for lin in graph.nodes:
+        if op_name(lin) != "linear" or lin in handled or len(lin.args) < 2:
+            continue
+        w = router_weight(lin)
+        if not is_param(w, values) or values[w].dim() != 2 or values[w].shape[0] < 2:
+            continue
+        E = values[w].shape[0]
+        sel = next((n for n in nearest(lin, "users", 60) if op_name(n) in SELECTION_OPS and shape_of(n.args[0])
+                    and shape_of(n.args[0])[-1] == E), None)
+        steered = steered_by(sel, lin, values) if sel is not None else None
+        if steered is None:
+            continue
+        seen = f"a router-like linear {lin.name} (weight {list(values[w].shape)}) feeds {op_name(sel)} over scores " \
+               f"{list(shape_of(sel.args[0]) or ())}, which steers {steered.name}"
+        yield _block_path([lin, steered]), f"{seen}, but {_why_not_router(sel, values)}; left as it was"
+
+
+def _why_not_router(sel: fx.Node, values) -> str:
+    """What stops detect reading ``sel`` as a router's selection."""
+    problem = selection_problem(sel)
+    if problem:
+        return problem
+    shape = shape_of(sel.args[0])
+    if len(shape) != 2:
+        return f"detect reads routers over [T, E] scores only (these are {list(shape)}: flatten the tokens first)"
+    found = router_linear(sel, values)
+    if found is None:
+        return "its scores do not come (through elementwise ops) from a linear whose [E, H] weight is a parameter"
+    return f"the block around {found.name} was not recognised"
+
+
+# ---- stacked expert weights ---------------------------------------------------------------------------------
+
+
+def _unexplained_experts(graph, values, handled):
+    for p in graph.nodes:
+        if not is_param(p, values) or values[p].dim() < 3:
+            continue
+        uses = [u for v in _views(p) for u in v.users if op_name(u) not in PARAM_VIEWS]
+        if any(u in handled for u in uses):
+            continue
+        for use in uses:
+            how, source = _per_token_use(use, p, values)
+            if how:
+                sel = next((n for n in nearest(source, "all_input_nodes", 60) if op_name(n) in SELECTION_OPS), None)
+                if sel is not None and router_linear(sel, values) in handled:
+                    continue  # its router was looked at: that block's record speaks for it
+                why = _why_not_router(sel, values) if sel is not None else \
+                    "no selection (topk, argmax, max, sort, argsort) was found before it"
+                seen = f"stacked expert weights {p.name} {list(values[p].shape)} are {how}"
+                yield _block_path([use] + ([sel] if sel is not None else [])), \
+                    f"{seen}, but no router was detected for them: {why}; left as it was"
+                break
+
+
+def _per_token_use(use: fx.Node, p: fx.Node, values) -> tuple[str, fx.Node | None]:
+    """(how ``use`` applies the weights per token, the node carrying the per-token choice), or ("", None)."""
+    E = values[p].shape[0]
+    if op_name(use) in _INDEXING:
+        ids = [a for a in use.all_input_nodes if a not in _views(p) and _integer(a)]
+        if ids:
+            return f"indexed per token by {op_name(use)} with ids {ids[0].name}", ids[0]
+    if op_name(use) in BATCHED_MATMULS:
+        buffers = [a for a in use.all_input_nodes if a not in _views(p) and shape_of(a)
+                   and len(shape_of(a)) == 3 and shape_of(a)[0] == E and not is_param(a, values)]
+        if buffers:
+            return f"taken by {op_name(use)} with an [E, C, ...] buffer {buffers[0].name}", buffers[0]
+    return "", None
+
+
+def _integer(n: fx.Node) -> bool:
+    v = example(n)
+    return isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() > 0
+
+
+def _views(p: fx.Node) -> set[fx.Node]:
+    """``p`` and the views (transposes, casts) taken of it."""
+    out, stack = set(), [p]
+    while stack:
+        n = stack.pop()
+        out.add(n)
+        stack.extend(u for u in n.users if op_name(u) in PARAM_VIEWS and u.args[0] is n)
+    return out
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+
+
+def _block_path(nodes: list[fx.Node]) -> str:
+    """The innermost module around all ``nodes`` (ROOT when that is the compiled module itself)."""
+    stacks = [module_stack(n) for n in nodes]
+    common = ROOT
+    for level in zip(*stacks):
+        if len({key for key, _, _ in level}) != 1:
+            break
+        common = level[0][1] or ROOT
+    return common
