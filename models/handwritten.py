@@ -12,6 +12,10 @@ are found in the wild, so the compiler has to recognise each idiom:
   (``w[expert_indices] -> [T, K, ...]``) and einsum with them.
 * ``LoopMoE``       -- an ``nn.ModuleList`` of ``nn.Linear`` experts called in a loop on the rows
   ``torch.where`` selects, summed back with ``index_add_`` (data-dependent shapes).
+* ``BmmCapacityMoE`` -- top-k with a capacity: kept assignments scattered into an
+  ``[E, C, H]`` buffer, stacked SwiGLU experts run with ``torch.bmm``, rows gathered back.
+* ``InputGatedTop1MoE`` -- Switch-style top-1 by ``argmax``; the gate scales the token
+  before its expert (weights on the input).
 
 ``TinyMoELM(kind)`` stacks ``num_layers`` (LayerNorm -> block, residual) between
 an embedding and an LM head; ``kind`` is one of ``HANDWRITTEN``.
@@ -26,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HANDWRITTEN = ("modulelist", "gshard", "gather", "loop")
+HANDWRITTEN = ("modulelist", "gshard", "gather", "loop", "bmm", "top1_input")
 INIT_STD = 0.1
 
 
@@ -161,13 +165,76 @@ class GatherMoE(nn.Module):
         return torch.einsum("tai,ta->ti", expert_outs, expert_weights).view_as(x)
 
 
+def _slot_major_positions(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each assignment's place in its expert's queue, [T, K]: every token's first choice before any second one."""
+    T, K = ids.shape
+    mask = F.one_hot(ids, num_experts)                                                  # [T, K, E]
+    queue = torch.cumsum(mask.transpose(0, 1).reshape(K * T, num_experts), dim=0).reshape(K, T, num_experts)
+    return ((queue.transpose(0, 1) - 1) * mask).sum(dim=-1)
+
+
+class BmmCapacityMoE(nn.Module):
+    """Top-k MoE over a capacity buffer (Tutel/fairseq style): each assignment is scattered to its expert's next
+    free row of an ``[E, C, H]`` buffer (slot-major), stacked SwiGLU experts ``w1, w3 [E, H, I]``, ``w2 [E, I, H]``
+    run on the whole buffer with ``torch.bmm``, and every token gathers its rows back. Assignments past an
+    expert's ``C = ceil(T * top_k / E * capacity_factor)`` rows are dropped (they land on a spare row)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int = 2, capacity_factor: float = 1.0):
+        super().__init__()
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.w2 = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        _init(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        T, E, K, H = h.shape[0], self.num_experts, self.top_k, h.shape[-1]
+        capacity = math.ceil(T * K / E * self.capacity_factor)
+        weights, ids = _route(self.gate(h), K)                                              # [T, K]
+        position = _slot_major_positions(ids, E)
+        keep = position < capacity
+        row = torch.where(keep, ids * capacity + position, E * capacity).reshape(-1)       # [T*K]; E*C: spare
+        rows = h.repeat_interleave(K, dim=0)
+        buffer = h.new_zeros(E * capacity + 1, H).scatter(0, row[:, None].expand(-1, H), rows)
+        x_ECH = buffer[: E * capacity].view(E, capacity, H)
+        y_ECH = torch.bmm(F.silu(torch.bmm(x_ECH, self.w1)) * torch.bmm(x_ECH, self.w3), self.w2)
+        y = torch.cat([y_ECH.reshape(E * capacity, H), y_ECH.new_zeros(1, H)])[row].view(T, K, H)
+        return (y * (weights * keep)[..., None]).sum(dim=1).view_as(x)
+
+
+class InputGatedTop1MoE(nn.Module):
+    """Switch-style top-1 MoE whose gate scales the token before its expert: ``argmax`` of a softmax router picks
+    one expert per token, that expert's probability (not renormalised) multiplies the token, and a GELU expert
+    ``w_in [E, I, H]``, ``w_out [E, H, I]``, gathered per token, computes the output. ``top_k`` is accepted for
+    ``TinyMoELM`` and ignored: every token goes to one expert."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int = 1):
+        super().__init__()
+        self.top_k = 1
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.w_in = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.w_out = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        _init(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        probs = self.router(h).float().softmax(dim=-1)
+        expert = probs.argmax(dim=-1)                                                       # [T]
+        gate = probs.gather(-1, expert[:, None]).to(h.dtype)                                # [T, 1]
+        hidden = F.gelu(torch.einsum("th,tih->ti", h * gate, self.w_in[expert]))
+        return torch.einsum("ti,thi->th", hidden, self.w_out[expert]).view_as(x)
+
+
 @torch.no_grad()
 def _init(module: nn.Module) -> None:
     for p in module.parameters():
         p.normal_(0.0, INIT_STD)
 
 
-_BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE, "loop": LoopMoE}
+_BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE, "loop": LoopMoE,
+           "bmm": BmmCapacityMoE, "top1_input": InputGatedTop1MoE}
 
 
 class LMOutput(NamedTuple):
@@ -203,4 +270,4 @@ class TinyMoELM(nn.Module):
 
 
 __all__ = ["HANDWRITTEN", "ModuleListMoE", "LoopMoE", "GShardMoE", "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert",
-           "TinyMoELM", "LMOutput"]
+           "BmmCapacityMoE", "InputGatedTop1MoE", "TinyMoELM", "LMOutput"]
