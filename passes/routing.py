@@ -111,40 +111,50 @@ def router_weight(linear: fx.Node) -> fx.Node:
 
 def router_linear(sel: fx.Node, values) -> fx.Node | None:
     """The ``linear`` producing the [T, E] scores a selection picks from, if its weight is an [E, H] parameter."""
-    src = sel.args[0]
-    shape = shape_of(src)
-    if shape is None or len(shape) != 2:
+    shape = shape_of(sel.args[0])
+    linear = scores_linear(sel, values)
+    if linear is None or shape is None or len(shape) != 2:
         return None
-    E = hint(shape[-1])
-    frontier, seen = [src], set()
+    w = values[router_weight(linear)]
+    return linear if w.dim() == 2 and w.shape[0] == hint(shape[-1]) else None
+
+
+def scores_linear(sel: fx.Node, values) -> fx.Node | None:
+    """The nearest ``linear`` with a parameter weight that the scores ``sel`` picks from come from (walking back
+    from them, breadth first, not through another product: attention scores are not a router's), or None."""
+    frontier, seen = [sel.args[0]], set()
     while frontier:
         n = frontier.pop(0)
         if n in seen or len(seen) > 40:
             continue
         seen.add(n)
         if op_name(n) == "linear" and len(n.args) > 1 and is_param(router_weight(n), values):
-            w = values[router_weight(n)]
-            return n if w.dim() == 2 and w.shape[0] == E else None
-        frontier.extend(a for a in n.all_input_nodes if a.op != "placeholder")
+            return n
+        if op_name(n) not in _PRODUCTS:
+            frontier.extend(a for a in n.all_input_nodes if a.op != "placeholder")
     return None
 
 
-def steered_by(sel: fx.Node, router: fx.Node, values) -> fx.Node | None:
+_PRODUCTS = {*BATCHED_MATMULS, "mm", "scaled_dot_product_attention", "linear"}
+
+
+def steered_by(sel: fx.Node, router: fx.Node, values, *, leaving: bool = True) -> fx.Node | None:
     """What a selection over ``router``'s scores steers, which makes it a router's: the first node after it that
-    reads expert weights ([E, ...] or one per expert, through views) or the tokens ``router`` scored (not through
-    it), else the graph output when its ids leave the graph through views (the experts run behind a graph break).
-    None for a selection that only reports (a prediction accuracy). Looks only near the selection (a block's
-    nodes), not through the rest of the model."""
+    reads expert weights ([E, ...] or one per expert, through views) or the tokens ``router`` scored (what its
+    inputs are computed from, not through it: a router may be an MLP), else (with ``leaving``) the graph output when its result leaves the graph through views (the experts run
+    behind a graph break). None for a selection that only reports (a prediction accuracy). Looks only near the
+    selection (a block's nodes), not through the rest of the model."""
     after = {sel, *nearest(sel, "users", _NEAR)}
     order = {n: i for i, n in enumerate(sel.graph.nodes)}
     weight_views = _weight_views(after, values)
-    experts = set(expert_params(after | weight_views, values, values[router_weight(router)].shape[0]))
-    steered = [n for n in after if any(a in experts or a in weight_views for a in n.all_input_nodes)]
-    if not steered:
-        scored = {router, *nearest(router, "users", 4 * _NEAR)}
-        tokens = set(nearest(_view_base(router.args[0], PASS_THROUGH), "users", 4 * _NEAR)) - scored
-        steered = [n for n in after if any(a in tokens for a in n.all_input_nodes)]
-    if not steered:
+    experts = set(expert_params(after | set(weight_views), values, values[router_weight(router)].shape[0]))
+    experts |= {v for v, p in weight_views.items() if p in experts}
+    scored = {router, *nearest(router, "users", 4 * _NEAR)}
+    sources = [a for a in nearest(router, "all_input_nodes", 20) if not is_param(a, values)
+               and isinstance(example(a), torch.Tensor) and example(a).is_floating_point()]
+    tokens = {*sources, *nearest(sources, "users", 4 * _NEAR)} - scored
+    steered = [n for n in after if any(a in experts or a in tokens for a in n.all_input_nodes)]
+    if not steered and leaving:
         steered = [n for n in _through_views(sel) if n.op == "output"]
     return min(steered, key=order.get, default=None)
 
@@ -152,10 +162,11 @@ def steered_by(sel: fx.Node, router: fx.Node, values) -> fx.Node | None:
 _NEAR = 300  # nodes looked at after a selection: a block's dispatch is within a few dozen
 
 
-def nearest(start: fx.Node, step: str, limit: int) -> list[fx.Node]:
-    """Up to ``limit`` nodes nearest ``start`` (itself excluded) along ``users`` or ``all_input_nodes``, breadth
-    first."""
-    out, frontier, seen = [], [start], {start}
+def nearest(start: fx.Node | list[fx.Node], step: str, limit: int) -> list[fx.Node]:
+    """Up to ``limit`` nodes nearest ``start`` (a node or several; excluded) along ``users`` or
+    ``all_input_nodes``, breadth first."""
+    starts = [start] if isinstance(start, fx.Node) else list(start)
+    out, frontier, seen = [], list(starts), set(starts)
     while frontier and len(out) < limit:
         for m in getattr(frontier.pop(0), step):
             if m not in seen:
@@ -165,15 +176,16 @@ def nearest(start: fx.Node, step: str, limit: int) -> list[fx.Node]:
     return out[:limit]
 
 
-def _weight_views(nodes, values) -> set[fx.Node]:
-    """The views and casts of parameters (a transpose of a weight) that ``nodes`` read, and the views between."""
-    out = set()
+def _weight_views(nodes, values) -> dict[fx.Node, fx.Node]:
+    """{view: its parameter} for the views and casts of parameters (a weight's transpose) that ``nodes`` read,
+    and the views between."""
+    out = {}
     for a in {a for n in nodes for a in n.all_input_nodes if a not in nodes}:
         chain = [a]
         while op_name(chain[-1]) in PARAM_VIEWS and chain[-1].args and isinstance(chain[-1].args[0], fx.Node):
             chain.append(chain[-1].args[0])
         if len(chain) > 1 and is_param(chain[-1], values):
-            out.update(chain[:-1])
+            out.update(dict.fromkeys(chain[:-1], chain[-1]))
     return out
 
 

@@ -2,7 +2,8 @@
 silently. Two signs, each reported in ``report.skipped`` with what was recognised and what stopped detection:
 
 * a router-shaped ``linear`` (an [E, H] weight parameter) whose scores feed a selection op (``topk``, ``argmax``,
-  ``max``, ``sort``, ``argsort``) that steers expert weights or the tokens;
+  ``max``, ``sort``, ``argsort``) or are gathered at integer ids (hash routing), steering expert weights or the
+  tokens;
 * stacked [E, ...] weights applied per token: indexed by ids that a selection op produced (``w[ids]``), or taken
   by a batched matmul with an [E, C, ...] buffer of token data (``bmm``, ``einsum``).
 
@@ -16,7 +17,8 @@ import torch.fx as fx
 
 from .graph_utils import example, is_param, module_stack, op_name, shape_of
 from .routing import (
-    BATCHED_MATMULS, PARAM_VIEWS, SELECTION_OPS, nearest, router_linear, router_weight, selection_problem, steered_by,
+    BATCHED_MATMULS, PARAM_VIEWS, SELECTION_OPS, nearest, router_linear, router_weight, scores_linear,
+    selection_problem, steered_by,
 )
 
 ROOT = "<root>"  # path of a block that is the compiled module itself
@@ -42,29 +44,57 @@ def _unexplained_routers(graph, values, handled):
         w = router_weight(lin)
         if not is_param(w, values) or values[w].dim() != 2 or values[w].shape[0] < 2:
             continue
-        E = values[w].shape[0]
-        sel = next((n for n in nearest(lin, "users", 60) if op_name(n) in SELECTION_OPS and shape_of(n.args[0])
-                    and shape_of(n.args[0])[-1] == E), None)
-        steered = steered_by(sel, lin, values) if sel is not None else None
-        if steered is None:
-            continue
-        seen = f"a router-like linear {lin.name} (weight {list(values[w].shape)}) feeds {op_name(sel)} over scores " \
-               f"{list(shape_of(sel.args[0]) or ())}, which steers {steered.name}"
-        yield _block_path([lin, steered]), f"{seen}, but {_why_not_router(sel, values)}; left as it was"
+        for pick in (n for n in nearest(lin, "users", 60) if _picks_from(n, lin, values)):
+            # a gather's result leaving the graph is a model's output (log-probs), not a router's
+            steered = steered_by(pick, lin, values, leaving=op_name(pick) != "gather")
+            if steered is not None:
+                seen = f"a router-like linear {lin.name} (weight {list(values[w].shape)}) feeds {op_name(pick)} " \
+                       f"over scores {list(shape_of(pick.args[0]))}, which steers {steered.name}"
+                yield _block_path([lin, steered]), f"{seen}, but {_why_not_router(pick, values)}; left as it was"
+                break
+
+
+def _picks_from(n: fx.Node, lin: fx.Node, values) -> bool:
+    """Whether ``n`` picks experts from ``lin``'s scores (2 to E per token): a selection op, or a gather of
+    [T, E] scores at [T, K] integer ids that no selection chose (a table lookup: hash routing)."""
+    if op_name(n) not in (*SELECTION_OPS, "gather") or not shape_of(n.args[0]):
+        return False
+    if op_name(n) == "gather" and not _looked_up(n):
+        return False
+    return 2 <= shape_of(n.args[0])[-1] <= values[router_weight(lin)].shape[0] and scores_linear(n, values) is lin
+
+
+def _looked_up(gather: fx.Node) -> bool:
+    """A gather of [T, E] scores along the experts at [T, K] integer ids that no selection op produced."""
+    ids = _gather_ids(gather)
+    if len(shape_of(gather.args[0])) != 2 or not _integer(ids) or len(shape_of(ids)) != 2:
+        return False
+    return not any(op_name(a) in SELECTION_OPS for a in nearest(ids, "all_input_nodes", 60))
+
+
+def _gather_ids(n: fx.Node):
+    return n.args[2] if len(n.args) > 2 else n.kwargs.get("index")
 
 
 def _why_not_router(sel: fx.Node, values) -> str:
     """What stops detect reading ``sel`` as a router's selection."""
+    if op_name(sel) == "gather":
+        return (f"no selection picks the experts from its scores: the ids they are gathered at "
+                f"({_gather_ids(sel).name}) come from elsewhere (a table lookup: hash routing?), which the canonical "
+                "routing does not express")
     problem = selection_problem(sel)
     if problem:
         return problem
     shape = shape_of(sel.args[0])
     if len(shape) != 2:
         return f"detect reads routers over [T, E] scores only (these are {list(shape)}: flatten the tokens first)"
-    found = router_linear(sel, values)
-    if found is None:
+    linear = scores_linear(sel, values)
+    if linear is None:
         return "its scores do not come (through elementwise ops) from a linear whose [E, H] weight is a parameter"
-    return f"the block around {found.name} was not recognised"
+    if router_linear(sel, values) is None:
+        return (f"the linear its scores come from ({linear.name}, weight {list(values[router_weight(linear)].shape)})"
+                f" does not give its {shape[-1]} scores per token")
+    return f"the block around {linear.name} was not recognised"
 
 
 # ---- stacked expert weights ---------------------------------------------------------------------------------
@@ -72,7 +102,7 @@ def _why_not_router(sel: fx.Node, values) -> str:
 
 def _unexplained_experts(graph, values, handled):
     for p in graph.nodes:
-        if not is_param(p, values) or values[p].dim() < 3:
+        if not is_param(p, values) or values[p].dim() < 3 or values[p].shape[0] < 2:
             continue
         uses = [u for v in _views(p) for u in v.users if op_name(u) not in PARAM_VIEWS]
         if any(u in handled for u in uses):
@@ -106,7 +136,7 @@ def _per_token_use(use: fx.Node, p: fx.Node, values) -> tuple[str, fx.Node | Non
     return "", None
 
 
-def _integer(n: fx.Node) -> bool:
+def _integer(n) -> bool:
     v = example(n)
     return isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() > 0
 

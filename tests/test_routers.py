@@ -299,11 +299,28 @@ class MatmulRouter(_GatheredExperts):
         return (self.experts(h, ids) * weights[..., None]).sum(1).view_as(x)
 
 
+class HashRouter(_GatheredExperts):
+    """Experts looked up in a table by a hash of the token (DeepSeek-V4's first layers), the router's softmax
+    read at them: no selection picks the experts, so the canonical routing cannot express it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randint(0, E, (16, 2), generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        ids = self.table[(h[:, 0] * 1000).long().remainder(16)]                          # [T, 2]
+        weights = self.gate(h).softmax(dim=-1).gather(-1, ids)
+        return (self.experts(h, ids) * weights[..., None]).sum(1).view_as(x)
+
+
 @pytest.mark.parametrize("block, reason", [
     (TokenGridRouter, r"a router-like linear .* feeds topk over scores \[2, 5, 8\].* detect reads routers over "
                       r"\[T, E\] scores only"),
     (MatmulRouter, r"stacked expert weights .*\[8, 16, 32\] are indexed per token .* no router was detected for "
                    r"them: its scores do not come .* from a linear"),
+    (HashRouter, r"a router-like linear .* feeds gather over scores \[10, 8\].* no selection picks the experts from "
+                 r"its scores: the ids they are gathered at \(ids\) come from elsewhere"),
 ])
 def test_a_block_detect_cannot_describe_is_reported_and_strict_raises(block, reason):
     torch.manual_seed(0)
