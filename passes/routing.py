@@ -141,9 +141,10 @@ _PRODUCTS = {*BATCHED_MATMULS, "mm", "scaled_dot_product_attention", "linear"}
 def steered_by(sel: fx.Node, router: fx.Node, values, *, leaving: bool = True) -> fx.Node | None:
     """What a selection over ``router``'s scores steers, which makes it a router's: the first node after it that
     reads expert weights ([E, ...] or one per expert, through views) or the tokens ``router`` scored (what its
-    inputs are computed from, not through it: a router may be an MLP), else (with ``leaving``) the graph output when its result leaves the graph through views (the experts run
-    behind a graph break). None for a selection that only reports (a prediction accuracy). Looks only near the
-    selection (a block's nodes), not through the rest of the model."""
+    inputs are computed from, not through it: a router may be an MLP), else (with ``leaving``) the graph output
+    when its result leaves the graph through views (the experts run behind a graph break). None for a selection
+    that only reports (a prediction accuracy). Looks only near the selection (a block's nodes), not through the
+    rest of the model."""
     after = {sel, *nearest(sel, "users", _NEAR)}
     order = {n: i for i, n in enumerate(sel.graph.nodes)}
     weight_views = _weight_views(after, values)
