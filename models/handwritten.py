@@ -73,17 +73,10 @@ class ModuleListMoE(nn.Module):
         return out.view_as(x)
 
 
-class LoopMoE(nn.Module):
-    """Router + ``nn.ModuleList`` of SwiGLU experts, each run on the tokens that chose it: ``torch.where`` finds
-    them (a data-dependent number of rows) and ``index_add_`` adds the weighted outputs back. Dynamo captures the
-    loop in one graph only under ``moecompile.capture()`` (capture of data-dependent shapes)."""
-
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
-        super().__init__()
-        self.top_k = top_k
-        self.router = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLUExpert(hidden, inter) for _ in range(num_experts))
-        _init(self)
+class LoopMoE(ModuleListMoE):
+    """``ModuleListMoE``'s router and experts, each expert run only on the tokens that chose it: ``torch.where``
+    finds them (a data-dependent number of rows) and ``index_add_`` adds the weighted outputs back. Dynamo captures
+    the loop in one graph only under ``moecompile.capture()`` (capture of data-dependent shapes)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])

@@ -154,6 +154,15 @@ class _EinsumDispatch(nn.Module):
         self.gate = nn.Linear(H, E, bias=False)
         self.wi, self.wo = nn.Parameter(torch.randn(E, H, I) * 0.1), nn.Parameter(torch.randn(E, I, H) * 0.1)
 
+    def dispatched(self, h, mask_TKE, position_TK, weights_TK, capacity):
+        """The experts' output when assignment (t, k) takes row ``position_TK`` of its expert's buffer; rows at or
+        beyond ``capacity`` are dropped."""
+        keep = position_TK < capacity
+        kept = (mask_TKE * keep[..., None]).to(h.dtype)
+        slot = F.one_hot(torch.where(keep, position_TK, torch.zeros_like(position_TK)), capacity).to(h.dtype)
+        dispatch = torch.einsum("tke,tkc->tec", kept, slot)
+        return self.experts(h, dispatch, torch.einsum("tke,tkc->tec", kept * weights_TK[..., None], slot))
+
     def experts(self, h, dispatch_TEC, combine_TEC):
         x_ECH = torch.einsum("tec,th->ech", dispatch_TEC, h)
         y_ECH = torch.einsum("eci,eih->ech", F.gelu(torch.einsum("ech,ehi->eci", x_ECH, self.wi)), self.wo)
@@ -187,12 +196,7 @@ class SequenceOrderTop2(_EinsumDispatch):
         weights, ids = self.gate(h).softmax(dim=-1).topk(K, dim=-1)
         mask = F.one_hot(ids, E)                                                         # [T, K, E]
         position = ((torch.cumsum(mask.reshape(T * K, E), dim=0).reshape(T, K, E) - 1) * mask).sum(-1)
-        keep = position < capacity
-        kept = (mask * keep[..., None]).to(h.dtype)
-        slot = F.one_hot(torch.where(keep, position, torch.zeros_like(position)), capacity).to(h.dtype)
-        dispatch = torch.einsum("tke,tkc->tec", kept, slot)
-        combine = torch.einsum("tke,tkc->tec", kept * weights[..., None], slot)
-        return self.experts(h, dispatch, combine).view_as(x)
+        return self.dispatched(h, mask, position, weights, capacity).view_as(x)
 
 
 class BatchPrioritized(_EinsumDispatch):
@@ -209,12 +213,7 @@ class BatchPrioritized(_EinsumDispatch):
         by_priority = mask[priority].transpose(0, 1).reshape(K * T, E)
         queue = torch.cumsum(by_priority, dim=0).reshape(K, T, E).transpose(0, 1) - 1
         position = (queue * mask[priority]).sum(-1)[torch.argsort(priority)]            # [T, K], token order
-        keep = position < capacity
-        kept = (mask * keep[..., None]).to(h.dtype)
-        slot = F.one_hot(torch.where(keep, position, torch.zeros_like(position)), capacity).to(h.dtype)
-        dispatch = torch.einsum("tke,tkc->tec", kept, slot)
-        combine = torch.einsum("tke,tkc->tec", kept * weights[..., None], slot)
-        return self.experts(h, dispatch, combine).view_as(x)
+        return self.dispatched(h, mask, position, weights, capacity).view_as(x)
 
 
 def test_capacity_by_cumsum_in_sequence_order_is_rewritten_with_its_drops():
