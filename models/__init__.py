@@ -2,8 +2,9 @@
 
 ``hf``: tiny random-weight HuggingFace MoE causal LMs (one config per family, plus
 a generic shrinker for every MoE family of the installed transformers).
-``handwritten``: three plain-PyTorch MoE idioms (ModuleList, GShard, gpt-fast gather)
-and a tiny LM that stacks them.
+``handwritten``: plain-PyTorch MoE idioms (``HANDWRITTEN``: ModuleList, GShard, gpt-fast
+gather, a where/index_add_ loop, a bmm capacity buffer, top-1 with the gate on the input) and
+a tiny LM that stacks them.
 """
 
 from .handwritten import HANDWRITTEN, GatherMoE, GShardMoE, ModuleListMoE, TinyMoELM
