@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -43,8 +42,7 @@ def inspect(args) -> int:
     dtype = getattr(torch, args.dtype)
     model = _model_for(args.model, dtype, args.full_size)
     ids = torch.randint(0, min(64, model.config.vocab_size if hasattr(model, "config") else 64), (args.batch, args.seq))
-    with moecompile.capture() if args.capture else contextlib.nullcontext():
-        report = moecompile.explain(model, ids, inner=args.inner, lowering=args.lowering)
+    report = moecompile.explain(model, ids, inner=args.inner, lowering=args.lowering, capture=not args.no_capture)
     print(report)
     if args.graphs:
         for stage, code in report.graphs:
@@ -93,8 +91,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--lowering", default="auto", choices=LOWERINGS,
                    help="kernels: 'triton' on CPU needs TRITON_INTERPRET=1 in the environment")
-    p.add_argument("--capture", action="store_true",
-                   help="trace under moecompile.capture(): expert loops over nonzero()/where() stay in the graph")
+    p.add_argument("--no-capture", action="store_true",
+                   help="trace with Dynamo's defaults (option capture=False): expert loops over nonzero()/where() "
+                        "then break the graph and are reported, not rewritten")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=8)
     p.set_defaults(fn=inspect)

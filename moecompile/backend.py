@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from moecompile.passes.report import PassReport
 
-from .capture import capture
+from .capture import MARK, install
 from .config import MoEOptions, parse_options
 from .pipeline import Checkpoint, MoECompileError, run_passes
 
@@ -21,15 +21,24 @@ def moe_backend(gm: fx.GraphModule, example_inputs, options: dict | MoEOptions |
     return compile_graph(gm, example_inputs, parse_options(options), PassReport())
 
 
-# Dynamo's documented hook for a backend's context, entered around every call of the compiled model: data-dependent
-# shapes are captured (expert loops stay in the graph). torch._dynamo.optimize("moe") enters it; torch.compile in
-# torch 2.13 drops it (see moecompile/capture.py), hence moecompile.capture() for such models.
-moe_backend.backend_ctx_ctor = capture
+def _wants_capture(options) -> bool:
+    """Read by moecompile/capture.py when Dynamo starts a compile for this backend: capture data-dependent shapes
+    (expert loops stay in the graph) unless options say capture=False. Bad options capture: the backend then
+    raises its own clear error for them."""
+    try:
+        return parse_options(options).capture
+    except ValueError:
+        return True
+
+
+setattr(moe_backend, MARK, _wants_capture)
+install()
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport):
     """The MoE passes, then the inner compiler. A rewritten graph the inner compiler rejects is compiled as it came
     in instead, and the failure reported like a pass's (``strict=True`` raises)."""
+    install()  # torch._dynamo.reset() drops Dynamo's compile callbacks: the next compile captures again
     checkpoint = Checkpoint.take(gm, report)
     gm = rewrite(gm, example_inputs, config, report, checkpoint)
     if not checkpoint.rewrote(report):

@@ -1,4 +1,4 @@
-"""Let Dynamo capture data-dependent shapes while it traces, so expert loops stay in the graph.
+"""Let Dynamo capture data-dependent shapes while it traces for the moe backend, so expert loops stay in the graph.
 
 MoE layers written as loops over the tokens each expert received (``idx = torch.where(ids == e)``,
 ``x.split(counts.tolist())``, transformers' jetmoe, megablocks-style code, an ``nn.ModuleList`` called in a loop
@@ -7,13 +7,21 @@ break): the router lands in one graph, the experts run outside any graph, and no
 ``capture_dynamic_output_shape_ops`` and ``capture_scalar_outputs`` on, Dynamo keeps such ops in the graph with
 unbacked sizes, and the whole block reaches the backend.
 
-``capture()`` turns both on for the duration of a ``with`` block and puts back what was there before (nothing
-global is left changed). It is the ``moe`` backend's ``backend_ctx_ctor``, Dynamo's documented hook for a backend's
-context: ``torch._dynamo.optimize("moe")`` and ``moecompile.explain`` enter it around every call of the compiled
-model. ``torch.compile`` in torch 2.13 does not pass a backend's ``backend_ctx_ctor`` on (its
-``_TorchCompileWrapper`` keeps only its own fields), so under ``torch.compile(model, backend="moe")`` the first call
-(the one Dynamo traces) has to run inside ``with moecompile.capture():`` for such a model; the backend says so
-when it meets the break (``CAPTURE_REASON``).
+How the moe backend turns them on with no change to the user's program (``torch.compile(model, backend="moe")``):
+torch.compile in torch 2.13 gives a custom backend no hook around Dynamo's trace (its ``_TorchCompileWrapper``
+drops a backend's ``backend_ctx_ctor``; raising a restart from the backend cannot help either, because Dynamo
+skips a frame whose loop broke the graph before any backend sees it). Dynamo's compile-start and compile-end
+callbacks (``torch._dynamo.callback_handler``) run around the trace of every frame; ``compile_scope_start`` looks
+up the stack for the compiler Dynamo is tracing for (the ``compiler_fn`` of ``torch._dynamo.convert_frame._compile``)
+and turns the two settings on only when it is the moe backend with ``capture`` on (the default; options
+``{"capture": False}`` keeps Dynamo's defaults). ``compile_scope_end`` puts back what was there when that compile
+ends, so no setting outlives the compile and other backends trace as before. If a future torch moves that
+``compiler_fn``, nothing is turned on: such loops break the graph again, the output is unchanged, ``explain()``
+lists the breaks with the fix (``capture()`` still works), and ``tests/test_capture.py`` fails first.
+``torch._dynamo.reset()`` removes every compile callback; ``install()`` puts ours back, and the backend calls it
+each time it compiles a graph (so only the first frame compiled after a reset misses the capture).
+
+``capture()`` turns both on for a ``with`` block, for any backend (a user's own wrapper around ``moe_backend``).
 
 What no setting captures: a loop whose trip count is itself data-dependent, ``for e in mask.nonzero():`` over the
 experts that received tokens (transformers' ``experts_implementation="eager"``, dbrx, longcat_flash). Dynamo
@@ -24,12 +32,14 @@ unrolls Python loops, and it cannot unroll a loop of unbacked length; the graph 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
 from moecompile.passes.aliases import EAGER_EXPERTS_REASON
 
 FLAGS = ("capture_dynamic_output_shape_ops", "capture_scalar_outputs")
+MARK = "moecompile_capture"  # attribute of a backend: bool, or callable(options) -> bool
 
 
 @contextlib.contextmanager
@@ -45,6 +55,66 @@ def capturing() -> bool:
     return all(getattr(torch._dynamo.config, flag) for flag in FLAGS)
 
 
+def wants_capture(compiler) -> bool:
+    """Whether ``compiler`` (as Dynamo holds it: its debug and torch.compile wrappers included) is a backend that
+    asks for capture: one carrying ``MARK``, given the ``options`` torch.compile passes it."""
+    options = None
+    for _ in range(16):  # the wrapper chain is short; a cycle must not hang a compile
+        if compiler is None:
+            return False
+        kwargs = getattr(compiler, "kwargs", None)  # torch.compile's _TorchCompileWrapper keeps options= here
+        if isinstance(kwargs, dict) and "options" in kwargs:
+            options = kwargs["options"]
+        mark = getattr(compiler, MARK, None)
+        if mark is not None:
+            return bool(mark(options)) if callable(mark) else bool(mark)
+        compiler = getattr(compiler, "_torchdynamo_orig_backend", None) or getattr(compiler, "compiler_fn", None)
+    return False
+
+
+def _compiler_being_traced_for():
+    """The ``compiler_fn`` of the Dynamo compile running on this thread (found on the stack), or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "torch._dynamo.convert_frame" and "compiler_fn" in frame.f_code.co_varnames:
+            return frame.f_locals.get("compiler_fn")
+        frame = frame.f_back
+    return None
+
+
+_open: list[contextlib.AbstractContextManager] = []
+
+
+def compile_scope_start(args) -> None:
+    """Dynamo compile-start callback: capture for this compile if it traces for the moe backend. Never raises
+    (an error here would stop the user's compile); on any surprise nothing is turned on."""
+    from torch._dynamo.callback import CallbackTrigger
+
+    try:
+        if args.callback_trigger != CallbackTrigger.DYNAMO or not wants_capture(_compiler_being_traced_for()):
+            return
+        scope = capture()
+        scope.__enter__()
+        _open.append(scope)
+    except Exception:  # noqa: BLE001 - a missed capture is reported later with its fix; a crash here is not
+        return
+
+
+def compile_scope_end(args) -> None:
+    """Dynamo compile-end callback: put back the settings ``compile_scope_start`` changed."""
+    while _open:
+        _open.pop().__exit__(None, None, None)
+
+
+def install() -> None:
+    """Register the two callbacks once per process (importing moecompile does it)."""
+    handler = torch._dynamo.callback_handler
+    if compile_scope_start not in handler.start_callbacks:
+        handler.register_start_callback(compile_scope_start)
+    if compile_scope_end not in handler.end_callbacks:
+        handler.register_end_callback(compile_scope_end)
+
+
 _NONZERO_LOOP = (
     "a loop over the experts that received tokens (`for e in mask.nonzero():`, as transformers' "
     "experts_implementation='eager', dbrx and longcat_flash do) has a data-dependent trip count, which Dynamo cannot "
@@ -55,9 +125,10 @@ _NONZERO_LOOP = (
 
 CAPTURE_REASON = (
     ": Dynamo broke the graph at a data-dependent shape (nonzero(), where(mask), .tolist()) before the experts, so "
-    "they run outside it (torch.compile in torch 2.13 does not let a backend turn on capturing such shapes for its "
-    "own trace). Fix: run the first call under `with moecompile.capture():`, which turns on "
-    "torch._dynamo.config.capture_dynamic_output_shape_ops and capture_scalar_outputs for that block only; but "
+    "they run outside it, because it traced without capturing such shapes. Fix: leave the backend option capture "
+    "at True (the default: the moe backend turns on torch._dynamo.config.capture_dynamic_output_shape_ops and "
+    "capture_scalar_outputs for its own compiles), or, for a backend of your own around moe_backend, run the first "
+    "call under `with moecompile.capture():`; but "
     + _NONZERO_LOOP
 )
 

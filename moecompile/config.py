@@ -30,6 +30,10 @@ class MoEOptions:
                       the block's own token count).
     max_candidates:   most candidate specs verify may try per block.
     record_graphs:    keep the readable graph before and after each pass (explain() turns it on).
+    capture:          Dynamo captures data-dependent shapes (nonzero(), where(mask), .tolist()) while it traces for
+                      this backend, so expert loops stay in the graph and are rewritten; the two Dynamo settings
+                      are on only during the moe backend's own compiles (moecompile/capture.py). False: Dynamo's
+                      defaults (such loops break the graph and the block is reported, not rewritten).
     """
 
     inner: str = "inductor"
@@ -42,6 +46,7 @@ class MoEOptions:
     probe_tokens: int = 512
     max_candidates: int = 64
     record_graphs: bool = False
+    capture: bool = True
 
 
 _CHOICES = {"inner": INNER_BACKENDS, "lowering": LOWERINGS}

@@ -11,6 +11,7 @@ from moecompile.passes import aliases
 from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, SkipRecord
 
 from .backend import rewrite
+from .capture import MARK, install
 from .config import parse_options
 from .pipeline import MoEFallbackWarning
 
@@ -75,13 +76,16 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
         graphs.append(gm)
         return rewrite(gm, example_inputs, config, report).forward
 
+    setattr(backend, MARK, config.capture)  # Dynamo captures data-dependent shapes for it (moecompile/capture.py)
     torch._dynamo.reset()
+    install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
     compiled = torch.compile(model, backend=backend)
     breaks_before = _data_dependent_breaks()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
         compiled(*args)
     torch._dynamo.reset()
+    install()
     breaks = _data_dependent_breaks() - breaks_before
     if breaks:
         report.skipped.append(SkipRecord("<graph breaks>", DATA_DEPENDENT_BREAKS.format(n=breaks)))
@@ -92,13 +96,13 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 
 DATA_DEPENDENT_BREAKS = (
     "Dynamo reported {n} graph break(s) at data-dependent shapes (nonzero(), where(mask), .item(), .tolist()): "
-    "an MoE block whose experts loop over such results is cut into pieces the backend cannot recognise. Fix: run "
-    "under `with moecompile.capture():` (see the README, 'Expert loops')"
+    "an MoE block whose experts loop over such results is cut into pieces the backend cannot recognise. Fix: leave "
+    "the option capture at True, its default (see the README, 'Expert loops')"
 )
 
 
 def _data_dependent_breaks() -> int:
-    """Graph breaks so far that Dynamo's capture settings (moecompile.capture()) would have avoided."""
+    """Graph breaks so far that Dynamo's capture settings (option capture, moecompile.capture()) would have avoided."""
     from torch._dynamo.utils import counters
 
     return sum(n for why, n in counters["unimplemented"].items()

@@ -129,6 +129,7 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     routed = _routed_node(region, dep, H)
     # the compiled module's own inputs may carry the block's module stack: they are inputs, not computation
     slice_nodes = {n for n in ancestors([routed], region) if n.op != "placeholder"}
+    slice_nodes -= _input_writes_before_routing(slice_nodes, dep, router)
     for n in slice_nodes:
         tgt = mutated_input(n)
         if tgt is not None and tgt not in slice_nodes:
@@ -170,6 +171,23 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
         bindings.append(Binding(x=x_in, logits=logits, correction_bias=corr, weights=weights, routed=routed, **kept))
     specs, bindings = specs[: config.max_candidates], bindings[: config.max_candidates]
     return Candidate(path, block_type, specs, bindings, slice_nodes, logits_nodes, router_nodes)
+
+
+def _input_writes_before_routing(slice_nodes, dep, router) -> set[fx.Node]:
+    """In-place writes to the block's input made before any routing (Mixtral's and MiniMax's training jitter,
+    ``hidden_states *= torch.empty_like(hidden_states).uniform_(1 - eps, 1 + eps)``), with what computes the
+    written values: they stay in the graph as the model wrote them (same random draws, same order), outside the
+    block, whose token input is then the written tensor. A write that depends on the router or the routing is
+    not one of them (the block is then refused as writing to a tensor it did not create)."""
+    peeled: set[fx.Node] = set()
+    for n in slice_nodes:
+        tgt = mutated_input(n)
+        if tgt is None or tgt in slice_nodes:
+            continue
+        pre = ancestors([n], slice_nodes)
+        if router not in pre and not pre & dep:
+            peeled |= pre
+    return peeled
 
 
 _VIEWS = {"view", "reshape", "contiguous", "squeeze", "unsqueeze", "flatten", "view_as", "reshape_as"}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moecompile.backend import compile_graph
+from moecompile.capture import install
 from moecompile.config import parse_options
 from moecompile.passes.report import PassReport
 
@@ -23,6 +24,9 @@ class RecordingBackend:
         self.report = PassReport()
         self.errors: list[BaseException] = []  # torch 2.13 may turn a backend error into a silent graph break
 
+    def moecompile_capture(self, options) -> bool:  # as moe_backend: Dynamo captures for it (moecompile/capture.py)
+        return self.config.capture
+
     def __call__(self, gm, example_inputs, **_):
         try:
             return compile_graph(gm, example_inputs, self.config, self.report)
@@ -36,8 +40,10 @@ class RecordingBackend:
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    install()  # reset() drops Dynamo's compile callbacks; a fresh process has ours (importing moecompile)
     yield
     torch._dynamo.reset()
+    install()
 
 
 def normwise(a: torch.Tensor, b: torch.Tensor) -> float:

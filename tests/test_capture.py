@@ -1,13 +1,14 @@
-"""Expert loops over data-dependent selections (issue 8, item 1): captured in one graph under
-``moecompile.capture()``, rewritten and equal to eager; reported with the fix when they cannot be captured."""
+"""Expert loops over data-dependent selections (issue 8, item 1): with nothing changed in the user's program, the
+moe backend's own compiles capture them in one graph, rewritten and equal to eager; Dynamo's settings are back to
+their defaults after each compile; loops that cannot be captured are reported with why and the fix."""
 
-import contextlib
 import copy
 
 import torch
 from conftest import RecordingBackend, normwise
 
 import moecompile
+from moecompile.capture import _compiler_being_traced_for, wants_capture
 from moecompile.capture import FLAGS, LOOP_REASON
 from moecompile.models import handwritten, hf
 
@@ -18,12 +19,12 @@ def _flags():
     return {f: getattr(torch._dynamo.config, f) for f in FLAGS}
 
 
-def _compile_and_compare(model, *, capture: bool, grads: bool = True):
-    """(report, graphs) of compiling ``model`` with the moe backend, checked against eager (logits, gradients)."""
+def _compile_and_compare(model, *, capture: bool = True, grads: bool = True, backend=None):
+    """The report of compiling ``model`` as a user would, ``torch.compile(model, backend=...)`` and nothing else
+    (backend option ``capture`` as given), checked against eager on logits and every gradient."""
     eager = copy.deepcopy(model)
-    backend = RecordingBackend(inner="aot_eager")
-    with moecompile.capture() if capture else contextlib.nullcontext():
-        got = torch.compile(model, backend=backend)(IDS, labels=IDS)
+    backend = backend or RecordingBackend(inner="aot_eager", capture=capture)
+    got = torch.compile(model, backend=backend)(IDS, labels=IDS)
     want = eager(IDS, labels=IDS)
     assert not backend.errors, backend.errors
     assert normwise(got.logits, want.logits) <= 1e-5
@@ -33,57 +34,110 @@ def _compile_and_compare(model, *, capture: bool, grads: bool = True):
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             if q.grad is not None:
                 assert normwise(p.grad, q.grad) <= 1e-5, name
+    assert _flags() == DYNAMO_DEFAULTS  # on for the backend's compiles only, put back after each
     return backend.report
 
 
-def test_capture_restores_the_settings():
-    before = _flags()
+DYNAMO_DEFAULTS = {f: False for f in FLAGS}
+
+
+def test_capture_context_restores_the_settings():
+    assert _flags() == DYNAMO_DEFAULTS
     with moecompile.capture():
         assert all(_flags().values())
-    assert _flags() == before
-    assert moecompile.moe_backend.backend_ctx_ctor is moecompile.capture  # Dynamo's hook for a backend's context
+    assert _flags() == DYNAMO_DEFAULTS
 
 
 def test_modulelist_loop_with_where_and_index_add_captured_and_rewritten():
+    """The user changes nothing: the moe backend's own compile captures the loop; one graph, both layers."""
     torch.manual_seed(0)
     model = handwritten.TinyMoELM("loop")
-    report = _compile_and_compare(model, capture=True)
+    report = _compile_and_compare(model)
     assert report.graphs_seen == 1 and len(report.layers) == 2, report.skipped
     assert report.layers[0].spec.experts.storage == "modulelist"
 
 
-def test_uncaptured_loop_is_reported_by_explain_with_the_fix():
+def test_registered_moe_backend_captures_by_name():
+    """``backend="moe"`` as a user writes it: one graph per forward (Dynamo's counter), eager's output, settings
+    back to Dynamo's defaults afterwards."""
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     model = handwritten.TinyMoELM("loop")
-    report = moecompile.explain(model, IDS)
+    counters.clear()
+    got = torch.compile(model, backend="moe", options={"inner": "aot_eager"})(IDS)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert normwise(got.logits, model(IDS).logits) <= 1e-5
+    assert _flags() == DYNAMO_DEFAULTS
+
+
+def test_capture_false_keeps_dynamos_defaults_and_says_so():
+    """Option capture=False: the loop breaks the graph, nothing is rewritten, the output is eager's, and explain()
+    says why and names the fix."""
+    torch.manual_seed(0)
+    model = handwritten.TinyMoELM("loop")
+    report = _compile_and_compare(model, capture=False, grads=False)
+    assert not report.layers and report.graphs_seen > 1
+    report = moecompile.explain(model, IDS, capture=False)
     assert not report.layers and report.num_graphs > 1
-    assert any(s.region == "<graph breaks>" and "moecompile.capture()" in s.reason for s in report.skipped)
-    with moecompile.capture():
-        report = moecompile.explain(model, IDS)
+    assert any(s.region == "<graph breaks>" and "capture at True" in s.reason for s in report.skipped)
+    report = moecompile.explain(model, IDS)
     assert len(report.layers) == 2 and report.num_graphs == 1
     assert not report.skipped
 
 
-def test_backend_ctx_ctor_captures_under_dynamo_optimize():
-    """torch._dynamo.optimize honours the backend's context (torch.compile in torch 2.13 drops it)."""
+def test_other_backends_trace_with_dynamos_defaults():
+    """The settings are scoped to the moe backend's compiles: a compile for another backend in the same process
+    sees Dynamo's defaults, even right after a moe compile."""
+    seen = []
+
+    def other(gm, example_inputs):
+        seen.append(_flags())
+        return gm.forward
+
+    torch.compile(handwritten.TinyMoELM("loop"), backend=RecordingBackend(inner="aot_eager"))(IDS)
+    torch._dynamo.reset()
+    torch.compile(handwritten.TinyMoELM("loop"), backend=other)(IDS)
+    assert seen and all(s == DYNAMO_DEFAULTS for s in seen)
+
+
+def test_the_compile_scope_finds_the_backend_dynamo_traces_for():
+    """The mechanism itself: Dynamo's compile-start callback finds the compiler on the stack (a torch upgrade
+    that moves it fails here first), through Dynamo's wrappers and torch.compile's options."""
+    found = []
+
+    def probe(args):
+        found.append(_compiler_being_traced_for())
+
+    torch._dynamo.callback_handler.register_start_callback(probe)
+    try:
+        backend = RecordingBackend(inner="aot_eager", capture=False)
+        torch.compile(torch.nn.Linear(4, 4), backend=backend)(torch.randn(2, 4))
+    finally:
+        torch._dynamo.callback_handler.remove_start_callback(probe)
+    assert found and found[0] is not None
+    assert wants_capture(found[0]) is False  # RecordingBackend(capture=False), through Dynamo's wrappers
+    wrapper = torch._TorchCompileWrapper(moecompile.moe_backend, None, {"capture": False}, None)
+    assert wants_capture(wrapper) is False
+    assert wants_capture(torch._TorchCompileWrapper("moe", None, None, None)) is True
+    assert wants_capture(torch._TorchCompileWrapper("aot_eager", None, None, None)) is False
+
+
+def test_capture_under_dynamo_optimize():
+    """torch._dynamo.optimize("moe") gets the same scoped capture."""
     torch.manual_seed(0)
     model = handwritten.TinyMoELM("loop")
     backend = RecordingBackend(inner="aot_eager")
-
-    def moe(gm, example_inputs, **kw):
-        return backend(gm, example_inputs, **kw)
-
-    moe.backend_ctx_ctor = moecompile.moe_backend.backend_ctx_ctor
-    got = torch._dynamo.optimize(moe)(model)(IDS)
+    got = torch._dynamo.optimize(backend)(model)(IDS)
     assert backend.report.graphs_seen == 1 and len(backend.report.layers) == 2
     assert normwise(got.logits, model(IDS).logits) <= 1e-5
-    assert not any(_flags().values())
+    assert _flags() == DYNAMO_DEFAULTS
 
 
 def test_jetmoe_split_loop_captured_and_rewritten():
     """jetmoe: expert sizes by .tolist(), inputs split per expert and a loop over range(E) of linears."""
     model = hf.build_model(hf.shrink_config("jetmoe"))
-    report = _compile_and_compare(model, capture=True)
+    report = _compile_and_compare(model)
     assert report.graphs_seen == 1
     assert len(report.layers) == model.config.num_hidden_layers, report.skipped
 
@@ -91,10 +145,22 @@ def test_jetmoe_split_loop_captured_and_rewritten():
 def test_nonzero_trip_count_loop_reported_with_why_and_fix():
     """experts_implementation='eager' loops over the hit experts: a trip count Dynamo cannot unroll."""
     model = hf.tiny_model("mixtral", experts_implementation="eager")
-    with moecompile.capture():
-        report = moecompile.explain(model, IDS)
+    report = moecompile.explain(model, IDS)
     assert not report.layers
     assert any(s.reason.endswith(LOOP_REASON) for s in report.skipped), report.skipped
     got = torch.compile(model, backend=RecordingBackend(inner="aot_eager"))
-    with moecompile.capture():
-        assert normwise(got(IDS).logits, model(IDS).logits) <= 1e-5
+    assert normwise(got(IDS).logits, model(IDS).logits) <= 1e-5
+    assert _flags() == DYNAMO_DEFAULTS
+
+
+def test_after_dynamo_reset_the_backend_registers_its_scope_again():
+    """torch._dynamo.reset() drops every compile callback, ours too: the first frame compiled right after it is
+    traced with Dynamo's defaults, so that compile breaks at the first expert loop (the output is still eager's,
+    that layer is not rewritten); the backend registers the scope again as it compiles that first graph, so the
+    frames after it, and the next model, capture."""
+    torch._dynamo.reset()  # no install() after it, as in a user's program
+    model = hf.build_model(hf.shrink_config("jetmoe"))
+    report = _compile_and_compare(model, grads=False)
+    assert report.graphs_seen > 1 and len(report.layers) < model.config.num_hidden_layers
+    report = _compile_and_compare(hf.build_model(hf.shrink_config("jetmoe")), grads=False)
+    assert report.graphs_seen == 1 and len(report.layers) == model.config.num_hidden_layers, report.skipped

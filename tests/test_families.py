@@ -170,6 +170,29 @@ def test_eager_experts_reported_with_fix_and_not_miscompiled():
     assert normwise(compiled(IDS).logits, model(IDS).logits) <= 1e-5
 
 
+def test_mixtral_training_jitter_and_dropout_match_eager():
+    """Mixtral in train() with router jitter (``hidden_states *= uniform_(1 - eps, 1 + eps)``, in place on the
+    block's input, before the router) and attention dropout: the jitter stays in the graph as written, outside the
+    rewritten block, whose token input is the jittered tensor; same seed, same logits and gradients as eager, and
+    a different seed really draws differently."""
+    model = hf.tiny_model("mixtral", router_jitter_noise=0.3, attention_dropout=0.3).train()
+    eager = copy.deepcopy(model)
+    backend = RecordingBackend(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    torch.manual_seed(1)
+    got = _train_step(compiled, IDS, True)
+    torch.manual_seed(1)
+    want = _train_step(eager, IDS, True)
+    assert normwise(got, want) <= 1e-5
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert normwise(p.grad, q.grad) <= 1e-5, name
+    torch.manual_seed(2)
+    assert normwise(_train_step(eager, IDS, False), want) > 1e-3  # training really draws
+    report = backend.report
+    assert not backend.errors and not report.skipped and len(report.layers) == 2
+    assert not report.counters["detect.router_kept"]  # the jitter is not the router's: routing is proved as usual
+
+
 @pytest.mark.parametrize("mode,lowering", [("eval", "torch"), ("train", "torch"), ("train", "triton")])
 def test_phimoe_in_train_and_eval_mode_matches_eager(mode, lowering):
     """eval(): the sparsemixer routing is proved and rewritten. train(): it samples its experts (Gumbel noise) and

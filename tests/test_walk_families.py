@@ -4,7 +4,6 @@ a changed output. The README's support table is generated from this walk (the te
     MOECOMPILE_WRITE_README=1 python -m pytest tests/test_walk_families.py     # regenerate the table
 """
 
-import contextlib
 import copy
 import os
 import re
@@ -17,10 +16,9 @@ from conftest import RecordingBackend, normwise
 
 import moecompile
 from moecompile import pipeline
-from moecompile.capture import CAPTURE_REASON
+from moecompile.capture import install
 from moecompile.backend import rewrite
 from moecompile.models import hf
-from moecompile.passes.aliases import EAGER_EXPERTS_REASON
 from moecompile.passes.canonicalize import canonicalize_moe_pass
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -56,52 +54,62 @@ def _ids(model) -> torch.Tensor:
     return torch.randint(0, min(64, model.config.vocab_size), (1, 6), generator=torch.Generator().manual_seed(0))
 
 
-def _compile_checked(family: str, model, backward: bool, capture: bool):
-    """The pass report of compiling ``model`` with the moe backend (under ``moecompile.capture()`` if asked),
-    after checking its logits (and, with ``backward``, every gradient) against an eager copy."""
+def _compile_checked(family: str, model, backward: bool):
+    """Compile ``model`` with the moe backend as a user would (nothing else changed) and run it in ``train()`` mode
+    with the family's own jitter and dropout as shipped (logits, and with ``backward`` every gradient), then in
+    ``eval()`` mode (logits), each checked against an eager copy drawing the same random numbers. Returns
+    ({mode: (layers rewritten, skip records) by the graphs compiled in that mode}, the whole report). Dynamo
+    recompiles on the mode change only the frames whose guards read it; the others run their train() graphs."""
     eager, ids = copy.deepcopy(model), _ids(model)
     backend = RecordingBackend(inner="aot_eager")
     torch._dynamo.reset()
-    with moecompile.capture() if capture else contextlib.nullcontext():
-        out = torch.compile(model, backend=backend)(ids, labels=ids)
-    want = eager(ids, labels=ids)
-    assert not backend.errors, f"{family}: backend raised {backend.errors[0]!r}"
-    assert normwise(out.logits, want.logits) <= 1e-5, f"{family}: outputs changed"
-    if backward:
-        out.loss.backward()
-        want.loss.backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            if q.grad is not None:
-                assert normwise(p.grad, q.grad) <= 1e-5, f"{family}: gradient of {name} changed"
-    return backend.report
+    install()  # reset() dropped Dynamo's compile callbacks; a user's fresh process has them from the import
+    compiled = torch.compile(model, backend=backend)
+    reports = {}
+    for mode in ("train", "eval"):
+        for m in (model, eager):
+            m.train(mode == "train")
+        before = len(backend.report.layers), len(backend.report.skipped)
+        torch.manual_seed(1)
+        out = compiled(ids, labels=ids)
+        torch.manual_seed(1)
+        want = eager(ids, labels=ids)
+        assert not backend.errors, f"{family} ({mode}): backend raised {backend.errors[0]!r}"
+        assert normwise(out.logits, want.logits) <= 1e-5, f"{family} ({mode}): outputs changed"
+        if backward and mode == "train":
+            out.loss.backward()
+            want.loss.backward()
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                if q.grad is not None:
+                    assert normwise(p.grad, q.grad) <= 1e-5, f"{family}: gradient of {name} changed"
+        reports[mode] = backend.report.layers[before[0]:], backend.report.skipped[before[1]:]
+    return reports, backend.report
 
 
 def _walk_one(family: str) -> tuple[str, str, str, str]:
-    """(family, model, result, detail) for the table. A family skipped because Dynamo broke its graph at a
-    data-dependent shape is walked again under moecompile.capture(), and the row says so."""
+    """(family, model, result, detail) for the table: the family compiled as a user would, in train() and eval()."""
     tiny = family in hf.FAMILIES
     model_kind = _model_kind(family)
     model = _build(family)
     if isinstance(model, Exception):  # the model itself cannot be built here: nothing of ours ran
         return family, model_kind, "not built", _short(f"{type(model).__name__}: {model}")
     backward = tiny and family not in FORWARD_ONLY
-    rep = _compile_checked(family, model, backward, capture=False)
-    captured = not rep.layers and any(s.reason.endswith(CAPTURE_REASON) for s in rep.skipped)
-    if captured:
-        rep = _compile_checked(family, _build(family), backward, capture=True)
-    n = len(rep.layers)
-    checked = "logits + all gradients" if backward else "logits"
-    under = " (under moecompile.capture(): its experts loop over data-dependent selections)" if captured else ""
-    if n:
+    modes, rep = _compile_checked(family, model, backward)
+    (train, train_skips), (evals, eval_skips) = modes["train"], modes["eval"]
+    eval_skips = [s for s in eval_skips if s.region not in {t.region for t in train_skips}]  # new in eval() only
+    n = len(train)
+    checked = "train() logits + all gradients, eval() logits" if backward else "train() and eval() logits"
+    if n or evals:
         kinds = sorted({r.spec.routing.score_fn + "/" + r.spec.experts.activation for r in rep.layers})
-        detail = f"{n} layer(s){under}; routing/activation: {', '.join(kinds)}; checked: {checked}"
+        count = f"{n} layer(s)" if n else f"0 layer(s) in train(), {len(evals)} in eval()"
+        if eval_skips:
+            count += f" (eval() recompiled and skipped: {_short(eval_skips[0].reason, 90)})"
+        detail = f"{count}; routing/activation: {', '.join(kinds)}; checked: {checked}"
         if family in FORWARD_ONLY:
             detail += f" ({FORWARD_ONLY[family]})"
-        skipped = f"; also skipped: {_short(rep.skipped[0].reason, 90)}" if rep.skipped else ""
+        skipped = f"; also skipped: {_short(train_skips[0].reason, 90)}" if train_skips else ""
         return family, model_kind, "rewritten", detail + skipped
-    reason = _short(rep.skipped[0].reason) if rep.skipped else "no MoE router found in the graph"
-    if captured:  # the capture's own reason names what still stops it; the first already said to capture
-        reason = _short(rep.skipped[0].reason.replace(EAGER_EXPERTS_REASON, "under moecompile.capture()"), 300)
+    reason = _short(rep.skipped[0].reason, 300) if rep.skipped else "no MoE router found in the graph"
     return family, model_kind, "skipped", f"{reason}; output unchanged"
 
 
