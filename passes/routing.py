@@ -101,12 +101,18 @@ def selections_in(nodes) -> list[fx.Node]:
     return sorted((n for n in nodes if is_selection(n)), key=lambda n: op_name(n) == "max")
 
 
+def view_chain(n: fx.Node, ops) -> list[fx.Node]:
+    """``n``, then what it is a view or cast of through ops named in ``ops``, and so on: the base is last."""
+    chain = [n]
+    while op_name(chain[-1]) in ops and chain[-1].args and isinstance(chain[-1].args[0], fx.Node):
+        chain.append(chain[-1].args[0])
+    return chain
+
+
 def router_weight(linear: fx.Node) -> fx.Node:
     """The weight of a router ``linear``, looking through casts (DeepSeek: ``weight.type(torch.float32)``)."""
     w = linear.args[1]
-    while isinstance(w, fx.Node) and op_name(w) in _CASTS:
-        w = w.args[0]
-    return w
+    return view_chain(w, _CASTS)[-1] if isinstance(w, fx.Node) else w
 
 
 def router_linear(sel: fx.Node, values) -> fx.Node | None:
@@ -182,19 +188,10 @@ def _weight_views(nodes, values) -> dict[fx.Node, fx.Node]:
     and the views between."""
     out = {}
     for a in {a for n in nodes for a in n.all_input_nodes if a not in nodes}:
-        chain = [a]
-        while op_name(chain[-1]) in PARAM_VIEWS and chain[-1].args and isinstance(chain[-1].args[0], fx.Node):
-            chain.append(chain[-1].args[0])
+        chain = view_chain(a, PARAM_VIEWS)
         if len(chain) > 1 and is_param(chain[-1], values):
             out.update(dict.fromkeys(chain[:-1], chain[-1]))
     return out
-
-
-def _view_base(n: fx.Node, views) -> fx.Node:
-    """What ``n`` is a view of, through ops named in ``views``."""
-    while op_name(n) in views and n.args and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    return n
 
 
 def _through_views(sel: fx.Node) -> set[fx.Node]:
@@ -371,7 +368,7 @@ def _capacity_options(slice_nodes, values, order, E, x_in) -> dict:
 
 def _stacked_param(n: fx.Node, values, E) -> bool:
     """Whether ``n`` is an [E, ...] parameter, or a view of one (a transpose, a cast)."""
-    n = _view_base(n, PARAM_VIEWS)
+    n = view_chain(n, PARAM_VIEWS)[-1]
     return is_param(n, values) and values[n].dim() >= 2 and values[n].shape[0] == E
 
 

@@ -63,14 +63,21 @@ def test_verify_keeps_one_proved_spec_and_rejects_wrong_ones():
     assert len(node.meta["moe"].specs) == 1 and report.layers[0].max_error <= 1e-5
 
     gm, ex = block_graph()
+    report = verify_edited(gm, ex, experts=dict(activation="gelu"))
+    assert not annotated(gm) and report.counters["verify.rejected"] == 1
+    assert "no candidate spec reproduced the block" in report.skipped[0].reason
+
+
+def verify_edited(gm, ex, **edits) -> PassReport:
+    """detect, then every candidate spec of the first block with fields changed (``experts=dict(activation=
+    "gelu")``: a spec that misreads the block), then verify: its report."""
     report = PassReport()
     detect_moe_pass(gm, ex, config=CONFIG, report=report)
     cand = annotated(gm)[0].meta["moe"]
-    wrong = [s.replace(experts=dataclasses.replace(s.experts, activation="gelu")) for s in cand.specs]
-    cand.specs = wrong
+    cand.specs = [s.replace(**{part: dataclasses.replace(getattr(s, part), **fields) for part, fields in edits.items()})
+                  for s in cand.specs]
     verify_moe_pass(gm, ex, config=CONFIG, report=report)
-    assert not annotated(gm) and report.counters["verify.rejected"] == 1
-    assert "no candidate spec reproduced the block" in report.skipped[0].reason
+    return report
 
 
 def test_canonicalize_then_lower_leave_only_canonical_ops():
@@ -188,11 +195,7 @@ def test_a_router_that_draws_random_numbers_is_kept_and_its_experts_proved_on_ra
 
 def test_a_kept_router_still_proves_its_experts_and_random_experts_are_refused():
     _, _, gm, ex = _sampled_block_graph()
-    report = PassReport()
-    detect_moe_pass(gm, ex, config=CONFIG, report=report)
-    cand = annotated(gm)[0].meta["moe"]
-    cand.specs = [s.replace(experts=dataclasses.replace(s.experts, activation="gelu")) for s in cand.specs]
-    verify_moe_pass(gm, ex, config=CONFIG, report=report)
+    report = verify_edited(gm, ex, experts=dict(activation="gelu"))
     assert not annotated(gm) and "no candidate spec reproduced the block" in report.skipped[0].reason
 
     _, _, gm, ex = _sampled_block_graph(expert_noise=True)  # random draws in the experts: nothing to keep apart

@@ -14,13 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import RecordingBackend, normwise
-from test_passes import CONFIG, annotated, capture
+from test_passes import CONFIG, annotated, capture, verify_edited
 from torch import nn
 
 from moecompile.models import handwritten
-from moecompile.passes.detect import detect_moe_pass
 from moecompile.passes.report import PassReport
-from moecompile.passes.verify import verify_moe_pass
 from moecompile.pipeline import MoECompileError, run_passes
 from moecompile.runtime.reference import build_pft_ref
 
@@ -238,11 +236,7 @@ def test_the_proof_tells_priority_from_slot_major():
     """A BPR block proved as slot-major would be a miscompile: verify refuses that spec."""
     torch.manual_seed(0)
     gm, ex = capture(BatchPrioritized(capacity_factor=0.5), torch.randn(2, 5, H))
-    report = PassReport()
-    detect_moe_pass(gm, ex, config=CONFIG, report=report)
-    cand = annotated(gm)[0].meta["moe"]
-    cand.specs = [s.replace(routing=dataclasses.replace(s.routing, drop_order="slot_major")) for s in cand.specs]
-    verify_moe_pass(gm, ex, config=CONFIG, report=report)
+    report = verify_edited(gm, ex, routing=dict(drop_order="slot_major"))
     assert not annotated(gm) and "no candidate spec reproduced the block" in report.skipped[0].reason
 
 

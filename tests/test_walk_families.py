@@ -14,7 +14,6 @@ import pytest
 import torch
 from conftest import RecordingBackend, normwise
 
-import moecompile
 from moecompile import pipeline
 from moecompile.capture import install
 from moecompile.backend import rewrite
