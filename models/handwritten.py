@@ -12,6 +12,8 @@ are found in the wild, so the compiler has to recognise each idiom:
   (``w[expert_indices] -> [T, K, ...]``) and einsum with them.
 * ``LoopMoE``       -- an ``nn.ModuleList`` of ``nn.Linear`` experts called in a loop on the rows
   ``torch.where`` selects, summed back with ``index_add_`` (data-dependent shapes).
+* ``HitLoopMoE``    -- the same experts in a loop over only those that received tokens, found with
+  ``nonzero()`` (a data-dependent trip count, as transformers' ``experts_implementation="eager"``).
 * ``BmmCapacityMoE`` -- top-k with a capacity: kept assignments scattered into an
   ``[E, C, H]`` buffer, stacked SwiGLU experts run with ``torch.bmm``, rows gathered back.
 * ``InputGatedTop1MoE`` -- Switch-style top-1 by ``argmax``; the gate scales the token
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HANDWRITTEN = ("modulelist", "gshard", "gather", "loop", "bmm", "top1_input")
+HANDWRITTEN = ("modulelist", "gshard", "gather", "loop", "bmm", "top1_input", "hit_loop")
 INIT_STD = 0.1
 
 
@@ -85,6 +87,23 @@ class LoopMoE(ModuleListMoE):
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(ids == e)
             out.index_add_(0, token, expert(h[token]) * weights[token, slot, None])
+        return out.view_as(x)
+
+
+class HitLoopMoE(ModuleListMoE):
+    """``ModuleListMoE``'s router and experts, run in a loop over only the experts that received tokens (found with
+    ``nonzero()``, as transformers' ``experts_implementation="eager"`` does): a trip count that depends on the
+    data. moecompile rewrites the loop into one over every expert while Dynamo traces it (``moecompile/loops.py``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, ids = _route(self.router(h), self.top_k)
+        out = torch.zeros_like(h)
+        mask = F.one_hot(ids, len(self.experts)).permute(2, 0, 1)  # [E, T, K]
+        hit = (mask.sum(dim=(1, 2)) > 0).nonzero()
+        for row in hit:
+            token, slot = torch.where(mask[row[0]])
+            out.index_add_(0, token, self.experts[row[0]](h[token]) * weights[token, slot, None])
         return out.view_as(x)
 
 
@@ -226,7 +245,7 @@ def _init(module: nn.Module) -> None:
         p.normal_(0.0, INIT_STD)
 
 
-_BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE, "loop": LoopMoE,
+_BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE, "loop": LoopMoE, "hit_loop": HitLoopMoE,
            "bmm": BmmCapacityMoE, "top1_input": InputGatedTop1MoE}
 
 
@@ -262,5 +281,5 @@ class TinyMoELM(nn.Module):
         return LMOutput(logits, loss)
 
 
-__all__ = ["HANDWRITTEN", "ModuleListMoE", "LoopMoE", "GShardMoE", "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert",
+__all__ = ["HANDWRITTEN", "ModuleListMoE", "LoopMoE", "HitLoopMoE", "GShardMoE", "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert",
            "BmmCapacityMoE", "InputGatedTop1MoE", "TinyMoELM", "LMOutput"]

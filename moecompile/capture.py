@@ -25,8 +25,10 @@ each time it compiles a graph (so only the first frame compiled after a reset mi
 
 What no setting captures: a loop whose trip count is itself data-dependent, ``for e in mask.nonzero():`` over the
 experts that received tokens (transformers' ``experts_implementation="eager"``, dbrx, longcat_flash). Dynamo
-unrolls Python loops, and it cannot unroll a loop of unbacked length; the graph breaks at the ``for``
-(``LOOP_REASON``).
+unrolls Python loops, and it cannot unroll a loop of unbacked length. For the moe backend's compiles, the same
+start callback therefore gives such loops, where their source proves it safe, the equivalent loop over every expert
+(``moecompile/loops.py``; the function's code is swapped for the compile and put back at its end). A loop it cannot
+prove breaks the graph as before and is reported with why (``LOOP_REASON`` and the loop's own reason).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import sys
 
 import torch
 
+from moecompile import loops
 from moecompile.passes.aliases import EAGER_EXPERTS_REASON
 
 FLAGS = ("capture_dynamic_output_shape_ops", "capture_scalar_outputs")
@@ -72,36 +75,59 @@ def wants_capture(compiler) -> bool:
     return False
 
 
-def _compiler_being_traced_for():
-    """The ``compiler_fn`` of the Dynamo compile running on this thread (found on the stack), or None."""
+def _compile_frame() -> dict:
+    """The locals of Dynamo's ``convert_frame._compile`` running on this thread (found on the stack): its
+    ``compiler_fn``, and the ``locals``, ``closure`` and ``globals`` of the frame it compiles; {} if none."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "torch._dynamo.convert_frame" and "compiler_fn" in frame.f_code.co_varnames:
-            return frame.f_locals.get("compiler_fn")
+            return frame.f_locals
         frame = frame.f_back
-    return None
+    return {}
+
+
+def _compiler_being_traced_for():
+    """The ``compiler_fn`` of the Dynamo compile running on this thread (found on the stack), or None."""
+    return _compile_frame().get("compiler_fn")
+
+
+def _namespaces(compile_locals: dict) -> list:
+    """The values the frame being compiled can reach directly: its locals, its closure's cells, its globals."""
+    cells = []
+    for cell in compile_locals.get("closure") or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return [(compile_locals.get("locals") or {}).values(), cells, (compile_locals.get("globals") or {}).values()]
 
 
 _open: list[contextlib.AbstractContextManager] = []
+_swapped: list = []  # (function, original code) pairs of the loops rewritten for the compile running now
 
 
 def compile_scope_start(args) -> None:
-    """Dynamo compile-start callback: capture for this compile if it traces for the moe backend. Never raises
+    """Dynamo compile-start callback: if it traces for the moe backend, capture data-dependent shapes and rewrite
+    the nonzero() expert loops reachable from the frame (``loops.swap``) for this compile. Never raises
     (an error here would stop the user's compile); on any surprise nothing is turned on."""
     from torch._dynamo.callback import CallbackTrigger
 
     try:
-        if args.callback_trigger != CallbackTrigger.DYNAMO or not wants_capture(_compiler_being_traced_for()):
+        frame = _compile_frame()
+        if args.callback_trigger != CallbackTrigger.DYNAMO or not wants_capture(frame.get("compiler_fn")):
             return
         scope = capture()
         scope.__enter__()
         _open.append(scope)
+        loops.swap(_namespaces(frame), _swapped)
     except Exception:  # noqa: BLE001 - a missed capture is reported later with its fix; a crash here is not
         return
 
 
 def compile_scope_end(args) -> None:
-    """Dynamo compile-end callback: put back the settings ``compile_scope_start`` changed."""
+    """Dynamo compile-end callback: put back the settings and the code ``compile_scope_start`` changed."""
+    loops.restore(_swapped)
+    _swapped.clear()
     while _open:
         _open.pop().__exit__(None, None, None)
 
@@ -117,10 +143,11 @@ def install() -> None:
 
 _NONZERO_LOOP = (
     "a loop over the experts that received tokens (`for e in mask.nonzero():`, as transformers' "
-    "experts_implementation='eager', dbrx and longcat_flash do) has a data-dependent trip count, which Dynamo cannot "
-    "unroll: for it, load the model with experts_implementation='grouped_mm' (the default) or set "
-    "config._experts_implementation = 'grouped_mm' where the model has it, or loop over range(num_experts) (an "
-    "expert with no tokens then does nothing)"
+    "experts_implementation='eager' does) has a data-dependent trip count, which Dynamo cannot unroll, and "
+    "moecompile could not prove its rewrite into a loop over every expert (moecompile/loops.py): for it, load the "
+    "model with experts_implementation='grouped_mm' (the default) or set config._experts_implementation = "
+    "'grouped_mm' where the model has it, or loop over range(num_experts) (an expert with no tokens then does "
+    "nothing)"
 )
 
 CAPTURE_REASON = (
@@ -142,6 +169,8 @@ def complete_missing_experts(report) -> None:
     """Say why a graph holds a router and no experts, and the fix, from the capture settings it was traced with
     (the backend runs inside Dynamo's trace, so the settings read now are the trace's)."""
     why = LOOP_REASON if capturing() else CAPTURE_REASON
+    if capturing():
+        why += "".join(f"; {name}: {r.reason}" for name, r in loops.seen.items() if r.code is None and r.found)
     for rec in report.skipped:
         if rec.reason == EAGER_EXPERTS_REASON:
             rec.reason += why

@@ -11,8 +11,8 @@
     out_TH    = moe.combine(y_BH, tok, cw, T)
 
 Weight roles in ``weights``: ``gate``, ``up``, ``down`` (or ``gate_up`` when fused) and the same with ``_bias``.
-A role's value is a stacked ``[E, ...]`` tensor, or a list of E per-expert tensors (ModuleList experts, stacked
-here). Layouts are normalised with views: transposes and gate/up splits copy nothing.
+A role's value is a stacked ``[E, ...]`` tensor, a flat ``[E * R, C]`` one (every expert's rows one after the
+other: dbrx; viewed as ``[E, R, C]`` here), or a list of E per-expert tensors (ModuleList experts, stacked here). Layouts are normalised with views: transposes and gate/up splits copy nothing.
 """
 
 from __future__ import annotations
@@ -25,14 +25,16 @@ from moecompile.runtime.layouts import split_gate_up
 from .spec import MoESpec
 
 
-def _stacked(v):
-    return torch.stack(v) if isinstance(v, (list, tuple)) else v
+def _stacked(v, e):
+    if isinstance(v, (list, tuple)):
+        return torch.stack(v)
+    return v.view(e.num_experts, -1, v.shape[-1]) if e.storage == "flat" else v
 
 
 def expert_tensors(spec: MoESpec, weights: dict):
     """(w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH) in canonical layout."""
     e = spec.experts
-    w = {k: _stacked(v) for k, v in weights.items()}
+    w = {k: _stacked(v, e) for k, v in weights.items()}
     if e.gate_up != "separate":
         gu = w["gate_up"].transpose(1, 2) if e.up_transposed else w["gate_up"]
         gate, up = split_gate_up(gu, e.gate_up, e.intermediate)

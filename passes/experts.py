@@ -7,7 +7,7 @@ import re
 
 import torch.fx as fx
 
-from .graph_utils import float_consts, is_param, op_name
+from .graph_utils import float_consts, is_param, op_name, shape_of
 
 
 class Skip(Exception):
@@ -28,12 +28,26 @@ def modulelist_indices(params, E: int) -> dict[fx.Node, tuple[int, str]]:
     return {}
 
 
+def flat_stacked(p: fx.Node, values, E: int) -> bool:
+    """A parameter holding every expert's rows one after the other, ``[E * R, C]``, and read only through views
+    as ``[E, R, C]`` (dbrx's ``w1.view(-1, ffn, hidden)[e]``)."""
+    v = values[p]
+    if v.dim() != 2 or v.shape[0] % E or v.shape[0] == E or not p.users:
+        return False
+    want = (E, v.shape[0] // E, v.shape[1])
+    return all(op_name(u) in ("view", "reshape", "unflatten") and shape_of(u) == want for u in p.users)
+
+
 def expert_params(nodes, values, E: int) -> list[fx.Node]:
-    """Parameters used in ``nodes`` that look like routed-expert weights: stacked [E, ...] or one per expert."""
+    """Parameters used in ``nodes`` that look like routed-expert weights: stacked [E, ...], flat [E * R, C] read
+    as [E, R, C], or one per expert."""
     params = {a for n in nodes for a in n.all_input_nodes if is_param(a, values)}
     stacked = [p for p in params if values[p].dim() >= 2 and values[p].shape[0] == E]
     if any(values[p].dim() == 3 for p in stacked):
         return stacked
+    flat = [p for p in params if flat_stacked(p, values, E)]
+    if flat:
+        return flat
     return list(modulelist_indices(params, E))
 
 
@@ -47,7 +61,13 @@ def expert_options(slice_nodes, values, order, E, H, exclude: set):
     params = [p for p in expert_params(slice_nodes, values, E) if p not in exclude]
     if not params:
         raise Skip("found a router but no expert weights in the same block")
-    if all(values[p].shape[0] == E for p in params) and any(values[p].dim() == 3 for p in params):
+    if all(flat_stacked(p, values, E) for p in params):
+        storage = "flat"
+        mats = sorted(params, key=lambda p: _first_use(p, order))
+        vecs = []
+        shape = lambda p: (values[p].shape[0] // E, values[p].shape[1])  # noqa: E731
+        bind = lambda p: p  # noqa: E731
+    elif all(values[p].shape[0] == E for p in params) and any(values[p].dim() == 3 for p in params):
         storage = "stacked"
         mats = sorted((p for p in params if values[p].dim() == 3), key=lambda p: _first_use(p, order))
         vecs = sorted((p for p in params if values[p].dim() == 2), key=lambda p: _first_use(p, order))

@@ -52,7 +52,8 @@ class ExpertSpec:
     gated: bool = True
     alpha: float = 1.702  # swiglu_clamp only
     limit: float = 7.0  # swiglu_clamp only
-    storage: str = "stacked"  # stacked: [E, ...] parameters | modulelist: one nn.Linear per expert
+    storage: str = "stacked"  # stacked: [E, ...] parameters | flat: [E * R, C] read as [E, R, C] | modulelist: one
+    # nn.Linear per expert
     gate_up: str = "separate"  # separate | a fused gate/up weight's layout (runtime/layouts.py GATE_UP_LAYOUTS)
     up_transposed: bool = False  # stored [E, H, I] instead of [E, I, H]
     down_transposed: bool = False  # stored [E, I, H] instead of [E, H, I]

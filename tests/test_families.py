@@ -54,7 +54,7 @@ def test_handwritten_rewritten_and_matches_eager(kind):
     assert report.counters["canonicalize.rewritten"] == 2
     spec = report.layers[0].spec
     assert (spec.experts.storage, spec.experts.num_experts, spec.routing.top_k) == (
-        "modulelist" if kind in ("modulelist", "loop") else "stacked", 8, model.blocks[0].top_k)
+        "modulelist" if kind in ("modulelist", "loop", "hit_loop") else "stacked", 8, model.blocks[0].top_k)
 
 
 def test_gshard_keeps_drop_semantics_without_padding():
@@ -159,14 +159,16 @@ def test_inductor_default_trains_like_eager():
         assert normwise(p.grad, q.grad) <= 1e-5
 
 
-def test_eager_experts_reported_with_fix_and_not_miscompiled():
+def test_eager_experts_without_capture_reported_with_fix_and_not_miscompiled():
+    """With capture off, the experts' nonzero() loop breaks the graph: reported with the fix, output unchanged (with
+    the default, the loop is rewritten: tests/test_loops.py)."""
     import moecompile
 
     model = hf.tiny_model("mixtral", experts_implementation="eager")
-    report = moecompile.explain(model, IDS)
+    report = moecompile.explain(model, IDS, capture=False)
     assert not report.layers and report.num_graphs > 1
     assert any("experts_implementation='grouped_mm'" in s.reason for s in report.skipped)
-    compiled = torch.compile(model, backend=RecordingBackend(inner="aot_eager"))
+    compiled = torch.compile(model, backend=RecordingBackend(inner="aot_eager", capture=False))
     assert normwise(compiled(IDS).logits, model(IDS).logits) <= 1e-5
 
 

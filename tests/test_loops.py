@@ -1,0 +1,207 @@
+"""Loops over the experts that received tokens (``for e in mask.nonzero():``, issue 8 item 1): moecompile/loops.py
+proves from the source that the loop over every expert computes the same, and the moe backend's compiles trace that
+loop instead, with the user's class unchanged before and after. Forms it cannot prove are left as they are and
+reported with the reason."""
+
+import copy
+import inspect
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import RecordingBackend, normwise
+from torch import nn
+
+import moecompile
+from moecompile import loops
+from moecompile.capture import LOOP_REASON
+from moecompile.models import handwritten, hf
+
+IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+
+
+def _transformers_class(module: str, name: str):
+    mod = __import__(f"transformers.models.{module}.modeling_{module}", fromlist=[name])
+    return getattr(mod, name)
+
+
+def _rewritten(fn):
+    """``fn`` with its rewritten code (a new function: ``fn`` itself is untouched)."""
+    result = loops.rewrite(fn)
+    assert result.code is not None, result.reason
+    return types.FunctionType(result.code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+@pytest.mark.parametrize("module, name", [
+    ("mixtral", "MixtralExperts"),            # transformers' experts_implementation="eager" (skips the padding class)
+    ("dbrx", "DbrxExperts"),                  # one class more than its experts, and no skip: guarded by length
+    ("longcat_flash", "LongcatFlashExperts"),  # int(row.item()), an empty-selection `continue`, identity experts
+])
+def test_transformers_loops_rewritten_over_every_expert(module, name):
+    fn = inspect.unwrap(_transformers_class(module, name).forward)
+    result = loops.rewrite(fn)
+    assert result.code is not None and result.found, result.reason
+    assert f"for {loops.ROW} in range(" in result.source
+    rewritten_loop = result.source.split("    else:\n")[0]
+    assert "numel() == 0:\n" not in rewritten_loop.split("range(")[1]  # longcat's empty skip: redundant, dropped
+    assert fn.__code__ is not result.code  # rewrite() never changes the function
+
+
+def test_dbrx_padding_class_is_skipped_by_a_length_guard():
+    fn = _transformers_class("dbrx", "DbrxExperts").forward
+    source = loops.rewrite(fn).source
+    assert "if not expert_idx < len(self.mlp.v1.view(split_expert_shape)):" in source
+
+
+def test_rewritten_loops_compute_what_the_originals_do():
+    """Run each rewritten forward eagerly against the original, on routings where some experts get no tokens and
+    the padding class appears in the mask: bitwise the same output and gradients."""
+    torch.manual_seed(0)
+    mixtral = hf.tiny_model("mixtral", experts_implementation="eager").model.layers[0].mlp.experts
+    dbrx = hf.build_model(hf.walk_config("dbrx")).transformer.blocks[0].ffn.experts
+    for experts in (mixtral, dbrx):
+        hidden = experts.mlp.hidden_size if hasattr(experts, "mlp") else experts.hidden_dim
+        num_experts = experts.num_experts
+        fn = inspect.unwrap(type(experts).forward)
+        new = _rewritten(fn)
+        for ids in (torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.randint(0, num_experts, (7, 2))):
+            x = torch.randn(ids.shape[0], hidden, requires_grad=True)
+            w = torch.rand(ids.shape, requires_grad=True)
+            want, got = fn(experts, x, ids, w), new(experts, x, ids, w)
+            assert torch.equal(got, want)
+            g_want = torch.autograd.grad(want.sum(), [x, w])
+            g_got = torch.autograd.grad(got.sum(), [x, w])
+            assert all(torch.equal(a, b) for a, b in zip(g_got, g_want))
+
+
+def _module_with(tmp_path, loop_body: str, mask: str, after: str = ""):
+    """A function written like an experts loop, with ``loop_body`` and ``mask`` substituted, in a file of its own
+    (rewrite() reads the source)."""
+    path = tmp_path / "user_experts.py"
+    path.write_text(f'''import torch
+import torch.nn.functional as F
+
+
+def forward(self, x, ids, w):
+    out = torch.zeros_like(x)
+    mask = {mask}
+    hit = (mask.sum(dim=(1, 2)) > 0).nonzero()
+    for row in hit:
+{loop_body}
+    {after}
+    return out
+''')
+    namespace = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - a test builds source to rewrite
+    return namespace["forward"]
+
+
+GOOD = """        tok, slot = torch.where(mask[row[0]])
+        out.index_add_(0, tok, self.experts[row[0]](x[tok]) * w[tok, slot, None])"""
+ONE_HOT = "F.one_hot(ids, 4).permute(2, 0, 1)"
+
+
+def test_a_loop_of_the_proved_form_is_rewritten(tmp_path):
+    assert loops.rewrite(_module_with(tmp_path, GOOD, ONE_HOT)).code is not None
+
+
+@pytest.mark.parametrize("body, mask, after, why", [
+    (GOOD, "ids", "", "`mask` is not a one_hot"),
+    (GOOD.replace("out.index_add_", "print(row)\n        out.index_add_"), ONE_HOT, "",
+     "runs `print(row)` for an effect"),
+    (GOOD + "\n        self.counts.append(tok)", ONE_HOT, "", "runs `self.counts.append(tok)`"),
+    (GOOD.replace("(x[tok])", "(x[tok]).relu_()"), ONE_HOT, "", "calls `.relu_(...)`"),
+    (GOOD + "\n        out[tok] += 1", ONE_HOT, "", "`augassign` statement"),
+    (GOOD + "\n        out.index_add_(0, tok, x[tok])", ONE_HOT, "", "not one statement"),
+    (GOOD, ONE_HOT, "last = tok", "`tok`, bound in the loop, is read outside it"),
+    (GOOD.replace("mask[row[0]]", "mask[row[1]]"), ONE_HOT, "", "indexes the loop row `row` other than as"),
+    (GOOD.replace("self.experts[row[0]]", "(self.experts[row[0]] if w.numel() else None)"), ONE_HOT, "",
+     "under a condition"),
+    (GOOD.replace("out.index_add_(0, tok,", "out.index_add_(0, ids[:, 0],"), ONE_HOT, "",
+     "are not the `torch.where(mask[e])`"),
+    (GOOD.replace("out.index_add_(0,", "out.index_add_(1,"), ONE_HOT, "", "along a dimension other than 0"),
+    (GOOD.replace("out.index_add_", "buf = x.clone()\n        buf.index_add_"), ONE_HOT, "",
+     "writes to a tensor not bound before the loop"),
+    ("        mask = mask * 2\n" + GOOD, ONE_HOT, "", "`mask` is bound again after the nonzero()"),
+    (GOOD, ONE_HOT + "\n    mask.neg_()", "", "`mask` is changed in place"),
+])
+def test_loops_that_cannot_be_proved_are_refused_with_the_reason(tmp_path, body, mask, after, why):
+    result = loops.rewrite(_module_with(tmp_path, body, mask, after))
+    assert result.code is None and result.found and why in result.reason, result.reason
+
+
+def _compile_and_compare(model, backend):
+    eager = copy.deepcopy(model)
+    got = torch.compile(model, backend=backend)(IDS, labels=IDS)
+    want = eager(IDS, labels=IDS)
+    assert not getattr(backend, "errors", None), backend.errors
+    assert normwise(got.logits, want.logits) <= 1e-5
+    got.loss.backward()
+    want.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        if q.grad is not None:
+            assert normwise(p.grad, q.grad) <= 1e-5, name
+
+
+def test_eager_experts_loop_captured_rewritten_and_put_back():
+    """experts_implementation='eager': one graph, both layers rewritten, logits and gradients as eager; the class's
+    code is the original after the compile, and another backend in the same process still breaks at the loop."""
+    model = hf.tiny_model("mixtral", experts_implementation="eager")
+    fn = inspect.unwrap(type(model.model.layers[0].mlp.experts).forward)
+    original = fn.__code__
+    backend = RecordingBackend(inner="aot_eager")
+    _compile_and_compare(model, backend)
+    assert backend.report.graphs_seen == 1 and len(backend.report.layers) == 2, backend.report.skipped
+    assert fn.__code__ is original
+
+    graphs = []
+
+    def plain(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    other = hf.tiny_model("mixtral", experts_implementation="eager")
+    torch.compile(other, backend=plain)(IDS)
+    assert len(graphs) > 1  # a plain backend's compile is not rewritten: the loop breaks its graph
+    assert fn.__code__ is original
+
+
+def test_dbrx_rewritten_with_its_flat_expert_weights():
+    """dbrx: its own loop (no other experts code), a padding class past its experts, and expert weights kept flat
+    as [E * ffn, hidden] and viewed per expert: rewritten, logits and every gradient as eager."""
+    torch.manual_seed(0)
+    model = hf.build_model(hf.walk_config("dbrx"))
+    backend = RecordingBackend(inner="aot_eager")
+    _compile_and_compare(model, backend)
+    layers = backend.report.layers
+    assert len(layers) == model.config.n_layers and layers[0].spec.experts.storage == "flat", backend.report.skipped
+
+
+class _UnprovedLoopMoE(handwritten.HitLoopMoE):
+    """A loop over the hit experts whose last selection is read after the loop: not provably the same over every
+    expert, so it is left as it is and reported."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, ids = handwritten._route(self.router(h), self.top_k)
+        out = torch.zeros_like(h)
+        mask = F.one_hot(ids, len(self.experts)).permute(2, 0, 1)
+        hit = (mask.sum(dim=(1, 2)) > 0).nonzero()
+        for row in hit:
+            token, slot = torch.where(mask[row[0]])
+            out.index_add_(0, token, self.experts[row[0]](h[token]) * weights[token, slot, None])
+        self.last_rows = token.numel()
+        return out.view_as(x)
+
+
+def test_a_loop_that_cannot_be_proved_is_reported_with_its_reason():
+    torch.manual_seed(0)
+    model = handwritten.TinyMoELM("hit_loop")
+    model.blocks = nn.ModuleList(_UnprovedLoopMoE(32, 16, 8, 2) for _ in range(2))
+    report = moecompile.explain(model, IDS)
+    assert not report.layers
+    reasons = [s.reason for s in report.skipped]
+    assert any(LOOP_REASON in r and "`token`, bound in the loop, is read outside it" in r for r in reasons), reasons
+    got = torch.compile(model, backend=RecordingBackend(inner="aot_eager"))
+    assert normwise(got(IDS).logits, model(IDS).logits) <= 1e-5
