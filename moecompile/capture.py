@@ -167,10 +167,12 @@ LOOP_REASON = (
 
 def complete_missing_experts(report) -> None:
     """Say why a graph holds a router and no experts, and the fix, from the capture settings it was traced with
-    (the backend runs inside Dynamo's trace, so the settings read now are the trace's)."""
+    (the backend runs inside Dynamo's trace, so the settings read now are the trace's); and record the loops over
+    ``nonzero()`` rows this trace ran rewritten (``report.loops``)."""
     why = LOOP_REASON if capturing() else CAPTURE_REASON
     if capturing():
         why += "".join(f"; {name}: {r.reason}" for name, r in loops.seen.items() if r.code is None and r.found)
+        report.loops.update({name: r.where for name, r in loops.seen.items() if r.code is not None})
     for rec in report.skipped:
         if rec.reason == EAGER_EXPERTS_REASON:
             rec.reason += why

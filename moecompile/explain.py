@@ -22,7 +22,8 @@ class ExplainReport:
     ``skipped``: (region, reason) for every MoE-looking region left as it was; ``graphs``: (stage, code) for
     the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made;
     ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table);
-    ``failures``: (stage, region, error) for every pass that raised: that graph ran as it came in."""
+    ``failures``: (stage, region, error) for every pass that raised: that graph ran as it came in; ``loops``: the
+    forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert (moecompile/loops.py)."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
@@ -31,6 +32,7 @@ class ExplainReport:
     num_graphs: int
     config_mismatches: list[str] = dataclasses.field(default_factory=list)  # detected spec vs model.config
     failures: list[FailureRecord] = dataclasses.field(default_factory=list)
+    loops: dict[str, str] = dataclasses.field(default_factory=dict)  # forward whose nonzero() loop was rewritten
 
     def __str__(self) -> str:
         out = [f"moecompile: {len(self.layers)} MoE layer(s) rewritten, {len(self.skipped)} skipped, "
@@ -48,6 +50,8 @@ class ExplainReport:
                 out.append(f"      kernels checked against the references on probes: error {rec.lowering_error:.2g}")
             if rec.kernel_tiles:
                 out.append(f"      kernel tiles: {rec.kernel_tiles}")
+        for name, where in self.loops.items():
+            out.append(f"  traced {name}'s loop over nonzero() rows as a loop over every expert ({where})")
         for s in self.skipped:
             out.append(f"  skipped {s.region}: {s.reason}")
         if self.counters:
@@ -91,7 +95,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
         report.skipped.append(SkipRecord("<graph breaks>", DATA_DEPENDENT_BREAKS.format(n=breaks)))
     mismatches = _check_against_config(getattr(model, "config", None), report.layers)
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
-                         report.failures)
+                         report.failures, dict(report.loops))
 
 
 DATA_DEPENDENT_BREAKS = (

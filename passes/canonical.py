@@ -12,7 +12,8 @@
 
 Weight roles in ``weights``: ``gate``, ``up``, ``down`` (or ``gate_up`` when fused) and the same with ``_bias``.
 A role's value is a stacked ``[E, ...]`` tensor, a flat ``[E * R, C]`` one (every expert's rows one after the
-other: dbrx; viewed as ``[E, R, C]`` here), or a list of E per-expert tensors (ModuleList experts, stacked here). Layouts are normalised with views: transposes and gate/up splits copy nothing.
+other: dbrx; viewed as ``[E, R, C]`` here), or a list of E per-expert tensors (ModuleList experts, stacked here).
+Layouts are normalised with views: transposes and gate/up splits copy nothing.
 """
 
 from __future__ import annotations

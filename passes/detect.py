@@ -126,7 +126,7 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     logits = router
     sels = [n for n in selections_in(region) if router_linear(n, values) is router]
     dep = descendants(sels, region)
-    routed = _routed_node(region, dep, H)
+    routed = _routed_node(region, dep, H, values)
     # the compiled module's own inputs may carry the block's module stack: they are inputs, not computation
     slice_nodes = {n for n in ancestors([routed], region) if n.op != "placeholder"}
     slice_nodes -= _input_writes_before_routing(slice_nodes, dep, router)
@@ -245,8 +245,9 @@ def _kept_router(slice_nodes, sels, x_in, values, router_params):
 _SCALAR_OPS = {"truediv", "div", "mul", "itruediv", "imul"}  # by a Python number
 
 
-def _routed_node(region, dep, H) -> fx.Node:
-    """Walk from the block output through views, casts and the shared-expert add to the routed sum."""
+def _routed_node(region, dep, H, values) -> fx.Node:
+    """Walk from the block output through views, casts, a norm of the output and the shared-expert add to the
+    routed sum."""
     outs = [n for n in region if any(u not in region for u in n.users) and shape_of(n) and shape_of(n)[-1] == H]
     if not outs:
         raise Skip("no [.., H] output leaves the block")
@@ -266,8 +267,44 @@ def _routed_node(region, dep, H) -> fx.Node:
             node = next(a for a in tensor_args if a in dep)
         elif name in _SCALAR_OPS and tensor_args == [node.args[0]] and tensor_args[0] in dep:
             node = tensor_args[0]  # (routed + shared) / 2 (Cohere2-MoE "average"): the scale stays outside
+        elif (normed := _norm_input(node, values)) is not None and normed in dep:
+            node = normed  # norm(routed + shared) (A.X-K1's post_mlp_layernorm): the norm stays outside
         else:
             return node
+
+
+def _norm_input(node: fx.Node, values) -> fx.Node | None:
+    """What ``node`` normalises, when it is a LayerNorm or an RMSNorm written out
+    (``w * (h * rsqrt(h.pow(2).mean(-1) + eps)).to(dtype)``), else None."""
+    if op_name(node) in ("layer_norm", "rms_norm") and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    if op_name(node) != "mul":
+        return None
+    args = [a for a in node.args if isinstance(a, fx.Node)]
+    scales = [a for a in args if is_param(a, values) and values[a].dim() == 1]
+    if len(args) != 2 or len(scales) != 1:
+        return None
+    x = _uncast(args[1 - args.index(scales[0])])
+    parts = [a for a in x.args if isinstance(a, fx.Node)] if op_name(x) == "mul" else []
+    rsqrt = [a for a in parts if op_name(a) == "rsqrt"]
+    if len(parts) != 2 or len(rsqrt) != 1:
+        return None
+    h = parts[1 - parts.index(rsqrt[0])]
+    v = rsqrt[0].args[0]  # mean(h.pow(2)) + eps
+    if op_name(v) == "add":
+        v = next((a for a in v.args if isinstance(a, fx.Node)), None)
+    v = _uncast(v)
+    if not isinstance(v, fx.Node) or op_name(v) != "mean" or not isinstance(v.args[0], fx.Node):
+        return None
+    sq = _uncast(v.args[0])
+    squared = {_uncast(a) for a in sq.args if isinstance(a, fx.Node)}
+    return h if op_name(sq) in ("pow", "square", "mul") and _uncast(h) in squared else None
+
+
+def _uncast(n):
+    while isinstance(n, fx.Node) and op_name(n) in PASS_THROUGH and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
 
 
 def _added_in_place(node: fx.Node, dep) -> fx.Node | None:

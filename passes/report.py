@@ -50,6 +50,7 @@ class PassReport:
     counters: Counter = field(default_factory=Counter)
     failures: list[FailureRecord] = field(default_factory=list)
     graphs_seen: int = 0  # graphs that entered the pipeline: "graph 1" in a failure is the second
+    loops: dict[str, str] = field(default_factory=dict)  # forward traced with its nonzero() loop rewritten -> where
 
     def skip(self, region: str, reason: str) -> None:
         self.skipped.append(SkipRecord(region, reason))

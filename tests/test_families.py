@@ -159,6 +159,16 @@ def test_inductor_default_trains_like_eager():
         assert normwise(p.grad, q.grad) <= 1e-5
 
 
+def test_norm_of_the_block_output_stays_outside_the_rewrite():
+    """A.X-K1: the block returns post_mlp_layernorm(routed + shared), an RMSNorm written out. detect walks back
+    through the norm and the shared add to the routed sum; both stay in the graph as written."""
+    torch.manual_seed(0)
+    model = hf.build_model(hf.shrink_config("axk1")).train()
+    report = _check_against_eager(model, fullgraph=False)
+    n_moe = sum(type(m).__name__ == "AXK1MoE" for m in model.modules())
+    assert n_moe and len(report.layers) == n_moe, report.skipped
+
+
 def test_eager_experts_without_capture_reported_with_fix_and_not_miscompiled():
     """With capture off, the experts' nonzero() loop breaks the graph: reported with the fix, output unchanged (with
     the default, the loop is rewritten: tests/test_loops.py)."""

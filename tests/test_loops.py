@@ -154,6 +154,8 @@ def test_eager_experts_loop_captured_rewritten_and_put_back():
     _compile_and_compare(model, backend)
     assert backend.report.graphs_seen == 1 and len(backend.report.layers) == 2, backend.report.skipped
     assert fn.__code__ is original
+    name = f"{type(model.model.layers[0].mlp.experts).__module__}.MixtralExperts.forward"
+    assert backend.report.loops[name].startswith(inspect.getsourcefile(fn))  # explain() lists the rewritten loop
 
     graphs = []
 
@@ -205,3 +207,11 @@ def test_a_loop_that_cannot_be_proved_is_reported_with_its_reason():
     assert any(LOOP_REASON in r and "`token`, bound in the loop, is read outside it" in r for r in reasons), reasons
     got = torch.compile(model, backend=RecordingBackend(inner="aot_eager"))
     assert normwise(got(IDS).logits, model(IDS).logits) <= 1e-5
+
+
+def test_explain_names_the_rewritten_loop():
+    torch.manual_seed(0)
+    report = moecompile.explain(handwritten.TinyMoELM("hit_loop"), IDS)
+    assert len(report.layers) == 2 and report.num_graphs == 1, report.skipped
+    assert list(report.loops) == ["moecompile.models.handwritten.HitLoopMoE.forward"]
+    assert "traced moecompile.models.handwritten.HitLoopMoE.forward's loop over nonzero() rows" in str(report)
