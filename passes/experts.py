@@ -7,6 +7,8 @@ import re
 
 import torch.fx as fx
 
+from moecompile.runtime.activations import GATED_ONLY
+
 from .graph_utils import float_consts, is_param, op_name, shape_of
 
 
@@ -123,7 +125,7 @@ def expert_options(slice_nodes, values, order, E, H, exclude: set):
                     else:
                         weights.update(gate_up=bind(ups[0]))
                     for bias_binding in _bias_options(vecs, shape, bind, how, inter, H):
-                        if act[0] == "swiglu_clamp" and how == "ungated":
+                        if act[0] in GATED_ONLY and how == "ungated":
                             continue
                         out_specs.append(dict(
                             intermediate=inter, activation=act[0], alpha=act[1], limit=act[2], storage=storage,
@@ -162,6 +164,11 @@ def _bias_options(vecs, shape, bind, how, inter, H) -> list[dict]:
     return [out]
 
 
+def _divisors(n) -> list[float]:
+    """The constant ``c`` of ``x / c`` (a softcap's ``tanh(x / c)``)."""
+    return [c for c in float_consts(n) if c] if isinstance(n, fx.Node) and op_name(n) in ("truediv", "div") else []
+
+
 def _activations(slice_nodes) -> list[tuple[str, float, float]]:
     """(name, alpha, limit) candidates from the activation ops present."""
     names = [op_name(n) for n in slice_nodes]
@@ -172,6 +179,9 @@ def _activations(slice_nodes) -> list[tuple[str, float, float]]:
         alpha = next((c for n in slice_nodes if op_name(n) == "mul" for u in n.users if op_name(u) == "sigmoid"
                       for c in float_consts(n)), 1.702)
         found.append(("swiglu_clamp", alpha, limit))
+    caps = list(dict.fromkeys(c for n in slice_nodes if op_name(n) == "tanh" for c in _divisors(n.args[0])))
+    if "sigmoid" in names and len(caps) in (1, 2):  # softcapped SwiGLU (Inkling2): which cap is the gate's is
+        found += [("swiglu_softcap", a, b) for a, b in ((caps[0], caps[-1]), (caps[-1], caps[0]))]  # verify's call
     for n in slice_nodes:
         name = op_name(n)
         if name == "gelu":

@@ -50,8 +50,8 @@ class ExpertSpec:
     intermediate: int
     activation: str = "silu"
     gated: bool = True
-    alpha: float = 1.702  # swiglu_clamp only
-    limit: float = 7.0  # swiglu_clamp only
+    alpha: float = 1.702  # swiglu_clamp: sigmoid scale | swiglu_softcap: the gate's cap
+    limit: float = 7.0  # swiglu_clamp: the clamp | swiglu_softcap: up's cap
     storage: str = "stacked"  # stacked: [E, ...] parameters | flat: [E * R, C] read as [E, R, C] | modulelist: one
     # nn.Linear per expert
     gate_up: str = "separate"  # separate | a fused gate/up weight's layout (runtime/layouts.py GATE_UP_LAYOUTS)

@@ -5,6 +5,9 @@ the values of ``MoESpec.activation`` and of the ``activation`` argument of ``moe
 
 ``swiglu_clamp`` is GPT-OSS's gated unit: ``gate`` clamped above at ``limit``, ``up`` clamped to ``[-limit, limit]``,
 ``(up + 1) * gate * sigmoid(alpha * gate)``.
+
+``swiglu_softcap`` is Inkling2's: ``softcap(gate, alpha) * sigmoid(gate) * softcap(up, limit)``, with
+``softcap(x, c) = tanh(x / c) * c`` (the sigmoid sees the raw gate; the caps bound the linear factors).
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_clamp")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_clamp", "swiglu_softcap")
+GATED_ONLY = ("swiglu_clamp", "swiglu_softcap")
 
 
 def check_activation(name: str, gated: bool) -> None:
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown expert activation {name!r}; valid: {', '.join(ACTIVATIONS)}")
-    if name == "swiglu_clamp" and not gated:
-        raise ValueError("activation 'swiglu_clamp' needs a gate projection (gated=True)")
+    if name in GATED_ONLY and not gated:
+        raise ValueError(f"activation {name!r} needs a gate projection (gated=True)")
 
 
 def _act(name: str, h: torch.Tensor) -> torch.Tensor:
@@ -46,4 +50,6 @@ def apply_activation(
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if name == "swiglu_softcap":  # alpha: the gate's cap, limit: up's
+        return torch.tanh(gate / alpha) * alpha * torch.sigmoid(gate) * (torch.tanh(up / limit) * limit)
     return _act(name, gate) * up

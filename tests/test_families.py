@@ -159,13 +159,18 @@ def test_inductor_default_trains_like_eager():
         assert normwise(p.grad, q.grad) <= 1e-5
 
 
-def test_norm_of_the_block_output_stays_outside_the_rewrite():
-    """A.X-K1: the block returns post_mlp_layernorm(routed + shared), an RMSNorm written out. detect walks back
-    through the norm and the shared add to the routed sum; both stay in the graph as written."""
+@pytest.mark.parametrize("family, block", [
+    # the block returns post_mlp_layernorm(routed + shared), an RMSNorm written out: detect walks back through
+    # the norm and the shared add to the routed sum; both stay in the graph as written
+    ("axk1", "AXK1MoE"),
+    # softcapped SwiGLU experts, softcap(gate, 4) * sigmoid(gate) * softcap(up, 25), in a nonzero() loop
+    ("inkling2_text", "Inkling2SparseMoeBlock"),
+])
+def test_shrunk_family_rewritten_with_every_gradient(family, block):
     torch.manual_seed(0)
-    model = hf.build_model(hf.shrink_config("axk1")).train()
+    model = hf.build_model(hf.shrink_config(family)).train()
     report = _check_against_eager(model, fullgraph=False)
-    n_moe = sum(type(m).__name__ == "AXK1MoE" for m in model.modules())
+    n_moe = sum(type(m).__name__ == block for m in model.modules())
     assert n_moe and len(report.layers) == n_moe, report.skipped
 
 

@@ -168,7 +168,7 @@ def test_gradcheck_expert_mlp_with_biases_and_input_scale():
     tok = torch.tensor([0, 3, 1, 2, 4, 0, 2])
     cnt = torch.tensor([3, 0, 4])
     scale = torch.rand(7, **d)
-    for act in ("silu", "gelu", "gelu_tanh", "swiglu_clamp"):
+    for act in ("silu", "gelu", "gelu_tanh", "swiglu_clamp", "swiglu_softcap"):
         def f(x, wg, wu, wd, bg, bu, bd, scale):
             return torch.ops.moe.expert_mlp(x, tok, cnt, wg, wu, wd, bg, bu, bd, scale, act, 1.702, 0.5)
         assert torch.autograd.gradcheck(f, (x, wg, wu, wd, bg, bu, bd, scale))

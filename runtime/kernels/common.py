@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 # Activation codes (constexpr ACT of the expert kernels); names are those of runtime/activations.py.
-ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "swiglu_clamp": 5}
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "swiglu_clamp": 5, "swiglu_softcap": 6}
 
 
 def interpreting() -> bool:
@@ -75,10 +75,12 @@ def act_fwd(g, u, ACT: tl.constexpr, alpha, limit):
     elif ACT == 4:
         r = tl.maximum(g, 0.0)
         h = r * r * u
-    else:  # GPT-OSS: (clamp(u) + 1) * gc * sigmoid(alpha * gc), gc = min(g, limit)
+    elif ACT == 5:  # GPT-OSS: (clamp(u) + 1) * gc * sigmoid(alpha * gc), gc = min(g, limit)
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         h = (uc + 1.0) * gc * _sigmoid(alpha * gc)
+    else:  # Inkling2: alpha tanh(g / alpha) * sigmoid(g) * limit tanh(u / limit)
+        h = _tanh(g / alpha) * alpha * _sigmoid(g) * (_tanh(u / limit) * limit)
     return h
 
 
@@ -108,7 +110,7 @@ def act_bwd(g, u, dh, ACT: tl.constexpr, alpha, limit):
         r = tl.maximum(g, 0.0)
         dg = dh * u * 2.0 * r
         du = dh * r * r
-    else:
+    elif ACT == 5:
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         s = _sigmoid(alpha * gc)
@@ -116,6 +118,13 @@ def act_bwd(g, u, dh, ACT: tl.constexpr, alpha, limit):
         dgc = dh * (uc + 1.0) * (s + alpha * glu * (1.0 - s))
         dg = tl.where(g <= limit, dgc, 0.0)  # torch.clamp passes the gradient at the bound
         du = tl.where((u >= -limit) & (u <= limit), dh * glu, 0.0)
+    else:
+        tg = _tanh(g / alpha)
+        tu = _tanh(u / limit)
+        s = _sigmoid(g)
+        capped_u = tu * limit
+        dg = dh * capped_u * ((1.0 - tg * tg) * s + tg * alpha * s * (1.0 - s))
+        du = dh * tg * alpha * s * (1.0 - tu * tu)
     return dg, du
 
 
