@@ -217,6 +217,11 @@ WRITTEN_CONFIGS: dict[str, dict] = {
                         layer_types=["sliding_attention", "full_attention"],
                         vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, tie_word_embeddings=False,
                         enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16),
+    # MoE off by default (is_moe False): product-key retrieval experts, single-neuron experts read from two [E, H]
+    # embeddings; E a perfect square (sqrt(E) keys per side)
+    "doge": {**_COMMON, **dict(is_moe=True, num_experts=16, num_experts_per_tok=2)},
+    # mlp_only_layers defaults to the first layers, which are every layer at two: no dense-only layer here
+    "flint": {**_COMMON, **dict(num_experts=8, moe_intermediate_size=16, mlp_only_layers=[])},
     # layer_types defaults to None, which the decoder layers index: one short-conv and one attention layer
     "lfm2_moe": {**_COMMON, **dict(num_experts=8, moe_intermediate_size=16, num_dense_layers=0,
                                    layer_types=["conv", "full_attention"])},
