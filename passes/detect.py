@@ -130,14 +130,16 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     # the compiled module's own inputs may carry the block's module stack: they are inputs, not computation
     slice_nodes = {n for n in ancestors([routed], region) if n.op != "placeholder"}
     slice_nodes -= _input_writes_before_routing(slice_nodes, dep, router)
+    x_in = _token_inputs(slice_nodes, values)
+    if len(x_in) != 1:
+        cut = _sibling_cut(region, router, values, E)
+        if cut is None:
+            raise Skip(f"expected one token input to the routed experts, found {len(x_in)}")
+        routed, slice_nodes, x_in = cut
     for n in slice_nodes:
         tgt = mutated_input(n)
         if tgt is not None and tgt not in slice_nodes:
             raise Skip(f"the block writes in place to a tensor it did not create ({n.name}); not rewritten")
-    externals = {a for n in slice_nodes for a in n.all_input_nodes if a not in slice_nodes}
-    x_in = [a for a in externals if not is_param(a, values) and isinstance(a.meta.get("example_value"), torch.Tensor)]
-    if len(x_in) != 1:
-        raise Skip(f"expected one token input to the routed experts, found {len(x_in)}")
     x_in = x_in[0]
     if shape_of(x_in)[-1] != H:
         raise Skip(f"token input has last dim {shape_of(x_in)[-1]}, router expects {H}")
@@ -148,13 +150,17 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     router_bias = len(router.args) > 2 and router.args[2] is not None
     logits_nodes = ancestors([logits], slice_nodes)
     kept, router_nodes = {}, set()
-    if any(draws_random(n) for n in slice_nodes | logits_nodes):
-        topk = _kept_router(slice_nodes, sels, x_in, values, router_params)
-        if topk is not None:  # else verify refuses the block, saying it draws random numbers
+    scale = _per_expert_scale(slice_nodes, sels, values, E)
+    if scale is not None or any(draws_random(n) for n in slice_nodes | logits_nodes):
+        router_side = router_params | ({scale} if scale is not None else set())
+        topk = _kept_router(slice_nodes, sels, x_in, values, router_side)
+        if topk is not None:  # else verify refuses the block (random draws) or no spec reproduces it (a scale)
             for name in ("n_group", "topk_group", "group_score"):  # the router's own business now
                 routing.pop(name, None)
+            why = "draws random numbers" if scale is None else (
+                f"scales its weights per expert ({scale.name}[ids]), which moe.route does not compute")
             routing.update(score_fn=["kept"], top_k=[hint(shape_of(topk[1])[-1])], jitter_eps=[0.0],
-                           renormalize=[False], renorm_eps=[0.0], scaling=[1.0], kept=["draws random numbers"])
+                           renormalize=[False], renorm_eps=[0.0], scaling=[1.0], kept=[why])
             kept, router_nodes, corr = dict(topk_weights=topk[0], topk_ids=topk[1]), topk[2], None
     block = dict(  # the same for every candidate
         path=path, block_type=block_type, shared_experts=_shared_paths(region, slice_nodes, values, path),
@@ -171,6 +177,53 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
         bindings.append(Binding(x=x_in, logits=logits, correction_bias=corr, weights=weights, routed=routed, **kept))
     specs, bindings = specs[: config.max_candidates], bindings[: config.max_candidates]
     return Candidate(path, block_type, specs, bindings, slice_nodes, logits_nodes, router_nodes)
+
+
+def _per_expert_scale(slice_nodes, sels, values, E) -> fx.Node | None:
+    """A one-per-expert parameter read at the chosen ids (Gemma 4's ``per_expert_scale[top_k_index]``), or None."""
+    chosen = descendants(sels, slice_nodes)
+    for n in slice_nodes:
+        base, at = (n.args + (None, None))[:2]
+        if op_name(n) in ("getitem", "index_select", "index", "embedding") and isinstance(base, fx.Node) \
+                and is_param(base, values) and values[base].dim() == 1 and values[base].shape[0] == E \
+                and isinstance(at, fx.Node) and at in chosen:
+            return base
+    return None
+
+
+def _token_inputs(slice_nodes, values) -> list[fx.Node]:
+    """The tensors the slice reads from outside it that are not parameters."""
+    externals = {a for n in slice_nodes for a in n.all_input_nodes if a not in slice_nodes}
+    return [a for a in externals if not is_param(a, values) and isinstance(example(a), torch.Tensor)]
+
+
+def _sibling_cut(region, router, values, E):
+    """(routed, slice, [x]) when the router and the experts are two child modules of a larger one (Gemma 4's
+    decoder layer holds attention, its dense MLP, ``router`` and ``experts`` side by side, each expert input
+    normed apart from the router's): routed is the experts module's output, the slice what depends on the router
+    or the experts' weights up to it, x the one token input the experts read (the router's own input is probed
+    apart, as its logits are). None when the block is not of that shape."""
+    params = expert_params(region, values, E)
+    stacked = [p for p in params if values[p].dim() >= 3] or params  # not a [E, H] linear that happens to match
+    users = [n for n in region if set(stacked) & set(n.all_input_nodes)]
+    if not users:
+        return None
+    stacks = [[k for k, _, _ in module_stack(n)] for n in users]
+    prefix = stacks[0][: next((i for i, k in enumerate(stacks[0]) if any(k not in st for st in stacks)),
+                              len(stacks[0]))]
+    if not prefix or prefix[-1] in {k for k, _, _ in module_stack(router)}:
+        return None  # the experts' module holds the router too: the usual block, not siblings
+    experts_key = prefix[-1]
+    inside = {n for n in region if experts_key in {k for k, _, _ in module_stack(n)}}
+    outs = [n for n in inside if any(u not in inside for u in n.users)]
+    if len(outs) != 1:
+        return None
+    routed = outs[0]
+    readers = [n for n in region if set(params) & set(n.all_input_nodes) and n not in ancestors([router], region)]
+    slice_nodes = (ancestors([routed], region) & (descendants([router, *readers], region) | inside)) | {router}
+    slice_nodes = {n for n in slice_nodes if n.op != "placeholder"}
+    x_in = [a for a in _token_inputs(slice_nodes, values) if a not in router.all_input_nodes]
+    return (routed, slice_nodes, x_in) if len(x_in) == 1 else None
 
 
 def _input_writes_before_routing(slice_nodes, dep, router) -> set[fx.Node]:

@@ -45,7 +45,8 @@ def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
 
 
 def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Generator, topk=None):
-    """Random tokens for ``x_node``, the block's own parameters and sizes; for a kept router (``topk``: its
+    """Random tokens for ``x_node`` (and for any other token input: a router's own), the block's own parameters
+    and sizes; for a kept router (``topk``: its
     weights node, ids node and E), a random routing too: K distinct experts per token, positive weights."""
     out = []
     weights_node, ids_node, E = topk or (None, None, 0)
@@ -60,19 +61,24 @@ def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Ge
                 probe = torch.rand(T, K, generator=gen) + 0.1
             out.append(probe.to(v.dtype).to(device))
         elif n is x_node:
-            x = example(n)
-            shape = [hint(s) for s in x.shape]
-            param = next(v for v in values.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
-            probe = torch.randn(shape, generator=gen, dtype=torch.float32).to(x.dtype).to(param.device)
-            out.append(probe)
+            out.append(_random_like(example(n), values, gen))
         elif n in values and isinstance(values[n], torch.Tensor):
             out.append(values[n])
+        elif isinstance(example(n), torch.Tensor) and example(n).is_floating_point():
+            out.append(_random_like(example(n), values, gen))  # another token input: the router's own (Gemma 4)
         else:
             v = hint(values[n]) if n in values else hint(example(n))
             if v is None:
                 raise ValueError(f"the block reads {n.name}, which cannot be probed")
             out.append(v)
     return out
+
+
+def _random_like(x: torch.Tensor, values, gen: torch.Generator) -> torch.Tensor:
+    """Random normal tokens of ``x``'s shape and dtype, on the parameters' device."""
+    param = next(v for v in values.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    shape = [hint(s) for s in x.shape]
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(x.dtype).to(param.device)
 
 
 def _prove(cand, values, config):

@@ -174,6 +174,19 @@ def test_shrunk_family_rewritten_with_every_gradient(family, block):
     assert n_moe and len(report.layers) == n_moe, report.skipped
 
 
+def test_router_and_experts_beside_attention_in_one_layer():
+    """Gemma 4: router and experts are children of the decoder layer itself, next to attention and a dense MLP;
+    the experts read the layer input normed apart from the router's, and the router scales its weights per
+    expert (per_expert_scale[ids]). The block is cut at the experts' input and their output, and the router is
+    kept as written; logits and every gradient as eager."""
+    torch.manual_seed(0)
+    model = hf.build_model(hf.walk_config("gemma4_text")).train()
+    report = _check_against_eager(model, fullgraph=False)
+    assert len(report.layers) == model.config.num_hidden_layers, report.skipped
+    spec = report.layers[0].spec
+    assert spec.routing.kept.startswith("scales its weights per expert") and spec.block_type == "Gemma4TextDecoderLayer"
+
+
 def test_eager_experts_without_capture_reported_with_fix_and_not_miscompiled():
     """With capture off, the experts' nonzero() loop breaks the graph: reported with the fix, output unchanged (with
     the default, the loop is rewritten: tests/test_loops.py)."""
