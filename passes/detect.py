@@ -380,7 +380,7 @@ def _product(options: dict) -> list[dict]:
 def _shared_paths(region, slice_nodes, values, block_path) -> tuple[str, ...]:
     paths = set()
     for n in region - slice_nodes:
-        if any(is_param(a, values) for a in n.all_input_nodes):
+        if n.users and any(is_param(a, values) for a in n.all_input_nodes):  # dead views (a loop guard's) aside
             st = [p for _, p, _ in module_stack(n)]
             inner = st if block_path == ROOT else [p for p in st if p.startswith(block_path + ".")]
             if inner:

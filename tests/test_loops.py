@@ -178,6 +178,7 @@ def test_dbrx_rewritten_with_its_flat_expert_weights():
     _compile_and_compare(model, backend)
     layers = backend.report.layers
     assert len(layers) == model.config.n_layers and layers[0].spec.experts.storage == "flat", backend.report.skipped
+    assert layers[0].spec.shared_experts == ()  # the loop guard's dead weight views are not a shared expert
 
 
 class _UnprovedLoopMoE(handwritten.HitLoopMoE):
