@@ -275,7 +275,9 @@ class LoopBody:
             return s.id == ROW or s.id in self.ints
         return (isinstance(s, ast.Slice) and isinstance(s.lower, ast.Name) and s.lower.id == ROW)
 
-    def _assign(self, stmt):
+    def _assign(self, stmt, top: bool):
+        """Read ``name = ...`` / ``a, b = ...``. Only an unconditional one (``top``) makes an alias of the expert's
+        number or a selection: one bound in a branch may hold something else when the branch is not taken."""
         if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
             raise Refuse("its body assigns in a form other than `name = ...` or `a, b = ...`")
         target = stmt.targets[0]
@@ -287,13 +289,13 @@ class LoopBody:
         self.rows -= bound
         self.ints -= bound
         self.selections -= bound
-        if isinstance(target, ast.Name) and (
+        if top and isinstance(target, ast.Name) and (
             (isinstance(stmt.value, ast.Name) and (stmt.value.id == ROW or stmt.value.id in self.ints))
             or (_call_name(stmt.value) == "int" and len(stmt.value.args) == 1
                 and isinstance(stmt.value.args[0], ast.Name) and stmt.value.args[0].id == ROW)
         ):
             self.ints.add(target.id)
-        if len(names) > 1 and self._selection(stmt.value):
+        if top and len(names) > 1 and self._selection(stmt.value):
             self.selections |= bound
         return stmt
 
@@ -328,7 +330,7 @@ class LoopBody:
                 self.effect = self._effect(stmt)
                 out += self._take() + [self.effect]
             elif isinstance(stmt, ast.Assign):
-                stmt = self._assign(stmt)
+                stmt = self._assign(stmt, top)
                 out += self._take() + [stmt]
             elif isinstance(stmt, ast.With):
                 for item in stmt.items:

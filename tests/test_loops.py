@@ -115,6 +115,9 @@ def test_a_loop_of_the_proved_form_is_rewritten(tmp_path):
     (GOOD + "\n        out[tok] += 1", ONE_HOT, "", "`augassign` statement"),
     (GOOD + "\n        out.index_add_(0, tok, x[tok])", ONE_HOT, "", "not one statement"),
     (GOOD, ONE_HOT, "last = tok", "`tok`, bound in the loop, is read outside it"),
+    (GOOD.replace("        tok, slot = torch.where(mask[row[0]])", "        tok, slot = torch.where(mask[0])\n"
+                  "        if w.numel():\n            tok, slot = torch.where(mask[row[0]])"), ONE_HOT, "",
+     "are not the `torch.where(mask[e])`"),
     (GOOD.replace("mask[row[0]]", "mask[row[1]]"), ONE_HOT, "", "indexes the loop row `row` other than as"),
     (GOOD.replace("self.experts[row[0]]", "(self.experts[row[0]] if w.numel() else None)"), ONE_HOT, "",
      "under a condition"),
