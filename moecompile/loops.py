@@ -20,10 +20,10 @@ data-dependent shape it captures), like a jetmoe or ``nn.ModuleList`` loop.
 1. the loop runs over a name bound once by ``C.nonzero()`` (or ``torch.nonzero(C)``), where ``C`` is
    ``M.sum(dims) > 0`` (any spelling: ``torch.greater``, ``gt``) with ``M`` a view of a ``one_hot`` (entries 0 or
    1, so a positive sum means a nonzero entry), or ``M.any(dims)``; ``dims`` are constants;
-2. the body selects its rows with ``torch.where(M[row])`` (``.squeeze(0)`` allowed) on that same ``M``, and its one
-   effect is ``out.index_add_(0, rows, ...)`` into a tensor bound outside the loop: every other statement binds
-   local names (``with torch.no_grad()``, ``if``/``continue`` allowed), no call in it is in place (a trailing
-   ``_``) or mutates a container, and no name it binds is read after the loop;
+2. the body selects its rows with ``torch.where(M[row])`` (``.squeeze(0)`` allowed) on that same ``M``, bound
+   outside any branch, and its one effect is ``out.index_add_(0, rows, ...)`` into a tensor bound outside the
+   loop: every other statement binds local names (``with torch.no_grad()``, ``if``/``continue`` allowed), no call
+   in it is in place (a trailing ``_``) or mutates a container, and no name it binds is read after the loop;
 3. the loop row is used as ``row[0]``, ``row.item()`` or an index ``x[row]`` (which become the expert's number
    ``e``, ``e`` and ``x[e:e + 1]``); ``if rows.numel() == 0: continue`` (a skip of an empty expert, which the
    argument above makes redundant) is dropped, since Dynamo cannot branch on a data-dependent size.
