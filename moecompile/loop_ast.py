@@ -49,17 +49,34 @@ def _const_dims(node) -> tuple[int, ...] | None:
     return tuple(dims) if dims and None not in dims else None
 
 
+def _operands(call: ast.Call) -> list:
+    """The tensor operands of ``torch.f(a, b)`` or ``a.f(b)``: ``[a, b]``."""
+    f = call.func
+    if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "torch"):
+        return [f.value, *call.args]
+    return list(call.args)
+
+
+def _in_place(method: str) -> bool:
+    """``add_``, ``index_add_``: a tensor method that writes to its receiver (dunders aside)."""
+    return method.endswith("_") and not method.endswith("__")
+
+
+def _targets(node) -> list:
+    """What an assignment statement binds or writes to ([] for any other node)."""
+    if isinstance(node, ast.Assign):
+        return node.targets
+    return [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+
+
 def _reduction(node, name: str):
     """``(M, dims)`` for ``M.name(dims)`` / ``M.name(dim=dims)`` / ``torch.name(M, dims)``, else None."""
     if not isinstance(node, ast.Call) or _call_name(node) != name:
         return None
-    args = list(node.args)
-    if isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id != "torch":
-        base = node.func.value
-    elif args and isinstance(args[0], ast.Name):
-        base = args.pop(0)
-    else:
+    operands = _operands(node)
+    if not operands or not isinstance(operands[0], ast.Name):
         return None
+    base, args = operands[0], operands[1:]
     dims = args[0] if args else next((k.value for k in node.keywords if k.arg == "dim"), None)
     extra = [k.arg for k in node.keywords if k.arg != "dim"]
     if dims is None or len(args) > 1 or extra:
@@ -80,11 +97,7 @@ def hit_condition(cond):
         elif isinstance(op, ast.Lt) and isinstance(left, ast.Constant) and left.value == 0:
             total = right
     elif _call_name(cond) in ("greater", "gt"):
-        args = list(cond.args)
-        if isinstance(cond.func, ast.Attribute) and not (
-            isinstance(cond.func.value, ast.Name) and cond.func.value.id == "torch"
-        ):
-            args.insert(0, cond.func.value)
+        args = _operands(cond)
         if len(args) == 2 and isinstance(args[1], ast.Constant) and args[1].value == 0:
             total = args[0]
     if total is None or (r := _reduction(total, "sum")) is None:
@@ -100,21 +113,13 @@ def nonzero_arg(node):
     if set(kw) - {"as_tuple"} or ("as_tuple" in kw and not (isinstance(kw["as_tuple"], ast.Constant)
                                                           and kw["as_tuple"].value is False)):
         return None
-    f = node.func
-    if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "torch"):
-        return f.value if not node.args else None
-    return node.args[0] if len(node.args) == 1 else None
+    operands = _operands(node)
+    return operands[0] if len(operands) == 1 else None
 
 
 def assignments(fdef, name: str) -> list[ast.Assign]:
-    out = []
-    for node in ast.walk(fdef):
-        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(t)):
-                    out.append(node)
-    return out
+    return [node for node in ast.walk(fdef)
+            if any(isinstance(n, ast.Name) and n.id == name for t in _targets(node) for n in ast.walk(t))]
 
 
 def is_one_hot_view(value, name: str) -> bool:
@@ -143,14 +148,12 @@ def changed_in_place(fdef, names: set[str]) -> str | None:
     """One of ``names`` that the function changes in place (``m.zero_()``, ``m[i] = ...``), or None."""
     for node in ast.walk(fdef):
         f = node.func if isinstance(node, ast.Call) else None
-        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in names:
-            if f.attr.endswith("_") and not f.attr.endswith("__"):
-                return f.value.id
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                into = t.value if isinstance(t, (ast.Subscript, ast.Attribute)) else None
-                if isinstance(into, ast.Name) and into.id in names:
-                    return into.id
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in names and _in_place(f.attr):
+            return f.value.id
+        for t in _targets(node):
+            into = t.value if isinstance(t, (ast.Subscript, ast.Attribute)) else None
+            if isinstance(into, ast.Name) and into.id in names:
+                return into.id
     return None
 
 
@@ -220,7 +223,7 @@ class LoopBody:
                 raise Refuse(f"its body holds a {type(sub).__name__.lower()}")
             name = _call_name(sub)
             if name and isinstance(sub.func, ast.Attribute):
-                if (name.endswith("_") and not name.endswith("__")) or name in _MUTATING:
+                if _in_place(name) or name in _MUTATING:
                     raise Refuse(f"its body calls `.{name}(...)`, which changes a tensor or container in place")
             if name in ("setattr", "delattr", "print", "exec", "eval", "globals", "locals"):
                 raise Refuse(f"its body calls `{name}(...)`")

@@ -35,7 +35,7 @@ from .graph_utils import (
 from .experts import Skip, expert_options, expert_params
 from .report import PassReport, block
 from .routing import (
-    PASS_THROUGH, numel, router_linear, router_weight, routing_options, selections_in, steered_by,
+    PASS_THROUGH, numel, router_linear, router_weight, routing_options, selections_in, steered_by, view_chain,
 )
 from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
 from .unexplained import ROOT, unexplained_blocks
@@ -219,7 +219,8 @@ def _sibling_cut(region, router, values, E):
     if len(outs) != 1:
         return None
     routed = outs[0]
-    readers = [n for n in region if set(params) & set(n.all_input_nodes) and n not in ancestors([router], region)]
+    before_router = ancestors([router], region)
+    readers = [n for n in region if set(params) & set(n.all_input_nodes) and n not in before_router]
     slice_nodes = (ancestors([routed], region) & (descendants([router, *readers], region) | inside)) | {router}
     slice_nodes = {n for n in slice_nodes if n.op != "placeholder"}
     x_in = [a for a in _token_inputs(slice_nodes, values) if a not in router.all_input_nodes]
@@ -355,9 +356,7 @@ def _norm_input(node: fx.Node, values) -> fx.Node | None:
 
 
 def _uncast(n):
-    while isinstance(n, fx.Node) and op_name(n) in PASS_THROUGH and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    return n
+    return view_chain(n, PASS_THROUGH)[-1] if isinstance(n, fx.Node) else n
 
 
 def _added_in_place(node: fx.Node, dep) -> fx.Node | None:

@@ -1,3 +1,4 @@
+import copy
 import os
 import warnings
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from moecompile.backend import compile_graph
-from moecompile.capture import install
+from moecompile.capture import FLAGS, install
 from moecompile.config import parse_options
 from moecompile.passes.report import PassReport
 
@@ -44,6 +45,31 @@ def _fresh_dynamo():
     yield
     torch._dynamo.reset()
     install()
+
+
+def capture_flags() -> dict:
+    """Dynamo's two capture settings as they are now."""
+    return {f: getattr(torch._dynamo.config, f) for f in FLAGS}
+
+
+def compile_and_compare(model, ids, *, capture: bool = True, grads: bool = True, backend=None):
+    """The report of compiling ``model`` as a user would, ``torch.compile(model, backend=...)`` and nothing else
+    (backend option ``capture`` as given, unless a ``backend`` is given), checked against eager on logits and every
+    gradient; Dynamo's capture settings must be at their defaults after it (on only during the moe compiles)."""
+    eager = copy.deepcopy(model)
+    backend = backend or RecordingBackend(inner="aot_eager", capture=capture)
+    got = torch.compile(model, backend=backend)(ids, labels=ids)
+    want = eager(ids, labels=ids)
+    assert not backend.errors, backend.errors
+    assert normwise(got.logits, want.logits) <= 1e-5
+    if grads:
+        got.loss.backward()
+        want.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            if q.grad is not None:
+                assert normwise(p.grad, q.grad) <= 1e-5, name
+    assert all(not v for v in capture_flags().values())
+    return backend.report
 
 
 def normwise(a: torch.Tensor, b: torch.Tensor) -> float:

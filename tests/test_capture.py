@@ -2,10 +2,9 @@
 moe backend's own compiles capture them in one graph, rewritten and equal to eager; Dynamo's settings are back to
 their defaults after each compile; loops that cannot be captured are reported with why and the fix."""
 
-import copy
 
 import torch
-from conftest import RecordingBackend, normwise
+from conftest import RecordingBackend, capture_flags, compile_and_compare, normwise
 
 import moecompile
 from moecompile.capture import _compiler_being_traced_for, wants_capture
@@ -15,44 +14,21 @@ from moecompile.models import handwritten, hf
 IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
 
 
-def _flags():
-    return {f: getattr(torch._dynamo.config, f) for f in FLAGS}
-
-
-def _compile_and_compare(model, *, capture: bool = True, grads: bool = True, backend=None):
-    """The report of compiling ``model`` as a user would, ``torch.compile(model, backend=...)`` and nothing else
-    (backend option ``capture`` as given), checked against eager on logits and every gradient."""
-    eager = copy.deepcopy(model)
-    backend = backend or RecordingBackend(inner="aot_eager", capture=capture)
-    got = torch.compile(model, backend=backend)(IDS, labels=IDS)
-    want = eager(IDS, labels=IDS)
-    assert not backend.errors, backend.errors
-    assert normwise(got.logits, want.logits) <= 1e-5
-    if grads:
-        got.loss.backward()
-        want.loss.backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            if q.grad is not None:
-                assert normwise(p.grad, q.grad) <= 1e-5, name
-    assert _flags() == DYNAMO_DEFAULTS  # on for the backend's compiles only, put back after each
-    return backend.report
-
-
 DYNAMO_DEFAULTS = {f: False for f in FLAGS}
 
 
 def test_capture_context_restores_the_settings():
-    assert _flags() == DYNAMO_DEFAULTS
+    assert capture_flags() == DYNAMO_DEFAULTS
     with moecompile.capture():
-        assert all(_flags().values())
-    assert _flags() == DYNAMO_DEFAULTS
+        assert all(capture_flags().values())
+    assert capture_flags() == DYNAMO_DEFAULTS
 
 
 def test_modulelist_loop_with_where_and_index_add_captured_and_rewritten():
     """The user changes nothing: the moe backend's own compile captures the loop; one graph, both layers."""
     torch.manual_seed(0)
     model = handwritten.TinyMoELM("loop")
-    report = _compile_and_compare(model)
+    report = compile_and_compare(model, IDS)
     assert report.graphs_seen == 1 and len(report.layers) == 2, report.skipped
     assert report.layers[0].spec.experts.storage == "modulelist"
 
@@ -68,7 +44,7 @@ def test_registered_moe_backend_captures_by_name():
     got = torch.compile(model, backend="moe", options={"inner": "aot_eager"})(IDS)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert normwise(got.logits, model(IDS).logits) <= 1e-5
-    assert _flags() == DYNAMO_DEFAULTS
+    assert capture_flags() == DYNAMO_DEFAULTS
 
 
 def test_capture_false_keeps_dynamos_defaults_and_says_so():
@@ -76,7 +52,7 @@ def test_capture_false_keeps_dynamos_defaults_and_says_so():
     says why and names the fix."""
     torch.manual_seed(0)
     model = handwritten.TinyMoELM("loop")
-    report = _compile_and_compare(model, capture=False, grads=False)
+    report = compile_and_compare(model, IDS, capture=False, grads=False)
     assert not report.layers and report.graphs_seen > 1
     report = moecompile.explain(model, IDS, capture=False)
     assert not report.layers and report.num_graphs > 1
@@ -92,7 +68,7 @@ def test_other_backends_trace_with_dynamos_defaults():
     seen = []
 
     def other(gm, example_inputs):
-        seen.append(_flags())
+        seen.append(capture_flags())
         return gm.forward
 
     torch.compile(handwritten.TinyMoELM("loop"), backend=RecordingBackend(inner="aot_eager"))(IDS)
@@ -131,13 +107,13 @@ def test_capture_under_dynamo_optimize():
     got = torch._dynamo.optimize(backend)(model)(IDS)
     assert backend.report.graphs_seen == 1 and len(backend.report.layers) == 2
     assert normwise(got.logits, model(IDS).logits) <= 1e-5
-    assert _flags() == DYNAMO_DEFAULTS
+    assert capture_flags() == DYNAMO_DEFAULTS
 
 
 def test_jetmoe_split_loop_captured_and_rewritten():
     """jetmoe: expert sizes by .tolist(), inputs split per expert and a loop over range(E) of linears."""
     model = hf.build_model(hf.shrink_config("jetmoe"))
-    report = _compile_and_compare(model)
+    report = compile_and_compare(model, IDS)
     assert report.graphs_seen == 1
     assert len(report.layers) == model.config.num_hidden_layers, report.skipped
 
@@ -149,7 +125,7 @@ def test_after_dynamo_reset_the_backend_registers_its_scope_again():
     frames after it, and the next model, capture."""
     torch._dynamo.reset()  # no install() after it, as in a user's program
     model = hf.build_model(hf.shrink_config("jetmoe"))
-    report = _compile_and_compare(model, grads=False)
+    report = compile_and_compare(model, IDS, grads=False)
     assert report.graphs_seen > 1 and len(report.layers) < model.config.num_hidden_layers
-    report = _compile_and_compare(hf.build_model(hf.shrink_config("jetmoe")), grads=False)
+    report = compile_and_compare(hf.build_model(hf.shrink_config("jetmoe")), IDS, grads=False)
     assert report.graphs_seen == 1 and len(report.layers) == model.config.num_hidden_layers, report.skipped

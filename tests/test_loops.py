@@ -3,14 +3,13 @@ proves from the source that the loop over every expert computes the same, and th
 loop instead, with the user's class unchanged before and after. Forms it cannot prove are left as they are and
 reported with the reason."""
 
-import copy
 import inspect
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import RecordingBackend, normwise
+from conftest import RecordingBackend, compile_and_compare, normwise
 from torch import nn
 
 import moecompile
@@ -56,13 +55,16 @@ def test_dbrx_padding_class_is_skipped_by_a_length_guard():
 
 def test_rewritten_loops_compute_what_the_originals_do():
     """Run each rewritten forward eagerly against the original, on routings where some experts get no tokens and
-    the padding class appears in the mask: bitwise the same output and gradients."""
+    the padding class appears in the mask: bitwise the same output and gradients (longcat_flash: its empty-row
+    `continue` dropped, its identity experts included)."""
     torch.manual_seed(0)
     mixtral = hf.tiny_model("mixtral", experts_implementation="eager").model.layers[0].mlp.experts
     dbrx = hf.build_model(hf.walk_config("dbrx")).transformer.blocks[0].ffn.experts
-    for experts in (mixtral, dbrx):
-        hidden = experts.mlp.hidden_size if hasattr(experts, "mlp") else experts.hidden_dim
-        num_experts = experts.num_experts
+    longcat = hf.build_model(hf.shrink_config("longcat_flash")).model.layers[0].mlp.experts  # + identity experts
+    for experts in (mixtral, dbrx, longcat):
+        hidden = experts.mlp.hidden_size if hasattr(experts, "mlp") else getattr(experts, "hidden_dim", None)
+        hidden = hidden or experts.hidden_size
+        num_experts = getattr(experts, "total_experts", None) or experts.num_experts
         fn = inspect.unwrap(type(experts).forward)
         new = _rewritten(fn)
         for ids in (torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.randint(0, num_experts, (7, 2))):
@@ -134,19 +136,6 @@ def test_loops_that_cannot_be_proved_are_refused_with_the_reason(tmp_path, body,
     assert result.code is None and result.found and why in result.reason, result.reason
 
 
-def _compile_and_compare(model, backend):
-    eager = copy.deepcopy(model)
-    got = torch.compile(model, backend=backend)(IDS, labels=IDS)
-    want = eager(IDS, labels=IDS)
-    assert not getattr(backend, "errors", None), backend.errors
-    assert normwise(got.logits, want.logits) <= 1e-5
-    got.loss.backward()
-    want.loss.backward()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        if q.grad is not None:
-            assert normwise(p.grad, q.grad) <= 1e-5, name
-
-
 def test_eager_experts_loop_captured_rewritten_and_put_back():
     """experts_implementation='eager': one graph, both layers rewritten, logits and gradients as eager; the class's
     code is the original after the compile, and another backend in the same process still breaks at the loop."""
@@ -154,7 +143,7 @@ def test_eager_experts_loop_captured_rewritten_and_put_back():
     fn = inspect.unwrap(type(model.model.layers[0].mlp.experts).forward)
     original = fn.__code__
     backend = RecordingBackend(inner="aot_eager")
-    _compile_and_compare(model, backend)
+    compile_and_compare(model, IDS, backend=backend)
     assert backend.report.graphs_seen == 1 and len(backend.report.layers) == 2, backend.report.skipped
     assert fn.__code__ is original
     name = f"{type(model.model.layers[0].mlp.experts).__module__}.MixtralExperts.forward"
@@ -178,7 +167,7 @@ def test_dbrx_rewritten_with_its_flat_expert_weights():
     torch.manual_seed(0)
     model = hf.build_model(hf.walk_config("dbrx"))
     backend = RecordingBackend(inner="aot_eager")
-    _compile_and_compare(model, backend)
+    compile_and_compare(model, IDS, backend=backend)
     layers = backend.report.layers
     assert len(layers) == model.config.n_layers and layers[0].spec.experts.storage == "flat", backend.report.skipped
     assert layers[0].spec.shared_experts == ()  # the loop guard's dead weight views are not a shared expert
