@@ -9,6 +9,8 @@
     tok, exp, counts, cw, src = moe.build_pft(ids, w_TK, E, capacity, drop_order, layer)
     y_BH      = moe.expert_mlp(x_TH, tok, counts, w_gate, w_up, w_down, biases..., activation)
     out_TH    = moe.combine(y_BH, tok, cw, T)
+    out_TH   += x_TH * (w_TK * (ids >= E_w)).sum(-1)             (identity experts: ids E_w..E-1 compute nothing;
+                                                                   their rows are the MLP's zero tail)
 
 Weight roles in ``weights``: ``gate``, ``up``, ``down`` (or ``gate_up`` when fused) and the same with ``_bias``.
 A role's value is a stacked ``[E, ...]`` tensor, a flat ``[E * R, C]`` one (every expert's rows one after the
@@ -29,7 +31,9 @@ from .spec import MoESpec
 def _stacked(v, e):
     if isinstance(v, (list, tuple)):
         return torch.stack(v)
-    return v.view(e.num_experts, -1, v.shape[-1]) if e.storage == "flat" else v
+    if e.storage == "flat":
+        return v.view(e.num_experts, -1, v.shape[-1])
+    return v[: e.num_experts] if e.identity_experts else v  # rows some keep for identity experts: never read
 
 
 def expert_tensors(spec: MoESpec, weights: dict):
@@ -65,15 +69,18 @@ def canonical_moe(
     a kept router's (weights, ids), each [T, K], used in place of ``moe.route`` (``spec.routing.kept``)."""
     r, e = spec.routing, spec.experts
     x_TH = x.reshape(-1, e.hidden)
+    E = e.num_experts + e.identity_experts  # what the router scores
     if r.kept:
         weights_TK, ids_TK = topk[0].reshape(-1, r.top_k), topk[1].reshape(-1, r.top_k)
     else:
         if correction_bias is not None:  # one bias per expert, [E]: ERNIE keeps it as [1, E]
-            correction_bias = correction_bias.reshape(e.num_experts)
-        routed = torch.ops.moe.route(logits.reshape(-1, e.num_experts), correction_bias, *r.route_args())
+            correction_bias = correction_bias.reshape(E)
+        routed = torch.ops.moe.route(logits.reshape(-1, E), correction_bias, *r.route_args())
         weights_TK, ids_TK = routed[0], routed[1]
-    pft = torch.ops.moe.build_pft(ids_TK, weights_TK, e.num_experts, r.capacity, r.drop_order, layer)
+    pft = torch.ops.moe.build_pft(ids_TK, weights_TK, E, r.capacity, r.drop_order, layer)
     token_ids_B, tokens_per_expert_E, combine_weights_B = pft[0], pft[2], pft[3]
+    if e.identity_experts:  # their rows sort after every computed one: the MLP leaves them 0, combine adds nothing
+        tokens_per_expert_E = tokens_per_expert_E[: e.num_experts]
     gate, up, down, b_gate, b_up, b_down = expert_tensors(spec, weights)
     input_scale_B = combine_weights_B if r.weights_on_input else None
     y_BH = torch.ops.moe.expert_mlp(
@@ -81,5 +88,8 @@ def canonical_moe(
         b_gate if e.gated else None, b_up, b_down, input_scale_B, e.activation, e.alpha, e.limit,
     )
     out_TH = torch.ops.moe.combine(y_BH, token_ids_B, None if r.weights_on_input else combine_weights_B, x_TH.size(0))
+    if e.identity_experts:  # each token once more, scaled by the weights it gave identity experts
+        identity_T1 = (weights_TK * (ids_TK >= e.num_experts)).sum(-1, keepdim=True)
+        out_TH = out_TH + x_TH * identity_T1
     out = out_TH.to(out_dtype)
     return out.reshape(x.shape) if out_3d else out

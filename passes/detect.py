@@ -171,7 +171,7 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
         spec = MoESpec(
             **block,
             routing=RoutingSpec(**r_kwargs, correction_bias=corr is not None, router_bias=router_bias),
-            experts=ExpertSpec(num_experts=E, hidden=H, **e_kwargs),
+            experts=ExpertSpec(hidden=H, **e_kwargs),
         )
         specs.append(spec)
         bindings.append(Binding(x=x_in, logits=logits, correction_bias=corr, weights=weights, routed=routed, **kept))

@@ -54,6 +54,22 @@ def expert_params(nodes, values, E: int) -> list[fx.Node]:
 
 
 
+def identity_split(slice_nodes, values, E: int, params, exclude) -> tuple[int, list[fx.Node]]:
+    """(experts that compute, their weights beyond ``params``). The router scores E experts, but when the block
+    also reads stacked weights for fewer, ``E_w`` of them (LongCat-Flash's down projection is [E_w, H, I] beside
+    an [E, 2I, H] gate/up whose last rows are unread), ids ``E_w..E-1`` are zero-computation experts: verify then
+    proves whether they return the token (``ExpertSpec.identity_experts``). (E, []) when there are none."""
+    if not any(values[p].dim() == 3 for p in params):
+        return E, []
+    used = {a for n in slice_nodes for a in n.all_input_nodes if is_param(a, values)} - set(params) - set(exclude)
+    fewer = [p for p in used if values[p].dim() in (2, 3) and 1 <= values[p].shape[0] < E]
+    sizes = {values[p].shape[0] for p in fewer if values[p].dim() == 3}
+    if len(sizes) != 1:
+        return E, []
+    computed = sizes.pop()
+    return computed, [p for p in fewer if values[p].shape[0] == computed]
+
+
 def _first_use(p: fx.Node, order) -> int:
     return min(order[u] for u in p.users)
 
@@ -63,13 +79,15 @@ def expert_options(slice_nodes, values, order, E, H, exclude: set):
     params = [p for p in expert_params(slice_nodes, values, E) if p not in exclude]
     if not params:
         raise Skip("found a router but no expert weights in the same block")
+    computed, fewer = identity_split(slice_nodes, values, E, params, exclude)
+    params += fewer
     if all(flat_stacked(p, values, E) for p in params):
         storage = "flat"
         mats = sorted(params, key=lambda p: _first_use(p, order))
         vecs = []
         shape = lambda p: (values[p].shape[0] // E, values[p].shape[1])  # noqa: E731
         bind = lambda p: p  # noqa: E731
-    elif all(values[p].shape[0] == E for p in params) and any(values[p].dim() == 3 for p in params):
+    elif all(values[p].shape[0] in (E, computed) for p in params) and any(values[p].dim() == 3 for p in params):
         storage = "stacked"
         mats = sorted((p for p in params if values[p].dim() == 3), key=lambda p: _first_use(p, order))
         vecs = sorted((p for p in params if values[p].dim() == 2), key=lambda p: _first_use(p, order))
@@ -128,7 +146,7 @@ def expert_options(slice_nodes, values, order, E, H, exclude: set):
                         if act[0] in GATED_ONLY and how == "ungated":
                             continue
                         out_specs.append(dict(
-                            intermediate=inter, activation=act[0], alpha=act[1], limit=act[2], storage=storage,
+                            num_experts=computed, identity_experts=E - computed, intermediate=inter, activation=act[0], alpha=act[1], limit=act[2], storage=storage,
                             gated=how != "ungated", gate_up=how if how not in ("separate", "ungated") else "separate",
                             up_transposed=up_t, down_transposed=down_t, biases=bool(vecs),
                         ))

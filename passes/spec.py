@@ -45,7 +45,9 @@ class RoutingSpec:
 class ExpertSpec:
     """The routed experts' MLP and how their weights are stored."""
 
-    num_experts: int
+    num_experts: int  # experts with weights (ids 0..E-1)
+    identity_experts: int = 0  # zero-computation experts routed after them (LongCat-Flash): ids E..E+Z-1 return
+    # the token itself, scaled by its weight; the router scores E + Z experts
     hidden: int
     intermediate: int
     activation: str = "silu"
@@ -96,7 +98,7 @@ class MoESpec:
         if self.shared_gate:
             shared += " (sigmoid-gated)"
         return (
-            f"E={e.num_experts} k={r.top_k} H={e.hidden} I={e.intermediate} {self.dtype}; route: {route}; "
+            f"E={e.num_experts}{f'+{e.identity_experts} identity' if e.identity_experts else ''} k={r.top_k} H={e.hidden} I={e.intermediate} {self.dtype}; route: {route}; "
             f"experts: {act} [{layout}]{shared}"
         )
 

@@ -174,6 +174,22 @@ def test_shrunk_family_rewritten_with_every_gradient(family, block):
     assert n_moe and len(report.layers) == n_moe, report.skipped
 
 
+def test_identity_experts_pass_the_token_through():
+    """LongCat-Flash: the router scores 8 experts with weights and 2 zero-computation ones, which return the token
+    times its weight; gate/up keeps rows for them that are never read. The correction bias makes the last identity
+    expert every token's first choice and the other never chosen, so each token takes both paths; logits and every
+    gradient."""
+    torch.manual_seed(0)
+    model = hf.build_model(hf.shrink_config("longcat_flash")).train()
+    routed = model.config.n_routed_experts
+    for layer in model.model.layers:
+        layer.mlp.router.e_score_correction_bias[routed:] = torch.tensor([-10.0, 10.0])
+    report = _check_against_eager(model, fullgraph=False)
+    assert len(report.layers) == len(model.model.layers), report.skipped
+    e = report.layers[0].spec.experts
+    assert (e.num_experts, e.identity_experts) == (routed, model.config.zero_expert_num)
+
+
 def test_router_and_experts_beside_attention_in_one_layer():
     """Gemma 4: router and experts are children of the decoder layer itself, next to attention and a dense MLP;
     the experts read the layer input normed apart from the router's, and the router scales its weights per
