@@ -35,7 +35,8 @@ from .graph_utils import (
 from .experts import Skip, expert_options, expert_params
 from .report import PassReport, block
 from .routing import (
-    PASS_THROUGH, numel, router_linear, router_weight, routing_options, selections_in, steered_by, view_chain,
+    PASS_THROUGH, gather_ids, looked_up, numel, router_linear, router_weight, routing_options, selections_in,
+    steered_by, view_chain,
 )
 from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
 from .unexplained import ROOT, unexplained_blocks
@@ -61,7 +62,7 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
     seen: set[fx.Node] = set()
     handled: set[fx.Node] = set()  # the nodes of every block looked at, annotated or skipped
     paths: set[str] = set()
-    for sel in selections_in(gm.graph.nodes):
+    for sel in _picks(gm.graph.nodes):
         router = router_linear(sel, values)
         if router is None or router in seen or steered_by(sel, router, values) is None:
             continue
@@ -104,6 +105,13 @@ def _block_of(router: fx.Node, gm: fx.GraphModule, by_key, values) -> tuple[set[
     raise Skip(aliases.EAGER_EXPERTS_REASON)
 
 
+def _picks(nodes) -> list[fx.Node]:
+    """What may pick a router's experts: the selections, then gathers of scores at ids from a table (hash routing,
+    kept as written)."""
+    nodes = list(nodes)
+    return selections_in(nodes) + [n for n in nodes if looked_up(n)]
+
+
 def _path_of(n: fx.Node) -> str:
     st = module_stack(n)
     return st[-1][1] if st else n.name
@@ -124,7 +132,7 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     w_router = values[router_weight(router)]
     E, H = w_router.shape
     logits = router
-    sels = [n for n in selections_in(region) if router_linear(n, values) is router]
+    sels = [n for n in _picks(region) if router_linear(n, values) is router]
     dep = descendants(sels, region)
     routed = _routed_node(region, dep, H, values)
     # the compiled module's own inputs may carry the block's module stack: they are inputs, not computation
@@ -151,14 +159,17 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     logits_nodes = ancestors([logits], slice_nodes)
     kept, router_nodes = {}, set()
     scale = _per_expert_scale(slice_nodes, sels, values, E)
-    if scale is not None or any(draws_random(n) for n in slice_nodes | logits_nodes):
+    hashed = [gather_ids(s) for s in sels if looked_up(s)]
+    if scale is not None or hashed or any(draws_random(n) for n in slice_nodes | logits_nodes):
         router_side = router_params | ({scale} if scale is not None else set())
-        topk = _kept_router(slice_nodes, sels, x_in, values, router_side)
+        router_side |= {a for n in ancestors(hashed, slice_nodes) for a in n.all_input_nodes if is_param(a, values)}
+        topk = _kept_router(slice_nodes, sels + hashed, x_in, values, router_side)
         if topk is not None:  # else verify refuses the block (random draws) or no spec reproduces it (a scale)
             for name in ("n_group", "topk_group", "group_score"):  # the router's own business now
                 routing.pop(name, None)
-            why = "draws random numbers" if scale is None else (
-                f"scales its weights per expert ({scale.name}[ids]), which moe.route does not compute")
+            why = ("takes its expert ids from a table (hash routing), which moe.route does not compute" if hashed
+                   else "draws random numbers" if scale is None
+                   else f"scales its weights per expert ({scale.name}[ids]), which moe.route does not compute")
             routing.update(score_fn=["kept"], top_k=[hint(shape_of(topk[1])[-1])], jitter_eps=[0.0],
                            renormalize=[False], renorm_eps=[0.0], scaling=[1.0], kept=[why])
             kept, router_nodes, corr = dict(topk_weights=topk[0], topk_ids=topk[1]), topk[2], None
@@ -192,9 +203,11 @@ def _per_expert_scale(slice_nodes, sels, values, E) -> fx.Node | None:
 
 
 def _token_inputs(slice_nodes, values) -> list[fx.Node]:
-    """The tensors the slice reads from outside it that are not parameters."""
+    """The floating tensors the slice reads from outside it that are not parameters (integer ones, a hash
+    router's token ids, are not tokens)."""
     externals = {a for n in slice_nodes for a in n.all_input_nodes if a not in slice_nodes}
-    return [a for a in externals if not is_param(a, values) and isinstance(example(a), torch.Tensor)]
+    return [a for a in externals if not is_param(a, values) and isinstance(example(a), torch.Tensor)
+            and example(a).is_floating_point()]
 
 
 def _sibling_cut(region, router, values, E):

@@ -192,8 +192,10 @@ def _activations(slice_nodes) -> list[tuple[str, float, float]]:
     names = [op_name(n) for n in slice_nodes]
     found = []
     clamps = [n for n in slice_nodes if op_name(n) == "clamp"]
+    limit = max((c for n in clamps for c in float_consts(n)), default=7.0)
+    if clamps and "silu" in names:  # DeepSeek-V4: silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+        found.append(("silu_clamp", 1.702, limit))
     if clamps and "sigmoid" in names:
-        limit = max((c for n in clamps for c in float_consts(n)), default=7.0)
         alpha = next((c for n in slice_nodes if op_name(n) == "mul" for u in n.users if op_name(u) == "sigmoid"
                       for c in float_consts(n)), 1.702)
         found.append(("swiglu_clamp", alpha, limit))

@@ -10,7 +10,7 @@
 ``lowering``: "torch" keeps the reference ops; "triton" lowers every op that has a kernel; "auto" lowers when the
 layer's tensors are on CUDA (Triton on a GPU) and keeps the references on CPU. On a machine without CUDA,
 "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for the layer's form
-(sparsemixer routing, capacity-limited buffers, an expert output used elsewhere than its combine) stays on torch,
+(sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere than its combine) stays on torch,
 and the layer record says which and why (``explain()``).
 
 Before a layer's kernels are used they are proved against the references on probe inputs, forward and (with
@@ -142,8 +142,10 @@ def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> tuple[list[str], list
     for n in nodes:
         name = moe_op_name(n)
         if name == "route":
-            if n.args[3] == "sparsemixer":
-                notes.append("route: torch (sparsemixer routing has no Triton kernel)")
+            from ..runtime.kernels.router import SCORE_FN_CODES
+
+            if n.args[3] not in SCORE_FN_CODES:
+                notes.append(f"route: torch ({n.args[3]} routing has no Triton kernel)")
             else:
                 n.target = getattr(_ops, _SWAPS[name]).default
                 swapped.append(_SWAPS[name])

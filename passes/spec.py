@@ -19,7 +19,7 @@ class RoutingSpec:
     """The router after the logits: ``moe::route`` arguments plus how the weights are applied and dropped."""
 
     top_k: int
-    score_fn: str = "softmax"  # softmax | sigmoid | topk_softmax | topk_sigmoid | sparsemixer
+    score_fn: str = "softmax"  # softmax | sigmoid | sqrtsoftplus | topk_softmax | topk_sigmoid | sparsemixer
     renormalize: bool = False
     renorm_eps: float = 0.0
     scaling: float = 1.0

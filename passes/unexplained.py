@@ -17,8 +17,8 @@ import torch.fx as fx
 
 from .graph_utils import example, is_param, module_stack, op_name, shape_of
 from .routing import (
-    BATCHED_MATMULS, PARAM_VIEWS, SELECTION_OPS, nearest, router_linear, router_weight, scores_linear,
-    selection_problem, steered_by,
+    BATCHED_MATMULS, PARAM_VIEWS, SELECTION_OPS, gather_ids, looked_up, nearest, router_linear, router_weight,
+    scores_linear, selection_problem, steered_by,
 )
 
 ROOT = "<root>"  # path of a block that is the compiled module itself
@@ -59,28 +59,16 @@ def _picks_from(n: fx.Node, lin: fx.Node, values) -> bool:
     [T, E] scores at [T, K] integer ids that no selection chose (a table lookup: hash routing)."""
     if op_name(n) not in (*SELECTION_OPS, "gather") or not shape_of(n.args[0]):
         return False
-    if op_name(n) == "gather" and not _looked_up(n):
+    if op_name(n) == "gather" and not looked_up(n):
         return False
     return 2 <= shape_of(n.args[0])[-1] <= values[router_weight(lin)].shape[0] and scores_linear(n, values) is lin
-
-
-def _looked_up(gather: fx.Node) -> bool:
-    """A gather of [T, E] scores along the experts at [T, K] integer ids that no selection op produced."""
-    ids = _gather_ids(gather)
-    if len(shape_of(gather.args[0])) != 2 or not _integer(ids) or len(shape_of(ids)) != 2:
-        return False
-    return not any(op_name(a) in SELECTION_OPS for a in nearest(ids, "all_input_nodes", 60))
-
-
-def _gather_ids(n: fx.Node):
-    return n.args[2] if len(n.args) > 2 else n.kwargs.get("index")
 
 
 def _why_not_router(sel: fx.Node, values) -> str:
     """What stops detect reading ``sel`` as a router's selection."""
     if op_name(sel) == "gather":
         return (f"no selection picks the experts from its scores: the ids they are gathered at "
-                f"({_gather_ids(sel).name}) come from elsewhere (a table lookup: hash routing?), which the canonical "
+                f"({gather_ids(sel).name}) come from elsewhere (a table lookup: hash routing?), which the canonical "
                 "routing does not express")
     problem = selection_problem(sel)
     if problem:

@@ -6,6 +6,8 @@ the values of ``MoESpec.activation`` and of the ``activation`` argument of ``moe
 ``swiglu_clamp`` is GPT-OSS's gated unit: ``gate`` clamped above at ``limit``, ``up`` clamped to ``[-limit, limit]``,
 ``(up + 1) * gate * sigmoid(alpha * gate)``.
 
+``silu_clamp`` is DeepSeek-V4's: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
+
 ``swiglu_softcap`` is Inkling2's: ``softcap(gate, alpha) * sigmoid(gate) * softcap(up, limit)``, with
 ``softcap(x, c) = tanh(x / c) * c`` (the sigmoid sees the raw gate; the caps bound the linear factors).
 """
@@ -15,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_clamp", "swiglu_softcap")
-GATED_ONLY = ("swiglu_clamp", "swiglu_softcap")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_clamp", "swiglu_softcap", "silu_clamp")
+GATED_ONLY = ("swiglu_clamp", "swiglu_softcap", "silu_clamp")
 
 
 def check_activation(name: str, gated: bool) -> None:
@@ -50,6 +52,8 @@ def apply_activation(
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if name == "silu_clamp":
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     if name == "swiglu_softcap":  # alpha: the gate's cap, limit: up's
         return torch.tanh(gate / alpha) * alpha * torch.sigmoid(gate) * (torch.tanh(up / limit) * limit)
     return _act(name, gate) * up

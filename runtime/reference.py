@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .activations import apply_activation, check_activation
 
-SCORE_FNS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid", "sparsemixer")
+SCORE_FNS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid", "sparsemixer", "sqrtsoftplus")
 GROUP_SCORES = ("max", "top2_sum")
 DROP_ORDERS = ("slot_major", "token_major", "priority")
 
@@ -91,7 +91,7 @@ def route_ref(
         vals_TK = logits.gather(1, ids_TK)
         weights_TK = vals_TK.softmax(dim=-1) if score_fn == "topk_softmax" else torch.sigmoid(vals_TK)
     else:
-        scores_TE = logits.softmax(dim=-1) if score_fn == "softmax" else torch.sigmoid(logits)
+        scores_TE = _scores(logits, score_fn)
         choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.float()
         if n_group > 1:
             choice_TE = _group_limit(choice_TE, n_group, topk_group, group_score)
@@ -102,6 +102,15 @@ def route_ref(
     if scaling != 1.0:
         weights_TK = weights_TK * scaling
     return weights_TK, ids_TK
+
+
+def _scores(logits_TE: torch.Tensor, score_fn: str) -> torch.Tensor:
+    """Per-expert scores over all E logits: softmax, sigmoid, or sqrt(softplus(x)) (DeepSeek-V4)."""
+    if score_fn == "softmax":
+        return logits_TE.softmax(dim=-1)
+    if score_fn == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits_TE).sqrt()
+    return torch.sigmoid(logits_TE)
 
 
 def _assignment_priority(weights_TK: torch.Tensor, drop_order: str) -> torch.Tensor:

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import RecordingBackend, normwise
+from conftest import RecordingBackend, compile_and_compare, normwise
 
 from moecompile.models import handwritten, hf
 
@@ -188,6 +188,30 @@ def test_identity_experts_pass_the_token_through():
     assert len(report.layers) == len(model.model.layers), report.skipped
     e = report.layers[0].spec.experts
     assert (e.num_experts, e.identity_experts) == (routed, model.config.zero_expert_num)
+
+
+def test_hash_routing_kept_and_sqrt_softplus_router_rewritten():
+    """DeepSeek-V4: its first MoE layer takes the experts from a token-id table (``tid2eid[input_ids]``, hash
+    routing) and is kept as written, only the experts rewritten; the next routes by sqrt(softplus(logits)) with a
+    correction bias, rewritten whole. Both clamp their SwiGLU (silu(min(gate, L)) * clamp(up, -L, L)), here at a
+    limit the tokens reach. Logits and every gradient as eager."""
+    torch.manual_seed(0)
+    config = hf.shrink_config("deepseek_v4")
+    config.swiglu_limit = 0.05
+    model = hf.build_model(config).train()
+    E, K = config.num_local_experts, config.num_experts_per_tok
+    table = torch.rand(config.vocab_size, E).argsort(-1)[:, :K]  # K distinct experts per token id
+    for layer in model.model.layers:
+        if layer.mlp.is_hash:
+            layer.mlp.gate.tid2eid.copy_(table)
+    report = compile_and_compare(model, IDS)  # (attention's compressor bias gets no gradient at this length)
+    specs = {r.path: r.spec for r in report.layers}
+    assert len(specs) == len(model.model.layers) == 2, report.skipped
+    hashed, learned = specs["model.layers.0.mlp"], specs["model.layers.1.mlp"]
+    assert hashed.routing.kept.startswith("takes its expert ids from a table")
+    assert learned.routing.score_fn == "sqrtsoftplus" and not learned.routing.kept
+    assert {hashed.experts.activation, learned.experts.activation} == {"silu_clamp"}
+    assert hashed.experts.limit == 0.05
 
 
 def test_router_and_experts_beside_attention_in_one_layer():

@@ -34,6 +34,7 @@ LAYOUTS = {  # activation, gated, biases, input scale (weights on the input, Lla
     "gelu_tanh": ("gelu_tanh", True, False, False, False),
     "relu2_ungated": ("relu2", False, False, True, False),
     "inkling2": ("swiglu_softcap", True, False, False, False),
+    "deepseek_v4": ("silu_clamp", True, False, False, False),
 }
 
 
@@ -69,8 +70,8 @@ def make_problem(T, layout, dtype, routing="random", K=2, seed=0):
         both = rnd(E, 2 * I)
         t["bg"], t["bu"] = both[:, ::2], both[:, 1::2]
     t["bd"] = rnd(E, H) if biases else None
-    # GPT-OSS's clamp and Inkling2's caps at values the activations actually reach, so both regimes are exercised
-    kw = dict(activation=act, alpha=1.702, limit=0.5 if act == "swiglu_clamp" else 7.0)
+    # GPT-OSS's and DeepSeek-V4's clamps and Inkling2's caps at values the activations actually reach, so both regimes are exercised
+    kw = dict(activation=act, alpha=1.702, limit=0.5 if act in ("swiglu_clamp", "silu_clamp") else 7.0)
     if act == "swiglu_softcap":
         kw.update(alpha=0.8, limit=0.5)
     return t, tok, counts, kw
@@ -104,7 +105,7 @@ def check(got, truth, ref_lowp, dtype, what):
 
 CASES = [(6, "mixtral", "random"), (42, "gpt_oss", "skewed"), (123, "llama4", "random"),
          (42, "gelu_ungated", "one_expert"), (6, "gelu_tanh", "skewed"), (42, "relu2_ungated", "random"),
-         (42, "inkling2", "skewed")]
+         (42, "inkling2", "skewed"), (42, "deepseek_v4", "random")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])

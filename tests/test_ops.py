@@ -48,6 +48,18 @@ def test_sigmoid_group_limited_route_picks_only_from_best_groups():
     torch.testing.assert_close(w, 2.5 * g / g.sum(-1, keepdim=True))
 
 
+def test_sqrtsoftplus_route_is_deepseek_v4s():
+    """sqrt(softplus(logits)) scores, chosen with the correction bias, weighted without it, renormalised, scaled."""
+    torch.manual_seed(2)
+    logits, bias = torch.randn(50, 8) * 4, torch.rand(8) * 0.3
+    w, ids = route(logits, bias, top_k=2, score_fn="sqrtsoftplus", renormalize=True, renorm_eps=1e-20, scaling=1.5)
+    s = torch.nn.functional.softplus(logits).sqrt()
+    want = (s + bias).topk(2).indices
+    assert torch.equal(ids.sort(-1).values, want.sort(-1).values)
+    g = s.gather(1, ids)
+    torch.testing.assert_close(w, 1.5 * g / (g.sum(-1, keepdim=True) + 1e-20))
+
+
 def test_topk_then_softmax_and_sigmoid_routes():
     logits = torch.randn(6, 5)
     v, i = logits.topk(2)
@@ -61,6 +73,7 @@ def test_topk_then_softmax_and_sigmoid_routes():
 @pytest.mark.parametrize("score_fn,extra", [
     ("softmax", dict(renormalize=True)), ("sigmoid", dict(n_group=2, topk_group=1, scaling=1.5)),
     ("topk_softmax", {}), ("topk_sigmoid", {}), ("sparsemixer", dict(jitter_eps=0.5)),
+    ("sqrtsoftplus", dict(renormalize=True, renorm_eps=1e-20, scaling=1.5)),
 ])
 def test_route_gradient_matches_autograd_of_reference(score_fn, extra):
     torch.manual_seed(0)
@@ -168,7 +181,7 @@ def test_gradcheck_expert_mlp_with_biases_and_input_scale():
     tok = torch.tensor([0, 3, 1, 2, 4, 0, 2])
     cnt = torch.tensor([3, 0, 4])
     scale = torch.rand(7, **d)
-    for act in ("silu", "gelu", "gelu_tanh", "swiglu_clamp", "swiglu_softcap"):
+    for act in ("silu", "gelu", "gelu_tanh", "swiglu_clamp", "swiglu_softcap", "silu_clamp"):
         def f(x, wg, wu, wd, bg, bu, bd, scale):
             return torch.ops.moe.expert_mlp(x, tok, cnt, wg, wu, wd, bg, bu, bd, scale, act, 1.702, 0.5)
         assert torch.autograd.gradcheck(f, (x, wg, wu, wd, bg, bu, bd, scale))

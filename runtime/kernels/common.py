@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 # Activation codes (constexpr ACT of the expert kernels); names are those of runtime/activations.py.
-ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "swiglu_clamp": 5, "swiglu_softcap": 6}
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "swiglu_clamp": 5, "swiglu_softcap": 6,
+             "silu_clamp": 7}
 
 
 def interpreting() -> bool:
@@ -79,6 +80,9 @@ def act_fwd(g, u, ACT: tl.constexpr, alpha, limit):
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         h = (uc + 1.0) * gc * _sigmoid(alpha * gc)
+    elif ACT == 7:  # DeepSeek-V4: silu(min(g, limit)) * clamp(u, -limit, limit)
+        gc = tl.minimum(g, limit)
+        h = gc * _sigmoid(gc) * tl.minimum(tl.maximum(u, -limit), limit)
     else:  # Inkling2: alpha tanh(g / alpha) * sigmoid(g) * limit tanh(u / limit)
         h = _tanh(g / alpha) * alpha * _sigmoid(g) * (_tanh(u / limit) * limit)
     return h
@@ -118,6 +122,13 @@ def act_bwd(g, u, dh, ACT: tl.constexpr, alpha, limit):
         dgc = dh * (uc + 1.0) * (s + alpha * glu * (1.0 - s))
         dg = tl.where(g <= limit, dgc, 0.0)  # torch.clamp passes the gradient at the bound
         du = tl.where((u >= -limit) & (u <= limit), dh * glu, 0.0)
+    elif ACT == 7:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = _sigmoid(gc)
+        a = gc * s
+        dg = tl.where(g <= limit, dh * uc * (s + a * (1.0 - s)), 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), dh * a, 0.0)
     else:
         tg = _tanh(g / alpha)
         tu = _tanh(u / limit)
