@@ -33,9 +33,10 @@ from .graph_utils import (
     nodes_by_module, op_name, placeholder_values, shape_of,
 )
 from .experts import Skip, expert_options, expert_params
+from .kept import kept_router, per_expert_scale, router_side, unread_router
 from .report import PassReport, block
 from .routing import (
-    PASS_THROUGH, gather_ids, looked_up, numel, router_linear, router_weight, routing_options, selections_in,
+    PASS_THROUGH, gather_ids, looked_up, router_linear, router_weight, routing_options, selections_in,
     steered_by, view_chain,
 )
 from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
@@ -63,20 +64,27 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
     handled: set[fx.Node] = set()  # the nodes of every block looked at, annotated or skipped
     paths: set[str] = set()
     for sel in _picks(gm.graph.nodes):
-        router = router_linear(sel, values)
-        if router is None or router in seen or steered_by(sel, router, values) is None:
+        router, unread = router_linear(sel, values), None
+        if router is None:  # scores moe.route cannot read: the router may still be kept (kept.py)
+            unread = unread_router(sel, values, by_key)
+            router = unread[0] if unread else None
+        if router is None or router in seen or steered_by(sel, router, values, num_experts=unread and unread[2]) is None:
             continue
         seen.add(router)
         handled.add(router)
         path = _path_of(router)
         with block(path):  # a failure names the router's module
             try:
-                region, path, block_type = _block_of(router, gm, by_key, values)
+                if unread:
+                    region, path, block_type = _module_block(unread[1], by_key, gm)
+                else:
+                    region, path, block_type = _block_of(router, gm, by_key, values)
                 handled |= region
                 if path in paths:
                     continue
                 paths.add(path)
-                cand = _describe(path, block_type, region, router, values, order, config)
+                cand = _describe(path, block_type, region, router, values, order, config,
+                                 unread=unread and (sel, unread[2]))
             except Skip as why:
                 report.skip(path, str(why))
                 paths.add(path)
@@ -97,11 +105,8 @@ def _block_of(router: fx.Node, gm: fx.GraphModule, by_key, values) -> tuple[set[
     """(nodes, path, type) of the block around ``router``: the innermost module that also uses expert weights,
     or the whole graph when the compiled module is the block itself."""
     key = _block_key(router, by_key, values)
-    if key is not None:
-        path, block_type = next((p, t) for k, p, t in module_stack(router) if k == key)
-        return set(by_key[key]), path, block_type
-    if expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
-        return {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}, ROOT, "<compiled module>"
+    if key is not None or expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
+        return _module_block(key, by_key, gm)
     raise Skip(aliases.EAGER_EXPERTS_REASON)
 
 
@@ -110,6 +115,13 @@ def _picks(nodes) -> list[fx.Node]:
     kept as written)."""
     nodes = list(nodes)
     return selections_in(nodes) + [n for n in nodes if looked_up(n)]
+
+
+def _module_block(key, by_key, gm) -> tuple[set[fx.Node], str, str]:
+    if key is None:
+        return {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}, ROOT, "<compiled module>"
+    path, block_type = next((p, t) for k, p, t in module_stack(by_key[key][0]) if k == key)
+    return set(by_key[key]), path, block_type
 
 
 def _path_of(n: fx.Node) -> str:
@@ -128,17 +140,25 @@ def _block_key(router: fx.Node, by_key, values) -> str | None:
 # ---- the block ----------------------------------------------------------------------------------------------
 
 
-def _describe(path, block_type, region, router, values, order, config) -> Candidate:
+def _describe(path, block_type, region, router, values, order, config, unread=None) -> Candidate:
+    """The candidate specs of the block around ``router``. ``unread``: (selection, E) for a router whose scores
+    moe.route cannot read (``kept.unread_router``), kept as written."""
     w_router = values[router_weight(router)]
     E, H = w_router.shape
     logits = router
     sels = [n for n in _picks(region) if router_linear(n, values) is router]
+    if unread:
+        (sel, E), H = unread, _block_width(region)
+        sels = [sel]
     dep = descendants(sels, region)
-    routed = _routed_node(region, dep, H, values)
+    routed = _routed_node(region, dep, H, values, set(expert_params(region, values, E)))
     # the compiled module's own inputs may carry the block's module stack: they are inputs, not computation
     slice_nodes = {n for n in ancestors([routed], region) if n.op != "placeholder"}
     slice_nodes -= _input_writes_before_routing(slice_nodes, dep, router)
     x_in = _token_inputs(slice_nodes, values)
+    if unread and len(x_in) > 1:  # the router reads more than the tokens (ZAYA's: the last layer's router state)
+        side = router_side(slice_nodes, sels, values, E)
+        x_in = [x for x in x_in if kept_router(slice_nodes, sels, x, values, side)][:1] or x_in
     if len(x_in) != 1:
         cut = _sibling_cut(region, router, values, E)
         if cut is None:
@@ -151,23 +171,33 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
     x_in = x_in[0]
     if shape_of(x_in)[-1] != H:
         raise Skip(f"token input has last dim {shape_of(x_in)[-1]}, router expects {H}")
-    routing = routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in)
-    router_params = {router_weight(router)} | {a for a in router.args[2:3] if isinstance(a, fx.Node)}
+    if unread:
+        routing = {"correction_bias_node": None, "weights_on_input": [False]}
+        router_params = router_side(slice_nodes, sels, values, E)
+    else:
+        routing = routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in)
+        router_params = {router_weight(router)} | {a for a in router.args[2:3] if isinstance(a, fx.Node)}
     experts, binds = expert_options(slice_nodes, values, order, E, H, router_params)
     corr = routing.pop("correction_bias_node")
     router_bias = len(router.args) > 2 and router.args[2] is not None
     logits_nodes = ancestors([logits], slice_nodes)
     kept, router_nodes = {}, set()
-    scale = _per_expert_scale(slice_nodes, sels, values, E)
+    scale = per_expert_scale(slice_nodes, sels, values, E)
     hashed = [gather_ids(s) for s in sels if looked_up(s)]
-    if scale is not None or hashed or any(draws_random(n) for n in slice_nodes | logits_nodes):
-        router_side = router_params | ({scale} if scale is not None else set())
-        router_side |= {a for n in ancestors(hashed, slice_nodes) for a in n.all_input_nodes if is_param(a, values)}
-        topk = _kept_router(slice_nodes, sels + hashed, x_in, values, router_side)
+    if unread or scale is not None or hashed or any(draws_random(n) for n in slice_nodes | logits_nodes):
+        side = router_params | ({scale} if scale is not None else set())
+        side |= {a for n in ancestors(hashed, slice_nodes) for a in n.all_input_nodes if is_param(a, values)}
+        topk = kept_router(slice_nodes, sels + hashed, x_in, values, side)
+        if topk is None and unread:
+            raise Skip(f"its router's scores ({list(shape_of(sels[0].args[0]))}, from {router.name}: "
+                       f"{w_router.shape[0]} per token) are not moe.route's over the {E} experts, and no [T, K] "
+                       "weights and ids that the experts alone read could be cut out of it to keep it as written")
         if topk is not None:  # else verify refuses the block (random draws) or no spec reproduces it (a scale)
             for name in ("n_group", "topk_group", "group_score"):  # the router's own business now
                 routing.pop(name, None)
-            why = ("takes its expert ids from a table (hash routing), which moe.route does not compute" if hashed
+            why = (f"scores {hint(shape_of(sels[0].args[0])[-1])} classes from {w_router.shape[0]} logits per "
+                   f"token for {E} experts, which moe.route does not compute" if unread
+                   else "takes its expert ids from a table (hash routing), which moe.route does not compute" if hashed
                    else "draws random numbers" if scale is None
                    else f"scales its weights per expert ({scale.name}[ids]), which moe.route does not compute")
             routing.update(score_fn=["kept"], top_k=[hint(shape_of(topk[1])[-1])], jitter_eps=[0.0],
@@ -188,18 +218,6 @@ def _describe(path, block_type, region, router, values, order, config) -> Candid
         bindings.append(Binding(x=x_in, logits=logits, correction_bias=corr, weights=weights, routed=routed, **kept))
     specs, bindings = specs[: config.max_candidates], bindings[: config.max_candidates]
     return Candidate(path, block_type, specs, bindings, slice_nodes, logits_nodes, router_nodes)
-
-
-def _per_expert_scale(slice_nodes, sels, values, E) -> fx.Node | None:
-    """A one-per-expert parameter read at the chosen ids (Gemma 4's ``per_expert_scale[top_k_index]``), or None."""
-    chosen = descendants(sels, slice_nodes)
-    for n in slice_nodes:
-        base, at = (n.args + (None, None))[:2]
-        if op_name(n) in ("getitem", "index_select", "index", "embedding") and isinstance(base, fx.Node) \
-                and is_param(base, values) and values[base].dim() == 1 and values[base].shape[0] == E \
-                and isinstance(at, fx.Node) and at in chosen:
-            return base
-    return None
 
 
 def _token_inputs(slice_nodes, values) -> list[fx.Node]:
@@ -257,64 +275,21 @@ def _input_writes_before_routing(slice_nodes, dep, router) -> set[fx.Node]:
     return peeled
 
 
-_VIEWS = {"view", "reshape", "contiguous", "squeeze", "unsqueeze", "flatten", "view_as", "reshape_as"}
-
-
-def _kept_router(slice_nodes, sels, x_in, values, router_params):
-    """(weights_TK, ids_TK, router nodes) for a router kept as it is (one that draws random numbers: PhiMoE's
-    training sparsemixer samples its experts): ids_TK, an integer [T, K] node of widest K computed from the
-    selections without the expert weights, and weights_TK, a float [T, K] one: the latest pair that the experts
-    read with nothing else of the router but views of the tokens. The router nodes are what computes the pair,
-    those views excepted (they feed the experts too). None when there is no such pair, or the experts draw random
-    numbers themselves: only the whole block could then be proved, and verify refuses it."""
-    H = hint(shape_of(x_in)[-1])
-    T = hint(numel(shape_of(x_in)) // H)
-    experts_read = [n for n in slice_nodes if any(is_param(a, values) and a not in router_params
-                                                  for a in n.all_input_nodes)]
-    router = descendants(sels, slice_nodes) - descendants(experts_read, slice_nodes)
-
-    def tk(n, floating):
-        v = example(n)
-        return (isinstance(v, torch.Tensor) and v.dim() == 2 and hint(v.shape[0]) == T
-                and v.is_floating_point() == floating and not v.is_complex() and v.dtype != torch.bool)
-
-    def views_of_x(n):  # the chain of views from x_in to n, or None
-        chain = set()
-        while n is not x_in:
-            if op_name(n) not in _VIEWS or not n.args or not isinstance(n.args[0], fx.Node):
-                return None
-            chain.add(n)
-            n = n.args[0]
-        return chain
-
-    order = {n: i for i, n in enumerate(next(iter(slice_nodes)).graph.nodes)}
-    ids = [n for n in router if tk(n, False)]
-    if not ids:
-        return None
-    K = max(hint(shape_of(n)[-1]) for n in ids)
-    ids = sorted((n for n in ids if hint(shape_of(n)[-1]) == K), key=order.get, reverse=True)
-    weights = sorted((n for n in router if tk(n, True) and hint(shape_of(n)[-1]) == K), key=order.get, reverse=True)
-    for ids_TK, weights_TK in itertools.product(ids, weights):  # the latest pair the experts read alone
-        kept = ancestors([weights_TK, ids_TK], slice_nodes)
-        experts = slice_nodes - kept
-        read = {a for n in experts for a in n.all_input_nodes if a not in experts}
-        others = [a for a in read - {weights_TK, ids_TK} if not is_param(a, values)
-                  and isinstance(example(a), torch.Tensor)]
-        chains = [views_of_x(a) for a in others]
-        if {weights_TK, ids_TK} <= read and others and all(c is not None for c in chains):
-            views = set().union(*chains)
-            if any(draws_random(n) for n in experts | views):
-                return None
-            return weights_TK, ids_TK, kept - views
-    return None
-
-
 _SCALAR_OPS = {"truediv", "div", "mul", "itruediv", "imul"}  # by a Python number
 
 
-def _routed_node(region, dep, H, values) -> fx.Node:
+def _block_width(region) -> int:
+    """H: the last dim of the block's main output (the one computing the most)."""
+    outs = [n for n in region if any(u not in region for u in n.users) and shape_of(n)]
+    if not outs:
+        raise Skip("no tensor output leaves the block")
+    return hint(shape_of(max(outs, key=lambda n: len(ancestors([n], region))))[-1])
+
+
+def _routed_node(region, dep, H, values, experts=frozenset()) -> fx.Node:
     """Walk from the block output through views, casts, a norm of the output and the shared-expert add to the
-    routed sum."""
+    routed sum (of an add whose two sides both depend on the router, Inkling's shared experts weighted by it, the
+    side reading the ``experts`` weights)."""
     outs = [n for n in region if any(u not in region for u in n.users) and shape_of(n) and shape_of(n)[-1] == H]
     if not outs:
         raise Skip("no [.., H] output leaves the block")
@@ -332,6 +307,9 @@ def _routed_node(region, dep, H, values) -> fx.Node:
             node = tensor_args[0]
         elif name in ("add", "iadd", "add_") and len(tensor_args) == 2 and sum(a in dep for a in tensor_args) == 1:
             node = next(a for a in tensor_args if a in dep)
+        elif name in ("add", "iadd", "add_") and len(tensor_args) == 2 and experts and \
+                len(reading := [a for a in tensor_args if experts & ancestors([a], region)]) == 1:
+            node = reading[0]
         elif name in _SCALAR_OPS and tensor_args == [node.args[0]] and tensor_args[0] in dep:
             node = tensor_args[0]  # (routed + shared) / 2 (Cohere2-MoE "average"): the scale stays outside
         elif (normed := _norm_input(node, values)) is not None and normed in dep:

@@ -162,17 +162,19 @@ def scores_linear(sel: fx.Node, values) -> fx.Node | None:
 _PRODUCTS = {*BATCHED_MATMULS, "mm", "scaled_dot_product_attention", "linear"}
 
 
-def steered_by(sel: fx.Node, router: fx.Node, values, *, leaving: bool = True) -> fx.Node | None:
+def steered_by(sel: fx.Node, router: fx.Node, values, *, leaving: bool = True, num_experts: int | None = None
+               ) -> fx.Node | None:
     """What a selection over ``router``'s scores steers, which makes it a router's: the first node after it that
     reads expert weights ([E, ...] or one per expert, through views) or the tokens ``router`` scored (what its
     inputs are computed from, not through it: a router may be an MLP), else (with ``leaving``) the graph output
     when its result leaves the graph through views (the experts run behind a graph break). None for a selection
     that only reports (a prediction accuracy). Looks only near the selection (a block's nodes), not through the
-    rest of the model."""
+    rest of the model. ``num_experts``: E, when ``router``'s weight does not say it (``kept.unread_router``)."""
     after = {sel, *nearest(sel, "users", _NEAR)}
     order = {n: i for i, n in enumerate(sel.graph.nodes)}
     weight_views = _weight_views(after, values)
-    experts = set(expert_params(after | set(weight_views), values, values[router_weight(router)].shape[0]))
+    E = num_experts or values[router_weight(router)].shape[0]
+    experts = set(expert_params(after | set(weight_views), values, E))
     experts |= {v for v, p in weight_views.items() if p in experts}
     scored = {router, *nearest(router, "users", 4 * _NEAR)}
     sources = [a for a in nearest(router, "all_input_nodes", 20) if not is_param(a, values)

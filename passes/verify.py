@@ -53,12 +53,12 @@ def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Ge
     for n in outside:
         if n is ids_node or n is weights_node:
             v = example(n)
-            T, K = hint(v.shape[0]), hint(v.shape[1])
+            shape = [hint(s) for s in v.shape]  # weights may be [T, K, 1]
             device = next(t for t in values.values() if isinstance(t, torch.Tensor)).device
             if n is ids_node:
-                probe = random_expert_ids(T, K, E, gen)
+                probe = random_expert_ids(shape[0], shape[1], E, gen)
             else:
-                probe = torch.rand(T, K, generator=gen) + 0.1
+                probe = torch.rand(shape, generator=gen) + 0.1
             out.append(probe.to(v.dtype).to(device))
         elif n is x_node:
             out.append(_random_like(example(n), values, gen))

@@ -165,6 +165,11 @@ def test_inductor_default_trains_like_eager():
     ("axk1", "AXK1MoE"),
     # softcapped SwiGLU experts, softcap(gate, 4) * sigmoid(gate) * softcap(up, 25), in a nonzero() loop
     ("inkling2_text", "Inkling2SparseMoeBlock"),
+    # routers kept as written, their scores not moe.route's: Inkling's scores the shared experts beside the routed
+    # ones and normalises the chosen and the shared together; ZAYA's is an MLP over [B, S, E + 1] scores, the last
+    # class a skip (weight 0)
+    ("inkling_text", "InklingMoE"),
+    ("zaya", "ZayaSparseMoeBlock"),
 ])
 def test_shrunk_family_rewritten_with_every_gradient(family, block):
     torch.manual_seed(0)

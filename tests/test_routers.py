@@ -275,7 +275,7 @@ def test_top1_gate_on_the_input_is_rewritten_and_matches_eager():
 
 
 class TokenGridRouter(_GatheredExperts):
-    """Selects over [B, S, E] scores (the tokens not flattened): detect reads routers over [T, E] only."""
+    """Selects over [B, S, E] scores (the tokens not flattened), the experts reading the [T, K] ids and weights."""
 
     def forward(self, x):
         weights, ids = self.gate(x).softmax(dim=-1).topk(2, dim=-1)                     # [B, S, 2]
@@ -283,18 +283,9 @@ class TokenGridRouter(_GatheredExperts):
         return (self.experts(h, ids.reshape(-1, 2)) * weights.reshape(-1, 2, 1)).sum(1).view_as(x)
 
 
-class MatmulRouter(_GatheredExperts):
-    """The router scores come from a matmul with the transposed weight, not from a linear."""
-
-    def forward(self, x):
-        h = x.reshape(-1, H)
-        weights, ids = (h @ self.gate.weight.t()).softmax(dim=-1).topk(2, dim=-1)
-        return (self.experts(h, ids) * weights[..., None]).sum(1).view_as(x)
-
-
 class HashRouter(_GatheredExperts):
     """Experts looked up in a table by a hash of the token (DeepSeek-V4's first layers), the router's softmax
-    read at them: no selection picks the experts, so the canonical routing cannot express it."""
+    read at them: no selection picks the experts."""
 
     def __init__(self):
         super().__init__()
@@ -307,20 +298,50 @@ class HashRouter(_GatheredExperts):
         return (self.experts(h, ids) * weights[..., None]).sum(1).view_as(x)
 
 
-@pytest.mark.parametrize("block, reason", [
-    (TokenGridRouter, r"a router-like linear .* feeds topk over scores \[2, 5, 8\].* detect reads routers over "
-                      r"\[T, E\] scores only"),
-    (MatmulRouter, r"stacked expert weights .*\[8, 16, 32\] are indexed per token .* no router was detected for "
-                   r"them: its scores do not come .* from a linear"),
-    (HashRouter, r"a router-like linear .* feeds gather over scores \[10, 8\].* no selection picks the experts from "
-                 r"its scores: the ids they are gathered at \(ids\) come from elsewhere"),
+@pytest.mark.parametrize("block, kept", [
+    (TokenGridRouter, r"scores 8 classes from 8 logits per token for 8 experts"),
+    (HashRouter, r"takes its expert ids from a table \(hash routing\)"),
 ])
-def test_a_block_detect_cannot_describe_is_reported_and_strict_raises(block, reason):
+def test_routers_moe_route_cannot_express_are_kept_and_their_experts_rewritten(block, kept):
+    """The router stays as written; the experts are rewritten from the [T, K] weights and ids they read."""
+    torch.manual_seed(1)
+    report = _compiled_matches_eager(block(), torch.randn(2, 5, H))
+    (layer,) = report.layers
+    assert layer.spec.routing.score_fn == "kept" and re.search(kept, layer.spec.routing.kept), layer.spec.routing
+
+
+class TokenGridExperts(_GatheredExperts):
+    """Top-k over [B, S, E] scores, and the experts read the [B, S, K] ids and weights as they are: no [T, K]
+    pair to keep the router by."""
+
+    def forward(self, x):
+        weights, ids = self.gate(x).softmax(dim=-1).topk(2, dim=-1)                     # [B, S, 2]
+        x1 = F.silu(torch.einsum("bsh,bskih->bski", x, self.w1[ids]))
+        y = torch.einsum("bski,bskhi->bskh", x1 * torch.einsum("bsh,bskih->bski", x, self.w3[ids]), self.w2[ids])
+        return (y * weights[..., None]).sum(2)
+
+
+class MatmulRouter(_GatheredExperts):
+    """The router scores come from a matmul with the transposed weight, not from a linear."""
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        weights, ids = (h @ self.gate.weight.t()).softmax(dim=-1).topk(2, dim=-1)
+        return (self.experts(h, ids) * weights[..., None]).sum(1).view_as(x)
+
+
+@pytest.mark.parametrize("block, reason, unexplained", [
+    (TokenGridExperts, r"its router's scores \(\[2, 5, 8\], from .*\) are not moe.route's over the 8 experts, and no "
+                       r"\[T, K\] weights and ids that the experts alone read could be cut out of it", 0),
+    (MatmulRouter, r"stacked expert weights .*\[8, 16, 32\] are indexed per token .* no router was detected for "
+                   r"them: its scores do not come .* from a linear", 1),
+])
+def test_a_block_detect_cannot_describe_is_reported_and_strict_raises(block, reason, unexplained):
     torch.manual_seed(0)
     gm, ex = capture(block(), torch.randn(2, 5, H))
     report = PassReport()
     run_passes(gm, ex, CONFIG, report)
-    assert not report.layers and report.counters["detect.unexplained"] == 1
+    assert not report.layers and report.counters["detect.unexplained"] == unexplained
     (skip,) = report.skipped
     assert skip.region == "<root>" and re.search(reason, skip.reason), skip.reason
     with pytest.raises(MoECompileError, match="strict=True and some MoE blocks were not rewritten"):
