@@ -14,7 +14,8 @@
 
 Weight roles in ``weights``: ``gate``, ``up``, ``down`` (or ``gate_up`` when fused) and the same with ``_bias``.
 A role's value is a stacked ``[E, ...]`` tensor, a flat ``[E * R, C]`` one (every expert's rows one after the
-other: dbrx; viewed as ``[E, R, C]`` here), or a list of E per-expert tensors (ModuleList experts, stacked here).
+other: dbrx; viewed as ``[E, R, C]`` here), an ``[E, C]`` one read a row per expert (single-neuron experts: Doge;
+viewed as ``[E, 1, C]``), or a list of E per-expert tensors (ModuleList experts, stacked here).
 Layouts are normalised with views: transposes and gate/up splits copy nothing.
 """
 
@@ -33,6 +34,8 @@ def _stacked(v, e):
         return torch.stack(v)
     if e.storage == "flat":
         return v.view(e.num_experts, -1, v.shape[-1])
+    if e.storage == "rows":
+        return v.unsqueeze(1)
     return v[: e.num_experts] if e.identity_experts else v  # rows some keep for identity experts: never read
 
 

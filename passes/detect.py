@@ -303,7 +303,7 @@ def _routed_node(region, dep, H, values, experts=frozenset()) -> fx.Node:
             raise Skip("the block output does not depend on the router")
         name = op_name(node)
         tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
-        if name in PASS_THROUGH and tensor_args and tensor_args[0] in dep:
+        if name in PASS_THROUGH and tensor_args and tensor_args[0] in dep and _token_shaped(tensor_args[0], node):
             node = tensor_args[0]
         elif name in ("add", "iadd", "add_") and len(tensor_args) == 2 and sum(a in dep for a in tensor_args) == 1:
             node = next(a for a in tensor_args if a in dep)
@@ -316,6 +316,13 @@ def _routed_node(region, dep, H, values, experts=frozenset()) -> fx.Node:
             node = normed  # norm(routed + shared) (A.X-K1's post_mlp_layernorm): the norm stays outside
         else:
             return node
+
+
+def _token_shaped(n: fx.Node, viewed: fx.Node) -> bool:
+    """Whether ``n``, viewed (or cast) as ``viewed``, is [T, H] or of the viewed shape: the routed sum can be
+    replaced there (Doge's experts end [T, 1, H], viewed [B, S, H]: the view is the routed sum)."""
+    shape = shape_of(n)
+    return shape is not None and (len(shape) == 2 or shape == shape_of(viewed))
 
 
 def _norm_input(node: fx.Node, values) -> fx.Node | None:

@@ -40,9 +40,17 @@ def flat_stacked(p: fx.Node, values, E: int) -> bool:
     return all(op_name(u) in ("view", "reshape", "unflatten") and shape_of(u) == want for u in p.users)
 
 
+def row_read(p: fx.Node, values, E: int) -> bool:
+    """An [E, C] floating parameter read a row per chosen expert (``embedding(ids, w)``): single-neuron experts,
+    Doge's product-key ``down_embed`` and ``up_embed``, each a [1, C] weight per expert."""
+    v = values[p]
+    return (v.dim() == 2 and v.shape[0] == E and v.is_floating_point()
+            and any(op_name(u) == "embedding" and u.args[1:2] == (p,) for u in p.users))
+
+
 def expert_params(nodes, values, E: int) -> list[fx.Node]:
     """Parameters used in ``nodes`` that look like routed-expert weights: stacked [E, ...], flat [E * R, C] read
-    as [E, R, C], or one per expert."""
+    as [E, R, C], one per expert, or [E, C] rows read per chosen expert."""
     params = {a for n in nodes for a in n.all_input_nodes if is_param(a, values)}
     stacked = [p for p in params if values[p].dim() >= 2 and values[p].shape[0] == E]
     if any(values[p].dim() == 3 for p in stacked):
@@ -50,7 +58,7 @@ def expert_params(nodes, values, E: int) -> list[fx.Node]:
     flat = [p for p in params if flat_stacked(p, values, E)]
     if flat:
         return flat
-    return list(modulelist_indices(params, E))
+    return list(modulelist_indices(params, E)) or [p for p in params if row_read(p, values, E)]
 
 
 
@@ -81,7 +89,13 @@ def expert_options(slice_nodes, values, order, E, H, exclude: set):
         raise Skip("found a router but no expert weights in the same block")
     computed, fewer = identity_split(slice_nodes, values, E, params, exclude)
     params += fewer
-    if all(flat_stacked(p, values, E) for p in params):
+    if all(row_read(p, values, E) for p in params):
+        storage = "rows"  # each [E, C] read as [E, 1, C]: an MLP of intermediate size 1 per expert
+        mats = sorted(params, key=lambda p: _first_use(p, order))
+        vecs = []
+        shape = lambda p: (1, values[p].shape[1])  # noqa: E731
+        bind = lambda p: p  # noqa: E731
+    elif all(flat_stacked(p, values, E) for p in params):
         storage = "flat"
         mats = sorted(params, key=lambda p: _first_use(p, order))
         vecs = []

@@ -18,15 +18,17 @@ import torch.fx as fx
 from .experts import expert_params
 from .graph_utils import ancestors, descendants, draws_random, example, hint, is_param, module_stack, op_name, \
     shape_of
-from .routing import numel, router_weight, scores_linear
+from .routing import PARAM_VIEWS, numel, router_weight, scores_linear, view_chain
+
+_PARAM_READS = PARAM_VIEWS | {"getitem", "select"}  # w[e]: one expert's weight
 
 
 def unread_router(sel: fx.Node, values, by_key) -> tuple[fx.Node, str | None, int] | None:
     """(linear, block key, E) for a selection whose scores come from a parameter ``linear`` that is not a
     [T, E] router over the experts (more outputs than experts, or scores of another shape), in the innermost
-    module around it that also holds stacked [E, ...] expert weights (key None: the compiled module itself),
-    E at most the number of classes scored (a skip class or shared experts' scores may come beside them);
-    else None."""
+    module around it that also holds [E, ...] expert weights read after the selection (key None: the compiled
+    module itself), E at most the number of classes scored (a skip class or shared experts' scores may come
+    beside them); else None."""
     lin = scores_linear(sel, values)
     scores = shape_of(sel.args[0])
     if lin is None or not scores or values[router_weight(lin)].dim() != 2:
@@ -34,11 +36,15 @@ def unread_router(sel: fx.Node, values, by_key) -> tuple[fx.Node, str | None, in
     classes = hint(scores[-1])
     whole = [n for n in sel.graph.nodes if n.op not in ("placeholder", "output")]
     for key, nodes in [*((k, by_key[k]) for k, _, _ in reversed(module_stack(sel))), (None, whole)]:
-        rows = {values[a].shape[0] for n in nodes for a in n.all_input_nodes
-                if is_param(a, values) and values[a].dim() == 3}
-        for E in sorted((r for r in rows if 2 <= r <= classes), reverse=True):
-            if expert_params(nodes, values, E):
+        after = descendants([sel], set(nodes))
+        read = {p for n in after for a in n.all_input_nodes if is_param(p := view_chain(a, _PARAM_READS)[-1], values)
+                and values[p].dim() in (2, 3) and values[p].is_floating_point()}
+        if not read:
+            continue  # the router's own module: look further out
+        for E in sorted({values[p].shape[0] for p in read if 2 <= values[p].shape[0] <= classes}, reverse=True):
+            if set(expert_params(nodes, values, E)) & read:
                 return lin, key, E
+        return None  # the innermost module reading weights after the selection has no experts it can pick
     return None
 
 

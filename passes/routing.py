@@ -22,7 +22,8 @@ from .graph_utils import GETITEM, ancestors, descendants, example, float_consts,
 
 SELECTION_OPS = ("topk", "argmax", "sort", "argsort", "max")
 _CASTS = ("type", "to", "float", "bfloat16", "half")
-PASS_THROUGH = {"view", "reshape", "to", "float", "type_as", "contiguous", "type", "squeeze", "unsqueeze"}
+PASS_THROUGH = {"view", "reshape", "to", "float", "type_as", "contiguous", "type", "squeeze", "unsqueeze", "view_as",
+                "reshape_as"}
 PARAM_VIEWS = {"view", "reshape", "transpose", "permute", "t", "contiguous", "to", "float", "type", "mT"}
 BATCHED_MATMULS = ("bmm", "einsum", "matmul", "baddbmm")
 

@@ -55,7 +55,7 @@ class ExpertSpec:
     alpha: float = 1.702  # swiglu_clamp: sigmoid scale | swiglu_softcap: the gate's cap
     limit: float = 7.0  # swiglu_clamp: the clamp | swiglu_softcap: up's cap
     storage: str = "stacked"  # stacked: [E, ...] parameters | flat: [E * R, C] read as [E, R, C] | modulelist: one
-    # nn.Linear per expert
+    # nn.Linear per expert | rows: [E, C] read a row per expert, as [E, 1, C] (single-neuron experts)
     gate_up: str = "separate"  # separate | a fused gate/up weight's layout (runtime/layouts.py GATE_UP_LAYOUTS)
     up_transposed: bool = False  # stored [E, H, I] instead of [E, I, H]
     down_transposed: bool = False  # stored [E, I, H] instead of [E, H, I]

@@ -171,9 +171,9 @@ def test_inductor_default_trains_like_eager():
     ("inkling_text", "InklingMoE"),
     ("zaya", "ZayaSparseMoeBlock"),
 ])
-def test_shrunk_family_rewritten_with_every_gradient(family, block):
+def test_walked_family_rewritten_with_every_gradient(family, block):
     torch.manual_seed(0)
-    model = hf.build_model(hf.shrink_config(family)).train()
+    model = hf.build_model(hf.walk_config(family)).train()
     report = _check_against_eager(model, fullgraph=False)
     n_moe = sum(type(m).__name__ == block for m in model.modules())
     assert n_moe and len(report.layers) == n_moe, report.skipped

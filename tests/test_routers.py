@@ -310,6 +310,38 @@ def test_routers_moe_route_cannot_express_are_kept_and_their_experts_rewritten(b
     assert layer.spec.routing.score_fn == "kept" and re.search(kept, layer.spec.routing.kept), layer.spec.routing
 
 
+class ProductKeyExperts(nn.Module):
+    """Doge's CDMoE: product-key retrieval (a top-k over each half of the keys, then a top-k over the sums of
+    their pairs) of single-neuron experts, rows of two [E, H] embeddings, beside a dense MLP."""
+
+    def __init__(self, keys=4, k=3):
+        super().__init__()
+        self.keys, self.k = keys, k
+        self.router = nn.Linear(H, 2 * keys, bias=False)
+        self.down_embed, self.up_embed = nn.Embedding(keys * keys, H), nn.Embedding(keys * keys, H)
+        self.dense = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        (sx, sy), (ix, iy) = self.router(h).view(-1, 2, self.keys).transpose(0, 1).topk(self.keys, dim=-1)
+        scores = (sx[..., None] + sy[..., None, :]).flatten(-2)                          # [T, keys^2]
+        top, pos = scores.topk(self.k, dim=-1)
+        ids = (ix[..., None] * self.keys + iy[..., None, :]).flatten(-2).gather(-1, pos)  # [T, k]
+        act = F.gelu(torch.matmul(self.down_embed(ids), h[..., None]).squeeze(-1)) * top.softmax(-1)
+        return (torch.matmul(act[:, None], self.up_embed(ids)).squeeze(1) + self.dense(h)).view_as(x)
+
+
+def test_single_neuron_experts_retrieved_by_product_keys_are_rewritten():
+    """The router (two selections, then one over the E = keys^2 pair scores) is kept as written; the experts,
+    rows of two [E, H] embeddings, are an ungated MLP of intermediate size 1 (storage ``rows``)."""
+    torch.manual_seed(1)
+    report = _compiled_matches_eager(ProductKeyExperts(), torch.randn(2, 5, H))
+    (layer,) = report.layers
+    e = layer.spec.experts
+    assert (e.num_experts, e.intermediate, e.storage, e.gated, e.activation) == (16, 1, "rows", False, "gelu")
+    assert layer.spec.routing.kept.startswith("scores 16 classes from 8 logits per token")
+
+
 class TokenGridExperts(_GatheredExperts):
     """Top-k over [B, S, E] scores, and the experts read the [B, S, K] ids and weights as they are: no [T, K]
     pair to keep the router by."""
