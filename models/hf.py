@@ -99,12 +99,17 @@ def _moe_role(path: str, module: torch.nn.Module) -> str | None:
 
 @torch.no_grad()
 def randomize_moe_(model: torch.nn.Module) -> torch.nn.Module:
-    """Re-draw router/expert tensors and all-zero floating parameters in place; rotary buffers untouched."""
+    """Re-draw router/expert tensors and all-zero floating parameters in place, and all-zero hash tables of
+    expert ids; rotary buffers untouched."""
     for path, module in model.named_modules():
         role = _moe_role(path, module)
         tensors = [(n, t, role is not None or not t.any()) for n, t in module.named_parameters(recurse=False)]
         tensors += [(n, t, role is not None) for n, t in module.named_buffers(recurse=False)]
         for name, t, redraw in tensors:
+            if role == "router" and not t.is_floating_point() and t.dim() == 2 and not t.any() \
+                    and isinstance(getattr(module, "num_experts", None), int):
+                # a hash router's token -> experts table (DeepSeek-V4's tid2eid, zeros as built): K distinct each
+                t.copy_(torch.rand(t.shape[0], module.num_experts).argsort(-1)[:, : t.shape[1]])
             if not redraw or not t.is_floating_point() or "inv_freq" in name:
                 continue
             if "correction_bias" in name:

@@ -51,7 +51,8 @@ def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
             n.meta["nn_module_stack"] = dict(stack)
         n.meta["moe_layer"] = cand.path
     b.routed.replace_all_uses_with(new)
-    removed = _remove_dead(gm.graph, cand.slice_nodes)
+    removed = _remove_dead(gm.graph, cand.slice_nodes - cand.router_nodes)  # a kept router stays whole: its
+    # in-place writes too (DeepSeek-style group masks, ``mask.scatter_(1, group_idx, 1)``), which nothing "uses"
     report.counters["canonicalize.rewritten"] += 1
     r = spec.routing
     if r.capacity >= 0:  # the source's [E, C, H] expert buffers against our T*K rows, at the traced size

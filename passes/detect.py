@@ -33,10 +33,10 @@ from .graph_utils import (
     nodes_by_module, op_name, placeholder_values, shape_of,
 )
 from .experts import Skip, expert_options, expert_params
-from .kept import kept_router, per_expert_scale, router_side, unread_router
+from .kept import gather_ids, kept_router, looked_up, per_expert_scale, router_side, unread_router
 from .report import PassReport, block
 from .routing import (
-    PASS_THROUGH, gather_ids, looked_up, router_linear, router_weight, routing_options, selections_in,
+    PASS_THROUGH, router_linear, router_weight, routing_options, selections_in,
     steered_by, view_chain,
 )
 from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
@@ -63,12 +63,15 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
     seen: set[fx.Node] = set()
     handled: set[fx.Node] = set()  # the nodes of every block looked at, annotated or skipped
     paths: set[str] = set()
-    for sel in _picks(gm.graph.nodes):
+    picks = _picks(gm.graph.nodes)
+    # the selections of routers moe.route reads first; then, of the rest, those a kept router may make (kept.py)
+    for sel, kept in [(s, False) for s in picks] + [(s, True) for s in picks]:
         router, unread = router_linear(sel, values), None
-        if router is None:  # scores moe.route cannot read: the router may still be kept (kept.py)
-            unread = unread_router(sel, values, by_key)
+        if kept:
+            unread = unread_router(sel, values, by_key) if router is None else None
             router = unread[0] if unread else None
-        if router is None or router in seen or steered_by(sel, router, values, num_experts=unread and unread[2]) is None:
+        if router is None or router in seen \
+                or steered_by(sel, router, values, num_experts=unread and unread[2]) is None:
             continue
         seen.add(router)
         handled.add(router)
@@ -162,7 +165,8 @@ def _describe(path, block_type, region, router, values, order, config, unread=No
     if len(x_in) != 1:
         cut = _sibling_cut(region, router, values, E)
         if cut is None:
-            raise Skip(f"expected one token input to the routed experts, found {len(x_in)}")
+            raise Skip(f"not an expert MLP over the tokens: the routed computation reads {len(x_in)} token inputs "
+                       f"({', '.join(sorted(a.name for a in x_in))}), not one")
         routed, slice_nodes, x_in = cut
     for n in slice_nodes:
         tgt = mutated_input(n)

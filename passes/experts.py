@@ -160,7 +160,8 @@ def expert_options(slice_nodes, values, order, E, H, exclude: set):
                         if act[0] in GATED_ONLY and how == "ungated":
                             continue
                         out_specs.append(dict(
-                            num_experts=computed, identity_experts=E - computed, intermediate=inter, activation=act[0], alpha=act[1], limit=act[2], storage=storage,
+                            num_experts=computed, identity_experts=E - computed, intermediate=inter,
+                            activation=act[0], alpha=act[1], limit=act[2], storage=storage,
                             gated=how != "ungated", gate_up=how if how not in ("separate", "ungated") else "separate",
                             up_transposed=up_t, down_transposed=down_t, biases=bool(vecs),
                         ))

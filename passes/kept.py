@@ -18,7 +18,7 @@ import torch.fx as fx
 from .experts import expert_params
 from .graph_utils import ancestors, descendants, draws_random, example, hint, is_param, module_stack, op_name, \
     shape_of
-from .routing import PARAM_VIEWS, numel, router_weight, scores_linear, view_chain
+from .routing import PARAM_VIEWS, SELECTION_OPS, nearest, numel, router_weight, scores_linear, view_chain
 
 _PARAM_READS = PARAM_VIEWS | {"getitem", "select"}  # w[e]: one expert's weight
 
@@ -46,6 +46,24 @@ def unread_router(sel: fx.Node, values, by_key) -> tuple[fx.Node, str | None, in
                 return lin, key, E
         return None  # the innermost module reading weights after the selection has no experts it can pick
     return None
+
+
+def looked_up(gather: fx.Node) -> bool:
+    """A gather of [T, E] scores along the experts at [T, K] integer ids that no selection op produced (a table
+    lookup: DeepSeek-V4's hash routing, ``scores.gather(1, tid2eid[input_ids])``)."""
+    if op_name(gather) != "gather" or not shape_of(gather.args[0]):
+        return False
+    ids = gather_ids(gather)
+    if len(shape_of(gather.args[0])) != 2 or not isinstance(ids, fx.Node) or len(shape_of(ids) or ()) != 2:
+        return False
+    v = example(ids)
+    if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.dtype == torch.bool:
+        return False
+    return not any(op_name(a) in SELECTION_OPS for a in nearest(ids, "all_input_nodes", 60))
+
+
+def gather_ids(n: fx.Node):
+    return n.args[2] if len(n.args) > 2 else n.kwargs.get("index")
 
 
 def router_side(slice_nodes, sels, values, E) -> set[fx.Node]:

@@ -10,8 +10,8 @@
 ``lowering``: "torch" keeps the reference ops; "triton" lowers every op that has a kernel; "auto" lowers when the
 layer's tensors are on CUDA (Triton on a GPU) and keeps the references on CPU. On a machine without CUDA,
 "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for the layer's form
-(sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere than its combine) stays on torch,
-and the layer record says which and why (``explain()``).
+(sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere than its combine)
+stays on torch, and the layer record says which and why (``explain()``).
 
 Before a layer's kernels are used they are proved against the references on probe inputs, forward and (with
 ``verify_backward``) gradients (``lowering_proof.py``); a layer whose kernels disagree, or raise, keeps the

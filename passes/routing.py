@@ -102,24 +102,6 @@ def selections_in(nodes) -> list[fx.Node]:
     return sorted((n for n in nodes if is_selection(n)), key=lambda n: op_name(n) == "max")
 
 
-def looked_up(gather: fx.Node) -> bool:
-    """A gather of [T, E] scores along the experts at [T, K] integer ids that no selection op produced (a table
-    lookup: DeepSeek-V4's hash routing, ``scores.gather(1, tid2eid[input_ids])``)."""
-    if op_name(gather) != "gather" or not shape_of(gather.args[0]):
-        return False
-    ids = gather_ids(gather)
-    if len(shape_of(gather.args[0])) != 2 or not isinstance(ids, fx.Node) or len(shape_of(ids) or ()) != 2:
-        return False
-    v = example(ids)
-    if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.dtype == torch.bool:
-        return False
-    return not any(op_name(a) in SELECTION_OPS for a in nearest(ids, "all_input_nodes", 60))
-
-
-def gather_ids(n: fx.Node):
-    return n.args[2] if len(n.args) > 2 else n.kwargs.get("index")
-
-
 def view_chain(n: fx.Node, ops) -> list[fx.Node]:
     """``n``, then what it is a view or cast of through ops named in ``ops``, and so on: the base is last."""
     chain = [n]

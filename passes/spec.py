@@ -98,7 +98,8 @@ class MoESpec:
         if self.shared_gate:
             shared += " (sigmoid-gated)"
         return (
-            f"E={e.num_experts}{f'+{e.identity_experts} identity' if e.identity_experts else ''} k={r.top_k} H={e.hidden} I={e.intermediate} {self.dtype}; route: {route}; "
+            f"E={e.num_experts}{f'+{e.identity_experts} identity' if e.identity_experts else ''} k={r.top_k} "
+            f"H={e.hidden} I={e.intermediate} {self.dtype}; route: {route}; "
             f"experts: {act} [{layout}]{shared}"
         )
 

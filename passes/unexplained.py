@@ -16,9 +16,10 @@ import torch
 import torch.fx as fx
 
 from .graph_utils import example, is_param, module_stack, op_name, shape_of
+from .kept import gather_ids, looked_up
 from .routing import (
-    BATCHED_MATMULS, PARAM_VIEWS, SELECTION_OPS, gather_ids, looked_up, nearest, router_linear, router_weight,
-    scores_linear, selection_problem, steered_by,
+    BATCHED_MATMULS, PARAM_VIEWS, SELECTION_OPS, nearest, router_linear, router_weight, scores_linear,
+    selection_problem, steered_by,
 )
 
 ROOT = "<root>"  # path of a block that is the compiled module itself

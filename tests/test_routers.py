@@ -298,8 +298,23 @@ class HashRouter(_GatheredExperts):
         return (self.experts(h, ids) * weights[..., None]).sum(1).view_as(x)
 
 
+class GroupMaskedGridRouter(_GatheredExperts):
+    """Top-k over [B, S, E] scores masked to the best groups by a mask written in place (DeepSeek's
+    ``mask.scatter_(1, group_idx, 1)``, which nothing reads as a value): the kept router keeps that write."""
+
+    def forward(self, x):
+        s = self.gate(x).sigmoid()                                                       # [B, S, E]
+        groups = s.view(*s.shape[:-1], 4, 2).amax(-1)                                    # [B, S, 4]
+        mask = torch.zeros_like(groups)
+        mask.scatter_(-1, groups.topk(2, dim=-1).indices, 1.0)
+        weights, ids = s.masked_fill(mask.repeat_interleave(2, -1) == 0, 0.0).topk(2, dim=-1)
+        h = x.reshape(-1, H)
+        return (self.experts(h, ids.reshape(-1, 2)) * weights.reshape(-1, 2, 1)).sum(1).view_as(x)
+
+
 @pytest.mark.parametrize("block, kept", [
     (TokenGridRouter, r"scores 8 classes from 8 logits per token for 8 experts"),
+    (GroupMaskedGridRouter, r"scores 8 classes from 8 logits per token for 8 experts"),
     (HashRouter, r"takes its expert ids from a table \(hash routing\)"),
 ])
 def test_routers_moe_route_cannot_express_are_kept_and_their_experts_rewritten(block, kept):
