@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .canonical import canonical_moe, routed_like_input
+from .canonical import canonical_moe, expert_tensors, routed_like_input
 from .compare import grad_error, rel_error
 from .graph_utils import draws_random, example, extract, hint, op_name, placeholder_values
 from .report import LayerRecord, PassReport, block
@@ -74,6 +74,30 @@ def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Ge
     return out
 
 
+_BOUNDED = ("swiglu_clamp", "silu_clamp", "swiglu_softcap")  # activations with a clamp or a cap (runtime/activations)
+
+
+def _saturating_round(cand, inputs, outside, x_node):
+    """The first round again, its tokens scaled so that the experts' projections reach three times the largest
+    clamp or cap of any candidate activation, or None when no candidate has one. Unit-scale random tokens seldom
+    reach GPT-OSS's clamp at 7, and below its bound a clamped or capped SwiGLU equals a plain one: without this
+    round, a wrong candidate (no clamp, another limit) would be proved."""
+    bounds = [max(s.experts.alpha, s.experts.limit) for s in cand.specs if s.experts.activation in _BOUNDED]
+    if not bounds:
+        return None
+    env = dict(zip(outside, inputs))
+    spec = cand.specs[0]
+    weights = {k: [env[p] for p in v] if isinstance(v, list) else env[v] for k, v in cand.bindings[0].weights.items()}
+    x = env[x_node].reshape(-1, spec.experts.hidden)[:16].float()
+    try:
+        reach = max(float(torch.einsum("th,eih->tei", x, w.float()).abs().max())
+                    for w in expert_tensors(spec, weights)[:2] if w is not None)
+    except RuntimeError:  # the first candidate's reading of the weights does not fit: no scale to go by
+        return None
+    scale = 3 * max(bounds) / reach if reach > 0 else 0.0
+    return [t * scale if n is x_node else t for n, t in zip(outside, inputs)] if scale > 1 else None
+
+
 def _random_like(x: torch.Tensor, values, gen: torch.Generator) -> torch.Tensor:
     """Random normal tokens of ``x``'s shape and dtype, on the parameters' device."""
     param = next(v for v in values.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
@@ -112,6 +136,7 @@ def _prove(cand, values, config):
         # several rounds of fresh tokens: a routing detail (a bias, a tie rule) must show on enough tokens
         rounds = [inputs] + [_probe_inputs(outside, x_node, values, gen, topk)
                              for _ in range(-(-config.probe_tokens // tokens) - 1)]
+        rounds += [r for r in [_saturating_round(cand, inputs, outside, x_node)] if r is not None]
     except ValueError as err:
         return False, {"reason": str(err)}
     float_dtypes = [t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]

@@ -68,6 +68,43 @@ def test_verify_keeps_one_proved_spec_and_rejects_wrong_ones():
     assert "no candidate spec reproduced the block" in report.skipped[0].reason
 
 
+class ClampedExperts(torch.nn.Module):
+    """DeepSeek-V4's clamped SwiGLU, silu(min(g, 7)) * clamp(u, -7, 7), in gathered experts whose projections
+    stay far below 7 on unit tokens."""
+
+    def __init__(self, E=8, H=32, I=16):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.w1, self.w3 = (torch.nn.Parameter(torch.randn(E, I, H) * 0.1) for _ in range(2))
+        self.w2 = torch.nn.Parameter(torch.randn(E, H, I) * 0.1)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        w, ids = self.gate(h).softmax(-1).topk(2, dim=-1)
+        g = torch.einsum("th,tkih->tki", h, self.w1[ids]).clamp(max=7.0)
+        u = torch.einsum("th,tkih->tki", h, self.w3[ids]).clamp(-7.0, 7.0)
+        y = torch.einsum("tki,tkhi->tkh", torch.nn.functional.silu(g) * u, self.w2[ids])
+        return (y * w[..., None]).sum(1).view_as(x)
+
+
+def test_verify_probes_past_a_clamp_so_a_wrong_bound_is_refused():
+    """Unit tokens never reach the clamp, where a plain SwiGLU or another limit equals the right one; the proof's
+    extra round of tokens scaled past the largest bound refuses both, whatever order they come in."""
+    torch.manual_seed(0)
+    gm, ex = capture(ClampedExperts(), torch.randn(2, 5, 32))
+    report = PassReport()
+    detect_moe_pass(gm, ex, config=CONFIG, report=report)
+    cand = annotated(gm)[0].meta["moe"]
+    right = next(s for s in cand.specs if s.experts.activation == "silu_clamp")
+    assert right.experts.limit == 7.0
+    cand.specs = [right.replace(experts=dataclasses.replace(right.experts, **wrong))
+                  for wrong in (dict(activation="silu"), dict(limit=6.0))] + [right]
+    cand.bindings = [cand.bindings[cand.specs.index(right)]] * 3
+    verify_moe_pass(gm, ex, config=CONFIG, report=report)
+    (layer,) = report.layers
+    assert layer.spec == right and layer.candidates_tried == 3
+
+
 def verify_edited(gm, ex, **edits) -> PassReport:
     """detect, then every candidate spec of the first block with fields changed (``experts=dict(activation=
     "gelu")``: a spec that misreads the block), then verify: its report."""
