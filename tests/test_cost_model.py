@@ -1,0 +1,60 @@
+"""The alpha-beta link model (runtime/cost_model.py): fitted from timings, and the dispatch time it predicts per
+dedup choice, checked by hand on a small routing."""
+
+import pytest
+import torch
+
+from moecompile.runtime.cost_model import LinkModel, choose_dedup, dispatch_times
+from moecompile.runtime.dispatch_plan import Placement
+
+
+def test_fit_recovers_alpha_and_beta_and_round_trips(tmp_path):
+    sizes = [2 ** k for k in range(10, 24, 2)]
+    exact = {"node": [(b, 2e-5 + 4e-10 * b) for b in sizes], "local": [(b, 5e-6 + 2e-11 * b) for b in sizes]}
+    model = LinkModel.fit(exact)
+    assert model.params["node"] == pytest.approx((2e-5, 4e-10), rel=1e-6)
+    assert model.params["local"] == pytest.approx((5e-6, 2e-11), rel=1e-6)
+    assert min(model.r2.values()) > 1 - 1e-9
+    gen = torch.Generator().manual_seed(0)
+    noisy = {"flat": [(b, (1e-5 + 1e-9 * b) * (1 + 0.05 * float(torch.randn(1, generator=gen)))) for b in sizes]}
+    fitted = LinkModel.fit(noisy)
+    assert 0.9 < fitted.r2["flat"] < 1 and fitted.params["flat"][1] == pytest.approx(1e-9, rel=0.1)
+    model.save(tmp_path / "links.json")
+    assert LinkModel.load(tmp_path / "links.json") == model
+
+
+def test_fit_and_model_errors_name_the_fix():
+    with pytest.raises(ValueError, match="two message sizes at least"):
+        LinkModel.fit({"node": [(1024, 1e-5), (1024, 2e-5)]})
+    with pytest.raises(ValueError, match="has no 'flat' collective"):
+        LinkModel({"node": (0.0, 1e-9)}).time("flat", 10)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        LinkModel({"node": (-1.0, 1e-9)})
+
+
+def test_dispatch_times_by_hand():
+    """Mesh (2 nodes, 2 local), 2 experts per rank, tokens on ranks 0-3, H = 4 fp32 (16-byte rows).
+    off: rows per (token, rank); the most any sender sends one rank is 1, so 4 ranks x 1 x 16 bytes.
+    node: rows per (token, node), most 1 (2 nodes x 16 bytes); then inside node 1, rank 3 (local index 1, the
+    peer of the senders on ranks 1 and 3) sends its own rank 3 a row of token 1 and one of token 3: 2 x 2 x 16."""
+    placement = Placement.contiguous(8, (2, 2))
+    ids = torch.tensor([[4, 6], [5, 7], [0, 1], [6, 7]])
+    link = LinkModel({"flat": (1.0, 0.5), "node": (2.0, 0.25), "local": (3.0, 0.125)})
+    times = dispatch_times(ids, placement, torch.tensor([0, 1, 2, 3]), hidden=4, elem_bytes=4, link=link)
+    assert times == {"off": 1.0 + 0.5 * 64, "node": 2.0 + 0.25 * 32 + 3.0 + 0.125 * 64}
+
+
+def test_dedup_chosen_when_node_links_are_slow_and_not_when_latency_dominates():
+    gen = torch.Generator().manual_seed(0)
+    T, E, K = 256, 16, 8
+    ids = torch.rand(T, E, generator=gen).argsort(-1)[:, :K]
+    source = torch.arange(T) % 4
+    placement = Placement.contiguous(E, (2, 2))
+    slow_nodes = LinkModel({"flat": (1e-5, 1e-9), "node": (1e-5, 1e-9), "local": (1e-6, 1e-11)})
+    times = dispatch_times(ids, placement, source, hidden=1024, elem_bytes=2, link=slow_nodes)
+    assert choose_dedup(times) == "node" and times["node"] < 0.7 * times["off"]
+    latency_bound = LinkModel({"flat": (1e-5, 1e-12), "node": (1e-3, 1e-12), "local": (1e-3, 1e-12)})
+    times = dispatch_times(ids, placement, source, hidden=1024, elem_bytes=2, link=latency_bound)
+    assert choose_dedup(times) == "off"
+    with pytest.raises(ValueError, match="2-level"):
+        dispatch_times(ids, Placement.contiguous(E, (4,)), source, hidden=8, elem_bytes=2, link=slow_nodes)
