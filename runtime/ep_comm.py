@@ -1,0 +1,80 @@
+"""Padding-free row exchange for expert parallelism over torch.distributed (gloo on CPU, NCCL on GPUs).
+
+Each rank holds rows (token copies, [R, H]) and the rank each row must reach. ``dispatch_rows`` sorts the rows by
+destination, exchanges the row counts (one ``all_to_all_single`` of ``world`` integers), then the rows themselves
+with exact uneven splits: no capacity padding, no [T, E, C] buffer. ``combine_rows`` sends the (processed) rows
+back by the reverse exchange and puts them in their original order. Both are differentiable: the backward of an
+exchange is the exchange with the splits swapped.
+
+    rank 0: rows a b c -> ranks 1 0 1          rank 1: rows d e -> ranks 0 0
+    counts sent   [1, 2]                       [2, 0]
+    rank 0 gets b | d e (from 0, then 1)       rank 1 gets a c
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class _Exchange(torch.autograd.Function):
+    """``all_to_all_single`` of rows with exact splits; its gradient goes back with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, rows, send_splits: list[int], recv_splits: list[int], group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        out = grad.new_empty((sum(send_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        return out, None, None, None
+
+
+@dataclass
+class ExchangePlan:
+    """What one dispatch did, for its combine: the sort of the rows by destination and the counts both ways."""
+
+    order: torch.Tensor  # [R]: sent row i was local row order[i]
+    send_counts: list[int]  # rows sent to each rank
+    recv_counts: list[int]  # rows received from each rank
+    group: dist.ProcessGroup | None = None
+
+
+def exchange_counts(send_counts: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's count of rows for me, given my count for every rank ([world] int64, on the group's device)."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    return recv
+
+
+def dispatch_rows(rows: torch.Tensor, dest_rank: torch.Tensor, group=None) -> tuple[torch.Tensor, ExchangePlan]:
+    """Send each of ``rows`` ([R, ...]) to rank ``dest_rank[i]`` (a rank of ``group``). Returns the rows this rank
+    received, grouped by source rank in rank order (each source's in its own sorted order), and the plan for
+    ``combine_rows``."""
+    world = dist.get_world_size(group)
+    if dest_rank.shape != rows.shape[:1] or dest_rank.dtype != torch.int64:
+        raise ValueError(f"dest_rank must be int64 with one entry per row ({rows.shape[0]}); got "
+                         f"{dest_rank.dtype} {tuple(dest_rank.shape)}")
+    if dest_rank.numel() and (int(dest_rank.min()) < 0 or int(dest_rank.max()) >= world):
+        raise ValueError(f"dest_rank holds ranks outside [0, {world}) of the process group")
+    order = torch.argsort(dest_rank, stable=True)
+    send = torch.bincount(dest_rank, minlength=world)
+    recv = exchange_counts(send, group)
+    plan = ExchangePlan(order, send.tolist(), recv.tolist(), group)
+    return _Exchange.apply(rows[order], plan.send_counts, plan.recv_counts, group), plan
+
+
+def combine_rows(rows: torch.Tensor, plan: ExchangePlan) -> torch.Tensor:
+    """The reverse of ``dispatch_rows``: each received row (processed, same count) back to the rank it came from,
+    in that rank's original row order."""
+    back = _Exchange.apply(rows, plan.recv_counts, plan.send_counts, plan.group)
+    inverse = torch.empty_like(plan.order)
+    inverse[plan.order] = torch.arange(plan.order.numel(), device=plan.order.device)
+    return back[inverse]
