@@ -49,7 +49,8 @@ def route(
 @register_fake("moe::route")
 def _route_fake(logits_TE, correction_bias_E, top_k, *args):
     T = logits_TE.shape[0]
-    return logits_TE.new_empty(T, top_k, dtype=torch.float32), logits_TE.new_empty(T, top_k, dtype=torch.int64)
+    w_dtype = ref.route_dtype(logits_TE.dtype)
+    return logits_TE.new_empty(T, top_k, dtype=w_dtype), logits_TE.new_empty(T, top_k, dtype=torch.int64)
 
 
 @custom_op("moe::route_backward", mutates_args=())

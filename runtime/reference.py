@@ -76,7 +76,7 @@ def route_ref(
         raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({E})")
     if n_group > 1 and (E % n_group or not 1 <= topk_group <= n_group):
         raise ValueError(f"n_group={n_group} must divide the {E} experts and topk_group={topk_group} be 1..n_group")
-    logits = logits_TE.float()
+    logits = logits_TE.to(route_dtype(logits_TE.dtype))  # float32 at least (float64 routers stay float64)
     if score_fn == "sparsemixer":
         picks, taken = [], None
         for _ in range(top_k):
@@ -86,13 +86,13 @@ def route_ref(
         weights_TK = torch.cat([w for w, _ in picks], dim=-1)
         ids_TK = taken
     elif score_fn in ("topk_softmax", "topk_sigmoid"):
-        choice_TE = logits if correction_bias_E is None else logits + correction_bias_E.float()
+        choice_TE = logits if correction_bias_E is None else logits + correction_bias_E.to(logits.dtype)
         ids_TK = choice_TE.topk(top_k, dim=-1).indices
         vals_TK = logits.gather(1, ids_TK)
         weights_TK = vals_TK.softmax(dim=-1) if score_fn == "topk_softmax" else torch.sigmoid(vals_TK)
     else:
         scores_TE = _scores(logits, score_fn)
-        choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.float()
+        choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.to(logits.dtype)
         if n_group > 1:
             choice_TE = _group_limit(choice_TE, n_group, topk_group, group_score)
         ids_TK = choice_TE.topk(top_k, dim=-1).indices
@@ -102,6 +102,11 @@ def route_ref(
     if scaling != 1.0:
         weights_TK = weights_TK * scaling
     return weights_TK, ids_TK
+
+
+def route_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """What routing computes in, and the dtype of its weights: float32, or float64 for float64 logits."""
+    return torch.promote_types(logits_dtype, torch.float32)
 
 
 def _scores(logits_TE: torch.Tensor, score_fn: str) -> torch.Tensor:

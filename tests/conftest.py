@@ -14,6 +14,9 @@ from moecompile.config import parse_options
 from moecompile.passes.report import PassReport
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one intra-op thread: float sums in the same order whatever the machine's core count, so a comparison near its
+# tolerance (an ill-conditioned model's gradients) and the README table generated from the walk do not move with it
+torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*experts_implementation.*")
 
 

@@ -199,11 +199,13 @@ def test_hash_routing_kept_and_sqrt_softplus_router_rewritten():
     """DeepSeek-V4: its first MoE layer takes the experts from a token-id table (``tid2eid[input_ids]``, hash
     routing) and is kept as written, only the experts rewritten; the next routes by sqrt(softplus(logits)) with a
     correction bias, rewritten whole. Both clamp their SwiGLU (silu(min(gate, L)) * clamp(up, -L, L)), here at a
-    limit the tokens reach. Logits and every gradient as eager."""
+    limit the tokens reach. Logits and every gradient as eager, in float64: the model's hyper-connection head
+    amplifies float32 rounding past 1e-5 in its own gradient (1.3e-5 with two threads), rewrite or not. The
+    experts run as batched matmuls (transformers' grouped_mm takes no float64)."""
     torch.manual_seed(0)
     config = hf.shrink_config("deepseek_v4")
     config.swiglu_limit = 0.05
-    model = hf.build_model(config).train()
+    model = hf.build_model(config, dtype=torch.float64, experts_implementation="batched_mm").train()
     E, K = config.num_local_experts, config.num_experts_per_tok
     table = torch.rand(config.vocab_size, E).argsort(-1)[:, :K]  # K distinct experts per token id
     for layer in model.model.layers:

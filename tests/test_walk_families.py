@@ -24,6 +24,15 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- family-table:start -->", "<!-- family-table:end -->"
 FORWARD_ONLY = {"qwen3_next": "forward only: its linear-attention backward fails under aot_autograd in torch 2.13 "
                               "with or without moecompile (e.g. backend='aot_eager')"}
+# Families whose own non-MoE parts amplify float32 rounding in some gradients past 1e-5, rewrite or not (the MoE
+# rewrite sums in another order): their gradients are checked in float64 instead, where they must match to 1e-5
+# just the same. Measured (float32, then float64): doge's attention A 2.0e-5 / 6e-16, hy_v4's hyper-connection
+# head 3.4e-4 / 4e-16, deepseek_v4's 1.3e-5 (two threads) / exact.
+GRADIENTS_IN_FLOAT64 = {
+    "deepseek_v4": "its hyper-connection head amplifies float32 rounding",
+    "doge": "its attention's dynamic mask (A) amplifies float32 rounding",
+    "hy_v4": "its hyper-connection head amplifies float32 rounding",
+}
 
 
 def _short(text: str, n: int = 150) -> str:
@@ -87,17 +96,18 @@ def _compile_checked(family: str, model, backward: bool | None):
 
 
 def _gradients_checked(family: str, modes) -> str:
-    """What the walk says of the family's gradients. Each must match eager to 1e-5 normwise; where one does not in
-    float32, the check is made again in float64 (the experts as batched matmuls: transformers' grouped_mm takes no
-    float64), where it must: the float32 difference is then rounding that the model's own conditioning amplifies
-    (a wrong rewrite differs in float64 just as much), and the table gives both figures."""
-    err, name = modes["grads"]
-    if err <= 1e-5:
+    """What the walk says of the family's gradients: all of them match eager to 1e-5 normwise, in float32, or in
+    float64 for ``GRADIENTS_IN_FLOAT64`` (the experts as batched matmuls: transformers' grouped_mm takes no
+    float64)."""
+    if family not in GRADIENTS_IN_FLOAT64:
+        err, name = modes["grads"]
+        assert err <= 1e-5, f"{family}: gradient of {name} changed ({err:.3g}); if float64 agrees, list the family " \
+                            "in GRADIENTS_IN_FLOAT64 with the reason"
         return "all gradients"
     model = hf.build_model(hf.walk_config(family), dtype=torch.float64, experts_implementation="batched_mm")
-    err64, name64 = _compile_checked(family, model, backward=None)[0]["grads"]
-    assert err64 <= 1e-5, f"{family}: gradient of {name64} changed (float64: {err64:.3g}; float32: {err:.3g})"
-    return f"all gradients in float64 ({err64:.0e}; in float32 {name} differs by {err:.1e}, rounding amplified)"
+    err, name = _compile_checked(family, model, backward=None)[0]["grads"]
+    assert err <= 1e-5, f"{family}: gradient of {name} changed in float64 ({err:.3g})"
+    return f"all gradients in float64 ({GRADIENTS_IN_FLOAT64[family]})"
 
 
 def _walk_one(family: str) -> tuple[str, str, str, str]:
@@ -107,7 +117,7 @@ def _walk_one(family: str) -> tuple[str, str, str, str]:
     if isinstance(model, Exception):  # the model itself cannot be built here: nothing of ours ran
         return family, model_kind, "not built", _short(f"{type(model).__name__}: {model}")
     backward = family not in FORWARD_ONLY
-    modes, rep = _compile_checked(family, model, backward)
+    modes, rep = _compile_checked(family, model, backward and family not in GRADIENTS_IN_FLOAT64)
     (train, train_skips), (evals, eval_skips) = modes["train"], modes["eval"]
     eval_skips = [s for s in eval_skips if s.region not in {t.region for t in train_skips}]  # new in eval() only
     n = len(train)
