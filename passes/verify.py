@@ -86,14 +86,15 @@ def _saturating_round(cand, inputs, outside, x_node):
     if not bounds:
         return None
     env = dict(zip(outside, inputs))
-    spec = cand.specs[0]
-    weights = {k: [env[p] for p in v] if isinstance(v, list) else env[v] for k, v in cand.bindings[0].weights.items()}
-    x = env[x_node].reshape(-1, spec.experts.hidden)[:16].float()
-    try:
-        reach = max(float(torch.einsum("th,eih->tei", x, w.float()).abs().max())
-                    for w in expert_tensors(spec, weights)[:2] if w is not None)
-    except RuntimeError:  # the first candidate's reading of the weights does not fit: no scale to go by
-        return None
+    reach = 0.0  # the largest gate or up projection of the first tokens, under any candidate's reading that fits
+    for spec, binding in zip(cand.specs, cand.bindings):
+        weights = {k: [env[p] for p in v] if isinstance(v, list) else env[v] for k, v in binding.weights.items()}
+        x = env[x_node].reshape(-1, spec.experts.hidden)[:16].float()
+        try:
+            reach = max([reach] + [float(torch.einsum("th,eih->tei", x, w.float()).abs().max())
+                                   for w in expert_tensors(spec, weights)[:2] if w is not None])
+        except RuntimeError:  # this reading of the weights does not fit the tokens (a wrong transposition)
+            continue
     scale = 3 * max(bounds) / reach if reach > 0 else 0.0
     return [t * scale if n is x_node else t for n, t in zip(outside, inputs)] if scale > 1 else None
 
