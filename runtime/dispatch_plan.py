@@ -55,14 +55,21 @@ class Placement:
         return ranks // math.prod(self.mesh_shape[level + 1:])
 
 
+def _firsts(ids_TK: torch.Tensor, placement: Placement, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's K destination groups at ``level``, sorted, and whether each is the first of its group (one
+    row is sent per first)."""
+    if ids_TK.dim() != 2:
+        raise ValueError(f"ids_TK must be [T, K] expert ids; got shape {tuple(ids_TK.shape)}")
+    ordered = placement.group(placement.expert_rank[ids_TK], level).sort(dim=-1).values
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    return ordered, first
+
+
 def distinct_pairs(ids_TK: torch.Tensor, placement: Placement, level: int) -> torch.Tensor:
     """[T] number of distinct groups at ``level`` each token's K experts live in: the rows it sends when
     deduplicated there."""
-    if ids_TK.dim() != 2:
-        raise ValueError(f"ids_TK must be [T, K] expert ids; got shape {tuple(ids_TK.shape)}")
-    groups = placement.group(placement.expert_rank[ids_TK], level)
-    ordered = groups.sort(dim=-1).values
-    return 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(-1)
+    return _firsts(ids_TK, placement, level)[1].sum(-1)
 
 
 def dedup_stats(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Tensor | None = None) -> dict:
@@ -72,16 +79,13 @@ def dedup_stats(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch
     pairs times H times the element size, each way."""
     out: dict = {"assignments": ids_TK.numel()}
     for level in range(len(placement.mesh_shape)):
-        groups = placement.group(placement.expert_rank[ids_TK], level)
-        pairs = int(distinct_pairs(ids_TK, placement, level).sum())
+        ordered, first = _firsts(ids_TK, placement, level)
+        pairs = int(first.sum())
         stats = {"pairs": pairs, "removed": 1 - pairs / max(1, ids_TK.numel())}
         if source_rank_T is not None:
-            own = placement.group(source_rank_T, level)[:, None]
-            distinct = torch.ones_like(groups, dtype=torch.bool)
-            ordered = groups.sort(dim=-1).values
-            distinct[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-            stats["remote_pairs"] = int((distinct & (ordered != own)).sum())
-            stats["remote_assignments"] = int((groups != own).sum())
+            remote = ordered != placement.group(source_rank_T, level)[:, None]
+            stats["remote_pairs"] = int((first & remote).sum())
+            stats["remote_assignments"] = int(remote.sum())
         out[level] = stats
     return out
 
