@@ -8,8 +8,9 @@ from .backend import moe_backend
 from .capture import capture
 from .config import MoEOptions
 from .explain import ExplainReport, explain
+from .parallel import parallelize
 from .pipeline import MoECompileError, MoEFallbackWarning
 from moecompile.runtime.stats import token_drops
 
-__all__ = ["moe_backend", "capture", "MoEOptions", "ExplainReport", "explain", "token_drops", "MoECompileError",
+__all__ = ["moe_backend", "capture", "parallelize", "MoEOptions", "ExplainReport", "explain", "token_drops", "MoECompileError",
            "MoEFallbackWarning"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-PASS_NAMES = ("detect", "verify", "canonicalize", "lower")
+PASS_NAMES = ("expose_sharded", "detect", "verify", "canonicalize", "distribute", "lower")
 INNER_BACKENDS = ("inductor", "aot_eager")
 LOWERINGS = ("auto", "triton", "torch")
 

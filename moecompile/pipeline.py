@@ -20,17 +20,21 @@ import torch.fx as fx
 
 from moecompile.passes.canonicalize import canonicalize_moe_pass
 from moecompile.passes.detect import detect_moe_pass
+from moecompile.passes.distribute import distribute_moe_pass
 from moecompile.passes.lower import LoweringUnavailable, lower_moe_pass
 from moecompile.passes.report import FailureRecord, PassReport
+from moecompile.passes.sharded import expose_sharded_pass
 from moecompile.passes.verify import verify_moe_pass
 
 from .capture import complete_missing_experts
 from .config import MoEOptions
 
 PASSES = (
+    ("expose_sharded", expose_sharded_pass),
     ("detect", detect_moe_pass),
     ("verify", verify_moe_pass),
     ("canonicalize", canonicalize_moe_pass),
+    ("distribute", distribute_moe_pass),
     ("lower", lower_moe_pass),
 )
 

@@ -107,7 +107,10 @@ def float_consts(n: fx.Node) -> list[float]:
 
 def placeholder_values(gm: fx.GraphModule, example_inputs) -> dict[fx.Node, object]:
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return dict(zip(phs, example_inputs))
+    values = dict(zip(phs, example_inputs))
+    for n in phs[len(example_inputs):]:  # a sharded parameter's global stand-in (passes/sharded.py)
+        values[n] = n.meta["ep_standin"]
+    return values
 
 
 def is_param(n: fx.Node, values: dict) -> bool:

@@ -19,6 +19,9 @@ class LayerRecord:
     lowering_notes: list[str] = field(default_factory=list)  # ops kept on torch in a Triton layer, and why
     lowering_error: float | None = None  # the Triton kernels against the references on probes (lower's proof)
     kernel_tiles: str = ""  # tile configuration of each grouped GEMM kernel, and where it comes from
+    expert_weights: dict = field(default_factory=dict, repr=False)  # role -> the parameter (a list for ModuleList
+    # experts), as verify found them: what moecompile.parallelize shards
+    sharding: str = ""  # "E/W experts on each of W ranks (...)" when parallelize sharded the layer
 
 
 @dataclass

@@ -36,7 +36,10 @@ def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
             ok, detail = _prove(cand, values, config)
         if ok:
             report.counters["verify.proved"] += 1
-            report.layers.append(LayerRecord(cand.path, cand.specs[0], detail["tried"], detail["error"]))
+            weights = {role: [values.get(p) for p in w] if isinstance(w, list) else values.get(w)
+                       for role, w in cand.bindings[0].weights.items()}
+            report.layers.append(LayerRecord(cand.path, cand.specs[0], detail["tried"], detail["error"],
+                                             expert_weights=weights))
         else:
             del node.meta["moe"]
             report.counters["verify.rejected"] += 1

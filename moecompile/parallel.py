@@ -1,0 +1,231 @@
+"""moecompile.parallelize: shard each MoE layer's experts over the ranks of a device mesh (expert parallelism).
+
+    mesh  = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    model = moecompile.parallelize(model, mesh, example_input_ids)   # every rank: the same model and seed
+    model = torch.compile(model, backend="moe")
+
+1. Detect with the backend's own passes (``explain``) on the whole model, on every rank.
+2. Check that every rank found the same layers and holds the same weights (else ``ValueError``).
+3. Keep on each rank its E / W consecutive experts of every stacked-expert layer (W = mesh size): the parameter
+   becomes the local ``[E / W, ...]`` shard, and the module reads, in its place, ``moe.ep_global_view`` of it:
+   the global ``[E, ...]`` shape for Dynamo and detect, no value (``runtime/ep_ops.py``). The backend's
+   ``distribute`` pass then runs the experts where they live.
+4. ``state_dict()`` gives each sharded parameter as a DTensor ``Shard(0)`` over the mesh (its global identity, for
+   ``torch.distributed.checkpoint``); ``load_state_dict`` takes a DTensor or a full ``[E, ...]`` tensor.
+5. Data parallelism for the rest: in backward, the gradients of the parameters that are not sharded are averaged
+   over the ranks (one all-reduce of their flattened incoming gradients when backward ends), and the sharded
+   experts' gradients (which gather every rank's tokens) divided by W: the gradients of the mean loss, as DDP.
+
+Why not DTensor parameters: the model's own experts code (transformers' grouped_mm / batched_mm / eager forms)
+mixes the expert weights with plain activation tensors, which DTensor refuses ("mixed torch.Tensor and DTensor")
+both eagerly and while Dynamo traces; plain local shards behind a global-shaped view trace as on one device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_view)
+from moecompile.runtime.ep_stats import COMM
+
+MESH_NAMES = (("node", "local"),)  # the 2-level mesh a dedup level refers to; a 1-D mesh may have any name
+DEDUP = ("off",)
+
+
+def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", **options) -> nn.Module:
+    """Shard the experts of every MoE layer of ``model`` over ``mesh`` (in place; returns ``model``)."""
+    from .explain import explain
+
+    group = _check_mesh(mesh)
+    if dedup not in DEDUP:
+        raise ValueError(f"dedup={dedup!r} is not available; choose one of {list(DEDUP)}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    report = explain(model, *example_args, **options)
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    plans, left = [], []
+    for rec in report.layers:
+        why = _unshardable(rec, world)
+        if why:
+            left.append((rec.path, why))
+            continue
+        plans.append((rec, {role: names[id(w)] for role, w in rec.expert_weights.items()}))
+    _check_ranks_agree(model, plans, group)
+    for rec, params in plans:
+        _shard_layer(model, rec, params, mesh, group, rank, world)
+    if mesh.ndim == 2:
+        COMM.set_ranks_per_node(group.group_name, mesh.size(1))
+    _sync_gradients(model, {n for _, params in plans for n in params.values()}, group, world)
+    model._moe_parallel = ParallelInfo(report, left, world)
+    return model
+
+
+class ParallelInfo:
+    """What parallelize did: the detection report, the layers it left whole (and why), the expert-parallel size."""
+
+    def __init__(self, report, left: list[tuple[str, str]], world: int):
+        self.report, self.left, self.world = report, left, world
+
+    def __str__(self) -> str:
+        lines = [f"expert parallelism over {self.world} rank(s):"]
+        lines += [f"  sharded {r.path}: {r.sharding}" for r in self.report.layers if r.sharding]
+        lines += [f"  left whole (replicated) {path}: {why}" for path, why in self.left]
+        return "\n".join(lines)
+
+
+def _check_mesh(mesh):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch.distributed DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim > 1 and names not in MESH_NAMES:
+        raise ValueError(f"mesh dimension names {names or None} are not known: a {mesh.ndim}-D expert-parallel mesh "
+                         f"must be named {MESH_NAMES[0]} (outermost first), e.g. init_device_mesh(device, "
+                         f"(nodes, gpus_per_node), mesh_dim_names={MESH_NAMES[0]}); a 1-D mesh may have any name")
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks != sorted(ranks):
+        raise ValueError(f"the mesh's ranks {ranks} are not in increasing order: build it with init_device_mesh")
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    return dist.new_group(ranks)
+
+
+def _unshardable(rec, world: int) -> str:
+    e, r = rec.spec.experts, rec.spec.routing
+    if e.num_experts % world:
+        raise ValueError(f"MoE layer {rec.path} has {e.num_experts} experts, which do not divide over the mesh's "
+                         f"{world} ranks: use a mesh whose size divides {e.num_experts}")
+    if e.storage != "stacked":
+        return f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters are)"
+    if e.identity_experts or r.weights_on_input or r.capacity >= 0:
+        what = ("identity experts" if e.identity_experts else "weights on the input" if r.weights_on_input
+                else "an expert capacity")
+        return f"a layer with {what} is not sharded yet"
+    if any(not isinstance(w, nn.Parameter) for w in rec.expert_weights.values()):
+        return "its expert weights are not parameters of the model"
+    return ""
+
+
+def _check_ranks_agree(model: nn.Module, plans, group) -> None:
+    """The same layers found and the same weights held on every rank, else ValueError."""
+    digest = hashlib.sha256()
+    for rec, params in plans:
+        digest.update(f"{rec.path}|{rec.spec}|{sorted(params.items())}".encode())
+    for name, p in model.state_dict().items():
+        digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        if p.is_floating_point():
+            digest.update(repr(float(p.detach().double().sum())).encode())
+    mine = digest.hexdigest()
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if len(set(every)) > 1:
+        differ = [i for i, d in enumerate(every) if d != every[0]]
+        raise ValueError(f"ranks {differ} hold a different model than rank 0 (other MoE layers, shapes or weights): "
+                         "build the same model with the same seed on every rank (torch.manual_seed(s) before "
+                         "creating it) before moecompile.parallelize")
+
+
+def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, world: int) -> None:
+    E = rec.spec.experts.num_experts
+    local_E = E // world
+    attrs = {}
+    for role, name in params.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        full = module._parameters[attr]
+        shard = nn.Parameter(full.detach()[rank * local_E:(rank + 1) * local_E].clone(), full.requires_grad)
+        shard._moe_sharded = True
+        module._parameters[attr] = shard
+        attrs.setdefault(module, []).append(attr)
+    for module, names in attrs.items():
+        _read_through_view(module, names, E, group.group_name, rec.path)
+        module.register_state_dict_post_hook(_global_state(names, mesh, E))
+        module._register_load_state_dict_pre_hook(_local_state(names, mesh, E, rank, world))
+    rec.sharding = (f"{local_E} of {E} experts on each of {world} ranks ({', '.join(sorted(params.values()))}); "
+                    "the rows cross the ranks padding-free (moe.ep_dispatch, moe.ep_combine)")
+
+
+def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: str, layer: str) -> None:
+    """The module reads each of ``names`` as ``moe.ep_global_view`` of its local shard (a subclass with one
+    property per name; the parameter stays registered under its name, so ``named_parameters`` and optimizers see
+    the shard)."""
+    def view(attr):
+        return property(lambda self: torch.ops.moe.ep_global_view(self._parameters[attr], E, group_name, layer))
+
+    cls = module.__class__
+    module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {n: view(n) for n in names})
+
+
+def _global_state(names, mesh, E):
+    from torch.distributed.tensor import DTensor, Shard
+
+    def hook(module, state_dict, prefix, local_metadata):
+        for attr in names:
+            local = state_dict[prefix + attr]
+            shape = (E, *local.shape[1:])
+            state_dict[prefix + attr] = DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False,
+                                                           shape=shape, stride=_contiguous_stride(shape))
+    return hook
+
+
+def _local_state(names, mesh, E, rank, world):
+    from torch.distributed.tensor import DTensor
+
+    local_E = E // world
+
+    def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for attr in names:
+            key = prefix + attr
+            value = state_dict.get(key)
+            if isinstance(value, DTensor):
+                value = value.full_tensor() if value.device_mesh != mesh else value.to_local()
+                if value.shape[0] == E:
+                    value = value[rank * local_E:(rank + 1) * local_E]
+            elif isinstance(value, torch.Tensor) and value.shape[:1] == (E,):
+                value = value[rank * local_E:(rank + 1) * local_E]
+            if value is not None:
+                state_dict[key] = value
+    return hook
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def _sync_gradients(model: nn.Module, sharded: set[str], group, world: int) -> None:
+    """Data-parallel gradients: each backward's incoming gradients of the replicated parameters are held back
+    (the parameter accumulates zeros), all-reduced together when backward ends and averaged, then accumulated;
+    a sharded expert's gradient is divided by the ranks. Gradient accumulation over several backwards stays
+    right: each backward's own gradients are averaged, as DDP does."""
+    replicated = [p for n, p in model.named_parameters() if n not in sharded and p.requires_grad]
+    pending: dict[int, torch.Tensor] = {}
+
+    def finish():
+        grads = [pending.pop(id(p), None) for p in replicated]
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, replicated)])
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        offset = 0
+        for p in replicated:
+            g = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.grad = g.clone() if p.grad is None else p.grad + g
+
+    def hold(p):
+        def hook(grad):
+            if not pending:
+                torch.autograd.Variable._execution_engine.queue_callback(finish)
+            pending[id(p)] = grad.detach().clone() if id(p) not in pending else pending[id(p)] + grad
+            return torch.zeros_like(grad)
+        return hook
+
+    for p in replicated:
+        p.register_hook(hold(p))
+    for n, p in model.named_parameters():
+        if n in sharded and p.requires_grad:
+            p.register_hook(lambda grad: grad / world)

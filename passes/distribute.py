@@ -1,0 +1,94 @@
+"""distribute: run the experts of each layer moecompile.parallelize sharded where they live, exchanging the routed
+rows padding-free (``runtime/ep_ops.py``).
+
+    before (canonical, on the global stand-ins)      after (this rank's E_l = E / W experts)
+    y_BH = moe.expert_mlp(x_TH, tok_B, counts_E,     d = moe.ep_dispatch(x_TH, tok_B, counts_E, group, layer)
+                          w_EIH...)                  y_RH = moe.expert_mlp(d[0], d[1], d[2], w_local_ElIH...)
+                                                     y_BH = moe.ep_combine(y_RH, d[1], counts_E, d[3], B, group, layer)
+    out_TH = moe.combine(y_BH, tok_B, cw_B, T)       out_TH = moe.combine(y_BH, tok_B, cw_B, T)        (unchanged)
+
+Routing stays on each rank's own tokens (global expert ids). The expert weights are read from the local shards
+(the ``moe.ep_global_view`` inputs that ``expose_sharded`` stood in for); the stand-in placeholders are removed, so
+the graph's inputs are again exactly Dynamo's. A sharded layer that was not rewritten (verify refused it) cannot
+run: this pass raises, naming it, and the pipeline reports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from .canonical import expert_tensors
+from .report import PassReport, block
+
+EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
+
+
+def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
+    standins = [n for n in gm.graph.nodes if n.op == "placeholder" and "ep_view" in n.meta]
+    if not standins:
+        return gm
+    for node in list(gm.graph.nodes):
+        if node.target in EXPERT_MLP and "moe_spec" in node.meta:
+            with block(node.meta["moe_layer"]):
+                _shard_experts(gm, node, report)
+    for ph in standins:
+        view = ph.meta["ep_view"]
+        if ph.users:
+            layer = view.args[3]
+            raise ValueError(f"MoE layer {layer!r} has its experts sharded by moecompile.parallelize but was not "
+                             "rewritten (moecompile.explain() says why): it cannot run sharded")
+        gm.graph.erase_node(ph)
+        if not view.users:
+            gm.graph.erase_node(view)
+    return gm
+
+
+def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> None:
+    spec, weights = node.meta["moe_spec"], node.meta["moe_weights"]
+    views = {role: w.meta.get("ep_view") if isinstance(w, fx.Node) else None for role, w in weights.items()}
+    if not any(views.values()):
+        return  # a layer parallelize left whole (replicated)
+    if not all(views.values()):
+        raise ValueError(f"only some expert weights of the layer are sharded: {sorted(r for r, v in views.items() if v)}")
+    if node.args[9] is not None:
+        raise NotImplementedError("experts that scale their input by the routing weight (weights on the input) "
+                                  "cannot run sharded yet")
+    e = spec.experts
+    if e.storage != "stacked" or e.identity_experts:
+        raise NotImplementedError(f"{e.storage} expert storage{' with identity experts' if e.identity_experts else ''}"
+                                  " cannot run sharded yet")
+    group_name, layer = next(iter(views.values())).args[2:4]
+    local = {role: v.args[0] for role, v in views.items()}
+    local_experts = local[next(iter(local))].meta["example_value"].shape[0]
+    local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts))
+    tracer = fx.proxy.GraphAppendingTracer(gm.graph)
+    proxy = lambda n: fx.Proxy(n, tracer) if isinstance(n, fx.Node) else n  # noqa: E731
+    x, tok, counts = (proxy(a) for a in node.args[:3])
+    existing = set(gm.graph.nodes)
+    with gm.graph.inserting_before(node):
+        gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, {r: proxy(p) for r, p in local.items()})
+        d = torch.ops.moe.ep_dispatch(x, tok, counts, group_name, layer)
+        y = torch.ops.moe.expert_mlp(d[0], d[1], d[2], gate if e.gated else None, up, down,
+                                     b_gate if e.gated else None, b_up, b_down, None, *node.args[10:])
+        out = torch.ops.moe.ep_combine(y, d[1], counts, d[3], tok.size(0), group_name, layer).node
+    for n in gm.graph.nodes:
+        if n not in existing:
+            n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "moe_layer") if k in node.meta})
+    node.replace_all_uses_with(out)
+    old_inputs = node.all_input_nodes
+    gm.graph.erase_node(node)
+    _erase_unused(gm.graph, old_inputs)
+    report.counters["distribute.sharded_layers"] += 1
+
+
+def _erase_unused(graph: fx.Graph, nodes) -> None:
+    """The views of the stand-ins that fed the one-device experts, now read by nothing."""
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function" and not n.users and not getattr(n, "_erased", False):
+            stack.extend(n.all_input_nodes)
+            graph.erase_node(n)

@@ -1,0 +1,52 @@
+"""expose_sharded: make the experts moecompile.parallelize sharded over ranks look, to detect and verify, like the
+parameters they stand for on one device.
+
+A sharded parameter reaches the graph as ``moe.ep_global_view(local_shard, E, group, layer)`` (the model's own
+experts code reads its global ``[E, ...]`` shape; it has no value). This pass gives each such view a placeholder of
+its own, holding a random stand-in of the global shape (``meta["ep_standin"]``, seen by
+``graph_utils.placeholder_values``), so detect reads the layer and verify proves it exactly as on one device (on
+random weights: the proof is about what the code computes, not about the values). ``distribute`` puts the local
+shards back and removes these placeholders.
+
+    before: w = moe.ep_global_view(l_gate_up_proj_, 8, "1", "model.layers.0.mlp"); ... w[ids] ...
+    after:  placeholder l_gate_up_proj__ep (meta["ep_view"] = the view node);        ... l_gate_up_proj__ep[ids] ...
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_view)
+
+from .graph_utils import example, hint
+from .report import PassReport
+
+EP_VIEW = torch.ops.moe.ep_global_view.default
+
+
+def is_ep_view(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in (EP_VIEW, torch.ops.moe.ep_global_view)
+
+
+def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
+    views = [n for n in gm.graph.nodes if is_ep_view(n)]
+    if not views:
+        return gm
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    gen = torch.Generator().manual_seed(config.probe_seed)
+    for view in views:
+        with gm.graph.inserting_after(last):
+            ph = gm.graph.placeholder(f"{view.args[0].name}_ep")
+        fake = example(view)
+        ph.meta["example_value"] = fake
+        ph.meta["ep_view"] = view
+        local = example(view.args[0])
+        shape = [hint(s) for s in fake.shape]
+        std = 1.0 / max(1, shape[-1]) ** 0.5  # a layer's usual scale: probes neither vanish nor saturate
+        ph.meta["ep_standin"] = torch.nn.Parameter((torch.randn(shape, generator=gen) * std).to(local.dtype),
+                                                   requires_grad=False)
+        view.replace_all_uses_with(ph)
+        last = ph
+        report.counters["expose_sharded.views"] += 1
+    return gm

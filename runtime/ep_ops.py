@@ -1,0 +1,175 @@
+"""Expert-parallel custom ops: the experts of a layer sharded over the ranks of a process group, the routed rows
+exchanged padding-free. Inserted by the ``distribute`` pass around ``moe::expert_mlp``:
+
+    one device                                       expert parallel (W ranks, E_l = E / W experts each)
+    tok, _, counts_E, cw, _ = build_pft(ids, w)      the same, on this rank's T tokens (global expert ids)
+                                                     x_RH, perm_R, counts_L, recv_WL = ep_dispatch(x_TH, tok, counts_E)
+    y_BH = expert_mlp(x_TH, tok, counts_E, W_E..)    y_RH = expert_mlp(x_RH, perm_R, counts_L, W_El..)   (local)
+                                                     y_BH = ep_combine(y_RH, perm_R, counts_E, recv_WL, B)
+    out_TH = combine(y_BH, tok, cw, T)               out_TH = combine(y_BH, tok, cw, T)
+
+Legend: T tokens here, B = T*K routed rows here (sorted by global expert, hence by destination rank), R rows
+received (sorted by source rank, then local expert), W ranks, E_l local experts, H hidden.
+
+``ep_dispatch`` exchanges the per-expert counts (one ``all_to_all_single`` of E integers), then the rows with
+exact uneven splits: no capacity padding, no [T, E, C] buffer. ``perm_R`` orders the received rows by local
+expert for ``expert_mlp`` (which gathers its rows by it); ``ep_combine`` puts the outputs back in received order
+and returns them by the reverse exchange. Each op's backward is the other direction's exchange.
+
+``ep_global_view`` stands for a sharded parameter in the traced graph: it has the global ``[E, ...]`` shape the
+model's own experts code reads (so Dynamo traces and detect reads it as on one device), and no value: the
+``distribute`` pass replaces its uses by the local shard. Running it (a graph the passes did not rewrite) raises.
+
+The process group is named by ``group_name`` (``ProcessGroup.group_name``, as torch's functional collectives do)
+and the layer by ``layer``: bytes sent are counted per layer in ``runtime.ep_stats.COMM``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.library import custom_op, register_autograd, register_fake
+
+from .ep_stats import COMM
+
+Tensor = torch.Tensor
+
+
+def _group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _exchange(rows: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+    return out
+
+
+def _splits(counts_E: Tensor, recv_WL: Tensor, world: int) -> tuple[list[int], list[int]]:
+    """(rows this rank sends to each rank, rows it receives from each rank) of a dispatch."""
+    send = counts_E.view(world, -1).sum(1).tolist()
+    recv = recv_WL.view(world, -1).sum(1).tolist()
+    return send, recv
+
+
+# ---- ep_global_view --------------------------------------------------------------------------------------------
+
+
+@custom_op("moe::ep_global_view", mutates_args=())
+def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str) -> Tensor:
+    raise RuntimeError(
+        f"the experts of MoE layer {layer!r} are sharded over ranks by moecompile.parallelize and only run in a "
+        "graph the moe backend rewrote: compile the model with torch.compile(model, backend='moe') (see "
+        "moecompile.explain(model, ...) for why a layer was not rewritten)")
+
+
+@register_fake("moe::ep_global_view")
+def _ep_global_view_fake(local, num_experts, group_name, layer):
+    return local.new_empty((num_experts, *local.shape[1:]))
+
+
+# ---- ep_dispatch -----------------------------------------------------------------------------------------------
+
+
+@custom_op("moe::ep_dispatch", mutates_args=())
+def ep_dispatch(x_TH: Tensor, token_ids_B: Tensor, counts_E: Tensor, group_name: str, layer: str
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    group = _group(group_name)
+    world = dist.get_world_size(group)
+    recv_WL = torch.empty_like(counts_E)
+    dist.all_to_all_single(recv_WL, counts_E.contiguous(), group=group)  # each rank's rows for my experts
+    send, recv = _splits(counts_E, recv_WL, world)
+    x_RH = _exchange(x_TH[token_ids_B], send, recv, group)
+    local = recv_WL.numel() // world
+    expert_R = torch.arange(local, device=x_TH.device).repeat(world).repeat_interleave(recv_WL)
+    perm_R = torch.argsort(expert_R, stable=True)
+    COMM.add_dispatch(layer, group, send, x_TH.shape[-1] * x_TH.element_size())
+    return x_RH, perm_R, recv_WL.view(world, local).sum(0), recv_WL
+
+
+@register_fake("moe::ep_dispatch")
+def _ep_dispatch_fake(x_TH, token_ids_B, counts_E, group_name, layer):
+    R = torch.library.get_ctx().new_dynamic_size()
+    world = dist.get_world_size(_group(group_name))
+    i64 = dict(dtype=torch.int64)
+    return (x_TH.new_empty(R, x_TH.shape[-1]), counts_E.new_empty(R, **i64),
+            counts_E.new_empty(counts_E.shape[0] // world, **i64), counts_E.new_empty(counts_E.shape, **i64))
+
+
+@custom_op("moe::ep_dispatch_backward", mutates_args=())
+def ep_dispatch_backward(grad_x_RH: Tensor, token_ids_B: Tensor, counts_E: Tensor, recv_WL: Tensor,
+                         num_tokens: int, group_name: str) -> Tensor:
+    group = _group(group_name)
+    send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
+    grad_rows_BH = _exchange(grad_x_RH, recv, send, group)
+    return grad_rows_BH.new_zeros(num_tokens, grad_rows_BH.shape[-1]).index_add_(0, token_ids_B, grad_rows_BH)
+
+
+@register_fake("moe::ep_dispatch_backward")
+def _ep_dispatch_backward_fake(grad_x_RH, token_ids_B, counts_E, recv_WL, num_tokens, group_name):
+    return grad_x_RH.new_empty(num_tokens, grad_x_RH.shape[-1])
+
+
+def _ep_dispatch_setup(ctx, inputs, output):
+    x_TH, token_ids_B, counts_E, group_name, _ = inputs
+    ctx.save_for_backward(token_ids_B, counts_E, output[3])
+    ctx.num_tokens, ctx.group_name = x_TH.shape[0], group_name
+
+
+def _ep_dispatch_bwd(ctx, grad_x_RH, *_):
+    token_ids_B, counts_E, recv_WL = ctx.saved_tensors
+    grad = torch.ops.moe.ep_dispatch_backward(grad_x_RH, token_ids_B, counts_E, recv_WL, ctx.num_tokens,
+                                              ctx.group_name)
+    return grad, None, None, None, None
+
+
+register_autograd("moe::ep_dispatch", _ep_dispatch_bwd, setup_context=_ep_dispatch_setup)
+
+
+# ---- ep_combine ------------------------------------------------------------------------------------------------
+
+
+@custom_op("moe::ep_combine", mutates_args=())
+def ep_combine(y_RH: Tensor, perm_R: Tensor, counts_E: Tensor, recv_WL: Tensor, num_rows: int, group_name: str,
+               layer: str) -> Tensor:
+    group = _group(group_name)
+    send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
+    y_recv_RH = torch.empty_like(y_RH)
+    y_recv_RH[perm_R] = y_RH  # expert order -> received order
+    COMM.add_combine(layer, group, recv, y_RH.shape[-1] * y_RH.element_size())
+    return _exchange(y_recv_RH, recv, send, group)
+
+
+@register_fake("moe::ep_combine")
+def _ep_combine_fake(y_RH, perm_R, counts_E, recv_WL, num_rows, group_name, layer):
+    return y_RH.new_empty(num_rows, y_RH.shape[-1])
+
+
+@custom_op("moe::ep_combine_backward", mutates_args=())
+def ep_combine_backward(grad_y_BH: Tensor, perm_R: Tensor, counts_E: Tensor, recv_WL: Tensor, group_name: str
+                        ) -> Tensor:
+    group = _group(group_name)
+    send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
+    return _exchange(grad_y_BH, send, recv, group)[perm_R]
+
+
+@register_fake("moe::ep_combine_backward")
+def _ep_combine_backward_fake(grad_y_BH, perm_R, counts_E, recv_WL, group_name):
+    return grad_y_BH.new_empty(perm_R.shape[0], grad_y_BH.shape[-1])
+
+
+def _ep_combine_setup(ctx, inputs, output):
+    _, perm_R, counts_E, recv_WL, _, group_name, _ = inputs
+    ctx.save_for_backward(perm_R, counts_E, recv_WL)
+    ctx.group_name = group_name
+
+
+def _ep_combine_bwd(ctx, grad_y_BH):
+    perm_R, counts_E, recv_WL = ctx.saved_tensors
+    grad = torch.ops.moe.ep_combine_backward(grad_y_BH, perm_R, counts_E, recv_WL, ctx.group_name)
+    return grad, None, None, None, None, None, None
+
+
+register_autograd("moe::ep_combine", _ep_combine_bwd, setup_context=_ep_combine_setup)
