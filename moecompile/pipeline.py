@@ -23,7 +23,7 @@ from moecompile.passes.detect import detect_moe_pass
 from moecompile.passes.distribute import distribute_moe_pass
 from moecompile.passes.lower import LoweringUnavailable, lower_moe_pass
 from moecompile.passes.report import FailureRecord, PassReport
-from moecompile.passes.sharded import expose_sharded_pass
+from moecompile.passes.sharded import expose_sharded_pass, remove_standins
 from moecompile.passes.verify import verify_moe_pass
 
 from .capture import complete_missing_experts
@@ -119,6 +119,7 @@ class Checkpoint:
                                   f"({failure.error}); left as it was")
         report.failures.append(failure)
         report.counters[f"pipeline.failed.{stage}"] += 1
+        remove_standins(self.gm.graph)  # Dynamo reads the placeholders of the graph object it made
         self.gm.graph = self.graph
         self.gm.recompile()
         if config.record_graphs:

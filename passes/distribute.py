@@ -38,8 +38,9 @@ def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
         view = ph.meta["ep_view"]
         if ph.users:
             layer = view.args[3]
+            why = "; ".join(s.reason for s in report.skipped if s.region == layer) or "moecompile.explain() says why"
             raise ValueError(f"MoE layer {layer!r} has its experts sharded by moecompile.parallelize but was not "
-                             "rewritten (moecompile.explain() says why): it cannot run sharded")
+                             f"rewritten ({why}): it cannot run sharded")
         gm.graph.erase_node(ph)
         if not view.users:
             gm.graph.erase_node(view)
@@ -89,6 +90,6 @@ def _erase_unused(graph: fx.Graph, nodes) -> None:
     stack = list(nodes)
     while stack:
         n = stack.pop()
-        if n.op == "call_function" and not n.users and not getattr(n, "_erased", False):
+        if n.op in ("call_function", "call_method") and not n.users and not getattr(n, "_erased", False):
             stack.extend(n.all_input_nodes)
             graph.erase_node(n)

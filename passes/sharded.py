@@ -50,3 +50,15 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
         last = ph
         report.counters["expose_sharded.views"] += 1
     return gm
+
+
+def remove_standins(graph: fx.Graph) -> None:
+    """Take the stand-in placeholders out of ``graph`` again, giving their uses back to the views they stood for
+    (the pipeline calls it on a graph it gives up: Dynamo reads that graph's placeholders after the backend)."""
+    for ph in [n for n in graph.nodes if n.op == "placeholder" and "ep_view" in n.meta]:
+        view = ph.meta["ep_view"]
+        if getattr(view, "_erased", False):
+            with graph.inserting_after(ph):
+                view = graph.node_copy(view)
+        ph.replace_all_uses_with(view)
+        graph.erase_node(ph)

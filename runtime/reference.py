@@ -200,8 +200,8 @@ def expert_mlp_ref(
         gate = None if w_gate_EIH is None else F.linear(xe, w_gate_EIH[e], None if b_gate_EI is None else b_gate_EI[e])
         h = apply_activation(activation, gate, up, alpha=alpha, limit=limit)
         outs.append(F.linear(h, w_down_EHI[e], None if b_down_EH is None else b_down_EH[e]))
-    if start < x_BH.shape[0]:  # assignments dropped by a capacity: not computed, zero rows
-        outs.append(x_BH.new_zeros(x_BH.shape[0] - start, w_down_EHI.shape[1]))
+    if start < x_BH.shape[0] or not outs:  # assignments dropped by a capacity (not computed, zero rows), or no
+        outs.append(x_BH.new_zeros(x_BH.shape[0] - start, w_down_EHI.shape[1]))  # rows at all (an idle rank)
     return torch.cat(outs, dim=0)
 
 
