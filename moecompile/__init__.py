@@ -10,7 +10,8 @@ from .config import MoEOptions
 from .explain import ExplainReport, explain
 from .parallel import parallelize
 from .pipeline import MoECompileError, MoEFallbackWarning
+from moecompile.runtime.ep_stats import comm_stats
 from moecompile.runtime.stats import token_drops
 
-__all__ = ["moe_backend", "capture", "parallelize", "MoEOptions", "ExplainReport", "explain", "token_drops", "MoECompileError",
+__all__ = ["moe_backend", "capture", "parallelize", "MoEOptions", "ExplainReport", "explain", "token_drops", "comm_stats", "MoECompileError",
            "MoEFallbackWarning"]

@@ -151,14 +151,25 @@ def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, wor
 
 
 def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: str, layer: str) -> None:
-    """The module reads each of ``names`` as ``moe.ep_global_view`` of its local shard (a subclass with one
-    property per name; the parameter stays registered under its name, so ``named_parameters`` and optimizers see
-    the shard)."""
+    """While Dynamo traces, the module reads each of ``names`` as ``moe.ep_global_view`` of its local shard (a
+    subclass with one property per name); elsewhere as the shard itself (``get_parameter``, ``.shape``), and
+    its forward refuses to run eagerly: the model's own code would read global expert ids from a shard. The
+    parameter stays registered under its name, so ``named_parameters`` and optimizers see the shard."""
     def view(attr):
-        return property(lambda self: torch.ops.moe.ep_global_view(self._parameters[attr], E, group_name, layer))
+        def read(self):
+            local = self._parameters[attr]
+            if torch.compiler.is_compiling():
+                return torch.ops.moe.ep_global_view(local, E, group_name, layer)
+            return local
+        return property(read)
+
+    def refuse_eager(mod, args):
+        if not torch.compiler.is_compiling():
+            torch.ops.moe.ep_global_view(mod._parameters[names[0]], E, group_name, layer)  # raises, saying why
 
     cls = module.__class__
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {n: view(n) for n in names})
+    module.register_forward_pre_hook(refuse_eager)
 
 
 def _global_state(names, mesh, E):

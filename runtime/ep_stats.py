@@ -51,3 +51,12 @@ class CommCounter:
 
 
 COMM = CommCounter()
+
+
+def comm_stats(reset: bool = False) -> dict[str, dict[str, int]]:
+    """``{layer: {"dispatch.node": bytes, "dispatch.local": ..., "combine.node": ..., "calls.dispatch": n, ...}}``
+    for every expert-parallel layer that has run since the last reset (``reset=True`` starts again after reading)."""
+    stats = COMM.snapshot()
+    if reset:
+        COMM.reset()
+    return stats

@@ -1,0 +1,166 @@
+"""Expert parallelism end to end (moecompile.parallelize + backend="moe") on gloo, against one process.
+
+One world-4 group (a 2x2 ("node", "local") mesh: 2 nodes x 2 GPUs) trains Mixtral, DeepSeek-V3 (shared experts,
+group-limited routing) and GPT-OSS (biases, transposed and interleaved experts) for three SGD steps (momentum 0.9), each rank
+on its own batch, beside one process training the same model on the four batches together (the same mean
+loss): each step's logits of each rank equal the one-process logits of its batch, and the parameters after the
+steps are equal (fp32, 1e-5). It also checks the sharding (each rank holds E/4 experts, the state_dict shows the
+global tensors), saves a torch.distributed.checkpoint, and refuses bad input (experts that do not divide over
+the mesh, unknown mesh dimension names, ranks holding different models) with ValueError.
+
+One world-2 group (a 1-D mesh) trains Qwen3-MoE the same way, loads the world-4 checkpoint and finds exactly
+the parameters saved, then one rank dies: the other raises within the process group's timeout. The test
+process itself loads the checkpoint without any process group (one process). A failing rank fails the test.
+"""
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import moecompile
+from moecompile.models.hf import tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+STEPS, LR, TOL = 3, 0.1, 1e-5
+# SGD, not Adam: Adam divides each gradient element by its own running size, so an element whose gradient is
+# near zero turns the ~1e-9 difference of summing the same gradient in another order (per rank, then averaged)
+# into an lr-sized step (seen: one o_proj element 1.5e-5 apart after 3 AdamW steps). SGD keeps it ~1e-8.
+DEAD_RANK_TIMEOUT = 20  # seconds: the world-2 group's timeout, within which the survivor must raise
+
+
+def _init(rank, world, tmp, timeout=120):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous{world}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+
+
+def _batches(model, world):
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(0, model.config.vocab_size, (world, 2, 6), generator=gen)
+
+
+def _train_against_one_process(family, mesh, rank, world):
+    """Three steps sharded and in one process; returns (sharded model, one-process model)."""
+    ref, model = tiny_model(family).train(), tiny_model(family).train()
+    moecompile.comm_stats(reset=True)
+    batches = _batches(model, world)
+    mine, together = batches[rank], batches.flatten(0, 1)
+    moecompile.parallelize(model, mesh, mine)
+    info = model._moe_parallel
+    assert not info.left and all(r.sharding for r in info.report.layers), str(info)
+    expert_names = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}
+    assert expert_names, "no expert parameter was sharded"
+    for name in expert_names:  # E / world experts here, the global tensor in the state_dict
+        local, full = model.get_parameter(name), ref.get_parameter(name)
+        assert local.shape[0] * world == full.shape[0] and local.shape[1:] == full.shape[1:], name
+        assert torch.equal(local, full[rank * local.shape[0]:(rank + 1) * local.shape[0]]), name
+    state = model.state_dict()
+    for name in expert_names:
+        assert isinstance(state[name], DTensor) and state[name].shape == ref.get_parameter(name).shape, name
+    sharded = sum(p.numel() for p in model.parameters())
+    assert sharded < sum(p.numel() for p in ref.parameters())
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
+    rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
+    for step in range(STEPS):
+        out = compiled(mine, labels=mine)
+        ref_out = ref(together, labels=together)
+        torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL, msg=lambda m: f"{family} step {step}: {m}")
+        out.loss.backward()
+        ref_out.loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    _assert_same_parameters(model, ref, rank, family)
+    spec = info.report.layers[0].spec
+    stats = moecompile.comm_stats()[info.report.layers[0].path]
+    assert stats["calls.dispatch"] == STEPS and stats["calls.combine"] == STEPS, stats
+    sent = sum(stats.get(f"dispatch.{link}", 0) for link in ("self", "local", "node"))  # every routed row, once, no padding
+    assert sent == STEPS * mine.numel() * spec.routing.top_k * spec.experts.hidden * 4, (stats, spec)
+    if mesh.ndim == 2:  # the rows of the step went over both kinds of link (summed over the ranks)
+        links = torch.tensor([stats["dispatch.local"], stats["dispatch.node"]])
+        dist.all_reduce(links)
+        assert (links > 0).all(), links
+    return model, ref
+
+
+def _assert_same_parameters(model, ref, rank, what, tol=TOL):
+    for name, p in model.named_parameters():
+        want = ref.get_parameter(name).detach()
+        if getattr(p, "_moe_sharded", False):
+            want = want[rank * p.shape[0]:(rank + 1) * p.shape[0]]
+        torch.testing.assert_close(p.detach(), want, rtol=tol, atol=tol, msg=lambda m: f"{what}: {name}: {m}")
+
+
+def _bad_input(mesh, rank):
+    with pytest.raises(ValueError, match="do not divide over the mesh's 4 ranks"):
+        moecompile.parallelize(tiny_model("mixtral", num_local_experts=6), mesh, torch.zeros(1, 4, dtype=torch.long))
+    named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    with pytest.raises(ValueError, match=r"must be named \('node', 'local'\)"):
+        moecompile.parallelize(tiny_model("mixtral"), named, torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="hold a different model than rank 0"):
+        moecompile.parallelize(tiny_model("mixtral", seed=rank), mesh, torch.zeros(1, 4, dtype=torch.long))
+
+
+def _world4(rank, world, tmp):
+    _init(rank, world, tmp)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+        _bad_input(mesh, rank)
+        for family in ("mixtral", "deepseek_v3", "gpt_oss"):
+            model, ref = _train_against_one_process(family, mesh, rank, world)
+            if family == "mixtral":
+                state = model.state_dict()
+                dcp.save(state, checkpoint_id=f"{tmp}/ckpt")
+                full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+                if rank == 0:  # what each load below must find, exactly
+                    torch.save(full, f"{tmp}/saved.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _world2(rank, world, tmp):
+    _init(rank, world, tmp, timeout=DEAD_RANK_TIMEOUT)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        _train_against_one_process("qwen3_moe", mesh, rank, world)
+        model = moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long))
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=f"{tmp}/ckpt")  # saved by 4 ranks, read by 2
+        model.load_state_dict(state)
+        saved = tiny_model("mixtral")
+        saved.load_state_dict(torch.load(f"{tmp}/saved.pt"))
+        _assert_same_parameters(model, saved, rank, "world-4 checkpoint loaded on world 2", tol=0)
+        compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
+        ids = _batches(model, world)[rank]
+        compiled(ids)
+        dist.barrier()
+        if rank == 1:
+            os._exit(0)  # dies without a word: rank 0's next exchange must fail, not hang
+        start = time.monotonic()
+        with pytest.raises(Exception):
+            compiled(ids)
+        assert time.monotonic() - start < DEAD_RANK_TIMEOUT + 15
+    finally:
+        if rank == 0:
+            dist.destroy_process_group()
+
+
+def test_expert_parallel_training_equals_one_process(tmp_path):
+    tmp = str(tmp_path)
+    mp.spawn(_world4, args=(4, tmp), nprocs=4, join=True)
+    mp.spawn(_world2, args=(2, tmp), nprocs=2, join=True)
+    one = tiny_model("mixtral")  # the world-4 checkpoint in one process, with no process group at all
+    state = one.state_dict()
+    dcp.load(state, checkpoint_id=f"{tmp}/ckpt")
+    one.load_state_dict(state)
+    saved = torch.load(f"{tmp}/saved.pt")
+    for name, p in one.named_parameters():
+        torch.testing.assert_close(p, saved[name], rtol=0, atol=0, msg=name)
