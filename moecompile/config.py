@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-PASS_NAMES = ("expose_sharded", "detect", "verify", "canonicalize", "distribute", "lower")
+PASS_NAMES = ("detect", "verify", "canonicalize", "lower")  # what disable_passes may name (expose_sharded and
+# distribute always run: they do nothing unless moecompile.parallelize sharded the model, and then a sharded
+# layer cannot run without them)
 INNER_BACKENDS = ("inductor", "aot_eager")
 LOWERINGS = ("auto", "triton", "torch")
 

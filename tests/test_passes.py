@@ -142,9 +142,9 @@ def test_strict_pass_failure_names_the_pass_and_those_before(monkeypatch):
     def broken(gm, example_inputs, *, config, report):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(pipeline, "PASSES", (pipeline.PASSES[0], ("verify", broken)) + pipeline.PASSES[2:])
+    monkeypatch.setattr(pipeline, "PASSES", tuple((n, broken if n == "verify" else f) for n, f in pipeline.PASSES))
     gm, ex = block_graph()
-    with pytest.raises(MoECompileError, match=r"pass 'verify' failed \(after \['detect'\]\): boom"):
+    with pytest.raises(MoECompileError, match=r"pass 'verify' failed \(after \['expose_sharded', 'detect'\]\): boom"):
         pipeline.run_passes(gm, ex, dataclasses.replace(CONFIG, strict=True), PassReport())
 
 
