@@ -13,5 +13,6 @@ from .pipeline import MoECompileError, MoEFallbackWarning
 from moecompile.runtime.ep_stats import comm_stats
 from moecompile.runtime.stats import token_drops
 
-__all__ = ["moe_backend", "capture", "parallelize", "MoEOptions", "ExplainReport", "explain", "token_drops", "comm_stats", "MoECompileError",
+__all__ = ["moe_backend", "capture", "parallelize", "MoEOptions", "ExplainReport", "explain", "token_drops",
+           "comm_stats", "MoECompileError",
            "MoEFallbackWarning"]

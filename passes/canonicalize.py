@@ -51,8 +51,8 @@ def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
         if stack is not None:
             n.meta["nn_module_stack"] = dict(stack)
         n.meta["moe_layer"] = cand.path
-        if n.target in (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default):  # what distribute needs to shard the experts
-            n.meta["moe_spec"], n.meta["moe_weights"] = spec, dict(b.weights)
+        if n.target in (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default):
+            n.meta["moe_spec"], n.meta["moe_weights"] = spec, dict(b.weights)  # for distribute (sharded experts)
     b.routed.replace_all_uses_with(new)
     removed = _remove_dead(gm.graph, cand.slice_nodes - cand.router_nodes)  # a kept router stays whole: its
     # in-place writes too (DeepSeek-style group masks, ``mask.scatter_(1, group_idx, 1)``), which nothing "uses"

@@ -53,7 +53,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     if not any(views.values()):
         return  # a layer parallelize left whole (replicated)
     if not all(views.values()):
-        raise ValueError(f"only some expert weights of the layer are sharded: {sorted(r for r, v in views.items() if v)}")
+        sharded = sorted(r for r, v in views.items() if v)
+        raise ValueError(f"only some expert weights of the layer are sharded: {sharded}")
     if node.args[9] is not None:
         raise NotImplementedError("experts that scale their input by the routing weight (weights on the input) "
                                   "cannot run sharded yet")

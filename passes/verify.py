@@ -36,7 +36,8 @@ def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
             ok, detail = _prove(cand, values, config)
         if ok:
             report.counters["verify.proved"] += 1
-            weights = {role: [values.get(p) for p in w] if isinstance(w, list) else values.get(w)
+            real = lambda n: None if "ep_standin" in n.meta else values.get(n)  # noqa: E731  (not a stand-in)
+            weights = {role: [real(p) for p in w] if isinstance(w, list) else real(w)
                        for role, w in cand.bindings[0].weights.items()}
             report.layers.append(LayerRecord(cand.path, cand.specs[0], detail["tried"], detail["error"],
                                              expert_weights=weights))

@@ -1,8 +1,8 @@
 """Expert parallelism end to end (moecompile.parallelize + backend="moe") on gloo, against one process.
 
 One world-4 group (a 2x2 ("node", "local") mesh: 2 nodes x 2 GPUs) trains Mixtral, DeepSeek-V3 (shared experts,
-group-limited routing) and GPT-OSS (biases, transposed and interleaved experts) for three SGD steps (momentum 0.9), each rank
-on its own batch, beside one process training the same model on the four batches together (the same mean
+group-limited routing) and GPT-OSS (biases, transposed and interleaved experts) for three SGD steps (momentum
+0.9), each rank on its own batch, beside one process training the same model on the four batches together (the same mean
 loss): each step's logits of each rank equal the one-process logits of its batch, and the parameters after the
 steps are equal (fp32, 1e-5). It also checks the sharding (each rank holds E/4 experts, the state_dict shows the
 global tensors), saves a torch.distributed.checkpoint, and refuses bad input (experts that do not divide over
@@ -74,7 +74,8 @@ def _train_against_one_process(family, mesh, rank, world):
     for step in range(STEPS):
         out = compiled(mine, labels=mine)
         ref_out = ref(together, labels=together)
-        torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL, msg=lambda m: f"{family} step {step}: {m}")
+        torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family} step {step}: {m}")
         out.loss.backward()
         ref_out.loss.backward()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
@@ -82,7 +83,7 @@ def _train_against_one_process(family, mesh, rank, world):
     spec = info.report.layers[0].spec
     stats = moecompile.comm_stats()[info.report.layers[0].path]
     assert stats["calls.dispatch"] == STEPS and stats["calls.combine"] == STEPS, stats
-    sent = sum(stats.get(f"dispatch.{link}", 0) for link in ("self", "local", "node"))  # every routed row, once, no padding
+    sent = sum(stats.get(f"dispatch.{link}", 0) for link in ("self", "local", "node"))  # each routed row once
     assert sent == STEPS * mine.numel() * spec.routing.top_k * spec.experts.hidden * 4, (stats, spec)
     if mesh.ndim == 2:  # the rows of the step went over both kinds of link (summed over the ranks)
         links = torch.tensor([stats["dispatch.local"], stats["dispatch.node"]])
