@@ -193,11 +193,9 @@ def _local_state(names, mesh, E, rank, world):
         for attr in names:
             key = prefix + attr
             value = state_dict.get(key)
-            if isinstance(value, DTensor):
-                value = value.full_tensor() if value.device_mesh != mesh else value.to_local()
-                if value.shape[0] == E:
-                    value = value[rank * local_E:(rank + 1) * local_E]
-            elif isinstance(value, torch.Tensor) and value.shape[:1] == (E,):
+            if isinstance(value, DTensor):  # this mesh's shard as it is; another layout gathered whole
+                value = value.to_local() if value.device_mesh == mesh else value.full_tensor()
+            if isinstance(value, torch.Tensor) and value.shape[:1] == (E,):  # a full tensor: this rank's rows
                 value = value[rank * local_E:(rank + 1) * local_E]
             if value is not None:
                 state_dict[key] = value

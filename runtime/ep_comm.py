@@ -19,22 +19,26 @@ import torch
 import torch.distributed as dist
 
 
+def exchange(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None) -> torch.Tensor:
+    """``all_to_all_single`` of rows with exact splits: ``send_splits[r]`` rows to rank r, ``recv_splits[r]`` from
+    it (not differentiable; ``_Exchange`` and the custom ops of ``ep_ops`` give it a backward)."""
+    out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
 class _Exchange(torch.autograd.Function):
-    """``all_to_all_single`` of rows with exact splits; its gradient goes back with the splits swapped."""
+    """``exchange``; its gradient goes back with the splits swapped."""
 
     @staticmethod
     def forward(ctx, rows, send_splits: list[int], recv_splits: list[int], group):
         ctx.splits, ctx.group = (send_splits, recv_splits), group
-        out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
-        return out
+        return exchange(rows, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        out = grad.new_empty((sum(send_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
-        return out, None, None, None
+        return exchange(grad, recv_splits, send_splits, ctx.group), None, None, None
 
 
 @dataclass

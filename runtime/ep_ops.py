@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_autograd, register_fake
 
+from .ep_comm import exchange, exchange_counts
 from .ep_stats import COMM
 
 Tensor = torch.Tensor
@@ -39,12 +40,6 @@ def _group(group_name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
-
-
-def _exchange(rows: Tensor, send: list[int], recv: list[int], group) -> Tensor:
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
-    return out
 
 
 def _splits(counts_E: Tensor, recv_WL: Tensor, world: int) -> tuple[list[int], list[int]]:
@@ -78,10 +73,9 @@ def ep_dispatch(x_TH: Tensor, token_ids_B: Tensor, counts_E: Tensor, group_name:
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     group = _group(group_name)
     world = dist.get_world_size(group)
-    recv_WL = torch.empty_like(counts_E)
-    dist.all_to_all_single(recv_WL, counts_E.contiguous(), group=group)  # each rank's rows for my experts
+    recv_WL = exchange_counts(counts_E, group)  # each rank's rows for my experts
     send, recv = _splits(counts_E, recv_WL, world)
-    x_RH = _exchange(x_TH[token_ids_B], send, recv, group)
+    x_RH = exchange(x_TH[token_ids_B], send, recv, group)
     local = recv_WL.numel() // world
     expert_R = torch.arange(local, device=x_TH.device).repeat(world).repeat_interleave(recv_WL)
     perm_R = torch.argsort(expert_R, stable=True)
@@ -103,7 +97,7 @@ def ep_dispatch_backward(grad_x_RH: Tensor, token_ids_B: Tensor, counts_E: Tenso
                          num_tokens: int, group_name: str) -> Tensor:
     group = _group(group_name)
     send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
-    grad_rows_BH = _exchange(grad_x_RH, recv, send, group)
+    grad_rows_BH = exchange(grad_x_RH, recv, send, group)
     return grad_rows_BH.new_zeros(num_tokens, grad_rows_BH.shape[-1]).index_add_(0, token_ids_B, grad_rows_BH)
 
 
@@ -139,7 +133,7 @@ def ep_combine(y_RH: Tensor, perm_R: Tensor, counts_E: Tensor, recv_WL: Tensor, 
     y_recv_RH = torch.empty_like(y_RH)
     y_recv_RH[perm_R] = y_RH  # expert order -> received order
     COMM.add_combine(layer, group, recv, y_RH.shape[-1] * y_RH.element_size())
-    return _exchange(y_recv_RH, recv, send, group)
+    return exchange(y_recv_RH, recv, send, group)
 
 
 @register_fake("moe::ep_combine")
@@ -152,7 +146,7 @@ def ep_combine_backward(grad_y_BH: Tensor, perm_R: Tensor, counts_E: Tensor, rec
                         ) -> Tensor:
     group = _group(group_name)
     send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
-    return _exchange(grad_y_BH, send, recv, group)[perm_R]
+    return exchange(grad_y_BH, send, recv, group)[perm_R]
 
 
 @register_fake("moe::ep_combine_backward")
