@@ -34,7 +34,7 @@ from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_v
 from moecompile.runtime.ep_stats import COMM
 
 MESH_NAMES = (("node", "local"),)  # the 2-level mesh a dedup level refers to; a 1-D mesh may have any name
-DEDUP = ("off",)
+DEDUP = ("off", "node")
 
 
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", **options) -> nn.Module:
@@ -44,6 +44,10 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", **opt
     group = _check_mesh(mesh)
     if dedup not in DEDUP:
         raise ValueError(f"dedup={dedup!r} is not available; choose one of {list(DEDUP)}")
+    if dedup == "node" and mesh.ndim != 2:
+        raise ValueError(f"dedup='node' needs a 2-D mesh named {MESH_NAMES[0]} (nodes, ranks per node); got a "
+                         f"{mesh.ndim}-D mesh: build it with init_device_mesh(device, (nodes, gpus_per_node), "
+                         f"mesh_dim_names={MESH_NAMES[0]}), or use dedup='off'")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     report = explain(model, *example_args, **options)
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
@@ -55,10 +59,10 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", **opt
             continue
         plans.append((rec, {role: names[id(w)] for role, w in rec.expert_weights.items()}))
     _check_ranks_agree(model, plans, group)
-    for rec, params in plans:
-        _shard_layer(model, rec, params, mesh, group, rank, world)
     if mesh.ndim == 2:
-        COMM.set_ranks_per_node(group.group_name, mesh.size(1))
+        _set_layout(mesh, group)
+    for rec, params in plans:
+        _shard_layer(model, rec, params, mesh, group, rank, world, dedup)
     _sync_gradients(model, {n for _, params in plans for n in params.values()}, group, world)
     model._moe_parallel = ParallelInfo(report, left, world)
     return model
@@ -93,6 +97,14 @@ def _check_mesh(mesh):
     if len(ranks) == dist.get_world_size():
         return dist.group.WORLD
     return dist.new_group(ranks)
+
+
+def _set_layout(mesh, group) -> None:
+    """The node of each rank (for the byte counts) and the two level groups (for dedup at the node)."""
+    from moecompile.runtime.ep_hier import register_layout
+
+    COMM.set_nodes({r: node for node, ranks in enumerate(mesh.mesh.tolist()) for r in ranks})
+    register_layout(group.group_name, mesh.get_group("node").group_name, mesh.get_group("local").group_name)
 
 
 def _unshardable(rec, world: int) -> str:
@@ -130,7 +142,7 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
                          "creating it) before moecompile.parallelize")
 
 
-def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, world: int) -> None:
+def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, world: int, dedup: str) -> None:
     E = rec.spec.experts.num_experts
     local_E = E // world
     attrs = {}
@@ -143,14 +155,18 @@ def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, wor
         module._parameters[attr] = shard
         attrs.setdefault(module, []).append(attr)
     for module, names in attrs.items():
-        _read_through_view(module, names, E, group.group_name, rec.path)
+        _read_through_view(module, names, E, group.group_name, rec.path, dedup)
         module.register_state_dict_post_hook(_global_state(names, mesh, E))
         module._register_load_state_dict_pre_hook(_local_state(names, mesh, E, rank, world))
+    how = ("one row per (token, node) across nodes, copied to the experts inside the node, their outputs weighted "
+           "and summed there (dedup='node')" if dedup == "node" else
+           "one row per (token, expert) (dedup='off')")
     rec.sharding = (f"{local_E} of {E} experts on each of {world} ranks ({', '.join(sorted(params.values()))}); "
-                    "the rows cross the ranks padding-free (moe.ep_dispatch, moe.ep_combine)")
+                    f"the rows cross the ranks padding-free, {how}")
 
 
-def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: str, layer: str) -> None:
+def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: str, layer: str, dedup: str
+                       ) -> None:
     """While Dynamo traces, the module reads each of ``names`` as ``moe.ep_global_view`` of its local shard (a
     subclass with one property per name); elsewhere as the shard itself (``get_parameter``, ``.shape``), and
     its forward refuses to run eagerly: the model's own code would read global expert ids from a shard. The
@@ -159,7 +175,7 @@ def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: 
         def read(self):
             local = self._parameters[attr]
             if torch.compiler.is_compiling():
-                return torch.ops.moe.ep_global_view(local, E, group_name, layer)
+                return torch.ops.moe.ep_global_view(local, E, group_name, layer, dedup)
             return local
         return property(read)
 

@@ -20,10 +20,13 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from moecompile.runtime.ep_hier import hierarchical_experts
+
 from .canonical import expert_tensors
 from .report import PassReport, block
 
 EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
+COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)
 
 
 def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
@@ -63,6 +66,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         raise NotImplementedError(f"{e.storage} expert storage{' with identity experts' if e.identity_experts else ''}"
                                   " cannot run sharded yet")
     group_name, layer = next(iter(views.values())).args[2:4]
+    dedup = _dedup(next(iter(views.values())))
     local = {role: v.args[0] for role, v in views.items()}
     local_experts = local[next(iter(local))].meta["example_value"].shape[0]
     local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts))
@@ -70,20 +74,47 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     proxy = lambda n: fx.Proxy(n, tracer) if isinstance(n, fx.Node) else n  # noqa: E731
     x, tok, counts = (proxy(a) for a in node.args[:3])
     existing = set(gm.graph.nodes)
-    with gm.graph.inserting_before(node):
+    replaced = node
+    if dedup == "node":
+        replaced = _only_combine(node)
+    with gm.graph.inserting_before(replaced):
         gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, {r: proxy(p) for r, p in local.items()})
-        d = torch.ops.moe.ep_dispatch(x, tok, counts, group_name, layer)
-        y = torch.ops.moe.expert_mlp(d[0], d[1], d[2], gate if e.gated else None, up, down,
-                                     b_gate if e.gated else None, b_up, b_down, None, *node.args[10:])
-        out = torch.ops.moe.ep_combine(y, d[1], counts, d[3], tok.size(0), group_name, layer).node
+
+        def run_experts(x_RH, perm_R, counts_L):
+            return torch.ops.moe.expert_mlp(x_RH, perm_R, counts_L, gate if e.gated else None, up, down,
+                                            b_gate if e.gated else None, b_up, b_down, None, *node.args[10:])
+
+        if dedup == "node":
+            out = hierarchical_experts(x, tok, counts, proxy(replaced.args[2]), run_experts, group_name, layer).node
+        else:
+            d = torch.ops.moe.ep_dispatch(x, tok, counts, group_name, layer)
+            out = torch.ops.moe.ep_combine(run_experts(d[0], d[1], d[2]), d[1], counts, d[3], tok.size(0),
+                                           group_name, layer).node
     for n in gm.graph.nodes:
         if n not in existing:
             n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "moe_layer") if k in node.meta})
-    node.replace_all_uses_with(out)
-    old_inputs = node.all_input_nodes
-    gm.graph.erase_node(node)
+    replaced.replace_all_uses_with(out)
+    old_inputs = replaced.all_input_nodes + node.all_input_nodes
+    gm.graph.erase_node(replaced)
+    if replaced is not node:
+        gm.graph.erase_node(node)
     _erase_unused(gm.graph, old_inputs)
-    report.counters["distribute.sharded_layers"] += 1
+    report.counters[f"distribute.sharded_layers.dedup_{dedup}"] += 1
+
+
+def _dedup(view: fx.Node) -> str:
+    return view.args[4] if len(view.args) > 4 else view.kwargs.get("dedup", "off")
+
+
+def _only_combine(node: fx.Node) -> fx.Node:
+    """The one ``moe.combine`` that weights and sums the experts' rows (dedup at the node replaces it too: the sums
+    are made on the experts' node)."""
+    users = list(node.users)
+    combine = users[0] if len(users) == 1 else None
+    if (combine is None or combine.target not in COMBINE or combine.args[0] is not node
+            or combine.args[1] is not node.args[1] or combine.args[2] is None):
+        raise NotImplementedError("dedup='node' needs the experts' rows read only by one weighted moe.combine")
+    return combine
 
 
 def _erase_unused(graph: fx.Graph, nodes) -> None:

@@ -19,6 +19,7 @@ and returns them by the reverse exchange. Each op's backward is the other direct
 ``ep_global_view`` stands for a sharded parameter in the traced graph: it has the global ``[E, ...]`` shape the
 model's own experts code reads (so Dynamo traces and detect reads it as on one device), and no value: the
 ``distribute`` pass replaces its uses by the local shard. Running it (a graph the passes did not rewrite) raises.
+Its ``dedup`` names how the layer's rows cross the mesh: ``"off"`` (the ops here) or ``"node"`` (``ep_hier.py``).
 
 The process group is named by ``group_name`` (``ProcessGroup.group_name``, as torch's functional collectives do)
 and the layer by ``layer``: bytes sent are counted per layer in ``runtime.ep_stats.COMM``.
@@ -53,7 +54,7 @@ def _splits(counts_E: Tensor, recv_WL: Tensor, world: int) -> tuple[list[int], l
 
 
 @custom_op("moe::ep_global_view", mutates_args=())
-def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str) -> Tensor:
+def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str, dedup: str = "off") -> Tensor:
     raise RuntimeError(
         f"the experts of MoE layer {layer!r} are sharded over ranks by moecompile.parallelize and only run in a "
         "graph the moe backend rewrote: compile the model with torch.compile(model, backend='moe') (see "
@@ -61,7 +62,7 @@ def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str)
 
 
 @register_fake("moe::ep_global_view")
-def _ep_global_view_fake(local, num_experts, group_name, layer):
+def _ep_global_view_fake(local, num_experts, group_name, layer, dedup="off"):
     return local.new_empty((num_experts, *local.shape[1:]))
 
 
@@ -79,7 +80,7 @@ def ep_dispatch(x_TH: Tensor, token_ids_B: Tensor, counts_E: Tensor, group_name:
     local = recv_WL.numel() // world
     expert_R = torch.arange(local, device=x_TH.device).repeat(world).repeat_interleave(recv_WL)
     perm_R = torch.argsort(expert_R, stable=True)
-    COMM.add_dispatch(layer, group, send, x_TH.shape[-1] * x_TH.element_size())
+    COMM.add_rows(layer, "dispatch", group, send, x_TH.shape[-1] * x_TH.element_size())
     return x_RH, perm_R, recv_WL.view(world, local).sum(0), recv_WL
 
 
@@ -132,7 +133,7 @@ def ep_combine(y_RH: Tensor, perm_R: Tensor, counts_E: Tensor, recv_WL: Tensor, 
     send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
     y_recv_RH = torch.empty_like(y_RH)
     y_recv_RH[perm_R] = y_RH  # expert order -> received order
-    COMM.add_combine(layer, group, recv, y_RH.shape[-1] * y_RH.element_size())
+    COMM.add_rows(layer, "combine", group, recv, y_RH.shape[-1] * y_RH.element_size())
     return exchange(y_recv_RH, recv, send, group)
 
 

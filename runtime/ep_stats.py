@@ -1,9 +1,13 @@
 """Bytes the expert-parallel ops send, counted where they are sent, per MoE layer (read by ``moecompile.comm_stats``).
 
 Each exchange is split by what the rows cross: ``"self"`` (rows a rank keeps: no link), ``"local"`` (another rank
-of the same node) and ``"node"`` (another node). Nodes are groups of ``ranks_per_node`` consecutive ranks of the
-layer's process group, as a ``("node", "local")`` mesh lays them out; set per group by ``set_ranks_per_node``
-(without it every other rank counts as ``"node"``).
+of the same node), ``"node"`` (another node) and ``"peer"`` (another rank of a mesh with one level, whose ranks
+are not placed on nodes). ``moecompile.parallelize`` tells the counter which node each global rank is on
+(``set_nodes``) for a ``("node", "local")`` mesh. Phases: ``dispatch`` (token rows to the experts), ``combine``
+(expert outputs back) and ``routing`` (the expert ids and routing weights that hierarchical dispatch sends with
+its rows). Hierarchical dedup also counts, per layer, the rows that would have crossed nodes without it
+(``dedup.remote_assignments``: routed (token, expert) pairs on another node) and the rows that did
+(``dedup.remote_pairs``: distinct (token, remote node) pairs).
 """
 
 from __future__ import annotations
@@ -11,35 +15,41 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-LINKS = ("self", "local", "node")
+LINKS = ("self", "local", "node", "peer")
 
 
 class CommCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self._per_node: dict[str, int] = {}
+        self._node_of: dict[int, int] = {}
 
-    def set_ranks_per_node(self, group_name: str, ranks_per_node: int) -> None:
-        self._per_node[group_name] = ranks_per_node
+    def set_nodes(self, node_of: dict[int, int]) -> None:
+        """The node of each global rank (ranks not named here are on no known node)."""
+        self._node_of.update(node_of)
 
-    def _add(self, layer: str, phase: str, group, rows_per_rank: list[int], row_bytes: int) -> None:
+    def link(self, me: int, peer: int) -> str:
+        """The kind of link between two global ranks."""
+        if peer == me:
+            return "self"
+        if me in self._node_of and peer in self._node_of:
+            return "local" if self._node_of[me] == self._node_of[peer] else "node"
+        return "peer"
+
+    def add_rows(self, layer: str, phase: str, group, rows_per_rank: list[int], row_bytes: int) -> None:
+        """``rows_per_rank[r]`` rows of ``row_bytes`` each sent by this rank to rank r of ``group``."""
         import torch.distributed as dist
 
-        me = dist.get_rank(group)
-        per_node = self._per_node.get(group.group_name, 1)
+        me = dist.get_rank()
         with self._lock:
             stats = self._bytes[layer]
             stats["calls." + phase] += 1
             for peer, rows in enumerate(rows_per_rank):
-                link = "self" if peer == me else ("local" if peer // per_node == me // per_node else "node")
-                stats[f"{phase}.{link}"] += rows * row_bytes
+                stats[f"{phase}.{self.link(me, dist.get_global_rank(group, peer))}"] += rows * row_bytes
 
-    def add_dispatch(self, layer, group, rows_per_rank, row_bytes) -> None:
-        self._add(layer, "dispatch", group, rows_per_rank, row_bytes)
-
-    def add_combine(self, layer, group, rows_per_rank, row_bytes) -> None:
-        self._add(layer, "combine", group, rows_per_rank, row_bytes)
+    def add(self, layer: str, key: str, value: int) -> None:
+        with self._lock:
+            self._bytes[layer][key] += value
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:

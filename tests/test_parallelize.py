@@ -1,8 +1,9 @@
 """Expert parallelism end to end (moecompile.parallelize + backend="moe") on gloo, against one process.
 
-One world-4 group (a 2x2 ("node", "local") mesh: 2 nodes x 2 GPUs) trains Mixtral, DeepSeek-V3 (shared experts,
-group-limited routing) and GPT-OSS (biases, transposed and interleaved experts) for three SGD steps (momentum
-0.9), each rank on its own batch, beside one process training the same model on the four batches together (the same mean
+One world-4 group (a 2x2 ("node", "local") mesh: 2 nodes x 2 GPUs) trains Mixtral and DeepSeek-V3 (shared experts,
+group-limited routing) with dedup="node" (the inter-node bytes are counted against the distinct (token, remote
+node) pairs of the one-process routing) and GPT-OSS (biases, transposed and interleaved experts) with
+dedup="off", for three SGD steps (momentum 0.9), each rank on its own batch, beside one process training the same model on the four batches together (the same mean
 loss): each step's logits of each rank equal the one-process logits of its batch, and the parameters after the
 steps are equal (fp32, 1e-5). It also checks the sharding (each rank holds E/4 experts, the state_dict shows the
 global tensors), saves a torch.distributed.checkpoint, and refuses bad input (experts that do not divide over
@@ -27,6 +28,8 @@ from torch.distributed.tensor import DTensor
 
 import moecompile
 from moecompile.models.hf import tiny_model
+from moecompile.runtime.dispatch_plan import Placement, dedup_stats
+from moecompile.runtime.ep_stats import LINKS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -48,14 +51,18 @@ def _batches(model, world):
     return torch.randint(0, model.config.vocab_size, (world, 2, 6), generator=gen)
 
 
-def _train_against_one_process(family, mesh, rank, world):
+def _train_against_one_process(family, mesh, rank, world, dedup="off"):
     """Three steps sharded and in one process; returns (sharded model, one-process model)."""
     ref, model = tiny_model(family).train(), tiny_model(family).train()
     moecompile.comm_stats(reset=True)
     batches = _batches(model, world)
     mine, together = batches[rank], batches.flatten(0, 1)
-    moecompile.parallelize(model, mesh, mine)
+    moecompile.parallelize(model, mesh, mine, dedup=dedup)
     info = model._moe_parallel
+    routed = []  # the one-process routing of layer 0, [world * T, K] per step (Mixtral's router returns it)
+    if family == "mixtral":
+        router = ref.get_submodule(info.report.layers[0].path + ".gate")
+        router.register_forward_hook(lambda module, args, out: routed.append(out[2]))
     assert not info.left and all(r.sharding for r in info.report.layers), str(info)
     expert_names = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}
     assert expert_names, "no expert parameter was sharded"
@@ -82,14 +89,36 @@ def _train_against_one_process(family, mesh, rank, world):
     _assert_same_parameters(model, ref, rank, family)
     spec = info.report.layers[0].spec
     stats = moecompile.comm_stats()[info.report.layers[0].path]
-    assert stats["calls.dispatch"] == STEPS and stats["calls.combine"] == STEPS, stats
-    sent = sum(stats.get(f"dispatch.{link}", 0) for link in ("self", "local", "node"))  # each routed row once
-    assert sent == STEPS * mine.numel() * spec.routing.top_k * spec.experts.hidden * 4, (stats, spec)
+    row = spec.experts.hidden * 4
+    if dedup == "off":
+        assert stats["calls.dispatch"] == STEPS and stats["calls.combine"] == STEPS, stats
+        sent = sum(stats.get(f"dispatch.{link}", 0) for link in LINKS)  # each routed row once
+        assert sent == STEPS * mine.numel() * spec.routing.top_k * row, (stats, spec)
+    else:
+        _check_node_dedup(stats, routed, spec, rank, mine.numel(), row)
     if mesh.ndim == 2:  # the rows of the step went over both kinds of link (summed over the ranks)
         links = torch.tensor([stats["dispatch.local"], stats["dispatch.node"]])
         dist.all_reduce(links)
         assert (links > 0).all(), links
     return model, ref
+
+
+def _check_node_dedup(stats, routed, spec, rank, T, row):
+    """Inter-node bytes are exactly the distinct (token, remote node) pairs x H x 4, each way (summed over the
+    ranks for the way back, which each relay counts), fewer than the routed assignments to remote nodes. With the
+    one-process routing (``routed``), the pairs are counted from it."""
+    assert stats["dispatch.node"] == stats["dedup.remote_pairs"] * row, stats
+    if routed:
+        placement = Placement.contiguous(spec.experts.num_experts, (2, 2))
+        pairs = assignments = 0
+        for ids in routed:
+            node = dedup_stats(ids[rank * T:(rank + 1) * T], placement, torch.full((T,), rank))[0]
+            pairs, assignments = pairs + node["remote_pairs"], assignments + node["remote_assignments"]
+        assert (stats["dedup.remote_pairs"], stats["dedup.remote_assignments"]) == (pairs, assignments), stats
+    both = torch.tensor([stats["dispatch.node"], stats["combine.node"], stats["dedup.remote_pairs"],
+                         stats["dedup.remote_assignments"]])
+    dist.all_reduce(both)
+    assert both[0] == both[1] and both[2] < both[3], both  # as many bytes back; dedup removed some rows
 
 
 def _assert_same_parameters(model, ref, rank, what, tol=TOL):
@@ -115,8 +144,8 @@ def _world4(rank, world, tmp):
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
         _bad_input(mesh, rank)
-        for family in ("mixtral", "deepseek_v3", "gpt_oss"):
-            model, ref = _train_against_one_process(family, mesh, rank, world)
+        for family, dedup in (("mixtral", "node"), ("deepseek_v3", "node"), ("gpt_oss", "off")):
+            model, ref = _train_against_one_process(family, mesh, rank, world, dedup)
             if family == "mixtral":
                 state = model.state_dict()
                 dcp.save(state, checkpoint_id=f"{tmp}/ckpt")
@@ -131,6 +160,8 @@ def _world2(rank, world, tmp):
     _init(rank, world, tmp, timeout=DEAD_RANK_TIMEOUT)
     try:
         mesh = init_device_mesh("cpu", (world,))
+        with pytest.raises(ValueError, match="dedup='node' needs a 2-D mesh"):
+            moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
         _train_against_one_process("qwen3_moe", mesh, rank, world)
         model = moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long))
         state = model.state_dict()
