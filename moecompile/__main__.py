@@ -1,4 +1,5 @@
-"""Command line: ``python -m moecompile demo`` and ``python -m moecompile inspect <family | config.json>``."""
+"""Command line: ``python -m moecompile demo``, ``python -m moecompile inspect <family | config.json>`` and
+``torchrun --nproc-per-node N -m moecompile calibrate --mesh NODESxLOCAL --out links.json``."""
 
 from __future__ import annotations
 
@@ -80,6 +81,12 @@ def demo(args) -> int:
     return 0 if worst < 1e-4 else 1
 
 
+def _calibrate(args) -> int:
+    from .calibrate import main as calibrate_main
+
+    return calibrate_main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moecompile")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -104,6 +111,16 @@ def main(argv=None) -> int:
     d.add_argument("--lowering", default="auto", choices=LOWERINGS,
                    help="kernels: 'triton' on CPU needs TRITON_INTERPRET=1 in the environment")
     d.set_defaults(fn=demo)
+    c = sub.add_parser("calibrate", help="under torchrun: time all-to-alls at each mesh level, fit alpha and beta, "
+                                         "save the link model (JSON) that parallelize(dedup='auto') reads")
+    c.add_argument("--mesh", required=True, help="NODESxLOCAL (e.g. 2x2) or N for a 1-D mesh: torchrun's world size")
+    c.add_argument("--out", default="links.json")
+    c.add_argument("--sizes", default="", help="comma-separated bytes each rank sends each other rank")
+    c.add_argument("--repeats", type=int, default=5, help="timings per size (the median is fitted)")
+    c.add_argument("--emulate", default="", help="a link model JSON the runtime's link emulation waits by "
+                                                 "(loopback machines: to check the fit recovers it)")
+    c.add_argument("--cpu", action="store_true", help="gloo on CPU even where CUDA is available")
+    c.set_defaults(fn=_calibrate)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -32,24 +32,33 @@ from torch import nn
 
 from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_view)
 from moecompile.runtime.ep_stats import COMM
+from moecompile.runtime.stats import recording_routing
 
 MESH_NAMES = (("node", "local"),)  # the 2-level mesh a dedup level refers to; a 1-D mesh may have any name
-DEDUP = ("off", "node")
+DEDUP = ("off", "node", "auto")
 
 
-def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", **options) -> nn.Module:
-    """Shard the experts of every MoE layer of ``model`` over ``mesh`` (in place; returns ``model``)."""
+def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, **options
+                ) -> nn.Module:
+    """Shard the experts of every MoE layer of ``model`` over ``mesh`` (in place; returns ``model``).
+
+    ``dedup``: ``"off"`` (one row per (token, expert) over the whole mesh), ``"node"`` (one row per distinct
+    (token, node) across nodes; a ("node", "local") mesh) or ``"auto"`` (per layer, the one the link model
+    predicts faster for the routing of ``example_args``; ``link_model``: a ``LinkModel`` or the JSON file
+    ``python -m moecompile calibrate`` wrote). Other keyword arguments are backend options, for detection."""
     from .explain import explain
 
-    group = _check_mesh(mesh)
+    group = setup_mesh(mesh)
     if dedup not in DEDUP:
         raise ValueError(f"dedup={dedup!r} is not available; choose one of {list(DEDUP)}")
-    if dedup == "node" and mesh.ndim != 2:
-        raise ValueError(f"dedup='node' needs a 2-D mesh named {MESH_NAMES[0]} (nodes, ranks per node); got a "
+    if dedup != "off" and mesh.ndim != 2:
+        raise ValueError(f"dedup={dedup!r} needs a 2-D mesh named {MESH_NAMES[0]} (nodes, ranks per node); got a "
                          f"{mesh.ndim}-D mesh: build it with init_device_mesh(device, (nodes, gpus_per_node), "
                          f"mesh_dim_names={MESH_NAMES[0]}), or use dedup='off'")
+    link = _link_model(link_model) if dedup == "auto" else None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    report = explain(model, *example_args, **options)
+    with recording_routing() as routing:  # the torch references record it (Triton kernels would not)
+        report = explain(model, *example_args, **({**options, "lowering": "torch"} if link else options))
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     plans, left = [], []
     for rec in report.layers:
@@ -59,10 +68,9 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", **opt
             continue
         plans.append((rec, {role: names[id(w)] for role, w in rec.expert_weights.items()}))
     _check_ranks_agree(model, plans, group)
-    if mesh.ndim == 2:
-        _set_layout(mesh, group)
+    _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
     for rec, params in plans:
-        _shard_layer(model, rec, params, mesh, group, rank, world, dedup)
+        _shard_layer(model, rec, params, mesh, group, rank, world)
     _sync_gradients(model, {n for _, params in plans for n in params.values()}, group, world)
     model._moe_parallel = ParallelInfo(report, left, world)
     return model
@@ -79,6 +87,15 @@ class ParallelInfo:
         lines += [f"  sharded {r.path}: {r.sharding}" for r in self.report.layers if r.sharding]
         lines += [f"  left whole (replicated) {path}: {why}" for path, why in self.left]
         return "\n".join(lines)
+
+
+def setup_mesh(mesh):
+    """Check ``mesh`` and return its process group, with its levels known to the runtime (node of each rank,
+    the "node" and "local" groups, the link kind of each group)."""
+    group = _check_mesh(mesh)
+    if mesh.ndim == 2:
+        _set_layout(mesh, group)
+    return group
 
 
 def _check_mesh(mesh):
@@ -99,12 +116,55 @@ def _check_mesh(mesh):
     return dist.new_group(ranks)
 
 
+def _link_model(link_model):
+    from moecompile.runtime.cost_model import LinkModel
+
+    if isinstance(link_model, LinkModel):
+        return link_model
+    if link_model is None:
+        raise ValueError("dedup='auto' chooses by a link model: pass link_model= a LinkModel or the JSON file that "
+                         "`torchrun --nproc-per-node N -m moecompile calibrate --mesh NODESxLOCAL --out links.json` "
+                         "wrote")
+    return LinkModel.load(link_model)
+
+
+def _choose_dedup(records, dedup: str, link, routing: dict, mesh, group) -> None:
+    """Each layer's dedup level; for "auto", the least predicted time of one dispatch and combine of every rank's
+    example routing (gathered, so every rank makes the same choice)."""
+    from moecompile.runtime.cost_model import choose_dedup, dispatch_times
+    from moecompile.runtime.dispatch_plan import Placement
+
+    if dedup != "auto":
+        for rec in records:
+            rec.dedup, rec.dedup_reason = dedup, "chosen by the caller"
+        return
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, {rec.path: routing.get(rec.path) for rec in records}, group=group)
+    for rec in records:
+        ids = [mine[rec.path] for mine in every]
+        if any(i is None for i in ids):
+            rec.dedup, rec.dedup_reason = "off", "no routing was recorded on the example input"
+            continue
+        e = rec.spec.experts
+        elem = next(iter(rec.expert_weights.values())).element_size()
+        source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
+        times = dispatch_times(torch.cat(ids), Placement.contiguous(e.num_experts, tuple(mesh.shape)), source,
+                               e.hidden, elem, link)
+        rec.dedup, rec.predicted_s = choose_dedup(times), times
+        rec.dedup_reason = ("least predicted time of one dispatch and combine of the example routing: " +
+                            ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in times.items()))
+
+
 def _set_layout(mesh, group) -> None:
     """The node of each rank (for the byte counts) and the two level groups (for dedup at the node)."""
+    from moecompile.runtime.ep_comm import register_group_kind
     from moecompile.runtime.ep_hier import register_layout
 
     COMM.set_nodes({r: node for node, ranks in enumerate(mesh.mesh.tolist()) for r in ranks})
-    register_layout(group.group_name, mesh.get_group("node").group_name, mesh.get_group("local").group_name)
+    node, local = mesh.get_group("node").group_name, mesh.get_group("local").group_name
+    register_layout(group.group_name, node, local)
+    for name, kind in ((group.group_name, "flat"), (node, "node"), (local, "local")):
+        register_group_kind(name, kind)
 
 
 def _unshardable(rec, world: int) -> str:
@@ -142,7 +202,8 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
                          "creating it) before moecompile.parallelize")
 
 
-def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, world: int, dedup: str) -> None:
+def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, world: int) -> None:
+    dedup = rec.dedup
     E = rec.spec.experts.num_experts
     local_E = E // world
     attrs = {}
@@ -159,8 +220,8 @@ def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, wor
         module.register_state_dict_post_hook(_global_state(names, mesh, E))
         module._register_load_state_dict_pre_hook(_local_state(names, mesh, E, rank, world))
     how = ("one row per (token, node) across nodes, copied to the experts inside the node, their outputs weighted "
-           "and summed there (dedup='node')" if dedup == "node" else
-           "one row per (token, expert) (dedup='off')")
+           "and summed there (dedup='node'" if dedup == "node" else "one row per (token, expert) (dedup='off'")
+    how += f": {rec.dedup_reason})"
     rec.sharding = (f"{local_E} of {E} experts on each of {world} ranks ({', '.join(sorted(params.values()))}); "
                     f"the rows cross the ranks padding-free, {how}")
 

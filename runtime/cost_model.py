@@ -5,15 +5,18 @@ start-up latency, ``beta`` the time per byte. Kinds: ``"flat"`` (an all-to-all o
 level name (``"node"``: among the ranks of equal local index, one per node; ``"local"``: among the ranks of one
 node). ``LinkModel.fit`` takes measured (bytes, seconds) pairs per kind and fits both by least squares, with r2.
 
-``dispatch_times`` predicts one dispatch of a layer from its routing, for a 2-level ``(nodes, local)`` mesh:
+``dispatch_times`` predicts one dispatch and combine of a layer from its routing, as the runtime does them on a
+2-level ``(nodes, local)`` mesh, message by message. Our all-to-alls have exact uneven splits, so a collective lasts
+as long as its busiest rank: ``n`` is the most bytes any rank sends to, or receives from, the others in it (the
+time the link emulation of ``ep_comm.emulate_links`` waits is the same expression, per rank):
 
-    off   one flat all-to-all, one row per distinct (token, rank):        alpha_flat + beta_flat * n_flat
-    node  one row per distinct (token, node) across nodes to the peer of equal local index, then one per distinct
-          (token, rank) inside the node:                                  alpha_node + beta_node * n_node
-                                                                        + alpha_local + beta_local * n_local
-    n_c = (ranks in one collective) * (most rows any sender sends any one destination) * H * element size
+    off   flat: the per-expert counts, the rows (one per (token, expert)), the outputs back
+    node  node: the counts, the rows (one per distinct (token, node)), the expert ids and routing weights of the
+                assignments, the weighted sums back
+          local: the counts, the rows copied to the experts' ranks (one per assignment), the outputs back
 
-(the padded size a collective moves, as HierMoE's Eqs. 2, 4 and 5); ``choose_dedup`` takes the least.
+``choose_dedup`` takes the least (``off`` on a tie). HierMoE's model (Eqs. 2-5) prices an all-to-all by its
+padded size, which fits NCCL's equal-split all-to-all; ours never pads.
 """
 
 from __future__ import annotations
@@ -77,44 +80,51 @@ class LinkModel:
         return cls({k: tuple(v) for k, v in data["params"].items()}, data.get("r2", {}))
 
 
-def _most_rows(sender: torch.Tensor, dest: torch.Tensor, senders: int, dests: int) -> int:
-    """The largest count of rows any one sender sends any one destination."""
-    if sender.numel() == 0:
-        return 0
-    return int(torch.bincount(sender * dests + dest, minlength=senders * dests).max())
+def _busiest(sent_SD: torch.Tensor) -> float:
+    """The most bytes any rank sends to, or receives from, the other ranks (``sent_SD[s, d]``: bytes s sends d)."""
+    off_diagonal = sent_SD - torch.diag(torch.diag(sent_SD))
+    return float(torch.maximum(off_diagonal.sum(1), off_diagonal.sum(0)).max())
 
 
-def _distinct(token: torch.Tensor, dest: torch.Tensor, dests: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct (token, destination) pairs among the given ones."""
-    pairs = torch.unique(token * dests + dest)
-    return pairs // dests, pairs % dests
+def _matrix(src: torch.Tensor, dst: torch.Tensor, ranks: int, nbytes: float) -> torch.Tensor:
+    """Bytes each rank sends each rank, for one ``nbytes`` message per (src, dst) entry."""
+    counts = torch.bincount(src * ranks + dst, minlength=ranks * ranks).view(ranks, ranks)
+    return counts.double() * nbytes
 
 
-def dispatch_times(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Tensor, hidden: int,
-                   elem_bytes: int, link: LinkModel) -> dict[str, float]:
-    """Predicted seconds of one dispatch of this routing, per dedup choice (``off``, ``node``); the combine moves the
-    same rows back. Needs a 2-level ``(nodes, local)`` placement."""
+def messages(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Tensor, row_bytes: int,
+             weight_bytes: int = 4) -> dict[str, list[tuple[str, float]]]:
+    """Per dedup choice, the (collective kind, busiest rank's bytes) of each all-to-all of one dispatch and
+    combine of this routing (the tokens of every rank: ``source_rank_T[t]`` is where token t starts)."""
     if len(placement.mesh_shape) != 2:
         raise ValueError(f"dispatch_times models a 2-level (nodes, local) mesh; got {placement.mesh_shape}")
     nodes, local = placement.mesh_shape
-    ranks = nodes * local
+    ranks, E = nodes * local, placement.num_experts
     T, K = ids_TK.shape
-    row = hidden * elem_bytes
+    src = source_rank_T.repeat_interleave(K)  # per assignment
+    dest = placement.expert_rank[ids_TK].reshape(-1)
+    everyone = torch.ones(ranks, ranks, dtype=torch.float64) - torch.eye(ranks, dtype=torch.float64)
+    same_local = (torch.arange(ranks)[:, None] % local == torch.arange(ranks) % local).double()
+    same_node = (torch.arange(ranks)[:, None] // local == torch.arange(ranks) // local).double()
+    rows = _matrix(src, dest, ranks, row_bytes)
+    off = [("flat", _busiest(everyone * (E // ranks) * 8)), ("flat", _busiest(rows)), ("flat", _busiest(rows.T))]
+    relay = (dest // local) * local + src % local  # the rank of the token's local index on the expert's node
     token = torch.arange(T).repeat_interleave(K)
-    dest_rank = placement.expert_rank[ids_TK].reshape(-1)
-    tok_r, rank_r = _distinct(token, dest_rank, ranks)  # off: one row per (token, rank)
-    src_r = source_rank_T[tok_r]
-    flat = ranks * _most_rows(src_r, rank_r, ranks, ranks) * row
-    # node: one row per (token, node) to the rank of the sender's local index in that node, which then sends one
-    # row per (token, rank) inside the node
-    tok_n, node_n = _distinct(token, dest_rank // local, nodes)
-    inter = nodes * _most_rows(source_rank_T[tok_n], node_n, ranks, nodes) * row
-    peer = (rank_r // local) * local + src_r % local
-    intra = local * _most_rows(peer, rank_r, ranks, ranks) * row
-    return {
-        "off": link.time("flat", flat),
-        "node": link.time("node", inter) + link.time("local", intra),
-    }
+    pairs = torch.unique(token * ranks + relay)  # distinct (token, node): one relay per node
+    pair_rows = _matrix(source_rank_T[pairs // ranks], pairs % ranks, ranks, row_bytes)
+    copies = _matrix(relay, dest, ranks, row_bytes)
+    node = [("node", _busiest(same_local * 16)), ("node", _busiest(pair_rows)),
+            ("node", _busiest(_matrix(src, relay, ranks, 16))), ("node", _busiest(_matrix(src, relay, ranks, weight_bytes))),
+            ("local", _busiest(same_node * (E // ranks) * 8)), ("local", _busiest(copies)),
+            ("local", _busiest(copies.T)), ("node", _busiest(pair_rows.T))]
+    return {"off": off, "node": node}
+
+
+def dispatch_times(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Tensor, hidden: int,
+                   elem_bytes: int, link: LinkModel, weight_bytes: int = 4) -> dict[str, float]:
+    """Predicted seconds of one dispatch and combine of this routing, per dedup choice (``off``, ``node``)."""
+    plan = messages(ids_TK, placement, source_rank_T, hidden * elem_bytes, weight_bytes)
+    return {mode: sum(link.time(kind, n) for kind, n in msgs) for mode, msgs in plan.items()}
 
 
 def choose_dedup(times: dict[str, float]) -> str:

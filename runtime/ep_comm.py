@@ -9,21 +9,61 @@ exchange is the exchange with the splits swapped.
     rank 0: rows a b c -> ranks 1 0 1          rank 1: rows d e -> ranks 0 0
     counts sent   [1, 2]                       [2, 0]
     rank 0 gets b | d e (from 0, then 1)       rank 1 gets a c
+
+Link emulation. This machine's ranks talk over loopback, where every link is alike. ``emulate_links(link)`` makes
+each all-to-all here (rows and counts) also wait ``alpha + beta * n`` seconds of its group's collective kind
+(``flat``, ``node``, ``local``: ``register_group_kind``), ``n`` the bytes this rank sends to, or receives from,
+the other ranks, whichever is more: the cost model's expression (``cost_model.messages``), so its predictions
+can be checked against what the emulated links take, and a dedup choice shows its effect.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+_EMULATED = None  # the LinkModel every all-to-all here waits by, or None
+_GROUP_KINDS: dict[str, str] = {}  # process group name -> collective kind of the link model
+
+
+def register_group_kind(group_name: str, kind: str) -> None:
+    _GROUP_KINDS[group_name] = kind
+
+
+@contextlib.contextmanager
+def emulate_links(link):
+    """Within the block, every expert-parallel all-to-all waits as ``link`` (a ``cost_model.LinkModel``) says."""
+    global _EMULATED
+    before, _EMULATED = _EMULATED, link
+    try:
+        yield link
+    finally:
+        _EMULATED = before
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, recv_splits, send_splits, group) -> None:
+    dist.all_to_all_single(out, inp, recv_splits, send_splits, group=group)
+    if _EMULATED is None:
+        return
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    per_row = math.prod(inp.shape[1:]) * inp.element_size()
+    send = send_splits or [inp.shape[0] // world] * world
+    recv = recv_splits or [out.shape[0] // world] * world
+    n = max(sum(send) - send[me], sum(recv) - recv[me]) * per_row
+    group_name = (group or dist.group.WORLD).group_name
+    time.sleep(_EMULATED.time(_GROUP_KINDS.get(group_name, "flat"), n))
 
 
 def exchange(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None) -> torch.Tensor:
     """``all_to_all_single`` of rows with exact splits: ``send_splits[r]`` rows to rank r, ``recv_splits[r]`` from
     it (not differentiable; ``_Exchange`` and the custom ops of ``ep_ops`` give it a backward)."""
     out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+    _all_to_all(out, rows.contiguous(), recv_splits, send_splits, group)
     return out
 
 
@@ -54,7 +94,7 @@ class ExchangePlan:
 def exchange_counts(send_counts: torch.Tensor, group=None) -> torch.Tensor:
     """Every rank's count of rows for me, given my count for every rank ([world] int64, on the group's device)."""
     recv = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    _all_to_all(recv, send_counts.contiguous(), None, None, group)
     return recv
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_autograd, register_fake
 
-from .ep_comm import exchange
+from .ep_comm import exchange, exchange_counts
 from .ep_ops import _group
 from .ep_stats import COMM
 
@@ -108,9 +108,7 @@ def _ep_relay_plan_fake(meta_A2, recv_N2, num_experts, node_group_name):
 @custom_op("moe::ep_counts", mutates_args=())
 def ep_counts(send_WC: Tensor, group_name: str) -> Tensor:
     """Every rank's counts for me ([W, C]), given mine for every rank: one all_to_all_single."""
-    recv = torch.empty_like(send_WC)
-    dist.all_to_all_single(recv, send_WC.contiguous(), group=_group(group_name))
-    return recv
+    return exchange_counts(send_WC, _group(group_name))
 
 
 @register_fake("moe::ep_counts")

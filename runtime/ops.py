@@ -16,6 +16,7 @@ import torch
 from torch.library import custom_op, register_autograd, register_fake
 
 from . import reference as ref
+from . import stats
 from .stats import DROPS
 
 Tensor = torch.Tensor
@@ -109,6 +110,8 @@ def build_pft(
     if capacity >= 0 and layer:  # layer "": not counted (verify's probes)
         routed = ids_TK.numel()
         DROPS.add(layer, routed, routed - int(out[2].sum()))
+    if stats.ROUTING is not None and layer:
+        stats.ROUTING[layer] = ids_TK.detach().clone()
     return tuple(t.contiguous() for t in out)
 
 

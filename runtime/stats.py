@@ -2,11 +2,28 @@
 
 The ops run opaque inside compiled graphs, so what they count at run time (tokens dropped by an expert capacity)
 is kept here, keyed by the layer name the canonicalize pass gave the op. Read it with ``token_drops()``.
+``recording_routing()`` keeps, while it is open, each layer's last routing (``moecompile.parallelize`` reads it to
+choose a dedup level per layer from the example input).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+
+import torch
+
+ROUTING: dict[str, torch.Tensor] | None = None  # layer -> [T, K] expert ids of its last call, while recording
+
+
+@contextlib.contextmanager
+def recording_routing():
+    global ROUTING
+    before, ROUTING = ROUTING, {}
+    try:
+        yield ROUTING
+    finally:
+        ROUTING = before
 
 
 class DropCounter:

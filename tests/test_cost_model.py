@@ -33,15 +33,20 @@ def test_fit_and_model_errors_name_the_fix():
 
 
 def test_dispatch_times_by_hand():
-    """Mesh (2 nodes, 2 local), 2 experts per rank, tokens on ranks 0-3, H = 4 fp32 (16-byte rows).
-    off: rows per (token, rank); the most any sender sends one rank is 1, so 4 ranks x 1 x 16 bytes.
-    node: rows per (token, node), most 1 (2 nodes x 16 bytes); then inside node 1, rank 3 (local index 1, the
-    peer of the senders on ranks 1 and 3) sends its own rank 3 a row of token 1 and one of token 3: 2 x 2 x 16."""
+    """Mesh (2 nodes, 2 local), 2 experts per rank, token t on rank t, H = 4 fp32 (16-byte rows); a collective
+    costs alpha + beta x (the most bytes any rank sends to, or receives from, the others).
+    off (flat): counts 3 peers x 2 experts x 8 = 48; rows: ranks 0, 1, 2 each send 2 rows to others, 32; back 32.
+    node: counts 16; pair rows: tokens 0, 1, 2 each cross once (token 3 stays on its node), 16 each way; expert ids
+    and pair index 2 x 16 = 32, weights 2 x 4 = 8 (per remote token, both its experts on the remote node);
+    local (inside node 1 only): counts 16; rank 2 copies token 0 to rank 3, rank 3 token 1 to rank 2: 16 each way."""
     placement = Placement.contiguous(8, (2, 2))
     ids = torch.tensor([[4, 6], [5, 7], [0, 1], [6, 7]])
     link = LinkModel({"flat": (1.0, 0.5), "node": (2.0, 0.25), "local": (3.0, 0.125)})
     times = dispatch_times(ids, placement, torch.tensor([0, 1, 2, 3]), hidden=4, elem_bytes=4, link=link)
-    assert times == {"off": 1.0 + 0.5 * 64, "node": 2.0 + 0.25 * 32 + 3.0 + 0.125 * 64}
+    node = [(2.0, 16), (2.0, 16), (2.0, 32), (2.0, 8), (2.0, 16)]
+    local = [(3.0, 16)] * 3
+    assert times == {"off": (1.0 + 0.5 * 48) + 2 * (1.0 + 0.5 * 32),
+                     "node": sum(a + 0.25 * n for a, n in node) + sum(a + 0.125 * n for a, n in local)}
 
 
 def test_dedup_chosen_when_node_links_are_slow_and_not_when_latency_dominates():

@@ -28,7 +28,10 @@ from torch.distributed.tensor import DTensor
 
 import moecompile
 from moecompile.models.hf import tiny_model
+from moecompile.calibrate import calibrate, time_dispatch
+from moecompile.runtime.cost_model import LinkModel, dispatch_times
 from moecompile.runtime.dispatch_plan import Placement, dedup_stats
+from moecompile.runtime.ep_comm import emulate_links
 from moecompile.runtime.ep_stats import LINKS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -139,11 +142,42 @@ def _bad_input(mesh, rank):
         moecompile.parallelize(tiny_model("mixtral", seed=rank), mesh, torch.zeros(1, 4, dtype=torch.long))
 
 
+def _links_and_auto(mesh, rank):
+    """Calibration under the link emulation recovers the emulated betas; the cost model's predicted time of a
+    dispatch and combine matches what the emulated links take, both ways; dedup="auto" picks node dedup when
+    bytes cost and no dedup when start-up latency does."""
+    emulated = LinkModel({"flat": (4e-3, 2e-7), "node": (4e-3, 4e-7), "local": (1e-3, 1e-8)})
+    with emulate_links(emulated):
+        fitted = calibrate(mesh, sizes=(1 << 12, 1 << 15, 1 << 17), repeats=2, progress=False)
+        for kind in ("flat", "node"):
+            assert fitted.params[kind][1] == pytest.approx(emulated.params[kind][1], rel=0.3), fitted
+            assert fitted.r2[kind] > 0.9, fitted
+        gen = torch.Generator().manual_seed(0)
+        E, K, T, H = 16, 4, 128, 256
+        ids = torch.rand(4 * T, E, generator=gen).argsort(-1)[:, :K]
+        source = torch.arange(4).repeat_interleave(T)
+        predicted = dispatch_times(ids, Placement.contiguous(E, (2, 2)), source, H, 4, emulated)
+        for dedup in ("off", "node"):
+            measured = time_dispatch(ids, source, E, mesh, H, dedup, repeats=2)
+            assert 0.8 * predicted[dedup] < measured < 1.5 * predicted[dedup] + 0.03, (dedup, measured, predicted)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    bytes_cost = LinkModel({"flat": (0.0, 1e-6), "node": (0.0, 1e-6), "local": (0.0, 1e-9)})
+    latency_costs = LinkModel({"flat": (1e-3, 0.0), "node": (1e-2, 0.0), "local": (1e-2, 0.0)})
+    for link, want in ((bytes_cost, "node"), (latency_costs, "off")):
+        model = moecompile.parallelize(tiny_model("mixtral"), mesh, ids, dedup="auto", link_model=link)
+        layers = model._moe_parallel.report.layers
+        assert [r.dedup for r in layers] == [want] * len(layers), [(r.dedup, r.dedup_reason) for r in layers]
+        assert all(r.predicted_s[want] < r.predicted_s[{"off": "node", "node": "off"}[want]] for r in layers)
+    with pytest.raises(ValueError, match="dedup='auto' chooses by a link model"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, dedup="auto")
+
+
 def _world4(rank, world, tmp):
     _init(rank, world, tmp)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
         _bad_input(mesh, rank)
+        _links_and_auto(mesh, rank)
         for family, dedup in (("mixtral", "node"), ("deepseek_v3", "node"), ("gpt_oss", "off")):
             model, ref = _train_against_one_process(family, mesh, rank, world, dedup)
             if family == "mixtral":
