@@ -24,6 +24,8 @@ def main():
     ap.add_argument("--family", default="mixtral", help="a tiny transformers MoE family (moecompile.models.hf)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--dedup", default="node", choices=("off", "node"),
+                    help="'node': one row per (token, node) across nodes (a 2-D mesh); 'off': one per (token, expert)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -37,7 +39,8 @@ def main():
         model = tiny_model(args.family, seed=0).train().to(device)  # the same model on every rank
         gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
         batch = lambda: torch.randint(0, model.config.vocab_size, (2, args.seq), generator=gen).to(device)  # noqa: E731
-        model = moecompile.parallelize(model, mesh, batch())
+        dedup = args.dedup if len(shape) == 2 else "off"
+        model = moecompile.parallelize(model, mesh, batch(), dedup=dedup)
         if rank == 0:
             print(model._moe_parallel)
         compiled = torch.compile(model, backend="moe")
