@@ -6,6 +6,7 @@
 
 from .backend import moe_backend
 from .capture import capture
+from .comm import comm_report, comm_rows, plot_comm
 from .config import MoEOptions
 from .explain import ExplainReport, explain
 from .parallel import parallelize
@@ -14,5 +15,5 @@ from moecompile.runtime.ep_stats import comm_stats
 from moecompile.runtime.stats import token_drops
 
 __all__ = ["moe_backend", "capture", "parallelize", "MoEOptions", "ExplainReport", "explain", "token_drops",
-           "comm_stats", "MoECompileError",
+           "comm_stats", "comm_report", "comm_rows", "plot_comm", "MoECompileError",
            "MoEFallbackWarning"]

@@ -33,6 +33,7 @@ class ExplainReport:
     config_mismatches: list[str] = dataclasses.field(default_factory=list)  # detected spec vs model.config
     failures: list[FailureRecord] = dataclasses.field(default_factory=list)
     loops: dict[str, str] = dataclasses.field(default_factory=dict)  # forward whose nonzero() loop was rewritten
+    parallel: str = ""  # a parallelized model: its sharding, each layer's dedup and why, and what it has sent
 
     def __str__(self) -> str:
         out = [f"moecompile: {len(self.layers)} MoE layer(s) rewritten, {len(self.skipped)} skipped, "
@@ -56,6 +57,8 @@ class ExplainReport:
             out.append(f"  skipped {s.region}: {s.reason}")
         if self.counters:
             out.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
+        if self.parallel:
+            out.append(self.parallel)
         return "\n".join(out)
 
     def graph(self, stage: str, index: int = 0) -> str:
@@ -94,8 +97,13 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     if breaks:
         report.skipped.append(SkipRecord("<graph breaks>", DATA_DEPENDENT_BREAKS.format(n=breaks)))
     mismatches = _check_against_config(getattr(model, "config", None), report.layers)
+    parallel = ""
+    if getattr(model, "_moe_parallel", None) is not None:
+        from .comm import comm_report
+
+        parallel = f"{model._moe_parallel}\n{comm_report(model)}"
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
-                         report.failures, dict(report.loops))
+                         report.failures, dict(report.loops), parallel)
 
 
 DATA_DEPENDENT_BREAKS = (

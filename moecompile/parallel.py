@@ -66,12 +66,14 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if why:
             left.append((rec.path, why))
             continue
-        plans.append((rec, {role: names[id(w)] for role, w in rec.expert_weights.items()}))
+        plans.append((rec, {role: [names[id(p)] for p in w] if isinstance(w, list) else names[id(w)]
+                            for role, w in rec.expert_weights.items()}))
     _check_ranks_agree(model, plans, group)
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
+    local = set()
     for rec, params in plans:
-        _shard_layer(model, rec, params, mesh, group, rank, world)
-    _sync_gradients(model, {n for _, params in plans for n in params.values()}, group, world)
+        local |= _shard_layer(model, rec, params, mesh, group, rank, world)
+    _sync_gradients(model, local, group, world)
     model._moe_parallel = ParallelInfo(report, left, world)
     return model
 
@@ -172,13 +174,14 @@ def _unshardable(rec, world: int) -> str:
     if e.num_experts % world:
         raise ValueError(f"MoE layer {rec.path} has {e.num_experts} experts, which do not divide over the mesh's "
                          f"{world} ranks: use a mesh whose size divides {e.num_experts}")
-    if e.storage != "stacked":
-        return f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters are)"
+    if e.storage not in ("stacked", "modulelist"):
+        return f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters and ModuleLists are)"
     if e.identity_experts or r.weights_on_input or r.capacity >= 0:
         what = ("identity experts" if e.identity_experts else "weights on the input" if r.weights_on_input
                 else "an expert capacity")
         return f"a layer with {what} is not sharded yet"
-    if any(not isinstance(w, nn.Parameter) for w in rec.expert_weights.values()):
+    if any(not isinstance(p, nn.Parameter) for w in rec.expert_weights.values()
+           for p in (w if isinstance(w, list) else [w])):
         return "its expert weights are not parameters of the model"
     return ""
 
@@ -202,10 +205,26 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
                          "creating it) before moecompile.parallelize")
 
 
-def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, world: int) -> None:
-    dedup = rec.dedup
-    E = rec.spec.experts.num_experts
+def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int) -> set[str]:
+    """Keep this rank's experts of one layer; returns the names of the expert parameters it still holds."""
+    dedup, E = rec.dedup, rec.spec.experts.num_experts
     local_E = E // world
+    mine = range(rank * local_E, (rank + 1) * local_E)
+    if isinstance(next(iter(params.values())), list):
+        held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup)
+    else:
+        held = _shard_stacked(model, params, mesh, group, rank, local_E, E, rec.path, dedup)
+    names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
+    listed = names if len(names) <= 4 else names[:2] + [f"... {len(names)} in all"]
+    how = ("one row per (token, node) across nodes, copied to the experts inside the node, their outputs weighted "
+           "and summed there (dedup='node'" if dedup == "node" else "one row per (token, expert) (dedup='off'")
+    how += f": {rec.dedup_reason})"
+    rec.sharding = (f"{local_E} of {E} experts on each of {world} ranks ({', '.join(listed)}); "
+                    f"the rows cross the ranks padding-free, {how}")
+    return held
+
+
+def _shard_stacked(model, params: dict[str, str], mesh, group, rank, local_E, E, layer, dedup) -> set[str]:
     attrs = {}
     for role, name in params.items():
         module_name, _, attr = name.rpartition(".")
@@ -216,14 +235,52 @@ def _shard_layer(model, rec, params: dict[str, str], mesh, group, rank: int, wor
         module._parameters[attr] = shard
         attrs.setdefault(module, []).append(attr)
     for module, names in attrs.items():
-        _read_through_view(module, names, E, group.group_name, rec.path, dedup)
+        _read_through_view(module, names, E, group.group_name, layer, dedup)
         module.register_state_dict_post_hook(_global_state(names, mesh, E))
-        module._register_load_state_dict_pre_hook(_local_state(names, mesh, E, rank, world))
-    how = ("one row per (token, node) across nodes, copied to the experts inside the node, their outputs weighted "
-           "and summed there (dedup='node'" if dedup == "node" else "one row per (token, expert) (dedup='off'")
-    how += f": {rec.dedup_reason})"
-    rec.sharding = (f"{local_E} of {E} experts on each of {world} ranks ({', '.join(sorted(params.values()))}); "
-                    f"the rows cross the ranks padding-free, {how}")
+        module._register_load_state_dict_pre_hook(_local_state(names, mesh, E, rank, group.size()))
+    return set(params.values())
+
+
+def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_name, layer, dedup) -> set[str]:
+    """An ``nn.ModuleList`` layer: the weights of the experts other ranks hold are dropped (not parameters here,
+    not in this rank's state_dict: ``torch.distributed.checkpoint`` gets each expert from the rank holding it);
+    while Dynamo traces, the module reads each as ``moe.ep_remote_expert`` (its shape, no value)."""
+    held = set()
+    for role, names in params.items():
+        like = model.get_parameter(names[mine.start])  # a local expert's weight of this role: the shape
+        like = (tuple(like.shape), like.dtype, like.device, names[mine.start])
+        for expert, name in enumerate(names):
+            if expert in mine:
+                held.add(name)
+                continue
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            del module._parameters[attr]
+            _read_remote(module, attr, like, expert, name, group_name, layer, dedup)
+    return held
+
+
+def _read_remote(module, attr, like, expert, name, group_name, layer, dedup) -> None:
+    shape, dtype, device, like_name = like  # constants (a tensor or module in the closure would become a graph
+    # input named after the closure); the device is the one the model was on when it was parallelized
+    args = (list(shape), expert, group_name, layer, dedup, like_name, name, dtype, device)
+
+    def read(self):
+        if torch.compiler.is_compiling():
+            return torch.ops.moe.ep_remote_expert(*args)
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def refuse_eager(mod, args_):
+        if not torch.compiler.is_compiling():
+            torch.ops.moe.ep_remote_expert(*args)  # raises, saying why
+
+    def drop_remote(state_dict, prefix, *_):  # a full state_dict loads: this rank keeps only its experts
+        state_dict.pop(prefix + attr, None)
+
+    cls = module.__class__
+    module.__class__ = type(f"Remote{cls.__name__}", (cls,), {attr: property(read)})
+    module.register_forward_pre_hook(refuse_eager)
+    module._register_load_state_dict_pre_hook(drop_remote)
 
 
 def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: str, layer: str, dedup: str
@@ -284,7 +341,8 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def _sync_gradients(model: nn.Module, sharded: set[str], group, world: int) -> None:
-    """Data-parallel gradients: each backward's incoming gradients of the replicated parameters are held back
+    """Data-parallel gradients (``sharded``: the names of the expert parameters held here): each backward's incoming
+    gradients of the replicated parameters are held back
     (the parameter accumulates zeros), all-reduced together when backward ends and averaged, then accumulated;
     a sharded expert's gradient is divided by the ranks. Gradient accumulation over several backwards stays
     right: each backward's own gradients are averaged, as DDP does."""

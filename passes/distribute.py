@@ -50,25 +50,51 @@ def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
     return gm
 
 
+def _view(w) -> fx.Node | None:
+    return w.meta.get("ep_view") if isinstance(w, fx.Node) else None
+
+
+def _local_weights(spec, weights: dict):
+    """(role -> this rank's weights, the views of the others): a stacked weight's view of its local shard, or the
+    ``nn.ModuleList`` entries of the experts held here (a consecutive block; the others are views)."""
+    views, local = [], {}
+    for role, w in weights.items():
+        if isinstance(w, (list, tuple)):
+            remote = [_view(n) for n in w]
+            here = [i for i, v in enumerate(remote) if v is None]
+            local[role] = None
+            if len(here) < len(w):
+                views += [v for v in remote if v is not None]
+                if not here or here != list(range(here[0], here[0] + len(here))):
+                    raise ValueError(f"the experts of the layer held here are not one consecutive block: {here}")
+                local[role] = [w[i] for i in here]
+        elif _view(w) is not None:
+            views.append(_view(w))
+            local[role] = _view(w).args[0]
+        else:
+            local[role] = None
+    if views and any(v is None for v in local.values()):
+        sharded = sorted(r for r, v in local.items() if v is not None)
+        raise ValueError(f"only some expert weights of the layer are sharded: {sharded}")
+    return local, views
+
+
 def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> None:
     spec, weights = node.meta["moe_spec"], node.meta["moe_weights"]
-    views = {role: w.meta.get("ep_view") if isinstance(w, fx.Node) else None for role, w in weights.items()}
-    if not any(views.values()):
+    local, views = _local_weights(spec, weights)
+    if not views:
         return  # a layer parallelize left whole (replicated)
-    if not all(views.values()):
-        sharded = sorted(r for r, v in views.items() if v)
-        raise ValueError(f"only some expert weights of the layer are sharded: {sharded}")
     if node.args[9] is not None:
         raise NotImplementedError("experts that scale their input by the routing weight (weights on the input) "
                                   "cannot run sharded yet")
     e = spec.experts
-    if e.storage != "stacked" or e.identity_experts:
+    if e.storage not in ("stacked", "modulelist") or e.identity_experts:
         raise NotImplementedError(f"{e.storage} expert storage{' with identity experts' if e.identity_experts else ''}"
                                   " cannot run sharded yet")
-    group_name, layer = next(iter(views.values())).args[2:4]
-    dedup = _dedup(next(iter(views.values())))
-    local = {role: v.args[0] for role, v in views.items()}
-    local_experts = local[next(iter(local))].meta["example_value"].shape[0]
+    group_name, layer = views[0].args[2:4]
+    dedup = _dedup(views[0])
+    first = next(iter(local.values()))
+    local_experts = len(first) if isinstance(first, list) else first.meta["example_value"].shape[0]
     local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts))
     tracer = fx.proxy.GraphAppendingTracer(gm.graph)
     proxy = lambda n: fx.Proxy(n, tracer) if isinstance(n, fx.Node) else n  # noqa: E731
@@ -78,7 +104,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     if dedup == "node":
         replaced = _only_combine(node)
     with gm.graph.inserting_before(replaced):
-        gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, {r: proxy(p) for r, p in local.items()})
+        mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
+        gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, mine)
 
         def run_experts(x_RH, perm_R, counts_L):
             return torch.ops.moe.expert_mlp(x_RH, perm_R, counts_L, gate if e.gated else None, up, down,

@@ -2,14 +2,15 @@
 parameters they stand for on one device.
 
 A sharded parameter reaches the graph as ``moe.ep_global_view(local_shard, E, group, layer)`` (the model's own
-experts code reads its global ``[E, ...]`` shape; it has no value). This pass gives each such view a placeholder of
+experts code reads its global ``[E, ...]`` shape; it has no value); a weight of an ``nn.ModuleList`` expert held by
+another rank as ``moe.ep_remote_expert(shape, expert, group, layer, ...)``. This pass gives each such view a placeholder of
 its own, holding a random stand-in of the global shape (``meta["ep_standin"]``, seen by
 ``graph_utils.placeholder_values``), so detect reads the layer and verify proves it exactly as on one device (on
 random weights: the proof is about what the code computes, not about the values). ``distribute`` puts the local
 shards back and removes these placeholders.
 
     before: w = moe.ep_global_view(l_gate_up_proj_, 8, "1", "model.layers.0.mlp"); ... w[ids] ...
-    after:  placeholder l_gate_up_proj__ep (meta["ep_view"] = the view node);        ... l_gate_up_proj__ep[ids] ...
+    after:  placeholder ep_global_view_standin (meta["ep_view"] = the view node);    ... ep_global_view_standin[ids] ...
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_v
 from .graph_utils import example, hint
 from .report import PassReport
 
-EP_VIEW = torch.ops.moe.ep_global_view.default
+EP_VIEWS = (torch.ops.moe.ep_global_view.default, torch.ops.moe.ep_global_view,
+            torch.ops.moe.ep_remote_expert.default, torch.ops.moe.ep_remote_expert)
 
 
 def is_ep_view(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in (EP_VIEW, torch.ops.moe.ep_global_view)
+    return n.op == "call_function" and n.target in EP_VIEWS
 
 
 def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
@@ -37,19 +39,36 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
     gen = torch.Generator().manual_seed(config.probe_seed)
     for view in views:
         with gm.graph.inserting_after(last):
-            ph = gm.graph.placeholder(f"{view.args[0].name}_ep")
+            ph = gm.graph.placeholder(_standin_name(view))
         fake = example(view)
         ph.meta["example_value"] = fake
         ph.meta["ep_view"] = view
-        local = example(view.args[0])
         shape = [hint(s) for s in fake.shape]
         std = 1.0 / max(1, shape[-1]) ** 0.5  # a layer's usual scale: probes neither vanish nor saturate
-        ph.meta["ep_standin"] = torch.nn.Parameter((torch.randn(shape, generator=gen) * std).to(local.dtype),
+        ph.meta["ep_standin"] = torch.nn.Parameter((torch.randn(shape, generator=gen) * std).to(fake.dtype),
                                                    requires_grad=False)
         view.replace_all_uses_with(ph)
         last = ph
         report.counters["expose_sharded.views"] += 1
     return gm
+
+
+def _dynamo_name(fqn: str) -> str:
+    """How Dynamo spells a parameter ``a.0.w.weight`` in a graph input's name: ``modules_a_modules_0_modules_w_
+    parameters_weight``."""
+    *modules, attr = fqn.split(".")
+    return "_".join([f"modules_{m}" for m in modules] + [f"parameters_{attr}"])
+
+
+def _standin_name(view: fx.Node) -> str:
+    """A remote ModuleList expert's weight is named as Dynamo would name it, after the graph input of the local
+    weight it is shaped like (detect reads a ModuleList's experts from those names); others after their view."""
+    if view.target in EP_VIEWS[2:]:
+        like, name = _dynamo_name(view.args[5]), _dynamo_name(view.args[6])
+        for ph in view.graph.find_nodes(op="placeholder"):
+            if ph.name.endswith(f"_{like}_"):
+                return ph.name.replace(like, name)
+    return f"{view.name}_standin"
 
 
 def remove_standins(graph: fx.Graph) -> None:

@@ -126,9 +126,11 @@ def ep_exchange(rows: Tensor, send_W: Tensor, recv_W: Tensor, num_rows: int, gro
     ``sum(recv_W)`` when the caller knows it (-1: a new size). Counted in ``COMM`` under ``phase`` unless empty."""
     group = _group(group_name)
     send = send_W.tolist()
-    if phase:
+    if not phase:  # a backward exchange: not counted
+        return exchange(rows, send, recv_W.tolist(), group)
+    with COMM.timed(layer, rows.device):
         COMM.add_rows(layer, phase, group, send, math.prod(rows.shape[1:]) * rows.element_size())
-    return exchange(rows, send, recv_W.tolist(), group)
+        return exchange(rows, send, recv_W.tolist(), group)
 
 
 @register_fake("moe::ep_exchange")

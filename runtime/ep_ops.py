@@ -19,7 +19,11 @@ and returns them by the reverse exchange. Each op's backward is the other direct
 ``ep_global_view`` stands for a sharded parameter in the traced graph: it has the global ``[E, ...]`` shape the
 model's own experts code reads (so Dynamo traces and detect reads it as on one device), and no value: the
 ``distribute`` pass replaces its uses by the local shard. Running it (a graph the passes did not rewrite) raises.
-Its ``dedup`` names how the layer's rows cross the mesh: ``"off"`` (the ops here) or ``"node"`` (``ep_hier.py``).
+``ep_remote_expert`` does the same for one weight of an expert another rank holds, in a layer whose experts are
+an ``nn.ModuleList`` (no tensor input: a tensor reached through a closure would become a graph input named after
+the closure; ``name`` and ``like_name``, a local expert's weight of the same role, are the names in the model,
+from which the stand-in gets the graph input name Dynamo gives a parameter). Its ``dedup`` and
+``ep_global_view``'s name how the layer's rows cross the mesh: ``"off"`` (the ops here) or ``"node"`` (``ep_hier.py``).
 
 The process group is named by ``group_name`` (``ProcessGroup.group_name``, as torch's functional collectives do)
 and the layer by ``layer``: bytes sent are counted per layer in ``runtime.ep_stats.COMM``.
@@ -66,21 +70,37 @@ def _ep_global_view_fake(local, num_experts, group_name, layer, dedup="off"):
     return local.new_empty((num_experts, *local.shape[1:]))
 
 
+@custom_op("moe::ep_remote_expert", mutates_args=())
+def ep_remote_expert(shape: list[int], expert: int, group_name: str, layer: str, dedup: str, like_name: str,
+                     name: str, dtype: torch.dtype, device: torch.device) -> Tensor:
+    raise RuntimeError(
+        f"expert {expert} of MoE layer {layer!r} lives on another rank (moecompile.parallelize sharded the "
+        "layer's nn.ModuleList experts): the layer only runs in a graph the moe backend rewrote: compile the model "
+        "with torch.compile(model, backend='moe') (see moecompile.explain(model, ...) for why a layer was not "
+        "rewritten)")
+
+
+@register_fake("moe::ep_remote_expert")
+def _ep_remote_expert_fake(shape, expert, group_name, layer, dedup, like_name, name, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 # ---- ep_dispatch -----------------------------------------------------------------------------------------------
 
 
 @custom_op("moe::ep_dispatch", mutates_args=())
 def ep_dispatch(x_TH: Tensor, token_ids_B: Tensor, counts_E: Tensor, group_name: str, layer: str
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    group = _group(group_name)
-    world = dist.get_world_size(group)
-    recv_WL = exchange_counts(counts_E, group)  # each rank's rows for my experts
-    send, recv = _splits(counts_E, recv_WL, world)
-    x_RH = exchange(x_TH[token_ids_B], send, recv, group)
-    local = recv_WL.numel() // world
-    expert_R = torch.arange(local, device=x_TH.device).repeat(world).repeat_interleave(recv_WL)
-    perm_R = torch.argsort(expert_R, stable=True)
-    COMM.add_rows(layer, "dispatch", group, send, x_TH.shape[-1] * x_TH.element_size())
+    with COMM.timed(layer, x_TH.device):
+        group = _group(group_name)
+        world = dist.get_world_size(group)
+        recv_WL = exchange_counts(counts_E, group)  # each rank's rows for my experts
+        send, recv = _splits(counts_E, recv_WL, world)
+        x_RH = exchange(x_TH[token_ids_B], send, recv, group)
+        local = recv_WL.numel() // world
+        expert_R = torch.arange(local, device=x_TH.device).repeat(world).repeat_interleave(recv_WL)
+        perm_R = torch.argsort(expert_R, stable=True)
+        COMM.add_rows(layer, "dispatch", group, send, x_TH.shape[-1] * x_TH.element_size())
     return x_RH, perm_R, recv_WL.view(world, local).sum(0), recv_WL
 
 
@@ -129,12 +149,13 @@ register_autograd("moe::ep_dispatch", _ep_dispatch_bwd, setup_context=_ep_dispat
 @custom_op("moe::ep_combine", mutates_args=())
 def ep_combine(y_RH: Tensor, perm_R: Tensor, counts_E: Tensor, recv_WL: Tensor, num_rows: int, group_name: str,
                layer: str) -> Tensor:
-    group = _group(group_name)
-    send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
-    y_recv_RH = torch.empty_like(y_RH)
-    y_recv_RH[perm_R] = y_RH  # expert order -> received order
-    COMM.add_rows(layer, "combine", group, recv, y_RH.shape[-1] * y_RH.element_size())
-    return exchange(y_recv_RH, recv, send, group)
+    with COMM.timed(layer, y_RH.device):
+        group = _group(group_name)
+        send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
+        y_recv_RH = torch.empty_like(y_RH)
+        y_recv_RH[perm_R] = y_RH  # expert order -> received order
+        COMM.add_rows(layer, "combine", group, recv, y_RH.shape[-1] * y_RH.element_size())
+        return exchange(y_recv_RH, recv, send, group)
 
 
 @register_fake("moe::ep_combine")

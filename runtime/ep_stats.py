@@ -7,12 +7,15 @@ are not placed on nodes). ``moecompile.parallelize`` tells the counter which nod
 (expert outputs back) and ``routing`` (the expert ids and routing weights that hierarchical dispatch sends with
 its rows). Hierarchical dedup also counts, per layer, the rows that would have crossed nodes without it
 (``dedup.remote_assignments``: routed (token, expert) pairs on another node) and the rows that did
-(``dedup.remote_pairs``: distinct (token, remote node) pairs).
+(``dedup.remote_pairs``: distinct (token, remote node) pairs). ``seconds``: the wall time of the layer's forward
+exchanges (dispatch, routing and combine; backward is not timed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import defaultdict
 
 LINKS = ("self", "local", "node", "peer")
@@ -50,6 +53,18 @@ class CommCounter:
     def add(self, layer: str, key: str, value: int) -> None:
         with self._lock:
             self._bytes[layer][key] += value
+
+    @contextlib.contextmanager
+    def timed(self, layer: str, device):
+        """Adds the seconds the block takes (the forward exchanges of a layer) to ``seconds``."""
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+        with self._lock:
+            self._bytes[layer]["seconds"] += time.perf_counter() - start
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import moecompile
+from moecompile.models.handwritten import HANDWRITTEN, TinyMoELM
 from moecompile.models.hf import tiny_model
 from moecompile.calibrate import calibrate, time_dispatch
 from moecompile.runtime.cost_model import LinkModel, dispatch_times
@@ -49,14 +50,23 @@ def _init(rank, world, tmp, timeout=120):
                             timeout=timedelta(seconds=timeout))
 
 
+def _build(family):
+    """A tiny transformers family, or a hand-written model (moecompile.models.handwritten) seeded alike."""
+    if family in HANDWRITTEN:
+        torch.manual_seed(0)
+        return TinyMoELM(family)
+    return tiny_model(family)
+
+
 def _batches(model, world):
     gen = torch.Generator().manual_seed(7)
-    return torch.randint(0, model.config.vocab_size, (world, 2, 6), generator=gen)
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
+    return torch.randint(0, vocab, (world, 2, 6), generator=gen)
 
 
 def _train_against_one_process(family, mesh, rank, world, dedup="off"):
     """Three steps sharded and in one process; returns (sharded model, one-process model)."""
-    ref, model = tiny_model(family).train(), tiny_model(family).train()
+    ref, model = _build(family).train(), _build(family).train()
     moecompile.comm_stats(reset=True)
     batches = _batches(model, world)
     mine, together = batches[rank], batches.flatten(0, 1)
@@ -68,7 +78,6 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off"):
         router.register_forward_hook(lambda module, args, out: routed.append(out[2]))
     assert not info.left and all(r.sharding for r in info.report.layers), str(info)
     expert_names = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}
-    assert expert_names, "no expert parameter was sharded"
     for name in expert_names:  # E / world experts here, the global tensor in the state_dict
         local, full = model.get_parameter(name), ref.get_parameter(name)
         assert local.shape[0] * world == full.shape[0] and local.shape[1:] == full.shape[1:], name
@@ -76,8 +85,15 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off"):
     state = model.state_dict()
     for name in expert_names:
         assert isinstance(state[name], DTensor) and state[name].shape == ref.get_parameter(name).shape, name
-    sharded = sum(p.numel() for p in model.parameters())
-    assert sharded < sum(p.numel() for p in ref.parameters())
+    held, every = dict(model.named_parameters()), dict(ref.named_parameters())
+    if family in HANDWRITTEN:  # ModuleList experts: this rank's E / world of each layer's experts, no others
+        experts = [n for n in every if ".experts." in n]
+        owned = {n for n in experts if int(n.split(".experts.")[1].split(".")[0]) // (8 // world) == rank}
+        assert {n for n in held if ".experts." in n} == owned == {n for n in state if ".experts." in n}
+        assert all(torch.equal(held[n], every[n]) for n in owned)
+    else:
+        assert expert_names, "no expert parameter was sharded"
+    assert sum(p.numel() for p in held.values()) < sum(p.numel() for p in every.values())
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
     rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
@@ -172,15 +188,30 @@ def _links_and_auto(mesh, rank):
         moecompile.parallelize(tiny_model("mixtral"), mesh, ids, dedup="auto")
 
 
+def _report_and_plot(model, tmp, rank):
+    """Per layer: dedup level and why, measured seconds, bytes per link, rows removed; the same in explain() of
+    the parallelized model; a PNG of bytes per link per layer."""
+    rows = moecompile.comm_rows(model)
+    assert rows and all(r["dedup"] == "node" and r["forwards"] == STEPS and r["measured_s"] > 0 for r in rows), rows
+    assert all(r["node_bytes"] > 0 and r["removed_rows"] >= 0 for r in rows), rows
+    text = moecompile.comm_report(model)
+    assert all(f"{r['layer']}: dedup node (chosen by the caller)" in text for r in rows), text
+    png = f"{tmp}/comm{rank}.png"
+    moecompile.plot_comm(png, model)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def _world4(rank, world, tmp):
     _init(rank, world, tmp)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
         _bad_input(mesh, rank)
         _links_and_auto(mesh, rank)
-        for family, dedup in (("mixtral", "node"), ("deepseek_v3", "node"), ("gpt_oss", "off")):
+        for family, dedup in (("mixtral", "node"), ("deepseek_v3", "node"), ("gpt_oss", "off"), ("loop", "node")):
             model, ref = _train_against_one_process(family, mesh, rank, world, dedup)
             if family == "mixtral":
+                _report_and_plot(model, tmp, rank)
                 state = model.state_dict()
                 dcp.save(state, checkpoint_id=f"{tmp}/ckpt")
                 full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
