@@ -11,6 +11,9 @@ kind on top of loopback, by default a cluster slowed 100-fold so the emulated li
 machine (across nodes 100 MB/s and 5 ms per all-to-all, inside a node 2 GB/s and 1 ms; the flat all-to-all is
 priced as the node links; ``--link links.json`` takes a calibrated model instead).
 
+``loopback alone``: the same exchange with no emulation (this machine's own cost: gloo, copies, and 8 processes
+sharing few cores), so ``measured - loopback`` is the emulated links' share, the part the cost model predicts.
+
 transformers (5.23) columns, per rank and per dispatch + combine, for the same tokens: ``all_to_all`` (its
 ``ep_implementation="all_to_all"``: one row per (token, expert) to the expert's rank and back, our dedup="off"
 bytes) and ``all_reduce`` (every rank runs its experts on the batch the EP group shares and the outputs are
@@ -59,9 +62,9 @@ def main() -> int:
     row = H * 4
     all_reduce = 2 * (world - 1) / world * world * T * row
     lines = [f"E={E}, K={K}, {T} tokens per rank, H={H} fp32, {world} ranks; link model {link.params}", "",
-             "| mesh | dedup | predicted ms | measured ms | inter-node MB/rank | all links MB/rank | "
+             "| mesh | dedup | predicted ms | measured ms | loopback alone ms | measured - loopback ms | inter-node MB/rank | all links MB/rank | "
              "(token, node) sends removed | transformers all_to_all MB/rank | transformers all_reduce MB/rank |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for nodes in (2, 4):
         if world % nodes:
             continue
@@ -73,7 +76,8 @@ def main() -> int:
             moecompile.comm_stats(reset=True)
             with emulate_links(link):
                 measured = time_dispatch(ids, source, E, mesh, H, dedup, repeats=args.repeats, layer="bench")
-            stats = moecompile.comm_stats()["bench"]
+            stats = moecompile.comm_stats(reset=True)["bench"]
+            loopback = time_dispatch(ids, source, E, mesh, H, dedup, repeats=args.repeats, layer="bench")
             runs = args.repeats + 1
             mine = torch.tensor([sum(v for k, v in stats.items() if k.endswith(".node")) / runs,
                                  sum(v for k, v in stats.items() if k.split(".")[-1] in ("node", "local")) / runs,
@@ -85,7 +89,8 @@ def main() -> int:
             if dedup == "off":
                 a2a = float(mine[2])  # one row per (token, expert) each way: transformers' all_to_all moves the same
             lines.append(f"| {nodes}x{world // nodes} | {dedup} | {predicted[dedup] * 1e3:.1f} | "
-                         f"{measured * 1e3:.1f} | {mine[0] / 1e6:.3f} | {mine[1] / 1e6:.3f} | "
+                         f"{measured * 1e3:.1f} | {loopback * 1e3:.1f} | {(measured - loopback) * 1e3:.1f} | "
+                         f"{mine[0] / 1e6:.3f} | {mine[1] / 1e6:.3f} | "
                          f"{removed if dedup == 'node' else 0:.0%} | {a2a / 1e6:.3f} | {all_reduce / 1e6:.3f} |")
     if rank == 0:
         text = "\n".join(lines)
