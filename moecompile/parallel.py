@@ -34,18 +34,21 @@ from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_v
 from moecompile.runtime.ep_stats import COMM
 from moecompile.runtime.stats import recording_routing
 
+SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
 MESH_NAMES = (("node", "local"),)  # the 2-level mesh a dedup level refers to; a 1-D mesh may have any name
 DEDUP = ("off", "node", "auto")
 
 
-def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, **options
-                ) -> nn.Module:
+def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
+                swap_gamma: float = 10.0, **options) -> nn.Module:
     """Shard the experts of every MoE layer of ``model`` over ``mesh`` (in place; returns ``model``).
 
     ``dedup``: ``"off"`` (one row per (token, expert) over the whole mesh), ``"node"`` (one row per distinct
     (token, node) across nodes; a ("node", "local") mesh) or ``"auto"`` (per layer, the one the link model
     predicts faster for the routing of ``example_args``; ``link_model``: a ``LinkModel`` or the JSON file
-    ``python -m moecompile calibrate`` wrote). Other keyword arguments are backend options, for detection."""
+    ``python -m moecompile calibrate`` wrote). ``swap_every=N``: every N optimizer steps, swap a pair of experts
+    of each stacked-expert layer where that lowers the predicted time of its last routing (smooth max over the
+    ranks, ``swap_gamma``; ``moecompile/swap.py``). Other keyword arguments are backend options, for detection."""
     from .explain import explain
 
     group = setup_mesh(mesh)
@@ -55,6 +58,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         raise ValueError(f"dedup={dedup!r} needs a 2-D mesh named {MESH_NAMES[0]} (nodes, ranks per node); got a "
                          f"{mesh.ndim}-D mesh: build it with init_device_mesh(device, (nodes, gpus_per_node), "
                          f"mesh_dim_names={MESH_NAMES[0]}), or use dedup='off'")
+    if not isinstance(swap_every, int) or swap_every < 0:
+        raise ValueError(f"swap_every must be a whole number of optimizer steps >= 0 (0: never); got {swap_every!r}")
     link = _link_model(link_model) if dedup == "auto" else None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     with recording_routing() as routing:  # the torch references record it (Triton kernels would not)
@@ -70,12 +75,24 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
                             for role, w in rec.expert_weights.items()}))
     _check_ranks_agree(model, plans, group)
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
-    local = set()
+    local, swapping = set(), []
     for rec, params in plans:
-        local |= _shard_layer(model, rec, params, mesh, group, rank, world)
+        slots = torch.arange(rec.spec.experts.num_experts) if swap_every and _stacked(params) else None
+        local |= _shard_layer(model, rec, params, mesh, group, rank, world, slots)
+        if slots is not None:
+            swapping.append((rec, [model.get_parameter(n) for n in params.values()], slots))
     _sync_gradients(model, local, group, world)
     model._moe_parallel = ParallelInfo(report, left, world)
+    if swapping:
+        from .swap import ExpertSwap
+
+        link = link or (_link_model(link_model) if link_model is not None else None)
+        model._moe_parallel.swap = ExpertSwap(swapping, swap_every, swap_gamma, link, mesh, group)
     return model
+
+
+def _stacked(params: dict) -> bool:
+    return not isinstance(next(iter(params.values())), list)
 
 
 class ParallelInfo:
@@ -83,6 +100,7 @@ class ParallelInfo:
 
     def __init__(self, report, left: list[tuple[str, str]], world: int):
         self.report, self.left, self.world = report, left, world
+        self.swap = None  # the ExpertSwap of a model parallelized with swap_every
 
     def __str__(self) -> str:
         lines = [f"expert parallelism over {self.world} rank(s):"]
@@ -205,7 +223,7 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
                          "creating it) before moecompile.parallelize")
 
 
-def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int) -> set[str]:
+def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, slots=None) -> set[str]:
     """Keep this rank's experts of one layer; returns the names of the expert parameters it still holds."""
     dedup, E = rec.dedup, rec.spec.experts.num_experts
     local_E = E // world
@@ -213,7 +231,7 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int) -
     if isinstance(next(iter(params.values())), list):
         held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup)
     else:
-        held = _shard_stacked(model, params, mesh, group, rank, local_E, E, rec.path, dedup)
+        held = _shard_stacked(model, params, mesh, group, rank, local_E, E, rec.path, dedup, slots)
     names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
     listed = names if len(names) <= 4 else names[:2] + [f"... {len(names)} in all"]
     how = ("one row per (token, node) across nodes, copied to the experts inside the node, their outputs weighted "
@@ -224,7 +242,7 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int) -
     return held
 
 
-def _shard_stacked(model, params: dict[str, str], mesh, group, rank, local_E, E, layer, dedup) -> set[str]:
+def _shard_stacked(model, params: dict[str, str], mesh, group, rank, local_E, E, layer, dedup, slots) -> set[str]:
     attrs = {}
     for role, name in params.items():
         module_name, _, attr = name.rpartition(".")
@@ -235,9 +253,11 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, local_E, E,
         module._parameters[attr] = shard
         attrs.setdefault(module, []).append(attr)
     for module, names in attrs.items():
+        if slots is not None:  # the placement, a graph input read by the ops (not saved: state_dict un-swaps)
+            module.register_buffer(SLOTS, slots, persistent=False)
         _read_through_view(module, names, E, group.group_name, layer, dedup)
-        module.register_state_dict_post_hook(_global_state(names, mesh, E))
-        module._register_load_state_dict_pre_hook(_local_state(names, mesh, E, rank, group.size()))
+        module.register_state_dict_post_hook(_global_state(names, mesh, E, group))
+        module._register_load_state_dict_pre_hook(_local_state(names, mesh, E, rank, group), with_module=True)
     return set(params.values())
 
 
@@ -293,7 +313,7 @@ def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: 
         def read(self):
             local = self._parameters[attr]
             if torch.compiler.is_compiling():
-                return torch.ops.moe.ep_global_view(local, E, group_name, layer, dedup)
+                return torch.ops.moe.ep_global_view(local, E, group_name, layer, dedup, self._buffers.get(SLOTS))
             return local
         return property(read)
 
@@ -306,24 +326,24 @@ def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: 
     module.register_forward_pre_hook(refuse_eager)
 
 
-def _global_state(names, mesh, E):
+def _global_state(names, mesh, E, group):
     from torch.distributed.tensor import DTensor, Shard
 
     def hook(module, state_dict, prefix, local_metadata):
         for attr in names:
-            local = state_dict[prefix + attr]
+            local = _placed(state_dict[prefix + attr], module._buffers.get(SLOTS), group, to_slots=False)
             shape = (E, *local.shape[1:])
             state_dict[prefix + attr] = DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False,
                                                            shape=shape, stride=_contiguous_stride(shape))
     return hook
 
 
-def _local_state(names, mesh, E, rank, world):
+def _local_state(names, mesh, E, rank, group):
     from torch.distributed.tensor import DTensor
 
-    local_E = E // world
+    local_E = E // group.size()
 
-    def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for attr in names:
             key = prefix + attr
             value = state_dict.get(key)
@@ -332,8 +352,19 @@ def _local_state(names, mesh, E, rank, world):
             if isinstance(value, torch.Tensor) and value.shape[:1] == (E,):  # a full tensor: this rank's rows
                 value = value[rank * local_E:(rank + 1) * local_E]
             if value is not None:
-                state_dict[key] = value
+                state_dict[key] = _placed(value, module._buffers.get(SLOTS), group, to_slots=True)
     return hook
+
+
+def _placed(rows, slots, group, to_slots: bool):
+    """A shard in expert order (checkpoints) from one in slot order (after expert swaps), or back; as it is while
+    no expert was swapped (every rank holds the same placement: all exchange, or none does)."""
+    from moecompile.runtime.ep_swap import move_rows
+
+    if slots is None or torch.equal(slots, torch.arange(slots.numel())):
+        return rows
+    identity = torch.arange(slots.numel())
+    return move_rows(rows, identity, slots, group) if to_slots else move_rows(rows, slots, identity, group)
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from moecompile.runtime import ep_swap  # noqa: F401  (registers moe::ep_to_slots)
 from moecompile.runtime.ep_hier import hierarchical_experts
 
 from .canonical import expert_tensors
@@ -111,12 +112,20 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             return torch.ops.moe.expert_mlp(x_RH, perm_R, counts_L, gate if e.gated else None, up, down,
                                             b_gate if e.gated else None, b_up, b_down, None, *node.args[10:])
 
+        slots = _slots(views[0])
+        order = None
+        if slots is not None:  # the layer swaps experts: its rows go by slot, not by expert id
+            s = torch.ops.moe.ep_to_slots(tok, counts, proxy(slots), x.size(0), layer)
+            tok, counts, order, inverse = s[0], s[1], s[2], s[3]
         if dedup == "node":
-            out = hierarchical_experts(x, tok, counts, proxy(replaced.args[2]), run_experts, group_name, layer).node
+            weights = proxy(replaced.args[2])
+            weights = weights if order is None else weights[order]
+            out = hierarchical_experts(x, tok, counts, weights, run_experts, group_name, layer).node
         else:
             d = torch.ops.moe.ep_dispatch(x, tok, counts, group_name, layer)
-            out = torch.ops.moe.ep_combine(run_experts(d[0], d[1], d[2]), d[1], counts, d[3], tok.size(0),
-                                           group_name, layer).node
+            y = torch.ops.moe.ep_combine(run_experts(d[0], d[1], d[2]), d[1], counts, d[3], tok.size(0),
+                                         group_name, layer)
+            out = (y if order is None else y[inverse]).node
     for n in gm.graph.nodes:
         if n not in existing:
             n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "moe_layer") if k in node.meta})
@@ -127,6 +136,13 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         gm.graph.erase_node(node)
     _erase_unused(gm.graph, old_inputs)
     report.counters[f"distribute.sharded_layers.dedup_{dedup}"] += 1
+
+
+def _slots(view: fx.Node):
+    """The placement of a layer that swaps experts (a stacked weight's view carries it), else None."""
+    if view.target in (torch.ops.moe.ep_global_view, torch.ops.moe.ep_global_view.default):
+        return view.args[5] if len(view.args) > 5 else view.kwargs.get("slots")
+    return None
 
 
 def _dedup(view: fx.Node) -> str:

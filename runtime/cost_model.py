@@ -80,10 +80,21 @@ class LinkModel:
         return cls({k: tuple(v) for k, v in data["params"].items()}, data.get("r2", {}))
 
 
-def _busiest(sent_SD: torch.Tensor) -> float:
-    """The most bytes any rank sends to, or receives from, the other ranks (``sent_SD[s, d]``: bytes s sends d)."""
+def smooth_max(x: torch.Tensor, gamma: float) -> float:
+    """HierMoE's Eq. 11: max(x) * (sum_i (x_i / max(x)) ** gamma) ** (1 / gamma); the max as gamma grows, and it
+    moves with every entry (so an expert swap that unloads the second busiest rank also counts)."""
+    top = float(x.max())
+    if top <= 0:
+        return 0.0
+    return top * float(((x / top) ** gamma).sum() ** (1.0 / gamma))
+
+
+def _busiest(sent_SD: torch.Tensor, gamma: float | None = None) -> float:
+    """The most bytes any rank sends to, or receives from, the other ranks (``sent_SD[s, d]``: bytes s sends d);
+    with ``gamma``, their smooth max."""
     off_diagonal = sent_SD - torch.diag(torch.diag(sent_SD))
-    return float(torch.maximum(off_diagonal.sum(1), off_diagonal.sum(0)).max())
+    per_rank = torch.maximum(off_diagonal.sum(1), off_diagonal.sum(0))
+    return float(per_rank.max()) if gamma is None else smooth_max(per_rank, gamma)
 
 
 def _matrix(src: torch.Tensor, dst: torch.Tensor, ranks: int, nbytes: float) -> torch.Tensor:
@@ -93,9 +104,10 @@ def _matrix(src: torch.Tensor, dst: torch.Tensor, ranks: int, nbytes: float) -> 
 
 
 def messages(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Tensor, row_bytes: int,
-             weight_bytes: int = 4) -> dict[str, list[tuple[str, float]]]:
+             weight_bytes: int = 4, gamma: float | None = None) -> dict[str, list[tuple[str, float]]]:
     """Per dedup choice, the (collective kind, busiest rank's bytes) of each all-to-all of one dispatch and
-    combine of this routing (the tokens of every rank: ``source_rank_T[t]`` is where token t starts)."""
+    combine of this routing (the tokens of every rank: ``source_rank_T[t]`` is where token t starts); with
+    ``gamma``, the smooth max over the ranks (``smooth_max``) in place of the busiest."""
     if len(placement.mesh_shape) != 2:
         raise ValueError(f"dispatch_times models a 2-level (nodes, local) mesh; got {placement.mesh_shape}")
     nodes, local = placement.mesh_shape
@@ -107,23 +119,24 @@ def messages(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Te
     same_local = (torch.arange(ranks)[:, None] % local == torch.arange(ranks) % local).double()
     same_node = (torch.arange(ranks)[:, None] // local == torch.arange(ranks) // local).double()
     rows = _matrix(src, dest, ranks, row_bytes)
-    off = [("flat", _busiest(everyone * (E // ranks) * 8)), ("flat", _busiest(rows)), ("flat", _busiest(rows.T))]
+    off = [("flat", _busiest(everyone * (E // ranks) * 8, gamma)), ("flat", _busiest(rows, gamma)), ("flat", _busiest(rows.T, gamma))]
     relay = (dest // local) * local + src % local  # the rank of the token's local index on the expert's node
     token = torch.arange(T).repeat_interleave(K)
     pairs = torch.unique(token * ranks + relay)  # distinct (token, node): one relay per node
     pair_rows = _matrix(source_rank_T[pairs // ranks], pairs % ranks, ranks, row_bytes)
     copies = _matrix(relay, dest, ranks, row_bytes)
-    node = [("node", _busiest(same_local * 16)), ("node", _busiest(pair_rows)),
-            ("node", _busiest(_matrix(src, relay, ranks, 16))), ("node", _busiest(_matrix(src, relay, ranks, weight_bytes))),
-            ("local", _busiest(same_node * (E // ranks) * 8)), ("local", _busiest(copies)),
-            ("local", _busiest(copies.T)), ("node", _busiest(pair_rows.T))]
+    node = [("node", _busiest(same_local * 16, gamma)), ("node", _busiest(pair_rows, gamma)),
+            ("node", _busiest(_matrix(src, relay, ranks, 16), gamma)), ("node", _busiest(_matrix(src, relay, ranks, weight_bytes), gamma)),
+            ("local", _busiest(same_node * (E // ranks) * 8, gamma)), ("local", _busiest(copies, gamma)),
+            ("local", _busiest(copies.T, gamma)), ("node", _busiest(pair_rows.T, gamma))]
     return {"off": off, "node": node}
 
 
 def dispatch_times(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Tensor, hidden: int,
-                   elem_bytes: int, link: LinkModel, weight_bytes: int = 4) -> dict[str, float]:
+                   elem_bytes: int, link: LinkModel, weight_bytes: int = 4, gamma: float | None = None
+                   ) -> dict[str, float]:
     """Predicted seconds of one dispatch and combine of this routing, per dedup choice (``off``, ``node``)."""
-    plan = messages(ids_TK, placement, source_rank_T, hidden * elem_bytes, weight_bytes)
+    plan = messages(ids_TK, placement, source_rank_T, hidden * elem_bytes, weight_bytes, gamma)
     return {mode: sum(link.time(kind, n) for kind, n in msgs) for mode, msgs in plan.items()}
 
 

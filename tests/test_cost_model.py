@@ -1,11 +1,13 @@
 """The alpha-beta link model (runtime/cost_model.py): fitted from timings, and the dispatch time it predicts per
-dedup choice, checked by hand on a small routing."""
+dedup choice, checked by hand on a small routing; the smooth max and the expert swap it chooses
+(runtime/ep_swap.py), and the rows sorted by slot after a swap."""
 
 import pytest
 import torch
 
-from moecompile.runtime.cost_model import LinkModel, choose_dedup, dispatch_times
+from moecompile.runtime.cost_model import LinkModel, choose_dedup, dispatch_times, smooth_max
 from moecompile.runtime.dispatch_plan import Placement
+from moecompile.runtime.ep_swap import choose_swap
 
 
 def test_fit_recovers_alpha_and_beta_and_round_trips(tmp_path):
@@ -63,3 +65,33 @@ def test_dedup_chosen_when_node_links_are_slow_and_not_when_latency_dominates():
     assert choose_dedup(times) == "off"
     with pytest.raises(ValueError, match="2-level"):
         dispatch_times(ids, Placement.contiguous(E, (4,)), source, hidden=8, elem_bytes=2, link=slow_nodes)
+
+
+def test_smooth_max_is_hiermoe_eq_11():
+    x = torch.tensor([4.0, 2.0, 1.0])
+    assert smooth_max(x, 10.0) == pytest.approx(4.0 * (1 + 0.5 ** 10 + 0.25 ** 10) ** 0.1)
+    assert 4.0 < smooth_max(x, 10.0) < smooth_max(x, 2.0)  # above the max, nearer it as gamma grows
+    assert smooth_max(torch.zeros(3), 10.0) == 0.0
+
+
+def test_choose_swap_moves_the_hot_expert_to_the_ranks_that_route_to_it():
+    """1 node x 2 ranks, experts 0-1 on rank 0 and 2-3 on rank 1; rank 1's six tokens pick expert 0 (four) and 1
+    (two), rank 0's three tokens pick expert 3. Swapping 0 and 3 keeps all but two rows at home: the busiest
+    rank's rows drop from 6 to 2, fewer than any other swap (0 and 2 leaves rank 0 three rows to send)."""
+    ids = torch.tensor([[3], [3], [3], [0], [0], [0], [0], [1], [1]])
+    source = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1])
+    link = LinkModel({"flat": (0.0, 1.0), "node": (0.0, 1.0), "local": (0.0, 1.0)})
+    a, b, before, after = choose_swap(ids, source, torch.arange(4), (1, 2), hidden=1, elem_bytes=1, link=link,
+                                      dedup="off")
+    assert (a, b) == (0, 3) and after < before
+    assert choose_swap(torch.tensor([[0], [3]]), torch.tensor([0, 1]), torch.arange(4), (1, 2), 1, 1, link,
+                       "off") is None  # every token already at home: nothing to gain
+
+
+def test_rows_sorted_by_slot_after_a_swap():
+    tok = torch.tensor([0, 2, 1, 2, 0])  # sorted by expert: experts 0, 0, 1, 2, 3 (counts 2, 1, 1, 1)
+    counts = torch.tensor([2, 1, 1, 1])
+    slots = torch.tensor([3, 1, 2, 0])  # experts 0 and 3 swapped
+    tok_S, counts_S, order, inverse = torch.ops.moe.ep_to_slots(tok, counts, slots, 0, "")
+    assert counts_S.tolist() == [1, 1, 1, 2] and tok_S.tolist() == [0, 1, 2, 0, 2]  # slots 0, 1, 2, 3, 3
+    assert torch.equal(tok_S[inverse], tok) and torch.equal(tok[order], tok_S)

@@ -154,6 +154,8 @@ def _bad_input(mesh, rank):
     named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     with pytest.raises(ValueError, match=r"must be named \('node', 'local'\)"):
         moecompile.parallelize(tiny_model("mixtral"), named, torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="swap_every must be a whole number"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), swap_every=-1)
     with pytest.raises(ValueError, match="hold a different model than rank 0"):
         moecompile.parallelize(tiny_model("mixtral", seed=rank), mesh, torch.zeros(1, 4, dtype=torch.long))
 
@@ -202,12 +204,45 @@ def _report_and_plot(model, tmp, rank):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def _train_with_swaps(mesh, rank, world, tmp):
+    """swap_every=1: experts move between ranks after each step, with their optimizer state; the model still
+    trains as one process does (the state_dict, in expert order, equals it), a state_dict round trip leaves each
+    rank's rows as they are, and a checkpoint saved after the swaps loads in one process (the parent checks)."""
+    ref, model = _build("mixtral").train(), _build("mixtral").train()
+    batches = _batches(model, world)
+    mine, together = batches[rank], batches.flatten(0, 1)
+    moecompile.parallelize(model, mesh, mine, dedup="node", swap_every=1)
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
+    rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
+    for step in range(STEPS):
+        out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
+        torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"swapping step {step}: {m}")
+        out.loss.backward(), ref_out.loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    swap = model._moe_parallel.swap
+    assert swap.history, "no expert was swapped"
+    assert swap.history[0][5] < swap.history[0][4]  # each swap lowered the predicted time
+    state = model.state_dict()
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"after swaps {name}: {m}")
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.load_state_dict(state)
+    assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
+    dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap")
+    if rank == 0:
+        torch.save(full, f"{tmp}/saved_swap.pt")
+
+
 def _world4(rank, world, tmp):
     _init(rank, world, tmp)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
         _bad_input(mesh, rank)
         _links_and_auto(mesh, rank)
+        _train_with_swaps(mesh, rank, world, tmp)
         for family, dedup in (("mixtral", "node"), ("deepseek_v3", "node"), ("gpt_oss", "off"), ("loop", "node")):
             model, ref = _train_against_one_process(family, mesh, rank, world, dedup)
             if family == "mixtral":
@@ -254,10 +289,11 @@ def test_expert_parallel_training_equals_one_process(tmp_path):
     tmp = str(tmp_path)
     mp.spawn(_world4, args=(4, tmp), nprocs=4, join=True)
     mp.spawn(_world2, args=(2, tmp), nprocs=2, join=True)
-    one = tiny_model("mixtral")  # the world-4 checkpoint in one process, with no process group at all
-    state = one.state_dict()
-    dcp.load(state, checkpoint_id=f"{tmp}/ckpt")
-    one.load_state_dict(state)
-    saved = torch.load(f"{tmp}/saved.pt")
-    for name, p in one.named_parameters():
-        torch.testing.assert_close(p, saved[name], rtol=0, atol=0, msg=name)
+    for ckpt, saved in (("ckpt", "saved.pt"), ("ckpt_swap", "saved_swap.pt")):  # in one process, no group
+        one = tiny_model("mixtral")
+        state = one.state_dict()
+        dcp.load(state, checkpoint_id=f"{tmp}/{ckpt}")
+        one.load_state_dict(state)
+        saved = torch.load(f"{tmp}/{saved}")
+        for name, p in one.named_parameters():
+            torch.testing.assert_close(p, saved[name], rtol=0, atol=0, msg=f"{ckpt}: {name}")

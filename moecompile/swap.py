@@ -1,0 +1,92 @@
+"""Expert swap during training (``moecompile.parallelize(..., swap_every=N)``; HierMoE's HierD-ES).
+
+After every N-th ``step()`` of an optimizer that trains the model's sharded experts (a global optimizer step
+post-hook: the training loop is unchanged), every rank gathers each swapping layer's routing of its last forward
+(``ep_swap.RECENT``), and all choose the same swap (``ep_swap.choose_swap``, on the gathered routing). A chosen
+swap exchanges the two experts' slots and moves their rows of the weights, of the gradients if any, and of the
+optimizer's per-parameter state (tensors shaped like the parameter: Adam's moments, SGD's momentum) to their
+new ranks. What was swapped is kept in ``model._moe_parallel.swap.history``.
+
+Without a link model the choice weighs bytes only (alpha 0, beta 1 for every kind of collective).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from moecompile.runtime.cost_model import LinkModel
+from moecompile.runtime.ep_swap import RECENT, choose_swap, move_rows
+
+BYTES_ONLY = LinkModel({"flat": (0.0, 1.0), "node": (0.0, 1.0), "local": (0.0, 1.0)})
+_ACTIVE: "weakref.WeakSet[ExpertSwap]" = weakref.WeakSet()
+_HOOK = None
+
+
+class ExpertSwap:
+    def __init__(self, layers, every: int, gamma: float, link, mesh, group):
+        self.layers = layers  # [(LayerRecord, [sharded parameters], slots_E)]
+        self.every, self.gamma, self.link, self.group = every, gamma, link or BYTES_ONLY, group
+        self.mesh_shape = tuple(mesh.shape) if mesh.ndim == 2 else (1, mesh.size())
+        self.steps = 0
+        self.history: list[tuple[int, str, int, int, float, float]] = []  # (step, layer, a, b, before, after)
+        self._params = {id(p) for _, params, _ in layers for p in params}
+        _ACTIVE.add(self)
+        _install_hook()
+
+    def after_step(self, optimizer) -> None:
+        if not any(id(p) in self._params for g in optimizer.param_groups for p in g["params"]):
+            return
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.swap(optimizer)
+
+    def swap(self, optimizer=None) -> None:
+        """Choose and apply one swap per layer (every rank calls it at the same point)."""
+        mine = {rec.path: RECENT.get(rec.path) for rec, _, _ in self.layers}
+        every = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, mine, group=self.group)
+        for rec, params, slots in self.layers:
+            ids = [r[rec.path] for r in every]
+            if any(i is None for i in ids):
+                continue  # not run since the last swap on some rank
+            source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
+            e = rec.spec.experts
+            best = choose_swap(torch.cat(ids), source, slots, self.mesh_shape, e.hidden,
+                               params[0].element_size(), self.link, rec.dedup or "off", self.gamma)
+            if best is None:
+                continue
+            a, b, before, after = best
+            new = slots.clone()
+            new[a], new[b] = slots[b], slots[a]
+            for p in params:
+                _move_param(p, slots, new, self.group, optimizer)
+            slots.copy_(new)
+            self.history.append((self.steps, rec.path, a, b, before, after))
+        for rec, _, _ in self.layers:
+            RECENT.pop(rec.path, None)
+
+
+def _move_param(p, old, new, group, optimizer) -> None:
+    with torch.no_grad():
+        p.copy_(move_rows(p.detach(), old, new, group))
+        if p.grad is not None:
+            p.grad.copy_(move_rows(p.grad, old, new, group))
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                value.copy_(move_rows(value, old, new, group))
+
+
+def _install_hook() -> None:
+    global _HOOK
+    if _HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def after_step(optimizer, args, kwargs):
+            for swap in list(_ACTIVE):
+                swap.after_step(optimizer)
+
+        _HOOK = register_optimizer_step_post_hook(after_step)
