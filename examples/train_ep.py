@@ -23,6 +23,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="mixtral", help="a tiny transformers MoE family (moecompile.models.hf)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"),
+                    help="the compiler of the rest of each graph")
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--dedup", default="node", choices=("off", "node"),
                     help="'node': one row per (token, node) across nodes (a 2-D mesh); 'off': one per (token, expert)")
@@ -43,7 +45,7 @@ def main():
         model = moecompile.parallelize(model, mesh, batch(), dedup=dedup)
         if rank == 0:
             print(model._moe_parallel)
-        compiled = torch.compile(model, backend="moe")
+        compiled = torch.compile(model, backend="moe", options={"inner": args.inner})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(args.steps):
             ids = batch()

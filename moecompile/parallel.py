@@ -361,7 +361,7 @@ def _placed(rows, slots, group, to_slots: bool):
     no expert was swapped (every rank holds the same placement: all exchange, or none does)."""
     from moecompile.runtime.ep_swap import move_rows
 
-    if slots is None or torch.equal(slots, torch.arange(slots.numel())):
+    if slots is None or torch.equal(slots.cpu(), torch.arange(slots.numel())):
         return rows
     identity = torch.arange(slots.numel())
     return move_rows(rows, identity, slots, group) if to_slots else move_rows(rows, slots, identity, group)

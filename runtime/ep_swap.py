@@ -63,7 +63,7 @@ def choose_swap(ids_TK: Tensor, source_rank_T: Tensor, slots_E: Tensor, mesh_sha
     the experts of the rank receiving the most routed rows against every expert elsewhere (all pairs when
     that is fewer than ``max_pairs``)."""
     ranks = mesh_shape[0] * mesh_shape[1]
-    E = slots_E.numel()
+    slots_E, E = slots_E.cpu(), slots_E.numel()
     expert_rank = slots_E // (E // ranks)
     before = objective(ids_TK, source_rank_T, expert_rank, mesh_shape, hidden, elem_bytes, link, dedup, gamma)
     pairs = [(a, b) for a in range(E) for b in range(a + 1, E) if expert_rank[a] != expert_rank[b]]
@@ -86,6 +86,7 @@ def move_rows(local: Tensor, old_slots_E: Tensor, new_slots_E: Tensor, group) ->
     """This rank's rows of a ``[E_l, ...]`` shard placed by ``old_slots_E``, re-placed by ``new_slots_E``: each
     row goes to the rank and row of its expert's new slot (one all_to_all_single with exact splits)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    old_slots_E, new_slots_E = old_slots_E.cpu(), new_slots_E.cpu()  # index arithmetic on the host
     El, E = local.shape[0], old_slots_E.numel()
     mine = torch.arange(rank * El, (rank + 1) * El)
     old_expert_S, new_expert_S = torch.argsort(old_slots_E), torch.argsort(new_slots_E)  # slot -> expert
