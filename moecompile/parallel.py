@@ -166,7 +166,8 @@ def _choose_dedup(records, dedup: str, link, routing: dict, mesh, group) -> None
             rec.dedup, rec.dedup_reason = "off", "no routing was recorded on the example input"
             continue
         e = rec.spec.experts
-        elem = next(iter(rec.expert_weights.values())).element_size()
+        weight = next(iter(rec.expert_weights.values()))
+        elem = (weight[0] if isinstance(weight, list) else weight).element_size()  # a ModuleList: its first expert
         source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
         times = dispatch_times(torch.cat(ids), Placement.contiguous(e.num_experts, tuple(mesh.shape)), source,
                                e.hidden, elem, link)
