@@ -24,7 +24,6 @@ both eagerly and while Dynamo traces; plain local shards behind a global-shaped 
 from __future__ import annotations
 
 import hashlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,8 @@ from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_v
 from moecompile.runtime.ep_stats import COMM
 from moecompile.runtime.stats import recording_routing
 
-SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
+from .sharded_state import SLOTS, global_state, local_state
+
 MESH_NAMES = (("node", "local"),)  # the 2-level mesh a dedup level refers to; a 1-D mesh may have any name
 DEDUP = ("off", "node", "auto")
 
@@ -257,8 +257,8 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, local_E, E,
         if slots is not None:  # the placement, a graph input read by the ops (not saved: state_dict un-swaps)
             module.register_buffer(SLOTS, slots, persistent=False)
         _read_through_view(module, names, E, group.group_name, layer, dedup)
-        module.register_state_dict_post_hook(_global_state(names, mesh, E, group))
-        module._register_load_state_dict_pre_hook(_local_state(names, mesh, E, rank, group), with_module=True)
+        module.register_state_dict_post_hook(global_state(names, mesh, E, group))
+        module._register_load_state_dict_pre_hook(local_state(names, mesh, E, rank, group), with_module=True)
     return set(params.values())
 
 
@@ -325,51 +325,6 @@ def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: 
     cls = module.__class__
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {n: view(n) for n in names})
     module.register_forward_pre_hook(refuse_eager)
-
-
-def _global_state(names, mesh, E, group):
-    from torch.distributed.tensor import DTensor, Shard
-
-    def hook(module, state_dict, prefix, local_metadata):
-        for attr in names:
-            local = _placed(state_dict[prefix + attr], module._buffers.get(SLOTS), group, to_slots=False)
-            shape = (E, *local.shape[1:])
-            state_dict[prefix + attr] = DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False,
-                                                           shape=shape, stride=_contiguous_stride(shape))
-    return hook
-
-
-def _local_state(names, mesh, E, rank, group):
-    from torch.distributed.tensor import DTensor
-
-    local_E = E // group.size()
-
-    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        for attr in names:
-            key = prefix + attr
-            value = state_dict.get(key)
-            if isinstance(value, DTensor):  # this mesh's shard as it is; another layout gathered whole
-                value = value.to_local() if value.device_mesh == mesh else value.full_tensor()
-            if isinstance(value, torch.Tensor) and value.shape[:1] == (E,):  # a full tensor: this rank's rows
-                value = value[rank * local_E:(rank + 1) * local_E]
-            if value is not None:
-                state_dict[key] = _placed(value, module._buffers.get(SLOTS), group, to_slots=True)
-    return hook
-
-
-def _placed(rows, slots, group, to_slots: bool):
-    """A shard in expert order (checkpoints) from one in slot order (after expert swaps), or back; as it is while
-    no expert was swapped (every rank holds the same placement: all exchange, or none does)."""
-    from moecompile.runtime.ep_swap import move_rows
-
-    if slots is None or torch.equal(slots.cpu(), torch.arange(slots.numel())):
-        return rows
-    identity = torch.arange(slots.numel())
-    return move_rows(rows, identity, slots, group) if to_slots else move_rows(rows, slots, identity, group)
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 def _sync_gradients(model: nn.Module, sharded: set[str], group, world: int) -> None:
