@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     c.add_argument("--emulate", default="", help="a link model JSON the runtime's link emulation waits by "
                                                  "(loopback machines: to check the fit recovers it)")
     c.add_argument("--cpu", action="store_true", help="gloo on CPU even where CUDA is available")
+    c.add_argument("--timeout", type=float, default=300,
+                   help="seconds a collective may wait before the ranks raise (a dead rank never hangs the others)")
     c.set_defaults(fn=_calibrate)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,32 +27,38 @@ DEFAULT_SIZES = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20)  # bytes each rank
 
 
 def level_groups(mesh) -> dict[str, object]:
-    """The process group of each collective kind on ``mesh`` (this rank's), registered with ``ep_comm``."""
-    whole = mesh.get_group() if mesh.ndim == 1 else dist.new_group(mesh.mesh.flatten().tolist())
-    groups = {"flat": whole}
+    """The process group of each collective kind on ``mesh`` (this rank's), as the expert-parallel runtime sets
+    them up (``parallel.setup_mesh``: the same groups, their kinds known to the link emulation)."""
+    from moecompile.parallel import setup_mesh
+
+    groups = {"flat": setup_mesh(mesh)}
     if mesh.ndim == 2:
         groups.update(node=mesh.get_group("node"), local=mesh.get_group("local"))
-    for kind, group in groups.items():
-        ep_comm.register_group_kind(group.group_name, kind)
     return groups
 
 
-def _time_all_to_all(group, nbytes_per_peer: int, repeats: int, device) -> float:
-    world = dist.get_world_size(group)
-    rows = torch.zeros(world * max(1, nbytes_per_peer // 4), dtype=torch.float32, device=device)
-    out = torch.empty_like(rows)
+def _slowest_median(run, repeats: int, group, device):
+    """(median over ``repeats`` runs, after a warm-up, of the slowest rank's seconds of ``run()``; its last result).
+    Every rank of ``group`` calls it together."""
     samples = []
     for i in range(repeats + 1):  # the first is a warm-up
         dist.barrier(group=group)
         start = time.perf_counter()
-        ep_comm._all_to_all(out, rows, None, None, group)
+        result = run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the collective lasts its slowest rank
         if i:
             samples.append(float(elapsed))
-    return statistics.median(samples)
+    return statistics.median(samples), result
+
+
+def _time_all_to_all(group, nbytes_per_peer: int, repeats: int, device) -> float:
+    world = dist.get_world_size(group)
+    rows = torch.zeros(world * max(1, nbytes_per_peer // 4), dtype=torch.float32, device=device)
+    out = torch.empty_like(rows)
+    return _slowest_median(lambda: ep_comm._all_to_all(out, rows, None, None, group), repeats, group, device)[0]
 
 
 def calibrate(mesh, sizes=DEFAULT_SIZES, repeats: int = 5, progress: bool = True) -> LinkModel:
@@ -90,7 +97,8 @@ def main(args) -> int:
             import os
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=args.timeout))
     try:
         if dist.get_world_size() != torch.Size(shape).numel():
             raise SystemExit(f"--mesh {args.mesh} has {torch.Size(shape).numel()} ranks but torchrun started "
@@ -144,14 +152,6 @@ def time_dispatch(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts
                            layer)
         return torch.zeros_like(x).index_add_(0, tok_B, y * w_B[:, None])
 
-    samples = []
-    for i in range(repeats + 1):  # the first is a warm-up
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        out = once()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        if i:
-            samples.append(float(elapsed))
+    seconds, out = _slowest_median(once, repeats, group, torch.device("cpu"))
     torch.testing.assert_close(out, x * weights_TK.sum(-1, keepdim=True), msg=lambda m: f"{dedup} exchange: {m}")
-    return statistics.median(samples)
+    return seconds

@@ -60,10 +60,11 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
                          f"mesh_dim_names={MESH_NAMES[0]}), or use dedup='off'")
     if not isinstance(swap_every, int) or swap_every < 0:
         raise ValueError(f"swap_every must be a whole number of optimizer steps >= 0 (0: never); got {swap_every!r}")
-    link = _link_model(link_model) if dedup == "auto" else None
+    link = _link_model(link_model) if dedup == "auto" or link_model is not None else None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    auto = dedup == "auto"
     with recording_routing() as routing:  # the torch references record it (Triton kernels would not)
-        report = explain(model, *example_args, **({**options, "lowering": "torch"} if link else options))
+        report = explain(model, *example_args, **({**options, "lowering": "torch"} if auto else options))
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     plans, left = [], []
     for rec in report.layers:
@@ -86,7 +87,6 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     if swapping:
         from .swap import ExpertSwap
 
-        link = link or (_link_model(link_model) if link_model is not None else None)
         model._moe_parallel.swap = ExpertSwap(swapping, swap_every, swap_gamma, link, mesh, group)
     return model
 
