@@ -113,7 +113,10 @@ def main(argv=None) -> int:
     d.set_defaults(fn=demo)
     c = sub.add_parser("calibrate", help="under torchrun: time all-to-alls at each mesh level, fit alpha and beta, "
                                          "save the link model (JSON) that parallelize(dedup='auto') reads")
-    c.add_argument("--mesh", required=True, help="NODESxLOCAL (e.g. 2x2) or N for a 1-D mesh: torchrun's world size")
+    c.add_argument("--mesh", required=True, help="NODESxLOCAL (e.g. 2x2; 2x2x2 for racks x nodes x local) or N for a "
+                                                 "1-D mesh; the sizes multiply to torchrun's world size")
+    c.add_argument("--names", default="", help="the mesh's level names, outermost first, comma-separated (default: "
+                                               "node,local for 2x2, rack,node,local for 2x2x2)")
     c.add_argument("--out", default="links.json")
     c.add_argument("--sizes", default="", help="comma-separated bytes each rank sends each other rank")
     c.add_argument("--repeats", type=int, default=5, help="timings per size (the median is fitted)")

@@ -3,8 +3,10 @@ alpha-beta link model the ``dedup="auto"`` choice reads (``runtime/cost_model.py
 
     torchrun --standalone --nproc-per-node 4 -m moecompile calibrate --mesh 2x2 --out links.json
 
-Kinds timed: ``flat`` (every rank of the mesh), and on a 2-D ``("node", "local")`` mesh ``node`` (the ranks of one
-local index, one per node) and ``local`` (the ranks of one node). Each rank sends ``m`` bytes to every other rank
+Kinds timed: ``flat`` (every rank of the mesh), and on a mesh of several levels the two collectives of dedup at
+each level (``runtime/mesh_levels.py``): on ``("node", "local")`` ``node`` (the ranks of one local index, one per
+node) and ``local`` (the ranks of one node); on ``--mesh 2x2x2`` (``("rack", "node", "local")``) also ``rack``,
+``node+local`` and ``rack+node``. Each rank sends ``m`` bytes to every other rank
 of the collective; the sample is (bytes a rank sends the others, seconds of the slowest rank), the median of
 ``repeats`` timings; the fit is least squares per kind, with r2. The collectives run through the expert-parallel
 runtime's own all-to-all (``ep_comm``), so a link emulation (``--emulate links.json``) is measured as the layers
@@ -22,19 +24,11 @@ import torch.distributed as dist
 
 from moecompile.runtime import ep_comm
 from moecompile.runtime.cost_model import LinkModel
+from moecompile.runtime.mesh_levels import LEVELS, check_names
+
+from .mesh import level_groups, setup_mesh
 
 DEFAULT_SIZES = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20)  # bytes each rank sends each other rank
-
-
-def level_groups(mesh) -> dict[str, object]:
-    """The process group of each collective kind on ``mesh`` (this rank's), as the expert-parallel runtime sets
-    them up (``parallel.setup_mesh``: the same groups, their kinds known to the link emulation)."""
-    from moecompile.parallel import setup_mesh
-
-    groups = {"flat": setup_mesh(mesh)}
-    if mesh.ndim == 2:
-        groups.update(node=mesh.get_group("node"), local=mesh.get_group("local"))
-    return groups
 
 
 def _slowest_median(run, repeats: int, group, device):
@@ -103,7 +97,10 @@ def main(args) -> int:
         if dist.get_world_size() != torch.Size(shape).numel():
             raise SystemExit(f"--mesh {args.mesh} has {torch.Size(shape).numel()} ranks but torchrun started "
                              f"{dist.get_world_size()}: give --nproc-per-node (x --nnodes) equal to the mesh size")
-        names = ("node", "local") if len(shape) == 2 else ("ep",)
+        names = tuple(args.names.split(",")) if args.names else LEVELS[-len(shape):] if len(shape) > 1 else ("ep",)
+        if len(names) != len(shape):
+            raise SystemExit(f"--names {args.names} names {len(names)} levels but --mesh {args.mesh} has {len(shape)}")
+        check_names(names)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
         emulated = LinkModel.load(args.emulate) if args.emulate else None
@@ -126,7 +123,6 @@ def time_dispatch(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts
     ``source_rank_T == rank``) through the expert-parallel ops, experts passing their rows through: the median
     over ``repeats`` of the slowest rank. The result is checked (each token gets back its routing weights' sum
     times itself), so a timing is never of a wrong exchange."""
-    from moecompile.parallel import setup_mesh
     from moecompile.runtime import ep_ops  # noqa: F401  (registers the ops)
     from moecompile.runtime.ep_hier import hierarchical_experts
 
@@ -145,8 +141,8 @@ def time_dispatch(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts
         return x_RH[perm_R]
 
     def once():
-        if dedup == "node":
-            return hierarchical_experts(x, tok_B, counts_E, w_B, run_experts, group.group_name, layer)
+        if dedup != "off":
+            return hierarchical_experts(x, tok_B, counts_E, w_B, run_experts, group.group_name, layer, dedup)
         d = ops.ep_dispatch(x, tok_B, counts_E, group.group_name, layer)
         y = ops.ep_combine(run_experts(d[0], d[1], d[2]), d[1], counts_E, d[3], tok_B.numel(), group.group_name,
                            layer)

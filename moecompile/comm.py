@@ -7,12 +7,13 @@
 ``predicted``: the cost model's time of one dispatch and combine of the example input's routing (dedup="auto"
 only: it needs a link model); ``measured``: the mean wall time of the layer's forward exchanges per forward
 since the last ``comm_stats(reset=True)``. Bytes are this rank's, per link, dispatch and combine together (routing
-metadata apart); ``removed``: the routed (token, expert) rows to other nodes that dedup did not send.
+metadata apart), under the outermost mesh level each crossed (``local``, ``node``...); ``removed``: the routed
+(token, expert) rows to other groups of the dedup level (other nodes, for dedup at "node") that dedup did not send.
 """
 
 from __future__ import annotations
 
-from moecompile.runtime.ep_stats import LINKS, comm_stats
+from moecompile.runtime.ep_stats import COMM, comm_stats
 
 
 def _layers(model) -> list:
@@ -29,11 +30,11 @@ def comm_rows(model, stats: dict | None = None) -> list[dict]:
     rows = []
     for rec in _layers(model):
         s = stats.get(rec.path, {})
-        calls = s.get("calls.combine", 0) // (2 if rec.dedup == "node" else 1)  # forwards run (node: 2 per forward)
+        calls = s.get("calls.combine", 0) // (2 if rec.dedup != "off" else 1)  # forwards run (dedup: 2 per forward)
         row = {"layer": rec.path, "dedup": rec.dedup, "why": rec.dedup_reason,
                "predicted_s": rec.predicted_s.get(rec.dedup), "measured_s": s["seconds"] / calls if calls else None,
                "forwards": calls, "removed_rows": s.get("dedup.remote_assignments", 0) - s.get("dedup.remote_pairs", 0)}
-        for link in LINKS:
+        for link in COMM.links():
             row[f"{link}_bytes"] = s.get(f"dispatch.{link}", 0) + s.get(f"combine.{link}", 0)
         row["routing_bytes"] = sum(v for k, v in s.items() if k.startswith("routing."))
         rows.append(row)
@@ -46,7 +47,7 @@ def comm_report(model, stats: dict | None = None) -> str:
 
     lines = ["expert-parallel communication (this rank; bytes of dispatch + combine per link):"]
     for r in comm_rows(model, stats):
-        links = ", ".join(f"{link} {r[f'{link}_bytes']} B" for link in LINKS if r[f"{link}_bytes"])
+        links = ", ".join(f"{link} {r[f'{link}_bytes']} B" for link in COMM.links() if r[f"{link}_bytes"])
         lines.append(f"  {r['layer']}: dedup {r['dedup']} ({r['why']}); predicted {ms(r['predicted_s'])}, measured "
                      f"{ms(r['measured_s'])} per forward over {r['forwards']}; {links or 'nothing sent yet'}; "
                      f"routing {r['routing_bytes']} B; rows dedup removed {r['removed_rows']}")
@@ -66,7 +67,7 @@ def plot_comm(path, model, stats: dict | None = None) -> None:
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(rows) + 2), 3.5))
     bottom = [0.0] * len(rows)
     names = [f"{r['layer']}\n({r['dedup']})" for r in rows]
-    for link in [*LINKS, "routing"]:
+    for link in [*COMM.links(), "routing"]:
         values = [float(r[f"{link}_bytes"]) for r in rows]
         if any(values):
             ax.bar(names, values, bottom=bottom, label=link)

@@ -33,10 +33,10 @@ from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_v
 from moecompile.runtime.ep_stats import COMM
 from moecompile.runtime.stats import recording_routing
 
-from .sharded_state import SLOTS, global_state, local_state
+from moecompile.runtime.mesh_levels import dedup_levels
 
-MESH_NAMES = (("node", "local"),)  # the 2-level mesh a dedup level refers to; a 1-D mesh may have any name
-DEDUP = ("off", "node", "auto")
+from .mesh import level_names, setup_mesh
+from .sharded_state import SLOTS, global_state, local_state
 
 
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
@@ -44,20 +44,16 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     """Shard the experts of every MoE layer of ``model`` over ``mesh`` (in place; returns ``model``).
 
     ``dedup``: ``"off"`` (one row per (token, expert) over the whole mesh), ``"node"`` (one row per distinct
-    (token, node) across nodes; a ("node", "local") mesh) or ``"auto"`` (per layer, the one the link model
-    predicts faster for the routing of ``example_args``; ``link_model``: a ``LinkModel`` or the JSON file
+    (token, node) across nodes; a ("node", "local") mesh; on a mesh of more levels, any level but the innermost:
+    ``"rack"`` on ("rack", "node", "local")...) or ``"auto"`` (per layer, "off" or the level the link model
+    predicts fastest for the routing of ``example_args``; ``link_model``: a ``LinkModel`` or the JSON file
     ``python -m moecompile calibrate`` wrote). ``swap_every=N``: every N optimizer steps, swap a pair of experts
     of each stacked-expert layer where that lowers the predicted time of its last routing (smooth max over the
     ranks, ``swap_gamma``; ``moecompile/swap.py``). Other keyword arguments are backend options, for detection."""
     from .explain import explain
 
     group = setup_mesh(mesh)
-    if dedup not in DEDUP:
-        raise ValueError(f"dedup={dedup!r} is not available; choose one of {list(DEDUP)}")
-    if dedup != "off" and mesh.ndim != 2:
-        raise ValueError(f"dedup={dedup!r} needs a 2-D mesh named {MESH_NAMES[0]} (nodes, ranks per node); got a "
-                         f"{mesh.ndim}-D mesh: build it with init_device_mesh(device, (nodes, gpus_per_node), "
-                         f"mesh_dim_names={MESH_NAMES[0]}), or use dedup='off'")
+    _check_dedup(dedup, mesh)
     if not isinstance(swap_every, int) or swap_every < 0:
         raise ValueError(f"swap_every must be a whole number of optimizer steps >= 0 (0: never); got {swap_every!r}")
     link = _link_model(link_model) if dedup == "auto" or link_model is not None else None
@@ -91,6 +87,18 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     return model
 
 
+def _check_dedup(dedup, mesh) -> None:
+    levels = dedup_levels(mesh.mesh_dim_names)
+    if dedup in ("off", "auto", *levels):
+        return
+    if not levels:
+        raise ValueError(f"dedup={dedup!r} needs a mesh of several levels, e.g. init_device_mesh(device, (nodes, "
+                         f"gpus_per_node), mesh_dim_names=('node', 'local')); got a {mesh.ndim}-D mesh: build one, "
+                         "or use dedup='off'")
+    raise ValueError(f"dedup={dedup!r} is not available on the mesh {tuple(mesh.mesh_dim_names)}: choose one of "
+                     f"{['off', *levels, 'auto']}")
+
+
 def _stacked(params: dict) -> bool:
     return not isinstance(next(iter(params.values())), list)
 
@@ -107,33 +115,6 @@ class ParallelInfo:
         lines += [f"  sharded {r.path}: {r.sharding}" for r in self.report.layers if r.sharding]
         lines += [f"  left whole (replicated) {path}: {why}" for path, why in self.left]
         return "\n".join(lines)
-
-
-def setup_mesh(mesh):
-    """Check ``mesh`` and return its process group, with its levels known to the runtime (node of each rank,
-    the "node" and "local" groups, the link kind of each group)."""
-    group = _check_mesh(mesh)
-    if mesh.ndim == 2:
-        _set_layout(mesh, group)
-    return group
-
-
-def _check_mesh(mesh):
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"mesh must be a torch.distributed DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim > 1 and names not in MESH_NAMES:
-        raise ValueError(f"mesh dimension names {names or None} are not known: a {mesh.ndim}-D expert-parallel mesh "
-                         f"must be named {MESH_NAMES[0]} (outermost first), e.g. init_device_mesh(device, "
-                         f"(nodes, gpus_per_node), mesh_dim_names={MESH_NAMES[0]}); a 1-D mesh may have any name")
-    ranks = mesh.mesh.flatten().tolist()
-    if ranks != sorted(ranks):
-        raise ValueError(f"the mesh's ranks {ranks} are not in increasing order: build it with init_device_mesh")
-    if len(ranks) == dist.get_world_size():
-        return dist.group.WORLD
-    return dist.new_group(ranks)
 
 
 def _link_model(link_model):
@@ -170,22 +151,10 @@ def _choose_dedup(records, dedup: str, link, routing: dict, mesh, group) -> None
         elem = (weight[0] if isinstance(weight, list) else weight).element_size()  # a ModuleList: its first expert
         source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
         times = dispatch_times(torch.cat(ids), Placement.contiguous(e.num_experts, tuple(mesh.shape)), source,
-                               e.hidden, elem, link)
+                               e.hidden, elem, link, names=level_names(mesh))
         rec.dedup, rec.predicted_s = choose_dedup(times), times
         rec.dedup_reason = ("least predicted time of one dispatch and combine of the example routing: " +
                             ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in times.items()))
-
-
-def _set_layout(mesh, group) -> None:
-    """The node of each rank (for the byte counts) and the two level groups (for dedup at the node)."""
-    from moecompile.runtime.ep_comm import register_group_kind
-    from moecompile.runtime.ep_hier import register_layout
-
-    COMM.set_nodes({r: node for node, ranks in enumerate(mesh.mesh.tolist()) for r in ranks})
-    node, local = mesh.get_group("node").group_name, mesh.get_group("local").group_name
-    register_layout(group.group_name, node, local)
-    for name, kind in ((group.group_name, "flat"), (node, "node"), (local, "local")):
-        register_group_kind(name, kind)
 
 
 def _unshardable(rec, world: int) -> str:
@@ -235,9 +204,10 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
         held = _shard_stacked(model, params, mesh, group, rank, local_E, E, rec.path, dedup, slots)
     names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
     listed = names if len(names) <= 4 else names[:2] + [f"... {len(names)} in all"]
-    how = ("one row per (token, node) across nodes, copied to the experts inside the node, their outputs weighted "
-           "and summed there (dedup='node'" if dedup == "node" else "one row per (token, expert) (dedup='off'")
-    how += f": {rec.dedup_reason})"
+    how = "one row per (token, expert)" if dedup == "off" else (
+        f"one row per (token, {dedup}) across {dedup}s, copied to the experts inside the {dedup}, their outputs "
+        "weighted and summed there")
+    how += f" (dedup={dedup!r}: {rec.dedup_reason})"
     rec.sharding = (f"{local_E} of {E} experts on each of {world} ranks ({', '.join(listed)}); "
                     f"the rows cross the ranks padding-free, {how}")
     return held

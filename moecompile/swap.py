@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 from moecompile.runtime.cost_model import LinkModel
 from moecompile.runtime.ep_swap import RECENT, choose_swap, move_rows
+from moecompile.runtime.mesh_levels import kinds
 
-BYTES_ONLY = LinkModel({"flat": (0.0, 1.0), "node": (0.0, 1.0), "local": (0.0, 1.0)})
+from .mesh import level_names
+
 _ACTIVE: "weakref.WeakSet[ExpertSwap]" = weakref.WeakSet()
 _HOOK = None
 
@@ -28,8 +30,9 @@ _HOOK = None
 class ExpertSwap:
     def __init__(self, layers, every: int, gamma: float, link, mesh, group):
         self.layers = layers  # [(LayerRecord, [sharded parameters], slots_E)]
-        self.every, self.gamma, self.link, self.group = every, gamma, link or BYTES_ONLY, group
-        self.mesh_shape = tuple(mesh.shape) if mesh.ndim == 2 else (1, mesh.size())
+        self.mesh_shape, self.names = tuple(mesh.shape), level_names(mesh)
+        bytes_only = LinkModel({kind: (0.0, 1.0) for kind in kinds(self.names)})
+        self.every, self.gamma, self.link, self.group = every, gamma, link or bytes_only, group
         self.steps = 0
         self.history: list[tuple[int, str, int, int, float, float]] = []  # (step, layer, a, b, before, after)
         self._params = {id(p) for _, params, _ in layers for p in params}
@@ -55,7 +58,8 @@ class ExpertSwap:
             source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
             e = rec.spec.experts
             best = choose_swap(torch.cat(ids), source, slots, self.mesh_shape, e.hidden,
-                               params[0].element_size(), self.link, rec.dedup or "off", self.gamma)
+                               params[0].element_size(), self.link, rec.dedup or "off", self.gamma,
+                               names=self.names)
             if best is None:
                 continue
             a, b, before, after = best

@@ -102,8 +102,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     x, tok, counts = (proxy(a) for a in node.args[:3])
     existing = set(gm.graph.nodes)
     replaced = node
-    if dedup == "node":
-        replaced = _only_combine(node)
+    if dedup != "off":
+        replaced = _only_combine(node, dedup)
     with gm.graph.inserting_before(replaced):
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
         gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, mine)
@@ -117,10 +117,10 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         if slots is not None:  # the layer swaps experts: its rows go by slot, not by expert id
             s = torch.ops.moe.ep_to_slots(tok, counts, proxy(slots), x.size(0), layer)
             tok, counts, order, inverse = s[0], s[1], s[2], s[3]
-        if dedup == "node":
+        if dedup != "off":
             weights = proxy(replaced.args[2])
             weights = weights if order is None else weights[order]
-            out = hierarchical_experts(x, tok, counts, weights, run_experts, group_name, layer).node
+            out = hierarchical_experts(x, tok, counts, weights, run_experts, group_name, layer, dedup).node
         else:
             d = torch.ops.moe.ep_dispatch(x, tok, counts, group_name, layer)
             y = torch.ops.moe.ep_combine(run_experts(d[0], d[1], d[2]), d[1], counts, d[3], tok.size(0),
@@ -149,14 +149,14 @@ def _dedup(view: fx.Node) -> str:
     return view.args[4] if len(view.args) > 4 else view.kwargs.get("dedup", "off")
 
 
-def _only_combine(node: fx.Node) -> fx.Node:
-    """The one ``moe.combine`` that weights and sums the experts' rows (dedup at the node replaces it too: the sums
-    are made on the experts' node)."""
+def _only_combine(node: fx.Node, dedup: str) -> fx.Node:
+    """The one ``moe.combine`` that weights and sums the experts' rows (dedup at a level replaces it too: the sums
+    are made in the experts' group of that level)."""
     users = list(node.users)
     combine = users[0] if len(users) == 1 else None
     if (combine is None or combine.target not in COMBINE or combine.args[0] is not node
             or combine.args[1] is not node.args[1] or combine.args[2] is None):
-        raise NotImplementedError("dedup='node' needs the experts' rows read only by one weighted moe.combine")
+        raise NotImplementedError(f"dedup={dedup!r} needs the experts' rows read only by one weighted moe.combine")
     return combine
 
 

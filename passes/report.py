@@ -22,7 +22,7 @@ class LayerRecord:
     expert_weights: dict = field(default_factory=dict, repr=False)  # role -> the parameter (a list for ModuleList
     # experts), as verify found them: what moecompile.parallelize shards
     sharding: str = ""  # "E/W experts on each of W ranks (...)" when parallelize sharded the layer
-    dedup: str = ""  # how its rows cross the mesh when sharded: "off" or "node"
+    dedup: str = ""  # how its rows cross the mesh when sharded: "off" or the level it dedups at ("node"...)
     dedup_reason: str = ""  # why that level (dedup="auto": the predicted times)
     predicted_s: dict = field(default_factory=dict)  # dedup="auto": predicted seconds per level, example routing
 

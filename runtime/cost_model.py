@@ -1,19 +1,22 @@
 """Alpha-beta time model of the expert-parallel all-to-alls, per mesh level (HierMoE §III-B), and the dedup choice.
 
 A message of ``n`` bytes over a collective of kind ``c`` takes ``alpha[c] + beta[c] * n`` seconds: ``alpha`` the
-start-up latency, ``beta`` the time per byte. Kinds: ``"flat"`` (an all-to-all over every rank), and one per mesh
-level name (``"node"``: among the ranks of equal local index, one per node; ``"local"``: among the ranks of one
-node). ``LinkModel.fit`` takes measured (bytes, seconds) pairs per kind and fits both by least squares, with r2.
+start-up latency, ``beta`` the time per byte. Kinds (``runtime/mesh_levels.py``): ``"flat"`` (an all-to-all over
+every rank), and per dedup level its two collectives, named by the mesh dimensions their ranks differ in (on a
+``("node", "local")`` mesh ``"node"``: among the ranks of equal local index, one per node; ``"local"``: among the
+ranks of one node; on ``("rack", "node", "local")`` also ``"rack"``, ``"node+local"``, ``"rack+node"``).
+``LinkModel.fit`` takes measured (bytes, seconds) pairs per kind and fits both by least squares, with r2.
 
-``dispatch_times`` predicts one dispatch and combine of a layer from its routing, as the runtime does them on a
-2-level ``(nodes, local)`` mesh, message by message. Our all-to-alls have exact uneven splits, so a collective lasts
-as long as its busiest rank: ``n`` is the most bytes any rank sends to, or receives from, the others in it (the
-time the link emulation of ``ep_comm.emulate_links`` waits is the same expression, per rank):
+``dispatch_times`` predicts one dispatch and combine of a layer from its routing, as the runtime does them on the
+mesh, message by message, for ``off`` and each level dedup can run at. Our all-to-alls have exact uneven splits,
+so a collective lasts as long as its busiest rank: ``n`` is the most bytes any rank sends to, or receives from,
+the others in it (the time the link emulation of ``ep_comm.emulate_links`` waits is the same expression, per
+rank). With dedup at level L, "cross" is L's cross kind and "inner" its inner kind:
 
     off   flat: the per-expert counts, the rows (one per (token, expert)), the outputs back
-    node  node: the counts, the rows (one per distinct (token, node)), the expert ids and routing weights of the
-                assignments, the weighted sums back
-          local: the counts, the rows copied to the experts' ranks (one per assignment), the outputs back
+    L     cross: the counts, the rows (one per distinct (token, group of L)), the expert ids and routing weights
+                of the assignments, the weighted sums back
+          inner: the counts, the rows copied to the experts' ranks (one per assignment), the outputs back
 
 ``choose_dedup`` takes the least (``off`` on a tie). HierMoE's model (Eqs. 2-5) prices an all-to-all by its
 padded size, which fits NCCL's equal-split all-to-all; ours never pads.
@@ -29,8 +32,9 @@ from pathlib import Path
 import torch
 
 from .dispatch_plan import Placement
+from .mesh_levels import dedup_levels, inner_size, level_kinds
 
-KINDS = ("flat", "node", "local")
+TWO_LEVELS = ("node", "local")
 
 
 @dataclass(frozen=True)
@@ -104,39 +108,49 @@ def _matrix(src: torch.Tensor, dst: torch.Tensor, ranks: int, nbytes: float) -> 
 
 
 def messages(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Tensor, row_bytes: int,
-             weight_bytes: int = 4, gamma: float | None = None) -> dict[str, list[tuple[str, float]]]:
-    """Per dedup choice, the (collective kind, busiest rank's bytes) of each all-to-all of one dispatch and
-    combine of this routing (the tokens of every rank: ``source_rank_T[t]`` is where token t starts); with
-    ``gamma``, the smooth max over the ranks (``smooth_max``) in place of the busiest."""
-    if len(placement.mesh_shape) != 2:
-        raise ValueError(f"dispatch_times models a 2-level (nodes, local) mesh; got {placement.mesh_shape}")
-    nodes, local = placement.mesh_shape
-    ranks, E = nodes * local, placement.num_experts
+             weight_bytes: int = 4, gamma: float | None = None, names=TWO_LEVELS
+             ) -> dict[str, list[tuple[str, float]]]:
+    """Per dedup choice (``off`` and each level of ``names`` but the innermost), the (collective kind, busiest
+    rank's bytes) of each all-to-all of one dispatch and combine of this routing (the tokens of every rank:
+    ``source_rank_T[t]`` is where token t starts); with ``gamma``, the smooth max over the ranks (``smooth_max``)
+    in place of the busiest. ``names``: the mesh's level names, outermost first (``placement.mesh_shape``'s)."""
+    names = tuple(names)
+    if len(names) != len(placement.mesh_shape):
+        raise ValueError(f"mesh levels {names} do not match the placement's mesh shape {placement.mesh_shape}")
+    ranks, E = math.prod(placement.mesh_shape), placement.num_experts
     T, K = ids_TK.shape
     src = source_rank_T.repeat_interleave(K)  # per assignment
     dest = placement.expert_rank[ids_TK].reshape(-1)
-    everyone = torch.ones(ranks, ranks, dtype=torch.float64) - torch.eye(ranks, dtype=torch.float64)
-    same_local = (torch.arange(ranks)[:, None] % local == torch.arange(ranks) % local).double()
-    same_node = (torch.arange(ranks)[:, None] // local == torch.arange(ranks) // local).double()
-    rows = _matrix(src, dest, ranks, row_bytes)
-    off = [("flat", _busiest(everyone * (E // ranks) * 8, gamma)), ("flat", _busiest(rows, gamma)), ("flat", _busiest(rows.T, gamma))]
-    relay = (dest // local) * local + src % local  # the rank of the token's local index on the expert's node
     token = torch.arange(T).repeat_interleave(K)
-    pairs = torch.unique(token * ranks + relay)  # distinct (token, node): one relay per node
-    pair_rows = _matrix(source_rank_T[pairs // ranks], pairs % ranks, ranks, row_bytes)
-    copies = _matrix(relay, dest, ranks, row_bytes)
-    node = [("node", _busiest(same_local * 16, gamma)), ("node", _busiest(pair_rows, gamma)),
-            ("node", _busiest(_matrix(src, relay, ranks, 16), gamma)), ("node", _busiest(_matrix(src, relay, ranks, weight_bytes), gamma)),
-            ("local", _busiest(same_node * (E // ranks) * 8, gamma)), ("local", _busiest(copies, gamma)),
-            ("local", _busiest(copies.T, gamma)), ("node", _busiest(pair_rows.T, gamma))]
-    return {"off": off, "node": node}
+    everyone = torch.ones(ranks, ranks, dtype=torch.float64) - torch.eye(ranks, dtype=torch.float64)
+    rows = _matrix(src, dest, ranks, row_bytes)
+    plan = {"off": [("flat", _busiest(everyone * (E // ranks) * 8, gamma)), ("flat", _busiest(rows, gamma)),
+                    ("flat", _busiest(rows.T, gamma))]}
+    r = torch.arange(ranks)
+    for level in dedup_levels(names):
+        cross, inner = level_kinds(names, level)
+        n = inner_size(placement.mesh_shape, names, level)
+        same_inner = (r[:, None] % n == r % n).double()  # the cross group: one rank per group of the level
+        same_group = (r[:, None] // n == r // n).double()  # the inner group: the ranks of one group of the level
+        relay = (dest // n) * n + src % n  # the rank of the token's inner coordinates in the expert's group
+        pairs = torch.unique(token * ranks + relay)  # distinct (token, group of the level): one relay per group
+        pair_rows = _matrix(source_rank_T[pairs // ranks], pairs % ranks, ranks, row_bytes)
+        copies = _matrix(relay, dest, ranks, row_bytes)
+        plan[level] = [
+            (cross, _busiest(same_inner * 16, gamma)), (cross, _busiest(pair_rows, gamma)),
+            (cross, _busiest(_matrix(src, relay, ranks, 16), gamma)),
+            (cross, _busiest(_matrix(src, relay, ranks, weight_bytes), gamma)),
+            (inner, _busiest(same_group * (E // ranks) * 8, gamma)), (inner, _busiest(copies, gamma)),
+            (inner, _busiest(copies.T, gamma)), (cross, _busiest(pair_rows.T, gamma))]
+    return plan
 
 
 def dispatch_times(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Tensor, hidden: int,
-                   elem_bytes: int, link: LinkModel, weight_bytes: int = 4, gamma: float | None = None
-                   ) -> dict[str, float]:
-    """Predicted seconds of one dispatch and combine of this routing, per dedup choice (``off``, ``node``)."""
-    plan = messages(ids_TK, placement, source_rank_T, hidden * elem_bytes, weight_bytes, gamma)
+                   elem_bytes: int, link: LinkModel, weight_bytes: int = 4, gamma: float | None = None,
+                   names=TWO_LEVELS) -> dict[str, float]:
+    """Predicted seconds of one dispatch and combine of this routing, per dedup choice (``off`` and each level of
+    ``names`` dedup can run at)."""
+    plan = messages(ids_TK, placement, source_rank_T, hidden * elem_bytes, weight_bytes, gamma, names)
     return {mode: sum(link.time(kind, n) for kind, n in msgs) for mode, msgs in plan.items()}
 
 

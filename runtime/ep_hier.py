@@ -1,7 +1,9 @@
-"""Hierarchical expert-parallel dispatch with token dedup at the node (X-MoE's redundancy-bypassing dispatch,
-HierMoE's HierD-AlltoAll over the two levels of a ``("node", "local")`` mesh). Built by the ``distribute`` pass
-for a layer ``moecompile.parallelize(..., dedup="node")`` sharded; the ops here are its integer plans and
-exchanges, the rest is plain differentiable torch (so each op's backward is short: the reverse exchange).
+"""Hierarchical expert-parallel dispatch with token dedup at a mesh level (X-MoE's redundancy-bypassing dispatch,
+HierMoE's HierD-AlltoAll). Built by the ``distribute`` pass for a layer ``moecompile.parallelize(...,
+dedup="node")`` sharded (or any level but the innermost of the mesh: ``runtime/mesh_levels.py``); the ops here are
+its integer plans and exchanges, the rest is plain differentiable torch (so each op's backward is short: the
+reverse exchange). Below, on a ``("node", "local")`` mesh; dedup at another level reads "node" as the groups of
+that level (its "cross" collective) and "local" as the ranks of one such group (its "inner" one).
 
     source rank (node n, local index l), its T tokens routed to K experts each
     1 ep_node_plan     one row per distinct (token, node): P pairs, grouped by node; each (token, expert)
@@ -36,20 +38,22 @@ from .ep_stats import COMM
 
 Tensor = torch.Tensor
 
-# The two level groups of each mesh parallelize set up, by the name of the mesh's whole group:
-# (name of this rank's "node" group: the ranks of its local index; name of its "local" group: the ranks of its node)
-LAYOUTS: dict[str, tuple[str, str]] = {}
+# The two collectives of dedup at each level of each mesh parallelize set up, by (the name of the mesh's whole
+# group, the level): (name of this rank's cross group: the ranks of its inner coordinates, one per group of the
+# level; name of its inner group: the ranks of its group of the level)
+LAYOUTS: dict[tuple[str, str], tuple[str, str]] = {}
 
 
-def register_layout(group_name: str, node_group_name: str, local_group_name: str) -> None:
-    LAYOUTS[group_name] = (node_group_name, local_group_name)
+def register_layout(group_name: str, level: str, cross_group_name: str, inner_group_name: str) -> None:
+    LAYOUTS[(group_name, level)] = (cross_group_name, inner_group_name)
 
 
-def layout(group_name: str) -> tuple[str, str]:
-    if group_name not in LAYOUTS:
-        raise ValueError(f"process group {group_name!r} has no (node, local) layout: dedup='node' needs a 2-D mesh "
-                         "named ('node', 'local') given to moecompile.parallelize")
-    return LAYOUTS[group_name]
+def layout(group_name: str, level: str) -> tuple[str, str]:
+    if (group_name, level) not in LAYOUTS:
+        raise ValueError(f"process group {group_name!r} has no mesh level {level!r} to dedup at: dedup={level!r} "
+                         "needs a mesh of several levels naming it (e.g. ('node', 'local')) given to "
+                         "moecompile.parallelize")
+    return LAYOUTS[(group_name, level)]
 
 
 # ---- plans (integer, not differentiable) -----------------------------------------------------------------------
@@ -157,13 +161,14 @@ register_autograd("moe::ep_exchange", _ep_exchange_bwd, setup_context=_ep_exchan
 # ---- the whole hierarchical expert step, as the distribute pass traces it --------------------------------------
 
 
-def hierarchical_experts(x_TH, token_ids_B, counts_E, weights_B, run_experts, group_name: str, layer: str):
+def hierarchical_experts(x_TH, token_ids_B, counts_E, weights_B, run_experts, group_name: str, layer: str,
+                         level: str = "node"):
     """``combine(expert_mlp(x_TH, token_ids_B, counts_E, ...), token_ids_B, weights_B, T)`` with the experts of
-    ``group_name``'s ("node", "local") mesh and the rows deduplicated per node (see the module docstring).
+    ``group_name``'s mesh and the rows deduplicated per group of ``level`` (see the module docstring).
     ``run_experts(x_RH, perm_R, counts_L)`` runs this rank's experts on the rows it received (plain torch ops or
     fx proxies: the pass calls it while tracing)."""
     ops = torch.ops.moe
-    node_g, local_g = layout(group_name)
+    node_g, local_g = layout(group_name, level)
     T, E = x_TH.size(0), counts_E.size(0)
     pair_tok_P, meta_B2, send_N2 = ops.ep_node_plan(token_ids_B, counts_E, T, node_g, layer)
     recv_N2 = ops.ep_counts(send_N2, node_g)

@@ -24,7 +24,8 @@ model's own experts code reads (so Dynamo traces and detect reads it as on one d
 an ``nn.ModuleList`` (no tensor input: a tensor reached through a closure would become a graph input named after
 the closure; ``name`` and ``like_name``, a local expert's weight of the same role, are the names in the model,
 from which the stand-in gets the graph input name Dynamo gives a parameter). Its ``dedup`` and
-``ep_global_view``'s name how the layer's rows cross the mesh: ``"off"`` (the ops here) or ``"node"`` (``ep_hier.py``).
+``ep_global_view``'s name how the layer's rows cross the mesh: ``"off"`` (the ops here) or the mesh level it dedups
+at, ``"node"``... (``ep_hier.py``).
 
 The process group is named by ``group_name`` (``ProcessGroup.group_name``, as torch's functional collectives do)
 and the layer by ``layer``: bytes sent are counted per layer in ``runtime.ep_stats.COMM``.

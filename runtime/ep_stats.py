@@ -1,14 +1,15 @@
 """Bytes the expert-parallel ops send, counted where they are sent, per MoE layer (read by ``moecompile.comm_stats``).
 
-Each exchange is split by what the rows cross: ``"self"`` (rows a rank keeps: no link), ``"local"`` (another rank
-of the same node), ``"node"`` (another node) and ``"peer"`` (another rank of a mesh with one level, whose ranks
-are not placed on nodes). ``moecompile.parallelize`` tells the counter which node each global rank is on
-(``set_nodes``) for a ``("node", "local")`` mesh. Phases: ``dispatch`` (token rows to the experts), ``combine``
-(expert outputs back) and ``routing`` (the expert ids and routing weights that hierarchical dispatch sends with
-its rows). Hierarchical dedup also counts, per layer, the rows that would have crossed nodes without it
-(``dedup.remote_assignments``: routed (token, expert) pairs on another node) and the rows that did
-(``dedup.remote_pairs``: distinct (token, remote node) pairs). ``seconds``: the wall time of the layer's forward
-exchanges (dispatch, routing and combine; backward is not timed).
+Each exchange is split by what the rows cross: ``"self"`` (rows a rank keeps: no link), the outermost level of the
+mesh the two ranks differ in (``"local"``: another rank of the same node; ``"node"``: another node; ``"rack"``...:
+``runtime/mesh_levels.py``), or ``"peer"`` (another rank of a mesh with one level, whose ranks are not placed on
+nodes). ``moecompile.parallelize`` tells the counter each global rank's coordinates on a mesh of several levels
+(``set_levels``). Phases: ``dispatch`` (token rows to the experts), ``combine`` (expert outputs back) and
+``routing`` (the expert ids and routing weights that hierarchical dispatch sends with its rows). Hierarchical
+dedup also counts, per layer, the rows that would have crossed into other groups of its level without it
+(``dedup.remote_assignments``: routed (token, expert) pairs on another node, for dedup at "node") and the rows
+that did (``dedup.remote_pairs``: distinct (token, remote node) pairs). ``seconds``: the wall time of the layer's
+forward exchanges (dispatch, routing and combine; backward is not timed).
 """
 
 from __future__ import annotations
@@ -18,25 +19,31 @@ import threading
 import time
 from collections import defaultdict
 
-LINKS = ("self", "local", "node", "peer")
+from .mesh_levels import link as level_link
 
 
 class CommCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self._node_of: dict[int, int] = {}
+        self._coords: dict[int, tuple[int, ...]] = {}
+        self._levels: tuple[str, ...] = ()
 
-    def set_nodes(self, node_of: dict[int, int]) -> None:
-        """The node of each global rank (ranks not named here are on no known node)."""
-        self._node_of.update(node_of)
+    def set_levels(self, coords: dict[int, tuple[int, ...]], names: tuple[str, ...]) -> None:
+        """The coordinates of each global rank on a mesh of levels ``names`` (ranks not named here are on no known
+        node). The last mesh set up wins."""
+        self._coords, self._levels = dict(coords), tuple(names)
+
+    def links(self) -> tuple[str, ...]:
+        """Every link name bytes may be counted under, innermost first."""
+        return ("self", *reversed(self._levels), "peer")
 
     def link(self, me: int, peer: int) -> str:
         """The kind of link between two global ranks."""
         if peer == me:
             return "self"
-        if me in self._node_of and peer in self._node_of:
-            return "local" if self._node_of[me] == self._node_of[peer] else "node"
+        if me in self._coords and peer in self._coords:
+            return level_link(self._coords[me], self._coords[peer], self._levels)
         return "peer"
 
     def add_rows(self, layer: str, phase: str, group, rows_per_rank: list[int], row_bytes: int) -> None:

@@ -13,11 +13,13 @@ one dispatch and combine of the recent routing, the busiest rank's bytes taken a
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_fake
 
-from .cost_model import LinkModel, dispatch_times
+from .cost_model import TWO_LEVELS, LinkModel, dispatch_times
 from .dispatch_plan import Placement
 from .ep_comm import exchange
 
@@ -50,22 +52,24 @@ def _ep_to_slots_fake(token_ids_B, counts_E, slots_E, num_tokens, layer):
             torch.empty_like(token_ids_B))
 
 
-def objective(ids_TK: Tensor, source_rank_T: Tensor, expert_rank: Tensor, mesh_shape: tuple[int, int],
-              hidden: int, elem_bytes: int, link: LinkModel, dedup: str, gamma: float) -> float:
+def objective(ids_TK: Tensor, source_rank_T: Tensor, expert_rank: Tensor, mesh_shape: tuple[int, ...],
+              hidden: int, elem_bytes: int, link: LinkModel, dedup: str, gamma: float, names=TWO_LEVELS) -> float:
     """Predicted seconds of one dispatch and combine of the routing under this placement (smooth max)."""
     placement = Placement(expert_rank, mesh_shape)
-    return dispatch_times(ids_TK, placement, source_rank_T, hidden, elem_bytes, link, gamma=gamma)[dedup]
+    return dispatch_times(ids_TK, placement, source_rank_T, hidden, elem_bytes, link, gamma=gamma,
+                          names=names)[dedup]
 
 
-def choose_swap(ids_TK: Tensor, source_rank_T: Tensor, slots_E: Tensor, mesh_shape: tuple[int, int], hidden: int,
-                elem_bytes: int, link: LinkModel, dedup: str, gamma: float = 10.0, max_pairs: int = 4096):
+def choose_swap(ids_TK: Tensor, source_rank_T: Tensor, slots_E: Tensor, mesh_shape: tuple[int, ...], hidden: int,
+                elem_bytes: int, link: LinkModel, dedup: str, gamma: float = 10.0, max_pairs: int = 4096,
+                names=TWO_LEVELS):
     """(expert a, expert b, predicted seconds before, after) of the best swap, or None. Pairs are taken from
     the experts of the rank receiving the most routed rows against every expert elsewhere (all pairs when
-    that is fewer than ``max_pairs``)."""
-    ranks = mesh_shape[0] * mesh_shape[1]
+    that is fewer than ``max_pairs``). ``names``: the mesh's levels (``mesh_shape``'s), outermost first."""
+    ranks = math.prod(mesh_shape)
     slots_E, E = slots_E.cpu(), slots_E.numel()
     expert_rank = slots_E // (E // ranks)
-    before = objective(ids_TK, source_rank_T, expert_rank, mesh_shape, hidden, elem_bytes, link, dedup, gamma)
+    before = objective(ids_TK, source_rank_T, expert_rank, mesh_shape, hidden, elem_bytes, link, dedup, gamma, names)
     pairs = [(a, b) for a in range(E) for b in range(a + 1, E) if expert_rank[a] != expert_rank[b]]
     if len(pairs) > max_pairs:
         load = torch.bincount(expert_rank[ids_TK.reshape(-1)], minlength=ranks)
@@ -76,7 +80,7 @@ def choose_swap(ids_TK: Tensor, source_rank_T: Tensor, slots_E: Tensor, mesh_sha
     for a, b in pairs:
         trial = expert_rank.clone()
         trial[a], trial[b] = expert_rank[b], expert_rank[a]
-        after = objective(ids_TK, source_rank_T, trial, mesh_shape, hidden, elem_bytes, link, dedup, gamma)
+        after = objective(ids_TK, source_rank_T, trial, mesh_shape, hidden, elem_bytes, link, dedup, gamma, names)
         if after < before * (1 - 1e-9) and (best is None or after < best[3]):
             best = (a, b, before, after)
     return best

@@ -1,6 +1,7 @@
 """The alpha-beta link model (runtime/cost_model.py): fitted from timings, and the dispatch time it predicts per
-dedup choice, checked by hand on a small routing; the smooth max and the expert swap it chooses
-(runtime/ep_swap.py), and the rows sorted by slot after a swap."""
+dedup choice, checked by hand on a small routing on two and three mesh levels (runtime/mesh_levels.py: names,
+collective kinds, groups, links); the smooth max and the expert swap it chooses (runtime/ep_swap.py), and the rows
+sorted by slot after a swap."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from moecompile.runtime.cost_model import LinkModel, choose_dedup, dispatch_times, smooth_max
 from moecompile.runtime.dispatch_plan import Placement
 from moecompile.runtime.ep_swap import choose_swap
+from moecompile.runtime.mesh_levels import check_names, kinds, level_kinds, link, partition
 
 
 def test_fit_recovers_alpha_and_beta_and_round_trips(tmp_path):
@@ -51,6 +53,49 @@ def test_dispatch_times_by_hand():
                      "node": sum(a + 0.25 * n for a, n in node) + sum(a + 0.125 * n for a, n in local)}
 
 
+def test_dispatch_times_by_hand_on_three_levels():
+    """Mesh (2 racks, 2 nodes, 2 local), 1 expert per rank, H = 4 fp32 (16-byte rows); token 0 on rank 0 routed
+    to experts 5 and 7 (rack 1, nodes 2 and 3).
+    off (flat): counts 7 peers x 8 = 56; 2 rows out of rank 0, 32, and back.
+    rack (cross "rack", inner "node+local"): the token crosses once, to rank 4 (rack 1, its inner coordinates):
+    rack counts 16, pair row 16, ids 2 x 16, weights 2 x 4, sums back 16; node+local counts 3 peers x 8 = 24,
+    rank 4 copies the row to ranks 5 and 7, 32, and gets their outputs, 32.
+    node (cross "rack+node", inner "local"): once per node, to ranks 4 and 6: counts 3 peers x 16 = 48, pair rows
+    32, ids 32, weights 8, sums back 32; local counts 8, copies 4 -> 5 and 6 -> 7, 16 each way."""
+    placement = Placement.contiguous(8, (2, 2, 2))
+    names = ("rack", "node", "local")
+    link = LinkModel({"flat": (1.0, 0.5), "rack": (2.0, 0.25), "node+local": (3.0, 0.125),
+                      "rack+node": (4.0, 1 / 16), "local": (5.0, 1 / 32)})
+    times = dispatch_times(torch.tensor([[5, 7]]), placement, torch.tensor([0]), hidden=4, elem_bytes=4, link=link,
+                           names=names)
+    cost = lambda kind, sizes: sum(link.time(kind, n) for n in sizes)  # noqa: E731
+    assert times == {"off": cost("flat", [56, 32, 32]),
+                     "rack": cost("rack", [16, 16, 32, 8, 16]) + cost("node+local", [24, 32, 32]),
+                     "node": cost("rack+node", [48, 32, 32, 8, 32]) + cost("local", [8, 16, 16])}
+    assert times == {"off": 63.0, "rack": 52.0, "node": 45.75}
+
+
+def test_mesh_levels():
+    check_names(("node", "local"))
+    check_names(("pod", "rack", "node", "local"))
+    check_names(("anything",))  # one level: any name
+    for bad in (("dp", "ep"), ("local", "node"), ("node", "rack", "local"), ("rack", "node"), ("node", "node")):
+        with pytest.raises(ValueError, match="are not known"):
+            check_names(bad)
+    names = ("rack", "node", "local")
+    assert kinds(names) == ["flat", "rack", "node+local", "rack+node", "local"]
+    assert kinds(("node", "local")) == ["flat", "node", "local"] and kinds(("ep",)) == ["flat"]
+    assert level_kinds(names, "rack") == ("rack", "node+local")
+    with pytest.raises(ValueError, match="not a level of the mesh"):
+        level_kinds(names, "local")
+    ranks = torch.arange(8).view(2, 2, 2)
+    assert partition(ranks, (0, 1)) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert partition(ranks, (1, 2)) == [[0, 1, 2, 3], [4, 5, 6, 7]] and partition(ranks, (0,)) == [[0, 4], [1, 5],
+                                                                                                    [2, 6], [3, 7]]
+    assert [link((0, 0, 0), c, names) for c in ((0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1))] == \
+        ["self", "local", "node", "rack"]
+
+
 def test_dedup_chosen_when_node_links_are_slow_and_not_when_latency_dominates():
     gen = torch.Generator().manual_seed(0)
     T, E, K = 256, 16, 8
@@ -63,7 +108,10 @@ def test_dedup_chosen_when_node_links_are_slow_and_not_when_latency_dominates():
     latency_bound = LinkModel({"flat": (1e-5, 1e-12), "node": (1e-3, 1e-12), "local": (1e-3, 1e-12)})
     times = dispatch_times(ids, placement, source, hidden=1024, elem_bytes=2, link=latency_bound)
     assert choose_dedup(times) == "off"
-    with pytest.raises(ValueError, match="2-level"):
+    flat = dispatch_times(ids, Placement.contiguous(E, (4,)), source, hidden=8, elem_bytes=2, link=slow_nodes,
+                          names=("ep",))
+    assert list(flat) == ["off"]  # one level: nothing to dedup at
+    with pytest.raises(ValueError, match="do not match the placement's mesh shape"):
         dispatch_times(ids, Placement.contiguous(E, (4,)), source, hidden=8, elem_bytes=2, link=slow_nodes)
 
 

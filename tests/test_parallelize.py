@@ -1,13 +1,16 @@
 """Expert parallelism end to end (moecompile.parallelize + backend="moe") on gloo, against one process.
 
-One world-4 group (a 2x2 ("node", "local") mesh: 2 nodes x 2 GPUs) trains Mixtral and DeepSeek-V3 (shared experts,
-group-limited routing) with dedup="node" (the inter-node bytes are counted against the distinct (token, remote
-node) pairs of the one-process routing) and GPT-OSS (biases, transposed and interleaved experts) with
-dedup="off", for three SGD steps (momentum 0.9), each rank on its own batch, beside one process training the same model on the four batches together (the same mean
-loss): each step's logits of each rank equal the one-process logits of its batch, and the parameters after the
-steps are equal (fp32, 1e-5). It also checks the sharding (each rank holds E/4 experts, the state_dict shows the
-global tensors), saves a torch.distributed.checkpoint, and refuses bad input (experts that do not divide over
-the mesh, unknown mesh dimension names, ranks holding different models) with ValueError.
+One world-4 group (a 2x2 ("node", "local") mesh: 2 nodes x 2 GPUs) trains Mixtral and a hand-written ModuleList
+model with dedup="node" (the inter-node bytes are counted against the distinct (token, remote node) pairs of the
+one-process routing), DeepSeek-V3 (shared experts, group-limited routing) on a 3-level ("rack", "node", "local")
+mesh with dedup="auto" (a link model of slow racks: it must pick "rack") and GPT-OSS (biases, transposed and
+interleaved experts) with dedup="off", for three SGD steps (momentum 0.9), each rank on its own batch, beside one
+process training the same model on the four batches together (the same mean loss): each step's logits of each
+rank equal the one-process logits of its batch, and the parameters after the steps are equal (fp32, 1e-5). It
+also checks the sharding (each rank holds E/4 experts, the state_dict shows the global tensors), calibration and
+dedup="auto", expert swap, the report and plot, saves a torch.distributed.checkpoint, and refuses bad input
+(experts that do not divide over the mesh, unknown mesh dimension names or dedup levels, a mesh of some ranks,
+ranks holding different models) with ValueError.
 
 One world-2 group (a 1-D mesh) trains Qwen3-MoE the same way, loads the world-4 checkpoint and finds exactly
 the parameters saved, then one rank dies: the other raises within the process group's timeout. The test
@@ -34,7 +37,7 @@ from moecompile.calibrate import calibrate, time_dispatch
 from moecompile.runtime.cost_model import LinkModel, dispatch_times
 from moecompile.runtime.dispatch_plan import Placement, dedup_stats
 from moecompile.runtime.ep_comm import emulate_links
-from moecompile.runtime.ep_stats import LINKS
+from moecompile.runtime.ep_stats import COMM
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -42,6 +45,9 @@ STEPS, LR, TOL = 3, 0.1, 1e-5
 # SGD, not Adam: Adam divides each gradient element by its own running size, so an element whose gradient is
 # near zero turns the ~1e-9 difference of summing the same gradient in another order (per rank, then averaged)
 # into an lr-sized step (seen: one o_proj element 1.5e-5 apart after 3 AdamW steps). SGD keeps it ~1e-8.
+# Rows that cross racks cost, inside a rack they are cheap; a collective over racks and nodes at once costs more
+RACKS_SLOW = LinkModel({"flat": (0, 1e-6), "rack": (0, 1e-6), "node+local": (0, 1e-9), "rack+node": (0, 2e-6),
+                        "local": (0, 1e-9)})
 DEAD_RANK_TIMEOUT = 20  # seconds: the world-2 group's timeout, within which the survivor must raise
 
 
@@ -65,14 +71,18 @@ def _batches(model, world):
     return torch.randint(0, vocab, (world, 2, 6), generator=gen)
 
 
-def _train_against_one_process(family, mesh, rank, world, dedup="off"):
-    """Three steps sharded and in one process; returns (sharded model, one-process model)."""
+def _train_against_one_process(family, mesh, rank, world, dedup="off", link_model=None, level=None):
+    """Three steps sharded and in one process; returns (sharded model, one-process model). ``level``: the dedup
+    level ``dedup="auto"`` must choose."""
     ref, model = _build(family).train(), _build(family).train()
     moecompile.comm_stats(reset=True)
     batches = _batches(model, world)
     mine, together = batches[rank], batches.flatten(0, 1)
-    moecompile.parallelize(model, mesh, mine, dedup=dedup)
+    moecompile.parallelize(model, mesh, mine, dedup=dedup, link_model=link_model)
     info = model._moe_parallel
+    if dedup == "auto":
+        assert {r.dedup for r in info.report.layers} == {level}, [(r.dedup, r.dedup_reason) for r in info.report.layers]
+        dedup = level
     routed = []  # the one-process routing of layer 0, [world * T, K] per step (Mixtral's router returns it)
     if family == "mixtral":
         router = ref.get_submodule(info.report.layers[0].path + ".gate")
@@ -113,22 +123,23 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off"):
     row = spec.experts.hidden * 4
     if dedup == "off":
         assert stats["calls.dispatch"] == STEPS and stats["calls.combine"] == STEPS, stats
-        sent = sum(stats.get(f"dispatch.{link}", 0) for link in LINKS)  # each routed row once
+        sent = sum(stats.get(f"dispatch.{link}", 0) for link in COMM.links())  # each routed row once
         assert sent == STEPS * mine.numel() * spec.routing.top_k * row, (stats, spec)
     else:
-        _check_node_dedup(stats, routed, spec, rank, mine.numel(), row)
-    if mesh.ndim == 2:  # the rows of the step went over both kinds of link (summed over the ranks)
-        links = torch.tensor([stats["dispatch.local"], stats["dispatch.node"]])
+        _check_dedup(stats, routed, spec, rank, mine.numel(), row, dedup)
+    if mesh.ndim > 1:  # the rows of the step went over the innermost and outermost links (summed over the ranks)
+        links = torch.tensor([stats["dispatch.local"], stats[f"dispatch.{mesh.mesh_dim_names[0]}"]])
         dist.all_reduce(links)
         assert (links > 0).all(), links
     return model, ref
 
 
-def _check_node_dedup(stats, routed, spec, rank, T, row):
-    """Inter-node bytes are exactly the distinct (token, remote node) pairs x H x 4, each way (summed over the
-    ranks for the way back, which each relay counts), fewer than the routed assignments to remote nodes. With the
-    one-process routing (``routed``), the pairs are counted from it."""
-    assert stats["dispatch.node"] == stats["dedup.remote_pairs"] * row, stats
+def _check_dedup(stats, routed, spec, rank, T, row, level):
+    """Bytes out of a group of the dedup level (the outermost one here: its link) are exactly the distinct (token,
+    other group) pairs x H x 4, each way (summed over the ranks for the way back, which each relay counts), fewer
+    than the routed assignments to other groups. With the one-process routing (``routed``, on a 2x2 mesh), the
+    pairs are counted from it."""
+    assert stats[f"dispatch.{level}"] == stats["dedup.remote_pairs"] * row, stats
     if routed:
         placement = Placement.contiguous(spec.experts.num_experts, (2, 2))
         pairs = assignments = 0
@@ -136,7 +147,7 @@ def _check_node_dedup(stats, routed, spec, rank, T, row):
             node = dedup_stats(ids[rank * T:(rank + 1) * T], placement, torch.full((T,), rank))[0]
             pairs, assignments = pairs + node["remote_pairs"], assignments + node["remote_assignments"]
         assert (stats["dedup.remote_pairs"], stats["dedup.remote_assignments"]) == (pairs, assignments), stats
-    both = torch.tensor([stats["dispatch.node"], stats["combine.node"], stats["dedup.remote_pairs"],
+    both = torch.tensor([stats[f"dispatch.{level}"], stats[f"combine.{level}"], stats["dedup.remote_pairs"],
                          stats["dedup.remote_assignments"]])
     dist.all_reduce(both)
     assert both[0] == both[1] and both[2] < both[3], both  # as many bytes back; dedup removed some rows
@@ -154,8 +165,12 @@ def _bad_input(mesh, rank):
     with pytest.raises(ValueError, match="do not divide over the mesh's 4 ranks"):
         moecompile.parallelize(tiny_model("mixtral", num_local_experts=6), mesh, torch.zeros(1, 4, dtype=torch.long))
     named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-    with pytest.raises(ValueError, match=r"must be named \('node', 'local'\)"):
+    with pytest.raises(ValueError, match=r"names \('dp', 'ep'\) are not known.*the last 'local'"):
         moecompile.parallelize(tiny_model("mixtral"), named, torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"dedup='rack' is not available on the mesh \('node', 'local'\)"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="rack")
+    with pytest.raises(ValueError, match="not every rank of the default process group"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh["local"], torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="swap_every must be a whole number"):
         moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), swap_every=-1)
     with pytest.raises(ValueError, match="hold a different model than rank 0"):
@@ -245,7 +260,11 @@ def _world4(rank, world, tmp):
         _bad_input(mesh, rank)
         _links_and_auto(mesh, rank)
         _train_with_swaps(mesh, rank, world, tmp)
-        for family, dedup in (("mixtral", "node"), ("deepseek_v3", "node"), ("gpt_oss", "off"), ("loop", "node")):
+        for family, dedup in (("mixtral", "node"), ("deepseek_v3", "auto"), ("gpt_oss", "off"), ("loop", "node")):
+            if dedup == "auto":  # on 3 levels, (racks, nodes, local) = (2, 1, 2): the link model picks the rack
+                racks = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rack", "node", "local"))
+                model, ref = _train_against_one_process(family, racks, rank, world, "auto", RACKS_SLOW, "rack")
+                continue
             model, ref = _train_against_one_process(family, mesh, rank, world, dedup)
             if family == "mixtral":
                 _report_and_plot(model, tmp, rank)
@@ -262,7 +281,7 @@ def _world2(rank, world, tmp):
     _init(rank, world, tmp, timeout=DEAD_RANK_TIMEOUT)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        with pytest.raises(ValueError, match="dedup='node' needs a 2-D mesh"):
+        with pytest.raises(ValueError, match="dedup='node' needs a mesh of several levels"):
             moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
         _train_against_one_process("qwen3_moe", mesh, rank, world)
         model = moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long))
