@@ -74,7 +74,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
     local, swapping = set(), []
     for rec, params in plans:
-        slots = torch.arange(rec.spec.experts.num_experts) if swap_every and _stacked(params) else None
+        swaps = swap_every and rec.spec.experts.storage == "stacked"  # not yet: ModuleLists, flat weights
+        slots = torch.arange(rec.spec.experts.num_experts) if swaps else None
         local |= _shard_layer(model, rec, params, mesh, group, rank, world, slots)
         if slots is not None:
             swapping.append((rec, [model.get_parameter(n) for n in params.values()], slots))
@@ -97,10 +98,6 @@ def _check_dedup(dedup, mesh) -> None:
                          "or use dedup='off'")
     raise ValueError(f"dedup={dedup!r} is not available on the mesh {tuple(mesh.mesh_dim_names)}: choose one of "
                      f"{['off', *levels, 'auto']}")
-
-
-def _stacked(params: dict) -> bool:
-    return not isinstance(next(iter(params.values())), list)
 
 
 class ParallelInfo:
@@ -162,8 +159,9 @@ def _unshardable(rec, world: int) -> str:
     if e.num_experts % world:
         raise ValueError(f"MoE layer {rec.path} has {e.num_experts} experts, which do not divide over the mesh's "
                          f"{world} ranks: use a mesh whose size divides {e.num_experts}")
-    if e.storage not in ("stacked", "modulelist"):
-        return f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters and ModuleLists are)"
+    if e.storage not in ("stacked", "flat", "modulelist"):
+        return (f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters, flat [E * R, ...] ones "
+                "and ModuleLists are)")
     if e.identity_experts or r.weights_on_input or r.capacity >= 0:
         what = ("identity experts" if e.identity_experts else "weights on the input" if r.weights_on_input
                 else "an expert capacity")
@@ -201,7 +199,7 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     if isinstance(next(iter(params.values())), list):
         held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup)
     else:
-        held = _shard_stacked(model, params, mesh, group, rank, local_E, E, rec.path, dedup, slots)
+        held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots)
     names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
     listed = names if len(names) <= 4 else names[:2] + [f"... {len(names)} in all"]
     how = "one row per (token, expert)" if dedup == "off" else (
@@ -213,22 +211,25 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     return held
 
 
-def _shard_stacked(model, params: dict[str, str], mesh, group, rank, local_E, E, layer, dedup, slots) -> set[str]:
+def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, layer, dedup, slots) -> set[str]:
+    """Stacked ``[E, ...]`` weights, or flat ``[E * R, ...]`` ones (R rows per expert): each rank keeps its
+    consecutive 1 / world of dim 0 (its E / world experts)."""
     attrs = {}
     for role, name in params.items():
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         full = module._parameters[attr]
-        shard = nn.Parameter(full.detach()[rank * local_E:(rank + 1) * local_E].clone(), full.requires_grad)
+        per_rank = full.shape[0] // world
+        shard = nn.Parameter(full.detach()[rank * per_rank:(rank + 1) * per_rank].clone(), full.requires_grad)
         shard._moe_sharded = True
         module._parameters[attr] = shard
-        attrs.setdefault(module, []).append(attr)
-    for module, names in attrs.items():
+        attrs.setdefault(module, {})[attr] = full.shape[0]
+    for module, rows in attrs.items():
         if slots is not None:  # the placement, a graph input read by the ops (not saved: state_dict un-swaps)
             module.register_buffer(SLOTS, slots, persistent=False)
-        _read_through_view(module, names, E, group.group_name, layer, dedup)
-        module.register_state_dict_post_hook(global_state(names, mesh, E, group))
-        module._register_load_state_dict_pre_hook(local_state(names, mesh, E, rank, group), with_module=True)
+        _read_through_view(module, rows, group.group_name, layer, dedup)
+        module.register_state_dict_post_hook(global_state(rows, mesh, group))
+        module._register_load_state_dict_pre_hook(local_state(rows, mesh, rank, group), with_module=True)
     return set(params.values())
 
 
@@ -274,26 +275,28 @@ def _read_remote(module, attr, like, expert, name, group_name, layer, dedup) -> 
     module._register_load_state_dict_pre_hook(drop_remote)
 
 
-def _read_through_view(module: nn.Module, names: list[str], E: int, group_name: str, layer: str, dedup: str
-                       ) -> None:
-    """While Dynamo traces, the module reads each of ``names`` as ``moe.ep_global_view`` of its local shard (a
-    subclass with one property per name); elsewhere as the shard itself (``get_parameter``, ``.shape``), and
-    its forward refuses to run eagerly: the model's own code would read global expert ids from a shard. The
-    parameter stays registered under its name, so ``named_parameters`` and optimizers see the shard."""
+def _read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, layer: str, dedup: str) -> None:
+    """While Dynamo traces, the module reads each weight of ``rows`` (name -> its global dim 0: E, or E x R for
+    flat weights) as ``moe.ep_global_view`` of its local shard (a subclass with one property per name); elsewhere
+    as the shard itself (``get_parameter``, ``.shape``), and its forward refuses to run eagerly: the model's own
+    code would read global expert ids from a shard. The parameter stays registered under its name, so
+    ``named_parameters`` and optimizers see the shard."""
     def view(attr):
         def read(self):
             local = self._parameters[attr]
             if torch.compiler.is_compiling():
-                return torch.ops.moe.ep_global_view(local, E, group_name, layer, dedup, self._buffers.get(SLOTS))
+                return torch.ops.moe.ep_global_view(local, rows[attr], group_name, layer, dedup,
+                                                    self._buffers.get(SLOTS))
             return local
         return property(read)
 
     def refuse_eager(mod, args):
         if not torch.compiler.is_compiling():
-            torch.ops.moe.ep_global_view(mod._parameters[names[0]], E, group_name, layer)  # raises, saying why
+            first = next(iter(rows))
+            torch.ops.moe.ep_global_view(mod._parameters[first], rows[first], group_name, layer)  # raises, saying why
 
     cls = module.__class__
-    module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {n: view(n) for n in names})
+    module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {n: view(n) for n in rows})
     module.register_forward_pre_hook(refuse_eager)
 
 

@@ -40,6 +40,7 @@ def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
                 _shard_experts(gm, node, report)
     for ph in standins:
         view = ph.meta["ep_view"]
+        _erase_unused(gm.graph, list(ph.users))  # dead reads the model's code left (dbrx views its weights per expert)
         if ph.users:
             layer = view.args[3]
             why = "; ".join(s.reason for s in report.skipped if s.region == layer) or "moecompile.explain() says why"
@@ -89,13 +90,17 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         raise NotImplementedError("experts that scale their input by the routing weight (weights on the input) "
                                   "cannot run sharded yet")
     e = spec.experts
-    if e.storage not in ("stacked", "modulelist") or e.identity_experts:
+    if e.storage not in ("stacked", "flat", "modulelist") or e.identity_experts:
         raise NotImplementedError(f"{e.storage} expert storage{' with identity experts' if e.identity_experts else ''}"
                                   " cannot run sharded yet")
     group_name, layer = views[0].args[2:4]
     dedup = _dedup(views[0])
     first = next(iter(local.values()))
-    local_experts = len(first) if isinstance(first, list) else first.meta["example_value"].shape[0]
+    if isinstance(first, list):  # a ModuleList: its local experts
+        local_experts = len(first)
+    else:  # a stacked [E_l, ...] or flat [E_l * R, ...] shard of the view's global dim 0 (E or E * R)
+        view = _view(next(w for w in weights.values() if _view(w) is not None))
+        local_experts = e.num_experts * first.meta["example_value"].shape[0] // view.args[1]
     local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts))
     tracer = fx.proxy.GraphAppendingTracer(gm.graph)
     proxy = lambda n: fx.Proxy(n, tracer) if isinstance(n, fx.Node) else n  # noqa: E731
@@ -161,10 +166,11 @@ def _only_combine(node: fx.Node, dedup: str) -> fx.Node:
 
 
 def _erase_unused(graph: fx.Graph, nodes) -> None:
-    """The views of the stand-ins that fed the one-device experts, now read by nothing."""
+    """The views of the stand-ins that fed the one-device experts, now read by nothing (and what only they read)."""
     stack = list(nodes)
     while stack:
         n = stack.pop()
-        if n.op in ("call_function", "call_method") and not n.users and not getattr(n, "_erased", False):
+        if n.op in ("call_function", "call_method") and not n.users and not getattr(n, "_erased", False) \
+                and not n.is_impure():
             stack.extend(n.all_input_nodes)
             graph.erase_node(n)

@@ -3,8 +3,9 @@ parameters they stand for on one device.
 
 A sharded parameter reaches the graph as ``moe.ep_global_view(local_shard, E, group, layer)`` (the model's own
 experts code reads its global ``[E, ...]`` shape; it has no value); a weight of an ``nn.ModuleList`` expert held by
-another rank as ``moe.ep_remote_expert(shape, expert, group, layer, ...)``. This pass gives each such view a placeholder of
-its own, holding a random stand-in of the global shape (``meta["ep_standin"]``, seen by
+another rank as ``moe.ep_remote_expert(shape, expert, group, layer, ...)``. This pass gives each such view a
+placeholder of its own (views of the same weight share one, the repeats erased), holding a random stand-in of the
+global shape (``meta["ep_standin"]``, seen by
 ``graph_utils.placeholder_values``), so detect reads the layer and verify proves it exactly as on one device (on
 random weights: the proof is about what the code computes, not about the values). ``distribute`` puts the local
 shards back and removes these placeholders.
@@ -37,7 +38,13 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
         return gm
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     gen = torch.Generator().manual_seed(config.probe_seed)
+    seen: dict[tuple, fx.Node] = {}
     for view in views:
+        key = _key(view)
+        if key in seen:  # the same weight read again (dbrx reads its flat weights once per expert): one stand-in
+            view.replace_all_uses_with(seen[key])
+            gm.graph.erase_node(view)
+            continue
         with gm.graph.inserting_after(last):
             ph = gm.graph.placeholder(_standin_name(view))
         fake = example(view)
@@ -48,9 +55,15 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
         ph.meta["ep_standin"] = torch.nn.Parameter((torch.randn(shape, generator=gen) * std).to(fake.dtype),
                                                    requires_grad=False)
         view.replace_all_uses_with(ph)
-        last = ph
+        seen[key] = last = ph
         report.counters["expose_sharded.views"] += 1
     return gm
+
+
+def _key(view: fx.Node) -> tuple:
+    """Views equal in op and arguments read the same weight."""
+    plain = lambda a: tuple(a) if isinstance(a, list) else a  # noqa: E731
+    return (view.target, tuple(plain(a) for a in view.args), tuple(sorted(view.kwargs.items())))
 
 
 def _dynamo_name(fqn: str) -> str:

@@ -3,19 +3,20 @@
 One world-4 group (a 2x2 ("node", "local") mesh: 2 nodes x 2 GPUs) trains Mixtral and a hand-written ModuleList
 model with dedup="node" (the inter-node bytes are counted against the distinct (token, remote node) pairs of the
 one-process routing), DeepSeek-V3 (shared experts, group-limited routing) on a 3-level ("rack", "node", "local")
-mesh with dedup="auto" (a link model of slow racks: it must pick "rack") and GPT-OSS (biases, transposed and
-interleaved experts) with dedup="off", for three SGD steps (momentum 0.9), each rank on its own batch, beside one
-process training the same model on the four batches together (the same mean loss): each step's logits of each
-rank equal the one-process logits of its batch, and the parameters after the steps are equal (fp32, 1e-5). It
-also checks the sharding (each rank holds E/4 experts, the state_dict shows the global tensors), calibration and
-dedup="auto", expert swap, the report and plot, saves a torch.distributed.checkpoint, and refuses bad input
-(experts that do not divide over the mesh, unknown mesh dimension names or dedup levels, a mesh of some ranks,
-ranks holding different models) with ValueError.
+mesh with dedup="auto" (a link model of slow racks: it must pick "rack"), GPT-OSS (biases, transposed and
+interleaved experts) and Qwen3-MoE with dedup="off", for three SGD steps (momentum 0.9), each rank on its own
+batch, beside one process training the same model on the four batches together (the same mean loss): each step's
+logits of each rank equal the one-process logits of its batch, and the parameters after the steps are equal
+(fp32, 1e-5). It also checks the sharding (each rank holds E/4 experts, the state_dict shows the global tensors),
+calibration and dedup="auto", expert swap, the report and plot, saves torch.distributed.checkpoints of Mixtral
+(stacked experts) and of the ModuleList model, and refuses bad input (experts that do not divide over the mesh,
+unknown mesh dimension names or dedup levels, a mesh of some ranks, ranks holding different models) with
+ValueError.
 
-One world-2 group (a 1-D mesh) trains Qwen3-MoE the same way, loads the world-4 checkpoint and finds exactly
-the parameters saved, then one rank dies: the other raises within the process group's timeout. The test
-process itself trains Mixtral on a one-rank mesh against one process, then loads the checkpoints (the one saved
-after expert swaps too) without any process group. A failing rank fails the test.
+One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way, loads both world-4
+checkpoints and finds exactly the parameters saved, then one rank dies: the other raises within the process
+group's timeout. The test process itself trains Mixtral on a one-rank mesh against one process, then loads the
+checkpoints (the one saved after expert swaps too) without any process group. A failing rank fails the test.
 """
 
 import os
@@ -32,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 import moecompile
 from moecompile.models.handwritten import HANDWRITTEN, TinyMoELM
+from moecompile.models import hf
 from moecompile.models.hf import tiny_model
 from moecompile.calibrate import calibrate, time_dispatch
 from moecompile.runtime.cost_model import LinkModel, dispatch_times
@@ -62,6 +64,9 @@ def _build(family):
     if family in HANDWRITTEN:
         torch.manual_seed(0)
         return TinyMoELM(family)
+    if family == "dbrx":  # flat [E * ffn, H] expert weights; no tiny config of its own
+        torch.manual_seed(0)
+        return hf.build_model(hf.walk_config("dbrx"))
     return tiny_model(family)
 
 
@@ -260,7 +265,8 @@ def _world4(rank, world, tmp):
         _bad_input(mesh, rank)
         _links_and_auto(mesh, rank)
         _train_with_swaps(mesh, rank, world, tmp)
-        for family, dedup in (("mixtral", "node"), ("deepseek_v3", "auto"), ("gpt_oss", "off"), ("loop", "node")):
+        for family, dedup in (("mixtral", "node"), ("deepseek_v3", "auto"), ("gpt_oss", "off"), ("qwen3_moe", "off"),
+                              ("loop", "node")):
             if dedup == "auto":  # on 3 levels, (racks, nodes, local) = (2, 1, 2): the link model picks the rack
                 racks = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rack", "node", "local"))
                 model, ref = _train_against_one_process(family, racks, rank, world, "auto", RACKS_SLOW, "rack")
@@ -268,13 +274,34 @@ def _world4(rank, world, tmp):
             model, ref = _train_against_one_process(family, mesh, rank, world, dedup)
             if family == "mixtral":
                 _report_and_plot(model, tmp, rank)
-                state = model.state_dict()
-                dcp.save(state, checkpoint_id=f"{tmp}/ckpt")
-                full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-                if rank == 0:  # what each load below must find, exactly
-                    torch.save(full, f"{tmp}/saved.pt")
+            if family in ("mixtral", "loop"):  # stacked experts (DTensors), and ModuleList ones (each rank its own)
+                _save(model, tmp, rank, family)
     finally:
         dist.destroy_process_group()
+
+
+def _save(model, tmp, rank, family):
+    """A torch.distributed.checkpoint of the model, and (rank 0) the whole state as plain tensors: what each load
+    must find, exactly."""
+    state = model.state_dict()
+    dcp.save(state, checkpoint_id=f"{tmp}/ckpt_{family}")
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()})
+    if rank == 0:
+        torch.save({k: v for part in every for k, v in part.items()}, f"{tmp}/saved_{family}.pt")
+
+
+def _load_checkpoints_on_world2(mesh, rank, world, tmp):
+    """The world-4 checkpoints loaded on 2 ranks give exactly the parameters saved."""
+    for family in ("mixtral", "loop"):
+        model = moecompile.parallelize(_build(family), mesh, torch.zeros(1, 4, dtype=torch.long))
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=f"{tmp}/ckpt_{family}")  # saved by 4 ranks, read by 2
+        model.load_state_dict(state)
+        saved = _build(family)
+        saved.load_state_dict(torch.load(f"{tmp}/saved_{family}.pt"))
+        _assert_same_parameters(model, saved, rank, f"world-4 {family} checkpoint loaded on world 2", tol=0)
+    return model
 
 
 def _world2(rank, world, tmp):
@@ -283,14 +310,8 @@ def _world2(rank, world, tmp):
         mesh = init_device_mesh("cpu", (world,))
         with pytest.raises(ValueError, match="dedup='node' needs a mesh of several levels"):
             moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
-        _train_against_one_process("qwen3_moe", mesh, rank, world)
-        model = moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long))
-        state = model.state_dict()
-        dcp.load(state, checkpoint_id=f"{tmp}/ckpt")  # saved by 4 ranks, read by 2
-        model.load_state_dict(state)
-        saved = tiny_model("mixtral")
-        saved.load_state_dict(torch.load(f"{tmp}/saved.pt"))
-        _assert_same_parameters(model, saved, rank, "world-4 checkpoint loaded on world 2", tol=0)
+        _train_against_one_process("dbrx", mesh, rank, world)  # flat [E * ffn, H] expert weights
+        model = _load_checkpoints_on_world2(mesh, rank, world, tmp)
         compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
         ids = _batches(model, world)[rank]
         compiled(ids)
@@ -315,8 +336,9 @@ def test_expert_parallel_training_equals_one_process(tmp_path):
         _train_against_one_process("mixtral", init_device_mesh("cpu", (1,)), 0, 1)
     finally:
         dist.destroy_process_group()
-    for ckpt, saved in (("ckpt", "saved.pt"), ("ckpt_swap", "saved_swap.pt")):  # in one process, no group
-        one = tiny_model("mixtral")
+    for family, ckpt, saved in (("mixtral", "ckpt_mixtral", "saved_mixtral.pt"), ("loop", "ckpt_loop", "saved_loop.pt"),
+                                ("mixtral", "ckpt_swap", "saved_swap.pt")):  # in one process, no group
+        one = _build(family)
         state = one.state_dict()
         dcp.load(state, checkpoint_id=f"{tmp}/{ckpt}")
         one.load_state_dict(state)
