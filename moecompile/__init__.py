@@ -11,9 +11,10 @@ from .config import MoEOptions
 from .explain import ExplainReport, explain
 from .parallel import parallelize
 from .pipeline import MoECompileError, MoEFallbackWarning
+from .sharded_state import get_optimizer_state_dict, set_optimizer_state_dict
 from moecompile.runtime.ep_stats import comm_stats
 from moecompile.runtime.stats import token_drops
 
 __all__ = ["moe_backend", "capture", "parallelize", "MoEOptions", "ExplainReport", "explain", "token_drops",
-           "comm_stats", "comm_report", "comm_rows", "plot_comm", "MoECompileError",
-           "MoEFallbackWarning"]
+           "comm_stats", "comm_report", "comm_rows", "plot_comm", "get_optimizer_state_dict",
+           "set_optimizer_state_dict", "MoECompileError", "MoEFallbackWarning"]

@@ -80,7 +80,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if slots is not None:
             swapping.append((rec, [model.get_parameter(n) for n in params.values()], slots))
     _sync_gradients(model, local, group, world)
-    model._moe_parallel = ParallelInfo(report, left, world)
+    model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
     if swapping:
         from .swap import ExpertSwap
 
@@ -103,8 +103,8 @@ def _check_dedup(dedup, mesh) -> None:
 class ParallelInfo:
     """What parallelize did: the detection report, the layers it left whole (and why), the expert-parallel size."""
 
-    def __init__(self, report, left: list[tuple[str, str]], world: int):
-        self.report, self.left, self.world = report, left, world
+    def __init__(self, report, left: list[tuple[str, str]], world: int, mesh=None, group=None):
+        self.report, self.left, self.world, self.mesh, self.group = report, left, world, mesh, group
         self.swap = None  # the ExpertSwap of a model parallelized with swap_every
 
     def __str__(self) -> str:
@@ -228,6 +228,7 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
         if slots is not None:  # the placement, a graph input read by the ops (not saved: state_dict un-swaps)
             module.register_buffer(SLOTS, slots, persistent=False)
         _read_through_view(module, rows, group.group_name, layer, dedup)
+        module._moe_rows = rows  # read by sharded_state.sharded_parameters (optimizer state)
         module.register_state_dict_post_hook(global_state(rows, mesh, group))
         module._register_load_state_dict_pre_hook(local_state(rows, mesh, rank, group), with_module=True)
     return set(params.values())

@@ -3,6 +3,7 @@
 ``torch.distributed.checkpoint``), and back on load (a DTensor of this mesh, one of another layout gathered
 whole, or a full tensor). A layer that swaps
 experts holds its rows in slot order: they are exchanged to expert order for the state_dict and back on load.
+The optimizer state of those weights likewise (``get_optimizer_state_dict``, ``set_optimizer_state_dict``).
 """
 
 from __future__ import annotations
@@ -10,38 +11,127 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
 
 
-def global_state(rows: dict[str, int], mesh, group):
-    """``rows``: each sharded weight's name and global dim 0 (E, or E x R for flat weights)."""
+def to_global(local, total: int, slots, mesh, group):
+    """This rank's shard (slot order when ``slots``) as the DTensor ``Shard(0)`` of the global ``[total, ...]``
+    tensor in expert order (every rank calls it together)."""
     from torch.distributed.tensor import DTensor, Shard
 
+    local = _placed(local, slots, group, to_slots=False)
+    shape = (total, *local.shape[1:])
+    return DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=shape,
+                              stride=_contiguous_stride(shape))
+
+
+def to_local(value, total: int, slots, mesh, rank, group):
+    """This rank's shard (slot order when ``slots``) of ``value``: a DTensor of this mesh, one of another layout
+    (gathered whole), or a full ``[total, ...]`` tensor; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    per_rank = total // group.size()
+    if isinstance(value, DTensor):  # this mesh's shard as it is; another layout gathered whole
+        value = value.to_local() if value.device_mesh == mesh else value.full_tensor()
+    if isinstance(value, torch.Tensor) and value.shape[:1] == (total,):  # a full tensor: this rank's rows
+        value = value[rank * per_rank:(rank + 1) * per_rank]
+    return _placed(value, slots, group, to_slots=True) if isinstance(value, torch.Tensor) else value
+
+
+def global_state(rows: dict[str, int], mesh, group):
+    """``rows``: each sharded weight's name and global dim 0 (E, or E x R for flat weights)."""
     def hook(module, state_dict, prefix, local_metadata):
         for attr, total in rows.items():
-            local = _placed(state_dict[prefix + attr], module._buffers.get(SLOTS), group, to_slots=False)
-            shape = (total, *local.shape[1:])
-            state_dict[prefix + attr] = DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False,
-                                                           shape=shape, stride=_contiguous_stride(shape))
+            state_dict[prefix + attr] = to_global(state_dict[prefix + attr], total, module._buffers.get(SLOTS), mesh,
+                                                  group)
     return hook
 
 
 def local_state(rows: dict[str, int], mesh, rank, group):
-    from torch.distributed.tensor import DTensor
-
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for attr, total in rows.items():
             key = prefix + attr
-            value = state_dict.get(key)
-            per_rank = total // group.size()
-            if isinstance(value, DTensor):  # this mesh's shard as it is; another layout gathered whole
-                value = value.to_local() if value.device_mesh == mesh else value.full_tensor()
-            if isinstance(value, torch.Tensor) and value.shape[:1] == (total,):  # a full tensor: this rank's rows
-                value = value[rank * per_rank:(rank + 1) * per_rank]
-            if value is not None:
-                state_dict[key] = _placed(value, module._buffers.get(SLOTS), group, to_slots=True)
+            if key in state_dict:
+                state_dict[key] = to_local(state_dict[key], total, module._buffers.get(SLOTS), mesh, rank, group)
     return hook
+
+
+def sharded_parameters(model) -> dict[str, tuple[int, object]]:
+    """Each stacked or flat sharded expert weight of ``model``: name -> (global dim 0, the module holding it)."""
+    return {f"{name}.{attr}" if name else attr: (total, module) for name, module in model.named_modules()
+            for attr, total in getattr(module, "_moe_rows", {}).items()}
+
+
+def _parallel(model):
+    info = getattr(model, "_moe_parallel", None)
+    if info is None or info.mesh is None:
+        raise ValueError("the model was not given to moecompile.parallelize: use torch.distributed.checkpoint."
+                         "state_dict's own get/set_optimizer_state_dict for it")
+    return info
+
+
+def get_optimizer_state_dict(model, optimizer) -> dict:
+    """The optimizer's state keyed by parameter name, as ``torch.distributed.checkpoint.state_dict.
+    get_optimizer_state_dict`` gives it (``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``),
+    with the state of each sharded expert weight that is shaped like it (Adam's moments, SGD's momentum) as a
+    DTensor ``Shard(0)`` of the global tensor, in expert order, as the weight itself is in ``model.state_dict()``:
+    a ``torch.distributed.checkpoint`` of it loads on any number of ranks, and in one process (torch's
+    ``set_optimizer_state_dict``). Each rank's plain shard under one key would be kept once by the checkpoint:
+    the other ranks' state lost. (ModuleList experts keep their own keys, one rank each.) An optimizer that has
+    not stepped gets its state made first, by a step with zero gradients and lr 0 (as torch does; no expert swap
+    counts it), so a checkpoint loads into it. Every rank calls it together."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from .swap import paused
+
+    info = _parallel(model)
+    with paused():
+        _init_optim_state(optimizer)
+    saved = optimizer.state_dict()
+    names = _names_by_index(model, optimizer, saved)
+    state = {names[i]: dict(v) for i, v in saved["state"].items()}
+    for fqn, (total, module) in sharded_parameters(model).items():
+        shard = model.get_parameter(fqn)
+        for key, value in state.get(fqn, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == shard.shape:
+                state[fqn][key] = to_global(value, total, module._buffers.get(SLOTS), info.mesh, info.group)
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
+    """Load a state from ``get_optimizer_state_dict`` (saved on any number of ranks) or torch's own (one process)
+    into the optimizer: each sharded expert weight's state becomes this rank's rows, in its placement. Every rank
+    calls it together."""
+    info = _parallel(model)
+    rank = dist.get_rank(info.group)
+    current = optimizer.state_dict()
+    index = {name: i for i, name in _names_by_index(model, optimizer, current).items()}
+    state = {k: dict(v) for k, v in optim_state_dict["state"].items()}
+    for fqn, (total, module) in sharded_parameters(model).items():
+        for key, value in state.get(fqn, {}).items():
+            state[fqn][key] = to_local(value, total, module._buffers.get(SLOTS), info.mesh, rank, info.group)
+    unknown = sorted(set(state) - set(index))
+    if unknown:
+        raise ValueError(f"the optimizer state names parameters the optimizer does not train ({unknown[:3]}...): "
+                         "load it into an optimizer over the same parameters of the same model")
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim_state_dict["param_groups"]]
+    optimizer.load_state_dict({"state": {index[n]: v for n, v in state.items()}, "param_groups": groups})
+
+
+def _names_by_index(model, optimizer, saved) -> dict[int, str]:
+    """The parameter name of each index of ``optimizer.state_dict()`` (``saved``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        for p, i in zip(group["params"], saved_group["params"]):
+            if id(p) not in names:
+                raise ValueError("the optimizer trains a tensor that is not a parameter of the model: build it "
+                                 "over model.parameters()")
+            out[i] = names[id(p)]
+    return out
 
 
 def _placed(rows, slots, group, to_slots: bool):

@@ -12,6 +12,7 @@ Without a link model the choice weighs bytes only (alpha 0, beta 1 for every kin
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -25,6 +26,17 @@ from .mesh import level_names
 
 _ACTIVE: "weakref.WeakSet[ExpertSwap]" = weakref.WeakSet()
 _HOOK = None
+_PAUSED = False  # within paused(): optimizer steps are not counted (a step that only makes the state)
+
+
+@contextlib.contextmanager
+def paused():
+    global _PAUSED
+    before, _PAUSED = _PAUSED, True
+    try:
+        yield
+    finally:
+        _PAUSED = before
 
 
 class ExpertSwap:
@@ -40,6 +52,8 @@ class ExpertSwap:
         _install_hook()
 
     def after_step(self, optimizer) -> None:
+        if _PAUSED:
+            return
         if not any(id(p) in self._params for g in optimizer.param_groups for p in g["params"]):
             return
         self.steps += 1

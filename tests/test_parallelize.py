@@ -229,7 +229,8 @@ def _report_and_plot(model, tmp, rank):
 def _train_with_swaps(mesh, rank, world, tmp):
     """swap_every=1: experts move between ranks after each step, with their optimizer state; the model still
     trains as one process does (the state_dict, in expert order, equals it), a state_dict round trip leaves each
-    rank's rows as they are, and a checkpoint saved after the swaps loads in one process (the parent checks)."""
+    rank's rows as they are, and a checkpoint saved after the swaps loads in one process (the parent checks); so
+    does the optimizer's."""
     ref, model = _build("mixtral").train(), _build("mixtral").train()
     batches = _batches(model, world)
     mine, together = batches[rank], batches.flatten(0, 1)
@@ -256,6 +257,31 @@ def _train_with_swaps(mesh, rank, world, tmp):
     dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap")
     if rank == 0:
         torch.save(full, f"{tmp}/saved_swap.pt")
+    _optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp)
+
+
+def _optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp):
+    """moecompile.get_optimizer_state_dict gives each expert's momentum in expert order, as a DTensor: equal to
+    the one-process momentum; it round-trips through set_optimizer_state_dict to the same rows in their slots,
+    and its torch.distributed.checkpoint loads in one process (the parent checks)."""
+    state = moecompile.get_optimizer_state_dict(model, opt)
+    full = {}
+    for name, p in ref.named_parameters():
+        momentum = state["state"][name]["momentum_buffer"]
+        sharded = isinstance(momentum, DTensor)
+        assert sharded == getattr(model.get_parameter(name), "_moe_sharded", False), name
+        full[name] = momentum.full_tensor() if sharded else momentum
+        torch.testing.assert_close(full[name], ref_opt.state[p]["momentum_buffer"], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"momentum of {name}: {m}")
+    held = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
+    for p in model.parameters():  # new tensors: the state dict may hold the optimizer's own
+        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    moecompile.set_optimizer_state_dict(model, opt, state)
+    bad = [n for n, p in model.named_parameters() if not torch.equal(opt.state[p]["momentum_buffer"], held[n])]
+    assert not bad, f"momentum not restored by set_optimizer_state_dict: {bad}"
+    dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
+    if rank == 0:
+        torch.save(full, f"{tmp}/saved_swap_optim.pt")
 
 
 def _world4(rank, world, tmp):
@@ -345,3 +371,19 @@ def test_expert_parallel_training_equals_one_process(tmp_path):
         saved = torch.load(f"{tmp}/{saved}")
         for name, p in one.named_parameters():
             torch.testing.assert_close(p, saved[name], rtol=0, atol=0, msg=f"{ckpt}: {name}")
+    _load_optimizer_in_one_process(tmp)
+
+
+def _load_optimizer_in_one_process(tmp):
+    """The optimizer checkpoint saved on 4 ranks after expert swaps loads, in expert order, into one process's
+    optimizer: every momentum exactly as saved."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    one = _build("mixtral")
+    opt = torch.optim.SGD(one.parameters(), lr=LR, momentum=0.9)
+    state = get_optimizer_state_dict(one, opt)  # initialises the state (a zero step), so the load has its keys
+    dcp.load(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
+    set_optimizer_state_dict(one, opt, state)
+    saved = torch.load(f"{tmp}/saved_swap_optim.pt")
+    for name, p in one.named_parameters():
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], saved[name], rtol=0, atol=0, msg=name)
