@@ -78,3 +78,19 @@ def compile_and_compare(model, ids, *, capture: bool = True, grads: bool = True,
 def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# The longest tests (minutes each on 2 cores), started first: pytest-xdist (-n auto, pyproject.toml) hands the
+# rest to whichever worker is free, so the suite ends close to its total time divided by the workers.
+LONGEST_FIRST = ("test_walk_families.py::test_every_moe_family_rewritten_or_skipped_with_reason",
+                 "test_parallelize.py::", "test_walk_families.py::test_every_family_runs_as_eager",
+                 "test_lowering.py::test_more_experts",
+                 "test_lowering.py::test_triton_lowering_under_inductor", "test_families.py::test_inductor",
+                 "test_ep_levels.py::", "test_example_ep.py::")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        return next((i for i, key in enumerate(LONGEST_FIRST) if key in item.nodeid), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the others keep their order
