@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_view)
-from moecompile.runtime.ep_stats import COMM
 from moecompile.runtime.stats import recording_routing
 
 from moecompile.runtime.mesh_levels import dedup_levels
