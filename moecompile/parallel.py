@@ -78,6 +78,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         local |= _shard_layer(model, rec, params, mesh, group, rank, world, slots)
         if slots is not None:
             swapping.append((rec, [model.get_parameter(n) for n in params.values()], slots))
+    for rec in report.layers:  # the full expert weights it holds would stay alive (the sharding freeing nothing)
+        rec.expert_weights = {}
     _sync_gradients(model, local, group, world)
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
     if swapping:

@@ -94,3 +94,4 @@ def remove_standins(graph: fx.Graph) -> None:
                 view = graph.node_copy(view)
         ph.replace_all_uses_with(view)
         graph.erase_node(ph)
+        ph.meta.pop("ep_standin", None)  # a full-size random copy: nothing that still refers to the node keeps it

@@ -123,6 +123,7 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
         ref_out.loss.backward()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     _assert_same_parameters(model, ref, rank, family)
+    _no_full_expert_copies(family, (model, opt), (ref, ref_opt))
     spec = info.report.layers[0].spec
     stats = moecompile.comm_stats()[info.report.layers[0].path]
     row = spec.experts.hidden * 4
@@ -137,6 +138,33 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
         dist.all_reduce(links)
         assert (links > 0).all(), links
     return model, ref
+
+
+def _no_full_expert_copies(family, *trained):
+    """After parallelize, compile and training, no tensor of a sharded weight's global shape is alive on this rank
+    but the models' own (parameters, gradients and optimizer state: the one-process model's, and another
+    parameter of the same shape, a router's): the report, the stand-ins the passes traced with, nothing keeps a
+    full copy of the experts (found: both did)."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    (model, _), (ref, _) = trained
+    sharded = [n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)]
+    shapes = {tuple(ref.get_parameter(n).shape) for n in sharded}
+    if world_size() == 1 or not shapes:
+        return
+    theirs = {t.data_ptr() for m, opt in trained for p in m.parameters()
+              for t in [p, p.grad, *opt.state.get(p, {}).values()] if isinstance(t, torch.Tensor) and t.dim()}
+    gc.collect()
+    full = [tuple(o.shape) for o in gc.get_objects() if isinstance(o, torch.Tensor)
+            and not isinstance(o, (FakeTensor, DTensor))  # a DTensor of the state_dict holds this rank's rows only
+            and tuple(o.shape) in shapes and o.device.type != "meta" and o.data_ptr() not in theirs]
+    assert not full, f"{family}: full-size expert tensors alive on this rank: {full}"
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _check_dedup(stats, routed, spec, rank, T, row, level):
@@ -295,13 +323,14 @@ def _world4(rank, world, tmp):
                               ("loop", "node")):
             if dedup == "auto":  # on 3 levels, (racks, nodes, local) = (2, 1, 2): the link model picks the rack
                 racks = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rack", "node", "local"))
-                model, ref = _train_against_one_process(family, racks, rank, world, "auto", RACKS_SLOW, "rack")
+                _train_against_one_process(family, racks, rank, world, "auto", RACKS_SLOW, "rack")
                 continue
-            model, ref = _train_against_one_process(family, mesh, rank, world, dedup)
+            model = _train_against_one_process(family, mesh, rank, world, dedup)[0]  # not its one-process model
             if family == "mixtral":
                 _report_and_plot(model, tmp, rank)
             if family in ("mixtral", "loop"):  # stacked experts (DTensors), and ModuleList ones (each rank its own)
                 _save(model, tmp, rank, family)
+            del model  # the next family's check finds no full-size experts but its own one-process model's
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,135 @@
+"""Memory of expert parallelism, per rank: parameter, gradient and optimizer-state bytes and process memory, with the
+experts sharded (``moecompile.parallelize``) against every rank holding the whole model (plain data parallelism).
+
+    python benchmarks/bench_ep_memory.py [--ranks 4] [--out benchmarks/ep_memory.md]
+
+runs ``torchrun --standalone --nproc-per-node RANKS`` twice, once per mode, each in fresh processes (so one mode's
+peak is not the other's), and prints a table of rank 0's figures. Each rank builds the same Mixtral-style model
+(experts are most of its bytes), compiles it with ``backend="moe"`` (aot_eager) and trains a few AdamW steps on
+its own batch. Process memory is the resident set (``VmRSS``) after building the model, after parallelize (or
+not), after the steps, and its peak (``VmHWM``); tensors of a few hundred kB and more are ``mmap``-ed, so the
+resident set falls when the experts of other ranks are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+
+MODES = ("replicated", "sharded")
+
+
+def _rss_mb() -> dict[str, float]:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+    return fields
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _run(mode: str, args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moecompile
+    from moecompile.models.hf import tiny_model
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model("mixtral", hidden_size=args.hidden, intermediate_size=args.intermediate,
+                       num_local_experts=args.experts, num_hidden_layers=args.layers).train()
+    whole = _nbytes(model.parameters())
+    out = {"whole_model_bytes": whole, "rss_built": _rss_mb()["VmRSS"]}
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
+    if mode == "sharded":
+        moecompile.parallelize(model, init_device_mesh("cpu", (world,)), ids)
+    out["rss_parallelized"] = _rss_mb()["VmRSS"]
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(args.steps):
+        compiled(ids, labels=ids).loss.backward()
+        opt.step()
+    out.update(param_bytes=_nbytes(model.parameters()), grad_bytes=_nbytes(p.grad for p in model.parameters()),
+               optim_bytes=_nbytes(v for s in opt.state.values() for v in s.values()
+                                   if isinstance(v, torch.Tensor) and v.dim() > 0))
+    memory = _rss_mb()
+    out.update(rss_trained=memory["VmRSS"], rss_peak=memory["VmHWM"])
+    every = [None] * world
+    dist.all_gather_object(every, out)
+    if rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(every, f)
+    dist.destroy_process_group()
+
+
+def _table(results: dict, args) -> str:
+    mb = lambda b: f"{b / 2 ** 20:.1f}"  # noqa: E731
+    rows = [("parameters (MiB)", "param_bytes", mb), ("gradients (MiB)", "grad_bytes", mb),
+            ("AdamW state (MiB)", "optim_bytes", mb), ("resident after build (MiB)", "rss_built", "{:.0f}".format),
+            ("resident after parallelize (MiB)", "rss_parallelized", "{:.0f}".format),
+            ("resident after the steps (MiB)", "rss_trained", "{:.0f}".format),
+            ("peak resident (MiB)", "rss_peak", "{:.0f}".format)]
+    first = results[MODES[0]][0]
+    lines = [f"Mixtral-style model, {args.layers} layers, {args.experts} experts, hidden {args.hidden}, intermediate "
+             f"{args.intermediate}, fp32 ({mb(first['whole_model_bytes'])} MiB of parameters); {args.ranks} ranks on "
+             f"gloo, {args.steps} AdamW steps, batch {args.batch} x {args.seq} per rank; rank 0's figures, and the "
+             "largest peak of any rank.", "",
+             "| per rank | every rank holds the whole model | experts sharded | sharded / whole |", "|---|---|---|---|"]
+    for label, key, fmt in rows:
+        a, b = results["replicated"][0][key], results["sharded"][0][key]
+        lines.append(f"| {label} | {fmt(a)} | {fmt(b)} | {b / a:.2f} |")
+    a, b = (max(r["rss_peak"] for r in results[mode]) for mode in MODES)
+    lines.append(f"| peak resident, largest of the ranks (MiB) | {a:.0f} | {b:.0f} | {b / a:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--out", default="")
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # set for the torchrun children
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mode:
+        _run(args.mode, args)
+        return 0
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in MODES:
+            path = os.path.join(tmp, f"{mode}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
+                   __file__, "--mode", mode, "--json", path] + sys.argv[1:]
+            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)
+            with open(path) as f:
+                results[mode] = json.load(f)
+    table = _table(results, args)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# Expert parallelism: memory per rank\n\n`python benchmarks/bench_ep_memory.py --ranks "
+                    f"{args.ranks} --out {args.out}`\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
