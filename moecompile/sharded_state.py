@@ -29,7 +29,7 @@ def to_global(local, total: int, slots, mesh, group):
 
 def to_local(value, total: int, slots, mesh, rank, group):
     """This rank's shard (slot order when ``slots``) of ``value``: a DTensor of this mesh, one of another layout
-    (gathered whole), or a full ``[total, ...]`` tensor; anything else as it is."""
+    (gathered whole), a full ``[total, ...]`` tensor, or this rank's rows; anything else (a scalar) as it is."""
     from torch.distributed.tensor import DTensor
 
     per_rank = total // group.size()
@@ -37,7 +37,9 @@ def to_local(value, total: int, slots, mesh, rank, group):
         value = value.to_local() if value.device_mesh == mesh else value.full_tensor()
     if isinstance(value, torch.Tensor) and value.shape[:1] == (total,):  # a full tensor: this rank's rows
         value = value[rank * per_rank:(rank + 1) * per_rank]
-    return _placed(value, slots, group, to_slots=True) if isinstance(value, torch.Tensor) else value
+    if isinstance(value, torch.Tensor) and value.shape[:1] == (per_rank,):  # rows: into this rank's placement
+        return _placed(value, slots, group, to_slots=True)
+    return value  # anything else (Adam's step count) as it is
 
 
 def global_state(rows: dict[str, int], mesh, group):

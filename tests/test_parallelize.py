@@ -304,9 +304,12 @@ def _optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp):
     held = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
     for p in model.parameters():  # new tensors: the state dict may hold the optimizer's own
         opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    moecompile.set_optimizer_state_dict(model, opt, state)
-    bad = [n for n, p in model.named_parameters() if not torch.equal(opt.state[p]["momentum_buffer"], held[n])]
-    assert not bad, f"momentum not restored by set_optimizer_state_dict: {bad}"
+    step = {n: torch.tensor(3.0) for n in state["state"]}  # a scalar beside the rows (as Adam's step count)
+    moecompile.set_optimizer_state_dict(model, opt, {**state, "state": {n: {**s, "step": step[n]}
+                                                                       for n, s in state["state"].items()}})
+    bad = [n for n, p in model.named_parameters() if not torch.equal(opt.state[p]["momentum_buffer"], held[n])
+           or float(opt.state[p]["step"]) != 3.0]
+    assert not bad, f"momentum or step not restored by set_optimizer_state_dict: {bad}"
     dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
     if rank == 0:
         torch.save(full, f"{tmp}/saved_swap_optim.pt")
