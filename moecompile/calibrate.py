@@ -108,7 +108,7 @@ def main(args) -> int:
             model = calibrate(mesh, sizes, args.repeats)
         if dist.get_rank() == 0:
             for kind, (alpha, beta) in model.params.items():
-                print(f"{kind:>5}: alpha {alpha * 1e6:9.2f} us  beta {beta * 1e9:9.4f} ns/B  "
+                print(f"{kind:>10}: alpha {alpha * 1e6:9.2f} us  beta {beta * 1e9:9.4f} ns/B  "
                       f"({1 / beta / 1e9 if beta else float('inf'):.3g} GB/s)  r2 {model.r2[kind]:.4f}")
             model.save(args.out)
             print(f"wrote {args.out}")
