@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from moecompile.runtime import ep_comm
 from moecompile.runtime.cost_model import LinkModel
-from moecompile.runtime.mesh_levels import LEVELS, check_names
+from moecompile.runtime.mesh_levels import LEVELS
 
 from .mesh import level_groups, setup_mesh
 
@@ -100,7 +100,6 @@ def main(args) -> int:
         names = tuple(args.names.split(",")) if args.names else LEVELS[-len(shape):] if len(shape) > 1 else ("ep",)
         if len(names) != len(shape):
             raise SystemExit(f"--names {args.names} names {len(names)} levels but --mesh {args.mesh} has {len(shape)}")
-        check_names(names)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
         emulated = LinkModel.load(args.emulate) if args.emulate else None

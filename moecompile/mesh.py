@@ -75,14 +75,20 @@ def _group(mesh, dims: tuple[int, ...]):
     return _GROUPS[key][1]
 
 
+def _dedup_groups(mesh) -> dict[str, tuple[tuple[str, object], tuple[str, object]]]:
+    """Per dedup level of ``mesh``: ((cross kind, this rank's cross group), (inner kind, its inner group))."""
+    names = level_names(mesh)
+    return {level: tuple((mesh_levels.kind(names, dims), _group(mesh, dims))
+                         for dims in mesh_levels.split(names, level))
+            for level in mesh_levels.dedup_levels(names)}
+
+
 def level_groups(mesh) -> dict[str, object]:
     """This rank's process group of each collective kind the runtime uses on ``mesh`` (``mesh_levels.kinds``):
     ``flat`` and each dedup level's two, the same groups the layers exchange over."""
     groups = {"flat": setup_mesh(mesh)}
-    names = level_names(mesh)
-    for level in mesh_levels.dedup_levels(names):
-        for dims in mesh_levels.split(names, level):
-            groups.setdefault(mesh_levels.kind(names, dims), _group(mesh, dims))
+    for pair in _dedup_groups(mesh).values():
+        groups.update(pair)
     return groups
 
 
@@ -91,13 +97,10 @@ def _set_layout(mesh, group) -> None:
     from moecompile.runtime.ep_comm import register_group_kind
     from moecompile.runtime.ep_hier import register_layout
 
-    names = tuple(mesh.mesh_dim_names)
     coords = {int(r): tuple(int(c) for c in torch.nonzero(mesh.mesh == r)[0]) for r in mesh.mesh.flatten()}
-    COMM.set_levels(coords, names)
+    COMM.set_levels(coords, level_names(mesh))
     register_group_kind(group.group_name, "flat")
-    for level in mesh_levels.dedup_levels(names):
-        outer, inner = mesh_levels.split(names, level)
-        cross_g, inner_g = _group(mesh, outer), _group(mesh, inner)
+    for level, ((cross_kind, cross_g), (inner_kind, inner_g)) in _dedup_groups(mesh).items():
         register_layout(group.group_name, level, cross_g.group_name, inner_g.group_name)
-        register_group_kind(cross_g.group_name, mesh_levels.kind(names, outer))
-        register_group_kind(inner_g.group_name, mesh_levels.kind(names, inner))
+        register_group_kind(cross_g.group_name, cross_kind)
+        register_group_kind(inner_g.group_name, inner_kind)

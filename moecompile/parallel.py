@@ -104,7 +104,7 @@ def _check_dedup(dedup, mesh) -> None:
 class ParallelInfo:
     """What parallelize did: the detection report, the layers it left whole (and why), the expert-parallel size."""
 
-    def __init__(self, report, left: list[tuple[str, str]], world: int, mesh=None, group=None):
+    def __init__(self, report, left: list[tuple[str, str]], world: int, mesh, group):
         self.report, self.left, self.world, self.mesh, self.group = report, left, world, mesh, group
         self.swap = None  # the ExpertSwap of a model parallelized with swap_every
 

@@ -68,7 +68,7 @@ def sharded_parameters(model) -> dict[str, tuple[int, object]]:
 
 def _parallel(model):
     info = getattr(model, "_moe_parallel", None)
-    if info is None or info.mesh is None:
+    if info is None:
         raise ValueError("the model was not given to moecompile.parallelize: use torch.distributed.checkpoint."
                          "state_dict's own get/set_optimizer_state_dict for it")
     return info

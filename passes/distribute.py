@@ -100,8 +100,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     if isinstance(first, list):  # a ModuleList: its local experts
         local_experts = len(first)
     else:  # a stacked [E_l, ...] or flat [E_l * R, ...] shard of the view's global dim 0 (E or E * R)
-        view = _view(next(w for w in weights.values() if _view(w) is not None))
-        local_experts = e.num_experts * first.meta["example_value"].shape[0] // view.args[1]
+        local_experts = e.num_experts * first.meta["example_value"].shape[0] // views[0].args[1]
     local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts))
     tracer = fx.proxy.GraphAppendingTracer(gm.graph)
     proxy = lambda n: fx.Proxy(n, tracer) if isinstance(n, fx.Node) else n  # noqa: E731

@@ -30,9 +30,8 @@ def check_names(names) -> None:
     names = tuple(names or ())
     if len(names) < 2:
         return  # a 1-D mesh may have any name: it has one level
-    known = [n for n in names if n in LEVELS]
-    if known != list(names) or sorted(names, key=LEVELS.index) != list(names) or len(set(names)) < len(names) \
-            or names[-1] != "local":
+    order = [LEVELS.index(n) for n in names if n in LEVELS]
+    if len(order) < len(names) or order != sorted(set(order)) or names[-1] != "local":  # known, in order, once
         example = LEVELS[-len(names):] if len(names) <= len(LEVELS) else LEVELS
         raise ValueError(f"mesh dimension names {names} are not known: an expert-parallel mesh of {len(names)} "
                          f"dimensions names its levels outermost first from {LEVELS}, the last 'local' (the ranks "
