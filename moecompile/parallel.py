@@ -6,10 +6,11 @@
 
 1. Detect with the backend's own passes (``explain``) on the whole model, on every rank.
 2. Check that every rank found the same layers and holds the same weights (else ``ValueError``).
-3. Keep on each rank its E / W consecutive experts of every stacked-expert layer (W = mesh size): the parameter
-   becomes the local ``[E / W, ...]`` shard, and the module reads, in its place, ``moe.ep_global_view`` of it:
-   the global ``[E, ...]`` shape for Dynamo and detect, no value (``runtime/ep_ops.py``). The backend's
-   ``distribute`` pass then runs the experts where they live.
+3. Keep on each rank its E / W consecutive experts of every layer (W = mesh size). A stacked (or flat
+   ``[E * R, ...]``) parameter becomes the local ``[E / W, ...]`` shard, and the module reads, in its place,
+   ``moe.ep_global_view`` of it: the global ``[E, ...]`` shape for Dynamo and detect, no value
+   (``runtime/ep_ops.py``); an ``nn.ModuleList`` keeps its local experts' weights and reads the others' as
+   ``moe.ep_remote_expert``. The backend's ``distribute`` pass then runs the experts where they live.
 4. ``state_dict()`` gives each sharded parameter as a DTensor ``Shard(0)`` over the mesh (its global identity, for
    ``torch.distributed.checkpoint``); ``load_state_dict`` takes a DTensor or a full ``[E, ...]`` tensor.
 5. Data parallelism for the rest: in backward, the gradients of the parameters that are not sharded are averaged
@@ -35,7 +36,7 @@ from moecompile.runtime.stats import recording_routing
 from moecompile.runtime.mesh_levels import dedup_levels
 
 from .mesh import level_names, setup_mesh
-from .sharded_state import SLOTS, global_state, local_state
+from .sharded_state import SLOTS, experts_module, global_state, list_prefix, local_state
 
 
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
@@ -47,8 +48,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``"rack"`` on ("rack", "node", "local")...) or ``"auto"`` (per layer, "off" or the level the link model
     predicts fastest for the routing of ``example_args``; ``link_model``: a ``LinkModel`` or the JSON file
     ``python -m moecompile calibrate`` wrote). ``swap_every=N``: every N optimizer steps, swap a pair of experts
-    of each stacked-expert layer where that lowers the predicted time of its last routing (smooth max over the
-    ranks, ``swap_gamma``; ``moecompile/swap.py``). Other keyword arguments are backend options, for detection."""
+    of each sharded layer where that lowers the predicted time of its last routing (smooth max over the ranks,
+    ``swap_gamma``; ``moecompile/swap.py``). Other keyword arguments are backend options, for detection."""
     from .explain import explain
 
     group = setup_mesh(mesh)
@@ -73,15 +74,20 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
     local, swapping = set(), []
     for rec, params in plans:
-        swaps = swap_every and rec.spec.experts.storage == "stacked"  # not yet: ModuleLists, flat weights
-        slots = torch.arange(rec.spec.experts.num_experts) if swaps else None
-        local |= _shard_layer(model, rec, params, mesh, group, rank, world, slots)
+        slots = torch.arange(rec.spec.experts.num_experts) if swap_every and world > 1 else None
+        first = next(iter(params.values()))
+        if slots is not None and isinstance(first, list) and list_prefix(first) is None:
+            slots, rec.swap_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
+        held = _shard_layer(model, rec, params, mesh, group, rank, world, slots)
+        local |= held
         if slots is not None:
-            swapping.append((rec, [model.get_parameter(n) for n in params.values()], slots))
+            swapping.append((rec, _swapped_tensors(model, params, held), slots))
     for rec in report.layers:  # the full expert weights it holds would stay alive (the sharding freeing nothing)
         rec.expert_weights = {}
     _sync_gradients(model, local, group, world)
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
+    model._moe_parallel.module_list_experts = {n for _, params in plans for names in params.values()
+                                               if isinstance(names, list) for n in names}
     if swapping:
         from .swap import ExpertSwap
 
@@ -107,6 +113,7 @@ class ParallelInfo:
     def __init__(self, report, left: list[tuple[str, str]], world: int, mesh, group):
         self.report, self.left, self.world, self.mesh, self.group = report, left, world, mesh, group
         self.swap = None  # the ExpertSwap of a model parallelized with swap_every
+        self.module_list_experts: set[str] = set()  # every weight name of the sharded ModuleList experts (all ranks')
 
     def __str__(self) -> str:
         lines = [f"expert parallelism over {self.world} rank(s):"]
@@ -198,7 +205,7 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     local_E = E // world
     mine = range(rank * local_E, (rank + 1) * local_E)
     if isinstance(next(iter(params.values())), list):
-        held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup)
+        held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup, slots)
     else:
         held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots)
     names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
@@ -209,7 +216,18 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     how += f" (dedup={dedup!r}: {rec.dedup_reason})"
     rec.sharding = (f"{local_E} of {E} experts on each of {world} ranks ({', '.join(listed)}); "
                     f"the rows cross the ranks padding-free, {how}")
+    if slots is not None:
+        rec.sharding += "; experts swap ranks during training (swap_every)"
+    elif getattr(rec, "swap_note", None):
+        rec.sharding += f"; {rec.swap_note}"
     return held
+
+
+def _swapped_tensors(model, params: dict, held: set[str]) -> list:
+    """What an expert swap moves rows of, per weight: a stacked or flat shard (its rows, expert by expert), or the
+    list of a ModuleList layer's local experts' weights of one role (in slot order, stacked to move)."""
+    return [[model.get_parameter(n) for n in names if n in held] if isinstance(names, list)
+            else model.get_parameter(names) for names in params.values()]
 
 
 def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, layer, dedup, slots) -> set[str]:
@@ -235,10 +253,14 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
     return set(params.values())
 
 
-def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_name, layer, dedup) -> set[str]:
+def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_name, layer, dedup, slots
+                       ) -> set[str]:
     """An ``nn.ModuleList`` layer: the weights of the experts other ranks hold are dropped (not parameters here,
     not in this rank's state_dict: ``torch.distributed.checkpoint`` gets each expert from the rank holding it);
-    while Dynamo traces, the module reads each as ``moe.ep_remote_expert`` (its shape, no value)."""
+    while Dynamo traces, the module reads each as ``moe.ep_remote_expert`` (its shape, no value). With ``slots``
+    (the layer swaps experts) the list's entry i is slot i: the state_dict names each by the expert it holds."""
+    if slots is not None:
+        experts_module(model, next(iter(params.values())), slots)
     held = set()
     for role, names in params.items():
         like = model.get_parameter(names[mine.start])  # a local expert's weight of this role: the shape
@@ -250,6 +272,8 @@ def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_n
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
             del module._parameters[attr]
+            if slots is not None:  # the placement, a graph input read by the ops (as a stacked layer's)
+                module.register_buffer(SLOTS, slots, persistent=False)
             _read_remote(module, attr, like, expert, name, group_name, layer, dedup)
     return held
 
@@ -261,7 +285,7 @@ def _read_remote(module, attr, like, expert, name, group_name, layer, dedup) -> 
 
     def read(self):
         if torch.compiler.is_compiling():
-            return torch.ops.moe.ep_remote_expert(*args)
+            return torch.ops.moe.ep_remote_expert(*args, self._buffers.get(SLOTS))
         return torch.empty(shape, dtype=dtype, device="meta")
 
     def refuse_eager(mod, args_):

@@ -60,6 +60,61 @@ def local_state(rows: dict[str, int], mesh, rank, group):
     return hook
 
 
+def list_prefix(names: list[str]) -> str | None:
+    """The ``nn.ModuleList`` path of a ModuleList layer's weights of one role, ``names[i]`` being
+    ``<path>.<i>.<rest>`` with one ``rest``; else None."""
+    if len(names) < 2:
+        return None
+    first, second = names[0].split("."), names[1].split(".")
+    k = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), None)
+    if k is None or first[k] != "0":
+        return None
+    path, rest = ".".join(first[:k]), ".".join(first[k + 1:])
+    return path if all(n == f"{path}.{i}.{rest}" for i, n in enumerate(names)) else None
+
+
+def experts_module(model, names: list[str], slots):
+    """A ModuleList layer that swaps experts holds in entry i the expert of slot i: its ``state_dict()`` names each
+    expert's weights by the expert (``<list>.<expert>.<weight>``, as one process does), and ``load_state_dict``
+    puts each in its slot. ``names``: the layer's weights of one role (``list_prefix`` finds the list)."""
+    module = model.get_submodule(list_prefix(names))
+    module._moe_list_slots = slots
+
+    def to_experts(module, state_dict, prefix, local_metadata):
+        _renumber(state_dict, prefix, torch.argsort(module._moe_list_slots))  # slot -> expert
+
+    def to_slots(module, state_dict, prefix, *_):
+        _renumber(state_dict, prefix, module._moe_list_slots)  # expert -> slot
+
+    module.register_state_dict_post_hook(to_experts)
+    module._register_load_state_dict_pre_hook(to_slots, with_module=True)
+    return module
+
+
+def _renumber(state_dict, prefix: str, new_index) -> None:
+    """Keys ``<prefix><i>.<rest>`` renamed ``<prefix><new_index[i]>.<rest>``, all at once."""
+    moved = {key: _renumbered(key, prefix, new_index) for key in list(state_dict)}
+    state_dict.update({new: state_dict.pop(key) for key, new in moved.items() if new != key})
+
+
+def _renumbered(key: str, prefix: str, new_index) -> str:
+    head, dot, rest = key[len(prefix):].partition(".") if key.startswith(prefix) else ("", "", "")
+    return f"{prefix}{int(new_index[int(head)])}.{rest}" if head.isdigit() and dot else key
+
+
+def expert_order_names(model) -> dict[str, str]:
+    """Each parameter name of ``model`` -> the name one process gives it: a ModuleList layer that swapped experts
+    holds in ``<list>.<i>`` the expert of slot i."""
+    lists = [(f"{path}.", torch.argsort(m._moe_list_slots)) for path, m in model.named_modules()
+             if hasattr(m, "_moe_list_slots")]
+    out = {}
+    for name, _ in model.named_parameters():
+        out[name] = name
+        for prefix, expert_of_slot in lists:
+            out[name] = _renumbered(out[name], prefix, expert_of_slot)
+    return out
+
+
 def sharded_parameters(model) -> dict[str, tuple[int, object]]:
     """Each stacked or flat sharded expert weight of ``model``: name -> (global dim 0, the module holding it)."""
     return {f"{name}.{attr}" if name else attr: (total, module) for name, module in model.named_modules()
@@ -111,7 +166,8 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     rank = dist.get_rank(info.group)
     current = optimizer.state_dict()
     index = {name: i for i, name in _names_by_index(model, optimizer, current).items()}
-    state = {k: dict(v) for k, v in optim_state_dict["state"].items()}
+    remote = info.module_list_experts - set(index)  # ModuleList experts other ranks hold: theirs to load
+    state = {k: dict(v) for k, v in optim_state_dict["state"].items() if k not in remote}
     for fqn, (total, module) in sharded_parameters(model).items():
         for key, value in state.get(fqn, {}).items():
             state[fqn][key] = to_local(value, total, module._buffers.get(SLOTS), info.mesh, rank, info.group)
@@ -119,13 +175,22 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     if unknown:
         raise ValueError(f"the optimizer state names parameters the optimizer does not train ({unknown[:3]}...): "
                          "load it into an optimizer over the same parameters of the same model")
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim_state_dict["param_groups"]]
+    groups = optim_state_dict["param_groups"]
+    mine = [sorted(index[n] for n in g["params"] if n not in remote) for g in groups]
+    if len(groups) != len(current["param_groups"]) or any(
+            m != sorted(g["params"]) for m, g in zip(mine, current["param_groups"])):
+        raise ValueError("the optimizer state's parameter groups hold other parameters than the optimizer's: load "
+                         "it into an optimizer built the same way over the same model")
+    # torch pairs the saved groups' parameters with the optimizer's by position: list them in the optimizer's order
+    # (after expert swaps a ModuleList's names, in expert order, no longer follow it)
+    groups = [{**g, "params": cur["params"]} for g, cur in zip(groups, current["param_groups"])]
     optimizer.load_state_dict({"state": {index[n]: v for n, v in state.items()}, "param_groups": groups})
 
 
 def _names_by_index(model, optimizer, saved) -> dict[int, str]:
     """The parameter name of each index of ``optimizer.state_dict()`` (``saved``)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    order = expert_order_names(model)
+    names = {id(p): order[n] for n, p in model.named_parameters()}
     out = {}
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         for p, i in zip(group["params"], saved_group["params"]):

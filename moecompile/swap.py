@@ -5,7 +5,9 @@ post-hook: the training loop is unchanged), every rank gathers each swapping lay
 (``ep_swap.RECENT``), and all choose the same swap (``ep_swap.choose_swap``, on the gathered routing). A chosen
 swap exchanges the two experts' slots and moves their rows of the weights, of the gradients if any, and of the
 optimizer's per-parameter state (tensors shaped like the parameter: Adam's moments, SGD's momentum) to their
-new ranks. What was swapped is kept in ``model._moe_parallel.swap.history``.
+new ranks: rows of a stacked or flat shard, or, in a ModuleList layer, the weights of the list entry of the slot
+(each a parameter of its own, with its own state). What was swapped is kept in
+``model._moe_parallel.swap.history``.
 
 Without a link model the choice weighs bytes only (alpha 0, beta 1 for every kind of collective).
 """
@@ -41,13 +43,14 @@ def paused():
 
 class ExpertSwap:
     def __init__(self, layers, every: int, gamma: float, link, mesh, group):
-        self.layers = layers  # [(LayerRecord, [sharded parameters], slots_E)]
+        # [(LayerRecord, [per weight: its shard, or a ModuleList's local experts' weights of one role], slots_E)]
+        self.layers = layers
         self.mesh_shape, self.names = tuple(mesh.shape), level_names(mesh)
         bytes_only = LinkModel({kind: (0.0, 1.0) for kind in kinds(self.names)})
         self.every, self.gamma, self.link, self.group = every, gamma, link or bytes_only, group
         self.steps = 0
         self.history: list[tuple[int, str, int, int, float, float]] = []  # (step, layer, a, b, before, after)
-        self._params = {id(p) for _, params, _ in layers for p in params}
+        self._params = {id(p) for _, weights, _ in layers for w in weights for p in _listed(w)}
         _ACTIVE.add(self)
         _install_hook()
 
@@ -72,7 +75,7 @@ class ExpertSwap:
             source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
             e = rec.spec.experts
             best = choose_swap(torch.cat(ids), source, slots, self.mesh_shape, e.hidden,
-                               params[0].element_size(), self.link, rec.dedup or "off", self.gamma,
+                               _listed(params[0])[0].element_size(), self.link, rec.dedup or "off", self.gamma,
                                names=self.names)
             if best is None:
                 continue
@@ -87,15 +90,30 @@ class ExpertSwap:
             RECENT.pop(rec.path, None)
 
 
-def _move_param(p, old, new, group, optimizer) -> None:
+def _listed(weight) -> list:
+    return weight if isinstance(weight, list) else [weight]
+
+
+def _move_param(weight, old, new, group, optimizer) -> None:
+    """Re-place a stacked or flat shard (``weight``, its rows), or a ModuleList layer's local experts' weights of
+    one role (a list, stacked to move: entry i goes with slot i), with their gradients and optimizer state. Every
+    rank holds gradients, and state of the same keys, alike (they all step together)."""
+    params = _listed(weight)
+
+    def move(tensors):
+        rows = tensors[0] if params is not weight else torch.stack(tensors)
+        moved = move_rows(rows, old, new, group)
+        for t, m in zip(tensors, [moved] if params is not weight else moved.unbind(0)):
+            t.copy_(m)
+
     with torch.no_grad():
-        p.copy_(move_rows(p.detach(), old, new, group))
-        if p.grad is not None:
-            p.grad.copy_(move_rows(p.grad, old, new, group))
-        state = optimizer.state.get(p, {}) if optimizer is not None else {}
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                value.copy_(move_rows(value, old, new, group))
+        move([p.detach() for p in params])
+        if all(p.grad is not None for p in params):
+            move([p.grad for p in params])
+        states = [optimizer.state.get(p, {}) if optimizer is not None else {} for p in params]
+        for key, value in states[0].items():
+            if isinstance(value, torch.Tensor) and value.shape == params[0].shape:
+                move([state[key] for state in states])
 
 
 def _install_hook() -> None:

@@ -144,10 +144,10 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
 
 
 def _slots(view: fx.Node):
-    """The placement of a layer that swaps experts (a stacked weight's view carries it), else None."""
-    if view.target in (torch.ops.moe.ep_global_view, torch.ops.moe.ep_global_view.default):
-        return view.args[5] if len(view.args) > 5 else view.kwargs.get("slots")
-    return None
+    """The placement of a layer that swaps experts (each view of its weights carries it), else None."""
+    stacked = view.target in (torch.ops.moe.ep_global_view, torch.ops.moe.ep_global_view.default)
+    at = 5 if stacked else 9  # ep_remote_expert's
+    return view.args[at] if len(view.args) > at else view.kwargs.get("slots")
 
 
 def _dedup(view: fx.Node) -> str:

@@ -21,8 +21,9 @@ model's own experts code reads (so Dynamo traces and detect reads it as on one d
 ``distribute`` pass replaces its uses by the local shard. Running it (a graph the passes did not rewrite) raises.
 ``slots`` is the layer's expert placement when it swaps experts (``ep_swap.py``), else None.
 ``ep_remote_expert`` does the same for one weight of an expert another rank holds, in a layer whose experts are
-an ``nn.ModuleList`` (no tensor input: a tensor reached through a closure would become a graph input named after
-the closure; ``name`` and ``like_name``, a local expert's weight of the same role, are the names in the model,
+an ``nn.ModuleList`` (no tensor input but ``slots``, a buffer of the module: a tensor reached through a closure
+would become a graph input named after the closure; ``expert`` is the list entry (the slot, when the layer
+swaps); ``name`` and ``like_name``, a local expert's weight of the same role, are the names in the model,
 from which the stand-in gets the graph input name Dynamo gives a parameter). Its ``dedup`` and
 ``ep_global_view``'s name how the layer's rows cross the mesh: ``"off"`` (the ops here) or the mesh level it dedups
 at, ``"node"``... (``ep_hier.py``).
@@ -75,7 +76,7 @@ def _ep_global_view_fake(local, num_experts, group_name, layer, dedup="off", slo
 
 @custom_op("moe::ep_remote_expert", mutates_args=())
 def ep_remote_expert(shape: list[int], expert: int, group_name: str, layer: str, dedup: str, like_name: str,
-                     name: str, dtype: torch.dtype, device: torch.device) -> Tensor:
+                     name: str, dtype: torch.dtype, device: torch.device, slots: Tensor | None = None) -> Tensor:
     raise RuntimeError(
         f"expert {expert} of MoE layer {layer!r} lives on another rank (moecompile.parallelize sharded the "
         "layer's nn.ModuleList experts): the layer only runs in a graph the moe backend rewrote: compile the model "
@@ -84,7 +85,7 @@ def ep_remote_expert(shape: list[int], expert: int, group_name: str, layer: str,
 
 
 @register_fake("moe::ep_remote_expert")
-def _ep_remote_expert_fake(shape, expert, group_name, layer, dedup, like_name, name, dtype, device):
+def _ep_remote_expert_fake(shape, expert, group_name, layer, dedup, like_name, name, dtype, device, slots=None):
     return torch.empty(shape, dtype=dtype, device=device)
 
 

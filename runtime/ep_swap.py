@@ -87,11 +87,14 @@ def choose_swap(ids_TK: Tensor, source_rank_T: Tensor, slots_E: Tensor, mesh_sha
 
 
 def move_rows(local: Tensor, old_slots_E: Tensor, new_slots_E: Tensor, group) -> Tensor:
-    """This rank's rows of a ``[E_l, ...]`` shard placed by ``old_slots_E``, re-placed by ``new_slots_E``: each
-    row goes to the rank and row of its expert's new slot (one all_to_all_single with exact splits)."""
+    """This rank's rows of a ``[E_l, ...]`` shard (or a flat ``[E_l * R, ...]`` one: R rows per expert) placed by
+    ``old_slots_E``, re-placed by ``new_slots_E``: each expert's rows go to the rank and place of its expert's new
+    slot (one all_to_all_single with exact splits)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     old_slots_E, new_slots_E = old_slots_E.cpu(), new_slots_E.cpu()  # index arithmetic on the host
-    El, E = local.shape[0], old_slots_E.numel()
+    E = old_slots_E.numel()
+    El = E // world
+    shape, local = local.shape, local.reshape(El, -1)  # one row per expert
     mine = torch.arange(rank * El, (rank + 1) * El)
     old_expert_S, new_expert_S = torch.argsort(old_slots_E), torch.argsort(new_slots_E)  # slot -> expert
     dest_slot = new_slots_E[old_expert_S[mine]]  # where each of my rows goes
@@ -102,4 +105,4 @@ def move_rows(local: Tensor, old_slots_E: Tensor, new_slots_E: Tensor, group) ->
     received = exchange(local[order.to(local.device)], send, recv, group)
     out = torch.empty_like(local)
     out[torch.argsort(source_rank * E + mine, stable=True).to(local.device)] = received
-    return out
+    return out.view(shape)

@@ -8,15 +8,16 @@ interleaved experts) and Qwen3-MoE with dedup="off", for three SGD steps (moment
 batch, beside one process training the same model on the four batches together (the same mean loss): each step's
 logits of each rank equal the one-process logits of its batch, and the parameters after the steps are equal
 (fp32, 1e-5). It also checks the sharding (each rank holds E/4 experts, the state_dict shows the global tensors),
-calibration and dedup="auto", expert swap, the report and plot, saves torch.distributed.checkpoints of Mixtral
-(stacked experts) and of the ModuleList model, and refuses bad input (experts that do not divide over the mesh,
+calibration and dedup="auto", expert swap (Mixtral's stacked experts; the ModuleList model trains with swaps
+too), the report and plot, saves torch.distributed.checkpoints of Mixtral (stacked experts) and of the ModuleList
+model (after swaps: each expert under its own name), and refuses bad input (experts that do not divide over the mesh,
 unknown mesh dimension names or dedup levels, a mesh of some ranks, ranks holding different models) with
 ValueError.
 
-One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way, loads both world-4
-checkpoints and finds exactly the parameters saved, then one rank dies: the other raises within the process
-group's timeout. The test process itself trains Mixtral on a one-rank mesh against one process, then loads the
-checkpoints (the one saved after expert swaps too) without any process group. A failing rank fails the test.
+One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, loads both
+world-4 checkpoints and finds exactly the parameters saved, then one rank dies: the other raises within the
+process group's timeout. The test process itself trains Mixtral on a one-rank mesh against one process, then loads
+the checkpoints (the one saved after expert swaps too) without any process group. A failing rank fails the test.
 """
 
 import os
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_optimizer_state
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -76,14 +78,15 @@ def _batches(model, world):
     return torch.randint(0, vocab, (world, 2, 6), generator=gen)
 
 
-def _train_against_one_process(family, mesh, rank, world, dedup="off", link_model=None, level=None):
+def _train_against_one_process(family, mesh, rank, world, dedup="off", link_model=None, level=None, swap_every=0,
+                               tmp=None):
     """Three steps sharded and in one process; returns (sharded model, one-process model). ``level``: the dedup
-    level ``dedup="auto"`` must choose."""
+    level ``dedup="auto"`` must choose. With ``swap_every``, experts swap ranks: ``_check_after_swaps``."""
     ref, model = _build(family).train(), _build(family).train()
     moecompile.comm_stats(reset=True)
     batches = _batches(model, world)
     mine, together = batches[rank], batches.flatten(0, 1)
-    moecompile.parallelize(model, mesh, mine, dedup=dedup, link_model=link_model)
+    moecompile.parallelize(model, mesh, mine, dedup=dedup, link_model=link_model, swap_every=swap_every)
     info = model._moe_parallel
     if dedup == "auto":
         assert {r.dedup for r in info.report.layers} == {level}, [(r.dedup, r.dedup_reason) for r in info.report.layers]
@@ -122,7 +125,10 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
         out.loss.backward()
         ref_out.loss.backward()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    _assert_same_parameters(model, ref, rank, family)
+    if swap_every:
+        _check_after_swaps(model, ref, opt, ref_opt, rank, tmp, family)
+    else:
+        _assert_same_parameters(model, ref, rank, family)
     _no_full_expert_copies(family, (model, opt), (ref, ref_opt))
     spec = info.report.layers[0].spec
     stats = moecompile.comm_stats()[info.report.layers[0].path]
@@ -272,35 +278,52 @@ def _train_with_swaps(mesh, rank, world, tmp):
                                    msg=lambda m: f"swapping step {step}: {m}")
         out.loss.backward(), ref_out.loss.backward()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    _check_after_swaps(model, ref, opt, ref_opt, rank, tmp, "mixtral")
+
+
+def _check_after_swaps(model, ref, opt, ref_opt, rank, tmp, family):
+    """Experts were swapped, each swap lowering the predicted time; the state_dict (expert order: DTensors of
+    stacked and flat weights, this rank's experts of a ModuleList under their experts' names) equals the
+    one-process parameters; a round trip leaves each rank's rows as they are; a checkpoint is saved (the parent
+    loads it in one process); so is the optimizer's."""
     swap = model._moe_parallel.swap
-    assert swap.history, "no expert was swapped"
-    assert swap.history[0][5] < swap.history[0][4]  # each swap lowered the predicted time
+    assert swap.history, f"{family}: no expert was swapped"
+    assert all(after < before for *_, before, after in swap.history), swap.history
     state = model.state_dict()
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(full[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"after swaps {name}: {m}")
+    every = dict(ref.named_parameters())
+    assert len(set(full) & set(every)) == len(list(model.named_parameters(remove_duplicate=False))), sorted(full)
+    for name in set(full) & set(every):
+        torch.testing.assert_close(full[name], every[name].detach(), rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family} after swaps {name}: {m}")
     held = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.load_state_dict(state)
     assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
-    dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap")
+    dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap_{family}")
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, full)
     if rank == 0:
-        torch.save(full, f"{tmp}/saved_swap.pt")
-    _optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp)
+        torch.save({k: v for part in every_rank for k, v in part.items()}, f"{tmp}/saved_swap_{family}.pt")
+    _optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp, family)
 
 
-def _optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp):
-    """moecompile.get_optimizer_state_dict gives each expert's momentum in expert order, as a DTensor: equal to
-    the one-process momentum; it round-trips through set_optimizer_state_dict to the same rows in their slots,
-    and its torch.distributed.checkpoint loads in one process (the parent checks)."""
+def _optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp, family):
+    """moecompile.get_optimizer_state_dict gives each expert's momentum in expert order (a DTensor of a stacked
+    weight's, each ModuleList expert's on its rank under its expert's name): equal to the one-process momentum;
+    it round-trips through set_optimizer_state_dict to the same rows in their slots, one process's state (torch's)
+    loads exactly, and its torch.distributed.checkpoint loads in one process (the parent checks, for Mixtral)."""
     state = moecompile.get_optimizer_state_dict(model, opt)
     full = {}
-    for name, p in ref.named_parameters():
-        momentum = state["state"][name]["momentum_buffer"]
+    every = dict(ref.named_parameters())
+    assert len(state["state"]) == len(list(model.parameters())) and set(state["state"]) <= set(every)
+    stacked = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}
+    for name, value in state["state"].items():
+        momentum = value["momentum_buffer"]
         sharded = isinstance(momentum, DTensor)
-        assert sharded == getattr(model.get_parameter(name), "_moe_sharded", False), name
+        assert sharded == (name in stacked), name
         full[name] = momentum.full_tensor() if sharded else momentum
-        torch.testing.assert_close(full[name], ref_opt.state[p]["momentum_buffer"], rtol=TOL, atol=TOL,
-                                   msg=lambda m: f"momentum of {name}: {m}")
+        torch.testing.assert_close(full[name], ref_opt.state[every[name]]["momentum_buffer"], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family}: momentum of {name}: {m}")
     held = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
     for p in model.parameters():  # new tensors: the state dict may hold the optimizer's own
         opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
@@ -310,9 +333,16 @@ def _optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp):
     bad = [n for n, p in model.named_parameters() if not torch.equal(opt.state[p]["momentum_buffer"], held[n])
            or float(opt.state[p]["step"]) != 3.0]
     assert not bad, f"momentum or step not restored by set_optimizer_state_dict: {bad}"
-    dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
-    if rank == 0:
-        torch.save(full, f"{tmp}/saved_swap_optim.pt")
+    one = torch_optimizer_state(ref, ref_opt)  # one process's state, every expert's: each rank takes its own
+    moecompile.set_optimizer_state_dict(model, opt, one)
+    for name, value in moecompile.get_optimizer_state_dict(model, opt)["state"].items():
+        momentum = value["momentum_buffer"]
+        momentum = momentum.full_tensor() if isinstance(momentum, DTensor) else momentum
+        assert torch.equal(momentum, one["state"][name]["momentum_buffer"]), f"{family}: one process's {name}"
+    if family == "mixtral":
+        dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
+        if rank == 0:
+            torch.save(full, f"{tmp}/saved_swap_optim.pt")
 
 
 def _world4(rank, world, tmp):
@@ -328,7 +358,8 @@ def _world4(rank, world, tmp):
                 racks = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rack", "node", "local"))
                 _train_against_one_process(family, racks, rank, world, "auto", RACKS_SLOW, "rack")
                 continue
-            model = _train_against_one_process(family, mesh, rank, world, dedup)[0]  # not its one-process model
+            swaps = int(family == "loop")  # a ModuleList layer's experts swap ranks too
+            model = _train_against_one_process(family, mesh, rank, world, dedup, swap_every=swaps, tmp=tmp)[0]
             if family == "mixtral":
                 _report_and_plot(model, tmp, rank)
             if family in ("mixtral", "loop"):  # stacked experts (DTensors), and ModuleList ones (each rank its own)
@@ -368,7 +399,7 @@ def _world2(rank, world, tmp):
         mesh = init_device_mesh("cpu", (world,))
         with pytest.raises(ValueError, match="dedup='node' needs a mesh of several levels"):
             moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
-        _train_against_one_process("dbrx", mesh, rank, world)  # flat [E * ffn, H] expert weights
+        _train_against_one_process("dbrx", mesh, rank, world, swap_every=1, tmp=tmp)  # flat [E * ffn, H] weights
         model = _load_checkpoints_on_world2(mesh, rank, world, tmp)
         compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
         ids = _batches(model, world)[rank]
@@ -395,7 +426,8 @@ def test_expert_parallel_training_equals_one_process(tmp_path):
     finally:
         dist.destroy_process_group()
     for family, ckpt, saved in (("mixtral", "ckpt_mixtral", "saved_mixtral.pt"), ("loop", "ckpt_loop", "saved_loop.pt"),
-                                ("mixtral", "ckpt_swap", "saved_swap.pt")):  # in one process, no group
+                                *((f, f"ckpt_swap_{f}", f"saved_swap_{f}.pt") for f in ("mixtral", "dbrx"))):
+        # in one process, no group; all but the first saved after expert swaps (the ModuleList's too)
         one = _build(family)
         state = one.state_dict()
         dcp.load(state, checkpoint_id=f"{tmp}/{ckpt}")
