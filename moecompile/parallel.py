@@ -134,16 +134,28 @@ def _link_model(link_model):
     return LinkModel.load(link_model)
 
 
+ONE_ROW_PER_EXPERT = ("the routing weight scales each expert's input (weights on the input): a token's rows differ "
+                      "per expert, there is nothing to dedup")
+
+
 def _choose_dedup(records, dedup: str, link, routing: dict, mesh, group) -> None:
     """Each layer's dedup level; for "auto", the least predicted time of one dispatch and combine of every rank's
-    example routing (gathered, so every rank makes the same choice)."""
+    example routing (gathered, so every rank makes the same choice). A layer whose routing weights scale the
+    experts' input sends one row per (token, expert): "off"."""
+    if dedup == "auto":
+        _choose_by_time(records, link, routing, mesh, group)
+    else:
+        for rec in records:
+            rec.dedup, rec.dedup_reason = dedup, "chosen by the caller"
+    for rec in records:
+        if rec.spec.routing.weights_on_input and rec.dedup != "off":
+            rec.dedup, rec.dedup_reason = "off", ONE_ROW_PER_EXPERT
+
+
+def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
     from moecompile.runtime.cost_model import choose_dedup, dispatch_times
     from moecompile.runtime.dispatch_plan import Placement
 
-    if dedup != "auto":
-        for rec in records:
-            rec.dedup, rec.dedup_reason = dedup, "chosen by the caller"
-        return
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, {rec.path: routing.get(rec.path) for rec in records}, group=group)
     for rec in records:
@@ -170,9 +182,8 @@ def _unshardable(rec, world: int) -> str:
     if e.storage not in ("stacked", "flat", "modulelist"):
         return (f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters, flat [E * R, ...] ones "
                 "and ModuleLists are)")
-    if e.identity_experts or r.weights_on_input or r.capacity >= 0:
-        what = ("identity experts" if e.identity_experts else "weights on the input" if r.weights_on_input
-                else "an expert capacity")
+    if e.identity_experts or r.capacity >= 0:
+        what = "identity experts" if e.identity_experts else "an expert capacity"
         return f"a layer with {what} is not sharded yet"
     if any(not isinstance(p, nn.Parameter) for w in rec.expert_weights.values()
            for p in (w if isinstance(w, list) else [w])):

@@ -87,15 +87,16 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     local, views = _local_weights(spec, weights)
     if not views:
         return  # a layer parallelize left whole (replicated)
-    if node.args[9] is not None:
-        raise NotImplementedError("experts that scale their input by the routing weight (weights on the input) "
-                                  "cannot run sharded yet")
     e = spec.experts
     if e.storage not in ("stacked", "flat", "modulelist") or e.identity_experts:
         raise NotImplementedError(f"{e.storage} expert storage{' with identity experts' if e.identity_experts else ''}"
                                   " cannot run sharded yet")
     group_name, layer = views[0].args[2:4]
     dedup = _dedup(views[0])
+    scale = node.args[9]  # the routing weights, when they scale each expert's input (Llama 4)
+    if scale is not None and dedup != "off":
+        raise NotImplementedError("experts that scale their input by the routing weight send one row per (token, "
+                                  "expert): they cannot dedup (parallelize picks dedup='off' for them)")
     first = next(iter(local.values()))
     if isinstance(first, list):  # a ModuleList: its local experts
         local_experts = len(first)
@@ -122,6 +123,11 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         if slots is not None:  # the layer swaps experts: its rows go by slot, not by expert id
             s = torch.ops.moe.ep_to_slots(tok, counts, proxy(slots), x.size(0), layer)
             tok, counts, order, inverse = s[0], s[1], s[2], s[3]
+        if scale is not None:  # each routed row scaled here, as one device does, and sent as it is
+            dtype = (first[0] if isinstance(first, list) else first).meta["example_value"].dtype  # the experts'
+            weights = proxy(scale) if order is None else proxy(scale)[order]
+            x = x[tok].to(dtype) * weights.to(dtype).unsqueeze(-1)
+            tok = torch.cumsum(torch.ones_like(tok), 0) - 1  # row b is row b
         if dedup != "off":
             weights = proxy(replaced.args[2])
             weights = weights if order is None else weights[order]

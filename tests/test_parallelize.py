@@ -4,7 +4,8 @@ One world-4 group (a 2x2 ("node", "local") mesh: 2 nodes x 2 GPUs) trains Mixtra
 model with dedup="node" (the inter-node bytes are counted against the distinct (token, remote node) pairs of the
 one-process routing), DeepSeek-V3 (shared experts, group-limited routing) on a 3-level ("rack", "node", "local")
 mesh with dedup="auto" (a link model of slow racks: it must pick "rack"), GPT-OSS (biases, transposed and
-interleaved experts) and Qwen3-MoE with dedup="off", for three SGD steps (momentum 0.9), each rank on its own
+interleaved experts) and Qwen3-MoE with dedup="off", Llama 4 (the routing weight scales the experts' input: dedup
+"node" asked, "off" taken, with swaps), for three SGD steps (momentum 0.9), each rank on its own
 batch, beside one process training the same model on the four batches together (the same mean loss): each step's
 logits of each rank equal the one-process logits of its batch, and the parameters after the steps are equal
 (fp32, 1e-5). It also checks the sharding (each rank holds E/4 experts, the state_dict shows the global tensors),
@@ -91,6 +92,9 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
     if dedup == "auto":
         assert {r.dedup for r in info.report.layers} == {level}, [(r.dedup, r.dedup_reason) for r in info.report.layers]
         dedup = level
+    if info.report.layers[0].spec.routing.weights_on_input:  # Llama 4: one row per (token, expert), whatever asked
+        assert all(r.dedup == "off" and "weights on the input" in r.dedup_reason for r in info.report.layers), str(info)
+        dedup = "off"
     routed = []  # the one-process routing of layer 0, [world * T, K] per step (Mixtral's router returns it)
     if family == "mixtral":
         router = ref.get_submodule(info.report.layers[0].path + ".gate")
@@ -353,12 +357,12 @@ def _world4(rank, world, tmp):
         _links_and_auto(mesh, rank)
         _train_with_swaps(mesh, rank, world, tmp)
         for family, dedup in (("mixtral", "node"), ("deepseek_v3", "auto"), ("gpt_oss", "off"), ("qwen3_moe", "off"),
-                              ("loop", "node")):
+                              ("loop", "node"), ("llama4_text", "node")):
             if dedup == "auto":  # on 3 levels, (racks, nodes, local) = (2, 1, 2): the link model picks the rack
                 racks = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rack", "node", "local"))
                 _train_against_one_process(family, racks, rank, world, "auto", RACKS_SLOW, "rack")
                 continue
-            swaps = int(family == "loop")  # a ModuleList layer's experts swap ranks too
+            swaps = int(family in ("loop", "llama4_text"))  # a ModuleList layer's experts swap ranks too
             model = _train_against_one_process(family, mesh, rank, world, dedup, swap_every=swaps, tmp=tmp)[0]
             if family == "mixtral":
                 _report_and_plot(model, tmp, rank)
