@@ -5,7 +5,6 @@ past what an expert's instances hold, in global order, give nothing); the popula
 counted. Each rank's slot weights are gathered from the experts' weights, so autograd sums the instances'
 gradients: all-reduced over the ranks they equal one process's."""
 
-import socket
 from datetime import timedelta
 
 import pytest
@@ -65,8 +64,8 @@ def _one_process(xs, weights, capacity, placement):
     return outs
 
 
-def _worker(rank, world, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+def _worker(rank, world, tmp):
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         group = dist.group.WORLD.group_name
@@ -110,12 +109,6 @@ def _worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
-def test_rows_reach_instances_and_train_as_one_process(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+def test_rows_reach_instances_and_train_as_one_process(world, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
