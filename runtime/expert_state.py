@@ -1,0 +1,159 @@
+"""The experts' optimizer, decoupled from where their instances live (adaptive replication; the paper's §3.3 and
+§4.1-4.4): each rank keeps a fixed 1/W of every expert's parameters (``ExpertPartition``) as fp32 master weights
+in host memory (pinned where CUDA is), stepped there by a torch optimizer of the user's class; it never moves.
+
+One step of a layer, given this rank's slot gradients ``[S, P]`` (P: one expert's parameters, its weights
+flattened in order) under the placement that made them and the placement of the next iteration:
+
+1. gradients (``reduce_instances``): the instances of an expert on one rank are summed into one (the rank's
+   representative), then all-reduced over the ranks hosting it, a group of consecutive ranks registered once
+   (``replication.consecutive_groups``), experts in order on every rank;
+2. collection (``collect``): each rank takes its part of each expert's reduced gradient from one hosting rank
+   (``replication.gradient_source``: itself if it hosts the expert, else the hosts in turn), one batched
+   point-to-point exchange;
+3. the host step (the user's optimizer over the ``[E, P_w]`` master part);
+4. weights (``distribute``): every rank sends its updated part of each expert to each rank hosting that expert
+   in the next placement, one batched point-to-point exchange; each rank writes the assembled weights into
+   every slot of that expert (one message per (rank, expert) however many instances it holds there).
+
+Bytes each rank sends in each phase go to ``BYTES`` (phase -> bytes, this rank; ``<phase>.local``: the parts
+that stay on the rank, moved between host and device only). Whatever the placement, the collection moves each
+expert's gradient once (E x P elements over all ranks, local or not) and the distribution each expert's weights
+once to each rank hosting it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from .replication import consecutive_groups, gradient_source, hosting_ranks
+
+Tensor = torch.Tensor
+
+BYTES: dict[str, int] = defaultdict(int)  # phase ("reduce", "collect", "distribute") -> bytes this rank sent
+
+
+def bounds(numel: int, world: int) -> list[int]:
+    """Where each rank's part of one expert's ``numel`` parameters begins (and, last, where they end): as equal
+    as whole elements allow."""
+    return [r * numel // world for r in range(world + 1)]
+
+
+class ExpertPartition:
+    """This rank's part of every expert of one layer: ``master`` ``[E, P_w]`` fp32 (host), ``P_w`` the rank's
+    elements of each expert's flattened weights."""
+
+    def __init__(self, full: list[Tensor], rank: int, world: int):
+        """``full``: the layer's expert weights, each ``[E, ...]``, the same on every rank."""
+        E = full[0].shape[0]
+        flat = torch.cat([w.detach().reshape(E, -1) for w in full], 1)
+        self.shapes = [tuple(w.shape[1:]) for w in full]
+        self.dtypes = [w.dtype for w in full]
+        self.numel = flat.shape[1]
+        self.bounds = bounds(self.numel, world)
+        self.rank, self.world = rank, world
+        part = flat[:, self.bounds[rank]:self.bounds[rank + 1]].to("cpu", torch.float32).clone()
+        if torch.cuda.is_available():
+            part = part.pin_memory()
+        self.master = torch.nn.Parameter(part)
+
+    def unflatten(self, rows: Tensor) -> list[Tensor]:
+        """``[n, P]`` rows as the layer's weights, each ``[n, ...]`` in its dtype."""
+        out, at = [], 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            size = math.prod(shape)
+            out.append(rows[:, at:at + size].reshape(rows.shape[0], *shape).to(dtype))
+            at += size
+        return out
+
+
+class Groups:
+    """The process groups of every run of consecutive ranks of ``group``, made once (every rank calls it
+    together), each with ``timeout`` (pass the default group's: torch's default for a new gloo group is 30
+    minutes, for which a dead rank would hang the others)."""
+
+    def __init__(self, group, timeout=None):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.by_run = {run: dist.new_group([ranks[r] for r in range(run[0], run[1] + 1)], timeout=timeout)
+                       for run in consecutive_groups(self.world)}
+
+
+def reduce_instances(grads_SP: Tensor, placement_N: Tensor, groups: Groups) -> dict[int, Tensor]:
+    """Each expert hosted here -> its gradient summed over every instance on every rank (fp32)."""
+    rank, S = groups.rank, grads_SP.shape[0]
+    mine = placement_N[rank * S:(rank + 1) * S].cpu()
+    out = {}
+    for e in torch.unique(placement_N).tolist():
+        hosts = hosting_ranks(placement_N, e, S)
+        if rank not in hosts:
+            continue
+        total = grads_SP[mine == e].to(torch.float32).sum(0)
+        if len(hosts) > 1:
+            dist.all_reduce(total, group=groups.by_run[(hosts[0], hosts[-1])])
+            BYTES["reduce"] += total.numel() * total.element_size()
+        out[e] = total
+    return out
+
+
+def collect(reduced: dict[int, Tensor], placement_N: Tensor, part: ExpertPartition, group) -> Tensor:
+    """This rank's ``[E, P_w]`` part of every expert's reduced gradient, each part from its gradient source."""
+    rank, world = part.rank, part.world
+    S = placement_N.numel() // world
+    E = part.master.shape[0]
+    out = torch.empty_like(part.master, device=next(iter(reduced.values())).device if reduced else "cpu")
+    ops, ranks = [], dist.get_process_group_ranks(group)
+    for e in range(E):
+        for dest in range(world):
+            source = gradient_source(placement_N, e, dest, world, S)
+            lo, hi = part.bounds[dest], part.bounds[dest + 1]
+            if source == rank and dest == rank:
+                out[e] = reduced[e][lo:hi]
+                BYTES["collect.local"] += out[e].numel() * out.element_size()
+            elif source == rank:
+                chunk = reduced[e][lo:hi].contiguous()
+                ops.append(dist.P2POp(dist.isend, chunk, ranks[dest], group))
+                BYTES["collect"] += chunk.numel() * chunk.element_size()
+            elif dest == rank:
+                ops.append(dist.P2POp(dist.irecv, out[e], ranks[source], group))
+    _run(ops)
+    return out.cpu()
+
+
+def distribute(part: ExpertPartition, placement_N: Tensor, group, device) -> Tensor:
+    """This rank's slots ``[S, P]`` (fp32, on ``device``) holding the experts ``placement_N`` names, every part
+    from the rank keeping it."""
+    rank, world = part.rank, part.world
+    S = placement_N.numel() // world
+    full = torch.empty(S, part.numel, dtype=torch.float32, device=device)
+    mine = placement_N[rank * S:(rank + 1) * S].cpu()
+    ops, ranks = [], dist.get_process_group_ranks(group)
+    assembled = {e: torch.empty(part.numel, dtype=torch.float32, device=device) for e in torch.unique(mine).tolist()}
+    for e in range(part.master.shape[0]):
+        for dest in hosting_ranks(placement_N, e, S):
+            for source in range(world):
+                lo, hi = part.bounds[source], part.bounds[source + 1]
+                if source == rank and dest == rank:
+                    assembled[e][lo:hi] = part.master.detach()[e].to(device)
+                    BYTES["distribute.local"] += (hi - lo) * 4
+                elif source == rank:
+                    chunk = part.master.detach()[e].to(device).contiguous()
+                    ops.append(dist.P2POp(dist.isend, chunk, ranks[dest], group))
+                    BYTES["distribute"] += chunk.numel() * chunk.element_size()
+                elif dest == rank:
+                    ops.append(dist.P2POp(dist.irecv, assembled[e][lo:hi], ranks[source], group))
+    _run(ops)
+    for e, weights in assembled.items():
+        full[mine == e] = weights
+    return full
+
+
+def _run(ops) -> None:
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
