@@ -4,20 +4,23 @@ A layer with replication holds S expert slots per rank (``slot_expert_N``, N = W
 slot). ``moe.ep_to_instances`` takes this rank's routed rows (sorted by expert, as ``build_pft`` gives them) and
 sends each to one instance of its expert:
 
-    tok_K, counts_N, order_K = ep_to_instances(tok_B, counts_E, slot_expert_N, capacity, group, layer)
+    tok_K, counts_N, order_K = ep_to_instances(tok_B, counts_E, slot_expert_N, capacity_factor, group, layer)
     d = ep_dispatch(x_TH, tok_K, counts_N, group, layer)        # the exchange by slot (local experts: S slots)
     y_KH = ep_combine(expert_mlp(d[0], d[1], d[2], w_slots_S...), d[1], counts_N, d[3], K, group, layer)
     y_BH = zeros(B, H).index_copy(0, order_K, y_KH)             # back in routed order; a dropped row gives 0
 
 It gathers every rank's per-expert counts (one ``all_gather`` of E integers: their sum over the ranks is the
 iteration's expert popularity, kept in ``POPULARITY`` for the scheduler), splits each expert's rows, in the
-global order (rank 0's first), over its instances in equal runs (``replication.route_to_instances``; with
-``capacity`` rows per instance, the rows past what the instances hold are dropped: not in ``order_K``), and
+global order (rank 0's first), over its instances in equal runs (``replication.route_to_instances``; with a
+``capacity_factor`` > 0, each instance holds ceil(factor x routed rows of every rank / N) rows, and the rows past
+what an expert's instances hold are dropped: not in ``order_K``), and
 returns the kept rows sorted by slot: ``tok_K`` (their tokens), ``counts_N`` (rows this rank sends to each slot)
 and ``order_K`` (the routed row each came from). Its outputs are integers: no gradient.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -38,16 +41,17 @@ def _group(group_name: str):
 
 
 @custom_op("moe::ep_to_instances", mutates_args=())
-def ep_to_instances(token_ids_B: Tensor, counts_E: Tensor, slot_expert_N: Tensor, capacity: int, group_name: str,
-                    layer: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``capacity``: rows per instance, or -1 for none (dropless)."""
+def ep_to_instances(token_ids_B: Tensor, counts_E: Tensor, slot_expert_N: Tensor, capacity_factor: float,
+                    group_name: str, layer: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``capacity_factor`` <= 0: dropless."""
     group = _group(group_name)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     every = [torch.empty_like(counts_E) for _ in range(world)]
     dist.all_gather(every, counts_E.contiguous(), group=group)
     counts_WE = torch.stack(every).cpu()
     placement = slot_expert_N.cpu()
-    rows_WN = route_to_instances(counts_WE, placement, None if capacity < 0 else capacity)
+    capacity = math.ceil(capacity_factor * int(counts_WE.sum()) / placement.numel()) if capacity_factor > 0 else None
+    rows_WN = route_to_instances(counts_WE, placement, capacity)
     POPULARITY[layer] = counts_WE.sum(0)
     DROPPED[layer] = int(counts_WE.sum() - rows_WN.sum())
     mine = rows_WN[rank]
@@ -63,6 +67,6 @@ def ep_to_instances(token_ids_B: Tensor, counts_E: Tensor, slot_expert_N: Tensor
 
 
 @register_fake("moe::ep_to_instances")
-def _ep_to_instances_fake(token_ids_B, counts_E, slot_expert_N, capacity, group_name, layer):
+def _ep_to_instances_fake(token_ids_B, counts_E, slot_expert_N, capacity_factor, group_name, layer):
     K = torch.library.get_ctx().new_dynamic_size()
     return (token_ids_B.new_empty(K), counts_E.new_empty(slot_expert_N.shape[0]), token_ids_B.new_empty(K))

@@ -5,6 +5,7 @@ past what an expert's instances hold, in global order, give nothing); the popula
 counted. Each rank's slot weights are gathered from the experts' weights, so autograd sums the instances'
 gradients: all-reduced over the ranks they equal one process's."""
 
+import math
 from datetime import timedelta
 
 import pytest
@@ -73,13 +74,14 @@ def _worker(rank, world, tmp):
         counts_all = sum(torch.bincount(_routing(r)[1].flatten(), minlength=E) for r in range(world))
         placement = schedule(counts_all, world, S)
         assert int(torch.bincount(placement, minlength=E)[0]) > world * S // E  # the hot expert got more
-        for capacity in (-1, T * K * world // (world * S) - 2):  # dropless; below capacity factor 1
+        for factor in (0.0, 0.75):  # dropless; below capacity factor 1
+            capacity = math.ceil(factor * T * K * world / (world * S)) if factor else -1
             weights = [t.clone().requires_grad_(True) for t in _weights()]
             ref_weights = [t.clone().requires_grad_(True) for t in _weights()]
             x, ids, w = _routing(rank)
             x = x.requires_grad_(True)
             tok, counts, cw = _sorted_rows(ids, w)
-            tok_K, counts_N, order_K = torch.ops.moe.ep_to_instances(tok, counts, placement, capacity, group, "l")
+            tok_K, counts_N, order_K = torch.ops.moe.ep_to_instances(tok, counts, placement, factor, group, "l")
             local = [t[placement[rank * S:(rank + 1) * S]] for t in weights]  # this rank's slots
             d = torch.ops.moe.ep_dispatch(x, tok_K, counts_N, group, "l")
             every = torch.stack([torch.bincount(_routing(r)[1].flatten(), minlength=E) for r in range(world)])

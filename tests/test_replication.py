@@ -124,6 +124,7 @@ def test_gradient_sources():
             hosts = hosting_ranks(placement, e, S)
             sources = [gradient_source(placement, e, r, W, S) for r in range(W)]
             assert all(sources[h] == h for h in hosts) and set(sources) <= set(hosts)
-            served = torch.bincount(torch.tensor([s for r, s in enumerate(sources) if r not in hosts], dtype=torch.long), minlength=W)
+            others = torch.tensor([s for r, s in enumerate(sources) if r not in hosts], dtype=torch.long)
+            served = torch.bincount(others, minlength=W)
             assert int(served.max()) <= -(-(W - len(hosts)) // len(hosts)), (placement, e, sources)
     assert consecutive_groups(4) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
