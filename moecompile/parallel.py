@@ -36,11 +36,13 @@ from moecompile.runtime.stats import recording_routing
 from moecompile.runtime.mesh_levels import dedup_levels
 
 from .mesh import level_names, setup_mesh
+from .replicate import REPLICAS, check_options, replicate_layer
 from .sharded_state import SLOTS, experts_module, global_state, list_prefix, local_state
 
 
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
-                swap_gamma: float = 10.0, **options) -> nn.Module:
+                swap_gamma: float = 10.0, replication: str = "off", slots_per_rank: int | None = None,
+                capacity_factor: float | None = None, **options) -> nn.Module:
     """Shard the experts of every MoE layer of ``model`` over ``mesh`` (in place; returns ``model``).
 
     ``dedup``: ``"off"`` (one row per (token, expert) over the whole mesh), ``"node"`` (one row per distinct
@@ -49,11 +51,16 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     predicts fastest for the routing of ``example_args``; ``link_model``: a ``LinkModel`` or the JSON file
     ``python -m moecompile calibrate`` wrote). ``swap_every=N``: every N optimizer steps, swap a pair of experts
     of each sharded layer where that lowers the predicted time of its last routing (smooth max over the ranks,
-    ``swap_gamma``; ``moecompile/swap.py``). Other keyword arguments are backend options, for detection."""
+    ``swap_gamma``; ``moecompile/swap.py``). ``replication="adaptive"`` (or ``"static"``) with ``slots_per_rank=S``:
+    each rank holds S expert slots, instances of the experts placed by the routing of each step, their master
+    weights and optimizer state on the hosts (train with ``moecompile.ExpertOptimizer``; ``capacity_factor``: rows
+    per instance, ceil(factor x routed rows / slots), the rest dropped; ``moecompile/replicate.py``). Other keyword
+    arguments are backend options, for detection."""
     from .explain import explain
 
     group = setup_mesh(mesh)
     _check_dedup(dedup, mesh)
+    check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     if not isinstance(swap_every, int) or swap_every < 0:
         raise ValueError(f"swap_every must be a whole number of optimizer steps >= 0 (0: never); got {swap_every!r}")
     link = _link_model(link_model) if dedup == "auto" or link_model is not None else None
@@ -72,8 +79,15 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
                             for role, w in rec.expert_weights.items()}))
     _check_ranks_agree(model, plans, group)
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
-    local, swapping = set(), []
+    local, swapping, replicas = set(), [], []
     for rec, params in plans:
+        if replication != "off" and not isinstance(next(iter(params.values())), list):  # stacked or flat weights
+            layer, rows = replicate_layer(model, rec, params, group, rank, world, slots_per_rank,
+                                          replication == "adaptive", capacity_factor)
+            _read_through_view(layer.module, rows, group.group_name, rec.path, "off", layer.capacity_factor)
+            local |= set(params.values())
+            replicas.append(layer)
+            continue
         slots = torch.arange(rec.spec.experts.num_experts) if swap_every and world > 1 else None
         first = next(iter(params.values()))
         if slots is not None and isinstance(first, list) and list_prefix(first) is None:
@@ -88,6 +102,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
     model._moe_parallel.module_list_experts = {n for _, params in plans for names in params.values()
                                                if isinstance(names, list) for n in names}
+    model._moe_parallel.replicas = replicas
     if swapping:
         from .swap import ExpertSwap
 
@@ -114,6 +129,7 @@ class ParallelInfo:
         self.report, self.left, self.world, self.mesh, self.group = report, left, world, mesh, group
         self.swap = None  # the ExpertSwap of a model parallelized with swap_every
         self.module_list_experts: set[str] = set()  # every weight name of the sharded ModuleList experts (all ranks')
+        self.replicas: list = []  # the ReplicaLayer of each layer whose experts replicate (replicate.py)
 
     def __str__(self) -> str:
         lines = [f"expert parallelism over {self.world} rank(s):"]
@@ -312,7 +328,8 @@ def _read_remote(module, attr, like, expert, name, group_name, layer, dedup) -> 
     module._register_load_state_dict_pre_hook(drop_remote)
 
 
-def _read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, layer: str, dedup: str) -> None:
+def _read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, layer: str, dedup: str,
+                       capacity_factor: float = 0.0) -> None:
     """While Dynamo traces, the module reads each weight of ``rows`` (name -> its global dim 0: E, or E x R for
     flat weights) as ``moe.ep_global_view`` of its local shard (a subclass with one property per name); elsewhere
     as the shard itself (``get_parameter``, ``.shape``), and its forward refuses to run eagerly: the model's own
@@ -323,7 +340,8 @@ def _read_through_view(module: nn.Module, rows: dict[str, int], group_name: str,
             local = self._parameters[attr]
             if torch.compiler.is_compiling():
                 return torch.ops.moe.ep_global_view(local, rows[attr], group_name, layer, dedup,
-                                                    self._buffers.get(SLOTS))
+                                                    self._buffers.get(SLOTS), self._buffers.get(REPLICAS),
+                                                    capacity_factor)
             return local
         return property(read)
 

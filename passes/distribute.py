@@ -118,6 +118,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             return torch.ops.moe.expert_mlp(x_RH, perm_R, counts_L, gate if e.gated else None, up, down,
                                             b_gate if e.gated else None, b_up, b_down, None, *node.args[10:])
 
+        replicas, capacity_factor = _arg(views[0], 6, "replicas"), _arg(views[0], 7, "capacity_factor", 0.0)
         slots = _slots(views[0])
         order = None
         if slots is not None:  # the layer swaps experts: its rows go by slot, not by expert id
@@ -128,7 +129,14 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             weights = proxy(scale) if order is None else proxy(scale)[order]
             x = x[tok].to(dtype) * weights.to(dtype).unsqueeze(-1)
             tok = torch.cumsum(torch.ones_like(tok), 0) - 1  # row b is row b
-        if dedup != "off":
+        if replicas is not None:  # each row to one instance of its expert (ep_replicas.py); a dropped row gives 0
+            r = torch.ops.moe.ep_to_instances(tok, counts, proxy(replicas), capacity_factor, group_name, layer)
+            tok_K, counts_N, order_K = r[0], r[1], r[2]
+            d = torch.ops.moe.ep_dispatch(x, tok_K, counts_N, group_name, layer)
+            y = torch.ops.moe.ep_combine(run_experts(d[0], d[1], d[2]), d[1], counts_N, d[3], tok_K.size(0),
+                                         group_name, layer)
+            out = y.new_zeros(tok.size(0), y.size(1)).index_copy(0, order_K, y).node
+        elif dedup != "off":
             weights = proxy(replaced.args[2])
             weights = weights if order is None else weights[order]
             out = hierarchical_experts(x, tok, counts, weights, run_experts, group_name, layer, dedup).node
@@ -154,6 +162,13 @@ def _slots(view: fx.Node):
     stacked = view.target in (torch.ops.moe.ep_global_view, torch.ops.moe.ep_global_view.default)
     at = 5 if stacked else 9  # ep_remote_expert's
     return view.args[at] if len(view.args) > at else view.kwargs.get("slots")
+
+
+def _arg(view: fx.Node, at: int, name: str, default=None):
+    """``moe.ep_global_view``'s argument ``name`` (position ``at``); ``default`` on other views."""
+    if view.target not in (torch.ops.moe.ep_global_view, torch.ops.moe.ep_global_view.default):
+        return default
+    return view.args[at] if len(view.args) > at else view.kwargs.get(name, default)
 
 
 def _dedup(view: fx.Node) -> str:

@@ -19,7 +19,9 @@ and returns them by the reverse exchange. Each op's backward is the other direct
 ``ep_global_view`` stands for a sharded parameter in the traced graph: it has the global ``[E, ...]`` shape the
 model's own experts code reads (so Dynamo traces and detect reads it as on one device), and no value: the
 ``distribute`` pass replaces its uses by the local shard. Running it (a graph the passes did not rewrite) raises.
-``slots`` is the layer's expert placement when it swaps experts (``ep_swap.py``), else None.
+``slots`` is the layer's expert placement when it swaps experts (``ep_swap.py``), else None; ``replicas`` the
+placement of a layer with replicated experts (``slot_expert_N``: the local shard holds this rank's S slots,
+``ep_replicas.py``) and ``capacity_factor`` its capacity per instance (<= 0: none).
 ``ep_remote_expert`` does the same for one weight of an expert another rank holds, in a layer whose experts are
 an ``nn.ModuleList`` (no tensor input but ``slots``, a buffer of the module: a tensor reached through a closure
 would become a graph input named after the closure; ``expert`` is the list entry (the slot, when the layer
@@ -62,7 +64,8 @@ def _splits(counts_E: Tensor, recv_WL: Tensor, world: int) -> tuple[list[int], l
 
 @custom_op("moe::ep_global_view", mutates_args=())
 def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str, dedup: str = "off",
-                   slots: Tensor | None = None) -> Tensor:
+                   slots: Tensor | None = None, replicas: Tensor | None = None, capacity_factor: float = 0.0
+                   ) -> Tensor:
     raise RuntimeError(
         f"the experts of MoE layer {layer!r} are sharded over ranks by moecompile.parallelize and only run in a "
         "graph the moe backend rewrote: compile the model with torch.compile(model, backend='moe') (see "
@@ -70,7 +73,8 @@ def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str,
 
 
 @register_fake("moe::ep_global_view")
-def _ep_global_view_fake(local, num_experts, group_name, layer, dedup="off", slots=None):
+def _ep_global_view_fake(local, num_experts, group_name, layer, dedup="off", slots=None, replicas=None,
+                         capacity_factor=0.0):
     return local.new_empty((num_experts, *local.shape[1:]))
 
 

@@ -236,7 +236,7 @@ def _links_and_auto(mesh, rank):
         source = torch.arange(4).repeat_interleave(T)
         predicted = dispatch_times(ids, Placement.contiguous(E, (2, 2)), source, H, 4, emulated)
         for dedup in ("off", "node"):
-            measured = time_dispatch(ids, source, E, mesh, H, dedup, repeats=2)
+            measured = time_dispatch(ids, source, E, mesh, H, dedup, repeats=5)  # median: a busy moment aside
             assert 0.8 * predicted[dedup] < measured < 1.5 * predicted[dedup] + 0.03, (dedup, measured, predicted)
     ids = torch.zeros(1, 8, dtype=torch.long)
     bytes_cost = LinkModel({"flat": (0.0, 1e-6), "node": (0.0, 1e-6), "local": (0.0, 1e-9)})

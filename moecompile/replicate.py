@@ -1,0 +1,146 @@
+"""``moecompile.parallelize(..., replication="adaptive" | "static", slots_per_rank=S)``: the experts of a layer
+live in S slots on each rank, as many instances of an expert as the placement gives it (``runtime/replication.py``
+decides it; "static": each expert the same number, never changed; "adaptive": every optimizer step, in
+proportion to the routing of the step). The weights of the slots are the only expert weights on the ranks' devices;
+each expert's fp32 master weights and optimizer state are a fixed 1/W part on each rank's host
+(``runtime/expert_state.py``), stepped by ``moecompile.ExpertOptimizer``, which also sends the updated weights
+to the slots of the next placement. Stacked ``[E, ...]`` and flat ``[E x R, ...]`` expert weights replicate; an
+``nn.ModuleList`` layer is sharded as without replication (its experts train with the other parameters).
+
+The module reads each slot weight ``[S, ...]`` as ``moe.ep_global_view`` (the global ``[E, ...]`` shape, as
+without replication) with the placement buffer (``REPLICAS``); the ``distribute`` pass sends each routed row to
+one instance of its expert (``moe.ep_to_instances``). ``state_dict()`` gives each replicated weight whole,
+``[E, ...]`` in expert order, from the master weights (the same plain tensor on every rank), and
+``load_state_dict`` takes it back into the master weights and the slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moecompile.runtime import ep_replicas  # noqa: F401  (registers moe::ep_to_instances)
+from moecompile.runtime.expert_state import ExpertPartition
+from moecompile.runtime.replication import check_slots, uniform
+
+REPLICAS = "moe_slot_experts"  # the buffer holding a replicating layer's placement (slot -> expert)
+MODES = ("off", "static", "adaptive")
+
+
+@dataclass
+class ReplicaLayer:
+    """One layer whose experts replicate: its module, weights (attribute names, in partition order), this rank's
+    master part, the placement (the module's buffer, changed in place) and its slots per rank."""
+
+    path: str
+    module: nn.Module
+    attrs: list[str]
+    part: ExpertPartition
+    placement: torch.Tensor
+    slots_per_rank: int
+    adaptive: bool
+    capacity_factor: float
+
+    def slot_parameters(self) -> list[nn.Parameter]:
+        return [self.module._parameters[a] for a in self.attrs]
+
+    def write_slots(self, rows_SP: torch.Tensor) -> None:
+        """Each slot weight from ``[S, P]`` rows (fp32) of this rank's slots."""
+        with torch.no_grad():
+            for p, w in zip(self.slot_parameters(), self.part.unflatten(rows_SP)):
+                p.copy_(w.reshape(p.shape))
+
+
+def check_options(replication, slots_per_rank, capacity_factor, dedup: str, swap_every: int) -> None:
+    if replication not in MODES:
+        raise ValueError(f"replication={replication!r}: choose one of {list(MODES)}")
+    if replication == "off":
+        if slots_per_rank is not None or capacity_factor is not None:
+            raise ValueError("slots_per_rank and capacity_factor place replicated experts: pass "
+                             "replication='adaptive' (or 'static') with them")
+        return
+    if slots_per_rank is None:
+        raise ValueError(f"replication={replication!r} needs slots_per_rank=S, the expert slots of each rank "
+                         "(S x ranks >= experts; more slots, more instances of the popular experts)")
+    if dedup != "off" or swap_every:
+        raise ValueError(f"replication={replication!r} places experts itself and sends one row per (token, "
+                         "instance): use dedup='off' and swap_every=0 with it")
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor must be a number > 0 (None: dropless); got {capacity_factor!r}")
+
+
+def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world: int, slots_per_rank: int,
+                    adaptive: bool, capacity_factor: float | None) -> ReplicaLayer:
+    """Replace a stacked or flat layer's expert weights by this rank's slots of the uniform placement."""
+    E = rec.spec.experts.num_experts
+    check_slots(E, world, slots_per_rank)
+    S = slots_per_rank
+    names = list(params.values())
+    module_name = names[0].rpartition(".")[0]
+    if any(n.rpartition(".")[0] != module_name for n in names):
+        raise NotImplementedError("the layer's expert weights live in several modules")
+    module = model.get_submodule(module_name)
+    attrs = [n.rpartition(".")[2] for n in names]
+    full = [module._parameters[a] for a in attrs]
+    per_expert = [w.detach().reshape(E, w.shape[0] // E, *w.shape[1:]) for w in full]  # [E, R, ...]
+    part = ExpertPartition(per_expert, rank, world)
+    placement = uniform(E, world, S)
+    mine = placement[rank * S:(rank + 1) * S]
+    rows = {}
+    for attr, w, grouped in zip(attrs, full, per_expert):
+        local = grouped[mine].reshape(-1, *w.shape[1:]).clone()
+        slot = nn.Parameter(local, w.requires_grad)
+        slot._moe_sharded = slot._moe_replicated = True
+        module._parameters[attr] = slot
+        rows[attr] = w.shape[0]
+    module.register_buffer(REPLICAS, placement, persistent=False)
+    layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0)
+    module.register_state_dict_post_hook(_whole_state(layer, group))
+    module._register_load_state_dict_pre_hook(_load_whole(layer, rank, world), with_module=True)
+    module._moe_rows = {}  # not sharded by rows: the optimizer state is ExpertOptimizer's
+    rec.sharding = (f"{S} expert slots on each of {world} ranks ({', '.join(names)}), {E} experts placed "
+                    f"{'in proportion to the routing of each step' if adaptive else 'evenly, never moved'} "
+                    f"(replication={'adaptive' if adaptive else 'static'}), each routed row to one instance of "
+                    f"its expert, {'dropless' if not capacity_factor else f'capacity factor {capacity_factor}'}; "
+                    "master weights and optimizer state: 1/W of each expert on each rank's host")
+    return layer, rows
+
+
+def _whole(layer: ReplicaLayer, group) -> list[torch.Tensor]:
+    """The layer's weights whole, ``[E, ...]`` each, from every rank's master part (every rank calls it)."""
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, layer.part.master.detach())
+    flat = torch.cat(parts, 1)
+    return layer.part.unflatten(flat)
+
+
+def _whole_state(layer: ReplicaLayer, group):
+    def hook(module, state_dict, prefix, local_metadata):
+        for attr, w, slot in zip(layer.attrs, _whole(layer, group), layer.slot_parameters()):
+            state_dict[prefix + attr] = w.reshape(-1, *slot.shape[1:]).to(slot.device)
+    return hook
+
+
+def _load_whole(layer: ReplicaLayer, rank: int, world: int):
+    """A whole ``[E, ...]`` weight (or a DTensor of one) into the master part and this rank's slots."""
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        from torch.distributed.tensor import DTensor
+
+        keys = [prefix + a for a in layer.attrs]
+        if not any(k in state_dict for k in keys):
+            return
+        if not all(k in state_dict for k in keys):
+            raise ValueError(f"the state of {layer.path} holds some of its expert weights, not all: {keys}")
+        E = layer.part.master.shape[0]
+        whole = [state_dict[k].full_tensor() if isinstance(state_dict[k], DTensor) else state_dict[k] for k in keys]
+        flat = torch.cat([w.detach().reshape(E, -1).to("cpu", torch.float32) for w in whole], 1)
+        with torch.no_grad():
+            layer.part.master.copy_(flat[:, layer.part.bounds[rank]:layer.part.bounds[rank + 1]])
+        S = layer.slots_per_rank
+        rows = layer.part.unflatten(flat[layer.placement[rank * S:(rank + 1) * S]])
+        for k, slot, w in zip(keys, layer.slot_parameters(), rows):  # the load copies this rank's slots
+            state_dict[k] = w.reshape(slot.shape)
+    return hook

@@ -1,0 +1,121 @@
+"""Adaptive expert replication end to end (moecompile.parallelize(..., replication=...) + ExpertOptimizer) on gloo,
+against one process.
+
+World 4 on a 2x2 ("node", "local") mesh and world 2 on a 1-D one: Mixtral with S = E/W + 1 slots per rank trains
+three SGD steps (momentum 0.9) with replication="adaptive" and with "static", each rank on its own batch, beside
+one process training the same model on all the batches together: each step's logits of each rank equal the
+one-process logits of its batch, and the state_dict (the replicated experts whole, from the host master weights)
+equals the one-process parameters after the steps (fp32, 1e-5). Adaptive placements follow the routing (they
+change, and a static one does not); each slot holds the expert its placement names. A state_dict round trip
+leaves the slots as they are. Bad input (too few slots, options that do not go with replication, an
+ExpertOptimizer for a model without replicated experts or with an optimizer that cannot step on the host) raises
+ValueError naming the fix.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+import moecompile
+from moecompile.models.hf import tiny_model
+from moecompile.runtime.replication import uniform
+
+from test_parallelize import LR, TOL, _batches, _build, _init
+
+E = 8  # tiny Mixtral's experts
+
+
+class _DeviceOnly(torch.optim.SGD):
+    """An optimizer that refuses host tensors (as a CUDA-only fused one does)."""
+
+    def step(self, closure=None):
+        if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("this optimizer runs on CUDA tensors only")
+        return super().step(closure)
+
+
+def _bad_input(mesh, world):
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"cannot hold one instance of each of 8 experts: use slots_per_rank >= "):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, replication="adaptive", slots_per_rank=1)
+    with pytest.raises(ValueError, match="needs slots_per_rank=S"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, replication="adaptive")
+    with pytest.raises(ValueError, match="choose one of"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, replication="sometimes", slots_per_rank=4)
+    with pytest.raises(ValueError, match="use dedup='off' and swap_every=0"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, replication="static", slots_per_rank=4, swap_every=1)
+    with pytest.raises(ValueError, match="pass replication='adaptive'"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, slots_per_rank=4)
+    plain = moecompile.parallelize(tiny_model("mixtral"), mesh, ids)
+    with pytest.raises(ValueError, match="has none: parallelize it so"):
+        moecompile.ExpertOptimizer(plain, torch.optim.AdamW, lr=1e-3)
+    replicated = moecompile.parallelize(tiny_model("mixtral"), mesh, ids, replication="adaptive",
+                                        slots_per_rank=E // world + 1)
+    with pytest.raises(ValueError, match="cannot step on the host.*CUDA tensors only"):
+        moecompile.ExpertOptimizer(replicated, _DeviceOnly, lr=1e-3)
+    with pytest.raises(ValueError, match="must be a torch.optim.Optimizer class"):
+        moecompile.ExpertOptimizer(replicated, "AdamW", lr=1e-3)
+
+
+def _train(mesh, rank, world, mode):
+    ref, model = _build("mixtral").train(), _build("mixtral").train()
+    batches = _batches(model, world)
+    mine, together = batches[rank], batches.flatten(0, 1)
+    S = E // world + 1
+    moecompile.parallelize(model, mesh, mine, replication=mode, slots_per_rank=S)
+    info = model._moe_parallel
+    assert len(info.replicas) == len(info.report.layers) and not info.left, str(info)
+    slots = {n: p for n, p in model.named_parameters() if getattr(p, "_moe_replicated", False)}
+    assert slots and all(p.shape[0] == S * ref.get_parameter(n).shape[0] // E for n, p in slots.items())
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
+    for step in range(3):
+        out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
+        torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{mode} step {step}: {m}")
+        out.loss.backward(), ref_out.loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    state = model.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{mode} {name}: {m}")
+    placements = [[tuple(h[layer.path]) for h in opt.history] for layer in info.replicas]
+    for layer, placed in zip(info.replicas, placements):
+        assert all(min(p) >= 1 and sum(p) == S * world for p in placed), placed
+        if mode == "static":
+            assert len(set(placed)) == 1, placed
+        else:  # placed by the routing of each step: not the static placement
+            static = tuple(torch.bincount(uniform(E, world, S), minlength=E).tolist())
+            assert any(p != static for p in placed), placed
+        here = layer.placement[rank * S:(rank + 1) * S]  # each slot holds the expert its placement names
+        for slot in layer.slot_parameters():
+            name = next(n for n, p in model.named_parameters() if p is slot)
+            want = state[name].reshape(E, -1)[here].reshape(slot.shape)
+            torch.testing.assert_close(slot.detach(), want, rtol=TOL, atol=TOL, msg=lambda m: f"slots of {name}: {m}")
+    if mode == "adaptive":  # and not the same every step, in some layer
+        assert any(len(set(placed)) > 1 for placed in placements), placements
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.load_state_dict(state)
+    assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
+
+
+def _worker(rank, world, tmp):
+    _init(rank, world, tmp, timeout=60)
+    try:
+        mesh = (init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local")) if world == 4
+                else init_device_mesh("cpu", (world,)))
+        if world == 4:
+            _bad_input(mesh, world)
+        for mode in ("adaptive", "static"):
+            _train(mesh, rank, world, mode)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_training_equals_one_process(world, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
