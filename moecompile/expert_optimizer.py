@@ -30,7 +30,10 @@ class ExpertOptimizer:
             raise ValueError(f"optimizer_class must be a torch.optim.Optimizer class (torch.optim.AdamW...); got "
                              f"{optimizer_class!r}")
         _check_steps_on_host(optimizer_class, kwargs)
-        self.layers, self.group = info.replicas, info.group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._model, self.layers, self.group = model, info.replicas, info.group
+        self._mesh = init_device_mesh("cpu", (info.world,))  # the host parts' mesh: every rank, in order
         replicated = {id(p) for layer in self.layers for p in layer.slot_parameters()}
         dense = [p for p in model.parameters() if id(p) not in replicated and p.requires_grad]
         self.dense = optimizer_class(dense, **kwargs) if dense else None
@@ -62,6 +65,69 @@ class ExpertOptimizer:
             self.dense.step()
         self.steps += 1
         self.history.append(placed)
+
+    def state_dict(self) -> dict:
+        """For ``torch.distributed.checkpoint``: the dense optimizer's state by parameter name
+        (``moecompile.get_optimizer_state_dict``), each replicated layer's master weights and their optimizer
+        state as DTensors ``Shard(1)`` of ``[E, P]`` (each rank's part; any number of ranks loads them), its
+        current placement and the step count. A fresh optimizer gets its state made first (a zero step, as torch
+        does), so a checkpoint loads into it. Every rank calls it together."""
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        from .sharded_state import get_optimizer_state_dict
+
+        _init_optim_state(self.experts)
+        experts = {}
+        for layer in self.layers:
+            master = layer.part.master
+            entry = {"master": self._global(master.detach(), layer.part.numel)}
+            for key, value in self.experts.state[master].items():
+                part = isinstance(value, torch.Tensor) and value.shape == master.shape
+                entry[key] = self._global(value, layer.part.numel) if part else value
+            experts[layer.path] = entry
+        return {"dense": get_optimizer_state_dict(self._model, self.dense) if self.dense is not None else {},
+                "experts": experts, "placement": {layer.path: layer.placement.clone() for layer in self.layers},
+                "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what ``state_dict`` gave (through ``torch.distributed.checkpoint``, from any number of ranks): the
+        master parts, their optimizer state and the placement, then this rank's slots from them (as the step that
+        saved it left them: a resumed run continues bit for bit). Every rank calls it together."""
+        from torch.distributed.tensor import DTensor
+
+        from .sharded_state import set_optimizer_state_dict
+
+        if self.dense is not None:
+            set_optimizer_state_dict(self._model, self.dense, state["dense"])
+        missing = [layer.path for layer in self.layers if layer.path not in state["experts"]]
+        if missing:
+            raise ValueError(f"the state holds no experts of {missing}: load a state saved from this model's "
+                             "ExpertOptimizer")
+        rank = self.groups.rank
+        for layer in self.layers:
+            entry, master = state["experts"][layer.path], layer.part.master
+            lo, hi = layer.part.bounds[rank], layer.part.bounds[rank + 1]
+
+            def local(value):
+                if isinstance(value, DTensor):
+                    value = value.full_tensor() if value.device_mesh != self._mesh else value.to_local()
+                return value[:, lo:hi] if value.shape[1:] == (layer.part.numel,) else value
+
+            with torch.no_grad():
+                master.copy_(local(entry["master"]))
+            self.experts.state[master] = {k: local(v).clone() if isinstance(v, torch.Tensor) and v.dim() else v
+                                          for k, v in entry.items() if k != "master"}
+            layer.placement.copy_(state["placement"][layer.path])
+            device = layer.slot_parameters()[0].device
+            layer.write_slots(distribute(layer.part, layer.placement, self.group, device))
+        self.steps = int(state["steps"])
+
+    def _global(self, part: torch.Tensor, numel: int):
+        """This rank's ``[E, P_w]`` part as the DTensor ``Shard(1)`` of the whole ``[E, numel]``."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = (part.shape[0], numel)
+        return DTensor.from_local(part, self._mesh, [Shard(1)], run_check=False, shape=shape, stride=(numel, 1))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.dense is not None:

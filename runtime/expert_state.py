@@ -38,9 +38,10 @@ BYTES: dict[str, int] = defaultdict(int)  # phase ("reduce", "collect", "distrib
 
 
 def bounds(numel: int, world: int) -> list[int]:
-    """Where each rank's part of one expert's ``numel`` parameters begins (and, last, where they end): as equal
-    as whole elements allow."""
-    return [r * numel // world for r in range(world + 1)]
+    """Where each rank's part of one expert's ``numel`` parameters begins (and, last, where they end): ``torch.chunk``'s
+    parts (ceil(numel / world) each, the last ones shorter or empty), so a part is a DTensor ``Shard(1)`` piece."""
+    size = -(-numel // world)
+    return [min(r * size, numel) for r in range(world + 1)]
 
 
 class ExpertPartition:

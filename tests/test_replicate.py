@@ -15,6 +15,7 @@ ValueError naming the fix.
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -59,26 +60,37 @@ def _bad_input(mesh, world):
         moecompile.ExpertOptimizer(replicated, "AdamW", lr=1e-3)
 
 
-def _train(mesh, rank, world, mode):
-    ref, model = _build("mixtral").train(), _build("mixtral").train()
-    batches = _batches(model, world)
+def _replicated(mesh, mine, world, mode):
+    model = moecompile.parallelize(_build("mixtral").train(), mesh, mine, replication=mode,
+                                   slots_per_rank=E // world + 1)
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    return model, compiled, moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
+
+
+def _train(mesh, rank, world, mode, tmp):
+    """Three steps against one process; with "adaptive", a checkpoint after the first (placements change after
+    every step) from which ``_resume`` continues."""
+    ref = _build("mixtral").train()
+    batches = _batches(ref, world)
     mine, together = batches[rank], batches.flatten(0, 1)
     S = E // world + 1
-    moecompile.parallelize(model, mesh, mine, replication=mode, slots_per_rank=S)
+    model, compiled, opt = _replicated(mesh, mine, world, mode)
     info = model._moe_parallel
     assert len(info.replicas) == len(info.report.layers) and not info.left, str(info)
     slots = {n: p for n, p in model.named_parameters() if getattr(p, "_moe_replicated", False)}
     assert slots and all(p.shape[0] == S * ref.get_parameter(n).shape[0] // E for n, p in slots.items())
-    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
-    opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
     rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
+    logits = []
     for step in range(3):
         out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
         torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL,
                                    msg=lambda m: f"{mode} step {step}: {m}")
+        logits.append(out.logits.detach())
         out.loss.backward(), ref_out.loss.backward()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        if step == 0 and mode == "adaptive":
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{tmp}/ckpt")
     state = model.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{mode} {name}: {m}")
@@ -100,6 +112,27 @@ def _train(mesh, rank, world, mode):
     held = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.load_state_dict(state)
     assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
+    if mode == "adaptive":
+        _resume(mesh, mine, world, tmp, logits[1:], held, opt)
+
+
+def _resume(mesh, mine, world, tmp, logits, held, trained_opt):
+    """A fresh model and ExpertOptimizer load the checkpoint saved after step 1 and run steps 2 and 3: the same
+    logits, parameters, placements and master weights as the uninterrupted run, bit for bit."""
+    model, compiled, opt = _replicated(mesh, mine, world, "adaptive")
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=f"{tmp}/ckpt")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    for step, want in enumerate(logits):
+        out = compiled(mine, labels=mine)
+        assert torch.equal(out.logits, want), f"resumed step {step + 2}: logits differ"
+        out.loss.backward()
+        opt.step(), opt.zero_grad()
+    bad = [n for n, p in model.named_parameters() if not torch.equal(p, held[n])]
+    assert not bad, f"resumed parameters differ: {bad}"
+    for mine_, theirs in zip(opt.layers, trained_opt.layers):
+        assert torch.equal(mine_.placement, theirs.placement) and torch.equal(mine_.part.master, theirs.part.master)
 
 
 def _worker(rank, world, tmp):
@@ -110,7 +143,7 @@ def _worker(rank, world, tmp):
         if world == 4:
             _bad_input(mesh, world)
         for mode in ("adaptive", "static"):
-            _train(mesh, rank, world, mode)
+            _train(mesh, rank, world, mode, tmp)
         dist.barrier()
     finally:
         dist.destroy_process_group()
