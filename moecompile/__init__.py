@@ -8,7 +8,7 @@ from .backend import moe_backend
 from .capture import capture
 from .comm import comm_report, comm_rows, plot_comm
 from .config import MoEOptions
-from .expert_optimizer import ExpertOptimizer
+from .expert_optimizer import ExpertOptimizer, replication_report
 from .explain import ExplainReport, explain
 from .parallel import parallelize
 from .pipeline import MoECompileError, MoEFallbackWarning
@@ -16,6 +16,6 @@ from .sharded_state import get_optimizer_state_dict, set_optimizer_state_dict
 from moecompile.runtime.ep_stats import comm_stats
 from moecompile.runtime.stats import token_drops
 
-__all__ = ["moe_backend", "capture", "parallelize", "ExpertOptimizer", "MoEOptions", "ExplainReport", "explain",
+__all__ = ["moe_backend", "capture", "parallelize", "ExpertOptimizer", "replication_report", "MoEOptions", "ExplainReport", "explain",
            "token_drops", "comm_stats", "comm_report", "comm_rows", "plot_comm", "get_optimizer_state_dict",
            "set_optimizer_state_dict", "MoECompileError", "MoEFallbackWarning"]

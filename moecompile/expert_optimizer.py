@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from moecompile.runtime.ep_replicas import POPULARITY
+from moecompile.runtime import expert_state
+from moecompile.runtime.ep_replicas import DROPPED, POPULARITY, SLOT_ROWS
 from moecompile.runtime.expert_state import Groups, collect, distribute, reduce_instances
 from moecompile.runtime.replication import schedule
 
@@ -40,19 +41,28 @@ class ExpertOptimizer:
         self.experts = optimizer_class([layer.part.master for layer in self.layers], **kwargs)
         self.groups = Groups(self.group, timeout=_timeout())
         self.steps = 0
-        self.history: list[dict[str, list[int]]] = []  # per step: layer -> instances per expert it placed next
+        self.history: list[dict[str, dict]] = []  # per step: layer -> what it routed, moved and placed (``step``)
+        info.expert_optimizer = self
 
     def step(self) -> None:
-        """Every rank calls it together, after backward."""
+        """Every rank calls it together, after backward. Appends to ``history``, per layer: ``instances`` (per
+        expert, of the placement it made for the next step), ``popularity`` (rows routed to each expert in the
+        step, every rank's), ``rows_per_slot`` (what each instance received), ``dropped`` (rows past a capacity)
+        and ``bytes``: this rank's bytes per phase (``reduce``: its all-reduce inputs; ``collect``, ``distribute``:
+        sent to other ranks; ``*.local``: the parts that stayed on the rank)."""
+        moved = {}
         for layer in self.layers:
+            before = dict(expert_state.BYTES)
             S = layer.slots_per_rank
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layer.slot_parameters()]
             rows = torch.cat([g.reshape(S, -1) for g in grads], 1)
             reduced = reduce_instances(rows, layer.placement, self.groups)
             layer.part.master.grad = collect(reduced, layer.placement, layer.part, self.group)
+            moved[layer.path] = _delta(before)
         self.experts.step()
         placed = {}
         for layer in self.layers:
+            before = dict(expert_state.BYTES)
             world = self.groups.world
             nxt = layer.placement
             if layer.adaptive and layer.path in POPULARITY:
@@ -60,7 +70,12 @@ class ExpertOptimizer:
             device = layer.slot_parameters()[0].device
             layer.write_slots(distribute(layer.part, nxt, self.group, device))
             layer.placement.copy_(nxt)
-            placed[layer.path] = torch.bincount(nxt, minlength=layer.part.master.shape[0]).tolist()
+            E = layer.part.master.shape[0]
+            placed[layer.path] = {
+                "instances": torch.bincount(nxt, minlength=E).tolist(),
+                "popularity": POPULARITY.get(layer.path, torch.zeros(E, dtype=torch.long)).tolist(),
+                "rows_per_slot": SLOT_ROWS.get(layer.path, torch.zeros(nxt.numel(), dtype=torch.long)).tolist(),
+                "dropped": DROPPED.get(layer.path, 0), "bytes": {**moved[layer.path], **_delta(before)}}
         if self.dense is not None:
             self.dense.step()
         self.steps += 1
@@ -136,6 +151,34 @@ class ExpertOptimizer:
         for layer in self.layers:
             for p in layer.slot_parameters():
                 p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+
+
+def _delta(before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in expert_state.BYTES.items() if v != before.get(k, 0)}
+
+
+def replication_report(model) -> str:
+    """Per replicated layer: its placement mode and slots, and for the last step the popularity, instances per
+    expert placed next, rows per instance, rows dropped and this rank's bytes of the gradient phases (reduce,
+    collect) and the weight phase (distribute)."""
+    info = getattr(model, "_moe_parallel", None)
+    if info is None or not getattr(info, "replicas", None):
+        return "no replicated experts (moecompile.parallelize(..., replication='adaptive', slots_per_rank=S))"
+    opt = getattr(info, "expert_optimizer", None)
+    last = opt.history[-1] if opt is not None and opt.history else {}
+    lines = ["replicated experts (this rank's bytes; the last optimizer step):"]
+    for layer in info.replicas:
+        mode = "adaptive" if layer.adaptive else "static"
+        now = torch.bincount(layer.placement, minlength=layer.part.master.shape[0]).tolist()
+        line = f"  {layer.path}: {mode}, {layer.slots_per_rank} slots per rank, instances per expert {now}"
+        step = last.get(layer.path)
+        if step:
+            rows = step["rows_per_slot"]
+            line += (f"; routed per expert {step['popularity']}, rows per instance max {max(rows)} mean "
+                     f"{sum(rows) / len(rows):.1f}, dropped {step['dropped']}; bytes "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(step["bytes"].items())))
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _check_steps_on_host(optimizer_class, kwargs) -> None:

@@ -102,6 +102,10 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
         from .comm import comm_report
 
         parallel = f"{model._moe_parallel}\n{comm_report(model)}"
+        if model._moe_parallel.replicas:
+            from .expert_optimizer import replication_report
+
+            parallel += f"\n{replication_report(model)}"
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
                          report.failures, dict(report.loops), parallel)
 

@@ -32,6 +32,7 @@ Tensor = torch.Tensor
 
 POPULARITY: dict[str, Tensor] = {}  # layer -> [E] rows routed to each expert over every rank, its last forward
 DROPPED: dict[str, int] = {}  # layer -> routed rows dropped over every rank (a capacity), its last forward
+SLOT_ROWS: dict[str, Tensor] = {}  # layer -> [N] rows each instance received (from every rank), its last forward
 
 
 def _group(group_name: str):
@@ -54,6 +55,7 @@ def ep_to_instances(token_ids_B: Tensor, counts_E: Tensor, slot_expert_N: Tensor
     rows_WN = route_to_instances(counts_WE, placement, capacity)
     POPULARITY[layer] = counts_WE.sum(0)
     DROPPED[layer] = int(counts_WE.sum() - rows_WN.sum())
+    SLOT_ROWS[layer] = rows_WN.sum(0)
     mine = rows_WN[rank]
     dest, start = torch.full((int(counts_E.sum()),), -1, dtype=torch.int64), 0
     for e, n in enumerate(counts_WE[rank].tolist()):  # this rank's rows of expert e: to its slots in turn

@@ -94,7 +94,8 @@ def _train(mesh, rank, world, mode, tmp):
     state = model.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{mode} {name}: {m}")
-    placements = [[tuple(h[layer.path]) for h in opt.history] for layer in info.replicas]
+    placements = [[tuple(h[layer.path]["instances"]) for h in opt.history] for layer in info.replicas]
+    _check_stats(model, opt, world, S, mine.numel())
     for layer, placed in zip(info.replicas, placements):
         assert all(min(p) >= 1 and sum(p) == S * world for p in placed), placed
         if mode == "static":
@@ -114,6 +115,20 @@ def _train(mesh, rank, world, mode, tmp):
     assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
     if mode == "adaptive":
         _resume(mesh, mine, world, tmp, logits[1:], held, opt)
+
+
+def _check_stats(model, opt, world, S, tokens):
+    """Each step's history: every rank's routed rows (top-2 of each token), each received by one instance, none
+    dropped, the bytes of each phase; the report in explain() says the same."""
+    for step in opt.history:
+        for path, h in step.items():
+            assert sum(h["popularity"]) == world * tokens * 2 == sum(h["rows_per_slot"]), h
+            assert len(h["rows_per_slot"]) == S * world and h["dropped"] == 0, h
+            assert h["bytes"]["collect"] + h["bytes"]["collect.local"] > 0 and h["bytes"]["distribute.local"] > 0, h
+    text = moecompile.replication_report(model)
+    for layer in model._moe_parallel.replicas:
+        assert f"{layer.path}: " in text and "rows per instance max" in text and "distribute.local" in text, text
+    assert text in moecompile.explain(model, torch.zeros(1, 4, dtype=torch.long)).parallel
 
 
 def _resume(mesh, mine, world, tmp, logits, held, trained_opt):
