@@ -21,7 +21,13 @@ from .mesh import _timeout
 
 
 class ExpertOptimizer:
-    def __init__(self, model, optimizer_class, **kwargs):
+    """``place_every=N``: an adaptive layer re-places its experts every N steps only (1, the default: every step,
+    the paper's scheme; 10, 50, 100: the coarser re-placing of FlexMoE-style systems, for comparison). Each
+    step's history also says how many bytes a system that moves each expert's optimizer state with its
+    instances would have moved for that re-placement (``coupled_state_bytes``: the slots whose expert changed x
+    their master weights and optimizer state); this one moves none."""
+
+    def __init__(self, model, optimizer_class, *, place_every: int = 1, **kwargs):
         info = getattr(model, "_moe_parallel", None)
         if info is None or not getattr(info, "replicas", None):
             raise ValueError("ExpertOptimizer trains the replicated experts of a model that moecompile.parallelize("
@@ -30,6 +36,9 @@ class ExpertOptimizer:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError(f"optimizer_class must be a torch.optim.Optimizer class (torch.optim.AdamW...); got "
                              f"{optimizer_class!r}")
+        if not isinstance(place_every, int) or place_every < 1:
+            raise ValueError(f"place_every must be a whole number of steps >= 1; got {place_every!r}")
+        self.place_every = place_every
         _check_steps_on_host(optimizer_class, kwargs)
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -65,8 +74,9 @@ class ExpertOptimizer:
             before = dict(expert_state.BYTES)
             world = self.groups.world
             nxt = layer.placement
-            if layer.adaptive and layer.path in POPULARITY:
+            if layer.adaptive and layer.path in POPULARITY and (self.steps + 1) % self.place_every == 0:
                 nxt = schedule(POPULARITY[layer.path], world, layer.slots_per_rank)
+            coupled = int((nxt != layer.placement).sum()) * layer.part.numel * self._state_bytes(layer)
             device = layer.slot_parameters()[0].device
             layer.write_slots(distribute(layer.part, nxt, self.group, device))
             layer.placement.copy_(nxt)
@@ -75,11 +85,19 @@ class ExpertOptimizer:
                 "instances": torch.bincount(nxt, minlength=E).tolist(),
                 "popularity": POPULARITY.get(layer.path, torch.zeros(E, dtype=torch.long)).tolist(),
                 "rows_per_slot": SLOT_ROWS.get(layer.path, torch.zeros(nxt.numel(), dtype=torch.long)).tolist(),
-                "dropped": DROPPED.get(layer.path, 0), "bytes": {**moved[layer.path], **_delta(before)}}
+                "dropped": DROPPED.get(layer.path, 0), "bytes": {**moved[layer.path], **_delta(before)},
+                "coupled_state_bytes": coupled}
         if self.dense is not None:
             self.dense.step()
         self.steps += 1
         self.history.append(placed)
+
+    def _state_bytes(self, layer) -> int:
+        """Bytes per expert parameter of its master weight and optimizer state (what a coupled design moves)."""
+        master = layer.part.master
+        state = self.experts.state.get(master, {})
+        return master.element_size() + sum(v.element_size() for v in state.values()
+                                           if isinstance(v, torch.Tensor) and v.shape == master.shape)
 
     def state_dict(self) -> dict:
         """For ``torch.distributed.checkpoint``: the dense optimizer's state by parameter name
