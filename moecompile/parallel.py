@@ -36,7 +36,9 @@ from moecompile.runtime.stats import recording_routing
 from moecompile.runtime.mesh_levels import dedup_levels
 
 from .mesh import level_names, setup_mesh
-from .replicate import REPLICAS, check_options, replicate_layer
+from moecompile.runtime.replication import check_slots
+
+from .replicate import REPLICAS, check_options, replicable, replicate_layer
 from .sharded_state import SLOTS, experts_module, global_state, list_prefix, local_state
 
 
@@ -79,9 +81,16 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
                             for role, w in rec.expert_weights.items()}))
     _check_ranks_agree(model, plans, group)
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
+    if replication != "off":  # every layer's slots checked before any layer changes
+        for rec, params in plans:
+            if not replicable(params):
+                check_slots(rec.spec.experts.num_experts, world, slots_per_rank)
     local, swapping, replicas = set(), [], []
     for rec, params in plans:
-        if replication != "off" and not isinstance(next(iter(params.values())), list):  # stacked or flat weights
+        why_not = replicable(params) if replication != "off" else "not asked"
+        if why_not and replication != "off":
+            rec.shard_note = f"not replicated: {why_not}"
+        if not why_not:
             layer, rows = replicate_layer(model, rec, params, group, rank, world, slots_per_rank,
                                           replication == "adaptive", capacity_factor)
             _read_through_view(layer.module, rows, group.group_name, rec.path, "off", layer.capacity_factor)
@@ -91,7 +100,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         slots = torch.arange(rec.spec.experts.num_experts) if swap_every and world > 1 else None
         first = next(iter(params.values()))
         if slots is not None and isinstance(first, list) and list_prefix(first) is None:
-            slots, rec.swap_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
+            slots, rec.shard_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
         held = _shard_layer(model, rec, params, mesh, group, rank, world, slots)
         local |= held
         if slots is not None:
@@ -245,8 +254,8 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
                     f"the rows cross the ranks padding-free, {how}")
     if slots is not None:
         rec.sharding += "; experts swap ranks during training (swap_every)"
-    elif getattr(rec, "swap_note", None):
-        rec.sharding += f"; {rec.swap_note}"
+    elif getattr(rec, "shard_note", None):
+        rec.sharding += f"; {rec.shard_note}"
     return held
 
 

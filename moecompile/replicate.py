@@ -24,7 +24,7 @@ from torch import nn
 
 from moecompile.runtime import ep_replicas  # noqa: F401  (registers moe::ep_to_instances)
 from moecompile.runtime.expert_state import ExpertPartition
-from moecompile.runtime.replication import check_slots, uniform
+from moecompile.runtime.replication import uniform
 
 REPLICAS = "moe_slot_experts"  # the buffer holding a replicating layer's placement (slot -> expert)
 MODES = ("off", "static", "adaptive")
@@ -72,17 +72,24 @@ def check_options(replication, slots_per_rank, capacity_factor, dedup: str, swap
         raise ValueError(f"capacity_factor must be a number > 0 (None: dropless); got {capacity_factor!r}")
 
 
+def replicable(params: dict) -> str:
+    """Why a layer's experts cannot replicate ("" when they can): stacked or flat weights of one module."""
+    names = list(params.values())
+    if isinstance(names[0], list):
+        return "its experts are an nn.ModuleList (sharded without replication)"
+    if len({n.rpartition(".")[0] for n in names}) > 1:
+        return "its expert weights live in several modules (sharded without replication)"
+    return ""
+
+
 def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world: int, slots_per_rank: int,
-                    adaptive: bool, capacity_factor: float | None) -> ReplicaLayer:
-    """Replace a stacked or flat layer's expert weights by this rank's slots of the uniform placement."""
+                    adaptive: bool, capacity_factor: float | None) -> tuple[ReplicaLayer, dict[str, int]]:
+    """Replace a stacked or flat layer's expert weights (``replicable``) by this rank's slots of the uniform
+    placement; returns the layer and each weight's global dim 0."""
     E = rec.spec.experts.num_experts
-    check_slots(E, world, slots_per_rank)
     S = slots_per_rank
     names = list(params.values())
-    module_name = names[0].rpartition(".")[0]
-    if any(n.rpartition(".")[0] != module_name for n in names):
-        raise NotImplementedError("the layer's expert weights live in several modules")
-    module = model.get_submodule(module_name)
+    module = model.get_submodule(names[0].rpartition(".")[0])
     attrs = [n.rpartition(".")[2] for n in names]
     full = [module._parameters[a] for a in attrs]
     per_expert = [w.detach().reshape(E, w.shape[0] // E, *w.shape[1:]) for w in full]  # [E, R, ...]
@@ -97,9 +104,10 @@ def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world:
         module._parameters[attr] = slot
         rows[attr] = w.shape[0]
     module.register_buffer(REPLICAS, placement, persistent=False)
+    _refuse_other_optimizers()
     layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0)
     module.register_state_dict_post_hook(_whole_state(layer, group))
-    module._register_load_state_dict_pre_hook(_load_whole(layer, rank, world), with_module=True)
+    module._register_load_state_dict_pre_hook(_load_whole(layer, rank), with_module=True)
     module._moe_rows = {}  # not sharded by rows: the optimizer state is ExpertOptimizer's
     rec.sharding = (f"{S} expert slots on each of {world} ranks ({', '.join(names)}), {E} experts placed "
                     f"{'in proportion to the routing of each step' if adaptive else 'evenly, never moved'} "
@@ -109,10 +117,30 @@ def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world:
     return layer, rows
 
 
+_HOOK = None
+
+
+def _refuse_other_optimizers() -> None:
+    """A torch optimizer stepping slot weights would train each instance on its own (and never re-place them):
+    refused, naming the fix (a global step pre-hook, installed once)."""
+    global _HOOK
+    if _HOOK is not None:
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def check(optimizer, args, kwargs):
+        if any(getattr(p, "_moe_replicated", False) for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("this optimizer steps replicated expert slots (moecompile.parallelize(..., "
+                             "replication=...)): train the model with moecompile.ExpertOptimizer(model, "
+                             "torch.optim.AdamW, ...), which steps the experts' master weights and re-places them")
+
+    _HOOK = register_optimizer_step_pre_hook(check)
+
+
 def _whole(layer: ReplicaLayer, group) -> list[torch.Tensor]:
     """The layer's weights whole, ``[E, ...]`` each, from every rank's master part (every rank calls it)."""
     parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, layer.part.master.detach())
+    dist.all_gather_object(parts, layer.part.master.detach(), group=group)
     flat = torch.cat(parts, 1)
     return layer.part.unflatten(flat)
 
@@ -124,7 +152,7 @@ def _whole_state(layer: ReplicaLayer, group):
     return hook
 
 
-def _load_whole(layer: ReplicaLayer, rank: int, world: int):
+def _load_whole(layer: ReplicaLayer, rank: int):
     """A whole ``[E, ...]`` weight (or a DTensor of one) into the master part and this rank's slots."""
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         from torch.distributed.tensor import DTensor

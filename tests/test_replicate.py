@@ -58,6 +58,8 @@ def _bad_input(mesh, world):
         moecompile.ExpertOptimizer(replicated, _DeviceOnly, lr=1e-3)
     with pytest.raises(ValueError, match="must be a torch.optim.Optimizer class"):
         moecompile.ExpertOptimizer(replicated, "AdamW", lr=1e-3)
+    with pytest.raises(ValueError, match="train the model with moecompile.ExpertOptimizer"):
+        torch.optim.SGD(replicated.parameters(), lr=0.1).step()
     with pytest.raises(ValueError, match="place_every must be a whole number of steps >= 1"):
         moecompile.ExpertOptimizer(replicated, torch.optim.AdamW, lr=1e-3, place_every=0)
 
