@@ -102,7 +102,7 @@ class ExpertOptimizer:
     def state_dict(self) -> dict:
         """For ``torch.distributed.checkpoint``: the dense optimizer's state by parameter name
         (``moecompile.get_optimizer_state_dict``), each replicated layer's master weights and their optimizer
-        state as DTensors ``Shard(1)`` of ``[E, P]`` (each rank's part; any number of ranks loads them), its
+        state as DTensors ``Shard(1)`` of ``[E, P]`` (each rank's part), its
         current placement and the step count. A fresh optimizer gets its state made first (a zero step, as torch
         does), so a checkpoint loads into it. Every rank calls it together."""
         from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -123,9 +123,10 @@ class ExpertOptimizer:
                 "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
-        """Load what ``state_dict`` gave (through ``torch.distributed.checkpoint``, from any number of ranks): the
-        master parts, their optimizer state and the placement, then this rank's slots from them (as the step that
-        saved it left them: a resumed run continues bit for bit). Every rank calls it together."""
+        """Load what ``state_dict`` gave (through ``torch.distributed.checkpoint``, on the same number of ranks
+        and slots: the placement is per slot): the master parts, their optimizer state and the placement, then this rank's slots from
+        them (as the step that saved it left them: a resumed run continues bit for bit). Every rank calls it
+        together."""
         from torch.distributed.tensor import DTensor
 
         from .sharded_state import set_optimizer_state_dict
