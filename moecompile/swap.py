@@ -98,12 +98,12 @@ def _move_param(weight, old, new, group, optimizer) -> None:
     """Re-place a stacked or flat shard (``weight``, its rows), or a ModuleList layer's local experts' weights of
     one role (a list, stacked to move: entry i goes with slot i), with their gradients and optimizer state. Every
     rank holds gradients, and state of the same keys, alike (they all step together)."""
-    params = _listed(weight)
+    params, one_list = _listed(weight), isinstance(weight, list)
 
     def move(tensors):
-        rows = tensors[0] if params is not weight else torch.stack(tensors)
+        rows = torch.stack(tensors) if one_list else tensors[0]
         moved = move_rows(rows, old, new, group)
-        for t, m in zip(tensors, [moved] if params is not weight else moved.unbind(0)):
+        for t, m in zip(tensors, moved.unbind(0) if one_list else [moved]):
             t.copy_(m)
 
     with torch.no_grad():
