@@ -17,7 +17,8 @@ initial model and data:
 
 Printed per run (both layers together, over the steps): routed rows dropped (% of routed, mean per step), the
 largest rows one rank's slots received in a step divided by the mean over ranks (the straggler; 1.0 is even),
-this rank-0's bytes per step of the gradient collection and the weight distribution (network, other ranks), and
+every rank's bytes per step: the gradient all-reduce's inputs, and what the gradient collection and the weight
+distribution sent to other ranks, and
 the bytes a design moving optimizer state with its experts would have moved to re-place them (``coupled``: the
 slots whose expert changed x their fp32 master weights and AdamW state). The plot shows, for the adaptive run
 with a capacity, layer 0's rows routed to each expert per step and the instances each got for the next.
@@ -71,13 +72,17 @@ def _run_one(mode, every, capped, args, text, rank, world, mesh):
         losses.append(float(out.loss.detach()))
     loss = torch.tensor(losses[-10:]).mean()
     dist.all_reduce(loss)
+    phases = ("reduce", "collect", "distribute")
+    sent = torch.tensor([sum(h["bytes"].get(k, 0) for step in opt.history for h in step.values()) for k in phases],
+                        dtype=torch.float64)
+    dist.all_reduce(sent)  # every rank's bytes sent to other ranks
     return {"history": opt.history, "loss": float(loss) / world, "seconds": time.perf_counter() - start,
-            "slots": 4, "world": world}
+            "slots": 4, "world": world, "sent": dict(zip(phases, sent.tolist()))}
 
 
 def _summary(run) -> dict:
     hist, S, W = run["history"], run["slots"], run["world"]
-    routed = dropped = coupled = collect = distribute = 0
+    routed = dropped = coupled = 0
     stragglers = []
     for step in hist:
         worst = mean = 0.0
@@ -85,15 +90,13 @@ def _summary(run) -> dict:
             routed += sum(h["popularity"])
             dropped += h["dropped"]
             coupled += h["coupled_state_bytes"]
-            collect += h["bytes"].get("collect", 0)
-            distribute += h["bytes"].get("distribute", 0)
             per_rank = [sum(h["rows_per_slot"][r * S:(r + 1) * S]) for r in range(W)]
             worst, mean = worst + max(per_rank), mean + sum(per_rank) / W
         stragglers.append(worst / mean if mean else 1.0)
     n = len(hist)
     return {"dropped_pct": 100.0 * dropped / routed if routed else 0.0, "dropped_per_step": dropped / n,
-            "straggler": sum(stragglers) / n, "collect_per_step": collect / n, "distribute_per_step": distribute / n,
-            "coupled_total": coupled}
+            "straggler": sum(stragglers) / n, "coupled_total": coupled,
+            **{f"{k}_per_step": v / n for k, v in run["sent"].items()}}
 
 
 def _worker(rank, world, tmp, args):
@@ -123,16 +126,18 @@ def _worker(rank, world, tmp, args):
 
 def _table(results, args) -> str:
     lines = [f"{args.steps} steps, 4 ranks (gloo, CPU), tiny Mixtral (2 layers, 8 experts, top-1, hidden "
-             f"{args.hidden}), {args.batch}x{args.seq} bytes per rank per step, 4 slots per rank; rank 0's bytes.",
+             f"{args.hidden}), {args.batch}x{args.seq} bytes per rank per step, 4 slots per rank, {args.optimizer}; "
+             "bytes per step, every rank's: collect and distribute sent to other ranks, all-reduce its inputs.",
              "",
-             "| run | capacity | dropped % | dropped rows/step | straggler (max/mean rank rows) | collect B/step "
-             "| distribute B/step | coupled state B (total) | loss (last 10) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| run | capacity | dropped % | dropped rows/step | straggler (max/mean rank rows) | all-reduce B/step "
+             "| collect B/step | distribute B/step | coupled state B (total) | loss (last 10) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (mode, every, capped), run in results:
         s = _summary(run)
         name = mode if mode == "static" else f"adaptive, every {every} step{'s' if every > 1 else ''}"
         lines.append(f"| {name} | {args.capacity if capped else 'dropless'} | {s['dropped_pct']:.2f} | "
-                     f"{s['dropped_per_step']:.1f} | {s['straggler']:.3f} | {s['collect_per_step']:.0f} | "
+                     f"{s['dropped_per_step']:.1f} | {s['straggler']:.3f} | {s['reduce_per_step']:.0f} | "
+                     f"{s['collect_per_step']:.0f} | "
                      f"{s['distribute_per_step']:.0f} | {s['coupled_total']:.0f} | {run['loss']:.3f} |")
     return "\n".join(lines)
 
