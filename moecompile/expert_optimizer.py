@@ -15,7 +15,7 @@ import torch
 from moecompile.runtime import expert_state
 from moecompile.runtime.ep_replicas import DROPPED, POPULARITY, SLOT_ROWS
 from moecompile.runtime.expert_state import Groups, collect, distribute, reduce_instances
-from moecompile.runtime.replication import schedule
+from moecompile.runtime.replication import schedule, uniform
 
 from .mesh import _timeout
 
@@ -102,9 +102,9 @@ class ExpertOptimizer:
     def state_dict(self) -> dict:
         """For ``torch.distributed.checkpoint``: the dense optimizer's state by parameter name
         (``moecompile.get_optimizer_state_dict``), each replicated layer's master weights and their optimizer
-        state as DTensors ``Shard(1)`` of ``[E, P]`` (each rank's part), its
-        current placement and the step count. A fresh optimizer gets its state made first (a zero step, as torch
-        does), so a checkpoint loads into it. Every rank calls it together."""
+        state as DTensors ``Shard(1)`` of ``[E, P]`` (each rank's part), its current placement (a list: it is per
+        slot) and the step count. A fresh optimizer gets its state made first (a zero step, as torch does), so a
+        checkpoint loads into it. Every rank calls it together."""
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         from .sharded_state import get_optimizer_state_dict
@@ -119,14 +119,14 @@ class ExpertOptimizer:
                 entry[key] = self._global(value, layer.part.numel) if part else value
             experts[layer.path] = entry
         return {"dense": get_optimizer_state_dict(self._model, self.dense) if self.dense is not None else {},
-                "experts": experts, "placement": {layer.path: layer.placement.clone() for layer in self.layers},
+                "experts": experts, "placement": {layer.path: layer.placement.tolist() for layer in self.layers},
                 "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
-        """Load what ``state_dict`` gave (through ``torch.distributed.checkpoint``, on the same number of ranks
-        and slots: the placement is per slot): the master parts, their optimizer state and the placement, then this rank's slots from
-        them (as the step that saved it left them: a resumed run continues bit for bit). Every rank calls it
-        together."""
+        """Load what ``state_dict`` gave (through ``torch.distributed.checkpoint``): the master parts, their
+        optimizer state and the placement, then this rank's slots from them, as the step that saved it left them:
+        a resumed run continues bit for bit. Saved on another number of ranks or slots, the parts are cut anew
+        (DCP reshards the DTensors) and the experts start evenly placed. Every rank calls it together."""
         from torch.distributed.tensor import DTensor
 
         from .sharded_state import set_optimizer_state_dict
@@ -151,7 +151,11 @@ class ExpertOptimizer:
                 master.copy_(local(entry["master"]))
             self.experts.state[master] = {k: local(v).clone() if isinstance(v, torch.Tensor) and v.dim() else v
                                           for k, v in entry.items() if k != "master"}
-            layer.placement.copy_(state["placement"][layer.path])
+            saved = torch.as_tensor(state["placement"][layer.path])
+            if saved.numel() == layer.placement.numel():
+                layer.placement.copy_(saved)
+            else:  # saved with other slots: the experts start evenly placed here
+                layer.placement.copy_(uniform(master.shape[0], self.groups.world, layer.slots_per_rank))
             device = layer.slot_parameters()[0].device
             layer.write_slots(distribute(layer.part, layer.placement, self.group, device))
         self.steps = int(state["steps"])

@@ -10,7 +10,7 @@ the routing (they change, and a static one does not); each slot holds the expert
 round trip leaves the slots as they are. Bad input (too few slots, options that do not go with replication, an
 ExpertOptimizer for a model without replicated experts or with an optimizer that cannot step on the host) raises
 ValueError naming the fix. With "adaptive", a torch.distributed.checkpoint saved after step 1 and loaded into a
-fresh model and optimizer continues bit for bit (the one rank runs adaptive only).
+fresh model and optimizer continues bit for bit (the one rank runs adaptive only); world 2 loads world 4's.
 """
 
 import pytest
@@ -95,7 +95,7 @@ def _train(mesh, rank, world, mode, tmp):
         out.loss.backward(), ref_out.loss.backward()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         if step == 0 and mode == "adaptive":
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{tmp}/ckpt")
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{tmp}/ckpt{world}")
     state = model.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{mode} {name}: {m}")
@@ -119,7 +119,7 @@ def _train(mesh, rank, world, mode, tmp):
     model.load_state_dict(state)
     assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
     if mode == "adaptive":
-        _resume(mesh, mine, world, tmp, logits[1:], held, opt)
+        _resume(mesh, mine, world, f"{tmp}/ckpt{world}", logits[1:], held, opt)
 
 
 def _check_stats(model, opt, world, S, tokens):
@@ -137,12 +137,12 @@ def _check_stats(model, opt, world, S, tokens):
     assert text in moecompile.explain(model, torch.zeros(1, 4, dtype=torch.long)).parallel
 
 
-def _resume(mesh, mine, world, tmp, logits, held, trained_opt):
+def _resume(mesh, mine, world, ckpt, logits, held, trained_opt):
     """A fresh model and ExpertOptimizer load the checkpoint saved after step 1 and run steps 2 and 3: the same
     logits, parameters, placements and master weights as the uninterrupted run, bit for bit."""
     model, compiled, opt = _replicated(mesh, mine, world, "adaptive")
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(state, checkpoint_id=f"{tmp}/ckpt")
+    dcp.load(state, checkpoint_id=ckpt)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     for step, want in enumerate(logits):
@@ -165,14 +165,39 @@ def _worker(rank, world, tmp):
             _bad_input(mesh, world)
         for mode in ("adaptive", "static"):
             _train(mesh, rank, world, mode, tmp)
+        if world == 2:
+            _load_saved_on_4(mesh, rank, world, tmp)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_replicated_training_equals_one_process(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+def _load_saved_on_4(mesh, rank, world, tmp):
+    """The checkpoint saved on 4 ranks (3 slots each) loads on 2 (5 slots each): the master weights and momenta
+    whole as saved, the experts evenly placed, and training goes on."""
+    mine = _batches(_build("mixtral"), world)[rank]
+    model, compiled, opt = _replicated(mesh, mine, world, "adaptive")
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=f"{tmp}/ckpt4")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    now = model.state_dict()
+    for name, value in state["model"].items():
+        assert torch.equal(now[name], value), f"{name} not as saved on 4 ranks"
+    mine_now = opt.state_dict()["experts"]
+    for path, entry in state["optim"]["experts"].items():
+        for key in ("master", "momentum_buffer"):
+            assert torch.equal(mine_now[path][key].full_tensor(), entry[key].full_tensor()), (path, key)
+    for layer in opt.layers:
+        assert torch.equal(layer.placement, uniform(E, world, E // world + 1))
+    out = compiled(mine, labels=mine)
+    out.loss.backward()
+    opt.step(), opt.zero_grad()
+
+
+def test_replicated_training_equals_one_process(tmp_path):
+    for world in (4, 2):  # world 2 loads world 4's checkpoint
+        mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
 
 
 def test_one_rank_replication(tmp_path):
