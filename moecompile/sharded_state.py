@@ -176,7 +176,7 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
         raise ValueError(f"the optimizer state names parameters the optimizer does not train ({unknown[:3]}...): "
                          "load it into an optimizer over the same parameters of the same model")
     groups = optim_state_dict["param_groups"]
-    mine = [sorted(index[n] for n in g["params"] if n not in remote) for g in groups]
+    mine = [sorted(index.get(n, -1) for n in g["params"] if n not in remote) for g in groups]  # -1: not here
     if len(groups) != len(current["param_groups"]) or any(
             m != sorted(g["params"]) for m, g in zip(mine, current["param_groups"])):
         raise ValueError("the optimizer state's parameter groups hold other parameters than the optimizer's: load "
