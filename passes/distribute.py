@@ -92,7 +92,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         raise NotImplementedError(f"{e.storage} expert storage{' with identity experts' if e.identity_experts else ''}"
                                   " cannot run sharded yet")
     group_name, layer = views[0].args[2:4]
-    dedup = _dedup(views[0])
+    dedup = _arg(views[0], "dedup", "off")
     scale = node.args[9]  # the routing weights, when they scale each expert's input (Llama 4)
     if scale is not None and dedup != "off":
         raise NotImplementedError("experts that scale their input by the routing weight send one row per (token, "
@@ -118,8 +118,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             return torch.ops.moe.expert_mlp(x_RH, perm_R, counts_L, gate if e.gated else None, up, down,
                                             b_gate if e.gated else None, b_up, b_down, None, *node.args[10:])
 
-        replicas, capacity_factor = _arg(views[0], 6, "replicas"), _arg(views[0], 7, "capacity_factor", 0.0)
-        slots = _slots(views[0])
+        replicas, capacity_factor = _arg(views[0], "replicas"), _arg(views[0], "capacity_factor", 0.0)
+        slots = _arg(views[0], "slots")  # the placement of a layer that swaps experts (each view carries it)
         order = None
         if slots is not None:  # the layer swaps experts: its rows go by slot, not by expert id
             s = torch.ops.moe.ep_to_slots(tok, counts, proxy(slots), x.size(0), layer)
@@ -157,22 +157,15 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     report.counters[f"distribute.sharded_layers.dedup_{dedup}"] += 1
 
 
-def _slots(view: fx.Node):
-    """The placement of a layer that swaps experts (each view of its weights carries it), else None."""
-    stacked = view.target in (torch.ops.moe.ep_global_view, torch.ops.moe.ep_global_view.default)
-    at = 5 if stacked else 9  # ep_remote_expert's
-    return view.args[at] if len(view.args) > at else view.kwargs.get("slots")
-
-
-def _arg(view: fx.Node, at: int, name: str, default=None):
-    """``moe.ep_global_view``'s argument ``name`` (position ``at``); ``default`` on other views."""
-    if view.target not in (torch.ops.moe.ep_global_view, torch.ops.moe.ep_global_view.default):
+def _arg(view: fx.Node, name: str, default=None):
+    """The view op's argument ``name`` (by its schema: ``moe.ep_global_view`` and ``moe.ep_remote_expert`` place
+    them differently), or ``default`` where the op has none or the call left it out."""
+    op = view.target if hasattr(view.target, "_schema") else view.target.default
+    names = [a.name for a in op._schema.arguments]
+    if name not in names:
         return default
+    at = names.index(name)
     return view.args[at] if len(view.args) > at else view.kwargs.get(name, default)
-
-
-def _dedup(view: fx.Node) -> str:
-    return view.args[4] if len(view.args) > 4 else view.kwargs.get("dedup", "off")
 
 
 def _only_combine(node: fx.Node, dedup: str) -> fx.Node:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_fake
 
+from .ep_ops import _group
 from .replication import route_to_instances
 
 Tensor = torch.Tensor
@@ -33,12 +34,6 @@ Tensor = torch.Tensor
 POPULARITY: dict[str, Tensor] = {}  # layer -> [E] rows routed to each expert over every rank, its last forward
 DROPPED: dict[str, int] = {}  # layer -> routed rows dropped over every rank (a capacity), its last forward
 SLOT_ROWS: dict[str, Tensor] = {}  # layer -> [N] rows each instance received (from every rank), its last forward
-
-
-def _group(group_name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
 
 
 @custom_op("moe::ep_to_instances", mutates_args=())

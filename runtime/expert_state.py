@@ -9,7 +9,7 @@ flattened in order) under the placement that made them and the placement of the 
    representative), then all-reduced over the ranks hosting it, a group of consecutive ranks registered once
    (``replication.consecutive_groups``), experts in order on every rank;
 2. collection (``collect``): each rank takes its part of each expert's reduced gradient from one hosting rank
-   (``replication.gradient_source``: itself if it hosts the expert, else the hosts in turn), one batched
+   (``replication.gradient_sources``: itself if it hosts the expert, else the hosts in turn), one batched
    point-to-point exchange;
 3. the host step (the user's optimizer over the ``[E, P_w]`` master part);
 4. weights (``distribute``): every rank sends its updated part of each expert to each rank hosting that expert
@@ -30,7 +30,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from .replication import consecutive_groups, gradient_source, hosting_ranks
+from .replication import consecutive_groups, gradient_sources, hosting_ranks
 
 Tensor = torch.Tensor
 
@@ -110,8 +110,7 @@ def collect(reduced: dict[int, Tensor], placement_N: Tensor, part: ExpertPartiti
     out = torch.empty_like(part.master, device=next(iter(reduced.values())).device if reduced else "cpu")
     ops, ranks = [], dist.get_process_group_ranks(group)
     for e in range(E):
-        for dest in range(world):
-            source = gradient_source(placement_N, e, dest, world, S)
+        for dest, source in enumerate(gradient_sources(placement_N, e, world, S)):
             lo, hi = part.bounds[dest], part.bounds[dest + 1]
             if source == rank and dest == rank:
                 out[e] = reduced[e][lo:hi]

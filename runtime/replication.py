@@ -104,15 +104,18 @@ def hosting_ranks(slot_expert_N: Tensor, expert: int, slots_per_rank: int) -> li
     return sorted({int(s) // slots_per_rank for s in slots})
 
 
-def gradient_source(slot_expert_N: Tensor, expert: int, rank: int, world: int, slots_per_rank: int) -> int:
-    """The rank whose reduced gradient of ``expert`` the optimizer partition on ``rank`` takes (Algorithm 2)."""
+def gradient_sources(slot_expert_N: Tensor, expert: int, world: int, slots_per_rank: int) -> list[int]:
+    """For each rank, the rank whose reduced gradient of ``expert`` its optimizer partition takes (Algorithm 2)."""
     hosts = hosting_ranks(slot_expert_N, expert, slots_per_rank)
     if not hosts:
         raise ValueError(f"expert {expert} has no instance in the placement")
-    if rank in hosts:
-        return rank
     others = [r for r in range(world) if r not in hosts]
-    return hosts[others.index(rank) % len(hosts)]
+    return [r if r in hosts else hosts[others.index(r) % len(hosts)] for r in range(world)]
+
+
+def gradient_source(slot_expert_N: Tensor, expert: int, rank: int, world: int, slots_per_rank: int) -> int:
+    """The rank whose reduced gradient of ``expert`` the optimizer partition on ``rank`` takes."""
+    return gradient_sources(slot_expert_N, expert, world, slots_per_rank)[rank]
 
 
 def consecutive_groups(world: int) -> list[tuple[int, int]]:
