@@ -17,8 +17,9 @@ initial model and data:
 
 Printed per run (both layers together, over the steps): routed rows dropped (% of routed, mean per step), the
 largest rows one rank's slots received in a step divided by the mean over ranks (the straggler; 1.0 is even),
-every rank's bytes per step: the gradient all-reduce's inputs, and what the gradient collection and the weight
-distribution sent to other ranks, and
+every rank's bytes per step: the gradient all-reduce's inputs, what the gradient collection and the weight
+distribution sent to other ranks, and (the paper's Appendix A count, every link: network, host-device and
+device copies) the gradients the optimizer received and the weights the slots received, and
 the bytes a design moving optimizer state with its experts would have moved to re-place them (``coupled``: the
 slots whose expert changed x their fp32 master weights and AdamW state). The plot shows, for the adaptive run
 with a capacity, layer 0's rows routed to each expert per step and the instances each got for the next.
@@ -72,10 +73,12 @@ def _run_one(mode, every, capped, args, text, rank, world, mesh):
         losses.append(float(out.loss.detach()))
     loss = torch.tensor(losses[-10:]).mean()
     dist.all_reduce(loss)
-    phases = ("reduce", "collect", "distribute")
-    sent = torch.tensor([sum(h["bytes"].get(k, 0) for step in opt.history for h in step.values()) for k in phases],
-                        dtype=torch.float64)
-    dist.all_reduce(sent)  # every rank's bytes sent to other ranks
+    phases = {"reduce": ("reduce",), "collect": ("collect",), "distribute": ("distribute",),  # to other ranks
+              "to_optimizer": ("collect", "collect.local"),  # every link, as the paper's Appendix A counts
+              "to_slots": ("distribute", "distribute.local", "distribute.copy")}
+    sent = torch.tensor([sum(h["bytes"].get(k, 0) for step in opt.history for h in step.values() for k in keys)
+                         for keys in phases.values()], dtype=torch.float64)
+    dist.all_reduce(sent)  # every rank's
     return {"history": opt.history, "loss": float(loss) / world, "seconds": time.perf_counter() - start,
             "slots": 4, "world": world, "sent": dict(zip(phases, sent.tolist()))}
 
@@ -127,18 +130,21 @@ def _worker(rank, world, tmp, args):
 def _table(results, args) -> str:
     lines = [f"{args.steps} steps, 4 ranks (gloo, CPU), tiny Mixtral (2 layers, 8 experts, top-1, hidden "
              f"{args.hidden}), {args.batch}x{args.seq} bytes per rank per step, 4 slots per rank, {args.optimizer}; "
-             "bytes per step, every rank's: collect and distribute sent to other ranks, all-reduce its inputs.",
+             "bytes per step, every rank's: collect and distribute sent to other ranks, all-reduce its inputs; "
+             "to optimizer, to slots: every link (network, host-device, device copies), the paper's count.",
              "",
              "| run | capacity | dropped % | dropped rows/step | straggler (max/mean rank rows) | all-reduce B/step "
-             "| collect B/step | distribute B/step | coupled state B (total) | loss (last 10) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| collect B/step | distribute B/step | to optimizer B/step | to slots B/step | coupled state B (total) "
+             "| loss (last 10) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (mode, every, capped), run in results:
         s = _summary(run)
         name = mode if mode == "static" else f"adaptive, every {every} step{'s' if every > 1 else ''}"
         lines.append(f"| {name} | {args.capacity if capped else 'dropless'} | {s['dropped_pct']:.2f} | "
                      f"{s['dropped_per_step']:.1f} | {s['straggler']:.3f} | {s['reduce_per_step']:.0f} | "
                      f"{s['collect_per_step']:.0f} | "
-                     f"{s['distribute_per_step']:.0f} | {s['coupled_total']:.0f} | {run['loss']:.3f} |")
+                     f"{s['distribute_per_step']:.0f} | {s['to_optimizer_per_step']:.0f} | "
+                     f"{s['to_slots_per_step']:.0f} | {s['coupled_total']:.0f} | {run['loss']:.3f} |")
     return "\n".join(lines)
 
 

@@ -17,9 +17,13 @@ flattened in order) under the placement that made them and the placement of the 
    every slot of that expert (one message per (rank, expert) however many instances it holds there).
 
 Bytes each rank sends in each phase go to ``BYTES`` (phase -> bytes, this rank; ``<phase>.local``: the parts
-that stay on the rank, moved between host and device only). Whatever the placement, the collection moves each
-expert's gradient once (E x P elements over all ranks, local or not) and the distribution each expert's weights
-once to each rank hosting it.
+that stay on the rank, moved between host and device only; ``distribute.copy``: the assembled weights copied into
+a rank's further instances of an expert, on the device). Whatever the placement, as the paper's Appendix A counts
+them (every link, local or not), the collection brings the optimizer each expert's gradient once (E x P elements
+over all ranks) and the distribution every slot its expert's weights (slots x P): the same as static placement.
+Over the network alone they differ: an expert whose instances span several ranks has its gradient all-reduced
+among them and its weights sent to each of them (each hosting rank receives them once, however many of its slots
+hold the expert).
 """
 
 from __future__ import annotations
@@ -134,22 +138,25 @@ def distribute(part: ExpertPartition, placement_N: Tensor, group, device) -> Ten
     mine = placement_N[rank * S:(rank + 1) * S].cpu()
     ops, ranks = [], dist.get_process_group_ranks(group)
     assembled = {e: torch.empty(part.numel, dtype=torch.float32, device=device) for e in torch.unique(mine).tolist()}
-    for e in range(part.master.shape[0]):
+    master = part.master.detach().to(device)  # this rank's parts, copied to the device once (on the host: none)
+    for e in range(master.shape[0]):
         for dest in hosting_ranks(placement_N, e, S):
             for source in range(world):
                 lo, hi = part.bounds[source], part.bounds[source + 1]
                 if source == rank and dest == rank:
-                    assembled[e][lo:hi] = part.master.detach()[e].to(device)
+                    assembled[e][lo:hi] = master[e]
                     BYTES["distribute.local"] += (hi - lo) * 4
                 elif source == rank:
-                    chunk = part.master.detach()[e].to(device).contiguous()
+                    chunk = master[e]
                     ops.append(dist.P2POp(dist.isend, chunk, ranks[dest], group))
                     BYTES["distribute"] += chunk.numel() * chunk.element_size()
                 elif dest == rank:
                     ops.append(dist.P2POp(dist.irecv, assembled[e][lo:hi], ranks[source], group))
     _run(ops)
     for e, weights in assembled.items():
-        full[mine == e] = weights
+        at = mine == e
+        full[at] = weights
+        BYTES["distribute.copy"] += (int(at.sum()) - 1) * part.numel * 4  # the rank's further instances of e
     return full
 
 

@@ -2,7 +2,9 @@
 gradients under one placement are summed over each expert's instances (inside a rank, then over its consecutive
 hosting ranks), each rank collects its part of every expert, steps it with torch's own AdamW and SGD, and sends
 the updated weights to the slots of another placement: every part, step and slot equals one process doing the
-same on whole tensors, and the bytes each phase moves are counted exactly."""
+same on whole tensors (fp32 weights, and bf16 weights with fp32 masters), and the bytes each phase moves are
+counted exactly: as the paper's Appendix A counts them (every link, local or network), one step under skewed
+placements moves as many as under static placement."""
 
 from datetime import timedelta
 
@@ -13,7 +15,7 @@ import torch.multiprocessing as mp
 
 from moecompile.runtime import expert_state
 from moecompile.runtime.expert_state import ExpertPartition, Groups, collect, distribute, reduce_instances
-from moecompile.runtime.replication import hosting_ranks, schedule
+from moecompile.runtime.replication import hosting_ranks, schedule, uniform
 
 E, I, H = 8, 3, 5
 P = 2 * I * H + 7  # elements of one expert: two weights and a bias (7 does not divide over the ranks)
@@ -63,8 +65,54 @@ def _worker(rank, world, tmp):
             for got, shape, w in zip(part.unflatten(slots), [(I, H), (H, I), (7,)], _full()):
                 assert got.shape == (S, *shape) and got.dtype == w.dtype
             _check_bytes(world, S, now, after, part.bounds)
+        _bf16_slots(rank, world, S, now, after, groups)
+        static = uniform(E, world, S)
+        assert _volume(now, after, rank, world, S, groups) == _volume(static, static, rank, world, S, groups)
     finally:
         dist.destroy_process_group()
+
+
+def _bf16_slots(rank, world, S, now, after, groups):
+    """bf16 expert weights and gradients (the model's dtype), fp32 master weights: the host holds the bf16 weights
+    exactly, sums the bf16 gradients in fp32 and steps in fp32; the slots get the updated weights in bf16."""
+    full = [w.to(torch.bfloat16) for w in _full()]
+    part = ExpertPartition(full, rank, world)
+    lo, hi = part.bounds[rank], part.bounds[rank + 1]
+    flat = torch.cat([w.to(torch.float32).reshape(E, -1) for w in full], 1)
+    assert part.master.dtype == torch.float32 and torch.equal(part.master, flat[:, lo:hi])
+    summed = torch.zeros(E, P)
+    for r in range(world):
+        summed.index_add_(0, now[r * S:(r + 1) * S], _grads(r, S).to(torch.bfloat16).to(torch.float32))
+    reduced = reduce_instances(_grads(rank, S).to(torch.bfloat16), now, groups)
+    part.master.grad = collect(reduced, now, part, groups.group)
+    whole = torch.nn.Parameter(flat.clone())
+    whole.grad = summed
+    for opt in (torch.optim.SGD([part.master], lr=0.1), torch.optim.SGD([whole], lr=0.1)):
+        opt.step()
+    torch.testing.assert_close(part.master, whole.detach()[:, lo:hi], rtol=1e-6, atol=1e-6)
+    slots = distribute(part, after, groups.group, "cpu")
+    torch.testing.assert_close(slots, whole.detach()[after[rank * S:(rank + 1) * S]], rtol=1e-6, atol=1e-6)
+    at = 0
+    for got, w in zip(part.unflatten(slots), full):
+        size = got[0].numel()
+        assert got.dtype == torch.bfloat16 and got.shape == (S, *w.shape[1:]), (got.dtype, got.shape)
+        assert torch.equal(got.reshape(S, -1), slots[:, at:at + size].to(torch.bfloat16))
+        at += size
+
+
+def _volume(now, after, rank, world, S, groups):
+    """Bytes one step moves in each phase as the paper's Appendix A counts them (every rank, local and network):
+    gradients into the optimizer (each expert's once: E x P elements) and weights into the slots (each slot its
+    expert's: slots x P), whatever the placement."""
+    expert_state.BYTES.clear()
+    part = ExpertPartition(_full(), rank, world)
+    part.master.grad = collect(reduce_instances(_grads(rank, S), now, groups), now, part, groups.group)
+    distribute(part, after, groups.group, "cpu")
+    moved = torch.tensor([sum(v for k, v in expert_state.BYTES.items() if k.startswith(phase))
+                          for phase in ("collect", "distribute")], dtype=torch.float64)
+    dist.all_reduce(moved)
+    assert moved.tolist() == [E * P * 4, world * S * P * 4], moved
+    return moved.tolist()
 
 
 def _check_bytes(world, S, now, after, bounds):
@@ -81,7 +129,10 @@ def _check_bytes(world, S, now, after, bounds):
     local = sum(part[d] for h in hosts_now for d in h) * 4
     assert moved[0] + moved[1] == E * P * 4 and moved[1] == local, moved
     pairs = sum(len(h) for h in hosts_after)
-    assert moved[2] + moved[3] == pairs * P * 4, moved
+    assert moved[2] + moved[3] == pairs * P * 4, moved  # once to each hosting rank, then copied to its slots
+    copies = torch.tensor(float(expert_state.BYTES["distribute.copy"]), dtype=torch.float64)
+    dist.all_reduce(copies)
+    assert moved[2] + moved[3] + copies == world * S * P * 4, (moved, copies)
     assert moved[3] == sum(part[d] for h in hosts_after for d in h) * 4, moved
     assert moved[4] == sum(len(h) for h in hosts_now if len(h) > 1) * P * 4, moved  # each host's all-reduce input
 
