@@ -139,10 +139,14 @@ def _refuse_other_optimizers() -> None:
 
 def _whole(layer: ReplicaLayer, group) -> list[torch.Tensor]:
     """The layer's weights whole, ``[E, ...]`` each, from every rank's master part (every rank calls it)."""
-    parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, layer.part.master.detach(), group=group)
-    flat = torch.cat(parts, 1)
-    return layer.part.unflatten(flat)
+    part, device = layer.part, layer.slot_parameters()[0].device  # (NCCL gathers device tensors)
+    E, size = part.master.shape[0], part.bounds[1] - part.bounds[0]  # every part padded to the first's size
+    mine = torch.zeros(E, size, device=device)
+    mine[:, :part.master.shape[1]] = part.master.detach()
+    parts = [torch.empty_like(mine) for _ in range(part.world)]
+    dist.all_gather(parts, mine, group=group)
+    flat = torch.cat([p[:, :part.bounds[r + 1] - part.bounds[r]] for r, p in enumerate(parts)], 1)
+    return part.unflatten(flat)
 
 
 def _whole_state(layer: ReplicaLayer, group):
