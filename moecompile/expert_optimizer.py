@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moecompile.runtime import expert_state
-from moecompile.runtime.ep_replicas import DROPPED, POPULARITY, SLOT_ROWS
+from moecompile.runtime.ep_replicas import DROPPED, POPULARITY, SLOT_ROWS, forget
 from moecompile.runtime.expert_state import Groups, collect, distribute, reduce_instances
 from moecompile.runtime.replication import schedule, uniform
 
@@ -52,13 +52,16 @@ class ExpertOptimizer:
         self.steps = 0
         self.history: list[dict[str, dict]] = []  # per step: layer -> what it routed, moved and placed (``step``)
         info.expert_optimizer = self
+        forget([layer.path for layer in self.layers])  # (counts another model with these layer names left)
 
     def step(self) -> None:
         """Every rank calls it together, after backward. Appends to ``history``, per layer: ``instances`` (per
-        expert, of the placement it made for the next step), ``popularity`` (rows routed to each expert in the
-        step, every rank's), ``rows_per_slot`` (what each instance received), ``dropped`` (rows past a capacity)
-        and ``bytes``: this rank's bytes per phase (``reduce``: its all-reduce inputs; ``collect``, ``distribute``:
-        sent to other ranks; ``*.local``: the parts that stayed on the rank)."""
+        expert, of the placement it made for the next step), ``popularity`` (rows routed to each expert, every
+        rank's, in the forwards since the last ``step`` or ``zero_grad``: every micro-batch of an accumulated
+        step), ``rows_per_slot`` (what each instance received), ``dropped`` (rows past a capacity) and ``bytes``:
+        this rank's bytes per phase (``reduce``: its all-reduce inputs; ``collect``, ``distribute``: sent to
+        other ranks; ``*.local``: the parts that stayed on the rank; ``distribute.copy``: the weights copied into
+        the rank's further instances of an expert)."""
         moved = {}
         for layer in self.layers:
             before = dict(expert_state.BYTES)
@@ -91,6 +94,7 @@ class ExpertOptimizer:
             self.dense.step()
         self.steps += 1
         self.history.append(placed)
+        forget(placed)
 
     def _state_bytes(self, layer) -> int:
         """Bytes per expert parameter of its master weight and optimizer state (what a coupled design moves)."""
@@ -168,6 +172,8 @@ class ExpertOptimizer:
         return DTensor.from_local(part, self._mesh, [Shard(1)], run_check=False, shape=shape, stride=(numel, 1))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also starts the routing counts anew: the next step places by the forwards after this call."""
+        forget([layer.path for layer in self.layers])
         if self.dense is not None:
             self.dense.zero_grad(set_to_none)
         self.experts.zero_grad(set_to_none)

@@ -10,7 +10,8 @@ sends each to one instance of its expert:
     y_BH = zeros(B, H).index_copy(0, order_K, y_KH)             # back in routed order; a dropped row gives 0
 
 It gathers every rank's per-expert counts (one ``all_gather`` of E integers: their sum over the ranks is the
-iteration's expert popularity, kept in ``POPULARITY`` for the scheduler), splits each expert's rows, in the
+forward's expert popularity, added to ``POPULARITY`` for the scheduler: summed over the forwards since the layer's
+optimizer step last consumed them, ``forget``, so an iteration of several micro-batches counts them all), splits each expert's rows, in the
 global order (rank 0's first), over its instances in equal runs (``replication.route_to_instances``; with a
 ``capacity_factor`` > 0, each instance holds ceil(factor x routed rows of every rank / N) rows, and the rows past
 what an expert's instances hold are dropped: not in ``order_K``), and
@@ -31,9 +32,17 @@ from .replication import route_to_instances
 
 Tensor = torch.Tensor
 
-POPULARITY: dict[str, Tensor] = {}  # layer -> [E] rows routed to each expert over every rank, its last forward
-DROPPED: dict[str, int] = {}  # layer -> routed rows dropped over every rank (a capacity), its last forward
-SLOT_ROWS: dict[str, Tensor] = {}  # layer -> [N] rows each instance received (from every rank), its last forward
+# Per layer, summed over its forwards since ``forget``:
+POPULARITY: dict[str, Tensor] = {}  # layer -> [E] rows routed to each expert over every rank
+DROPPED: dict[str, int] = {}  # layer -> routed rows dropped over every rank (past a capacity)
+SLOT_ROWS: dict[str, Tensor] = {}  # layer -> [N] rows each instance received (from every rank)
+
+
+def forget(layers) -> None:
+    """Start the layers' counts anew (the optimizer step that used them is done)."""
+    for store in (POPULARITY, DROPPED, SLOT_ROWS):
+        for layer in layers:
+            store.pop(layer, None)
 
 
 @custom_op("moe::ep_to_instances", mutates_args=())
@@ -48,9 +57,9 @@ def ep_to_instances(token_ids_B: Tensor, counts_E: Tensor, slot_expert_N: Tensor
     placement = slot_expert_N.cpu()
     capacity = math.ceil(capacity_factor * int(counts_WE.sum()) / placement.numel()) if capacity_factor > 0 else None
     rows_WN = route_to_instances(counts_WE, placement, capacity)
-    POPULARITY[layer] = counts_WE.sum(0)
-    DROPPED[layer] = int(counts_WE.sum() - rows_WN.sum())
-    SLOT_ROWS[layer] = rows_WN.sum(0)
+    for store, value in ((POPULARITY, counts_WE.sum(0)), (DROPPED, int(counts_WE.sum() - rows_WN.sum())),
+                         (SLOT_ROWS, rows_WN.sum(0))):
+        store[layer] = store[layer] + value if layer in store else value
     mine = rows_WN[rank]
     dest, start = torch.full((int(counts_E.sum()),), -1, dtype=torch.int64), 0
     for e, n in enumerate(counts_WE[rank].tolist()):  # this rank's rows of expert e: to its slots in turn

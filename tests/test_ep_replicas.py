@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_dispatch, moe::ep_combine)
-from moecompile.runtime.ep_replicas import DROPPED, POPULARITY
+from moecompile.runtime.ep_replicas import DROPPED, POPULARITY, forget
 from moecompile.runtime.reference import expert_mlp_ref
 from moecompile.runtime.replication import route_to_instances, schedule
 
@@ -75,6 +75,7 @@ def _worker(rank, world, tmp):
         placement = schedule(counts_all, world, S)
         assert int(torch.bincount(placement, minlength=E)[0]) > world * S // E  # the hot expert got more
         for factor in (0.0, 0.75):  # dropless; below capacity factor 1
+            forget(["l"])  # (the counts add up over forwards until an optimizer step uses them)
             capacity = math.ceil(factor * T * K * world / (world * S)) if factor else -1
             weights = [t.clone().requires_grad_(True) for t in _weights()]
             ref_weights = [t.clone().requires_grad_(True) for t in _weights()]

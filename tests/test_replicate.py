@@ -21,7 +21,7 @@ round trip leaves the slots as they are. Bad input (too few slots, options that 
 ExpertOptimizer for a model without replicated experts or with an optimizer that cannot step on the host) raises
 ValueError naming the fix. With "adaptive" and SGD, a torch.distributed.checkpoint saved after step 1 and loaded
 into a fresh model and optimizer continues bit for bit across the placement changes of steps 2 and 3; world 2
-loads world 4's.
+loads world 4's. One rank: a step after two micro-batches (gradient accumulation) places by both's routing.
 """
 
 import pytest
@@ -33,7 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import moecompile
 from moecompile.models.hf import tiny_model
-from moecompile.runtime.replication import uniform
+from moecompile.runtime.ep_replicas import POPULARITY
+from moecompile.runtime.replication import schedule, uniform
 
 from test_parallelize import LR, TOL, _batches, _build, _init
 
@@ -228,7 +229,30 @@ def test_one_rank_replication(tmp_path):
     tmp = str(tmp_path)
     _init(0, 1, tmp, timeout=60)
     try:
+        mesh = init_device_mesh("cpu", (1,))
         for optimizer in OPTIMIZERS:
-            _train(init_device_mesh("cpu", (1,)), 0, 1, "adaptive", tmp, optimizer)
+            _train(mesh, 0, 1, "adaptive", tmp, optimizer)
+        _accumulate(mesh)
     finally:
         dist.destroy_process_group()
+
+
+def _accumulate(mesh):
+    """Gradient accumulation: a step after two micro-batches places the experts by the routing of both (each
+    one's counts, seen alone first, added), then starts the counts anew; zero_grad starts them anew too."""
+    batches = _batches(_build("mixtral"), 2)
+    model, compiled, opt = _replicated(mesh, batches[0], 1, "adaptive", "sgd")
+    alone = []
+    for batch in batches:  # each micro-batch's counts alone (no step between: the same routing below)
+        compiled(batch, labels=batch).loss.backward()
+        alone.append({layer.path: POPULARITY[layer.path].clone() for layer in opt.layers})
+        opt.zero_grad()
+        assert not any(layer.path in POPULARITY for layer in opt.layers)
+    for batch in batches:
+        compiled(batch, labels=batch).loss.backward()
+    opt.step()
+    for layer in opt.layers:
+        both = alone[0][layer.path] + alone[1][layer.path]
+        assert opt.history[-1][layer.path]["popularity"] == both.tolist()
+        assert torch.equal(layer.placement, schedule(both, 1, E + 1)), (layer.placement, both)
+        assert layer.path not in POPULARITY
