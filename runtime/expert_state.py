@@ -126,7 +126,12 @@ def collect(reduced: dict[int, Tensor], placement_N: Tensor, part: ExpertPartiti
             elif dest == rank:
                 ops.append(dist.P2POp(dist.irecv, out[e], ranks[source], group))
     _run(ops)
-    return out.cpu()
+    if not out.is_cuda:
+        return out.cpu()
+    host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)  # the device-to-host copy at full speed
+    host.copy_(out, non_blocking=True)
+    torch.cuda.current_stream(out.device).synchronize()  # before the host step reads it
+    return host
 
 
 def distribute(part: ExpertPartition, placement_N: Tensor, group, device) -> Tensor:
