@@ -14,7 +14,11 @@ flattened in order) under the placement that made them and the placement of the 
 3. the host step (the user's optimizer over the ``[E, P_w]`` master part);
 4. weights (``distribute``): every rank sends its updated part of each expert to each rank hosting that expert
    in the next placement, one batched point-to-point exchange; each rank writes the assembled weights into
-   every slot of that expert (one message per (rank, expert) however many instances it holds there).
+   every slot of that expert (each expert once to a rank, however many instances it holds there).
+
+In both exchanges a rank sends one message to each other rank (its parts of every expert that rank takes from
+it, stacked in expert order), not one per (expert, rank): at most W - 1 sends and W - 1 receives per phase
+(``benchmarks/bench_expert_state.py``).
 
 Bytes each rank sends in each phase go to ``BYTES`` (phase -> bytes, this rank; ``<phase>.local``: the parts
 that stay on the rank, moved between host and device only; ``distribute.copy``: the assembled weights copied into
@@ -107,25 +111,33 @@ def reduce_instances(grads_SP: Tensor, placement_N: Tensor, groups: Groups) -> d
 
 
 def collect(reduced: dict[int, Tensor], placement_N: Tensor, part: ExpertPartition, group) -> Tensor:
-    """This rank's ``[E, P_w]`` part of every expert's reduced gradient, each part from its gradient source."""
+    """This rank's ``[E, P_w]`` part of every expert's reduced gradient, each part from its gradient source: one
+    message to each other rank, its parts of every expert this rank is the source of (experts in order)."""
     rank, world = part.rank, part.world
     S = placement_N.numel() // world
-    E = part.master.shape[0]
     out = torch.empty_like(part.master, device=next(iter(reduced.values())).device if reduced else "cpu")
-    ops, ranks = [], dist.get_process_group_ranks(group)
-    for e in range(E):
+    sends, recvs = defaultdict(list), defaultdict(list)  # other rank -> the experts going to it, from it
+    for e in range(part.master.shape[0]):
         for dest, source in enumerate(gradient_sources(placement_N, e, world, S)):
-            lo, hi = part.bounds[dest], part.bounds[dest + 1]
             if source == rank and dest == rank:
-                out[e] = reduced[e][lo:hi]
+                out[e] = reduced[e][part.bounds[rank]:part.bounds[rank + 1]]
                 BYTES["collect.local"] += out[e].numel() * out.element_size()
             elif source == rank:
-                chunk = reduced[e][lo:hi].contiguous()
-                ops.append(dist.P2POp(dist.isend, chunk, ranks[dest], group))
-                BYTES["collect"] += chunk.numel() * chunk.element_size()
+                sends[dest].append(e)
             elif dest == rank:
-                ops.append(dist.P2POp(dist.irecv, out[e], ranks[source], group))
+                recvs[source].append(e)
+    ops, ranks = [], dist.get_process_group_ranks(group)
+    for dest, experts in sends.items():
+        lo, hi = part.bounds[dest], part.bounds[dest + 1]
+        if hi > lo:
+            rows = torch.stack([reduced[e][lo:hi] for e in experts])
+            ops.append(dist.P2POp(dist.isend, rows, ranks[dest], group))
+            BYTES["collect"] += rows.numel() * rows.element_size()
+    inbox = {source: out.new_empty(len(experts), out.shape[1]) for source, experts in recvs.items() if out.shape[1]}
+    ops += [dist.P2POp(dist.irecv, rows, ranks[source], group) for source, rows in inbox.items()]
     _run(ops)
+    for source, rows in inbox.items():
+        out[recvs[source]] = rows
     if not out.is_cuda:
         return out.cpu()
     host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)  # the device-to-host copy at full speed
@@ -136,31 +148,34 @@ def collect(reduced: dict[int, Tensor], placement_N: Tensor, part: ExpertPartiti
 
 def distribute(part: ExpertPartition, placement_N: Tensor, group, device) -> Tensor:
     """This rank's slots ``[S, P]`` (fp32, on ``device``) holding the experts ``placement_N`` names, every part
-    from the rank keeping it."""
+    from the rank keeping it: one message to each other rank, this rank's parts of every expert it hosts next
+    (experts in order)."""
     rank, world = part.rank, part.world
     S = placement_N.numel() // world
     full = torch.empty(S, part.numel, dtype=torch.float32, device=device)
     mine = placement_N[rank * S:(rank + 1) * S].cpu()
-    ops, ranks = [], dist.get_process_group_ranks(group)
-    assembled = {e: torch.empty(part.numel, dtype=torch.float32, device=device) for e in torch.unique(mine).tolist()}
+    hosted = torch.unique(mine).tolist()  # in order
+    assembled = torch.empty(len(hosted), part.numel, dtype=torch.float32, device=device)
     master = part.master.detach().to(device)  # this rank's parts, copied to the device once (on the host: none)
-    for e in range(master.shape[0]):
-        for dest in hosting_ranks(placement_N, e, S):
-            for source in range(world):
-                lo, hi = part.bounds[source], part.bounds[source + 1]
-                if source == rank and dest == rank:
-                    assembled[e][lo:hi] = master[e]
-                    BYTES["distribute.local"] += (hi - lo) * 4
-                elif source == rank:
-                    chunk = master[e]
-                    ops.append(dist.P2POp(dist.isend, chunk, ranks[dest], group))
-                    BYTES["distribute"] += chunk.numel() * chunk.element_size()
-                elif dest == rank:
-                    ops.append(dist.P2POp(dist.irecv, assembled[e][lo:hi], ranks[source], group))
+    lo, hi = part.bounds[rank], part.bounds[rank + 1]
+    assembled[:, lo:hi] = master[hosted]
+    BYTES["distribute.local"] += len(hosted) * (hi - lo) * 4
+    ops, ranks = [], dist.get_process_group_ranks(group)
+    for dest in range(world):
+        experts = torch.unique(placement_N[dest * S:(dest + 1) * S]).tolist()
+        if dest != rank and hi > lo:
+            rows = master[experts]
+            ops.append(dist.P2POp(dist.isend, rows, ranks[dest], group))
+            BYTES["distribute"] += rows.numel() * rows.element_size()
+    inbox = {source: assembled.new_empty(len(hosted), part.bounds[source + 1] - part.bounds[source])
+             for source in range(world) if source != rank and part.bounds[source + 1] > part.bounds[source]}
+    ops += [dist.P2POp(dist.irecv, rows, ranks[source], group) for source, rows in inbox.items()]
     _run(ops)
-    for e, weights in assembled.items():
+    for source, rows in inbox.items():
+        assembled[:, part.bounds[source]:part.bounds[source + 1]] = rows
+    for i, e in enumerate(hosted):
         at = mine == e
-        full[at] = weights
+        full[at] = assembled[i]
         BYTES["distribute.copy"] += (int(at.sum()) - 1) * part.numel * 4  # the rank's further instances of e
     return full
 
