@@ -20,12 +20,17 @@ from moecompile.runtime.replication import schedule, uniform
 from .mesh import _timeout
 
 
-class ExpertOptimizer:
+class ExpertOptimizer(torch.optim.Optimizer):
     """``place_every=N``: an adaptive layer re-places its experts every N steps only (1, the default: every step,
     the paper's scheme; 10, 50, 100: the coarser re-placing of FlexMoE-style systems, for comparison). Each
     step's history also says how many bytes a system that moves each expert's optimizer state with its
     instances would have moved for that re-placement (``coupled_state_bytes``: the slots whose expert changed x
-    their master weights and optimizer state); this one moves none."""
+    their master weights and optimizer state); this one moves none.
+
+    A ``torch.optim.Optimizer`` to learning-rate schedulers: ``param_groups`` are the dense optimizer's groups
+    and the experts' (the same dicts: a scheduler's lr reaches both). Clip gradients with ``clip_grad_norm_``
+    (the norm of the whole model's gradient, as one process has it); ``torch.nn.utils.clip_grad_norm_`` over
+    ``model.parameters()`` would see each rank's own instance gradients and clip each rank differently."""
 
     def __init__(self, model, optimizer_class, *, place_every: int = 1, **kwargs):
         info = getattr(model, "_moe_parallel", None)
@@ -49,10 +54,20 @@ class ExpertOptimizer:
         self.dense = optimizer_class(dense, **kwargs) if dense else None
         self.experts = optimizer_class([layer.part.master for layer in self.layers], **kwargs)
         self.groups = Groups(self.group, timeout=_timeout())
+        self.defaults = dict(self.experts.defaults)
+        sharded = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}
+        sharded |= info.module_list_experts
+        self._local = [p for n, p in model.named_parameters() if n in sharded and id(p) not in replicated]
+        self._gathered: dict[str, dict] | None = None  # layer -> bytes, once the expert gradients are collected
         self.steps = 0
         self.history: list[dict[str, dict]] = []  # per step: layer -> what it routed, moved and placed (``step``)
         info.expert_optimizer = self
         forget([layer.path for layer in self.layers])  # (counts another model with these layer names left)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The dense optimizer's parameter groups, then the experts' (the dicts they step with)."""
+        return (self.dense.param_groups if self.dense is not None else []) + self.experts.param_groups
 
     def step(self) -> None:
         """Every rank calls it together, after backward. Appends to ``history``, per layer: ``instances`` (per
@@ -62,15 +77,8 @@ class ExpertOptimizer:
         this rank's bytes per phase (``reduce``: its all-reduce inputs; ``collect``, ``distribute``: sent to
         other ranks; ``*.local``: the parts that stayed on the rank; ``distribute.copy``: the weights copied into
         the rank's further instances of an expert)."""
-        moved = {}
-        for layer in self.layers:
-            before = dict(expert_state.BYTES)
-            S = layer.slots_per_rank
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layer.slot_parameters()]
-            rows = torch.cat([g.reshape(S, -1) for g in grads], 1)
-            reduced = reduce_instances(rows, layer.placement, self.groups)
-            layer.part.master.grad = collect(reduced, layer.placement, layer.part, self.group)
-            moved[layer.path] = _delta(before)
+        moved = self._gather()
+        self._gathered = None
         self.experts.step()
         placed = {}
         for layer in self.layers:
@@ -96,6 +104,60 @@ class ExpertOptimizer:
         self.history.append(placed)
         forget(placed)
 
+    def _gather(self) -> dict[str, dict]:
+        """Each layer's expert gradients summed over their instances and collected into the master parts (once
+        per step: ``clip_grad_norm_`` may have done it); layer -> this rank's bytes of those phases."""
+        if self._gathered is not None:
+            return self._gathered
+        moved = {}
+        for layer in self.layers:
+            before = dict(expert_state.BYTES)
+            S = layer.slots_per_rank
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layer.slot_parameters()]
+            rows = torch.cat([g.reshape(S, -1) for g in grads], 1)
+            reduced = reduce_instances(rows, layer.placement, self.groups)
+            layer.part.master.grad = collect(reduced, layer.placement, layer.part, self.group)
+            moved[layer.path] = _delta(before)
+        self._gathered = moved
+        return moved
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient the next ``step`` uses so that their total norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process holding the whole model; returns the total norm
+        (before clipping, the same on every rank). Call it after backward and before ``step``, every rank
+        together: it sums the experts' gradients over their instances first (``step`` then does not again). The
+        norm: the data-parallel parameters' gradients (the same on every rank) once, the expert shards held here
+        and this rank's part of every replicated expert's gradient summed over the ranks."""
+        import torch.distributed as dist
+
+        self._gather()
+        norm_type = float(norm_type)
+        local_ids = {id(p) for p in self._local}
+        shared = [p.grad for g in (self.dense.param_groups if self.dense is not None else []) for p in g["params"]
+                  if p.grad is not None and id(p) not in local_ids]
+        own = [p.grad for p in self._local if p.grad is not None] + [layer.part.master.grad for layer in self.layers]
+
+        def norm(grads):
+            if not grads:
+                return torch.zeros((), dtype=torch.float64)
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).cpu()
+                                                         for g in grads]).double(), norm_type)
+
+        if norm_type == float("inf"):
+            total = norm(own)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+            total = torch.maximum(total, norm(shared))
+        else:
+            total = norm(own) ** norm_type
+            dist.all_reduce(total, group=self.group)
+            total = (total + norm(shared) ** norm_type) ** (1.0 / norm_type)
+        total = total.to(torch.float32)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in shared + own:
+            g.mul_(coef.to(g.device, g.dtype))
+        return total
+
     def _state_bytes(self, layer) -> int:
         """Bytes per expert parameter of its master weight and optimizer state (what a coupled design moves)."""
         master = layer.part.master
@@ -107,8 +169,8 @@ class ExpertOptimizer:
         """For ``torch.distributed.checkpoint``: the dense optimizer's state by parameter name
         (``moecompile.get_optimizer_state_dict``), each replicated layer's master weights and their optimizer
         state as DTensors ``Shard(1)`` of ``[E, P]`` (each rank's part), its current placement (a list: it is per
-        slot) and the step count. A fresh optimizer gets its state made first (a zero step, as torch does), so a
-        checkpoint loads into it. Every rank calls it together."""
+        slot), the experts' group hyperparameters (lr...) and the step count. A fresh optimizer gets its state
+        made first (a zero step, as torch does), so a checkpoint loads into it. Every rank calls it together."""
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         from .sharded_state import get_optimizer_state_dict
@@ -124,6 +186,7 @@ class ExpertOptimizer:
             experts[layer.path] = entry
         return {"dense": get_optimizer_state_dict(self._model, self.dense) if self.dense is not None else {},
                 "experts": experts, "placement": {layer.path: layer.placement.tolist() for layer in self.layers},
+                "expert_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.experts.param_groups],
                 "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
@@ -162,6 +225,8 @@ class ExpertOptimizer:
                 layer.placement.copy_(uniform(master.shape[0], self.groups.world, layer.slots_per_rank))
             device = layer.slot_parameters()[0].device
             layer.write_slots(distribute(layer.part, layer.placement, self.group, device))
+        for group, saved in zip(self.experts.param_groups, state.get("expert_groups", [])):
+            group.update(saved)  # its hyperparameters as saved (a learning-rate schedule's lr)
         self.steps = int(state["steps"])
 
     def _global(self, part: torch.Tensor, numel: int):
@@ -174,6 +239,7 @@ class ExpertOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also starts the routing counts anew: the next step places by the forwards after this call."""
         forget([layer.path for layer in self.layers])
+        self._gathered = None
         if self.dense is not None:
             self.dense.zero_grad(set_to_none)
         self.experts.zero_grad(set_to_none)

@@ -3,9 +3,11 @@ against one process.
 
 World 4 on a 2x2 ("node", "local") mesh, world 2 on a 1-D one and one rank (in the test process): Mixtral with S =
 E/W + 1 slots per rank trains three steps with replication="adaptive" (torch's AdamW, lr 1e-3, eps 1e-6, weight
-decay 0.01; and SGD, lr 0.1, momentum 0.9) and with "static" (AdamW), each rank on its own batch, beside one process
-training the same model on all the batches together with the same torch optimizer: each step's logits of each rank
-equal the one-process logits of its batch, the state_dict after the steps (the replicated experts whole, from the
+decay 0.01; and SGD, lr 0.1, momentum 0.9, with the gradient norm clipped to 1 and a LambdaLR warm-up) and with
+"static" (AdamW), each rank on its own batch, beside one process training the same model on all the batches
+together with the same torch optimizer (and torch's clip_grad_norm_ and LambdaLR): each step's logits of each rank
+equal the one-process logits of its batch, ExpertOptimizer.clip_grad_norm_ returns the one-process norm, every
+parameter group follows the schedule, the state_dict after the steps (the replicated experts whole, from the
 host master weights) equals the one-process parameters, and adaptive's equals static's (fp32, 1e-5).
 
 AdamW's eps: AdamW divides each element's update by that element's own gradient magnitude, so an element whose
@@ -20,8 +22,9 @@ change from step to step, and a static one does not); each slot holds the expert
 round trip leaves the slots as they are. Bad input (too few slots, options that do not go with replication, an
 ExpertOptimizer for a model without replicated experts or with an optimizer that cannot step on the host) raises
 ValueError naming the fix. With "adaptive" and SGD, a torch.distributed.checkpoint saved after step 1 and loaded
-into a fresh model and optimizer continues bit for bit across the placement changes of steps 2 and 3; world 2
-loads world 4's. One rank: a step after two micro-batches (gradient accumulation) places by both's routing.
+into a fresh model, optimizer and schedule continues bit for bit across the placement changes of steps 2 and 3 (the
+experts' lr as scheduled); world 2 loads world 4's. One rank: a step after two micro-batches (gradient
+accumulation) places by both's routing.
 """
 
 import pytest
@@ -41,6 +44,15 @@ from test_parallelize import LR, TOL, _batches, _build, _init
 E = 8  # tiny Mixtral's experts
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}),  # eps: the docstring
               "sgd": (torch.optim.SGD, {"lr": LR, "momentum": 0.9})}
+MAX_NORM = 1.0  # SGD runs clip the gradient norm (above this at every step) and warm the lr up linearly
+
+
+def _warmup(step):
+    return 1.0 + step
+
+
+def _schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
 
 
 class _DeviceOnly(torch.optim.SGD):
@@ -105,6 +117,8 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw"):
     cls, kwargs = OPTIMIZERS[optimizer]
     ref_opt = cls(ref.parameters(), **kwargs)
     rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
+    clip = optimizer == "sgd"
+    sched, ref_sched = (_schedule(opt), _schedule(ref_opt)) if clip else (None, None)
     logits = []
     for step in range(3):
         out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
@@ -112,9 +126,17 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw"):
                                    msg=lambda m: f"{what} step {step}: {m}")
         logits.append(out.logits.detach())
         out.loss.backward(), ref_out.loss.backward()
+        if clip:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            assert ref_norm > MAX_NORM, ref_norm  # (clipping does something)
+            torch.testing.assert_close(opt.clip_grad_norm_(MAX_NORM), ref_norm, rtol=TOL, atol=TOL)
+            assert [g["lr"] for g in opt.param_groups] == [LR * (1 + step)] * len(opt.param_groups)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        if clip:
+            sched.step(), ref_sched.step()
         if step == 0 and checkpoint:
             dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{tmp}/ckpt{world}")
+            saved_sched = sched.state_dict()
     state = model.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{what} {name}: {m}")
@@ -139,7 +161,7 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw"):
     model.load_state_dict(state)
     assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
     if checkpoint:
-        _resume(mesh, mine, world, f"{tmp}/ckpt{world}", logits[1:], held, opt)
+        _resume(mesh, mine, world, f"{tmp}/ckpt{world}", saved_sched, logits[1:], held, opt)
     return state
 
 
@@ -158,19 +180,23 @@ def _check_stats(model, opt, world, S, tokens):
     assert text in moecompile.explain(model, torch.zeros(1, 4, dtype=torch.long)).parallel
 
 
-def _resume(mesh, mine, world, ckpt, logits, held, trained_opt):
-    """A fresh model and ExpertOptimizer load the checkpoint saved after step 1 and run steps 2 and 3: the same
-    logits, parameters, placements and master weights as the uninterrupted run, bit for bit."""
+def _resume(mesh, mine, world, ckpt, saved_sched, logits, held, trained_opt):
+    """A fresh model, ExpertOptimizer and lr schedule load the checkpoint saved after step 1 and run steps 2 and 3
+    (clipped): the same logits, parameters, placements and master weights as the uninterrupted run, bit for bit."""
     model, compiled, opt = _replicated(mesh, mine, world, "adaptive", "sgd")
+    sched = _schedule(opt)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(state, checkpoint_id=ckpt)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
+    sched.load_state_dict(saved_sched)
     for step, want in enumerate(logits):
+        assert [g["lr"] for g in opt.param_groups] == [LR * (2 + step)] * len(opt.param_groups)
         out = compiled(mine, labels=mine)
         assert torch.equal(out.logits, want), f"resumed step {step + 2}: logits differ"
         out.loss.backward()
-        opt.step(), opt.zero_grad()
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step(), opt.zero_grad(), sched.step()
     bad = [n for n, p in model.named_parameters() if not torch.equal(p, held[n])]
     assert not bad, f"resumed parameters differ: {bad}"
     for mine_, theirs in zip(opt.layers, trained_opt.layers):
