@@ -11,10 +11,10 @@ sends each to one instance of its expert:
 
 It gathers every rank's per-expert counts (one ``all_gather`` of E integers: their sum over the ranks is the
 forward's expert popularity, added to ``POPULARITY`` for the scheduler: summed over the forwards since the layer's
-optimizer step last consumed them, ``forget``, so an iteration of several micro-batches counts them all), splits each expert's rows, in the
-global order (rank 0's first), over its instances in equal runs (``replication.route_to_instances``; with a
-``capacity_factor`` > 0, each instance holds ceil(factor x routed rows of every rank / N) rows, and the rows past
-what an expert's instances hold are dropped: not in ``order_K``), and
+optimizer step last consumed them, ``forget``, so an iteration of several micro-batches counts them all), splits
+each expert's rows, in the global order (rank 0's first), over its instances in equal runs
+(``replication.route_to_instances``; with a ``capacity_factor`` > 0, each instance holds ceil(factor x routed rows
+of every rank / N) rows, and the rows past what an expert's instances hold are dropped: not in ``order_K``), and
 returns the kept rows sorted by slot: ``tok_K`` (their tokens), ``counts_N`` (rows this rank sends to each slot)
 and ``order_K`` (the routed row each came from). Its outputs are integers: no gradient.
 """
