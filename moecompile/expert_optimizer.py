@@ -45,10 +45,8 @@ class ExpertOptimizer(torch.optim.Optimizer):
             raise ValueError(f"place_every must be a whole number of steps >= 1; got {place_every!r}")
         self.place_every = place_every
         _check_steps_on_host(optimizer_class, kwargs)
-        from torch.distributed.device_mesh import init_device_mesh
-
         self._model, self.layers, self.group = model, info.replicas, info.group
-        self._mesh = init_device_mesh("cpu", (info.world,))  # the host parts' mesh: every rank, in order
+        self._mesh = info.replicas[0].host_mesh  # the host parts' mesh: every rank, in order
         replicated = {id(p) for layer in self.layers for p in layer.slot_parameters()}
         dense = [p for p in model.parameters() if id(p) not in replicated and p.requires_grad]
         self.dense = optimizer_class(dense, **kwargs) if dense else None
@@ -114,7 +112,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
             before = dict(expert_state.BYTES)
             S = layer.slots_per_rank
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layer.slot_parameters()]
-            rows = torch.cat([g.reshape(S, -1) for g in grads], 1)
+            rows = layer.part.flatten([g.reshape(S, -1) for g in grads])
             reduced = reduce_instances(rows, layer.placement, self.groups)
             layer.part.master.grad = collect(reduced, layer.placement, layer.part, self.group)
             moved[layer.path] = _delta(before)
@@ -168,9 +166,10 @@ class ExpertOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """For ``torch.distributed.checkpoint``: the dense optimizer's state by parameter name
         (``moecompile.get_optimizer_state_dict``), each replicated layer's master weights and their optimizer
-        state as DTensors ``Shard(1)`` of ``[E, P]`` (each rank's part), its current placement (a list: it is per
-        slot), the experts' group hyperparameters (lr...) and the step count. A fresh optimizer gets its state
-        made first (a zero step, as torch does), so a checkpoint loads into it. Every rank calls it together."""
+        state, per weight a DTensor ``Shard(1)`` of its ``[E, R, ...]`` (each rank's rows), its current placement
+        (a list: it is per slot), the experts' group hyperparameters (lr...) and the step count. A fresh
+        optimizer gets its state made first (a zero step, as torch does), so a checkpoint loads into it. Every rank
+        calls it together."""
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         from .sharded_state import get_optimizer_state_dict
@@ -179,10 +178,10 @@ class ExpertOptimizer(torch.optim.Optimizer):
         experts = {}
         for layer in self.layers:
             master = layer.part.master
-            entry = {"master": self._global(master.detach(), layer.part.numel)}
+            entry = {"master": self._global(layer, master.detach())}
             for key, value in self.experts.state[master].items():
                 part = isinstance(value, torch.Tensor) and value.shape == master.shape
-                entry[key] = self._global(value, layer.part.numel) if part else value
+                entry[key] = self._global(layer, value) if part else value
             experts[layer.path] = entry
         return {"dense": get_optimizer_state_dict(self._model, self.dense) if self.dense is not None else {},
                 "experts": experts, "placement": {layer.path: layer.placement.tolist() for layer in self.layers},
@@ -194,8 +193,6 @@ class ExpertOptimizer(torch.optim.Optimizer):
         optimizer state and the placement, then this rank's slots from them, as the step that saved it left them:
         a resumed run continues bit for bit. Saved on another number of ranks or slots, the parts are cut anew
         (DCP reshards the DTensors) and the experts start evenly placed. Every rank calls it together."""
-        from torch.distributed.tensor import DTensor
-
         from .sharded_state import set_optimizer_state_dict
 
         if self.dense is not None:
@@ -204,20 +201,17 @@ class ExpertOptimizer(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"the state holds no experts of {missing}: load a state saved from this model's "
                              "ExpertOptimizer")
-        rank = self.groups.rank
         for layer in self.layers:
             entry, master = state["experts"][layer.path], layer.part.master
-            lo, hi = layer.part.bounds[rank], layer.part.bounds[rank + 1]
 
-            def local(value):
-                if isinstance(value, DTensor):
-                    value = value.full_tensor() if value.device_mesh != self._mesh else value.to_local()
-                return value[:, lo:hi] if value.shape[1:] == (layer.part.numel,) else value
+            def local(value):  # a per-weight dict (as _global made it): this rank's part; a scalar as it is
+                if isinstance(value, dict):
+                    return layer.part.part_of([value[a] for a in layer.attrs], self._mesh)
+                return value.clone() if isinstance(value, torch.Tensor) else value
 
             with torch.no_grad():
                 master.copy_(local(entry["master"]))
-            self.experts.state[master] = {k: local(v).clone() if isinstance(v, torch.Tensor) and v.dim() else v
-                                          for k, v in entry.items() if k != "master"}
+            self.experts.state[master] = {k: local(v) for k, v in entry.items() if k != "master"}
             saved = torch.as_tensor(state["placement"][layer.path])
             if saved.numel() == layer.placement.numel():
                 layer.placement.copy_(saved)
@@ -229,12 +223,10 @@ class ExpertOptimizer(torch.optim.Optimizer):
             group.update(saved)  # its hyperparameters as saved (a learning-rate schedule's lr)
         self.steps = int(state["steps"])
 
-    def _global(self, part: torch.Tensor, numel: int):
-        """This rank's ``[E, P_w]`` part as the DTensor ``Shard(1)`` of the whole ``[E, numel]``."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        shape = (part.shape[0], numel)
-        return DTensor.from_local(part, self._mesh, [Shard(1)], run_check=False, shape=shape, stride=(numel, 1))
+    def _global(self, layer, part: torch.Tensor) -> dict:
+        """This rank's ``[E, P_w]`` part (master weights or optimizer state) as one DTensor ``Shard(1)`` per
+        weight, of its whole ``[E, R, ...]`` (R: its rows per expert), by the weight's name."""
+        return dict(zip(layer.attrs, layer.part.dtensors(part, self._mesh)))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also starts the routing counts anew: the next step places by the forwards after this call."""

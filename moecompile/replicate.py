@@ -9,9 +9,10 @@ to the slots of the next placement. Stacked ``[E, ...]`` and flat ``[E x R, ...]
 
 The module reads each slot weight ``[S, ...]`` as ``moe.ep_global_view`` (the global ``[E, ...]`` shape, as
 without replication) with the placement buffer (``REPLICAS``); the ``distribute`` pass sends each routed row to
-one instance of its expert (``moe.ep_to_instances``). ``state_dict()`` gives each replicated weight whole,
-``[E, ...]`` in expert order, from the master weights (the same plain tensor on every rank), and
-``load_state_dict`` takes it back into the master weights and the slots.
+one instance of its expert (``moe.ep_to_instances``). ``state_dict()`` gives a stacked replicated weight as the
+DTensor ``Shard(1)`` of the whole ``[E, ...]`` over the ranks' hosts, each rank's piece its master part (nothing
+gathered), and a flat one ``[E x R, ...]`` whole (gathered from the master parts, the same on every rank);
+``load_state_dict`` takes either, or a whole tensor, back into the master weights and the slots.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class ReplicaLayer:
     slots_per_rank: int
     adaptive: bool
     capacity_factor: float
+    host_mesh: object  # every rank's host, in order: the mesh of the master parts as DTensors
 
     def slot_parameters(self) -> list[nn.Parameter]:
         return [self.module._parameters[a] for a in self.attrs]
@@ -92,7 +94,9 @@ def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world:
     module = model.get_submodule(names[0].rpartition(".")[0])
     attrs = [n.rpartition(".")[2] for n in names]
     full = [module._parameters[a] for a in attrs]
-    per_expert = [w.detach().reshape(E, w.shape[0] // E, *w.shape[1:]) for w in full]  # [E, R, ...]
+    per_expert = [w.detach() if w.shape[0] == E and w.dim() > 1 else w.detach().reshape(E, w.shape[0] // E,
+                                                                                          *w.shape[1:])
+                  for w in full]  # [E, R, ...]: a stacked weight as it is, a flat one's rows per expert
     part = ExpertPartition(per_expert, rank, world)
     placement = uniform(E, world, S)
     mine = placement[rank * S:(rank + 1) * S]
@@ -105,9 +109,12 @@ def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world:
         rows[attr] = w.shape[0]
     module.register_buffer(REPLICAS, placement, persistent=False)
     _refuse_other_optimizers()
-    layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0)
-    module.register_state_dict_post_hook(_whole_state(layer, group))
-    module._register_load_state_dict_pre_hook(_load_whole(layer, rank), with_module=True)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0,
+                         init_device_mesh("cpu", (world,)))
+    module.register_state_dict_post_hook(_state(layer, group))
+    module._register_load_state_dict_pre_hook(_load(layer, group), with_module=True)
     module._moe_rows = {}  # not sharded by rows: the optimizer state is ExpertOptimizer's
     rec.sharding = (f"{S} expert slots on each of {world} ranks ({', '.join(names)}), {E} experts placed "
                     f"{'in proportion to the routing of each step' if adaptive else 'evenly, never moved'} "
@@ -149,30 +156,51 @@ def _whole(layer: ReplicaLayer, group) -> list[torch.Tensor]:
     return part.unflatten(flat)
 
 
-def _whole_state(layer: ReplicaLayer, group):
+def _stacked(layer: ReplicaLayer) -> list[bool]:
+    """Per weight: stacked ``[E, ...]`` (its master pieces are a DTensor of the weight itself), not flat."""
+    return [shape == tuple(slot.shape[1:]) for shape, slot in zip(layer.part.shapes, layer.slot_parameters())]
+
+
+def _state(layer: ReplicaLayer, group):
+    """The state_dict's replicated weights: a stacked one as the DTensor ``Shard(1)`` of the whole ``[E, ...]``
+    over the ranks' hosts (each rank's master piece, in the weight's dtype: nothing gathered); a flat one
+    ``[E x R, ...]`` whole, gathered from every rank's master part."""
     def hook(module, state_dict, prefix, local_metadata):
-        for attr, w, slot in zip(layer.attrs, _whole(layer, group), layer.slot_parameters()):
-            state_dict[prefix + attr] = w.reshape(-1, *slot.shape[1:]).to(slot.device)
+        stacked = _stacked(layer)
+        pieces = layer.part.dtensors(layer.part.master.detach(), layer.host_mesh)
+        whole = _whole(layer, group) if not all(stacked) else [None] * len(stacked)
+        for attr, piece, w, dtype, slot, is_stacked in zip(layer.attrs, pieces, whole, layer.part.dtypes,
+                                                           layer.slot_parameters(), stacked):
+            state_dict[prefix + attr] = (piece.to(dtype) if is_stacked
+                                         else w.reshape(-1, *slot.shape[1:]).to(slot.device))
     return hook
 
 
-def _load_whole(layer: ReplicaLayer, rank: int):
-    """A whole ``[E, ...]`` weight (or a DTensor of one) into the master part and this rank's slots."""
+def _load(layer: ReplicaLayer, group):
+    """Replicated weights into the master part and this rank's slots: whole ``[E, ...]`` tensors (the slots from
+    them) or DTensors (each rank's piece to its master part, the slots then sent from the master parts, as the
+    optimizer step sends them: every rank loads together)."""
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         from torch.distributed.tensor import DTensor
+
+        from moecompile.runtime.expert_state import distribute
 
         keys = [prefix + a for a in layer.attrs]
         if not any(k in state_dict for k in keys):
             return
         if not all(k in state_dict for k in keys):
             raise ValueError(f"the state of {layer.path} holds some of its expert weights, not all: {keys}")
-        E = layer.part.master.shape[0]
-        whole = [state_dict[k].full_tensor() if isinstance(state_dict[k], DTensor) else state_dict[k] for k in keys]
-        flat = torch.cat([w.detach().reshape(E, -1).to("cpu", torch.float32) for w in whole], 1)
+        values = [state_dict[k] for k in keys]
         with torch.no_grad():
-            layer.part.master.copy_(flat[:, layer.part.bounds[rank]:layer.part.bounds[rank + 1]])
-        S = layer.slots_per_rank
-        rows = layer.part.unflatten(flat[layer.placement[rank * S:(rank + 1) * S]])
+            layer.part.master.copy_(layer.part.part_of(values, layer.host_mesh))
+        S, rank = layer.slots_per_rank, layer.part.rank
+        hosted = layer.placement[rank * S:(rank + 1) * S]
+        if any(isinstance(v, DTensor) for v in values):
+            device = layer.slot_parameters()[0].device
+            rows = layer.part.unflatten(distribute(layer.part, layer.placement, group, device))
+        else:
+            E = layer.part.master.shape[0]
+            rows = layer.part.unflatten(layer.part.flatten([v.reshape(E, -1) for v in values])[hosted])
         for k, slot, w in zip(keys, layer.slot_parameters(), rows):  # the load copies this rank's slots
             state_dict[k] = w.reshape(slot.shape)
     return hook

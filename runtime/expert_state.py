@@ -46,38 +46,102 @@ BYTES: dict[str, int] = defaultdict(int)  # phase ("reduce", "collect", "distrib
 
 
 def bounds(numel: int, world: int) -> list[int]:
-    """Where each rank's part of one expert's ``numel`` parameters begins (and, last, where they end): ``torch.chunk``'s
-    parts (ceil(numel / world) each, the last ones shorter or empty), so a part is a DTensor ``Shard(1)`` piece."""
+    """Where each rank's part of ``numel`` rows begins (and, last, where they end): ``torch.chunk``'s parts
+    (ceil(numel / world) each, the last ones shorter or empty), so a part is a DTensor ``Shard`` piece."""
     size = -(-numel // world)
     return [min(r * size, numel) for r in range(world + 1)]
 
 
 class ExpertPartition:
-    """This rank's part of every expert of one layer: ``master`` ``[E, P_w]`` fp32 (host), ``P_w`` the rank's
-    elements of each expert's flattened weights."""
+    """This rank's part of every expert of one layer: ``master`` ``[E, P_w]`` fp32 (host). Each weight, ``[E, R,
+    ...]`` per expert, is cut along R (``torch.chunk`` parts over the ranks), so the rank's part of a weight is
+    its DTensor ``Shard(1)`` piece; ``P_w`` holds the rank's rows of every weight, weight after weight.
+
+    The layer's ``[n, P]`` rows (``flatten``: n experts' weights, P elements each) are in rank order: rank 0's
+    part of every weight, then rank 1's...; ``bounds[r]`` is where rank r's begins, so ``master`` is the rank's
+    columns of ``flatten(weights)``."""
 
     def __init__(self, full: list[Tensor], rank: int, world: int):
-        """``full``: the layer's expert weights, each ``[E, ...]``, the same on every rank."""
-        E = full[0].shape[0]
-        flat = torch.cat([w.detach().reshape(E, -1) for w in full], 1)
+        """``full``: the layer's expert weights, each ``[E, R, ...]``, the same on every rank."""
         self.shapes = [tuple(w.shape[1:]) for w in full]
         self.dtypes = [w.dtype for w in full]
-        self.numel = flat.shape[1]
-        self.bounds = bounds(self.numel, world)
         self.rank, self.world = rank, world
-        part = flat[:, self.bounds[rank]:self.bounds[rank + 1]].to("cpu", torch.float32).clone()
+        row = [math.prod(shape[1:]) for shape in self.shapes]  # elements of one row of each weight
+        self.rows = [bounds(shape[0], world) for shape in self.shapes]  # each weight's rows of each rank
+        starts = [0]
+        for shape in self.shapes:
+            starts.append(starts[-1] + math.prod(shape))
+        self.numel = starts[-1]
+        order, self.bounds = [], [0]
+        for r in range(world):
+            for k, (cut, size) in enumerate(zip(self.rows, row)):
+                order.append(torch.arange(starts[k] + cut[r] * size, starts[k] + cut[r + 1] * size))
+            self.bounds.append(self.bounds[-1] + sum(o.numel() for o in order[-len(row):]))
+        self.order = torch.cat(order)  # position in ``flatten``'s rows -> element of the weights laid end to end
+        self.inverse = torch.argsort(self.order)
+        lo, hi = self.bounds[rank], self.bounds[rank + 1]
+        part = self.flatten(full)[:, lo:hi].to("cpu", torch.float32).clone()
         if torch.cuda.is_available():
             part = part.pin_memory()
         self.master = torch.nn.Parameter(part)
 
+    def flatten(self, weights: list[Tensor]) -> Tensor:
+        """``n`` experts' weights (each ``[n, ...]``, its elements per expert in the weight's order) as ``[n, P]``
+        rows in rank order."""
+        n = weights[0].shape[0]
+        rows = torch.cat([w.detach().reshape(n, -1) for w in weights], 1)
+        return rows[:, self.order.to(rows.device)]
+
     def unflatten(self, rows: Tensor) -> list[Tensor]:
-        """``[n, P]`` rows as the layer's weights, each ``[n, ...]`` in its dtype."""
+        """``[n, P]`` rows (rank order) as the layer's weights, each ``[n, ...]`` in its dtype."""
+        rows = rows[:, self.inverse.to(rows.device)]
         out, at = [], 0
         for shape, dtype in zip(self.shapes, self.dtypes):
             size = math.prod(shape)
             out.append(rows[:, at:at + size].reshape(rows.shape[0], *shape).to(dtype))
             at += size
         return out
+
+    def pieces(self, part: Tensor) -> list[Tensor]:
+        """This rank's ``[E, P_w]`` part (``master``, or optimizer state shaped like it) as its piece of each
+        weight, ``[E, its rows, ...]``."""
+        out, at = [], 0
+        for shape, cut in zip(self.shapes, self.rows):
+            n = cut[self.rank + 1] - cut[self.rank]
+            size = n * math.prod(shape[1:])
+            out.append(part[:, at:at + size].reshape(part.shape[0], n, *shape[1:]))
+            at += size
+        return out
+
+    def dtensors(self, part: Tensor, mesh) -> list:
+        """``pieces(part)`` as DTensors ``Shard(1)`` of each whole weight ``[E, R, ...]`` over ``mesh`` (every
+        rank, in order)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        out = []
+        for piece, shape in zip(self.pieces(part), self.shapes):
+            whole = (part.shape[0], *shape)
+            stride = tuple(math.prod(whole[i + 1:]) for i in range(len(whole)))
+            out.append(DTensor.from_local(piece.contiguous(), mesh, [Shard(1)], run_check=False, shape=whole,
+                                          stride=stride))
+        return out
+
+    def part_of(self, values: list, mesh=None) -> Tensor:
+        """This rank's ``[E, P_w]`` part of the weights ``values`` (each whole ``[E, R, ...]``, or a DTensor of
+        one: on ``mesh``, as ``dtensors`` made it, its local piece; else gathered first), fp32 on the host."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        out = []
+        for value, shape, cut in zip(values, self.shapes, self.rows):
+            if isinstance(value, DTensor):
+                if value.device_mesh == mesh and tuple(value.placements) == (Shard(1),):
+                    piece = value.to_local()
+                else:
+                    value = value.full_tensor()
+            if not isinstance(value, DTensor):
+                piece = value.reshape(-1, *shape)[:, cut[self.rank]:cut[self.rank + 1]]  # (a flat weight too)
+            out.append(piece.detach().reshape(piece.shape[0], -1).to("cpu", torch.float32))
+        return torch.cat(out, 1)
 
 
 class Groups:

@@ -39,7 +39,7 @@ def _worker(rank, world, tmp):
         S = E // world + 2
         now = schedule(torch.tensor([9, 1, 1, 5, 1, 1, 1, 30]), world, S)  # experts 0, 3, 7 several instances
         after = schedule(torch.tensor([1, 20, 1, 1, 1, 1, 12, 1]), world, S)
-        flat = torch.cat([w.reshape(E, -1) for w in _full()], 1)
+        flat = ExpertPartition(_full(), rank, world).flatten(_full())  # each expert's elements, in rank order
         summed = torch.zeros(E, P)  # one process: each expert's gradient, every instance on every rank added
         for r in range(world):
             summed.index_add_(0, now[r * S:(r + 1) * S], _grads(r, S))
@@ -48,6 +48,7 @@ def _worker(rank, world, tmp):
             part = ExpertPartition(_full(), rank, world)
             lo, hi = part.bounds[rank], part.bounds[rank + 1]
             assert torch.equal(part.master, flat[:, lo:hi])
+            _check_layout(part)
             reduced = reduce_instances(_grads(rank, S), now, groups)
             assert set(reduced) == {e for e in range(E) if rank in hosting_ranks(now, e, S)}
             for e, g in reduced.items():
@@ -72,13 +73,25 @@ def _worker(rank, world, tmp):
         dist.destroy_process_group()
 
 
+def _check_layout(part):
+    """Each weight is cut along its dim 1 (rows of each expert), torch.chunk's parts: the rank's piece of each
+    weight is those rows (as a DTensor Shard(1) of the weight would hold them); flatten and unflatten invert each
+    other; the part of whole weights is the master part."""
+    rows = {r: -(-n // part.world) for r, n in ((0, I), (1, H), (2, 7))}
+    for k, (piece, w) in enumerate(zip(part.pieces(part.master), _full())):
+        lo = min(part.rank * rows[k], w.shape[1])
+        assert torch.equal(piece, w[:, lo:min(lo + rows[k], w.shape[1])]), k
+    assert all(torch.equal(a, b) for a, b in zip(part.unflatten(part.flatten(_full())), _full()))
+    assert torch.equal(part.part_of(_full()), part.master)
+
+
 def _bf16_slots(rank, world, S, now, after, groups):
     """bf16 expert weights and gradients (the model's dtype), fp32 master weights: the host holds the bf16 weights
     exactly, sums the bf16 gradients in fp32 and steps in fp32; the slots get the updated weights in bf16."""
     full = [w.to(torch.bfloat16) for w in _full()]
     part = ExpertPartition(full, rank, world)
     lo, hi = part.bounds[rank], part.bounds[rank + 1]
-    flat = torch.cat([w.to(torch.float32).reshape(E, -1) for w in full], 1)
+    flat = part.flatten([w.to(torch.float32) for w in full])
     assert part.master.dtype == torch.float32 and torch.equal(part.master, flat[:, lo:hi])
     summed = torch.zeros(E, P)
     for r in range(world):
@@ -92,12 +105,10 @@ def _bf16_slots(rank, world, S, now, after, groups):
     torch.testing.assert_close(part.master, whole.detach()[:, lo:hi], rtol=1e-6, atol=1e-6)
     slots = distribute(part, after, groups.group, "cpu")
     torch.testing.assert_close(slots, whole.detach()[after[rank * S:(rank + 1) * S]], rtol=1e-6, atol=1e-6)
-    at = 0
-    for got, w in zip(part.unflatten(slots), full):
-        size = got[0].numel()
-        assert got.dtype == torch.bfloat16 and got.shape == (S, *w.shape[1:]), (got.dtype, got.shape)
-        assert torch.equal(got.reshape(S, -1), slots[:, at:at + size].to(torch.bfloat16))
-        at += size
+    got = part.unflatten(slots)
+    for g, w in zip(got, full):
+        assert g.dtype == torch.bfloat16 and g.shape == (S, *w.shape[1:]), (g.dtype, g.shape)
+    assert torch.equal(part.flatten(got), slots.to(torch.bfloat16))  # the fp32 weights rounded
 
 
 def _volume(now, after, rank, world, S, groups):

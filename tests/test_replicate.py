@@ -23,8 +23,10 @@ round trip leaves the slots as they are. Bad input (too few slots, options that 
 ExpertOptimizer for a model without replicated experts or with an optimizer that cannot step on the host) raises
 ValueError naming the fix. With "adaptive" and SGD, a torch.distributed.checkpoint saved after step 1 and loaded
 into a fresh model, optimizer and schedule continues bit for bit across the placement changes of steps 2 and 3 (the
-experts' lr as scheduled); world 2 loads world 4's. One rank: a step after two micro-batches (gradient
-accumulation) places by both's routing.
+experts' lr as scheduled); world 2 loads world 4's. World 2 and one rank also train dbrx (flat [E x ffn, H] expert
+weights: its state_dict entries whole, Mixtral's stacked ones DTensors over the ranks' hosts) adaptive with SGD,
+checkpoint and resume included. One rank: a step after two micro-batches (gradient accumulation) places by both's
+routing.
 """
 
 import pytest
@@ -33,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import moecompile
 from moecompile.models.hf import tiny_model
@@ -53,6 +56,11 @@ def _warmup(step):
 
 def _schedule(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
+
+
+def _whole(value):
+    """A state_dict value whole (a replicated stacked weight is a DTensor over the ranks' hosts)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class _DeviceOnly(torch.optim.SGD):
@@ -91,23 +99,23 @@ def _bad_input(mesh, world):
         moecompile.ExpertOptimizer(replicated, torch.optim.AdamW, lr=1e-3, place_every=0)
 
 
-def _replicated(mesh, mine, world, mode, optimizer="adamw"):
-    model = moecompile.parallelize(_build("mixtral").train(), mesh, mine, replication=mode,
+def _replicated(mesh, mine, world, mode, optimizer="adamw", family="mixtral"):
+    model = moecompile.parallelize(_build(family).train(), mesh, mine, replication=mode,
                                    slots_per_rank=E // world + 1)
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     cls, kwargs = OPTIMIZERS[optimizer]
     return model, compiled, moecompile.ExpertOptimizer(model, cls, **kwargs)
 
 
-def _train(mesh, rank, world, mode, tmp, optimizer="adamw"):
+def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral"):
     """Three steps against one process with the same torch optimizer; with "adaptive" and SGD, a checkpoint after
     the first (placements change after every step) from which ``_resume`` continues. Returns the state_dict after
     the steps."""
-    ref = _build("mixtral").train()
+    ref = _build(family).train()
     batches = _batches(ref, world)
     mine, together = batches[rank], batches.flatten(0, 1)
     S = E // world + 1
-    model, compiled, opt = _replicated(mesh, mine, world, mode, optimizer)
+    model, compiled, opt = _replicated(mesh, mine, world, mode, optimizer, family)
     checkpoint = mode == "adaptive" and optimizer == "sgd"
     what = f"{mode} {optimizer}"
     info = model._moe_parallel
@@ -135,11 +143,13 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw"):
         if clip:
             sched.step(), ref_sched.step()
         if step == 0 and checkpoint:
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{tmp}/ckpt{world}")
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                     checkpoint_id=f"{tmp}/ckpt{world}{family}")
             saved_sched = sched.state_dict()
     state = model.state_dict()
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(state[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(_whole(state[name]), p.detach(), rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{what} {name}: {m}")
     placements = [[tuple(h[layer.path]["instances"]) for h in opt.history] for layer in info.replicas]
     _check_stats(model, opt, world, S, mine.numel())
     for layer, placed in zip(info.replicas, placements):
@@ -152,7 +162,7 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw"):
         here = layer.placement[rank * S:(rank + 1) * S]  # each slot holds the expert its placement names
         for slot in layer.slot_parameters():
             name = next(n for n, p in model.named_parameters() if p is slot)
-            want = state[name].reshape(E, -1)[here].reshape(slot.shape)
+            want = _whole(state[name]).reshape(E, -1)[here].reshape(slot.shape)
             torch.testing.assert_close(slot.detach(), want, rtol=TOL, atol=TOL, msg=lambda m: f"slots of {name}: {m}")
     if mode == "adaptive" and optimizer == "sgd":  # and not the same every step, in some layer (AdamW's lr moves
         # the router too little in three steps)
@@ -161,7 +171,7 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw"):
     model.load_state_dict(state)
     assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
     if checkpoint:
-        _resume(mesh, mine, world, f"{tmp}/ckpt{world}", saved_sched, logits[1:], held, opt)
+        _resume(mesh, mine, world, f"{tmp}/ckpt{world}{family}", saved_sched, logits[1:], held, opt, family)
     return state
 
 
@@ -180,10 +190,10 @@ def _check_stats(model, opt, world, S, tokens):
     assert text in moecompile.explain(model, torch.zeros(1, 4, dtype=torch.long)).parallel
 
 
-def _resume(mesh, mine, world, ckpt, saved_sched, logits, held, trained_opt):
+def _resume(mesh, mine, world, ckpt, saved_sched, logits, held, trained_opt, family):
     """A fresh model, ExpertOptimizer and lr schedule load the checkpoint saved after step 1 and run steps 2 and 3
     (clipped): the same logits, parameters, placements and master weights as the uninterrupted run, bit for bit."""
-    model, compiled, opt = _replicated(mesh, mine, world, "adaptive", "sgd")
+    model, compiled, opt = _replicated(mesh, mine, world, "adaptive", "sgd", family)
     sched = _schedule(opt)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(state, checkpoint_id=ckpt)
@@ -213,10 +223,12 @@ def _worker(rank, world, tmp):
         adaptive = _train(mesh, rank, world, "adaptive", tmp)
         static = _train(mesh, rank, world, "static", tmp)
         for name, value in adaptive.items():  # adaptive against static, directly
-            torch.testing.assert_close(value, static[name], rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(_whole(value), _whole(static[name]), rtol=TOL, atol=TOL,
+                                       msg=lambda m: f"{name}: {m}")
         _train(mesh, rank, world, "adaptive", tmp, "sgd")
         if world == 2:
             _load_saved_on_4(mesh, rank, world, tmp)
+            _train(mesh, rank, world, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -228,16 +240,17 @@ def _load_saved_on_4(mesh, rank, world, tmp):
     mine = _batches(_build("mixtral"), world)[rank]
     model, compiled, opt = _replicated(mesh, mine, world, "adaptive", "sgd")
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(state, checkpoint_id=f"{tmp}/ckpt4")
+    dcp.load(state, checkpoint_id=f"{tmp}/ckpt4mixtral")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     now = model.state_dict()
     for name, value in state["model"].items():
-        assert torch.equal(now[name], value), f"{name} not as saved on 4 ranks"
+        assert torch.equal(_whole(now[name]), _whole(value)), f"{name} not as saved on 4 ranks"
     mine_now = opt.state_dict()["experts"]
     for path, entry in state["optim"]["experts"].items():
         for key in ("master", "momentum_buffer"):
-            assert torch.equal(mine_now[path][key].full_tensor(), entry[key].full_tensor()), (path, key)
+            for attr, value in entry[key].items():  # per weight
+                assert torch.equal(mine_now[path][key][attr].full_tensor(), value.full_tensor()), (path, key, attr)
     for layer in opt.layers:
         assert torch.equal(layer.placement, uniform(E, world, E // world + 1))
     out = compiled(mine, labels=mine)
@@ -258,6 +271,7 @@ def test_one_rank_replication(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         for optimizer in OPTIMIZERS:
             _train(mesh, 0, 1, "adaptive", tmp, optimizer)
+        _train(mesh, 0, 1, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights
         _accumulate(mesh)
     finally:
         dist.destroy_process_group()
