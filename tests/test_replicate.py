@@ -7,8 +7,8 @@ decay 0.01; and SGD, lr 0.1, momentum 0.9, with the gradient norm clipped to 1 a
 "static" (AdamW), each rank on its own batch, beside one process training the same model on all the batches
 together with the same torch optimizer (and torch's clip_grad_norm_ and LambdaLR): each step's logits of each rank
 equal the one-process logits of its batch, ExpertOptimizer.clip_grad_norm_ returns the one-process norm, every
-parameter group follows the schedule, the state_dict after the steps (the replicated experts whole, from the
-host master weights) equals the one-process parameters, and adaptive's equals static's (fp32, 1e-5).
+parameter group follows the schedule, the state_dict after the steps (the replicated experts from the host master
+weights, made whole) equals the one-process parameters, and adaptive's equals static's (fp32, 1e-5).
 
 AdamW's eps: AdamW divides each element's update by that element's own gradient magnitude, so an element whose
 gradient is near eps turns fp32 rounding differences into update differences of up to lr. Any change of summation
@@ -117,7 +117,7 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral"):
     S = E // world + 1
     model, compiled, opt = _replicated(mesh, mine, world, mode, optimizer, family)
     checkpoint = mode == "adaptive" and optimizer == "sgd"
-    what = f"{mode} {optimizer}"
+    what = f"{family} {mode} {optimizer}"
     info = model._moe_parallel
     assert len(info.replicas) == len(info.report.layers) and not info.left, str(info)
     slots = {n: p for n, p in model.named_parameters() if getattr(p, "_moe_replicated", False)}
