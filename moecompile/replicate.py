@@ -193,13 +193,12 @@ def _load(layer: ReplicaLayer, group):
         values = [state_dict[k] for k in keys]
         with torch.no_grad():
             layer.part.master.copy_(layer.part.part_of(values, layer.host_mesh))
-        S, rank = layer.slots_per_rank, layer.part.rank
-        hosted = layer.placement[rank * S:(rank + 1) * S]
         if any(isinstance(v, DTensor) for v in values):
             device = layer.slot_parameters()[0].device
             rows = layer.part.unflatten(distribute(layer.part, layer.placement, group, device))
         else:
-            E = layer.part.master.shape[0]
+            S, rank, E = layer.slots_per_rank, layer.part.rank, layer.part.master.shape[0]
+            hosted = layer.placement[rank * S:(rank + 1) * S]
             rows = layer.part.unflatten(layer.part.flatten([v.reshape(E, -1) for v in values])[hosted])
         for k, slot, w in zip(keys, layer.slot_parameters(), rows):  # the load copies this rank's slots
             state_dict[k] = w.reshape(slot.shape)

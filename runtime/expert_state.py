@@ -74,9 +74,9 @@ class ExpertPartition:
         self.numel = starts[-1]
         order, self.bounds = [], [0]
         for r in range(world):
-            for k, (cut, size) in enumerate(zip(self.rows, row)):
-                order.append(torch.arange(starts[k] + cut[r] * size, starts[k] + cut[r + 1] * size))
-            self.bounds.append(self.bounds[-1] + sum(o.numel() for o in order[-len(row):]))
+            for start, cut, size in zip(starts, self.rows, row):
+                order.append(torch.arange(start + cut[r] * size, start + cut[r + 1] * size))
+            self.bounds.append(self.bounds[-1] + sum((cut[r + 1] - cut[r]) * size for cut, size in zip(self.rows, row)))
         self.order = torch.cat(order)  # position in ``flatten``'s rows -> element of the weights laid end to end
         self.inverse = torch.argsort(self.order)
         lo, hi = self.bounds[rank], self.bounds[rank + 1]
@@ -118,12 +118,13 @@ class ExpertPartition:
         rank, in order)."""
         from torch.distributed.tensor import DTensor, Shard
 
+        from moecompile.sharded_state import _contiguous_stride
+
         out = []
         for piece, shape in zip(self.pieces(part), self.shapes):
             whole = (part.shape[0], *shape)
-            stride = tuple(math.prod(whole[i + 1:]) for i in range(len(whole)))
             out.append(DTensor.from_local(piece.contiguous(), mesh, [Shard(1)], run_check=False, shape=whole,
-                                          stride=stride))
+                                          stride=_contiguous_stride(whole)))
         return out
 
     def part_of(self, values: list, mesh=None) -> Tensor:
@@ -226,11 +227,11 @@ def distribute(part: ExpertPartition, placement_N: Tensor, group, device) -> Ten
     BYTES["distribute.local"] += len(hosted) * (hi - lo) * 4
     ops, ranks = [], dist.get_process_group_ranks(group)
     for dest in range(world):
-        experts = torch.unique(placement_N[dest * S:(dest + 1) * S]).tolist()
-        if dest != rank and hi > lo:
-            rows = master[experts]
-            ops.append(dist.P2POp(dist.isend, rows, ranks[dest], group))
-            BYTES["distribute"] += rows.numel() * rows.element_size()
+        if dest == rank or hi == lo:
+            continue
+        rows = master[torch.unique(placement_N[dest * S:(dest + 1) * S]).tolist()]  # the experts dest hosts next
+        ops.append(dist.P2POp(dist.isend, rows, ranks[dest], group))
+        BYTES["distribute"] += rows.numel() * rows.element_size()
     inbox = {source: assembled.new_empty(len(hosted), part.bounds[source + 1] - part.bounds[source])
              for source in range(world) if source != rank and part.bounds[source + 1] > part.bounds[source]}
     ops += [dist.P2POp(dist.irecv, rows, ranks[source], group) for source, rows in inbox.items()]
