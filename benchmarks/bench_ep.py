@@ -6,7 +6,7 @@ transformers' own expert parallelism would move for the same layer.
 
 8 ranks as meshes (2 nodes x 4) and (4 nodes x 2). Routing: uniform top-K of E experts per token (HierMoE's
 Table II setting). The experts pass their rows through (the exchange is what is timed; each run's result is
-checked). The links are emulated (``ep_comm.emulate_links``): every all-to-all waits alpha + beta x bytes of its
+checked). The links are emulated (``moecompile.runtime.comm.exchange.emulate_links``): every all-to-all waits alpha + beta x bytes of its
 kind on top of loopback, by default a cluster slowed 100-fold so the emulated links outweigh loopback on a small
 machine (across nodes 100 MB/s and 5 ms per all-to-all, inside a node 2 GB/s and 1 ms; the flat all-to-all is
 priced as the node links; ``--link links.json`` takes a calibrated model instead).
@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import moecompile
-from moecompile.calibrate import time_dispatch
-from moecompile.runtime.cost_model import LinkModel, dispatch_times
-from moecompile.runtime.dispatch_plan import Placement, dedup_stats
-from moecompile.runtime.ep_comm import emulate_links
+from moecompile.distributed.calibrate import time_dispatch
+from moecompile.runtime.comm.cost_model import LinkModel, dispatch_times
+from moecompile.runtime.comm.plan import Placement, dedup_stats
+from moecompile.runtime.comm.exchange import emulate_links
 
 DEFAULT_LINK = LinkModel({"flat": (5e-3, 1e-8), "node": (5e-3, 1e-8), "local": (1e-3, 5e-10)})
 

@@ -1,4 +1,4 @@
-"""The host optimizer's exchanges alone (``runtime/expert_state.py``): one layer's gradient reduction, collection
+"""The host optimizer's exchanges alone (``runtime/placement/expert_state.py``): one layer's gradient reduction, collection
 and weight distribution per step, timed on 4 gloo ranks (one process each, this machine), for several expert
 counts under a skewed placement (one hot expert).
 
@@ -23,8 +23,8 @@ def _worker(rank, tmp, experts, steps, out):
     import torch
     import torch.distributed as dist
 
-    from moecompile.runtime.expert_state import ExpertPartition, Groups, collect, distribute, reduce_instances
-    from moecompile.runtime.replication import schedule
+    from moecompile.runtime.placement.expert_state import ExpertPartition, Groups, collect, distribute, reduce_instances
+    from moecompile.runtime.placement.replication import schedule
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,

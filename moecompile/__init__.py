@@ -2,18 +2,24 @@
 
     compiled = torch.compile(model, backend="moe")     # finds, proves and rewrites the MoE layers
     print(moecompile.explain(model, input_ids))        # what was found, proved, rewritten, skipped and why
+
+The front end (the top floor): the backend entry (``backend.py``: options -> frozen config -> the ordered pass list
+of ``pipeline.py`` -> aot_autograd / Inductor), ``config.py``, ``explain.py`` and the CLI (``__main__.py``). Its
+rooms: ``tracing/`` (Dynamo's trace of expert loops) and ``distributed/`` (the API across devices). Imports run
+down: front end -> ``moecompile.passes`` -> ``moecompile.runtime``; nothing below imports the front end. The
+public names users call are re-exported here. Map: ``docs/architecture.md``.
 """
 
 from .backend import moe_backend
-from .capture import capture
-from .comm import comm_report, comm_rows, plot_comm
 from .config import MoEOptions
-from .expert_optimizer import ExpertOptimizer, replication_report
 from .explain import ExplainReport, explain
-from .parallel import parallelize
 from .pipeline import MoECompileError, MoEFallbackWarning
-from .sharded_state import get_optimizer_state_dict, set_optimizer_state_dict
-from moecompile.runtime.ep_stats import comm_stats
+from .tracing.capture import capture
+from .distributed.comm import comm_report, comm_rows, plot_comm
+from .distributed.expert_optimizer import ExpertOptimizer, replication_report
+from .distributed.parallel import parallelize
+from .distributed.sharded_state import get_optimizer_state_dict, set_optimizer_state_dict
+from moecompile.runtime.comm.stats import comm_stats
 from moecompile.runtime.stats import token_drops
 
 __all__ = ["moe_backend", "capture", "parallelize", "ExpertOptimizer", "replication_report", "MoEOptions", "ExplainReport", "explain",

@@ -82,7 +82,7 @@ def demo(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from .calibrate import main as calibrate_main
+    from .distributed.calibrate import main as calibrate_main
 
     return calibrate_main(args)
 

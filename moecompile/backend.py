@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from moecompile.passes.report import PassReport
 
-from .capture import MARK, install
+from .tracing.capture import MARK, install
 from .config import MoEOptions, parse_options
 from .pipeline import Checkpoint, MoECompileError, run_passes
 
@@ -22,7 +22,7 @@ def moe_backend(gm: fx.GraphModule, example_inputs, options: dict | MoEOptions |
 
 
 def _wants_capture(options) -> bool:
-    """Read by moecompile/capture.py when Dynamo starts a compile for this backend: capture data-dependent shapes
+    """Read by moecompile/tracing/capture.py when Dynamo starts a compile for this backend: capture data-dependent shapes
     (expert loops stay in the graph) unless options say capture=False. Bad options capture: the backend then
     raises its own clear error for them."""
     try:

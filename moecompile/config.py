@@ -34,7 +34,7 @@ class MoEOptions:
     record_graphs:    keep the readable graph before and after each pass (explain() turns it on).
     capture:          Dynamo captures data-dependent shapes (nonzero(), where(mask), .tolist()) while it traces for
                       this backend, so expert loops stay in the graph and are rewritten; the two Dynamo settings
-                      are on only during the moe backend's own compiles (moecompile/capture.py). False: Dynamo's
+                      are on only during the moe backend's own compiles (moecompile/tracing/capture.py). False: Dynamo's
                       defaults (such loops break the graph and the block is reported, not rewritten).
     """
 

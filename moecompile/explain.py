@@ -11,7 +11,7 @@ from moecompile.passes import aliases
 from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, SkipRecord
 
 from .backend import rewrite
-from .capture import MARK, install
+from .tracing.capture import MARK, install
 from .config import parse_options
 from .pipeline import MoEFallbackWarning
 
@@ -23,7 +23,7 @@ class ExplainReport:
     the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made;
     ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table);
     ``failures``: (stage, region, error) for every pass that raised: that graph ran as it came in; ``loops``: the
-    forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert (moecompile/loops.py)."""
+    forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert (moecompile/tracing/loops.py)."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
@@ -83,7 +83,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
         graphs.append(gm)
         return rewrite(gm, example_inputs, config, report).forward
 
-    setattr(backend, MARK, config.capture)  # Dynamo captures data-dependent shapes for it (moecompile/capture.py)
+    setattr(backend, MARK, config.capture)  # Dynamo captures data-dependent shapes for it (moecompile/tracing/capture.py)
     torch._dynamo.reset()
     install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
     compiled = torch.compile(model, backend=backend)
@@ -99,11 +99,11 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     mismatches = _check_against_config(getattr(model, "config", None), report.layers)
     parallel = ""
     if getattr(model, "_moe_parallel", None) is not None:
-        from .comm import comm_report
+        from .distributed.comm import comm_report
 
         parallel = f"{model._moe_parallel}\n{comm_report(model)}"
         if model._moe_parallel.replicas:
-            from .expert_optimizer import replication_report
+            from .distributed.expert_optimizer import replication_report
 
             parallel += f"\n{replication_report(model)}"
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,

@@ -26,7 +26,7 @@ from moecompile.passes.report import FailureRecord, PassReport
 from moecompile.passes.sharded import expose_sharded_pass, remove_standins
 from moecompile.passes.verify import verify_moe_pass
 
-from .capture import complete_missing_experts
+from .tracing.capture import complete_missing_experts
 from .config import MoEOptions
 
 PASSES = (

@@ -13,7 +13,7 @@ CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
     "top_k": ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"),
 }
 
-# detect's finding; moecompile/capture.py completes it with why and the fix (which depend on how Dynamo traced)
+# detect's finding; moecompile/tracing/capture.py completes it with why and the fix (which depend on how Dynamo traced)
 EAGER_EXPERTS_REASON = "a router was found but no expert weights are used in this graph"
 
 

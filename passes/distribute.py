@@ -1,5 +1,5 @@
 """distribute: run the experts of each layer moecompile.parallelize sharded where they live, exchanging the routed
-rows padding-free (``runtime/ep_ops.py``).
+rows padding-free (``runtime/comm/ops.py``).
 
     before (canonical, on the global stand-ins)      after (this rank's E_l = E / W experts)
     y_BH = moe.expert_mlp(x_TH, tok_B, counts_E,     d = moe.ep_dispatch(x_TH, tok_B, counts_E, group, layer)
@@ -20,8 +20,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from moecompile.runtime import ep_swap  # noqa: F401  (registers moe::ep_to_slots)
-from moecompile.runtime.ep_hier import hierarchical_experts
+import moecompile.runtime.placement.swap  # noqa: F401  (registers moe::ep_to_slots)
+from moecompile.runtime.comm.dedup import hierarchical_experts
 
 from .canonical import expert_tensors
 from .report import PassReport, block
@@ -129,7 +129,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             weights = proxy(scale) if order is None else proxy(scale)[order]
             x = x[tok].to(dtype) * weights.to(dtype).unsqueeze(-1)
             tok = torch.cumsum(torch.ones_like(tok), 0) - 1  # row b is row b
-        if replicas is not None:  # each row to one instance of its expert (ep_replicas.py); a dropped row gives 0
+        if replicas is not None:  # each row to one instance of its expert (runtime/placement/replicas.py); a dropped row gives 0
             r = torch.ops.moe.ep_to_instances(tok, counts, proxy(replicas), capacity_factor, group_name, layer)
             tok_K, counts_N, order_K = r[0], r[1], r[2]
             d = torch.ops.moe.ep_dispatch(x, tok_K, counts_N, group_name, layer)

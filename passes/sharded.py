@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_view)
+import moecompile.runtime.comm.ops  # noqa: F401  (registers moe::ep_global_view)
 
 from .graph_utils import example, hint
 from .report import PassReport

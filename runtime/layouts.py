@@ -1,5 +1,6 @@
-"""How a fused gate/up expert weight holds its two halves: the one definition shared by the canonical form (which
-views the parameter) and the Triton lowering (which writes the gradient of the whole parameter at once).
+"""Layouts shared by several rooms. How a fused gate/up expert weight holds its two halves: the one definition
+shared by the canonical form (which views the parameter) and the Triton lowering (which writes the gradient of the
+whole parameter at once). And the row-major strides a DTensor made from local shards is given.
 
     chunk            [E, 2I, ...] = [gate; up]           (Mixtral, Qwen, DeepSeek in transformers 5)
     chunk_up_first   [E, 2I, ...] = [up; gate]
@@ -7,6 +8,8 @@ views the parameter) and the Triton lowering (which writes the gradient of the w
 """
 
 from __future__ import annotations
+
+import math
 
 GATE_UP_LAYOUTS = ("chunk", "chunk_up_first", "interleave")
 
@@ -19,3 +22,8 @@ def split_gate_up(t, how: str, inter: int):
         return t[:, 0::2], t[:, 1::2]
     first, second = t[:, :inter], t[:, inter:]
     return (second, first) if how == "chunk_up_first" else (first, second)
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (``DTensor.from_local`` of a shard is told its whole tensor's)."""
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

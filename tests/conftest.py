@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moecompile.backend import compile_graph
-from moecompile.capture import FLAGS, install
+from moecompile.tracing.capture import FLAGS, install
 from moecompile.config import parse_options
 from moecompile.passes.report import PassReport
 
@@ -28,7 +28,7 @@ class RecordingBackend:
         self.report = PassReport()
         self.errors: list[BaseException] = []  # torch 2.13 may turn a backend error into a silent graph break
 
-    def moecompile_capture(self, options) -> bool:  # as moe_backend: Dynamo captures for it (moecompile/capture.py)
+    def moecompile_capture(self, options) -> bool:  # as moe_backend: Dynamo captures for it (moecompile/tracing/capture.py)
         return self.config.capture
 
     def __call__(self, gm, example_inputs, **_):

@@ -7,8 +7,8 @@ import torch
 from conftest import RecordingBackend, capture_flags, compile_and_compare, normwise
 
 import moecompile
-from moecompile.capture import _compiler_being_traced_for, wants_capture
-from moecompile.capture import FLAGS
+from moecompile.tracing.capture import _compiler_being_traced_for, wants_capture
+from moecompile.tracing.capture import FLAGS
 from moecompile.models import handwritten, hf
 
 IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))

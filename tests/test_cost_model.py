@@ -1,15 +1,15 @@
-"""The alpha-beta link model (runtime/cost_model.py): fitted from timings, and the dispatch time it predicts per
-dedup choice, checked by hand on a small routing on two and three mesh levels (runtime/mesh_levels.py: names,
-collective kinds, groups, links); the smooth max and the expert swap it chooses (runtime/ep_swap.py), and the rows
+"""The alpha-beta link model (runtime/comm/cost_model.py): fitted from timings, and the dispatch time it predicts per
+dedup choice, checked by hand on a small routing on two and three mesh levels (runtime/comm/levels.py: names,
+collective kinds, groups, links); the smooth max and the expert swap it chooses (runtime/placement/swap.py), and the rows
 sorted by slot after a swap."""
 
 import pytest
 import torch
 
-from moecompile.runtime.cost_model import LinkModel, choose_dedup, dispatch_times, smooth_max
-from moecompile.runtime.dispatch_plan import Placement
-from moecompile.runtime.ep_swap import choose_swap
-from moecompile.runtime.mesh_levels import check_names, kinds, level_kinds, link, partition
+from moecompile.runtime.comm.cost_model import LinkModel, choose_dedup, dispatch_times, smooth_max
+from moecompile.runtime.comm.plan import Placement
+from moecompile.runtime.placement.swap import choose_swap
+from moecompile.runtime.comm.levels import check_names, kinds, level_kinds, link, partition
 
 
 def test_fit_recovers_alpha_and_beta_and_round_trips(tmp_path):

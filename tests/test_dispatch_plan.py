@@ -1,10 +1,10 @@
-"""Pure routing arithmetic of expert parallelism (runtime/dispatch_plan.py): what deduplication at each mesh level
+"""Pure routing arithmetic of expert parallelism (runtime/comm/plan.py): what deduplication at each mesh level
 saves, checked against HierMoE's Table II (uniform routing, E = 256, k = 8)."""
 
 import pytest
 import torch
 
-from moecompile.runtime.dispatch_plan import Placement, dedup_stats, distinct_pairs, expected_removed
+from moecompile.runtime.comm.plan import Placement, dedup_stats, distinct_pairs, expected_removed
 
 
 def _uniform_ids(T, E, K, seed=0):

@@ -1,4 +1,4 @@
-"""The padding-free row exchange (runtime/ep_comm.py) on gloo, world 2 and 4: each rank's rows reach the ranks
+"""The padding-free row exchange (runtime/comm/exchange.py) on gloo, world 2 and 4: each rank's rows reach the ranks
 they name with exact uneven splits (a rank with no rows, a rank that receives none), come back in their order,
 and gradients flow back through both exchanges; every rank checks against what one process computes from all
 ranks' inputs. A failing rank fails the test (mp.spawn stops the others; the group has a timeout)."""
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moecompile.runtime.ep_comm import combine_rows, dispatch_rows
+from moecompile.runtime.comm.exchange import combine_rows, dispatch_rows
 
 H = 3
 

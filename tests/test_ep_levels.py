@@ -20,14 +20,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from moecompile.calibrate import calibrate, time_dispatch
-from moecompile.mesh import setup_mesh
-from moecompile.runtime import ep_ops  # noqa: F401  (registers the ops)
-from moecompile.runtime.cost_model import LinkModel, choose_dedup, dispatch_times
-from moecompile.runtime.dispatch_plan import Placement
-from moecompile.runtime.ep_comm import emulate_links
-from moecompile.runtime.ep_hier import hierarchical_experts
-from moecompile.runtime.ep_stats import COMM
+from moecompile.distributed.calibrate import calibrate, time_dispatch
+from moecompile.distributed.mesh import setup_mesh
+import moecompile.runtime.comm.ops  # noqa: F401  (registers the ops)
+from moecompile.runtime.comm.cost_model import LinkModel, choose_dedup, dispatch_times
+from moecompile.runtime.comm.plan import Placement
+from moecompile.runtime.comm.exchange import emulate_links
+from moecompile.runtime.comm.dedup import hierarchical_experts
+from moecompile.runtime.comm.stats import COMM
 
 NAMES, SHAPE, WORLD = ("rack", "node", "local"), (2, 2, 2), 8
 E, K, T, H = 16, 4, 12, 8  # experts (2 per rank), per token, tokens per rank, hidden

@@ -1,4 +1,4 @@
-"""Routed rows to expert instances (runtime/ep_replicas.py) on gloo, world 2 and 4: a layer whose experts have
+"""Routed rows to expert instances (runtime/placement/replicas.py) on gloo, world 2 and 4: a layer whose experts have
 several instances (the placement of skewed routing, S slots per rank) gives each rank the output one process
 computes for its tokens, forward and backward (float64), dropless and with a capacity per instance (the rows
 past what an expert's instances hold, in global order, give nothing); the popularity and the dropped rows are
@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_dispatch, moe::ep_combine)
-from moecompile.runtime.ep_replicas import DROPPED, POPULARITY, forget
+import moecompile.runtime.comm.ops  # noqa: F401  (registers moe::ep_dispatch, moe::ep_combine)
+from moecompile.runtime.placement.replicas import DROPPED, POPULARITY, forget
 from moecompile.runtime.reference import expert_mlp_ref
-from moecompile.runtime.replication import route_to_instances, schedule
+from moecompile.runtime.placement.replication import route_to_instances, schedule
 
 E, K, H, I, T = 8, 2, 4, 6, 12
 POP = torch.tensor([8.0, 4, 2, 1, 1, 0.5, 0.5, 0.25])  # expert 0 hot

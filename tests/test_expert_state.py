@@ -1,4 +1,4 @@
-"""The experts' host optimizer of adaptive replication (runtime/expert_state.py) on gloo, world 2 and 4: slot
+"""The experts' host optimizer of adaptive replication (runtime/placement/expert_state.py) on gloo, world 2 and 4: slot
 gradients under one placement are summed over each expert's instances (inside a rank, then over its consecutive
 hosting ranks), each rank collects its part of every expert, steps it with torch's own AdamW and SGD, and sends
 the updated weights to the slots of another placement: every part, step and slot equals one process doing the
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moecompile.runtime import expert_state
-from moecompile.runtime.expert_state import ExpertPartition, Groups, collect, distribute, reduce_instances
-from moecompile.runtime.replication import hosting_ranks, schedule, uniform
+from moecompile.runtime.placement import expert_state
+from moecompile.runtime.placement.expert_state import ExpertPartition, Groups, collect, distribute, reduce_instances
+from moecompile.runtime.placement.replication import hosting_ranks, schedule, uniform
 
 E, I, H = 8, 3, 5
 P = 2 * I * H + 7  # elements of one expert: two weights and a bias (7 does not divide over the ranks)

@@ -1,4 +1,4 @@
-"""Loops over the experts that received tokens (``for e in mask.nonzero():``, issue 8 item 1): moecompile/loops.py
+"""Loops over the experts that received tokens (``for e in mask.nonzero():``, issue 8 item 1): moecompile/tracing/loops.py
 proves from the source that the loop over every expert computes the same, and the moe backend's compiles trace that
 loop instead, with the user's class unchanged before and after. Forms it cannot prove are left as they are and
 reported with the reason."""
@@ -13,8 +13,8 @@ from conftest import RecordingBackend, compile_and_compare, normwise
 from torch import nn
 
 import moecompile
-from moecompile import loops
-from moecompile.capture import LOOP_REASON
+from moecompile.tracing import loops
+from moecompile.tracing.capture import LOOP_REASON
 from moecompile.models import handwritten, hf
 
 IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))

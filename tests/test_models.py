@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moecompile.capture import install
+from moecompile.tracing.capture import install
 from moecompile.models import (
     FAMILIES,
     HANDWRITTEN,

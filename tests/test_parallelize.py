@@ -38,11 +38,11 @@ import moecompile
 from moecompile.models.handwritten import HANDWRITTEN, TinyMoELM
 from moecompile.models import hf
 from moecompile.models.hf import tiny_model
-from moecompile.calibrate import calibrate, time_dispatch
-from moecompile.runtime.cost_model import LinkModel, dispatch_times
-from moecompile.runtime.dispatch_plan import Placement, dedup_stats
-from moecompile.runtime.ep_comm import emulate_links
-from moecompile.runtime.ep_stats import COMM
+from moecompile.distributed.calibrate import calibrate, time_dispatch
+from moecompile.runtime.comm.cost_model import LinkModel, dispatch_times
+from moecompile.runtime.comm.plan import Placement, dedup_stats
+from moecompile.runtime.comm.exchange import emulate_links
+from moecompile.runtime.comm.stats import COMM
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor
 
 import moecompile
 from moecompile.models.hf import tiny_model
-from moecompile.runtime.ep_replicas import POPULARITY
-from moecompile.runtime.replication import schedule, uniform
+from moecompile.runtime.placement.replicas import POPULARITY
+from moecompile.runtime.placement.replication import schedule, uniform
 
 from test_parallelize import LR, TOL, _batches, _build, _init
 

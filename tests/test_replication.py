@@ -1,10 +1,10 @@
 """The placement scheduler, row routing and gradient sources of adaptive expert replication (pure functions,
-``runtime/replication.py``), against hand-worked cases and a row-by-row reference."""
+``runtime/placement/replication.py``), against hand-worked cases and a row-by-row reference."""
 
 import pytest
 import torch
 
-from moecompile.runtime.replication import (consecutive_groups, gradient_source, hosting_ranks, instances,
+from moecompile.runtime.placement.replication import (consecutive_groups, gradient_source, hosting_ranks, instances,
                                             route_to_instances, schedule, uniform)
 
 

@@ -15,7 +15,7 @@ import torch
 from conftest import RecordingBackend, normwise
 
 from moecompile import pipeline
-from moecompile.capture import install
+from moecompile.tracing.capture import install
 from moecompile.backend import rewrite
 from moecompile.models import hf
 from moecompile.passes.canonicalize import canonicalize_moe_pass

@@ -38,6 +38,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from ..layouts import contiguous_stride
 from .replication import consecutive_groups, gradient_sources, hosting_ranks
 
 Tensor = torch.Tensor
@@ -118,13 +119,11 @@ class ExpertPartition:
         rank, in order)."""
         from torch.distributed.tensor import DTensor, Shard
 
-        from moecompile.sharded_state import _contiguous_stride
-
         out = []
         for piece, shape in zip(self.pieces(part), self.shapes):
             whole = (part.shape[0], *shape)
             out.append(DTensor.from_local(piece.contiguous(), mesh, [Shard(1)], run_check=False, shape=whole,
-                                          stride=_contiguous_stride(whole)))
+                                          stride=contiguous_stride(whole)))
         return out
 
     def part_of(self, values: list, mesh=None) -> Tensor:

@@ -1,9 +1,9 @@
 """The device mesh of expert parallelism: its check, and the process groups the runtime exchanges rows over.
 
 ``setup_mesh(mesh)`` returns the group of the whole mesh and, on a mesh of several levels (``("node",
-"local")``, ``("rack", "node", "local")``...: ``runtime/mesh_levels.py``), sets up the two collectives of dedup
+"local")``, ``("rack", "node", "local")``...: ``runtime/comm/levels.py``), sets up the two collectives of dedup
 at each level (the ranks of equal inner coordinates, one per group of the level; the ranks of one group of the
-level), registers them with the runtime (``ep_hier.register_layout``), tells the link emulation each group's
+level), registers them with the runtime (``comm.dedup.register_layout``), tells the link emulation each group's
 kind, and tells the byte counter each rank's coordinates.
 
 The groups are made here with ``new_subgroups_by_enumeration`` and the timeout of the default process group, not
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moecompile.runtime import mesh_levels
-from moecompile.runtime.ep_stats import COMM
+from moecompile.runtime.comm import levels
+from moecompile.runtime.comm.stats import COMM
 
 # (mesh shape, the dimensions that vary) -> (the world it was made in, this rank's group)
 _GROUPS: dict[tuple, tuple] = {}
@@ -44,7 +44,7 @@ def _check_mesh(mesh):
 
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
-    mesh_levels.check_names(mesh.mesh_dim_names)
+    levels.check_names(mesh.mesh_dim_names)
     ranks = mesh.mesh.flatten().tolist()
     if ranks != list(range(dist.get_world_size())):
         raise ValueError(f"the mesh's ranks {ranks} are not every rank of the default process group, in order "
@@ -70,7 +70,7 @@ def _group(mesh, dims: tuple[int, ...]):
     key = (tuple(mesh.mesh.shape), dims)
     world = dist.group.WORLD
     if key not in _GROUPS or _GROUPS[key][0] is not world:  # none yet, or made in a process group since destroyed
-        mine, _ = dist.new_subgroups_by_enumeration(mesh_levels.partition(mesh.mesh, dims), timeout=_timeout())
+        mine, _ = dist.new_subgroups_by_enumeration(levels.partition(mesh.mesh, dims), timeout=_timeout())
         _GROUPS[key] = (world, mine)
     return _GROUPS[key][1]
 
@@ -78,13 +78,13 @@ def _group(mesh, dims: tuple[int, ...]):
 def _dedup_groups(mesh) -> dict[str, tuple[tuple[str, object], tuple[str, object]]]:
     """Per dedup level of ``mesh``: ((cross kind, this rank's cross group), (inner kind, its inner group))."""
     names = level_names(mesh)
-    return {level: tuple((mesh_levels.kind(names, dims), _group(mesh, dims))
-                         for dims in mesh_levels.split(names, level))
-            for level in mesh_levels.dedup_levels(names)}
+    return {level: tuple((levels.kind(names, dims), _group(mesh, dims))
+                         for dims in levels.split(names, level))
+            for level in levels.dedup_levels(names)}
 
 
 def level_groups(mesh) -> dict[str, object]:
-    """This rank's process group of each collective kind the runtime uses on ``mesh`` (``mesh_levels.kinds``):
+    """This rank's process group of each collective kind the runtime uses on ``mesh`` (``levels.kinds``):
     ``flat`` and each dedup level's two, the same groups the layers exchange over."""
     groups = {"flat": setup_mesh(mesh)}
     for pair in _dedup_groups(mesh).values():
@@ -94,8 +94,8 @@ def level_groups(mesh) -> dict[str, object]:
 
 def _set_layout(mesh, group) -> None:
     """The coordinates of each rank (for the byte counts) and each level's two groups (for dedup there)."""
-    from moecompile.runtime.ep_comm import register_group_kind
-    from moecompile.runtime.ep_hier import register_layout
+    from moecompile.runtime.comm.exchange import register_group_kind
+    from moecompile.runtime.comm.dedup import register_layout
 
     coords = {int(r): tuple(int(c) for c in torch.nonzero(mesh.mesh == r)[0]) for r in mesh.mesh.flatten()}
     COMM.set_levels(coords, level_names(mesh))

@@ -1,15 +1,15 @@
 """``python -m moecompile calibrate``: time all-to-alls of several sizes at each level of a device mesh and fit the
-alpha-beta link model the ``dedup="auto"`` choice reads (``runtime/cost_model.py``).
+alpha-beta link model the ``dedup="auto"`` choice reads (``runtime/comm/cost_model.py``).
 
     torchrun --standalone --nproc-per-node 4 -m moecompile calibrate --mesh 2x2 --out links.json
 
 Kinds timed: ``flat`` (every rank of the mesh), and on a mesh of several levels the two collectives of dedup at
-each level (``runtime/mesh_levels.py``): on ``("node", "local")`` ``node`` (the ranks of one local index, one per
+each level (``runtime/comm/levels.py``): on ``("node", "local")`` ``node`` (the ranks of one local index, one per
 node) and ``local`` (the ranks of one node); on ``--mesh 2x2x2`` (``("rack", "node", "local")``) also ``rack``,
 ``node+local`` and ``rack+node``. Each rank sends ``m`` bytes to every other rank
 of the collective; the sample is (bytes a rank sends the others, seconds of the slowest rank), the median of
 ``repeats`` timings; the fit is least squares per kind, with r2. The collectives run through the expert-parallel
-runtime's own all-to-all (``ep_comm``), so a link emulation (``--emulate links.json``) is measured as the layers
+runtime's own all-to-all (``comm/exchange.py``), so a link emulation (``--emulate links.json``) is measured as the layers
 would feel it.
 """
 
@@ -22,9 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from moecompile.runtime import ep_comm
-from moecompile.runtime.cost_model import LinkModel
-from moecompile.runtime.mesh_levels import LEVELS
+from moecompile.runtime.comm import exchange
+from moecompile.runtime.comm.cost_model import LinkModel
+from moecompile.runtime.comm.levels import LEVELS
 
 from .mesh import level_groups, setup_mesh
 
@@ -52,7 +52,7 @@ def _time_all_to_all(group, nbytes_per_peer: int, repeats: int, device) -> float
     world = dist.get_world_size(group)
     rows = torch.zeros(world * max(1, nbytes_per_peer // 4), dtype=torch.float32, device=device)
     out = torch.empty_like(rows)
-    return _slowest_median(lambda: ep_comm._all_to_all(out, rows, None, None, group), repeats, group, device)[0]
+    return _slowest_median(lambda: exchange._all_to_all(out, rows, None, None, group), repeats, group, device)[0]
 
 
 def calibrate(mesh, sizes=DEFAULT_SIZES, repeats: int = 5, progress: bool = True) -> LinkModel:
@@ -103,7 +103,7 @@ def main(args) -> int:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
         emulated = LinkModel.load(args.emulate) if args.emulate else None
-        with ep_comm.emulate_links(emulated):
+        with exchange.emulate_links(emulated):
             model = calibrate(mesh, sizes, args.repeats)
         if dist.get_rank() == 0:
             for kind, (alpha, beta) in model.params.items():
@@ -122,8 +122,8 @@ def time_dispatch(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts
     ``source_rank_T == rank``) through the expert-parallel ops, experts passing their rows through: the median
     over ``repeats`` of the slowest rank. The result is checked (each token gets back its routing weights' sum
     times itself), so a timing is never of a wrong exchange."""
-    from moecompile.runtime import ep_ops  # noqa: F401  (registers the ops)
-    from moecompile.runtime.ep_hier import hierarchical_experts
+    import moecompile.runtime.comm.ops  # noqa: F401  (registers the ops)
+    from moecompile.runtime.comm.dedup import hierarchical_experts
 
     group = setup_mesh(mesh)
     rank, E = dist.get_rank(group), num_experts

@@ -2,7 +2,7 @@
 
 Each exchange is split by what the rows cross: ``"self"`` (rows a rank keeps: no link), the outermost level of the
 mesh the two ranks differ in (``"local"``: another rank of the same node; ``"node"``: another node; ``"rack"``...:
-``runtime/mesh_levels.py``), or ``"peer"`` (another rank of a mesh with one level, whose ranks are not placed on
+``runtime/comm/levels.py``), or ``"peer"`` (another rank of a mesh with one level, whose ranks are not placed on
 nodes). ``moecompile.parallelize`` tells the counter each global rank's coordinates on a mesh of several levels
 (``set_levels``). Phases: ``dispatch`` (token rows to the experts), ``combine`` (expert outputs back) and
 ``routing`` (the expert ids and routing weights that hierarchical dispatch sends with its rows). Hierarchical
@@ -19,7 +19,7 @@ import threading
 import time
 from collections import defaultdict
 
-from .mesh_levels import link as level_link
+from .levels import link as level_link
 
 
 class CommCounter:

@@ -32,7 +32,7 @@ The new loop sits under ``if M.dim() == len(dims) + 1:`` (the sum then covers ev
 with the original loop as its ``else``, so a mask of another rank runs the code as written. Modules called in the
 body are assumed free of side effects, as a forward pass is.
 
-How it is used: while Dynamo traces for the moe backend (``moecompile.capture``), every module class reachable from
+How it is used: while Dynamo traces for the moe backend (``moecompile.tracing.capture``), every module class reachable from
 the frame being compiled whose ``forward`` holds such a loop has its function's ``__code__`` swapped for the
 rewritten one, and put back when that compile ends. Dynamo inlines the rewritten loop; the user's class is as it
 was before and after (eager calls, other backends and later compiles for other backends see the original code).
@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from moecompile.loop_ast import (
+from .loop_ast import (
     ROW, LoopBody, Refuse, assignments, changed_in_place, hit_condition, is_one_hot_view, names_bound, nonzero_arg,
 )
 

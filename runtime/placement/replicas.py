@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_fake
 
-from .ep_ops import _group
+from ..comm.ops import _group
 from .replication import route_to_instances
 
 Tensor = torch.Tensor

@@ -13,7 +13,7 @@ metadata apart), under the outermost mesh level each crossed (``local``, ``node`
 
 from __future__ import annotations
 
-from moecompile.runtime.ep_stats import COMM, comm_stats
+from moecompile.runtime.comm.stats import COMM, comm_stats
 
 
 def _layers(model) -> list:

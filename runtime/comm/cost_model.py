@@ -1,7 +1,7 @@
 """Alpha-beta time model of the expert-parallel all-to-alls, per mesh level (HierMoE §III-B), and the dedup choice.
 
 A message of ``n`` bytes over a collective of kind ``c`` takes ``alpha[c] + beta[c] * n`` seconds: ``alpha`` the
-start-up latency, ``beta`` the time per byte. Kinds (``runtime/mesh_levels.py``): ``"flat"`` (an all-to-all over
+start-up latency, ``beta`` the time per byte. Kinds (``runtime/comm/levels.py``): ``"flat"`` (an all-to-all over
 every rank), and per dedup level its two collectives, named by the mesh dimensions their ranks differ in (on a
 ``("node", "local")`` mesh ``"node"``: among the ranks of equal local index, one per node; ``"local"``: among the
 ranks of one node; on ``("rack", "node", "local")`` also ``"rack"``, ``"node+local"``, ``"rack+node"``).
@@ -10,7 +10,7 @@ ranks of one node; on ``("rack", "node", "local")`` also ``"rack"``, ``"node+loc
 ``dispatch_times`` predicts one dispatch and combine of a layer from its routing, as the runtime does them on the
 mesh, message by message, for ``off`` and each level dedup can run at. Our all-to-alls have exact uneven splits,
 so a collective lasts as long as its busiest rank: ``n`` is the most bytes any rank sends to, or receives from,
-the others in it (the time the link emulation of ``ep_comm.emulate_links`` waits is the same expression, per
+the others in it (the time the link emulation of ``exchange.emulate_links`` waits is the same expression, per
 rank). With dedup at level L, "cross" is L's cross kind and "inner" its inner kind:
 
     off   flat: the per-expert counts, the rows (one per (token, expert)), the outputs back
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from .dispatch_plan import Placement
-from .mesh_levels import dedup_levels, inner_size, level_kinds
+from .plan import Placement
+from .levels import dedup_levels, inner_size, level_kinds
 
 TWO_LEVELS = ("node", "local")
 

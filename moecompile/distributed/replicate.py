@@ -1,9 +1,9 @@
 """``moecompile.parallelize(..., replication="adaptive" | "static", slots_per_rank=S)``: the experts of a layer
-live in S slots on each rank, as many instances of an expert as the placement gives it (``runtime/replication.py``
+live in S slots on each rank, as many instances of an expert as the placement gives it (``runtime/placement/replication.py``
 decides it; "static": each expert the same number, never changed; "adaptive": every optimizer step, in
 proportion to the routing of the step). The weights of the slots are the only expert weights on the ranks' devices;
 each expert's fp32 master weights and optimizer state are a fixed 1/W part on each rank's host
-(``runtime/expert_state.py``), stepped by ``moecompile.ExpertOptimizer``, which also sends the updated weights
+(``runtime/placement/expert_state.py``), stepped by ``moecompile.ExpertOptimizer``, which also sends the updated weights
 to the slots of the next placement. Stacked ``[E, ...]`` and flat ``[E x R, ...]`` expert weights replicate; an
 ``nn.ModuleList`` layer is sharded as without replication (its experts train with the other parameters).
 
@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moecompile.runtime import ep_replicas  # noqa: F401  (registers moe::ep_to_instances)
-from moecompile.runtime.expert_state import ExpertPartition
-from moecompile.runtime.replication import uniform
+import moecompile.runtime.placement.replicas  # noqa: F401  (registers moe::ep_to_instances)
+from moecompile.runtime.placement.expert_state import ExpertPartition
+from moecompile.runtime.placement.replication import uniform
 
 REPLICAS = "moe_slot_experts"  # the buffer holding a replicating layer's placement (slot -> expert)
 MODES = ("off", "static", "adaptive")
@@ -183,7 +183,7 @@ def _load(layer: ReplicaLayer, group):
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         from torch.distributed.tensor import DTensor
 
-        from moecompile.runtime.expert_state import distribute
+        from moecompile.runtime.placement.expert_state import distribute
 
         keys = [prefix + a for a in layer.attrs]
         if not any(k in state_dict for k in keys):

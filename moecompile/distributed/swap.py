@@ -2,7 +2,7 @@
 
 After every N-th ``step()`` of an optimizer that trains the model's sharded experts (a global optimizer step
 post-hook: the training loop is unchanged), every rank gathers each swapping layer's routing of its last forward
-(``ep_swap.RECENT``), and all choose the same swap (``ep_swap.choose_swap``, on the gathered routing). A chosen
+(``placement.swap.RECENT``), and all choose the same swap (``placement.swap.choose_swap``, on the gathered routing). A chosen
 swap exchanges the two experts' slots and moves their rows of the weights, of the gradients if any, and of the
 optimizer's per-parameter state (tensors shaped like the parameter: Adam's moments, SGD's momentum) to their
 new ranks: rows of a stacked or flat shard, or, in a ModuleList layer, the weights of the list entry of the slot
@@ -20,9 +20,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from moecompile.runtime.cost_model import LinkModel
-from moecompile.runtime.ep_swap import RECENT, choose_swap, move_rows
-from moecompile.runtime.mesh_levels import kinds
+from moecompile.runtime.comm.cost_model import LinkModel
+from moecompile.runtime.placement.swap import RECENT, choose_swap, move_rows
+from moecompile.runtime.comm.levels import kinds
 
 from .mesh import level_names
 

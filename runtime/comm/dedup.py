@@ -1,6 +1,6 @@
 """Hierarchical expert-parallel dispatch with token dedup at a mesh level (X-MoE's redundancy-bypassing dispatch,
 HierMoE's HierD-AlltoAll). Built by the ``distribute`` pass for a layer ``moecompile.parallelize(...,
-dedup="node")`` sharded (or any level but the innermost of the mesh: ``runtime/mesh_levels.py``); the ops here are
+dedup="node")`` sharded (or any level but the innermost of the mesh: ``runtime/comm/levels.py``); the ops here are
 its integer plans and exchanges, the rest is plain differentiable torch (so each op's backward is short: the
 reverse exchange). Below, on a ``("node", "local")`` mesh; dedup at another level reads "node" as the groups of
 that level (its "cross" collective) and "local" as the ranks of one such group (its "inner" one).
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_autograd, register_fake
 
-from .ep_comm import exchange, exchange_counts
-from .ep_ops import _group
-from .ep_stats import COMM
+from .exchange import exchange, exchange_counts
+from .ops import _group
+from .stats import COMM
 
 Tensor = torch.Tensor
 

@@ -1,7 +1,7 @@
 """``moecompile.ExpertOptimizer(model, torch.optim.AdamW, lr=...)``: one optimizer for every parameter of a model
 ``moecompile.parallelize(..., replication=...)`` made. The parameters that are not replicated experts train with
 ``optimizer_class`` as usual, where they live; the replicated experts' fp32 master weights and optimizer state
-are a fixed part of each expert on each rank's host (``runtime/expert_state.py``), stepped there by the same
+are a fixed part of each expert on each rank's host (``runtime/placement/expert_state.py``), stepped there by the same
 class. Each ``step()``, per layer: the slot gradients are summed over each expert's instances (inside a rank,
 then over its consecutive hosting ranks), each rank collects its part of every expert's gradient, steps it, and
 sends the updated weights to the slots of the next placement (``"adaptive"``: the paper's Algorithm 1 on the
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from moecompile.runtime import expert_state
-from moecompile.runtime.ep_replicas import DROPPED, POPULARITY, SLOT_ROWS, forget
-from moecompile.runtime.expert_state import Groups, collect, distribute, reduce_instances
-from moecompile.runtime.replication import schedule, uniform
+from moecompile.runtime.placement import expert_state
+from moecompile.runtime.placement.replicas import DROPPED, POPULARITY, SLOT_ROWS, forget
+from moecompile.runtime.placement.expert_state import Groups, collect, distribute, reduce_instances
+from moecompile.runtime.placement.replication import schedule, uniform
 
 from .mesh import _timeout
 

@@ -19,19 +19,19 @@ and returns them by the reverse exchange. Each op's backward is the other direct
 ``ep_global_view`` stands for a sharded parameter in the traced graph: it has the global ``[E, ...]`` shape the
 model's own experts code reads (so Dynamo traces and detect reads it as on one device), and no value: the
 ``distribute`` pass replaces its uses by the local shard. Running it (a graph the passes did not rewrite) raises.
-``slots`` is the layer's expert placement when it swaps experts (``ep_swap.py``), else None; ``replicas`` the
+``slots`` is the layer's expert placement when it swaps experts (``placement/swap.py``), else None; ``replicas`` the
 placement of a layer with replicated experts (``slot_expert_N``: the local shard holds this rank's S slots,
-``ep_replicas.py``) and ``capacity_factor`` its capacity per instance (<= 0: none).
+``placement/replicas.py``) and ``capacity_factor`` its capacity per instance (<= 0: none).
 ``ep_remote_expert`` does the same for one weight of an expert another rank holds, in a layer whose experts are
 an ``nn.ModuleList`` (no tensor input but ``slots``, a buffer of the module: a tensor reached through a closure
 would become a graph input named after the closure; ``expert`` is the list entry (the slot, when the layer
 swaps); ``name`` and ``like_name``, a local expert's weight of the same role, are the names in the model,
 from which the stand-in gets the graph input name Dynamo gives a parameter). Its ``dedup`` and
 ``ep_global_view``'s name how the layer's rows cross the mesh: ``"off"`` (the ops here) or the mesh level it dedups
-at, ``"node"``... (``ep_hier.py``).
+at, ``"node"``... (``comm/dedup.py``).
 
 The process group is named by ``group_name`` (``ProcessGroup.group_name``, as torch's functional collectives do)
-and the layer by ``layer``: bytes sent are counted per layer in ``runtime.ep_stats.COMM``.
+and the layer by ``layer``: bytes sent are counted per layer in ``runtime.comm.stats.COMM``.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_autograd, register_fake
 
-from .ep_comm import exchange, exchange_counts
-from .ep_stats import COMM
+from .exchange import exchange, exchange_counts
+from .stats import COMM
 
 Tensor = torch.Tensor
 

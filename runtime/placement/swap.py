@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_fake
 
-from .cost_model import TWO_LEVELS, LinkModel, dispatch_times
-from .dispatch_plan import Placement
-from .ep_comm import exchange
+from ..comm.cost_model import TWO_LEVELS, LinkModel, dispatch_times
+from ..comm.plan import Placement
+from ..comm.exchange import exchange
 
 Tensor = torch.Tensor
 

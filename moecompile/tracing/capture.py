@@ -27,7 +27,7 @@ What no setting captures: a loop whose trip count is itself data-dependent, ``fo
 experts that received tokens (transformers' ``experts_implementation="eager"``, dbrx, longcat_flash). Dynamo
 unrolls Python loops, and it cannot unroll a loop of unbacked length. For the moe backend's compiles, the same
 start callback therefore gives such loops, where their source proves it safe, the equivalent loop over every expert
-(``moecompile/loops.py``; the function's code is swapped for the compile and put back at its end). A loop it cannot
+(``moecompile/tracing/loops.py``; the function's code is swapped for the compile and put back at its end). A loop it cannot
 prove breaks the graph as before and is reported with why (``LOOP_REASON`` and the loop's own reason).
 """
 
@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from moecompile import loops
+from . import loops
 from moecompile.passes.aliases import EAGER_EXPERTS_REASON
 
 FLAGS = ("capture_dynamic_output_shape_ops", "capture_scalar_outputs")
@@ -144,7 +144,7 @@ def install() -> None:
 _NONZERO_LOOP = (
     "a loop over the experts that received tokens (`for e in mask.nonzero():`, as transformers' "
     "experts_implementation='eager' does) has a data-dependent trip count, which Dynamo cannot unroll, and "
-    "moecompile could not prove its rewrite into a loop over every expert (moecompile/loops.py): for it, load the "
+    "moecompile could not prove its rewrite into a loop over every expert (moecompile/tracing/loops.py): for it, load the "
     "model with experts_implementation='grouped_mm' (the default) or set config._experts_implementation = "
     "'grouped_mm' where the model has it, or loop over range(num_experts) (an expert with no tokens then does "
     "nothing)"

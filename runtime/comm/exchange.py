@@ -61,7 +61,7 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, recv_splits, send_splits, 
 
 def exchange(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None) -> torch.Tensor:
     """``all_to_all_single`` of rows with exact splits: ``send_splits[r]`` rows to rank r, ``recv_splits[r]`` from
-    it (not differentiable; ``_Exchange`` and the custom ops of ``ep_ops`` give it a backward)."""
+    it (not differentiable; ``_Exchange`` and the custom ops of ``ops.py`` give it a backward)."""
     out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
     _all_to_all(out, rows.contiguous(), recv_splits, send_splits, group)
     return out

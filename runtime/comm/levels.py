@@ -15,7 +15,7 @@ part (the ones after). Two collectives run it:
 A collective's *kind* (the link model's key, ``cost_model.LinkModel``) names the dimensions its ranks differ
 in, joined by ``+``; ``"flat"`` is every rank. On ``("rack", "node", "local")``: dedup at "rack" runs over
 ``rack`` and ``node+local``, at "node" over ``rack+node`` and ``local``; on ``("node", "local")``: ``node`` and
-``local``. The link between two ranks (where ``ep_stats`` counts bytes) is the outermost level they differ in.
+``local``. The link between two ranks (where ``stats.py`` counts bytes) is the outermost level they differ in.
 """
 
 from __future__ import annotations

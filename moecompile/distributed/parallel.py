@@ -9,7 +9,7 @@
 3. Keep on each rank its E / W consecutive experts of every layer (W = mesh size). A stacked (or flat
    ``[E * R, ...]``) parameter becomes the local ``[E / W, ...]`` shard, and the module reads, in its place,
    ``moe.ep_global_view`` of it: the global ``[E, ...]`` shape for Dynamo and detect, no value
-   (``runtime/ep_ops.py``); an ``nn.ModuleList`` keeps its local experts' weights and reads the others' as
+   (``runtime/comm/ops.py``); an ``nn.ModuleList`` keeps its local experts' weights and reads the others' as
    ``moe.ep_remote_expert``. The backend's ``distribute`` pass then runs the experts where they live.
 4. ``state_dict()`` gives each sharded parameter as a DTensor ``Shard(0)`` over the mesh (its global identity, for
    ``torch.distributed.checkpoint``); ``load_state_dict`` takes a DTensor or a full ``[E, ...]`` tensor.
@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moecompile.runtime import ep_ops  # noqa: F401  (registers moe::ep_global_view)
+import moecompile.runtime.comm.ops  # noqa: F401  (registers moe::ep_global_view)
 from moecompile.runtime.stats import recording_routing
 
-from moecompile.runtime.mesh_levels import dedup_levels
+from moecompile.runtime.comm.levels import dedup_levels
 
 from .mesh import level_names, setup_mesh
-from moecompile.runtime.replication import check_slots
+from moecompile.runtime.placement.replication import check_slots
 
 from .replicate import REPLICAS, check_options, replicable, replicate_layer
 from .sharded_state import SLOTS, experts_module, global_state, list_prefix, local_state
@@ -53,12 +53,12 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     predicts fastest for the routing of ``example_args``; ``link_model``: a ``LinkModel`` or the JSON file
     ``python -m moecompile calibrate`` wrote). ``swap_every=N``: every N optimizer steps, swap a pair of experts
     of each sharded layer where that lowers the predicted time of its last routing (smooth max over the ranks,
-    ``swap_gamma``; ``moecompile/swap.py``). ``replication="adaptive"`` (or ``"static"``) with ``slots_per_rank=S``:
+    ``swap_gamma``; ``moecompile/distributed/swap.py``). ``replication="adaptive"`` (or ``"static"``) with ``slots_per_rank=S``:
     each rank holds S expert slots, instances of the experts placed by the routing of each step, their master
     weights and optimizer state on the hosts (train with ``moecompile.ExpertOptimizer``; ``capacity_factor``: rows
-    per instance, ceil(factor x routed rows / slots), the rest dropped; ``moecompile/replicate.py``). Other keyword
+    per instance, ceil(factor x routed rows / slots), the rest dropped; ``moecompile/distributed/replicate.py``). Other keyword
     arguments are backend options, for detection."""
-    from .explain import explain
+    from ..explain import explain
 
     group = setup_mesh(mesh)
     _check_dedup(dedup, mesh)
@@ -148,7 +148,7 @@ class ParallelInfo:
 
 
 def _link_model(link_model):
-    from moecompile.runtime.cost_model import LinkModel
+    from moecompile.runtime.comm.cost_model import LinkModel
 
     if isinstance(link_model, LinkModel):
         return link_model
@@ -178,8 +178,8 @@ def _choose_dedup(records, dedup: str, link, routing: dict, mesh, group) -> None
 
 
 def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
-    from moecompile.runtime.cost_model import choose_dedup, dispatch_times
-    from moecompile.runtime.dispatch_plan import Placement
+    from moecompile.runtime.comm.cost_model import choose_dedup, dispatch_times
+    from moecompile.runtime.comm.plan import Placement
 
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, {rec.path: routing.get(rec.path) for rec in records}, group=group)

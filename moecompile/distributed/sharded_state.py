@@ -8,10 +8,10 @@ The optimizer state of those weights likewise (``get_optimizer_state_dict``, ``s
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
+
+from moecompile.runtime.layouts import contiguous_stride
 
 SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
 
@@ -24,7 +24,7 @@ def to_global(local, total: int, slots, mesh, group):
     local = _placed(local, slots, group, to_slots=False)
     shape = (total, *local.shape[1:])
     return DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=shape,
-                              stride=_contiguous_stride(shape))
+                              stride=contiguous_stride(shape))
 
 
 def to_local(value, total: int, slots, mesh, rank, group):
@@ -204,13 +204,9 @@ def _names_by_index(model, optimizer, saved) -> dict[int, str]:
 def _placed(rows, slots, group, to_slots: bool):
     """A shard in expert order (checkpoints) from one in slot order (after expert swaps), or back; as it is while
     no expert was swapped (every rank holds the same placement: all exchange, or none does)."""
-    from moecompile.runtime.ep_swap import move_rows
+    from moecompile.runtime.placement.swap import move_rows
 
     if slots is None or torch.equal(slots.cpu(), torch.arange(slots.numel())):
         return rows
     identity = torch.arange(slots.numel())
     return move_rows(rows, identity, slots, group) if to_slots else move_rows(rows, slots, identity, group)
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

@@ -1,0 +1,16 @@
+"""The user's API across devices: shard a model's MoE layers over a device mesh and train it.
+
+    parallel.py           ``moecompile.parallelize``: detect, check every rank agrees, shard experts, set up dedup,
+                          swap or replication, data-parallel gradients for the rest
+    mesh.py               mesh level names, the process groups of each collective kind (made once, with timeouts)
+    sharded_state.py      state_dict / optimizer state of sharded experts as DTensors in expert order
+    swap.py               expert swap every N optimizer steps (HierMoE's HierD-ES), driven by the cost model
+    replicate.py          adaptive replication: slots per rank, the layer's placement buffers
+    expert_optimizer.py   ``ExpertOptimizer``: the host-side optimizer of replicated experts, ``replication_report``
+    calibrate.py          ``python -m moecompile calibrate``: fit the link model (alpha, beta per mesh level)
+    comm.py               ``comm_report``, ``comm_rows``, ``plot_comm``: bytes and time per layer and link
+
+May import: the front end's ``explain`` (to detect), ``moecompile.passes`` and ``moecompile.runtime``.
+The front end (``moecompile/``) re-exports the public names. Topic pages: ``docs/expert-parallelism.md``,
+``docs/replication.md``.
+"""
