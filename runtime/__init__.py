@@ -10,6 +10,7 @@
     comm/             expert-parallel dispatch/combine ops, their plans, dedup, link and cost models, counters
     placement/        expert swap, replication placement, the host-side optimizer state of replicated experts
 
-May import: torch, triton and itself, never ``moecompile.passes``, the front end or ``models``. Inside it, imports
-run kernels/comm -> top-level modules and placement -> comm, never back. Map: ``docs/architecture.md``.
+May import: torch, triton and itself, never ``moecompile.passes``, the front end or ``models``. Inside it the ops
+(top-level modules and ``kernels/``) import neither ``comm/`` nor ``placement/``; ``comm/`` may import the ops;
+``placement/`` the ops and ``comm/``, never the reverse. Map: ``docs/architecture.md``.
 """

@@ -1,0 +1,162 @@
+"""Routers ``moe.route`` cannot express, end to end: the router is kept as the model wrote it and its experts are
+rewritten from the [T, K] weights and ids they read (matching eager, output and every gradient); a block from
+which no such pair can be cut out is reported, never missed silently, and strict=True raises for it.
+
+Legend: T tokens, K experts per token, E experts, H hidden, I expert intermediate.
+"""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_passes import CONFIG, capture
+from test_routers import E, H, _compiled_matches_eager, _GatheredExperts
+from torch import nn
+
+from moecompile.passes.report import PassReport
+from moecompile.pipeline import MoECompileError, run_passes
+
+
+# ---- no silent misses ---------------------------------------------------------------------------------------
+
+
+class TokenGridRouter(_GatheredExperts):
+    """Selects over [B, S, E] scores (the tokens not flattened), the experts reading the [T, K] ids and weights."""
+
+    def forward(self, x):
+        weights, ids = self.gate(x).softmax(dim=-1).topk(2, dim=-1)                     # [B, S, 2]
+        h = x.reshape(-1, H)
+        return (self.experts(h, ids.reshape(-1, 2)) * weights.reshape(-1, 2, 1)).sum(1).view_as(x)
+
+
+class HashRouter(_GatheredExperts):
+    """Experts looked up in a table by a hash of the token (DeepSeek-V4's first layers), the router's softmax
+    read at them: no selection picks the experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randint(0, E, (16, 2), generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        ids = self.table[(h[:, 0] * 1000).long().remainder(16)]                          # [T, 2]
+        weights = self.gate(h).softmax(dim=-1).gather(-1, ids)
+        return (self.experts(h, ids) * weights[..., None]).sum(1).view_as(x)
+
+
+class GroupMaskedGridRouter(_GatheredExperts):
+    """Top-k over [B, S, E] scores masked to the best groups by a mask written in place (DeepSeek's
+    ``mask.scatter_(1, group_idx, 1)``, which nothing reads as a value): the kept router keeps that write."""
+
+    def forward(self, x):
+        s = self.gate(x).sigmoid()                                                       # [B, S, E]
+        groups = s.view(*s.shape[:-1], 4, 2).amax(-1)                                    # [B, S, 4]
+        mask = torch.zeros_like(groups)
+        mask.scatter_(-1, groups.topk(2, dim=-1).indices, 1.0)
+        weights, ids = s.masked_fill(mask.repeat_interleave(2, -1) == 0, 0.0).topk(2, dim=-1)
+        h = x.reshape(-1, H)
+        return (self.experts(h, ids.reshape(-1, 2)) * weights.reshape(-1, 2, 1)).sum(1).view_as(x)
+
+
+@pytest.mark.parametrize("block, kept", [
+    (TokenGridRouter, r"scores 8 classes from 8 logits per token for 8 experts"),
+    (GroupMaskedGridRouter, r"scores 8 classes from 8 logits per token for 8 experts"),
+    (HashRouter, r"takes its expert ids from a table \(hash routing\)"),
+])
+def test_routers_moe_route_cannot_express_are_kept_and_their_experts_rewritten(block, kept):
+    """The router stays as written; the experts are rewritten from the [T, K] weights and ids they read."""
+    torch.manual_seed(1)
+    report = _compiled_matches_eager(block(), torch.randn(2, 5, H))
+    (layer,) = report.layers
+    assert layer.spec.routing.score_fn == "kept" and re.search(kept, layer.spec.routing.kept), layer.spec.routing
+
+
+class ProductKeyExperts(nn.Module):
+    """Doge's CDMoE: product-key retrieval (a top-k over each half of the keys, then a top-k over the sums of
+    their pairs) of single-neuron experts, rows of two [E, H] embeddings, beside a dense MLP."""
+
+    def __init__(self, keys=4, k=3):
+        super().__init__()
+        self.keys, self.k = keys, k
+        self.router = nn.Linear(H, 2 * keys, bias=False)
+        self.down_embed, self.up_embed = nn.Embedding(keys * keys, H), nn.Embedding(keys * keys, H)
+        self.dense = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        (sx, sy), (ix, iy) = self.router(h).view(-1, 2, self.keys).transpose(0, 1).topk(self.keys, dim=-1)
+        scores = (sx[..., None] + sy[..., None, :]).flatten(-2)                          # [T, keys^2]
+        top, pos = scores.topk(self.k, dim=-1)
+        ids = (ix[..., None] * self.keys + iy[..., None, :]).flatten(-2).gather(-1, pos)  # [T, k]
+        act = F.gelu(torch.matmul(self.down_embed(ids), h[..., None]).squeeze(-1)) * top.softmax(-1)
+        return (torch.matmul(act[:, None], self.up_embed(ids)).squeeze(1) + self.dense(h)).view_as(x)
+
+
+def test_single_neuron_experts_retrieved_by_product_keys_are_rewritten():
+    """The router (two selections, then one over the E = keys^2 pair scores) is kept as written; the experts,
+    rows of two [E, H] embeddings, are an ungated MLP of intermediate size 1 (storage ``rows``)."""
+    torch.manual_seed(1)
+    report = _compiled_matches_eager(ProductKeyExperts(), torch.randn(2, 5, H))
+    (layer,) = report.layers
+    e = layer.spec.experts
+    assert (e.num_experts, e.intermediate, e.storage, e.gated, e.activation) == (16, 1, "rows", False, "gelu")
+    assert layer.spec.routing.kept.startswith("scores 16 classes from 8 logits per token")
+
+
+class TokenGridExperts(_GatheredExperts):
+    """Top-k over [B, S, E] scores, and the experts read the [B, S, K] ids and weights as they are: no [T, K]
+    pair to keep the router by."""
+
+    def forward(self, x):
+        weights, ids = self.gate(x).softmax(dim=-1).topk(2, dim=-1)                     # [B, S, 2]
+        x1 = F.silu(torch.einsum("bsh,bskih->bski", x, self.w1[ids]))
+        y = torch.einsum("bski,bskhi->bskh", x1 * torch.einsum("bsh,bskih->bski", x, self.w3[ids]), self.w2[ids])
+        return (y * weights[..., None]).sum(2)
+
+
+class MatmulRouter(_GatheredExperts):
+    """The router scores come from a matmul with the transposed weight, not from a linear."""
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        weights, ids = (h @ self.gate.weight.t()).softmax(dim=-1).topk(2, dim=-1)
+        return (self.experts(h, ids) * weights[..., None]).sum(1).view_as(x)
+
+
+@pytest.mark.parametrize("block, reason, unexplained", [
+    (TokenGridExperts, r"its router's scores \(\[2, 5, 8\], from .*\) are not moe.route's over the 8 experts, and no "
+                       r"\[T, K\] weights and ids that the experts alone read could be cut out of it", 0),
+    (MatmulRouter, r"stacked expert weights .*\[8, 16, 32\] are indexed per token .* no router was detected for "
+                   r"them: its scores do not come .* from a linear", 1),
+])
+def test_a_block_detect_cannot_describe_is_reported_and_strict_raises(block, reason, unexplained):
+    torch.manual_seed(0)
+    gm, ex = capture(block(), torch.randn(2, 5, H))
+    report = PassReport()
+    run_passes(gm, ex, CONFIG, report)
+    assert not report.layers and report.counters["detect.unexplained"] == unexplained
+    (skip,) = report.skipped
+    assert skip.region == "<root>" and re.search(reason, skip.reason), skip.reason
+    with pytest.raises(MoECompileError, match="strict=True and some MoE blocks were not rewritten"):
+        run_passes(*capture(block(), torch.randn(2, 5, H)), dataclasses.replace(CONFIG, strict=True), PassReport())
+
+
+class AccuracyHead(nn.Module):
+    """A linear whose argmax only reports (a prediction accuracy): no MoE, nothing to report."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(H, E)
+
+    def forward(self, x, labels):
+        logits = self.head(x)
+        return logits, (logits.argmax(dim=-1) == labels).float().mean()
+
+
+def test_a_selection_that_steers_nothing_is_not_reported():
+    gm, ex = capture(AccuracyHead(), torch.randn(10, H), torch.randint(0, E, (10,)))
+    report = PassReport()
+    run_passes(gm, ex, dataclasses.replace(CONFIG, strict=True), report)
+    assert not report.skipped and not report.layers
