@@ -1,34 +1,17 @@
 """Let Dynamo capture data-dependent shapes while it traces for the moe backend, so expert loops stay in the graph.
 
-MoE layers written as loops over the tokens each expert received (``idx = torch.where(ids == e)``,
-``x.split(counts.tolist())``, transformers' jetmoe, megablocks-style code, an ``nn.ModuleList`` called in a loop
-with ``index_add_``) make tensors whose size depends on the data. By default Dynamo stops the graph there (a graph
-break): the router lands in one graph, the experts run outside any graph, and nothing can be rewritten. With
-``capture_dynamic_output_shape_ops`` and ``capture_scalar_outputs`` on, Dynamo keeps such ops in the graph with
-unbacked sizes, and the whole block reaches the backend.
+    torch.compile(model, backend="moe")
+      Dynamo compile-start callback  ->  compiling for moe with option capture on?  ->  turn on
+                                          capture_dynamic_output_shape_ops, capture_scalar_outputs;
+                                          swap provable nonzero() expert loops (loops.py)
+      Dynamo traces the frame        ->  where(ids == e), x.split(counts.tolist()) stay in the graph (unbacked sizes)
+      Dynamo compile-end callback    ->  put back the settings and the swapped code
 
-How the moe backend turns them on with no change to the user's program (``torch.compile(model, backend="moe")``):
-torch.compile in torch 2.13 gives a custom backend no hook around Dynamo's trace (its ``_TorchCompileWrapper``
-drops a backend's ``backend_ctx_ctor``; raising a restart from the backend cannot help either, because Dynamo
-skips a frame whose loop broke the graph before any backend sees it). Dynamo's compile-start and compile-end
-callbacks (``torch._dynamo.callback_handler``) run around the trace of every frame; ``compile_scope_start`` looks
-up the stack for the compiler Dynamo is tracing for (the ``compiler_fn`` of ``torch._dynamo.convert_frame._compile``)
-and turns the two settings on only when it is the moe backend with ``capture`` on (the default; options
-``{"capture": False}`` keeps Dynamo's defaults). ``compile_scope_end`` puts back what was there when that compile
-ends, so no setting outlives the compile and other backends trace as before. If a future torch moves that
-``compiler_fn``, nothing is turned on: such loops break the graph again, the output is unchanged, ``explain()``
-lists the breaks with the fix (``capture()`` still works), and ``tests/test_capture.py`` fails first.
-``torch._dynamo.reset()`` removes every compile callback; ``install()`` puts ours back, and the backend calls it
-each time it compiles a graph (so only the first frame compiled after a reset misses the capture).
-
-``capture()`` turns both on for a ``with`` block, for any backend (a user's own wrapper around ``moe_backend``).
-
-What no setting captures: a loop whose trip count is itself data-dependent, ``for e in mask.nonzero():`` over the
-experts that received tokens (transformers' ``experts_implementation="eager"``, dbrx, longcat_flash). Dynamo
-unrolls Python loops, and it cannot unroll a loop of unbacked length. For the moe backend's compiles, the same
-start callback therefore gives such loops, where their source proves it safe, the equivalent loop over every expert
-(``moecompile/tracing/loops.py``; the function's code is swapped for the compile and put back at its end). A loop it cannot
-prove breaks the graph as before and is reported with why (``LOOP_REASON`` and the loop's own reason).
+Why callbacks: torch.compile in torch 2.13 gives a custom backend no hook around Dynamo's trace, and without the
+two settings an expert loop breaks the graph before any backend sees the experts. ``install()`` (re)registers
+the callbacks (``torch._dynamo.reset()`` removes them); ``capture()`` turns the settings on for a ``with`` block,
+for any backend. Why the other ways fail, what happens if torch moves the hook, and what no setting captures:
+``docs/detection.md``, Expert loops.
 """
 
 from __future__ import annotations

@@ -1,41 +1,20 @@
 """Loops over the experts that received tokens, given to Dynamo as the same loop over every expert.
 
-transformers' ``experts_implementation="eager"``, dbrx and longcat_flash run their experts as::
-
-    mask = F.one_hot(top_k_index, num_classes=E).permute(2, 1, 0)     # [E, K, T], entries 0 or 1
-    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()         # [n, 1]: the experts that got tokens
-    for row in hit:
+    before (transformers' experts_implementation="eager", dbrx, longcat_flash)     after
+    mask = F.one_hot(top_k_index, num_classes=E).permute(2, 1, 0)   # [E, K, T]      the same
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()                          the same
+    for row in hit:                                                                 for e in range(mask.shape[0]):
         e = row[0]
-        pos, tok = torch.where(mask[e])
-        out.index_add_(0, tok, expert_e(x[tok]) * w[tok, pos, None])
+        pos, tok = torch.where(mask[e])                                                 pos, tok = ... mask[e] ...
+        out.index_add_(0, tok, expert_e(x[tok]) * w[tok, pos, None])                    the same
 
-The trip count n depends on the data. Dynamo unrolls Python loops and cannot unroll that one, so the graph breaks
-at the ``for`` and the experts run outside any graph. But an expert that received no tokens adds nothing: its
-``where`` finds no rows, and ``index_add_`` of no rows leaves ``out`` as it was. So the loop over every expert,
-``for e in range(mask.shape[0])``, computes the same ``out``, and Dynamo unrolls it (each ``where`` a
-data-dependent shape it captures), like a jetmoe or ``nn.ModuleList`` loop.
-
-``rewrite(fn)`` proves that from the function's source and returns the new code, or the reason it cannot:
-
-1. the loop runs over a name bound once by ``C.nonzero()`` (or ``torch.nonzero(C)``), where ``C`` is
-   ``M.sum(dims) > 0`` (any spelling: ``torch.greater``, ``gt``) with ``M`` a view of a ``one_hot`` (entries 0 or
-   1, so a positive sum means a nonzero entry), or ``M.any(dims)``; ``dims`` are constants;
-2. the body selects its rows with ``torch.where(M[row])`` (``.squeeze(0)`` allowed) on that same ``M``, bound
-   outside any branch, and its one effect is ``out.index_add_(0, rows, ...)`` into a tensor bound outside the
-   loop: every other statement binds local names (``with torch.no_grad()``, ``if``/``continue`` allowed), no call
-   in it is in place (a trailing ``_``) or mutates a container, and no name it binds is read after the loop;
-3. the loop row is used as ``row[0]``, ``row.item()`` or an index ``x[row]`` (which become the expert's number
-   ``e``, ``e`` and ``x[e:e + 1]``); ``if rows.numel() == 0: continue`` (a skip of an empty expert, which the
-   argument above makes redundant) is dropped, since Dynamo cannot branch on a data-dependent size.
-
-The new loop sits under ``if M.dim() == len(dims) + 1:`` (the sum then covers every dimension but the expert's),
-with the original loop as its ``else``, so a mask of another rank runs the code as written. Modules called in the
-body are assumed free of side effects, as a forward pass is.
-
-How it is used: while Dynamo traces for the moe backend (``moecompile.tracing.capture``), every module class reachable from
-the frame being compiled whose ``forward`` holds such a loop has its function's ``__code__`` swapped for the
-rewritten one, and put back when that compile ends. Dynamo inlines the rewritten loop; the user's class is as it
-was before and after (eager calls, other backends and later compiles for other backends see the original code).
+Why: the trip count of ``for row in hit`` depends on the data, so Dynamo cannot unroll it and the graph breaks
+there, leaving the experts outside any graph. An expert that received no tokens adds nothing (its ``where`` finds
+no rows; ``index_add_`` of no rows changes nothing), so the loop over every expert computes the same ``out``, and
+Dynamo unrolls it. ``rewrite(fn)`` proves that from the function's source (the conditions it checks, and how the
+callbacks of ``capture.py`` swap the code only while Dynamo traces for moe: ``docs/detection.md``, Expert
+loops) and returns the new code under ``if mask.dim() == len(dims) + 1:`` (``dims`` summed over), the original loop as
+its ``else``, or the reason it cannot.
 """
 
 from __future__ import annotations

@@ -11,27 +11,10 @@ exchanged padding-free. Inserted by the ``distribute`` pass around ``moe::expert
 Legend: T tokens here, B = T*K routed rows here (sorted by global expert, hence by destination rank), R rows
 received (sorted by source rank, then local expert), W ranks, E_l local experts, H hidden.
 
-``ep_dispatch`` exchanges the per-expert counts (one ``all_to_all_single`` of E integers), then the rows with
-exact uneven splits: no capacity padding, no [T, E, C] buffer. ``perm_R`` orders the received rows by local
-expert for ``expert_mlp`` (which gathers its rows by it); ``ep_combine`` puts the outputs back in received order
-and returns them by the reverse exchange. Each op's backward is the other direction's exchange.
-
-``ep_global_view`` stands for a sharded parameter in the traced graph: it has the global ``[E, ...]`` shape the
-model's own experts code reads (so Dynamo traces and detect reads it as on one device), and no value: the
-``distribute`` pass replaces its uses by the local shard. Running it (a graph the passes did not rewrite) raises.
-``slots`` is the layer's expert placement when it swaps experts (``placement/swap.py``), else None; ``replicas`` the
-placement of a layer with replicated experts (``slot_expert_N``: the local shard holds this rank's S slots,
-``placement/replicas.py``) and ``capacity_factor`` its capacity per instance (<= 0: none).
-``ep_remote_expert`` does the same for one weight of an expert another rank holds, in a layer whose experts are
-an ``nn.ModuleList`` (no tensor input but ``slots``, a buffer of the module: a tensor reached through a closure
-would become a graph input named after the closure; ``expert`` is the list entry (the slot, when the layer
-swaps); ``name`` and ``like_name``, a local expert's weight of the same role, are the names in the model,
-from which the stand-in gets the graph input name Dynamo gives a parameter). Its ``dedup`` and
-``ep_global_view``'s name how the layer's rows cross the mesh: ``"off"`` (the ops here) or the mesh level it dedups
-at, ``"node"``... (``comm/dedup.py``).
-
-The process group is named by ``group_name`` (``ProcessGroup.group_name``, as torch's functional collectives do)
-and the layer by ``layer``: bytes sent are counted per layer in ``runtime.comm.stats.COMM``.
+Each op's backward is the other direction's exchange. ``ep_global_view`` and ``ep_remote_expert`` stand for a
+sharded weight while Dynamo traces (its global shape, no value; running one raises). The process group is an
+argument (``group_name``), bytes are counted per layer in ``stats.COMM``. The ops' arguments (placement, dedup
+level, replicas, capacity): ``docs/expert-parallelism.md``, The ops.
 """
 
 from __future__ import annotations

@@ -2,32 +2,17 @@
 §4.1-4.4): each rank keeps a fixed 1/W of every expert's parameters (``ExpertPartition``) as fp32 master weights
 in host memory (pinned where CUDA is), stepped there by a torch optimizer of the user's class; it never moves.
 
-One step of a layer, given this rank's slot gradients ``[S, P]`` (P: one expert's parameters, its weights
-flattened in order) under the placement that made them and the placement of the next iteration:
+One step of a layer, given this rank's slot gradients ``[S, P]`` (P: one expert's parameters, flattened):
 
-1. gradients (``reduce_instances``): the instances of an expert on one rank are summed into one (the rank's
-   representative), then all-reduced over the ranks hosting it, a group of consecutive ranks registered once
-   (``replication.consecutive_groups``), experts in order on every rank;
-2. collection (``collect``): each rank takes its part of each expert's reduced gradient from one hosting rank
-   (``replication.gradient_sources``: itself if it hosts the expert, else the hosts in turn), one batched
-   point-to-point exchange;
-3. the host step (the user's optimizer over the ``[E, P_w]`` master part);
-4. weights (``distribute``): every rank sends its updated part of each expert to each rank hosting that expert
-   in the next placement, one batched point-to-point exchange; each rank writes the assembled weights into
-   every slot of that expert (each expert once to a rank, however many instances it holds there).
+    1 reduce_instances   sum an expert's instances on the rank, all-reduce over the consecutive ranks hosting it
+    2 collect            each rank takes its part of every expert's gradient from one hosting rank (get_source)
+    3 host step          the user's optimizer over the rank's [E, P_w] master part
+    4 distribute         each rank sends its updated parts to the ranks hosting the expert next; slots written
 
-In both exchanges a rank sends one message to each other rank (its parts of every expert that rank takes from
-it, stacked in expert order), not one per (expert, rank): at most W - 1 sends and W - 1 receives per phase
-(``benchmarks/bench_expert_state.py``).
-
-Bytes each rank sends in each phase go to ``BYTES`` (phase -> bytes, this rank; ``<phase>.local``: the parts
-that stay on the rank, moved between host and device only; ``distribute.copy``: the assembled weights copied into
-a rank's further instances of an expert, on the device). Whatever the placement, as the paper's Appendix A counts
-them (every link, local or not), the collection brings the optimizer each expert's gradient once (E x P elements
-over all ranks) and the distribution every slot its expert's weights (slots x P): the same as static placement.
-Over the network alone they differ: an expert whose instances span several ranks has its gradient all-reduced
-among them and its weights sent to each of them (each hosting rank receives them once, however many of its slots
-hold the expert).
+In both exchanges a rank sends one message to each other rank (every expert's parts stacked in expert order).
+``BYTES`` counts what each phase moves (phase -> bytes, this rank; ``.local``: stayed on the rank;
+``distribute.copy``: copies into further instances). Why those counts equal static placement's, and what the
+network alone sees: ``docs/replication.md``.
 """
 
 from __future__ import annotations
