@@ -120,15 +120,15 @@ def _example_above(node: fx.Node) -> torch.Tensor:
 def _kernel_tiles(nodes: list[fx.Node], spec) -> str:
     """One line naming the tile configuration each grouped GEMM kernel of the layer will use at the traced
     token count, and where it comes from (runtime/kernels/tuning.py)."""
-    from ..runtime.kernels import grouped_mlp_bwd, tuning
+    from ..runtime.kernels import tiles, tuning
 
     e = spec.experts
     mlp = next(n for n in nodes if moe_op_name(n) == "expert_mlp")
     x = _example_above(mlp.args[0])
     T = (hint(x.numel()) or 0) // e.hidden
     dtype = _example_above(mlp.args[4]).dtype  # the expert weights' (the kernels compute in it)
-    configs = grouped_mlp_bwd.layer_configs(dtype, x.device, T * spec.routing.top_k, e.num_experts, e.hidden,
-                                            e.intermediate, e.gated)
+    configs = tiles.layer_configs(dtype, x.device, T * spec.routing.top_k, e.num_experts, e.hidden, e.intermediate,
+                                  e.gated)
     tunes = tuning.tuner().enabled and x.device.type == "cuda"
     line = ", ".join(f"{role} {tuning.describe(cfg)} ({source}"
                      f"{'; tuned at first run' if tunes and source in ('rule', 'shipped table') else ''})"

@@ -7,9 +7,7 @@ import json
 import pytest
 import torch
 
-from moecompile.runtime.kernels import grouped_mlp as gm
-from moecompile.runtime.kernels import grouped_mlp_bwd as gb
-from moecompile.runtime.kernels import tuning
+from moecompile.runtime.kernels import tiles, tuning
 
 GPU = torch.device("cuda")  # a device object needs no GPU; the tuner only reads its type here
 BF16 = torch.bfloat16
@@ -35,12 +33,12 @@ def test_pruning_drops_what_overflowed_on_the_h100_and_keeps_the_rules():
     assert not tuning.prune_configs("dx", [cfg(128, 128, 64, 4, 4)], BF16, True, tuning.SMEM_DEFAULT)
     for role in ("up_act", "down", "dh", "dx"):
         for rows in (1, 1024):
-            rule = gm.rule_config(role, rows, BF16)
+            rule = tiles.rule_config(role, rows, BF16)
             assert tuning.prune_configs(role, [rule], BF16, True, tuning.SMEM_DEFAULT) == [rule], (role, rule)
             assert rule in tuning.candidates(role, BF16)
     for role in ("wgrad_up", "wgrad_down"):
         for dt in (BF16, torch.float32):
-            rule = gb.wgrad_gpu_config(dt)
+            rule = tiles.wgrad_gpu_config(dt)
             assert rule in tuning.prune_configs(role, tuning.candidates(role, dt), dt, True, tuning.SMEM_DEFAULT)
     # a smaller shared memory keeps fewer
     few = tuning.prune_configs("up_act", tuning.candidates("up_act", BF16), BF16, True, 100_000)
@@ -66,7 +64,7 @@ def test_tunes_by_timing_caches_on_disk_and_other_processes_reuse_it(tmp_path, f
         return 0.5 if launched[-1].startswith("64x256") else 1.0
 
     k = tuning.key("up_act", BF16, 2048, 768, 128, 32768, True)
-    rule = lambda: gm.rule_config("up_act", 256, BF16)  # noqa: E731
+    rule = lambda: tiles.rule_config("up_act", 256, BF16)  # noqa: E731
     tuner = tuning.Tuner(cache_dir=tmp_path, shipped=tmp_path / "none.json", bench=timer, enabled=True)
     assert tuner.lookup("up_act", k, BF16, GPU, rule) == (rule(), "rule")
     best = tuner.choose("up_act", k, BF16, GPU, True, launch, rule)
@@ -84,7 +82,7 @@ def test_tunes_by_timing_caches_on_disk_and_other_processes_reuse_it(tmp_path, f
     # a second process tuning another key merges into the same file
     k2 = tuning.key("down", BF16, 2048, 768, 128, 32768, False)
     tuning.Tuner(cache_dir=tmp_path, shipped=tmp_path / "none.json", bench=timer, enabled=True).choose(
-        "down", k2, BF16, GPU, False, launch, lambda: gm.rule_config("down", 256, BF16))
+        "down", k2, BF16, GPU, False, launch, lambda: tiles.rule_config("down", 256, BF16))
     assert set(json.loads(tuner.cache_file("Test GPU").read_text())) == {k, k2}
 
 
@@ -92,7 +90,7 @@ def test_shipped_table_until_tuned_then_rule(tmp_path, fake_gpu):
     k = tuning.key("up_act", BF16, 7168, 2048, 256, 32768, True)
     shipped = tmp_path / "table.json"
     shipped.write_text(json.dumps({"Test GPU": {k: cfg(64, 256, 64, 8, 3)}}))
-    rule = lambda: gm.rule_config("up_act", 128, BF16)  # noqa: E731
+    rule = lambda: tiles.rule_config("up_act", 128, BF16)  # noqa: E731
     off = tuning.Tuner(cache_dir=tmp_path, shipped=shipped, enabled=False)
     assert off.choose("up_act", k, BF16, GPU, True, lambda c: None, rule) == cfg(64, 256, 64, 8, 3)
     assert off.lookup("up_act", k, BF16, GPU, rule)[1] == "shipped table"

@@ -6,9 +6,16 @@
     grouped_mlp.py   gather + grouped up GEMM + gated activation; down GEMM + weighted scatter-combine;
                      the persistent whole-layer forward kernel
     grouped_mlp_bwd.py  backward grouped GEMMs (input and weight gradients) and the gather/scatter adjoints
+    combine.py       the deterministic combine (each token's k rows in k order) and its row inversion
+beside them, not kernels in threes: ``grouped_common.py`` (the tile schedule over expert segments and the host
+checks both grouped modules share), ``tiles.py`` (the tile-size rule and how a launch picks its tiles),
+``tuning.py`` (timing candidates on the GPU, the cache on disk), ``common.py`` (activations, dtypes, targets).
 
-Every module has ``compile_targets()``: each kernel with every configuration its launcher can pick, which CI
-compiles for sm_90 (tests/test_kernels_compile.py).
+Every kernel module has ``compile_targets()``: each kernel with every configuration its launcher can pick,
+which CI compiles for sm_90 (tests/test_kernels_compile.py).
+
+May import: ``runtime``'s top-level modules (references, activations), never ``runtime.comm`` or
+``runtime.placement``. Topic page: ``docs/triton-lowering.md``.
 
 Import the kernels through ``load()``. Without CUDA they can only run in Triton's interpreter, which must be
 switched on (``TRITON_INTERPRET=1``) before Triton's language module is first imported: ``load()`` does it when

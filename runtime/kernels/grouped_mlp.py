@@ -9,10 +9,11 @@ Legend: T tokens, B routed rows (sorted by expert), E experts, H hidden, I exper
                     tiles of every expert and runs the whole MLP of its tile (h kept in a per-program scratch,
                     never a [B, I] tensor), storing y rows; then the combine
 
-Segments are never padded to a block multiple in memory. Row tiles are numbered expert by expert (``locate``:
-tiles_E = ceil(rows_E / BLOCK_M), computed in the kernel from the counts); a tile past the end of its expert's
-rows masks them, and a tile number past the last tile does nothing. The grid is a static upper bound
-(ceil(B / BLOCK_M) + E tiles), so no tile count ever travels to the host: nothing here synchronises with the GPU.
+Segments are never padded to a block multiple in memory. Row tiles are numbered expert by expert
+(``grouped_common.locate``: tiles_E = ceil(rows_E / BLOCK_M), computed in the kernel from the counts); a tile past
+the end of its expert's rows masks them, and a tile number past the last tile does nothing. The grid is a static
+upper bound (ceil(B / BLOCK_M) + E tiles), so no tile count ever travels to the host: nothing here synchronises
+with the GPU.
 
 Gated activations read (gate, up); the ungated ones apply to up alone (``GATED=False``). Arithmetic is fp32 in
 registers; the gathered rows are rounded to the weights' dtype before the dot, as the torch reference does.
@@ -25,91 +26,14 @@ import triton
 import triton.language as tl
 
 from .. import reference as ref
-from ..activations import check_activation
 from . import combine as cb
 from . import tuning
 from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, target
-
-# ---- tile schedule -------------------------------------------------------------------------------------------
-
-
-def max_tiles(B: int, E: int, block_m: int) -> int:
-    return triton.cdiv(B, block_m) + E  # sum of ceil(n_e / M) <= B / M + E
-
-
-@triton.jit
-def segments(counts_ptr, E, BLOCK_E: tl.constexpr):
-    """Rows per expert and each expert's first row (exclusive prefix sum), from tokens_per_expert_E."""
-    offs_e = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
-    return offs_e, counts, tl.cumsum(counts, axis=0) - counts
-
-
-@triton.jit
-def locate(t, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Expert ``e`` of row tile ``t`` (>= E past the last tile), its rows and the mask of real ones. Tiles are
-    numbered expert by expert, ceil(rows_e / BLOCK_M) each, from the counts alone: nothing precomputed."""
-    offs_e, counts, first_row = segments(counts_ptr, E, BLOCK_E)
-    tiles = (counts + (BLOCK_M - 1)) // BLOCK_M
-    tile_end = tl.cumsum(tiles, axis=0)
-    e = tl.sum((tile_end <= t).to(tl.int32), axis=0)  # padded lanes end at the total: counted only past it
-    is_e = offs_e == e
-    first_tile = tl.sum(tl.where(is_e, tile_end - tiles, 0), axis=0)
-    row0 = tl.sum(tl.where(is_e, first_row, 0), axis=0)
-    nrows = tl.sum(tl.where(is_e, counts, 0), axis=0)
-    local = (t - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = e < E
-    rows_ok = (local < nrows) & valid
-    return e, row0 + local, rows_ok, valid
-
+from .grouped_common import (check_expert_args, load_scale, locate, max_tiles, opt_bias, proj_tile,
+                             rows_contiguous)
+from .tiles import gpu_config, gpu_configs, rule_config, tile_config, tuner_configs
 
 # ---- tile bodies (shared by the separate kernels and the fused one) ------------------------------------------
-
-
-@triton.jit
-def load_scale(s_ptr, rows, rows_ok, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
-    if HAS_SCALE:
-        return tl.load(s_ptr + rows, mask=rows_ok, other=0.0).to(DT).to(tl.float32)
-    else:
-        return tl.full(rows.shape, 1.0, tl.float32)
-
-
-@triton.jit
-def proj_tile(
-    x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
-    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
-    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-):
-    """fp32 [M, N] tiles (gate, up) of the projections of rows ``tok`` of expert ``e64``, columns n0 + [0, N),
-    each rounded to the weights' dtype as the reference rounds them (gate is up when not GATED)."""
-    DT = wu_ptr.dtype.element_ty
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
-        a = tl.load(x_ptr + tok[:, None] * sxt + offs_k[None, :] * sxh, mask=rows_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        a = a.to(DT)
-        if HAS_SCALE:
-            a = (a.to(tl.float32) * scale[:, None]).to(DT)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        wu = tl.load(wu_ptr + e64 * sue + offs_n[None, :] * sui + offs_k[:, None] * suh, mask=w_mask, other=0.0)
-        acc_u += tl.dot(a, wu, input_precision=PREC)
-        if GATED:
-            wg = tl.load(wg_ptr + e64 * sge + offs_n[None, :] * sgi + offs_k[:, None] * sgh, mask=w_mask, other=0.0)
-            acc_g += tl.dot(a, wg, input_precision=PREC)
-    if HAS_BU:
-        acc_u += tl.load(bu_ptr + e64 * sbue + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        if HAS_BG:
-            acc_g += tl.load(bg_ptr + e64 * sbge + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        return acc_g.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32)
-    else:
-        return acc_u.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32)
 
 
 @triton.jit
@@ -237,89 +161,7 @@ def _fused_experts_kernel(
             tl.debug_barrier()  # the slot is read by every thread before the next tile overwrites it
 
 
-# ---- configurations ------------------------------------------------------------------------------------------
-
-
-def gpu_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
-    """16-bit: M tiles of 64 rows when experts see few rows (decode, many experts: less of each tile is masked),
-    128 otherwise; 128-wide N and 64-deep K (wgmma-sized; three stages fit shared memory). fp32 runs without
-    tensor cores (as torch's fp32 default, no TF32) in 64 x 64 tiles so the FMA accumulators fit the registers.
-    Registers and spills of each: ``benchmarks/kernel_resources.py``."""
-    if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
-    block_m = 64 if rows_per_expert < 128 else 128
-    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_warps=8 if block_m == 128 else 4, num_stages=3)
-
-
-def gpu_configs():
-    """(dtype, config) for every tile configuration ``gpu_config`` can return."""
-    return [(dt, gpu_config(rows, dt)) for dt in (torch.float32, torch.float16, torch.bfloat16) for rows in (1, 1024)]
-
-
-def rule_config(role: str, rows_per_expert: float, dtype: torch.dtype) -> dict:
-    """The untuned configuration of a kernel role: ``gpu_config``; the dh kernel holds three [M, N] fp32
-    accumulators (gate, up, dout @ Wd), so it takes half the N (at N=128 ptxas spills 300-600 bytes a thread,
-    benchmarks/kernel_resources.py); the weight gradients have their own (``grouped_mlp_bwd``)."""
-    cfg = gpu_config(rows_per_expert, dtype)
-    if role == "dh":
-        cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
-    return cfg
-
-
-def tile_config(role: str, config: dict | None, launch, *, dtype, device, B: int, E: int, H: int, I: int,
-                gated: bool, rule=None) -> dict:
-    """``config`` when the caller gives one; else the tuner's for this role and shape (``tuning.py``: the
-    interpreter's fixed tiles, a tuning cached on disk, a tuning made now by timing ``launch(cfg)``, the shipped
-    table, or ``rule()``, by default ``rule_config``)."""
-    if config is not None:
-        return config
-    k = tuning.key(role, dtype, H, I, E, B, gated)
-    rule = rule or (lambda: rule_config(role, B / max(E, 1), dtype))
-    return tuning.tuner().choose(role, k, dtype, device, gated, launch, rule)
-
-
 # ---- host launchers ------------------------------------------------------------------------------------------
-
-
-def check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI,
-                      b_down_EH, input_scale_B, activation):
-    """Shapes, dtypes and devices of an expert MLP call; returns (B, E, H, I)."""
-    check_activation(activation, gated=w_gate_EIH is not None)
-    check_device(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI,
-                 b_down_EH, input_scale_B)
-    if x_TH.dim() != 2 or w_up_EIH.dim() != 3:
-        raise ValueError(f"expected x [T, H] and w_up [E, I, H]; got {tuple(x_TH.shape)} and {tuple(w_up_EIH.shape)}")
-    E, I, H = w_up_EIH.shape
-    B = token_ids_B.shape[0]
-    check_shape("x_TH", x_TH, (x_TH.shape[0], H))
-    check_shape("w_gate_EIH", w_gate_EIH, (E, I, H))
-    check_shape("w_down_EHI", w_down_EHI, (E, H, I))
-    check_shape("tokens_per_expert_E", tokens_per_expert_E, (E,))
-    check_shape("b_gate_EI", b_gate_EI, (E, I))
-    check_shape("b_up_EI", b_up_EI, (E, I))
-    check_shape("b_down_EH", b_down_EH, (E, H))
-    check_shape("input_scale_B", input_scale_B, (B,))
-    if token_ids_B.dim() != 1 or token_ids_B.dtype.is_floating_point:
-        raise ValueError(f"token_ids_B must be a 1-D integer tensor, got {token_ids_B.dtype} "
-                         f"{tuple(token_ids_B.shape)}")
-    dtypes = {t.dtype for t in (w_gate_EIH, w_up_EIH, w_down_EHI) if t is not None}
-    if len(dtypes) != 1:
-        raise ValueError(f"expert weights must share one dtype, got {sorted(map(str, dtypes))}")
-    return B, E, H, I
-
-
-def _opt(t, dummy):
-    """(tensor or a dummy pointer, its leading stride) for an optional bias: the kernels read a bias row with
-    unit stride (GPT-OSS's interleaved biases are strided views: copied here, they are small)."""
-    if t is None:
-        return dummy, 0
-    t = t.contiguous()
-    return t, t.stride(0)
-
-
-def rows_contiguous(*vectors):
-    """The per-row vectors (token ids, scales, weights) as the kernels index them: unit stride."""
-    return [None if v is None else v.contiguous() for v in vectors]
 
 
 def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI=None, b_up_EI=None,
@@ -332,8 +174,8 @@ def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_
     counts = tokens_per_expert_E.contiguous()
     h_BI = (torch.zeros if zero_tail else torch.empty)(B, I, dtype=w_up_EIH.dtype, device=x_TH.device)
     wg = w_up_EIH if w_gate_EIH is None else w_gate_EIH
-    bg, sbg = _opt(b_gate_EI, wg)
-    bu, sbu = _opt(b_up_EI, wg)
+    bg, sbg = opt_bias(b_gate_EI, wg)
+    bu, sbu = opt_bias(b_up_EI, wg)
     s = input_scale_B if input_scale_B is not None else token_ids_B
 
     def launch(cfg):
@@ -372,7 +214,7 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
     counts = tokens_per_expert_E.contiguous()
     # rows past the counted ones are never written: zeroed only when y is handed out, the combine skips them
     y_BH = (torch.empty if combine else torch.zeros)(B, H, dtype=w_down_EHI.dtype, device=h_BI.device)
-    bd, sbd = _opt(b_down_EH, w_down_EHI)
+    bd, sbd = opt_bias(b_down_EH, w_down_EHI)
     h_BI = h_BI.contiguous()
 
     def launch(cfg):
@@ -435,7 +277,7 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
     scratch = torch.empty(P, cfg["BLOCK_M"], I, dtype=w_up_EIH.dtype, device=x_TH.device)
     y_BH = torch.empty(B, H, dtype=w_down_EHI.dtype, device=x_TH.device)  # dropped tail rows: never read
     wg = w_up_EIH if w_gate_EIH is None else w_gate_EIH
-    (bg, sbg), (bu, sbu), (bd, sbd) = _opt(b_gate_EI, wg), _opt(b_up_EI, wg), _opt(b_down_EH, wg)
+    (bg, sbg), (bu, sbu), (bd, sbd) = opt_bias(b_gate_EI, wg), opt_bias(b_up_EI, wg), opt_bias(b_down_EH, wg)
     s = input_scale_B if input_scale_B is not None else token_ids_B
     _fused_experts_kernel[(P,)](
         x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, scratch, y_BH,
@@ -460,19 +302,7 @@ def fused_experts_ref(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B,
     return ref.combine_ref(y_BH, token_ids_B, combine_weights_B, num_tokens)
 
 
-
 # ---- compile targets (CI compiles each for sm_90) ------------------------------------------------------------
-
-
-def tuner_configs(roles):
-    """(role, dtype, config) for every configuration the tuner keeps for these roles (16-bit: bf16 stands for
-    fp16 too, the same code), beyond the rule's own (compiled with every flag set)."""
-    out = []
-    for role in roles:
-        for dt in (torch.bfloat16, torch.float32):
-            kept = tuning.prune_configs(role, tuning.candidates(role, dt), dt, True, tuning.SMEM_DEFAULT)
-            out += [(role, dt, cfg) for cfg in kept]
-    return out
 
 
 # (GATED, HAS_BG, HAS_BU, HAS_BD, HAS_SCALE, HAS_CW, ACT): Mixtral-like, GPT-OSS-like, Llama4-like, ungated

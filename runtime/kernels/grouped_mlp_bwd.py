@@ -25,11 +25,11 @@ import triton
 import triton.language as tl
 
 from . import combine as cb
-from . import tuning
 from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, target
-from .grouped_mlp import (FLAG_SETS, REAL_LAUNCH, _opt, check_expert_args, gpu_config, gpu_configs,
-                          load_scale, locate, max_tiles, proj_tile, rows_contiguous, rule_config, segments,
-                          tile_config, tuner_configs)
+from .grouped_common import (check_expert_args, load_scale, locate, max_tiles, opt_bias, proj_tile,
+                             rows_contiguous, segments)
+from .grouped_mlp import FLAG_SETS, REAL_LAUNCH
+from .tiles import gpu_config, gpu_configs, tile_config, tuner_configs, wgrad_gpu_config
 
 
 @triton.jit
@@ -200,15 +200,6 @@ def _wgrad_kernel(
 # ---- host launcher -------------------------------------------------------------------------------------------
 
 
-def wgrad_gpu_config(dtype) -> dict:
-    """Untuned weight-gradient tiles: 128 x 128 outputs on the tensor cores for 16-bit, reduced over 64 rows per
-    step; fp32 (no tensor cores: torch's fp32 default is not TF32 either) takes 64 x 64 so its FMA accumulators
-    fit the registers."""
-    if dtype == torch.float32:
-        return dict(BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=64, num_warps=8, num_stages=3)
-
-
 def _wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype, config, split=None, out=None):
     """dW [E, N1, N2] (and db [E, N1]); with ``split`` the two [E, split, N2] halves of A's columns instead. ``out``:
     the views to write dW into (one, or two with ``split``, sharing strides), else new contiguous tensors. The
@@ -236,20 +227,6 @@ def _wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype
     launch(tile_config(role, config, launch, dtype=dtype, device=a.device, B=rows, E=E, H=N2, I=N1,
                        gated=split is not None, rule=lambda: wgrad_gpu_config(dtype)))
     return dws, (dbs if want_db else [None] * len(dws))
-
-
-def layer_configs(dtype, device, B: int, E: int, H: int, I: int, gated: bool) -> dict[str, tuple[dict, str]]:
-    """role -> (tile configuration, where it comes from) for every grouped GEMM kernel of a layer of this shape,
-    as the launchers will pick it, without tuning (``explain()``): interpreter, tuned, shipped table or rule."""
-    rows = B / max(E, 1)
-    shapes = {"up_act": (H, I, gated), "down": (H, I, False), "dh": (H, I, gated), "dx": (H, I, gated),
-              "wgrad_up": (H, 2 * I if gated else I, gated), "wgrad_down": (I, H, False)}
-    out = {}
-    for role, (h, i, g) in shapes.items():
-        rule = (lambda: wgrad_gpu_config(dtype)) if role.startswith("wgrad") else (
-            lambda role=role: rule_config(role, rows, dtype))
-        out[role] = tuning.tuner().lookup(role, tuning.key(role, dtype, h, i, E, B, g), dtype, device, rule)
-    return out
 
 
 def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
@@ -281,7 +258,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     dg_BI, du_BI = (dgu[:, :I], dgu[:, I:]) if gated else (dgu, dgu)
     has_cw = combine_weights_B is not None
     wg = w_gate_EIH if gated else w_up_EIH
-    (bg, sbg), (bu, sbu), (bd, sbd) = _opt(b_gate_EI, wg), _opt(b_up_EI, wg), _opt(b_down_EH, wg)
+    (bg, sbg), (bu, sbu), (bd, sbd) = opt_bias(b_gate_EI, wg), opt_bias(b_up_EI, wg), opt_bias(b_down_EH, wg)
     s = input_scale_B if input_scale_B is not None else token_ids_B
     cw = combine_weights_B if has_cw else token_ids_B
     partial = {}  # per-column-tile partial sums: their width depends on the tile

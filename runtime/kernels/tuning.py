@@ -13,7 +13,7 @@ In order:
    fastest is stored on disk. Kernels here write their outputs without accumulating (no atomics), so running a
    candidate on the real buffers changes nothing;
 4. the shipped table (``h100_table.json``, from measurements on an H100) for that GPU model and key;
-5. the rule of ``grouped_mlp.gpu_config`` (what was used before tuning existed).
+5. the rule of ``tiles.gpu_config`` (what was used before tuning existed).
 
 Why not ``triton.autotune``: the kernels of one layer allocate buffers whose sizes depend on the tile (partial
 sums per column tile, the persistent kernel's scratch), the key needs a rows-per-expert bucket that is no kernel

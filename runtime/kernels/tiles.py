@@ -1,0 +1,82 @@
+"""Tile sizes of the grouped GEMM kernels: the untuned rule each role starts from, and how a launch picks its tiles.
+
+    tile_config(role, config, launch, ...)   the caller's config, else the tuner's (tuning.py): the interpreter's
+                                             fixed tiles, a tuning on disk, one made now, the shipped table, or
+    rule_config(role, rows/expert, dtype)    this rule (gpu_config; dh halves N; wgrad_gpu_config for wgrad_*)
+    layer_configs(...)                       every role's choice for a layer's shape, without tuning (explain())
+
+Apart from the kernels because it is policy, not kernel code: the reason for each tile size is written beside it,
+and the registers and spills of each are measured by ``benchmarks/kernel_resources.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import tuning
+
+
+def gpu_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
+    """16-bit: M tiles of 64 rows when experts see few rows (decode, many experts: less of each tile is masked),
+    128 otherwise; 128-wide N and 64-deep K (wgmma-sized; three stages fit shared memory). fp32 runs without
+    tensor cores (as torch's fp32 default, no TF32) in 64 x 64 tiles so the FMA accumulators fit the registers.
+    Registers and spills of each: ``benchmarks/kernel_resources.py``."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    block_m = 64 if rows_per_expert < 128 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_warps=8 if block_m == 128 else 4, num_stages=3)
+
+def gpu_configs():
+    """(dtype, config) for every tile configuration ``gpu_config`` can return."""
+    return [(dt, gpu_config(rows, dt)) for dt in (torch.float32, torch.float16, torch.bfloat16) for rows in (1, 1024)]
+
+def rule_config(role: str, rows_per_expert: float, dtype: torch.dtype) -> dict:
+    """The untuned configuration of a kernel role: ``gpu_config``; the dh kernel holds three [M, N] fp32
+    accumulators (gate, up, dout @ Wd), so it takes half the N (at N=128 ptxas spills 300-600 bytes a thread,
+    benchmarks/kernel_resources.py); the weight gradients have their own (``wgrad_gpu_config``)."""
+    cfg = gpu_config(rows_per_expert, dtype)
+    if role == "dh":
+        cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
+    return cfg
+
+def wgrad_gpu_config(dtype) -> dict:
+    """Untuned weight-gradient tiles: 128 x 128 outputs on the tensor cores for 16-bit, reduced over 64 rows per
+    step; fp32 (no tensor cores: torch's fp32 default is not TF32 either) takes 64 x 64 so its FMA accumulators
+    fit the registers."""
+    if dtype == torch.float32:
+        return dict(BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+def tile_config(role: str, config: dict | None, launch, *, dtype, device, B: int, E: int, H: int, I: int,
+                gated: bool, rule=None) -> dict:
+    """``config`` when the caller gives one; else the tuner's for this role and shape (``tuning.py``: the
+    interpreter's fixed tiles, a tuning cached on disk, a tuning made now by timing ``launch(cfg)``, the shipped
+    table, or ``rule()``, by default ``rule_config``)."""
+    if config is not None:
+        return config
+    k = tuning.key(role, dtype, H, I, E, B, gated)
+    rule = rule or (lambda: rule_config(role, B / max(E, 1), dtype))
+    return tuning.tuner().choose(role, k, dtype, device, gated, launch, rule)
+
+def layer_configs(dtype, device, B: int, E: int, H: int, I: int, gated: bool) -> dict[str, tuple[dict, str]]:
+    """role -> (tile configuration, where it comes from) for every grouped GEMM kernel of a layer of this shape,
+    as the launchers will pick it, without tuning (``explain()``): interpreter, tuned, shipped table or rule."""
+    rows = B / max(E, 1)
+    shapes = {"up_act": (H, I, gated), "down": (H, I, False), "dh": (H, I, gated), "dx": (H, I, gated),
+              "wgrad_up": (H, 2 * I if gated else I, gated), "wgrad_down": (I, H, False)}
+    out = {}
+    for role, (h, i, g) in shapes.items():
+        rule = (lambda: wgrad_gpu_config(dtype)) if role.startswith("wgrad") else (
+            lambda role=role: rule_config(role, rows, dtype))
+        out[role] = tuning.tuner().lookup(role, tuning.key(role, dtype, h, i, E, B, g), dtype, device, rule)
+    return out
+
+def tuner_configs(roles):
+    """(role, dtype, config) for every configuration the tuner keeps for these roles (16-bit: bf16 stands for
+    fp16 too, the same code), beyond the rule's own (compiled with every flag set)."""
+    out = []
+    for role in roles:
+        for dt in (torch.bfloat16, torch.float32):
+            kept = tuning.prune_configs(role, tuning.candidates(role, dt), dt, True, tuning.SMEM_DEFAULT)
+            out += [(role, dt, cfg) for cfg in kept]
+    return out
