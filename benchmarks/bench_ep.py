@@ -6,10 +6,10 @@ transformers' own expert parallelism would move for the same layer.
 
 8 ranks as meshes (2 nodes x 4) and (4 nodes x 2). Routing: uniform top-K of E experts per token (HierMoE's
 Table II setting). The experts pass their rows through (the exchange is what is timed; each run's result is
-checked). The links are emulated (``moecompile.runtime.comm.exchange.emulate_links``): every all-to-all waits alpha + beta x bytes of its
-kind on top of loopback, by default a cluster slowed 100-fold so the emulated links outweigh loopback on a small
-machine (across nodes 100 MB/s and 5 ms per all-to-all, inside a node 2 GB/s and 1 ms; the flat all-to-all is
-priced as the node links; ``--link links.json`` takes a calibrated model instead).
+checked). The links are emulated (``moecompile.runtime.comm.exchange.emulate_links``): every all-to-all waits alpha +
+beta x bytes of its kind on top of loopback, by default a cluster slowed 100-fold so the emulated links outweigh
+loopback on a small machine (across nodes 100 MB/s and 5 ms per all-to-all, inside a node 2 GB/s and 1 ms; the flat
+all-to-all is priced as the node links; ``--link links.json`` takes a calibrated model instead).
 
 ``loopback alone``: the same exchange with no emulation (this machine's own cost: gloo, copies, and 8 processes
 sharing few cores), so ``measured - loopback`` is the emulated links' share, the part the cost model predicts.

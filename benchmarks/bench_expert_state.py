@@ -1,6 +1,6 @@
-"""The host optimizer's exchanges alone (``runtime/placement/expert_state.py``): one layer's gradient reduction, collection
-and weight distribution per step, timed on 4 gloo ranks (one process each, this machine), for several expert
-counts under a skewed placement (one hot expert).
+"""The host optimizer's exchanges alone (``runtime/placement/expert_state.py``): one layer's gradient reduction,
+collection and weight distribution per step, timed on 4 gloo ranks (one process each, this machine), for several
+expert counts under a skewed placement (one hot expert).
 
     python benchmarks/bench_expert_state.py [--experts 16 64 128] [--steps 5]
 

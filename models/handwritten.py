@@ -93,7 +93,8 @@ class LoopMoE(ModuleListMoE):
 class HitLoopMoE(ModuleListMoE):
     """``ModuleListMoE``'s router and experts, run in a loop over only the experts that received tokens (found with
     ``nonzero()``, as transformers' ``experts_implementation="eager"`` does): a trip count that depends on the
-    data. moecompile rewrites the loop into one over every expert while Dynamo traces it (``moecompile/tracing/loops.py``)."""
+    data. moecompile rewrites the loop into one over every expert while Dynamo traces it
+    (``moecompile/tracing/loops.py``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])

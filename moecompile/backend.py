@@ -22,8 +22,8 @@ def moe_backend(gm: fx.GraphModule, example_inputs, options: dict | MoEOptions |
 
 
 def _wants_capture(options) -> bool:
-    """Read by moecompile/tracing/capture.py when Dynamo starts a compile for this backend: capture data-dependent shapes
-    (expert loops stay in the graph) unless options say capture=False. Bad options capture: the backend then
+    """Read by moecompile/tracing/capture.py when Dynamo starts a compile for this backend: capture data-dependent
+    shapes (expert loops stay in the graph) unless options say capture=False. Bad options capture: the backend then
     raises its own clear error for them."""
     try:
         return parse_options(options).capture

@@ -23,7 +23,8 @@ class ExplainReport:
     the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made;
     ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table);
     ``failures``: (stage, region, error) for every pass that raised: that graph ran as it came in; ``loops``: the
-    forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert (moecompile/tracing/loops.py)."""
+    forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert
+    (moecompile/tracing/loops.py)."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
@@ -83,7 +84,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
         graphs.append(gm)
         return rewrite(gm, example_inputs, config, report).forward
 
-    setattr(backend, MARK, config.capture)  # Dynamo captures data-dependent shapes for it (moecompile/tracing/capture.py)
+    setattr(backend, MARK, config.capture)  # Dynamo captures data-dependent shapes for it (tracing/capture.py)
     torch._dynamo.reset()
     install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
     compiled = torch.compile(model, backend=backend)

@@ -129,7 +129,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             weights = proxy(scale) if order is None else proxy(scale)[order]
             x = x[tok].to(dtype) * weights.to(dtype).unsqueeze(-1)
             tok = torch.cumsum(torch.ones_like(tok), 0) - 1  # row b is row b
-        if replicas is not None:  # each row to one instance of its expert (runtime/placement/replicas.py); a dropped row gives 0
+        if replicas is not None:  # each row to one instance of its expert (placement/replicas.py); dropped rows give 0
             r = torch.ops.moe.ep_to_instances(tok, counts, proxy(replicas), capacity_factor, group_name, layer)
             tok_K, counts_N, order_K = r[0], r[1], r[2]
             d = torch.ops.moe.ep_dispatch(x, tok_K, counts_N, group_name, layer)

@@ -28,7 +28,7 @@ class RecordingBackend:
         self.report = PassReport()
         self.errors: list[BaseException] = []  # torch 2.13 may turn a backend error into a silent graph break
 
-    def moecompile_capture(self, options) -> bool:  # as moe_backend: Dynamo captures for it (moecompile/tracing/capture.py)
+    def moecompile_capture(self, options) -> bool:  # as moe_backend: Dynamo captures for it (tracing/capture.py)
         return self.config.capture
 
     def __call__(self, gm, example_inputs, **_):

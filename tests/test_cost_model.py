@@ -1,7 +1,7 @@
 """The alpha-beta link model (runtime/comm/cost_model.py): fitted from timings, and the dispatch time it predicts per
 dedup choice, checked by hand on a small routing on two and three mesh levels (runtime/comm/levels.py: names,
-collective kinds, groups, links); the smooth max and the expert swap it chooses (runtime/placement/swap.py), and the rows
-sorted by slot after a swap."""
+collective kinds, groups, links); the smooth max and the expert swap it chooses (runtime/placement/swap.py), and the
+rows sorted by slot after a swap."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
-"""Loops over the experts that received tokens (``for e in mask.nonzero():``, issue 8 item 1): moecompile/tracing/loops.py
-proves from the source that the loop over every expert computes the same, and the moe backend's compiles trace that
-loop instead, with the user's class unchanged before and after. Forms it cannot prove are left as they are and
-reported with the reason."""
+"""Loops over the experts that received tokens (``for e in mask.nonzero():``, issue 8 item 1):
+moecompile/tracing/loops.py proves from the source that the loop over every expert computes the same, and the moe
+backend's compiles trace that loop instead, with the user's class unchanged before and after. Forms it cannot prove
+are left as they are and reported with the reason."""
 
 import inspect
 import types

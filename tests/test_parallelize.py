@@ -82,7 +82,8 @@ def _batches(model, world):
 def _train_against_one_process(family, mesh, rank, world, dedup="off", link_model=None, level=None, swap_every=0,
                                tmp=None):
     """Three steps sharded and in one process; returns (sharded model, one-process model). ``level``: the dedup
-    level ``dedup="auto"`` must choose. With ``swap_every``, experts swap ranks: ``ep_checkpoints.check_after_swaps``."""
+    level ``dedup="auto"`` must choose. With ``swap_every``, experts swap ranks:
+    ``ep_checkpoints.check_after_swaps``."""
     ref, model = _build(family).train(), _build(family).train()
     moecompile.comm_stats(reset=True)
     batches = _batches(model, world)

@@ -9,8 +9,8 @@ node) and ``local`` (the ranks of one node); on ``--mesh 2x2x2`` (``("rack", "no
 ``node+local`` and ``rack+node``. Each rank sends ``m`` bytes to every other rank
 of the collective; the sample is (bytes a rank sends the others, seconds of the slowest rank), the median of
 ``repeats`` timings; the fit is least squares per kind, with r2. The collectives run through the expert-parallel
-runtime's own all-to-all (``comm/exchange.py``), so a link emulation (``--emulate links.json``) is measured as the layers
-would feel it.
+runtime's own all-to-all (``comm/exchange.py``), so a link emulation (``--emulate links.json``) is measured as
+the layers would feel it.
 """
 
 from __future__ import annotations

@@ -53,11 +53,11 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     predicts fastest for the routing of ``example_args``; ``link_model``: a ``LinkModel`` or the JSON file
     ``python -m moecompile calibrate`` wrote). ``swap_every=N``: every N optimizer steps, swap a pair of experts
     of each sharded layer where that lowers the predicted time of its last routing (smooth max over the ranks,
-    ``swap_gamma``; ``moecompile/distributed/swap.py``). ``replication="adaptive"`` (or ``"static"``) with ``slots_per_rank=S``:
-    each rank holds S expert slots, instances of the experts placed by the routing of each step, their master
-    weights and optimizer state on the hosts (train with ``moecompile.ExpertOptimizer``; ``capacity_factor``: rows
-    per instance, ceil(factor x routed rows / slots), the rest dropped; ``moecompile/distributed/replicate.py``). Other keyword
-    arguments are backend options, for detection."""
+    ``swap_gamma``; ``moecompile/distributed/swap.py``). ``replication="adaptive"`` (or ``"static"``) with
+    ``slots_per_rank=S``: each rank holds S expert slots, instances of the experts placed by the routing of each step,
+    their master weights and optimizer state on the hosts (train with ``moecompile.ExpertOptimizer``;
+    ``capacity_factor``: rows per instance, ceil(factor x routed rows / slots), the rest dropped;
+    ``moecompile/distributed/replicate.py``). Other keyword arguments are backend options, for detection."""
     from ..explain import explain
 
     group = setup_mesh(mesh)

@@ -1,11 +1,12 @@
 """``moecompile.parallelize(..., replication="adaptive" | "static", slots_per_rank=S)``: the experts of a layer
-live in S slots on each rank, as many instances of an expert as the placement gives it (``runtime/placement/replication.py``
-decides it; "static": each expert the same number, never changed; "adaptive": every optimizer step, in
-proportion to the routing of the step). The weights of the slots are the only expert weights on the ranks' devices;
-each expert's fp32 master weights and optimizer state are a fixed 1/W part on each rank's host
-(``runtime/placement/expert_state.py``), stepped by ``moecompile.ExpertOptimizer``, which also sends the updated weights
-to the slots of the next placement. Stacked ``[E, ...]`` and flat ``[E x R, ...]`` expert weights replicate; an
-``nn.ModuleList`` layer is sharded as without replication (its experts train with the other parameters).
+live in S slots on each rank, as many instances of an expert as the placement gives it
+(``runtime/placement/replication.py`` decides it; "static": each expert the same number, never changed;
+"adaptive": every optimizer step, in proportion to the routing of the step). The weights of the slots are the only
+expert weights on the ranks' devices; each expert's fp32 master weights and optimizer state are a fixed 1/W part on
+each rank's host (``runtime/placement/expert_state.py``), stepped by ``moecompile.ExpertOptimizer``, which also
+sends the updated weights to the slots of the next placement. Stacked ``[E, ...]`` and flat ``[E x R, ...]`` expert
+weights replicate; an ``nn.ModuleList`` layer is sharded as without replication (its experts train with the other
+parameters).
 
 The module reads each slot weight ``[S, ...]`` as ``moe.ep_global_view`` (the global ``[E, ...]`` shape, as
 without replication) with the placement buffer (``REPLICAS``); the ``distribute`` pass sends each routed row to

@@ -127,8 +127,8 @@ def install() -> None:
 _NONZERO_LOOP = (
     "a loop over the experts that received tokens (`for e in mask.nonzero():`, as transformers' "
     "experts_implementation='eager' does) has a data-dependent trip count, which Dynamo cannot unroll, and "
-    "moecompile could not prove its rewrite into a loop over every expert (moecompile/tracing/loops.py): for it, load the "
-    "model with experts_implementation='grouped_mm' (the default) or set config._experts_implementation = "
+    "moecompile could not prove its rewrite into a loop over every expert (moecompile/tracing/loops.py): for it, "
+    "load the model with experts_implementation='grouped_mm' (the default) or set config._experts_implementation = "
     "'grouped_mm' where the model has it, or loop over range(num_experts) (an expert with no tokens then does "
     "nothing)"
 )

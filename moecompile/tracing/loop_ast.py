@@ -1,5 +1,5 @@
-"""Reading an expert loop's source for ``moecompile/tracing/loops.py``: which loops run over ``nonzero()`` rows, and what
-their body may do for the loop over every expert to compute the same (that module's docstring gives the argument).
+"""Reading an expert loop's source for ``loops.py``: which loops run over ``nonzero()`` rows, and what their body
+may do for the loop over every expert to compute the same (the argument: ``docs/detection.md``, Expert loops).
 ``LoopBody`` checks a body statement by statement and rewrites its uses of the loop row in terms of the expert's
 number; anything it cannot vouch for raises ``Refuse`` with the reason a user reads in ``explain()``."""
 
