@@ -24,12 +24,14 @@ from .common import check_device, check_shape
 def max_tiles(B: int, E: int, block_m: int) -> int:
     return triton.cdiv(B, block_m) + E  # sum of ceil(n_e / M) <= B / M + E
 
+
 @triton.jit
 def segments(counts_ptr, E, BLOCK_E: tl.constexpr):
     """Rows per expert and each expert's first row (exclusive prefix sum), from tokens_per_expert_E."""
     offs_e = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
     return offs_e, counts, tl.cumsum(counts, axis=0) - counts
+
 
 @triton.jit
 def locate(t, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -48,12 +50,14 @@ def locate(t, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     rows_ok = (local < nrows) & valid
     return e, row0 + local, rows_ok, valid
 
+
 @triton.jit
 def load_scale(s_ptr, rows, rows_ok, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
     if HAS_SCALE:
         return tl.load(s_ptr + rows, mask=rows_ok, other=0.0).to(DT).to(tl.float32)
     else:
         return tl.full(rows.shape, 1.0, tl.float32)
+
 
 @triton.jit
 def proj_tile(
@@ -122,6 +126,7 @@ def check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_E
         raise ValueError(f"expert weights must share one dtype, got {sorted(map(str, dtypes))}")
     return B, E, H, I
 
+
 def opt_bias(t, dummy):
     """(tensor or a dummy pointer, its leading stride) for an optional bias: the kernels read a bias row with
     unit stride (GPT-OSS's interleaved biases are strided views: copied here, they are small)."""
@@ -129,6 +134,7 @@ def opt_bias(t, dummy):
         return dummy, 0
     t = t.contiguous()
     return t, t.stride(0)
+
 
 def rows_contiguous(*vectors):
     """The per-row vectors (token ids, scales, weights) as the kernels index them: unit stride."""

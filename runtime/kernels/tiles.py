@@ -26,9 +26,11 @@ def gpu_config(rows_per_expert: float, dtype: torch.dtype) -> dict:
     block_m = 64 if rows_per_expert < 128 else 128
     return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_warps=8 if block_m == 128 else 4, num_stages=3)
 
+
 def gpu_configs():
     """(dtype, config) for every tile configuration ``gpu_config`` can return."""
     return [(dt, gpu_config(rows, dt)) for dt in (torch.float32, torch.float16, torch.bfloat16) for rows in (1, 1024)]
+
 
 def rule_config(role: str, rows_per_expert: float, dtype: torch.dtype) -> dict:
     """The untuned configuration of a kernel role: ``gpu_config``; the dh kernel holds three [M, N] fp32
@@ -39,6 +41,7 @@ def rule_config(role: str, rows_per_expert: float, dtype: torch.dtype) -> dict:
         cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
     return cfg
 
+
 def wgrad_gpu_config(dtype) -> dict:
     """Untuned weight-gradient tiles: 128 x 128 outputs on the tensor cores for 16-bit, reduced over 64 rows per
     step; fp32 (no tensor cores: torch's fp32 default is not TF32 either) takes 64 x 64 so its FMA accumulators
@@ -46,6 +49,7 @@ def wgrad_gpu_config(dtype) -> dict:
     if dtype == torch.float32:
         return dict(BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=32, num_warps=4, num_stages=2)
     return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
 
 def tile_config(role: str, config: dict | None, launch, *, dtype, device, B: int, E: int, H: int, I: int,
                 gated: bool, rule=None) -> dict:
@@ -57,6 +61,7 @@ def tile_config(role: str, config: dict | None, launch, *, dtype, device, B: int
     k = tuning.key(role, dtype, H, I, E, B, gated)
     rule = rule or (lambda: rule_config(role, B / max(E, 1), dtype))
     return tuning.tuner().choose(role, k, dtype, device, gated, launch, rule)
+
 
 def layer_configs(dtype, device, B: int, E: int, H: int, I: int, gated: bool) -> dict[str, tuple[dict, str]]:
     """role -> (tile configuration, where it comes from) for every grouped GEMM kernel of a layer of this shape,
@@ -70,6 +75,7 @@ def layer_configs(dtype, device, B: int, E: int, H: int, I: int, gated: bool) ->
             lambda role=role: rule_config(role, rows, dtype))
         out[role] = tuning.tuner().lookup(role, tuning.key(role, dtype, h, i, E, B, g), dtype, device, rule)
     return out
+
 
 def tuner_configs(roles):
     """(role, dtype, config) for every configuration the tuner keeps for these roles (16-bit: bf16 stands for
