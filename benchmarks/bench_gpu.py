@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import gc
-import importlib
 import importlib.util
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from bench_layer import _all_event_names, count_ops, normwise_error, sync
+from measure import (HF_MOE, count_ops, event_names, fmt, free, hf_moe_block, init_weights_, markdown_table,
+                     median_ms, normwise_error, option_value, peak_gib, timed_call)
 
 VARIANTS = ("eager", "inductor", "moe", "moe-torch")
 LOWERING = {"moe": "triton", "moe-torch": "torch"}
@@ -41,11 +39,10 @@ EXPECTED_OP = {"moe": "moe::fused_experts", "moe-torch": "moe::expert_mlp"}  # p
 
 @dataclass(frozen=True)
 class Shape:
-    """One model's MoE block: transformers model_type and block class, widths, extra config fields."""
+    """One model's MoE block: transformers model_type (its block class: ``block``), widths, extra config fields."""
 
     label: str
     model_type: str
-    block: str
     hidden: int
     inter: int
     experts: int
@@ -53,19 +50,19 @@ class Shape:
     extra: dict = field(default_factory=dict)
     moe_options: dict = field(default_factory=dict)  # backend options this size needs
 
+    @property
+    def block(self) -> str:
+        return HF_MOE[self.model_type][0]
 
-# config field names of the routed experts' width and count, per model_type
-_NAMES = {"mixtral": ("intermediate_size", "num_local_experts"),
-          "qwen3_moe": ("moe_intermediate_size", "num_experts"),
-          "deepseek_v3": ("moe_intermediate_size", "n_routed_experts")}
+
 MODELS = {
-    "mixtral": Shape("Mixtral-8x7B", "mixtral", "MixtralSparseMoeBlock", 4096, 14336, 8, 2),
-    "qwen3": Shape("Qwen3-30B-A3B", "qwen3_moe", "Qwen3MoeSparseMoeBlock", 2048, 768, 128, 8,
+    "mixtral": Shape("Mixtral-8x7B", "mixtral", 4096, 14336, 8, 2),
+    "qwen3": Shape("Qwen3-30B-A3B", "qwen3_moe", 2048, 768, 128, 8,
                    dict(norm_topk_prob=True)),
     # the gradient proof uses the parameters in place and compares in float64 slices: two sets of gradients
     # (45 GB) beside the 22.5 GB of expert weights, on an 80 GB GPU (not yet run; if it runs out of memory,
     # --moe-option verify_backward=false)
-    "dsv3": Shape("DeepSeek-V3", "deepseek_v3", "DeepseekV3MoE", 7168, 2048, 256, 8,
+    "dsv3": Shape("DeepSeek-V3", "deepseek_v3", 7168, 2048, 256, 8,
                   dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=0)),
 }
 TINY = {"mixtral": dict(hidden=64, inter=96, experts=8, top_k=2),
@@ -87,27 +84,11 @@ def expert_flops(shape: Shape, tokens: int) -> int:
 def build_block(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
     """The HF block with N(0, 1/fan_in) weights (router too: logits O(1)), built on the meta device and then
     materialised on ``device`` in ``dtype``: no float32 host copy of DeepSeek-V3's 22 GB of experts."""
-    from transformers import AutoConfig
-
-    inter_key, experts_key = _NAMES[shape.model_type]
-    cfg = AutoConfig.for_model(
-        shape.model_type, hidden_size=shape.hidden, num_hidden_layers=1, num_attention_heads=8,
-        num_key_value_heads=8, vocab_size=128, num_experts_per_tok=shape.top_k, experts_implementation="grouped_mm",
-        **{inter_key: shape.inter, experts_key: shape.experts}, **shape.extra)
-    cfg._experts_implementation = "grouped_mm"  # PreTrainedModel's default; a bare block has no model to set it
-    module = importlib.import_module(f"transformers.models.{shape.model_type}.modeling_{shape.model_type}")
+    cls, cfg = hf_moe_block(shape.model_type, shape.hidden, shape.inter, shape.experts, shape.top_k, **shape.extra)
     with torch.device("meta"):
-        block = getattr(module, shape.block)(cfg)
+        block = cls(cfg)
     block = block.to(dtype).to_empty(device=device)
-    gen = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for name, t in [*block.named_parameters(), *block.named_buffers()]:
-            if "correction_bias" in name:
-                t.uniform_(-0.1, 0.1, generator=gen)
-            elif t.dim() >= 2:  # [out, in] and [E, out, in]: the last dim is the fan-in
-                t.normal_(0.0, 1.0 / math.sqrt(max(1, t.shape[-1])), generator=gen)
-            elif t.is_floating_point():
-                t.normal_(0.0, 0.1, generator=gen)
+    init_weights_(block, torch.Generator(device).manual_seed(seed))
     return block.train()
 
 
@@ -139,40 +120,6 @@ def make_module(variant: str, block: nn.Module, moe_options: dict):
                          options={**moe_options, "lowering": LOWERING[variant]})
 
 
-def time_ms(fn, reps: int, device: torch.device, prep=None) -> float:
-    """Median of ``reps`` calls: CUDA events around each (queue drained first), or the host clock on CPU."""
-    times = []
-    for _ in range(reps):
-        if prep is not None:
-            prep()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def peak_gib(fn, device: torch.device, prep) -> float:
-    """max_memory_allocated during one ``fn()`` minus what was allocated before it (CUDA only)."""
-    if device.type != "cuda":
-        return float("nan")
-    prep()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
 @dataclass
 class Row:
     model: str
@@ -194,8 +141,8 @@ def measure(row: Row, fwd, fwd_bwd, zero, args) -> Row:
     for _ in range(args.warmup):
         zero()
         fwd_bwd()
-    row.fwd_ms = time_ms(fwd, args.reps, args.device)
-    row.fb_ms = time_ms(fwd_bwd, args.reps, args.device, prep=zero)
+    row.fwd_ms = median_ms(fwd, args.reps, args.device, cuda_events=True)
+    row.fb_ms = median_ms(fwd_bwd, args.reps, args.device, prep=zero, cuda_events=True)
     zero()
     launches_fwd = count_ops(fwd, args.device)[0]
     zero()
@@ -219,17 +166,18 @@ def run_variant(row: Row, block: nn.Module, x, g, ref, moe_options: dict, args) 
     def fwd_bwd():
         module(x).backward(g)
 
+    def first_call():
+        out = module(x)
+        out.backward(g)
+        return out
+
     zero()
-    sync(x.device)
-    t0 = time.perf_counter()
-    out = module(x)
-    out.backward(g)
-    sync(x.device)
-    row.first_s, out = time.perf_counter() - t0, out.detach()
+    out, row.first_s = timed_call(first_call, x.device)
+    out = out.detach()
     row.err = math.nan if ref is None else normwise_error(out, ref)
     measure(row, lambda: module(x), fwd_bwd, zero, args)
     if row.variant in EXPECTED_OP:
-        seen = sorted(n for n in _all_event_names(fwd_bwd, x.device) if n.startswith("moe::"))
+        seen = sorted(n for n in event_names(fwd_bwd, x.device) if n.startswith("moe::"))
         zero()
         row.note = "moe ops seen: " + (", ".join(seen) or "none")
         if EXPECTED_OP[row.variant] not in seen:
@@ -266,24 +214,12 @@ def guarded(fn, row: Row, device: torch.device):
     return result
 
 
-def free(device: torch.device) -> None:
-    """Drop compiled graphs, collect the garbage, and hand cached blocks back to the driver."""
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def fmt(v: float, spec: str = ".4g") -> str:
-    return "n/a" if math.isnan(v) else format(v, spec)
-
-
 def table(rows: list[Row]) -> str:
     head = ["model", "T", "variant", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
             "speedup vs inductor fwd / fwd+bwd", "launches fwd", "launches fwd+bwd", "peak GiB fwd",
             "peak GiB fwd+bwd", "err out vs eager", "1st call s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     base = {(r.model, r.tokens): r for r in rows if r.variant == "inductor" and not r.status}
+    body = []
     for r in rows:
         cells = [r.model, str(r.tokens), r.variant, r.status]
         if not r.status.startswith(("OOM", "ERROR")):
@@ -293,9 +229,8 @@ def table(rows: list[Row]) -> str:
             cells[3:] = [fmt(r.fwd_ms, ".2f"), fmt(r.fb_ms, ".2f"), fmt(r.flops / r.fwd_ms / 1e9),
                          fmt(3 * r.flops / r.fb_ms / 1e9), speed, *map(str, r.launches),
                          *(fmt(p, ".2f") for p in r.peak), f"{err} {r.status}".strip(), fmt(r.first_s, ".1f")]
-        cells += [""] * (len(head) - len(cells))
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return "\n".join(lines)
+        body.append(cells + [""] * (len(head) - len(cells)))
+    return markdown_table(head, body)
 
 
 def header(args, shapes: dict[str, Shape]) -> str:
@@ -354,13 +289,8 @@ def parse_args(argv=None):
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     args.reps = args.reps or (20 if cuda else 5)
     args.warmup = (3 if cuda else 1) if args.warmup is None else args.warmup
-    args.moe_options = {k.strip(): _option_value(v.strip()) for k, _, v in (o.partition("=") for o in args.moe_option)}
+    args.moe_options = {k.strip(): option_value(v.strip()) for k, _, v in (o.partition("=") for o in args.moe_option)}
     return args
-
-
-def _option_value(text: str):
-    low = text.lower()
-    return low == "true" if low in ("true", "false") else int(low) if low.lstrip("-").isdigit() else text
 
 
 def selected_shape(name: str, args) -> Shape:

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import math
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -24,6 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+
+from measure import (count_ops, event_names, fmt, free, hf_moe_block, init_weights_, markdown_table, median_ms,
+                     normwise_error, option_value, saved_activation_bytes, timed_call)
 
 VARIANTS = ("hf-eager", "hf-inductor", "moecompile")
 SHAPES = ("mixtral", "deepseek_v3")
@@ -46,153 +47,23 @@ DEFAULTS = {
 }
 WARMUP = 2
 
-# ATen ops that only make views, allocate, or alias: not counted themselves (their children are, if any do work:
-# a reshape that has to copy shows up as the aten::clone it calls).
-NON_COMPUTE_OPS = {
-    "aten::" + n for n in (
-        "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "t", "transpose", "permute", "expand",
-        "expand_as", "unsqueeze", "squeeze", "select", "slice", "narrow", "split", "split_with_sizes", "chunk",
-        "unbind", "detach", "alias", "lift_fresh", "unflatten", "flatten", "view_as", "numpy_T", "contiguous",
-        "to", "type_as", "empty", "empty_strided", "empty_like", "resize_", "result_type", "size", "stride",
-        "resolve_conj", "resolve_neg", "conj", "_neg_view",
-    )
-}
-# Custom-op namespaces whose CPU implementation is Python calling ATen ops: count the ATen ops they launch.
-TRANSPARENT_NAMESPACES = ("moe::", "transformers::")
-
 
 # ---------------------------------------------------------------------------------------------- the layer
 
 
 def build_block(shape: str, dims: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
     """An HF MoE block with random fan-in-scaled weights (activations stay O(1) at any width)."""
-    common = dict(hidden_size=dims["hidden"], num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8,
-                  num_experts_per_tok=dims["top_k"], vocab_size=128, experts_implementation="grouped_mm")
-    if shape == "mixtral":
-        from transformers import MixtralConfig
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-        cfg = MixtralConfig(**common, intermediate_size=dims["inter"], num_local_experts=dims["experts"])
-        cls = MixtralSparseMoeBlock
-    else:
-        from transformers import DeepseekV3Config
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-
-        cfg = DeepseekV3Config(**common, moe_intermediate_size=dims["inter"], n_routed_experts=dims["experts"],
-                               n_group=dims["n_group"], topk_group=dims["topk_group"], n_shared_experts=1,
-                               routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0)
-        cls = DeepseekV3MoE
-    # what PreTrainedModel picks by default; a bare block has nobody to pick it
-    cfg._experts_implementation = "grouped_mm"
+    extra = {} if shape == "mixtral" else dict(
+        n_group=dims["n_group"], topk_group=dims["topk_group"], n_shared_experts=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, first_k_dense_replace=0)
+    cls, cfg = hf_moe_block(shape, dims["hidden"], dims["inter"], dims["experts"], dims["top_k"], **extra)
     torch.manual_seed(seed)
     block = cls(cfg)
-    with torch.no_grad():
-        for name, t in [*block.named_parameters(), *block.named_buffers()]:
-            if not t.is_floating_point():
-                continue
-            if "correction_bias" in name:
-                t.uniform_(-0.1, 0.1)
-            elif t.dim() >= 2:  # [out, in] and [E, out, in]: the last dim is the fan-in
-                t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]))
-            else:
-                t.normal_(0.0, 0.1)
+    init_weights_(block)
     return block.to(device=device, dtype=dtype).train()
 
 
-# ------------------------------------------------------------------------------------------- measurements
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_ms(fn, repeats: int, device: torch.device, prep=None) -> float:
-    times = []
-    for _ in range(repeats):
-        if prep is not None:
-            prep()
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def saved_activation_bytes(fwd, exclude_ptrs: set[int]) -> int:
-    """Bytes of the tensors autograd saves for backward during one forward: each storage once, parameters and
-    buffers of the layer excluded."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        try:
-            st = t.untyped_storage()
-            ptr, nbytes = st.data_ptr(), st.nbytes()
-        except Exception:  # tensors without storage (sparse, nested, some subclasses): count their elements
-            ptr, nbytes = id(t), t.numel() * t.element_size()
-        if ptr not in exclude_ptrs and ptr != 0:
-            seen[ptr] = max(seen.get(ptr, 0), nbytes)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fwd()
-    del out
-    return sum(seen.values())
-
-
-def _counted_cpu(name: str) -> bool:
-    """True: an op that does work, counted (and not looked inside); False: a profiler range, a custom op, or a
-    view/alloc op, whose children are looked at instead."""
-    if name.startswith(TRANSPARENT_NAMESPACES) or name in NON_COMPUTE_OPS:
-        return False
-    return name.startswith("aten::") or "cpp_fused" in name  # Inductor C++ kernels: graph_<n>_cpp_fused_...
-
-
-def count_ops(fn, device: torch.device) -> tuple[int, dict[str, int]]:
-    """Ops launched by ``fn()``: on CUDA, device-side events (kernels, memcpy, memset); on CPU, outermost ATen
-    ops and Inductor C++ kernels, looking inside custom ops and view/alloc ops (see README)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    with profile(activities=acts) as prof:
-        fn()
-        sync(device)
-    events = prof.events()
-    names: dict[str, int] = {}
-    if device.type == "cuda":
-        from torch.autograd import DeviceType
-
-        for e in events:
-            if e.device_type == DeviceType.CUDA:
-                names[e.name] = names.get(e.name, 0) + 1
-    else:
-        def visit(e):
-            if _counted_cpu(e.name):
-                names[e.name] = names.get(e.name, 0) + 1
-                return
-            for c in e.cpu_children:
-                visit(c)
-
-        for e in events:
-            if e.cpu_parent is None:
-                visit(e)
-    return sum(names.values()), names
-
-
-def normwise_error(a: torch.Tensor | None, ref: torch.Tensor | None, chunk: int = 1 << 24) -> float:
-    """||a - ref|| / ||ref|| (Frobenius, float64 sums), in chunks: the reference lives on the CPU and expert
-    gradients can be tens of GB at full DeepSeek width."""
-    if a is None or ref is None:
-        return float("nan") if (a is None) != (ref is None) else 0.0
-    a, ref = a.detach().reshape(-1), ref.detach().reshape(-1)
-    num = den = 0.0
-    for i in range(0, ref.numel(), chunk):
-        r = ref[i:i + chunk].to(a.device, torch.float64)
-        num += (a[i:i + chunk].to(torch.float64) - r).square().sum().item()
-        den += r.square().sum().item()
-    return math.sqrt(num) / max(math.sqrt(den), 1e-300)
+# ----------------------------------------------------------------------------------------- one variant
 
 
 def _to_cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -257,11 +128,7 @@ def run_variant(variant: str, shape: str, layer: nn.Module, x: torch.Tensor, gy:
 
     # first call: compiles forward and backward; its output and gradients are checked against hf-eager
     zero()
-    sync(device)
-    t0 = time.perf_counter()
-    out = fwd_bwd()
-    sync(device)
-    row.first_call_s = time.perf_counter() - t0
+    out, row.first_call_s = timed_call(fwd_bwd, device)
     grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
     result = None
     if variant == "hf-eager":  # the reference: keep its output and gradients, on the CPU
@@ -291,7 +158,7 @@ def run_variant(variant: str, shape: str, layer: nn.Module, x: torch.Tensor, gy:
     if recompiles and variant != "hf-eager":
         row.notes.append(f"{recompiles} graph(s) compiled after the first call (recompilation during timing)")
     if variant == "moecompile":
-        moe = sorted({n.split("::")[1] for n in _all_event_names(fwd_bwd, device) if n.startswith("moe::")})
+        moe = sorted({n.split("::")[1] for n in event_names(fwd_bwd, device) if n.startswith("moe::")})
         row.notes.append("profiler saw moe:: ops: " + (", ".join(moe) if moe else "NONE (layer not rewritten?)"))
     if args.verbose:
         for label, names in (("fwd", names_fwd), ("fwd+bwd", names_fb)):
@@ -300,38 +167,26 @@ def run_variant(variant: str, shape: str, layer: nn.Module, x: torch.Tensor, gy:
     return row, result
 
 
-def _all_event_names(fn, device) -> set[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-        sync(device)
-    return {e.name for e in prof.events()}
-
-
 # ------------------------------------------------------------------------------------------------- table
-
-
-def fmt(v: float, spec: str) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
 def table(rows: list[Row]) -> str:
     head = ["shape", "variant", "fwd ms", "fwd+bwd ms", "fwd+bwd vs hf-inductor", "saved MiB", "ops fwd",
             "ops fwd+bwd", "err out", "err grads", "1st call s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     base = {r.shape: r.fwdbwd_ms for r in rows if r.variant == "hf-inductor" and r.error is None}
+    body = []
     for r in rows:
         if r.error is not None:
             cells = [r.shape, r.variant, f"ERROR: {r.error}"] + [""] * (len(head) - 3)
         else:
             ratio = r.fwdbwd_ms / base[r.shape] if r.shape in base else float("nan")
-            cells = [r.shape, r.variant, fmt(r.fwd_ms, ".2f"), fmt(r.fwdbwd_ms, ".2f"), fmt(ratio, ".2f") + ("" if math.isnan(ratio) else "x"),
-                     fmt(r.saved_bytes / 2**20, ".2f"), str(r.ops_fwd), str(r.ops_fwdbwd),
+            cells = [r.shape, r.variant, fmt(r.fwd_ms, ".2f"), fmt(r.fwdbwd_ms, ".2f"),
+                     fmt(ratio, ".2f") + ("" if math.isnan(ratio) else "x"), fmt(r.saved_bytes / 2**20, ".2f"),
+                     str(r.ops_fwd), str(r.ops_fwdbwd),
                      "ref" if r.variant == "hf-eager" else fmt(r.err_out, ".1e"),
                      "ref" if r.variant == "hf-eager" else fmt(r.err_grad, ".1e"), fmt(r.first_call_s, ".1f")]
-        lines.append("| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return markdown_table(head, body)
 
 
 def header(args, device: torch.device, dims: dict) -> str:
@@ -344,7 +199,7 @@ def header(args, device: torch.device, dims: dict) -> str:
     out = [f"# MoE layer benchmark ({datetime.datetime.now().isoformat(timespec='seconds')})", "",
            f"- device: {dev}; dtype: {args.dtype}; repeats: {args.repeats} (median, after {WARMUP} warm-up)",
            f"- torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-           f"- layer: the HF block compiled on its own, input [1, T, H]",
+           "- layer: the HF block compiled on its own, input [1, T, H]",
            f"- moecompile: torch.compile(layer, backend='moe', options={ {**args.moe_options, 'inner': 'inductor'} })"]
     for shape, d in dims.items():
         extra = f", n_group={d['n_group']}, topk_group={d['topk_group']}, 1 shared expert, scaling 2.5" \
@@ -389,9 +244,7 @@ def parse_args(argv=None):
         key, sep, value = item.partition("=")
         if not sep:
             p.error(f"--moe-option {item!r}: expected KEY=VALUE")
-        low = value.strip().lower()
-        args.moe_options[key.strip()] = (low == "true" if low in ("true", "false")
-                                         else int(low) if low.lstrip("-").isdigit() else value.strip())
+        args.moe_options[key.strip()] = option_value(value.strip())
     try:
         from moecompile.config import parse_options
 
@@ -467,10 +320,7 @@ def main(argv=None) -> int:
             x.grad = None
             for p in layer.parameters():
                 p.grad = None
-            torch._dynamo.reset()
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            free(device)
         del block, layer, ref
     out = table(rows)
     notes = [f"- {r.shape} / {r.variant}: {n}" for r in rows for n in r.notes]
