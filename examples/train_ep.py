@@ -60,6 +60,7 @@ def main():
         if rank == 0:
             for layer, stats in moecompile.comm_stats().items():
                 print(f"{layer}: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())))
+            print(moecompile.comm_report(model))  # per layer: dedup and why, predicted and measured time, bytes per link
     finally:
         dist.destroy_process_group()
 

@@ -114,7 +114,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 DATA_DEPENDENT_BREAKS = (
     "Dynamo reported {n} graph break(s) at data-dependent shapes (nonzero(), where(mask), .item(), .tolist()): "
     "an MoE block whose experts loop over such results is cut into pieces the backend cannot recognise. Fix: leave "
-    "the option capture at True, its default (see the README, 'Expert loops')"
+    "the option capture at True, its default (see docs/detection.md, 'Expert loops')"
 )
 
 

@@ -1,5 +1,6 @@
 """The README and docs/ stay true to the code: every command in a fenced block names files, modules and CLI verbs
-that exist, and every repository path or ``moecompile.*`` name written in the text resolves.
+that exist, every repository path or ``moecompile.*`` name written in the text resolves, and the README's example
+on one device runs.
 
     python -m moecompile VERB ...        VERB is a verb of the CLI
     python -m some.module ...            the module can be found
@@ -156,3 +157,19 @@ def test_the_checks_can_fail():
     assert paths == {"runtime/ep_ops.py", "tests/test_ops.py::no_such_test", "tests/test_kernels_*.py"}
     assert [bool(exists(p)) for p in sorted(paths)] == [True, False, True]  # the stale path, the missing test
     assert not resolves("moecompile.runtime.ep_ops") and resolves("moecompile.runtime.comm.exchange.emulate_links")
+
+
+def test_the_one_device_example_runs():
+    """The README's example on one device runs as written (a fresh process, as a user pastes it) and rewrites the
+    layers it says it does."""
+    import subprocess
+    import sys
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## On one device", 1)[1]
+    lang, code = FENCE.search(section).groups()
+    assert lang == "python" and "backend=\"moe\"" in code
+    code += "\nprint('final loss', loss.item())\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "2 MoE layer(s) rewritten, 0 skipped" in out.stdout and "final loss" in out.stdout, out.stdout[-4000:]

@@ -26,3 +26,4 @@ def test_train_ep_example_runs_under_torchrun():
     assert proc.returncode == 0, out[-4000:]
     assert "sharded model.layers.0.mlp" in out and "dedup='node'" in out, out[-4000:]
     assert "step 0: mean loss over 4 ranks" in out and "dispatch.node=" in out, out[-4000:]
+    assert "expert-parallel communication" in out and "dedup node" in out, out[-4000:]
