@@ -22,7 +22,8 @@ def _model_for(target: str, dtype: torch.dtype, full_size: bool = False):
             small = hf.shrink_config(config.model_type, base=config)
             if small is None:
                 raise SystemExit(f"could not shrink {target}; pass --full-size to build it as it is")
-            print(f"{target}: sizes shrunk to a tiny random model, routing kept (--full-size builds it as is)")
+            print(f"{target}: sizes shrunk to a tiny random model, routing and dense layers kept "
+                  "(--full-size builds it as is)")
             config = small
         return hf.build_model(config, dtype=dtype)
     if target in hf.FAMILIES:

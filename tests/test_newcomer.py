@@ -1,0 +1,24 @@
+"""What a newcomer meets on the way (issue 23, item 8): each fix with the test that fails without it."""
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, Qwen2MoeConfig
+
+from moecompile.__main__ import _model_for
+
+
+def _mlp_kinds(model) -> list[str]:
+    return ["moe" if hasattr(layer.mlp, "experts") else "dense" for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("config, kinds", [
+    (DeepseekV3Config(num_hidden_layers=61, first_k_dense_replace=3), ["dense", "moe"]),
+    (Qwen2MoeConfig(num_hidden_layers=24, mlp_only_layers=[0, 1, 2]), ["dense", "moe"]),  # once: no MoE layer left
+    (Qwen2MoeConfig(num_hidden_layers=24, decoder_sparse_step=2), ["dense", "moe"]),  # once: no dense layer left
+    (Qwen2MoeConfig(num_hidden_layers=24), ["moe", "moe"]),
+])
+def test_a_shrunk_config_json_keeps_its_dense_layers(tmp_path, config, kinds):
+    """The CLI's ``inspect path/to/config.json``: the tiny model keeps a dense layer where the real one has any, and
+    an MoE layer (DeepSeek-V3: its first 3 of 61 layers dense)."""
+    config.save_pretrained(tmp_path)
+    assert _mlp_kinds(_model_for(str(tmp_path / "config.json"), torch.float32)) == kinds
