@@ -12,9 +12,23 @@ import torch
 
 from .config import LOWERINGS
 
+def families() -> list[str]:
+    """The families ``inspect`` and ``demo`` take by name: every MoE family of the installed transformers (the
+    README's family table), each built as the family walk builds it (``models.hf.walk_config``)."""
+    import transformers
+
+    from moecompile.models import hf
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # other families' default configs warn of their token ids
+    try:
+        return sorted(set(hf.FAMILIES) | set(hf.moe_families_in_transformers()))
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
 
 def _model_for(target: str, dtype: torch.dtype, full_size: bool = False):
-    from moecompile.models import hf
+    from moecompile.models import handwritten, hf
 
     if os.path.exists(target):
         config = hf.load_config(target)
@@ -26,16 +40,17 @@ def _model_for(target: str, dtype: torch.dtype, full_size: bool = False):
                   "(--full-size builds it as is)")
             config = small
         return hf.build_model(config, dtype=dtype)
-    if target in hf.FAMILIES:
-        return hf.tiny_model(target, dtype=dtype)
-    from moecompile.models import handwritten
-
     if target in handwritten.HANDWRITTEN:
         return handwritten.TinyMoELM(target).to(dtype).eval()
-    raise SystemExit(
-        f"unknown model {target!r}: give a path to a config.json, a family ({', '.join(hf.FAMILIES)}) "
-        f"or a hand-written kind ({', '.join(handwritten.HANDWRITTEN)})"
-    )
+    known = families()
+    if target not in known:
+        raise SystemExit(f"unknown model {target!r}: give a path to a config.json, a family ({', '.join(known)}) "
+                         f"or a hand-written kind ({', '.join(handwritten.HANDWRITTEN)})")
+    config = hf.walk_config(target)
+    if config is None:
+        raise SystemExit(f"{target}: transformers' default config of it could not be shrunk to a tiny model here; "
+                         "give the path to a config.json of it")
+    return hf.build_model(config, dtype=dtype)
 
 
 def inspect(args) -> int:
@@ -53,13 +68,13 @@ def inspect(args) -> int:
 
 
 def demo(args) -> int:
-    """Train a tiny Mixtral-style model for a few steps with backend="moe" and with eager, side by side."""
+    """Train a tiny MoE model (Mixtral's by default) for a few steps with backend="moe" and with eager, side by
+    side."""
     import moecompile
-    from moecompile.models import hf
 
     torch.manual_seed(0)
-    ids = torch.randint(0, 128, (2, 16))
-    eager, compiled_src = hf.tiny_model(args.family), hf.tiny_model(args.family)
+    ids = torch.randint(0, 128, (2, 16))  # every tiny model's vocabulary is 128
+    eager, compiled_src = _model_for(args.family, torch.float32), _model_for(args.family, torch.float32)
     compiled_src.load_state_dict(eager.state_dict())
     print(moecompile.explain(compiled_src, ids, lowering=args.lowering))
     compiled = torch.compile(compiled_src, backend="moe", options={"inner": args.inner, "lowering": args.lowering})
@@ -106,7 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=8)
     p.set_defaults(fn=inspect)
     d = sub.add_parser("demo", help="train a tiny MoE model with backend='moe' next to eager")
-    d.add_argument("--family", default="mixtral")
+    d.add_argument("--family", default="mixtral", help="a family or hand-written kind, as inspect takes")
     d.add_argument("--steps", type=int, default=3)
     d.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"))
     d.add_argument("--lowering", default="auto", choices=LOWERINGS,

@@ -1,10 +1,14 @@
 """What a newcomer meets on the way (issue 23, item 8): each fix with the test that fails without it."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DeepseekV3Config, Qwen2MoeConfig
 
-from moecompile.__main__ import _model_for
+from moecompile.__main__ import _model_for, families
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _mlp_kinds(model) -> list[str]:
@@ -22,3 +26,18 @@ def test_a_shrunk_config_json_keeps_its_dense_layers(tmp_path, config, kinds):
     an MoE layer (DeepSeek-V3: its first 3 of 61 layers dense)."""
     config.save_pretrained(tmp_path)
     assert _mlp_kinds(_model_for(str(tmp_path / "config.json"), torch.float32)) == kinds
+
+
+def _readme_families() -> list[str]:
+    table = (ROOT / "README.md").read_text().split("<!-- family-table:start -->")[1].split("<!-- family-table:end")[0]
+    return [line.split("|")[1].strip() for line in table.strip().splitlines()[2:]]
+
+
+def test_cli_takes_every_family_of_the_readme_table():
+    listed = _readme_families()
+    assert len(listed) > 50 and set(listed) <= set(families())
+    for family in ("jetmoe", "afmoe", "deepseek_v4"):  # no tiny config of theirs: built as the family walk builds them
+        model = _model_for(family, torch.float32)
+        assert model.config.model_type == family and model.config.vocab_size == 128
+    with pytest.raises(SystemExit, match=r"unknown model 'mixtrall': .*a family \(.*jetmoe.*\) or a hand-written"):
+        _model_for("mixtrall", torch.float32)
