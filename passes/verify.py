@@ -81,11 +81,13 @@ def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Ge
 _BOUNDED = ("swiglu_clamp", "silu_clamp", "swiglu_softcap")  # activations with a clamp or a cap (runtime/activations)
 
 
+@torch.no_grad()
 def _saturating_round(cand, inputs, outside, x_node):
     """The first round again, its tokens scaled so that the experts' projections reach three times the largest
     clamp or cap of any candidate activation, or None when no candidate has one. Unit-scale random tokens seldom
     reach GPT-OSS's clamp at 7, and below its bound a clamped or capped SwiGLU equals a plain one: without this
-    round, a wrong candidate (no clamp, another limit) would be proved."""
+    round, a wrong candidate (no clamp, another limit) would be proved. No gradient: the reach is a number read off
+    the parameters (with one, turning it into a float warns that the tensor requires grad)."""
     bounds = [max(s.experts.alpha, s.experts.limit) for s in cand.specs if s.experts.activation in _BOUNDED]
     if not bounds:
         return None

@@ -1,5 +1,6 @@
 """What a newcomer meets on the way (issue 23, item 8): each fix with the test that fails without it."""
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -7,8 +8,10 @@ import torch
 from transformers import DeepseekV3Config, Qwen2MoeConfig
 
 from moecompile.__main__ import _model_for, families
+from moecompile.models import hf
 
 ROOT = Path(__file__).resolve().parent.parent
+IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
 def _mlp_kinds(model) -> list[str]:
@@ -41,3 +44,19 @@ def test_cli_takes_every_family_of_the_readme_table():
         assert model.config.model_type == family and model.config.vocab_size == 128
     with pytest.raises(SystemExit, match=r"unknown model 'mixtrall': .*a family \(.*jetmoe.*\) or a hand-written"):
         _model_for("mixtrall", torch.float32)
+
+
+def test_no_warning_leaks_from_the_passes():
+    """GPT-OSS's clamped SwiGLU makes verify read how far probe tokens reach off the parameters: no "Converting a
+    tensor with requires_grad=True to a scalar" warning (torch gives it once per process unless warn_always)."""
+    ours = [str(ROOT / d) for d in ("passes", "moecompile", "runtime")]
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.compile(hf.tiny_model("gpt_oss"), backend="moe", options={"inner": "aot_eager"})(IDS)
+    finally:
+        torch.set_warn_always(warn_always)
+    leaked = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if w.filename.startswith(tuple(ours))]
+    assert not leaked, leaked
