@@ -19,14 +19,14 @@ def _mlp_kinds(model) -> list[str]:
 
 
 @pytest.mark.parametrize("config, kinds", [
-    (DeepseekV3Config(num_hidden_layers=61, first_k_dense_replace=3), ["dense", "moe"]),
-    (Qwen2MoeConfig(num_hidden_layers=24, mlp_only_layers=[0, 1, 2]), ["dense", "moe"]),  # once: no MoE layer left
-    (Qwen2MoeConfig(num_hidden_layers=24, decoder_sparse_step=2), ["dense", "moe"]),  # once: no dense layer left
+    (DeepseekV3Config(num_hidden_layers=61, first_k_dense_replace=3), ["dense", "moe", "moe"]),
+    (Qwen2MoeConfig(num_hidden_layers=24, mlp_only_layers=[0, 1, 2]), ["dense", "moe", "moe"]),  # was: no MoE layer
+    (Qwen2MoeConfig(num_hidden_layers=24, decoder_sparse_step=2), ["dense", "moe", "moe"]),  # was: no dense layer
     (Qwen2MoeConfig(num_hidden_layers=24), ["moe", "moe"]),
 ])
 def test_a_shrunk_config_json_keeps_its_dense_layers(tmp_path, config, kinds):
     """The CLI's ``inspect path/to/config.json``: the tiny model keeps a dense layer where the real one has any, and
-    an MoE layer (DeepSeek-V3: its first 3 of 61 layers dense)."""
+    two MoE layers after it (DeepSeek-V3: its first 3 of 61 layers dense)."""
     config.save_pretrained(tmp_path)
     assert _mlp_kinds(_model_for(str(tmp_path / "config.json"), torch.float32)) == kinds
 
