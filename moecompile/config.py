@@ -22,7 +22,8 @@ class MoEOptions:
                       interpreter, slowly: for tests) or "torch" (reference ops everywhere).
     disable_passes:   pass names to skip (see moecompile.pipeline.PASSES). Without "verify" nothing is rewritten.
     strict:           raise instead of leaving an MoE block that could not be proved or rewritten as it was, and
-                      instead of running a graph as it came in when a pass (or the inner compiler) fails.
+                      instead of running a graph as it came in when a pass (or the inner compiler) fails; also for a
+                      whole graph with nothing MoE-like in it (not one cut by a graph break): docs/options.md.
     verify_backward:  also prove gradients (tokens and every parameter) before rewriting.
     verify_lowering:  before a layer's Triton kernels are used, run them beside the proved torch references on
                       probe inputs (forward, and gradients with verify_backward); a layer where they disagree keeps

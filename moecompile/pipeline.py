@@ -6,23 +6,28 @@ and recompiled. The invariants between passes are written down in passes/README.
 No model stops the user's program: a pass that raises leaves the graph as it came in from Dynamo (restored from a
 copy taken before the first pass), the report is rolled back to where it stood before that graph, and the failure
 (pass, block, error) is recorded in ``report.failures``, counted (``pipeline.failed.<pass>``) and warned about.
-With ``strict=True`` it raises ``MoECompileError`` instead, naming the pass and the passes that ran before it.
+With ``strict=True`` it raises ``MoECompileError`` instead, naming the pass and the passes that ran before it; so
+it does for a whole graph with no MoE layer at all (``_no_moe_found``).
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass
 
+import torch._dynamo.utils as dynamo_utils
 import torch.fx as fx
 
 from moecompile.passes.canonicalize import canonicalize_moe_pass
 from moecompile.passes.detect import detect_moe_pass
 from moecompile.passes.distribute import distribute_moe_pass
+from moecompile.passes.kept import looked_up
 from moecompile.passes.lower import LoweringUnavailable, lower_moe_pass
 from moecompile.passes.report import FailureRecord, PassReport
+from moecompile.passes.routing import selections_in
 from moecompile.passes.sharded import expose_sharded_pass, remove_standins
 from moecompile.passes.verify import verify_moe_pass
 
@@ -40,7 +45,7 @@ PASSES = (
 
 
 class MoECompileError(RuntimeError):
-    """A pass failed, or (with strict=True) an MoE block was left unrewritten."""
+    """A pass failed, or (with strict=True) an MoE block was left unrewritten or a whole graph had none."""
 
 
 class MoEFallbackWarning(UserWarning):
@@ -75,6 +80,12 @@ def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: P
     if config.strict and report.skipped:
         lines = "\n".join(f"  {s.region}: {s.reason}" for s in report.skipped)
         raise MoECompileError(f"strict=True and some MoE blocks were not rewritten:\n{lines}")
+    if config.strict and _no_moe_found(gm, config, report, checkpoint):
+        raise MoECompileError(
+            f"strict=True and no MoE layer found in the graph ({_which(gm, checkpoint)}): no router selects experts "
+            "in it (no top-k, argmax or sort over a router's scores, nothing detect could take for an MoE block). "
+            "Check that the model is an MoE model whose MoE layers run in this forward, or drop strict=True to "
+            "compile it as it is.")
     return gm
 
 
@@ -133,6 +144,41 @@ class Checkpoint:
 def _short(text: str, n: int = 300) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _no_moe_found(gm: fx.GraphModule, config: MoEOptions, report: PassReport, checkpoint: Checkpoint) -> bool:
+    """Whether detect found nothing MoE-like in a graph of a whole frame: no block, no skip, no selection op (a
+    top-k, argmax or sort that steers nothing was looked at and let go). A graph that a graph break cut, or one
+    traced while a frame that a graph break cut is running (a callee, the rest after the break), may be the part of
+    an MoE model around its MoE layers: never said to have none."""
+    if "detect" in config.disable_passes or report.counters["detect.blocks"] > checkpoint.counters["detect.blocks"]:
+        return False
+    if len(report.skipped) > checkpoint.skipped or len(report.layers) > checkpoint.layers:
+        return False
+    reason = getattr(gm, "compile_subgraph_reason", None)  # set by Dynamo on the graphs it hands a backend
+    if (reason is not None and reason.graph_break) or _inside_a_cut_frame():
+        return False
+    nodes = list(gm.graph.nodes)
+    return not selections_in(nodes) and not any(looked_up(n) for n in nodes)
+
+
+def _inside_a_cut_frame() -> bool:
+    """Whether code that Dynamo compiled from a frame is running below this call: Dynamo cut that frame (a graph
+    break) and now traces a frame it calls, or its rest after the break."""
+    compiled = getattr(dynamo_utils, "orig_code_map", None)  # Dynamo's compiled code -> the code it was made from
+    frame = sys._getframe()
+    while frame is not None:
+        if compiled is None or frame.f_code in compiled:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _which(gm: fx.GraphModule, checkpoint: Checkpoint) -> str:
+    """The graph's index and the frame Dynamo traced it from: 'graph 0, of forward at modeling_llama.py:512'."""
+    stack = getattr(getattr(gm, "compile_subgraph_reason", None), "user_stack", None)
+    frame = f", of {stack[-1].name} at {stack[-1].filename.rsplit('/', 1)[-1]}:{stack[-1].lineno}" if stack else ""
+    return f"graph {checkpoint.index}{frame}"
 
 
 def _drop_unproved(gm: fx.GraphModule) -> None:

@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, Qwen2MoeConfig
+from conftest import RecordingBackend
+from transformers import DeepseekV3Config, LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig
 
+import moecompile
 from moecompile.__main__ import _model_for, families
 from moecompile.models import hf
 
@@ -60,3 +62,28 @@ def test_no_warning_leaks_from_the_passes():
         torch.set_warn_always(warn_always)
     leaked = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if w.filename.startswith(tuple(ours))]
     assert not leaked, leaked
+
+
+def test_strict_says_when_a_model_has_no_moe_layer():
+    """A dense model under strict=True: MoECompileError naming the problem and the fix. A graph break does not make
+    strict=True fail an MoE model on its graphs without MoE layers."""
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    backend = RecordingBackend(inner="aot_eager", strict=True)
+    with pytest.raises(Exception, match="no MoE layer found in the graph"):
+        torch.compile(LlamaForCausalLM(cfg), backend=backend)(IDS)
+    (error,) = backend.errors
+    assert isinstance(error, moecompile.MoECompileError)
+    assert "graph 0" in str(error) and "drop strict=True" in str(error) and "is an MoE model" in str(error)
+
+    model = hf.tiny_model("mixtral")
+    norm = model.model.norm.forward
+
+    def norm_after_a_break(x):
+        torch._dynamo.graph_break()
+        return norm(x)
+
+    model.model.norm.forward = norm_after_a_break
+    backend = RecordingBackend(inner="aot_eager", strict=True)
+    torch.compile(model, backend=backend)(IDS)
+    assert not backend.errors and backend.report.graphs_seen > 1 and len(backend.report.layers) == 2
