@@ -62,7 +62,9 @@ def _picks_from(n: fx.Node, lin: fx.Node, values) -> bool:
         return False
     if op_name(n) == "gather" and not looked_up(n):
         return False
-    return 2 <= shape_of(n.args[0])[-1] <= values[router_weight(lin)].shape[0] and scores_linear(n, values) is lin
+    experts = shape_of(n.args[0])[-1]  # symbolic: a token count, never the experts (comparing it would guard)
+    return isinstance(experts, int) and 2 <= experts <= values[router_weight(lin)].shape[0] and \
+        scores_linear(n, values) is lin
 
 
 def _why_not_router(sel: fx.Node, values) -> str:

@@ -137,7 +137,7 @@ def _build_pft_setup(ctx, inputs, output):
 def _build_pft_bwd(ctx, g_tok, g_exp, g_cnt, grad_cw_B, g_src):
     expert_ids_B, src_B = ctx.saved_tensors
     kept = grad_cw_B * (expert_ids_B < ctx.num_experts)  # dropped assignments get no gradient
-    grad_flat = grad_cw_B.new_zeros(ctx.shape.numel()).index_put((src_B,), kept)
+    grad_flat = grad_cw_B.new_zeros(ctx.shape).view(-1).index_put((src_B,), kept)  # Size.numel() would guard
     return None, grad_flat.view(ctx.shape), None, None, None, None
 
 

@@ -1,0 +1,59 @@
+"""Varying sequence lengths compile as many graphs under backend="moe" as under plain torch.compile (issue 23, item
+7): the custom ops' fake functions, autograd and saved state stay symbolic in the token count, and no pass adds a
+guard on it. Before, the backward of moe::build_pft turned the token count into an int (a guard ``s0 == 8``) and a
+pass compared a symbolic size with the expert count, so every length compiled its own graph until Dynamo's
+recompile limit, after which the model ran eagerly with the rewrite lost."""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import RecordingBackend, normwise
+from torch._dynamo.utils import counters
+
+from moecompile.models import hf
+
+LENGTHS = range(8, 19)  # 11 lengths: more than Dynamo's recompile limit (8)
+
+
+class CountingBackend(RecordingBackend):
+    """The moe backend, counting the graphs it was given (Dynamo may trace a frame twice: with dynamic=True,
+    aot_autograd restarts the first trace once to specialize float inputs, as it does for any backend)."""
+
+    calls = 0
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.calls += 1
+        return super().__call__(gm, example_inputs, **kwargs)
+
+
+def _graphs(backend, *, dynamic, train: bool):
+    """Graphs compiled while training (or running inference) at every length, batch 1 or 2; the last logits, the
+    model and its last input."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = hf.tiny_model("mixtral").train(train)
+    compiled = torch.compile(model, backend=backend, **({} if dynamic is None else {"dynamic": dynamic}))
+    for n in LENGTHS:
+        ids = torch.randint(0, model.config.vocab_size, (1 + n % 2, n), generator=torch.Generator().manual_seed(n))
+        with torch.set_grad_enabled(train):
+            out = compiled(ids, labels=ids)
+        if train:
+            out.loss.backward()
+    return counters["stats"]["unique_graphs"], out.logits, model, ids
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic-dynamic"])
+def test_lengths_compile_as_many_graphs_as_plain_torch_compile(dynamic, train):
+    plain, *_ = _graphs("aot_eager", dynamic=dynamic, train=train)
+    backend = CountingBackend(inner="aot_eager")
+    ours, logits, model, ids = _graphs(backend, dynamic=dynamic, train=train)
+    assert not backend.errors, backend.errors
+    assert ours == plain <= 3, (ours, plain)
+    # every graph the moe backend was given has both MoE layers rewritten
+    assert backend.report.counters["canonicalize.rewritten"] == 2 * backend.calls >= 2 * ours
+    eager = copy.deepcopy(model)
+    with torch.no_grad():
+        assert normwise(logits, eager(ids).logits) <= 1e-5
