@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import time
@@ -11,6 +13,25 @@ import time
 import torch
 
 from .config import LOWERINGS
+
+log = logging.getLogger("moecompile.cli")  # __name__ is "__main__" under python -m
+
+
+@contextlib.contextmanager
+def progress(stream=None):
+    """The compile's progress on ``stream`` (stderr) while it runs: the INFO lines of the logger "moecompile", a
+    line per pass and graph and one per layer proved (moecompile/pipeline.py, passes/verify.py)."""
+    logger = logging.getLogger("moecompile")
+    handler, level = logging.StreamHandler(stream or sys.stderr), logger.level
+    handler.setFormatter(logging.Formatter("moecompile: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
 
 def families() -> list[str]:
     """The families ``inspect`` and ``demo`` take by name: every MoE family of the installed transformers (the
@@ -58,6 +79,8 @@ def inspect(args) -> int:
 
     dtype = getattr(torch, args.dtype)
     model = _model_for(args.model, dtype, args.full_size)
+    log.info("%s built; Dynamo traces it, then the passes run (the first compile of a process takes longest)",
+             args.model)
     ids = torch.randint(0, min(64, model.config.vocab_size if hasattr(model, "config") else 64), (args.batch, args.seq))
     report = moecompile.explain(model, ids, inner=args.inner, lowering=args.lowering, capture=not args.no_capture)
     print(report)
@@ -143,7 +166,8 @@ def main(argv=None) -> int:
                    help="seconds a collective may wait before the ranks raise (a dead rank never hangs the others)")
     c.set_defaults(fn=_calibrate)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    with progress() if args.cmd in ("inspect", "demo") else contextlib.nullcontext():
+        return args.fn(args)
 
 
 if __name__ == "__main__":

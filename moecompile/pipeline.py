@@ -8,12 +8,17 @@ copy taken before the first pass), the report is rolled back to where it stood b
 (pass, block, error) is recorded in ``report.failures``, counted (``pipeline.failed.<pass>``) and warned about.
 With ``strict=True`` it raises ``MoECompileError`` instead, naming the pass and the passes that ran before it; so
 it does for a whole graph with no MoE layer at all (``_no_moe_found``).
+
+Progress, pass by pass and layer by layer, goes to the ``logging`` logger "moecompile" at INFO: the CLI shows it on
+stderr; a library user sees nothing unless they turn that logger on.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import sys
+import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ PASSES = (
     ("distribute", distribute_moe_pass),
     ("lower", lower_moe_pass),
 )
+log = logging.getLogger(__name__)  # "moecompile.pipeline": INFO lines of progress (the CLI shows them)
 
 
 class MoECompileError(RuntimeError):
@@ -61,6 +67,7 @@ def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: P
     for name, fn in PASSES:
         if name in config.disable_passes:
             continue
+        before, start = Counter(report.counters), time.perf_counter()
         try:
             if name == "canonicalize" and "verify" in config.disable_passes:
                 _drop_unproved(gm)
@@ -74,6 +81,8 @@ def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: P
                 raise MoECompileError(f"moecompile pass {name!r} failed (after {done or 'no passes'}): {exc}") from exc
             return checkpoint.restore(report, name, exc, config)
         done.append(name)
+        log.info("graph %d: %s: %s (%.1f s)", checkpoint.index, name, _counted(name, before, report.counters),
+                 time.perf_counter() - start)
         if config.record_graphs:
             report.graphs.append((name, gm.print_readable(print_output=False)))
     complete_missing_experts(report)
@@ -144,6 +153,13 @@ class Checkpoint:
 def _short(text: str, n: int = 300) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _counted(name: str, before: Counter, after: Counter) -> str:
+    """What a pass counted on this graph: its own counters and the skips, as they grew."""
+    grew = [(k, after[k] - before[k]) for k in sorted(after) if (k.startswith(name + ".") or k == "skipped")
+            and after[k] != before[k]]
+    return ", ".join(f"{k.removeprefix(name + '.')}={n}" for k, n in grew) or "nothing to do"
 
 
 def _no_moe_found(gm: fx.GraphModule, config: MoEOptions, report: PassReport, checkpoint: Checkpoint) -> bool:

@@ -13,6 +13,9 @@ top-k weights and ids probed with random routings (K distinct experts per token)
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 import torch.fx as fx
 
@@ -24,6 +27,7 @@ from .report import LayerRecord, PassReport, block
 # Normwise relative error allowed between the original block and its canonical form, per dtype. fp32: the
 # reordering of a top-k sum; half types: what eager itself shows when two reductions are reordered.
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+log = logging.getLogger(__name__)  # a line per block, at INFO: the CLI's progress (moecompile/pipeline.py)
 
 
 def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
@@ -32,8 +36,11 @@ def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
         cand = node.meta.get("moe")
         if cand is None:
             continue
+        start = time.perf_counter()
         with block(cand.path):
             ok, detail = _prove(cand, values, config)
+        log.info("verify %s: %s (%.1f s)", cand.path, "proved" if ok else f"not proved: {detail['reason'][:100]}",
+                 time.perf_counter() - start)
         if ok:
             report.counters["verify.proved"] += 1
             real = lambda n: None if "ep_standin" in n.meta else values.get(n)  # noqa: E731  (not a stand-in)

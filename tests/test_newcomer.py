@@ -1,5 +1,6 @@
 """What a newcomer meets on the way (issue 23, item 8): each fix with the test that fails without it."""
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -9,7 +10,8 @@ from conftest import RecordingBackend
 from transformers import DeepseekV3Config, LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig
 
 import moecompile
-from moecompile.__main__ import _model_for, families
+from moecompile import pipeline
+from moecompile.__main__ import _model_for, families, main
 from moecompile.models import hf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,3 +89,28 @@ def test_strict_says_when_a_model_has_no_moe_layer():
     backend = RecordingBackend(inner="aot_eager", strict=True)
     torch.compile(model, backend=backend)(IDS)
     assert not backend.errors and backend.report.graphs_seen > 1 and len(backend.report.layers) == 2
+
+
+def test_progress_reports_each_pass_in_order(caplog):
+    caplog.set_level(logging.INFO, logger="moecompile")
+    backend = RecordingBackend(inner="aot_eager")
+    torch.compile(hf.tiny_model("mixtral"), backend=backend)(IDS)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("moecompile")]
+    passes = [line.split(": ")[1] for line in lines if line.startswith("graph 0: ")]
+    assert passes == [name for name, _ in pipeline.PASSES], lines
+    proved = [line for line in lines if line.startswith("verify model.layers.")]
+    assert [line.split(":")[0] for line in proved] == ["verify model.layers.0.mlp", "verify model.layers.1.mlp"]
+    assert all(": proved (" in line for line in proved) and any("graph 0: detect: blocks=2," in x for x in lines)
+
+
+def test_inspect_a_family_without_a_tiny_config_shows_its_progress(capsys):
+    """End to end (about 30 s): the report on stdout, the progress of the passes on stderr as they run, in order;
+    none of it once the CLI is done (library use stays silent)."""
+    assert main(["inspect", "jetmoe"]) == 0
+    out, err = capsys.readouterr()
+    assert "moecompile: 2 MoE layer(s) rewritten" in out
+    lines = err.splitlines()
+    done = [next(i for i, line in enumerate(lines) if f"graph 0: {name}: " in line) for name, _ in pipeline.PASSES]
+    assert done == sorted(done), err
+    assert "moecompile: verify model.layers.0.mlp: proved (" in err
+    assert not logging.getLogger("moecompile").isEnabledFor(logging.INFO)
