@@ -25,3 +25,7 @@ from moecompile.runtime.stats import token_drops
 __all__ = ["moe_backend", "capture", "parallelize", "ExpertOptimizer", "replication_report", "MoEOptions", "ExplainReport", "explain",
            "token_drops", "comm_stats", "comm_report", "comm_rows", "plot_comm", "get_optimizer_state_dict",
            "set_optimizer_state_dict", "MoECompileError", "MoEFallbackWarning"]
+
+from . import recompiles as _recompiles
+
+_recompiles.install()  # a rewrite lost to Dynamo's recompile limit is warned about, and explain() lists it

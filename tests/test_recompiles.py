@@ -57,3 +57,27 @@ def test_lengths_compile_as_many_graphs_as_plain_torch_compile(dynamic, train):
     eager = copy.deepcopy(model)
     with torch.no_grad():
         assert normwise(logits, eager(ids).logits) <= 1e-5
+
+
+def test_a_rewrite_lost_to_the_recompile_limit_is_warned_about():
+    """Static shapes (dynamic=False) recompile at every length; past the limit Dynamo runs the frame eagerly. The
+    program runs on, and a MoEFallbackWarning names the frame, the limit and the fix; another backend's limit is
+    not ours to report."""
+    from moecompile import MoEFallbackWarning, recompiles
+
+    recompiles.lost.clear()
+    model = hf.tiny_model("mixtral").eval()
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+        compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+        for n in (5, 6, 7):
+            compiled(torch.randint(0, 128, (1, n)))
+        assert not recompiles.lost
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=RecordingBackend(inner="aot_eager"), dynamic=False)
+        with pytest.warns(MoEFallbackWarning, match="no longer rewritten") as caught:
+            for n in (5, 6, 7, 8):
+                ids = torch.randint(0, 128, (1, n))
+                assert normwise(compiled(ids).logits, model(ids).logits) <= 1e-5
+    assert len([w for w in caught if issubclass(w.category, MoEFallbackWarning)]) == 1  # once per frame
+    [(where, why)] = recompiles.lost.items()
+    assert "recompile_limit (2)" in why and "(" in where
