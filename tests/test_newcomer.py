@@ -114,3 +114,17 @@ def test_inspect_a_family_without_a_tiny_config_shows_its_progress(capsys):
     assert done == sorted(done), err
     assert "moecompile: verify model.layers.0.mlp: proved (" in err
     assert not logging.getLogger("moecompile").isEnabledFor(logging.INFO)
+
+
+def test_readme_recipe_for_generate():
+    """README, On one device: compiling ``model.forward`` (not the module) is what generate() runs compiled."""
+    section = (ROOT / "README.md").read_text().split("## On one device")[1].split("\n## ")[0]
+    assert 'model.forward = torch.compile(model.forward, backend="moe")' in section
+    model = hf.tiny_model("mixtral")
+    prompt = IDS[:1, :5]
+    want = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    backend = RecordingBackend(inner="aot_eager")  # backend="moe", keeping its report
+    model.forward = torch.compile(model.forward, backend=backend)
+    got = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, want) and not backend.errors
+    assert backend.report.counters["canonicalize.rewritten"] >= 1
