@@ -11,6 +11,7 @@ from moecompile.passes import aliases
 from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, SkipRecord
 
 from .backend import capture_failed, compile_graph, run_uncompiled
+from . import recompiles
 from .tracing import capture
 from .config import parse_options
 from .pipeline import MoEFallbackWarning
@@ -25,7 +26,9 @@ class ExplainReport:
     ``failures``: (stage, region, error) for every pass, inner compile or first run that raised: that graph ran as
     it came in; ``loops``: the forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert
     (moecompile/tracing/loops.py); ``retraced``: where Dynamo's trace failed with data-dependent shapes captured ->
-    its error: that frame was traced again with Dynamo's defaults (moecompile/tracing/capture.py)."""
+    its error: that frame was traced again with Dynamo's defaults (moecompile/tracing/capture.py);
+    ``lost_to_recompiles``: frames that hit Dynamo's recompile limit under a moe backend in this process, so run
+    eagerly, unrewritten, from then on (moecompile/recompiles.py)."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
@@ -37,11 +40,15 @@ class ExplainReport:
     loops: dict[str, str] = dataclasses.field(default_factory=dict)  # forward whose nonzero() loop was rewritten
     parallel: str = ""  # a parallelized model: its sharding, each layer's dedup and why, and what it has sent
     retraced: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> its capture-on trace's error
+    lost_to_recompiles: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> the limit it hit
 
     def __str__(self) -> str:
         out = [f"moecompile: {len(self.layers)} MoE layer(s) rewritten, {len(self.skipped)} skipped, "
-               f"{self.num_graphs} graph(s)" + (f", {len(self.failures)} pass failure(s)" if self.failures else "")]
+               f"{self.num_graphs} graph(s)" + (f", {len(self.failures)} failure(s)" if self.failures else "")]
         out += [f"  warning: {m}" for m in self.config_mismatches]
+        for where, why in self.lost_to_recompiles.items():
+            out.append(f"  warning: earlier in this process {where} hit {why}: it runs eagerly from then on, its MoE "
+                       "layers not rewritten (compile with dynamic=True for changing sizes)")
         for where, error in self.retraced.items():
             out.append(f"  {where}: traced again with Dynamo's defaults: {error} (raised with data-dependent "
                        "shapes captured; strict=True raises instead)")
@@ -116,7 +123,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 
             parallel += f"\n{replication_report(model)}"
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
-                         report.failures, dict(report.loops), parallel, retraced)
+                         report.failures, dict(report.loops), parallel, retraced, dict(recompiles.lost))
 
 
 DATA_DEPENDENT_BREAKS = (

@@ -36,7 +36,7 @@ class _LimitFilter(logging.Filter):
         if "hit config." in str(record.msg) and len(args) >= 4 and _for_moe(_compiler_being_traced_for()):
             where = str(args[2])
             if where not in lost:
-                lost[where] = f"{args[0]} ({args[1]}) hit; last reason to recompile: {args[3]}"
+                lost[where] = f"torch._dynamo.config.{args[0]} ({args[1]}); last reason to recompile: {args[3]}"
                 warnings.warn(
                     f"moecompile: Dynamo compiled {where} {args[1]} times (torch._dynamo.config.{args[0]}) and now "
                     f"runs it eagerly: its MoE layers are no longer rewritten. Last reason to recompile: {args[3]}. "

@@ -43,7 +43,8 @@ class FailureRecord:
 
     @property
     def what(self) -> str:
-        return "the inner compiler" if self.stage == "inner" else f"pass {self.stage!r}"
+        stages = {"inner": "the inner compiler", "first_run": "the rewritten graph's first run"}
+        return stages.get(self.stage, f"pass {self.stage!r}")
 
 
 @dataclass

@@ -86,7 +86,8 @@ LONGEST_FIRST = ("test_walk_families.py::test_every_moe_family_rewritten_or_skip
                  "test_parallelize.py::", "test_walk_families.py::test_every_family_runs_as_eager",
                  "test_lowering.py::test_more_experts",
                  "test_lowering.py::test_triton_lowering_under_inductor", "test_families.py::test_inductor",
-                 "test_ep_levels.py::", "test_replicate.py::", "test_example_ep.py::")
+                 "test_ep_levels.py::", "test_replicate.py::", "test_example_ep.py::",
+                 "test_recompiles.py::test_lengths")
 
 
 def pytest_collection_modifyitems(config, items):

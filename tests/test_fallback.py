@@ -94,7 +94,7 @@ def test_handwritten_model_runs_explain_says_why_and_strict_raises(monkeypatch):
 
     report = moecompile.explain(model, IDS, probe_tokens=16, verify_backward=False)
     text = str(report)
-    assert "0 MoE layer(s) rewritten, 2 skipped, 1 graph(s), 1 pass failure(s)" in text
+    assert "0 MoE layer(s) rewritten, 2 skipped, 1 graph(s), 1 failure(s)" in text
     assert ("failed: pass 'canonicalize' raised on graph 0 (MoE blocks blocks.0, blocks.1): RuntimeError: "
             "canonical form rejected; that graph runs as it came in") in text
     assert "skipped blocks.0: proved, but not rewritten: pass 'canonicalize' failed" in text

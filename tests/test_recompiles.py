@@ -12,6 +12,7 @@ import torch._dynamo
 from conftest import RecordingBackend, normwise
 from torch._dynamo.utils import counters
 
+import moecompile
 from moecompile.models import hf
 
 LENGTHS = range(8, 19)  # 11 lengths: more than Dynamo's recompile limit (8)
@@ -81,3 +82,5 @@ def test_a_rewrite_lost_to_the_recompile_limit_is_warned_about():
     assert len([w for w in caught if issubclass(w.category, MoEFallbackWarning)]) == 1  # once per frame
     [(where, why)] = recompiles.lost.items()
     assert "recompile_limit (2)" in why and "(" in where
+    report = moecompile.explain(model, torch.randint(0, 128, (1, 5)), inner="aot_eager")
+    assert report.lost_to_recompiles == {where: why} and f"{where} hit {why}" in str(report)
