@@ -362,13 +362,21 @@ def _capacity_options(slice_nodes, values, order, E, x_in) -> dict:
     masks = [shape[2] for _, _, shape in operands if shape[:2] == [T, E] and shape[2] not in (None, H)]
     buffers = [shape[1] for n, a, shape in operands if a in tokens and shape[0] == E and shape[1] is not None
                and shape[1] < T and any(_stacked_param(b, values, E) for b in n.all_input_nodes)]
-    caps = masks or buffers  # a buffer of C >= T rows drops nothing (Llama4 runs every expert on every token)
-    if not caps:
+    # a buffer of C >= T rows drops nothing (Llama4 runs every expert on every token)
+    if not (caps := (masks or buffers)[:1] or _position_limits(slice_nodes, order, T)):
         return {}
     orders = ["slot_major", "token_major"]
     if any(_sorts_tokens_by_gate(n, T) for n in slice_nodes):
         orders.insert(0, "priority")
-    return {"capacity": [caps[0]], "drop_order": orders}
+    return {"capacity": caps, "drop_order": orders}
+
+
+def _position_limits(slice_nodes, order, T: int) -> list[int]:
+    """A capacity as a comparison of positions counted by a cumsum (Switch's ``one_hot(expert).cumsum(0)``) with a
+    constant: ``< C`` or ``<= C``, from 0 or 1, keeps C, C + 1 or C - 1 tokens; the proof picks (T or more: none)."""
+    counted = sorted(descendants([n for n in slice_nodes if op_name(n) == "cumsum"], slice_nodes), key=order.get)
+    limits = [a for n in counted if op_name(n) in ("lt", "le", "gt", "ge") for a in n.args if type(a) is int]
+    return [c for c in dict.fromkeys(c + d for c in limits for d in (0, 1, -1)) if 0 < c < T]
 
 
 def _stacked_param(n: fx.Node, values, E) -> bool:

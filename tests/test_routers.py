@@ -246,6 +246,40 @@ def test_priority_drop_order_keeps_the_tokens_with_the_highest_gates():
     assert kept("slot_major") == [0, 1, 2, 6]  # in token order: tokens 0 and 1 first
 
 
+class SwitchTop1(nn.Module):
+    """Switch Transformer's top-1 with a priority capacity: softmax then max for gate and expert, the gate times the
+    expert's input, tokens ranked by gate take their expert's C slots first (positions by ``one_hot(...).cumsum(0)``
+    in that order), a token past C gets zeros; the experts run densely on every token, masked."""
+
+    def __init__(self, capacity_factor: float):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.wi = nn.Parameter(torch.randn(E, H, I) / H ** 0.5)
+        self.wo = nn.Parameter(torch.randn(E, I, H) / I ** 0.5)
+        self.capacity_factor = capacity_factor
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        capacity = int(self.capacity_factor * h.shape[0] / E)
+        gate, expert = self.router(h).softmax(-1).max(dim=-1)
+        priority = torch.argsort(gate, descending=True)
+        mask = F.one_hot(expert, E)[priority]                                            # [T, E], by priority
+        position = torch.empty_like(priority)
+        position[priority] = (mask.cumsum(0) * mask).sum(-1) - 1
+        keep = F.one_hot(expert, E) * (position < capacity).unsqueeze(-1)               # [T, E]
+        h = h * gate.unsqueeze(-1)
+        out = sum(F.relu(h @ self.wi[e]) @ self.wo[e] * keep[:, e:e + 1] for e in range(E))
+        return out.view_as(x)
+
+
+def test_switch_top1_with_priority_capacity_and_gate_on_input_is_rewritten():
+    """A capacity written as a comparison of positions with a constant (no dispatch mask or buffer to read it from)
+    is found; a bound one off (position <= C, or counted from 1) is a candidate the proof rejects."""
+    torch.manual_seed(0)
+    r = _rewritten_spec(SwitchTop1(capacity_factor=1.0))  # T=10: C = 1, tokens dropped
+    assert (r.top_k, r.score_fn, r.weights_on_input, r.capacity, r.drop_order) == (1, "softmax", True, 1, "priority")
+
+
 # ---- hand-written models (models/handwritten.py) ------------------------------------------------------------
 
 
