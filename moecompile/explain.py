@@ -10,9 +10,9 @@ import torch
 from moecompile.passes import aliases
 from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, SkipRecord
 
-from .backend import capture_failed, compile_graph, run_uncompiled
 from . import recompiles
-from .tracing import capture
+from .backend import rewrite
+from .tracing.capture import MARK, install
 from .config import parse_options
 from .pipeline import MoEFallbackWarning
 
@@ -23,12 +23,10 @@ class ExplainReport:
     ``skipped``: (region, reason) for every MoE-looking region left as it was; ``graphs``: (stage, code) for
     the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made;
     ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table);
-    ``failures``: (stage, region, error) for every pass, inner compile or first run that raised: that graph ran as
-    it came in; ``loops``: the forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert
-    (moecompile/tracing/loops.py); ``retraced``: where Dynamo's trace failed with data-dependent shapes captured ->
-    its error: that frame was traced again with Dynamo's defaults (moecompile/tracing/capture.py);
-    ``lost_to_recompiles``: frames that hit Dynamo's recompile limit under a moe backend in this process, so run
-    eagerly, unrewritten, from then on (moecompile/recompiles.py)."""
+    ``failures``: (stage, region, error) for every pass or inner compile that raised: that graph ran as it came in;
+    ``loops``: the forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert
+    (moecompile/tracing/loops.py); ``lost_to_recompiles``: frames that hit Dynamo's recompile limit under a moe
+    backend since the last explain() (which resets Dynamo), so ran eagerly, unrewritten (moecompile/recompiles.py)."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
@@ -39,7 +37,6 @@ class ExplainReport:
     failures: list[FailureRecord] = dataclasses.field(default_factory=list)
     loops: dict[str, str] = dataclasses.field(default_factory=dict)  # forward whose nonzero() loop was rewritten
     parallel: str = ""  # a parallelized model: its sharding, each layer's dedup and why, and what it has sent
-    retraced: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> its capture-on trace's error
     lost_to_recompiles: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> the limit it hit
 
     def __str__(self) -> str:
@@ -47,11 +44,8 @@ class ExplainReport:
                f"{self.num_graphs} graph(s)" + (f", {len(self.failures)} failure(s)" if self.failures else "")]
         out += [f"  warning: {m}" for m in self.config_mismatches]
         for where, why in self.lost_to_recompiles.items():
-            out.append(f"  warning: earlier in this process {where} hit {why}: it runs eagerly from then on, its MoE "
+            out.append(f"  warning: earlier in this process {where} hit {why}: it ran eagerly from then on, its MoE "
                        "layers not rewritten (compile with dynamic=True for changing sizes)")
-        for where, error in self.retraced.items():
-            out.append(f"  {where}: traced again with Dynamo's defaults: {error} (raised with data-dependent "
-                       "shapes captured; strict=True raises instead)")
         for f in self.failures:
             out.append(f"  failed: {f.what} raised on {f.region}: {f.error}; that graph runs as it came in "
                        "(strict=True raises)")
@@ -94,22 +88,21 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 
     def backend(gm, example_inputs, **_):
         graphs.append(gm)
-        return compile_graph(gm, example_inputs, config, report, inner=run_uncompiled)
+        return rewrite(gm, example_inputs, config, report).forward
 
-    setattr(backend, capture.MARK, config.capture)  # Dynamo captures data-dependent shapes for it (tracing/capture.py)
-    setattr(backend, capture.RETRACE, lambda options, where, error: capture_failed(config, where, error))
+    setattr(backend, MARK, config.capture)  # Dynamo captures data-dependent shapes for it (tracing/capture.py)
+    lost = dict(recompiles.lost)  # what the program lost so far; the reset below gives those frames a fresh start
+    recompiles.lost.clear()
     torch._dynamo.reset()
-    capture.install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
+    install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
     compiled = torch.compile(model, backend=backend)
     breaks_before = _data_dependent_breaks()
-    capture.retraced.clear()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
         compiled(*args)
     torch._dynamo.reset()
-    capture.install()
+    install()
     breaks = _data_dependent_breaks() - breaks_before
-    retraced = dict(capture.retraced)
     if breaks:
         report.skipped.append(SkipRecord("<graph breaks>", DATA_DEPENDENT_BREAKS.format(n=breaks)))
     mismatches = _check_against_config(getattr(model, "config", None), report.layers)
@@ -123,7 +116,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 
             parallel += f"\n{replication_report(model)}"
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
-                         report.failures, dict(report.loops), parallel, retraced, dict(recompiles.lost))
+                         report.failures, dict(report.loops), parallel, lost)
 
 
 DATA_DEPENDENT_BREAKS = (

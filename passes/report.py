@@ -43,8 +43,7 @@ class FailureRecord:
 
     @property
     def what(self) -> str:
-        stages = {"inner": "the inner compiler", "first_run": "the rewritten graph's first run"}
-        return stages.get(self.stage, f"pass {self.stage!r}")
+        return "the inner compiler" if self.stage == "inner" else f"pass {self.stage!r}"
 
 
 @dataclass

@@ -43,11 +43,14 @@ class RecordingBackend:
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    from moecompile import recompiles
+
     torch._dynamo.reset()
     install()  # reset() drops Dynamo's compile callbacks; a fresh process has ours (importing moecompile)
     yield
     torch._dynamo.reset()
     install()
+    recompiles.lost.clear()  # the frames a test lost to the recompile limit are gone with the reset
 
 
 def capture_flags() -> dict:
