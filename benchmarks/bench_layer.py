@@ -1,11 +1,11 @@
 """Benchmark ONE MoE layer: HF eager vs torch.compile(inductor) vs torch.compile(backend="moe"), side by side.
 
-    python benchmarks/bench_layer.py                         # CPU defaults, float32, both shapes (~1-2 min)
+    python benchmarks/bench_layer.py                         # CPU defaults, float32, three shapes (~2 min)
     python benchmarks/bench_layer.py --device cuda           # big shapes, bfloat16
     python benchmarks/bench_layer.py --shapes mixtral --tokens 512 --repeats 20 --out results.md
 
 The layer is an HF sparse MoE block (``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``) built from a config with
-random weights (no downloads), fed hidden states [1, T, H]. See benchmarks/README.md for what every column means.
+random weights (no downloads), fed hidden states [1, T, H]. The variants are timed together, round-robin. See benchmarks/README.md for what every column means.
 This is a benchmark, not a test: it always prints a table, with an error row where a variant failed.
 """
 
@@ -23,24 +23,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from measure import (count_ops, event_names, fmt, free, hf_moe_block, init_weights_, markdown_table, median_ms,
-                     normwise_error, option_value, saved_activation_bytes, timed_call)
+from measure import (count_ops, event_names, fmt, free, hf_moe_block, init_weights_, interleaved_medians,
+                     markdown_table, normwise_error, option_value, saved_activation_bytes, timed_call)
 
 VARIANTS = ("hf-eager", "hf-inductor", "moecompile")
-SHAPES = ("mixtral", "deepseek_v3")
-SHAPE_LABEL = {"mixtral": "mixtral-like", "deepseek_v3": "deepseek-v3-like"}
+SHAPES = ("mixtral", "deepseek_v3", "fine")
+SHAPE_LABEL = {"mixtral": "mixtral-like", "deepseek_v3": "deepseek-v3-like", "fine": "fine-grained"}
+MODEL = {"mixtral": "mixtral", "deepseek_v3": "deepseek_v3", "fine": "mixtral"}  # the HF block each shape builds
 
 # Per-device defaults. CPU ones run in 1-2 minutes on one core; CUDA ones are the real model widths.
 DEFAULTS = {
     "cpu": {
         "mixtral": dict(tokens=256, hidden=256, inter=512, experts=8, top_k=2),
         "deepseek_v3": dict(tokens=256, hidden=256, inter=128, experts=32, top_k=8, n_group=4, topk_group=2),
+        "fine": dict(tokens=1024, hidden=512, inter=256, experts=64, top_k=4),  # many small experts
         "dtype": "float32",
         "repeats": 10,
     },
     "cuda": {
         "mixtral": dict(tokens=4096, hidden=4096, inter=14336, experts=8, top_k=2),
         "deepseek_v3": dict(tokens=4096, hidden=7168, inter=2048, experts=256, top_k=8, n_group=8, topk_group=4),
+        "fine": dict(tokens=4096, hidden=2048, inter=768, experts=128, top_k=8),  # Qwen3-30B-A3B's experts
         "dtype": "bfloat16",
         "repeats": 20,
     },
@@ -53,10 +56,10 @@ WARMUP = 2
 
 def build_block(shape: str, dims: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
     """An HF MoE block with random fan-in-scaled weights (activations stay O(1) at any width)."""
-    extra = {} if shape == "mixtral" else dict(
+    extra = {} if MODEL[shape] == "mixtral" else dict(
         n_group=dims["n_group"], topk_group=dims["topk_group"], n_shared_experts=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, first_k_dense_replace=0)
-    cls, cfg = hf_moe_block(shape, dims["hidden"], dims["inter"], dims["experts"], dims["top_k"], **extra)
+    cls, cfg = hf_moe_block(MODEL[shape], dims["hidden"], dims["inter"], dims["experts"], dims["top_k"], **extra)
     torch.manual_seed(seed)
     block = cls(cfg)
     init_weights_(block)
@@ -88,22 +91,21 @@ class Row:
 
 def run_variant(variant: str, shape: str, layer: nn.Module, x: torch.Tensor, gy: torch.Tensor, args,
                 ref: dict | None) -> tuple[Row, dict | None]:
-    """Measure one variant. ``ref``: hf-eager's output and gradients (None for hf-eager itself, or if it failed);
-    returns the row and, for hf-eager, that reference."""
+    """Compile and check one variant. ``ref``: hf-eager's output and gradients (None for hf-eager itself, or if it
+    failed); returns the row, for hf-eager that reference, and the variant's (fwd, fwd_bwd, zero) for the timing,
+    which ``main`` does for all variants of a shape together, interleaved."""
     row = Row(SHAPE_LABEL[shape], variant)
     device = x.device
     if variant == "moecompile":
-        import moecompile
-
-        report = moecompile.explain(layer, x.detach(), **args.moe_options)  # leaves the layer as it was
+        report = args.explained[shape]
         if len(report.layers) != 1:
             why = " | ".join(f"skipped {s.region}: {s.reason}" for s in report.skipped) or "nothing reported skipped"
             row.error = f"moecompile.explain rewrote {len(report.layers)} layer(s), expected 1; {why}"
-            return row, None
+            return row, None, None
         rec = report.layers[0]
         row.notes.append(f"explain: rewrote {rec.path} ({rec.spec.block_type}), lowering={rec.lowering}, "
                          f"proof error={rec.max_error:.2g}; {rec.spec.summary()}")
-    torch._dynamo.reset()
+        row.notes += [f"lowering: {note}" for note in rec.lowering_notes]
     if variant == "hf-eager":
         fwd_module = layer
     elif variant == "hf-inductor":
@@ -145,8 +147,6 @@ def run_variant(variant: str, shape: str, layer: nn.Module, x: torch.Tensor, gy:
         fwd()
         zero()
         fwd_bwd()
-    row.fwd_ms = median_ms(fwd, args.repeats, device)
-    row.fwdbwd_ms = median_ms(fwd_bwd, args.repeats, device, prep=zero)
     exclude = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers()]}
     row.saved_bytes = saved_activation_bytes(fwd, exclude)
     zero()
@@ -164,7 +164,7 @@ def run_variant(variant: str, shape: str, layer: nn.Module, x: torch.Tensor, gy:
         for label, names in (("fwd", names_fwd), ("fwd+bwd", names_fb)):
             top = sorted(names.items(), key=lambda kv: -kv[1])
             row.notes.append(f"ops {label}: " + ", ".join(f"{n}x{c}" for n, c in top))
-    return row, result
+    return row, result, (fwd, fwd_bwd, zero)
 
 
 # ------------------------------------------------------------------------------------------------- table
@@ -303,14 +303,21 @@ def main(argv=None) -> int:
         x = torch.randn(1, dims["tokens"], dims["hidden"], generator=gen).to(device=device, dtype=dtype)
         gy = torch.randn(1, dims["tokens"], dims["hidden"], generator=gen).to(device=device, dtype=dtype)
         x.requires_grad_(True)
-        ref = None
+        ref, timers = None, {}
+        torch._dynamo.reset()
+        if "moecompile" in args.variants:  # before any compile: explain() resets Dynamo (leaves the layer as it was)
+            import moecompile
+
+            args.explained = {shape: moecompile.explain(layer, x.detach(), **args.moe_options)}
         for variant in args.variants:
             print(f"... {SHAPE_LABEL[shape]} / {variant}", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             try:
-                row, result = run_variant(variant, shape, layer, x, gy, args, ref)
+                row, result, timer = run_variant(variant, shape, layer, x, gy, args, ref)
                 if variant == "hf-eager":
                     ref = result
+                if timer is not None:
+                    timers[variant] = timer
             except Exception as exc:
                 traceback.print_exc()
                 msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
@@ -319,9 +326,22 @@ def main(argv=None) -> int:
             print(f"    done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             x.grad = None
             for p in layer.parameters():
-                p.grad = None
-            free(device)
-        del block, layer, ref
+                p.grad = None  # the compiled variants stay (timed together below), their graphs' memory is freed
+        # timed round-robin (each round: every variant's fwd, then every variant's fwd+bwd), so that the machine's
+        # drift during the run falls on all variants alike
+        print(f"... {SHAPE_LABEL[shape]}: timing {', '.join(timers)} interleaved", file=sys.stderr, flush=True)
+        from torch._dynamo.utils import counters
+
+        graphs_before = counters["stats"]["unique_graphs"]
+        medians = interleaved_medians(timers, args.repeats, device)
+        recompiled = counters["stats"]["unique_graphs"] - graphs_before
+        for row in rows:
+            if row.shape == SHAPE_LABEL[shape] and row.variant in medians:
+                row.fwd_ms, row.fwdbwd_ms = medians[row.variant]
+                if recompiled:
+                    row.notes.append(f"{recompiled} graph(s) compiled during the interleaved timing")
+        del block, layer, ref, timers
+        free(device)
     out = table(rows)
     notes = [f"- {r.shape} / {r.variant}: {n}" for r in rows for n in r.notes]
     text = "\n".join([header(args, device, args.dims), "", out] + (["", "Notes:"] + notes if notes else []))

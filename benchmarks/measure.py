@@ -126,6 +126,17 @@ def median_ms(fn, repeats: int, device: torch.device, prep=None, cuda_events: bo
     return statistics.median(times)
 
 
+def interleaved_medians(timers: dict, repeats: int, device: torch.device) -> dict:
+    """{name: (fwd ms, fwd+bwd ms)}: medians of ``repeats`` rounds, each round timing every ``fwd`` (``zero()``
+    before it) then every ``fwd_bwd`` (``zero()`` before it) of ``timers`` {name: (fwd, fwd_bwd, zero)} once."""
+    times = {name: ([], []) for name in timers}
+    for _ in range(repeats):
+        for which in (0, 1):
+            for name, (fwd, fwd_bwd, zero) in timers.items():
+                times[name][which].append(median_ms((fwd, fwd_bwd)[which], 1, device, prep=zero))
+    return {name: (statistics.median(f), statistics.median(fb)) for name, (f, fb) in times.items()}
+
+
 def peak_gib(fn, device: torch.device, prep) -> float:
     """max_memory_allocated during one ``fn()`` minus what was allocated before it (CUDA only)."""
     if device.type != "cuda":

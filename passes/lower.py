@@ -7,9 +7,10 @@
                                                                             p[4], W_gate_up, layout)
     out = moe.combine(y, p[0], p[3], T)
 
-``lowering``: "torch" keeps the reference ops; "triton" lowers every op that has a kernel; "auto" lowers when the
-layer's tensors are on CUDA (Triton on a GPU) and keeps the references on CPU. On a machine without CUDA,
-"triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for the layer's form
+``lowering``: "torch" keeps the canonical ops; "triton" lowers every op that has a kernel; "auto" lowers when the
+layer's tensors are on CUDA (Triton on a GPU), and on CPU swaps expert_mlp for expert_mlp_keep (grouped GEMMs, the
+projections kept for backward: ``_keep_projections``) where torch._grouped_mm takes the layer. On a machine without
+CUDA, "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for the layer's form
 (sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere than its combine)
 stays on torch, and the layer record says which and why (``explain()``).
 
@@ -64,6 +65,10 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
             swapped, kept = _lower_layer(gm.graph, nodes)
             notes += kept
             report.counters.update(f"lower.ops.{op}" for op in swapped)
+        elif config.lowering == "auto" and path in specs:
+            note = _keep_projections(gm.graph, nodes, specs[path])
+            notes.append(note)
+            report.counters["lower.ops.expert_mlp_keep" if "kept" in note else "lower.ops.expert_mlp_loop"] += 1
         for n in gm.graph.nodes:
             if n.meta.get("moe_layer") == path:
                 n.meta["moe_lowering"] = choice
@@ -76,12 +81,44 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
     return gm
 
 
+def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> str:
+    """On CPU: ``expert_mlp`` -> ``expert_mlp_keep`` (grouped GEMMs; the gate/up projections kept for backward,
+    which then runs no forward again) where ``torch._grouped_mm`` takes the layer's dtype and sizes. The note."""
+    from ..runtime import grouped_cpu
+
+    mlps = [n for n in nodes if moe_op_name(n) == "expert_mlp"]
+    dtype, e = _example_above(mlps[0].args[4]).dtype, spec.experts
+    if not grouped_cpu.usable_sizes(dtype, e.hidden, e.intermediate):
+        return (f"expert_mlp: torch loop over experts (grouped_mm takes neither {dtype} nor sizes H={e.hidden}, "
+                f"I={e.intermediate} unless float32/bfloat16/float16 and multiples of 16 bytes)")
+    fused = ""
+    for mlp in mlps:
+        x, tok, counts, wg, wu, *rest = mlp.args
+        gate_up, layout = _gate_up_source(wg, wu)
+        args = (x, tok, counts, wg, wu, *rest) if gate_up is None else (x, tok, counts, None, None, *rest, gate_up,
+                                                                          layout)
+        fused = f", the fused gate/up weight whole ({layout})" if gate_up is not None else fused
+        with graph.inserting_after(mlp):
+            keep = graph.call_function(_ops.expert_mlp_keep.default, args)
+        with graph.inserting_after(keep):
+            y = graph.call_function(operator.getitem, (keep, 0))
+        for n in (keep, y):
+            n.meta["moe_layer"] = mlp.meta.get("moe_layer")
+        mlp.replace_all_uses_with(y)
+        graph.erase_node(mlp)
+        for view in (wg, wu) if gate_up is not None else ():
+            if not view.users:
+                graph.erase_node(view)
+    return (f"expert_mlp: grouped GEMMs on CPU{fused}; the {'gate/up' if e.gated else 'up'} projections kept for "
+            f"backward ([rows, {(2 if e.gated else 1) * e.intermediate}] {dtype}), so it runs no forward again")
+
+
 def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
     if lowering == "torch":
         return "torch", []
     device = _layer_device(nodes)
     if lowering == "auto" and device.type != "cuda":
-        return "torch", [f"auto: tensors on {device.type}, the torch reference ops run there"]
+        return "torch", [f"auto: tensors on {device.type}, the canonical ops run on torch there"]
     if device.type == "cpu":
         from ..runtime import kernels
         from ..runtime.kernels.common import interpreting

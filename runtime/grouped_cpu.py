@@ -15,15 +15,19 @@ from __future__ import annotations
 import torch
 
 from .activations import apply_activation, check_activation
+from .layouts import gate_up_weights
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def usable(x_TH: torch.Tensor, w_up_EIH: torch.Tensor, w_down_EHI: torch.Tensor) -> bool:
     """Whether ``grouped_mm`` takes these sizes and dtype (forward and backward)."""
-    dtype = w_up_EIH.dtype
+    return usable_sizes(w_up_EIH.dtype, w_down_EHI.shape[1], w_up_EIH.shape[1])
+
+
+def usable_sizes(dtype: torch.dtype, H: int, I: int) -> bool:
+    """``usable`` from the weights' dtype, the hidden size H and the intermediate size I."""
     per16 = 16 // dtype.itemsize if dtype in DTYPES else 0
-    H, I = w_down_EHI.shape[1], w_up_EIH.shape[1]
     return bool(per16) and hasattr(torch, "_grouped_mm") and H % per16 == 0 and I % per16 == 0
 
 
@@ -31,29 +35,144 @@ def expert_mlp_grouped(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_
                        b_up_EI=None, b_down_EH=None, input_scale_B=None, *, activation="silu", alpha=1.702,
                        limit=7.0) -> torch.Tensor:
     """The same rows as ``reference.expert_mlp_ref``, through grouped GEMMs (``usable`` must hold)."""
-    check_activation(activation, gated=w_gate_EIH is not None)
-    dtype = w_up_EIH.dtype
-    counts = tokens_per_expert_E.to(torch.int64)
-    offs = counts.cumsum(0).to(torch.int32)
-    n = int(offs[-1]) if offs.numel() else 0  # rows computed; dropped ones (a capacity) sit after them
-    B, E = token_ids_B.shape[0], counts.shape[0]
-    if n == 0:  # no rows at all (an idle rank), or all dropped
-        return x_TH.new_zeros(B, w_down_EHI.shape[1], dtype=dtype)
-    x_BH = x_TH[token_ids_B[:n]].to(dtype)
-    if input_scale_B is not None:
-        x_BH = x_BH * input_scale_B[:n].to(dtype).unsqueeze(-1)
-    expert_B = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=n) \
-        if any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)) else None
+    return expert_mlp_keep(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
+                           b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit)[0]
 
-    def project(rows, w, b):
-        if w.stride(-1) != 1 or w.stride(-2) != w.shape[-1]:  # a strided view (interleaved gate/up): rows apart
+
+class _Rows:
+    """What forward and backward share: the rows' expert offsets, the count n of rows computed (dropped rows,
+    under a capacity, sit after them), each row's expert where a bias needs it, the scaled input rows."""
+
+    def __init__(self, x_TH, token_ids_B, counts_E, dtype, input_scale_B, biased):
+        counts = counts_E.to(torch.int64)
+        self.offs = counts.cumsum(0).to(torch.int32)
+        self.n = n = int(self.offs[-1]) if self.offs.numel() else 0
+        self.expert_B = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
+                                                output_size=n) if biased else None
+        self.tok = token_ids_B[:n]
+        self.x_BH = x_TH[self.tok].to(dtype)  # before the scale (the scale's gradient needs it)
+        self.scale = None if input_scale_B is None else input_scale_B[:n].to(dtype).unsqueeze(-1)
+        self.xs_BH = self.x_BH if self.scale is None else self.x_BH * self.scale
+
+    def mm(self, rows, w, *, t=False):
+        """rows[b] @ w[expert of b] (``t``: @ w[expert of b]^T) for every row; a strided view of w (interleaved
+        gate/up rows) is copied contiguous first, a transpose is passed as a view."""
+        if w.stride(-1) != 1 or w.stride(-2) != w.shape[-1]:  # rows apart (interleaved gate/up); a chunk is fine
             w = w.contiguous()
-        out = torch._grouped_mm(rows, w.transpose(-2, -1), offs=offs)
-        return out if b is None else out + b[expert_B]
+        return torch._grouped_mm(rows, w.transpose(-2, -1) if t else w, offs=self.offs)
 
-    up = project(x_BH, w_up_EIH, b_up_EI)
-    gate = None if w_gate_EIH is None else project(x_BH, w_gate_EIH, b_gate_EI)
-    y = project(apply_activation(activation, gate, up, alpha=alpha, limit=limit), w_down_EHI, b_down_EH)
-    if n < B:
-        y = torch.cat([y, y.new_zeros(B - n, y.shape[1])])
-    return y
+    def outer(self, a_nM, b_nN):
+        """sum over each expert's rows of a[b]^T b[b]: [E, M, N] (zeros for an expert without rows)."""
+        return torch._grouped_mm(a_nM.t(), b_nN, offs=self.offs)
+
+    def per_expert(self, rows_nN, E):
+        """sum over each expert's rows: [E, N] (a bias's gradient)."""
+        return rows_nN.new_zeros(E, rows_nN.shape[1]).index_add_(0, self.expert_B, rows_nN)
+
+    def bias(self, out, b):
+        return out if b is None else out + b[self.expert_B]
+
+    def pad(self, rows, B):
+        return rows if self.n == B else torch.cat([rows, rows.new_zeros(B - self.n, *rows.shape[1:])])
+
+
+def _columns(layout: str, I: int) -> tuple[slice, slice]:
+    """Where gate and up sit among the 2I columns of the kept projections (a fused weight's own row order; the
+    unfused gate then up)."""
+    if layout == "interleave":
+        return slice(0, None, 2), slice(1, None, 2)
+    halves = (slice(0, I), slice(I, 2 * I))
+    return halves[::-1] if layout == "chunk_up_first" else halves
+
+
+def _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, layout):
+    """(w_gate, w_up) as views of ``w_gate_up`` where it is given (``runtime/layouts.py``), else as passed."""
+    return gate_up_weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, layout, "expert_mlp_keep")
+
+
+def expert_mlp_keep(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI=None,
+                    b_up_EI=None, b_down_EH=None, input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0,
+                    w_gate_up=None, gate_up_layout=""):
+    """(y_BH, pre_BJ): the rows, and the projections before the activation which ``expert_mlp_keep_backward``
+    takes instead of computing them again: [B, 2I] gate and up (``_columns``), or [B, I] up when ungated. With
+    ``w_gate_up`` (one [E, 2I, H] weight, its layout as ``runtime/layouts.py`` names it) one GEMM makes both."""
+    wg, wu = _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
+    check_activation(activation, gated=wg is not None)
+    dtype, B, I = wu.dtype, token_ids_B.shape[0], wu.shape[1]
+    r = _Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
+              any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)))
+    gs, us = _columns(gate_up_layout, I)
+    if w_gate_up is not None:
+        pre = r.mm(r.xs_BH, w_gate_up, t=True)
+    elif wg is not None:
+        pre = torch.cat([r.mm(r.xs_BH, wg, t=True), r.mm(r.xs_BH, wu, t=True)], dim=1)
+    else:
+        pre = r.bias(r.mm(r.xs_BH, wu, t=True), b_up_EI)
+    if wg is not None and (b_gate_EI is not None or b_up_EI is not None):
+        pre[:, gs] = r.bias(pre[:, gs], b_gate_EI)
+        pre[:, us] = r.bias(pre[:, us], b_up_EI)
+    gate, up = (pre[:, gs], pre[:, us]) if wg is not None else (None, pre)
+    h = apply_activation(activation, gate, up, alpha=alpha, limit=limit)
+    y = r.bias(r.mm(h, w_down_EHI, t=True), b_down_EH)
+    return r.pad(y, B), r.pad(pre, B)
+
+
+def expert_mlp_keep_backward(grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH,
+                             w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
+                             activation="silu", alpha=1.702, limit=7.0, w_gate_up=None,
+                             gate_up_layout="") -> list[torch.Tensor]:
+    """Gradients of the present tensors among (x, w_gate, w_up, w_down, b_gate, b_up, b_down, input_scale,
+    w_gate_up), from the kept projections: grouped GEMMs and the activation's elementwise derivative, no forward
+    again. ``w_gate_up``'s gradient is one tensor in its own layout."""
+    wg, wu = _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
+    gated, E, I, dtype = wg is not None, wu.shape[0], wu.shape[1], wu.dtype
+    r = _Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
+              any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)))
+    n = r.n
+    gy = grad_y_BH[:n].to(dtype).contiguous()  # an expanded gradient has zero strides grouped_mm refuses
+    gs, us = _columns(gate_up_layout, I)
+    pre = pre_BJ[:n]
+    h, d_pre = _activation_backward(activation, pre, gs if gated else None, us, alpha, limit,
+                                    lambda: r.mm(gy, w_down_EHI))
+    grads = dict.fromkeys(("x", "wg", "wu", "wd", "bg", "bu", "bd", "scale", "gu"))
+    if w_gate_up is not None:
+        d_xs, grads["gu"] = r.mm(d_pre, w_gate_up), r.outer(d_pre, r.xs_BH)
+    elif gated:
+        d_xs = r.mm(d_pre[:, gs], wg) + r.mm(d_pre[:, us], wu)
+        grads["wg"], grads["wu"] = r.outer(d_pre[:, gs], r.xs_BH), r.outer(d_pre[:, us], r.xs_BH)
+    else:
+        d_xs, grads["wu"] = r.mm(d_pre, wu), r.outer(d_pre, r.xs_BH)
+    d_x_BH = d_xs if r.scale is None else d_xs * r.scale
+    grads["x"] = x_TH.new_zeros(x_TH.shape).index_add_(0, r.tok, d_x_BH.to(x_TH.dtype))
+    grads["wd"] = r.outer(gy, h)
+    if b_gate_EI is not None:
+        grads["bg"] = r.per_expert(d_pre[:, gs], E)
+    if b_up_EI is not None:
+        grads["bu"] = r.per_expert(d_pre[:, us] if gated else d_pre, E)
+    if b_down_EH is not None:
+        grads["bd"] = r.per_expert(gy, E)
+    if input_scale_B is not None:
+        d_scale = (d_xs * r.x_BH).sum(-1)
+        grads["scale"] = torch.cat([d_scale, d_scale.new_zeros(input_scale_B.shape[0] - n)])
+    present = (x_TH, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH, input_scale_B, w_gate_up)
+    return [g.to(t.dtype) for g, t in zip(grads.values(), present) if t is not None]
+
+
+def _activation_backward(activation, pre, gs, us, alpha, limit, grad_h):
+    """(h, d_pre): the activation again from the kept projections, and its derivative at ``grad_h()`` written into
+    the projections' columns. Gated silu (SwiGLU, most models) by hand with no temporaries beyond h's; the rest
+    through ``torch.func.vjp`` of ``apply_activation``, the meaning."""
+    if gs is None:
+        h, act_vjp = torch.func.vjp(lambda u: apply_activation(activation, None, u, alpha=alpha, limit=limit), pre)
+        return h, act_vjp(grad_h())[0]
+    gate, up = pre[:, gs], pre[:, us]
+    d_pre = pre.new_empty(pre.shape)
+    if activation == "silu":  # h = silu(g) u: dh/du = silu(g), dh/dg = u silu'(g)
+        silu_g = torch.nn.functional.silu(gate)
+        h, d_h = silu_g * up, grad_h()
+        torch.mul(d_h, silu_g, out=d_pre[:, us])
+        torch.ops.aten.silu_backward.grad_input(d_h * up, gate, grad_input=d_pre[:, gs])
+        return h, d_pre
+    h, act_vjp = torch.func.vjp(lambda g, u: apply_activation(activation, g, u, alpha=alpha, limit=limit), gate, up)
+    d_pre[:, gs], d_pre[:, us] = act_vjp(grad_h())
+    return h, d_pre

@@ -24,6 +24,16 @@ def split_gate_up(t, how: str, inter: int):
     return (second, first) if how == "chunk_up_first" else (first, second)
 
 
+def gate_up_weights(w_gate, w_up, w_down_EHI, w_gate_up, layout: str, op: str):
+    """(gate, up) weights of an op that takes either both, or ``w_gate_up`` (one fused [E, 2I, H] weight in
+    ``layout``) whose views it makes here; ``op`` names the op in the error for both given."""
+    if w_gate_up is None:
+        return w_gate, w_up
+    if w_gate is not None or w_up is not None:
+        raise ValueError(f"moe::{op} takes w_gate_up or w_gate/w_up, not both")
+    return split_gate_up(w_gate_up, layout, w_down_EHI.shape[2])
+
+
 def contiguous_stride(shape) -> tuple[int, ...]:
     """Row-major strides of ``shape`` (``DTensor.from_local`` of a shard is told its whole tensor's)."""
     return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

@@ -1,13 +1,16 @@
 """The canonical MoE IR: ``torch.library`` custom ops ``moe::route``, ``moe::build_pft``, ``moe::expert_mlp`` and
 ``moe::combine``, each with a fake (shape) function and autograd. The passes target these ops; the lower pass
-picks their implementation (the torch references in ``reference.py`` on CPU).
+picks their implementation (on CPU: grouped GEMMs from ``grouped_cpu.py`` where they apply, else the torch
+references of ``reference.py``, which are the meaning; ``expert_mlp_keep`` on CPU keeps its projections).
 
 Legend: T tokens, K top-k, E experts, H hidden, I expert intermediate, B kept assignments (T*K without capacity).
 
-Backward. ``route`` and ``expert_mlp`` recompute their forward inside an opaque backward op and differentiate it
-there (``torch.func.vjp`` of the reference), so they save only their inputs for backward: no [B, I] intermediate is kept alive between forward and
-backward (the expert MLP is, in effect, checkpointed). ``build_pft`` and ``combine`` have closed-form adjoints
-written as plain torch ops, which the compiler sees and fuses.
+Backward. ``expert_mlp`` computes its forward again inside an opaque backward op and differentiates it there
+(``torch.func.vjp``), so it saves only its inputs: no [B, I] intermediate lives between forward and backward (the
+expert MLP is, in effect, checkpointed). ``expert_mlp_keep`` (CPU, chosen by the lower pass) keeps its [B, 2I]
+projections instead and runs no forward again. ``route`` saves its logits and picks and differentiates the weights
+at those picks. ``build_pft`` and ``combine`` have closed-form adjoints written as plain torch ops, which the
+compiler sees and fuses.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op, register_autograd, register_fake
 
+from . import grouped_cpu
 from . import reference as ref
 from . import stats
 from .stats import DROPS
@@ -68,8 +72,14 @@ def route_backward(
     topk_group: int,
     group_score: str,
     jitter_eps: float,
+    ids_TK: Tensor | None = None,
 ) -> Tensor:
+    """The logits' gradient. With the forward's picks (``ids_TK``) it differentiates the weights at those picks
+    (``reference.route_weights_at``) instead of routing again; sparsemixer always routes again."""
     def weights(logits):
+        if ids_TK is not None and score_fn != "sparsemixer":
+            return ref.route_weights_at(logits, ids_TK, score_fn=score_fn, renormalize=renormalize,
+                                        renorm_eps=renorm_eps, scaling=scaling)
         return ref.route_ref(
             logits, correction_bias_E, top_k=top_k, score_fn=score_fn, renormalize=renormalize,
             renorm_eps=renorm_eps, scaling=scaling, n_group=n_group, topk_group=topk_group,
@@ -86,13 +96,13 @@ def _route_backward_fake(grad_weights_TK, logits_TE, *args):
 
 
 def _route_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])
     ctx.args = inputs[2:]
 
 
 def _route_bwd(ctx, grad_w, grad_ids):
-    logits, bias = ctx.saved_tensors
-    g = torch.ops.moe.route_backward(grad_w, logits, bias, *ctx.args)
+    logits, bias, ids = ctx.saved_tensors
+    g = torch.ops.moe.route_backward(grad_w, logits, bias, *ctx.args, ids)
     return (g,) + (None,) * 10
 
 
@@ -163,10 +173,18 @@ def expert_mlp(
     alpha: float,
     limit: float,
 ) -> Tensor:
-    return ref.expert_mlp_ref(
+    return _expert_mlp(
         x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH,
         input_scale_B, activation=activation, alpha=alpha, limit=limit,
     )
+
+
+def _expert_mlp(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, *rest, **attrs):
+    """Grouped GEMMs over the rows on CPU where ``grouped_mm`` takes them; else the reference's loop (the meaning)."""
+    how = ref.expert_mlp_ref
+    if x_TH.device.type == "cpu" and grouped_cpu.usable(x_TH, w_up_EIH, w_down_EHI):
+        how = grouped_cpu.expert_mlp_grouped
+    return how(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, *rest, **attrs)
 
 
 @register_fake("moe::expert_mlp")
@@ -200,13 +218,14 @@ def expert_mlp_backward(
         for i, t in zip(where, present):
             full[i] = t
         x, wg, wu, wd, bg, bu, bd, sc = full
-        return ref.expert_mlp_ref(
+        return _expert_mlp(
             x, token_ids_B, tokens_per_expert_E, wg, wu, wd, bg, bu, bd, sc,
             activation=activation, alpha=alpha, limit=limit,
         )
 
     _, vjp = torch.func.vjp(forward, *[inputs[i] for i in where])
-    return [g.contiguous() for g in vjp(grad_y_BH)]  # contiguous whatever the input's strides (see the fake)
+    # contiguous out whatever the input's strides (see the fake); in too: grouped_mm refuses an expanded gradient
+    return [g.contiguous() for g in vjp(grad_y_BH.contiguous())]
 
 
 @register_fake("moe::expert_mlp_backward")
@@ -233,6 +252,79 @@ def _expert_mlp_bwd(ctx, grad_y_BH):
 
 
 register_autograd("moe::expert_mlp", _expert_mlp_bwd, setup_context=_expert_mlp_setup)
+
+
+# ---- expert_mlp_keep: expert_mlp on CPU keeping its projections for backward --------------------------------
+
+
+@custom_op("moe::expert_mlp_keep", mutates_args=())
+def expert_mlp_keep(
+    x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None,
+    w_down_EHI: Tensor, b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None,
+    input_scale_B: Tensor | None, activation: str, alpha: float, limit: float, w_gate_up: Tensor | None = None,
+    gate_up_layout: str = "",
+) -> tuple[Tensor, Tensor]:
+    """(y_BH, pre_BJ): ``expert_mlp``'s rows by grouped GEMMs (``grouped_cpu.expert_mlp_keep``) and the
+    projections before the activation, which its backward takes instead of running the forward again. Put in
+    place of ``expert_mlp`` by the lower pass on CPU; ``w_gate_up``/``gate_up_layout`` as ``moe::fused_experts``."""
+    return grouped_cpu.expert_mlp_keep(
+        x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH,
+        input_scale_B, activation=activation, alpha=alpha, limit=limit, w_gate_up=w_gate_up,
+        gate_up_layout=gate_up_layout,
+    )
+
+
+@register_fake("moe::expert_mlp_keep")
+def _expert_mlp_keep_fake(x_TH, token_ids_B, tokens_per_expert_E, w_gate, w_up, w_down, *rest):
+    B, (E, H, I) = token_ids_B.shape[0], w_down.shape
+    y = x_TH.new_empty(B, H, dtype=w_down.dtype)
+    return y, y.new_empty(B, I if w_gate is None and (len(rest) < 8 or rest[7] is None) else 2 * I)
+
+
+@custom_op("moe::expert_mlp_keep_backward", mutates_args=())
+def expert_mlp_keep_backward(
+    grad_y_BH: Tensor, pre_BJ: Tensor, x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor,
+    w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
+    b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None, activation: str, alpha: float,
+    limit: float, w_gate_up: Tensor | None = None, gate_up_layout: str = "",
+) -> list[Tensor]:
+    """Gradients of the present tensors among (x, w_gate, w_up, w_down, b_gate, b_up, b_down, input_scale,
+    w_gate_up), from the kept projections."""
+    return grouped_cpu.expert_mlp_keep_backward(
+        grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
+        b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit, w_gate_up=w_gate_up,
+        gate_up_layout=gate_up_layout,
+    )
+
+
+_KEEP_GRADS = (0, 3, 4, 5, 6, 7, 8, 9, 13)  # x, w_gate, w_up, w_down, b_gate, b_up, b_down, input_scale, w_gate_up
+
+
+@register_fake("moe::expert_mlp_keep_backward")
+def _expert_mlp_keep_backward_fake(grad_y_BH, pre_BJ, *inputs):
+    inputs = list(inputs) + [None] * (15 - len(inputs))
+    return [inputs[i].new_empty(inputs[i].shape) for i in _KEEP_GRADS if inputs[i] is not None]
+
+
+def _expert_mlp_keep_setup(ctx, inputs, output):
+    inputs = list(inputs) + [None, ""][len(inputs) - 13:]
+    ctx.save_for_backward(output[1], *[t for t in inputs[:10] + [inputs[13]] if t is not None])
+    ctx.present = [t is not None for t in inputs[:10] + [inputs[13]]]
+    ctx.attrs = (*inputs[10:13], inputs[14])
+
+
+def _expert_mlp_keep_bwd(ctx, grad_y_BH, _grad_pre):  # the projections are read by this backward alone
+    pre, *saved = ctx.saved_tensors
+    saved = iter(saved)
+    full = [next(saved) if p else None for p in ctx.present]  # the 10 first inputs, then w_gate_up
+    act, alpha, limit, layout = ctx.attrs
+    grads = iter(torch.ops.moe.expert_mlp_keep_backward(grad_y_BH, pre, *full[:10], act, alpha, limit, full[10],
+                                                        layout))
+    inputs = full[:10] + [None, None, None, full[10], None]
+    return tuple(next(grads) if i in _KEEP_GRADS and t is not None else None for i, t in enumerate(inputs))
+
+
+register_autograd("moe::expert_mlp_keep", _expert_mlp_keep_bwd, setup_context=_expert_mlp_keep_setup)
 
 
 # ---- combine -------------------------------------------------------------------------------------------------

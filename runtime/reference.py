@@ -104,6 +104,26 @@ def route_ref(
     return weights_TK, ids_TK
 
 
+def route_weights_at(logits_TE: torch.Tensor, ids_TK: torch.Tensor, *, score_fn: str, renormalize: bool = False,
+                     renorm_eps: float = 0.0, scaling: float = 1.0) -> torch.Tensor:
+    """``route_ref``'s weights for the experts it picked (``ids_TK``): the same function of the logits wherever the
+    picks stay, so its gradient is route_ref's, without picking again (no top-k, no group limit). Not for
+    sparsemixer, whose weights depend on the picks' order of masking."""
+    if score_fn == "sparsemixer":
+        raise ValueError("route_weights_at: sparsemixer weights need route_ref itself")
+    logits = logits_TE.to(route_dtype(logits_TE.dtype))
+    if score_fn in ("topk_softmax", "topk_sigmoid"):
+        vals_TK = logits.gather(1, ids_TK)
+        weights_TK = vals_TK.softmax(dim=-1) if score_fn == "topk_softmax" else torch.sigmoid(vals_TK)
+    else:
+        weights_TK = _scores(logits, score_fn).gather(1, ids_TK)
+    if renormalize:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + renorm_eps)
+    if scaling != 1.0:
+        weights_TK = weights_TK * scaling
+    return weights_TK
+
+
 def route_dtype(logits_dtype: torch.dtype) -> torch.dtype:
     """What routing computes in, and the dtype of its weights: float32, or float64 for float64 logits."""
     return torch.promote_types(logits_dtype, torch.float32)

@@ -19,7 +19,7 @@ import functools
 import torch
 from torch.library import custom_op, register_autograd, register_fake
 
-from .layouts import split_gate_up
+from .layouts import gate_up_weights, split_gate_up
 from .ops import _build_pft_bwd, _build_pft_fake, _build_pft_setup, _route_fake  # moe::build_pft's formulas
 
 Tensor = torch.Tensor
@@ -105,11 +105,7 @@ _GRAD_INPUTS = ("x", "combine_weights", "w_gate", "w_up", "w_down", "b_gate", "b
 
 def _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout):
     """(gate, up) weights: given, or the views of the one fused gate/up weight (``runtime/layouts.py``)."""
-    if w_gate_up is None:
-        return w_gate_EIH, w_up_EIH
-    if w_gate_EIH is not None or w_up_EIH is not None:
-        raise ValueError("moe::fused_experts takes w_gate_up or w_gate/w_up, not both")
-    return split_gate_up(w_gate_up, gate_up_layout, w_down_EHI.shape[2])
+    return gate_up_weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout, "fused_experts")
 
 
 @custom_op("moe::fused_experts", mutates_args=())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moecompile.runtime import reference as ref
-from moecompile.runtime.grouped_cpu import expert_mlp_grouped, usable
+from moecompile.runtime.grouped_cpu import expert_mlp_grouped, expert_mlp_keep, expert_mlp_keep_backward, usable
 
 T, H, I, E, K = 12, 16, 8, 4, 2
 
@@ -36,16 +36,30 @@ def _run(fn, x, tok, counts, params, activation):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(gated=False, biases=True), dict(biases=True, scale=True),
-                                dict(capacity=2), dict(empty=(1, 3)), dict(capacity=1)],
-                         ids=["gated", "ungated-biases", "biases-scale", "capacity", "empty-experts", "most-dropped"])
+                                dict(capacity=2), dict(empty=(1, 3)), dict(capacity=1), dict(act="swiglu_clamp"),
+                                dict(act="relu2", gated=False)],
+                         ids=["gated", "ungated-biases", "biases-scale", "capacity", "empty-experts", "most-dropped",
+                              "gated-clamp", "ungated-relu2"])
 def test_grouped_rows_and_gradients_equal_the_loop(kw):
+    kw = dict(kw)
+    activation = kw.pop("act", "silu" if kw.get("gated", True) else "gelu")
     x, tok, counts, params = _case(torch.float32, **kw)
     assert usable(x, params[1], params[2])
-    activation = "silu" if kw.get("gated", True) else "gelu"
     got = _run(expert_mlp_grouped, x, tok, counts, params, activation)
     want = _run(ref.expert_mlp_ref, x, tok, counts, params, activation)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    kept = _run_keep(x, tok, counts, params, activation)  # the saved-projection form: same rows and gradients
+    assert len(kept) == len(want)
+    for a, b in zip(kept, want):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.detach().abs().max()))
+
+
+def _run_keep(x, tok, counts, params, activation):
+    """``expert_mlp_keep`` then ``expert_mlp_keep_backward`` with ``_run``'s output gradient."""
+    y, pre = expert_mlp_keep(x, tok, counts, *params, activation=activation)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    return [y, *expert_mlp_keep_backward(grad, pre, x, tok, counts, *params, activation=activation)]
 
 
 def test_bf16_as_close_as_the_loop_to_fp32():
@@ -70,16 +84,35 @@ def test_no_rows_at_all_gives_zero_rows():
     assert got.shape == want.shape == (T * K, H) and not got.any() and not want.any()
 
 
-def test_interleaved_gate_up_views_as_the_lowering_passes_them():
-    """GPT-OSS's fused [E, 2I, H] gate/up read as strided views (rows 0::2 and 1::2) are taken, gradients and all."""
+LAYOUTS = {"interleave": (slice(0, None, 2), slice(1, None, 2)), "chunk": (slice(0, I), slice(I, None)),
+           "chunk_up_first": (slice(I, None), slice(0, I))}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_gate_up_weight_in_its_layout(layout):
+    """A fused [E, 2I, H] gate/up weight (GPT-OSS's interleaved rows, or halves, either first): the recompute form
+    takes it as two views, as the canonical form passes them; expert_mlp_keep takes it whole (one GEMM for both
+    projections) and gives its gradient whole, in its layout. Rows and the weight's gradient equal the loop's."""
     x, tok, counts, params = _case(torch.float32)
     fused = torch.randn(E, 2 * I, H, generator=torch.Generator().manual_seed(2)) / 4
+    gv, uv = LAYOUTS[layout]
 
     def run(fn):
         w = fused.clone().requires_grad_()
-        y = fn(x, tok, counts, w[:, 0::2], w[:, 1::2], params[2], activation="silu")
+        y = fn(x, tok, counts, w[:, gv], w[:, uv], params[2], activation="silu")
         y.backward(torch.ones_like(y))
         return y, w.grad
 
-    for a, b in zip(run(expert_mlp_grouped), run(ref.expert_mlp_ref)):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    def keep():
+        y, pre = expert_mlp_keep(x, tok, counts, None, None, params[2], activation="silu", w_gate_up=fused,
+                                 gate_up_layout=layout)
+        assert pre.shape == (T * K, 2 * I)
+        grads = expert_mlp_keep_backward(torch.ones_like(y).expand(y.shape), pre, x, tok, counts, None, None,
+                                         params[2], activation="silu", w_gate_up=fused, gate_up_layout=layout)
+        assert len(grads) == 3 and grads[2].shape == fused.shape  # x, w_down, w_gate_up
+        return y, grads[2]
+
+    want = run(ref.expert_mlp_ref)
+    for got in (run(expert_mlp_grouped), keep()):
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.detach().abs().max()))

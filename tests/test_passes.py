@@ -9,7 +9,7 @@ from moecompile.config import MoEOptions
 from moecompile.models import handwritten
 from moecompile.passes.canonicalize import canonicalize_moe_pass
 from moecompile.passes.detect import detect_moe_pass
-from moecompile.passes.graph_utils import op_name
+from moecompile.passes.graph_utils import moe_op_name, op_name
 from moecompile.passes.lower import lower_moe_pass
 from moecompile.passes.report import PassReport
 from moecompile.passes.verify import verify_moe_pass
@@ -129,10 +129,42 @@ def test_canonicalize_then_lower_leave_only_canonical_ops():
     assert "topk" not in names and "silu" not in names  # the old routed computation is gone
     assert names.count("linear") == 1  # only the router logits remain of the original
     moe_nodes = [n for n in gm.graph.nodes if n.meta.get("moe_layer")]
-    assert {str(n.target) for n in moe_nodes} >= {"moe.route", "moe.build_pft", "moe.expert_mlp", "moe.combine"}
+    # on CPU, lowering="auto" runs the expert MLP as grouped GEMMs keeping its projections for backward
+    assert {moe_op_name(n) for n in moe_nodes} >= {"route", "build_pft", "expert_mlp_keep", "combine"}
     assert all(n.meta["moe_lowering"] == "torch" for n in moe_nodes)
     assert not annotated(gm) and report.layers[0].lowering == "torch"
+    assert any("grouped GEMMs on CPU" in note for note in report.layers[0].lowering_notes)
     torch.testing.assert_close(gm(*ex), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lowering,grouped_mm_takes_it,keep", [("torch", True, False), ("auto", False, False),
+                                                                ("auto", True, True)])
+def test_cpu_expert_mlp_form_and_its_gradients(lowering, grouped_mm_takes_it, keep, monkeypatch):
+    """lowering="torch" keeps moe::expert_mlp (it runs its forward again in backward); so does a layer whose dtype
+    or sizes grouped_mm does not take, saying why; the kept-projection form trains like the block itself."""
+    from moecompile.runtime import grouped_cpu
+
+    if not grouped_mm_takes_it:
+        monkeypatch.setattr(grouped_cpu, "usable_sizes", lambda *a: False)
+    torch.manual_seed(0)
+    block = handwritten.TinyMoELM("modulelist").blocks[0]
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    gm, ex = capture(block, x)
+    report = PassReport()
+    config = dataclasses.replace(CONFIG, lowering=lowering)
+    for p in (detect_moe_pass, verify_moe_pass, canonicalize_moe_pass, lower_moe_pass):
+        gm = p(gm, ex, config=config, report=report)
+    gm.recompile()
+    targets = {moe_op_name(n) for n in gm.graph.nodes}
+    assert ("expert_mlp_keep" in targets) == keep and ("expert_mlp" in targets) != keep, targets
+    notes = " ".join(report.layers[0].lowering_notes)
+    assert ("torch loop over experts (grouped_mm takes neither" in notes) == (not grouped_mm_takes_it)
+    (out,) = gm(*ex)
+    want = block(x)
+    torch.testing.assert_close(out, want)
+    grads = torch.autograd.grad(out.square().sum(), [x, *block.parameters()])
+    for got, exp in zip(grads, torch.autograd.grad(want.square().sum(), [x, *block.parameters()])):
+        torch.testing.assert_close(got, exp)
 
 
 def test_strict_pass_failure_names_the_pass_and_those_before(monkeypatch):
