@@ -2,18 +2,24 @@
 
 Registered under the ``torch_dynamo_backends`` entry point, so ``torch.compile(model, backend="moe")`` works
 without importing moecompile first.
+
+No model stops the user's program (``docs/detection.md``, "Never stops your program"): a pass or the inner compiler
+that raises, a rewritten graph that raises at its first run, and a trace that fails only because data-dependent
+shapes are captured each leave that graph (or frame) as Dynamo's defaults give it, reported; ``strict=True`` raises.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.fx as fx
 
 from moecompile.passes.report import PassReport
 
-from .tracing.capture import MARK, install
+from .tracing.capture import MARK, RETRACE, install
 from .config import MoEOptions, parse_options
-from .pipeline import Checkpoint, MoECompileError, run_passes
+from .pipeline import Checkpoint, MoECompileError, MoEFallbackWarning, run_passes
 
 
 def moe_backend(gm: fx.GraphModule, example_inputs, options: dict | MoEOptions | None = None, **_ignored):
@@ -31,26 +37,105 @@ def _wants_capture(options) -> bool:
         return True
 
 
+def capture_failed(config: MoEOptions, where: str, error: str) -> None:
+    """Called by moecompile/tracing/capture.py when Dynamo's trace for this backend failed at ``where`` with
+    data-dependent shapes captured, before Dynamo traces the frame again with its defaults: warn, or with
+    ``strict=True`` raise instead (Dynamo raises it as the backend's error)."""
+    if config.strict:
+        raise MoECompileError(
+            f"Dynamo's trace of {where} failed with data-dependent shapes captured (the moe backend's option "
+            f"capture, on by default): {error}. Fix: options={{'capture': False}} traces with Dynamo's defaults "
+            "(data-dependent shapes there then break the graph, and experts cut off by a break are not rewritten), "
+            "or give that line sizes of a length Dynamo knows (docs/detection.md, Expert loops); without strict the "
+            "backend traces the frame again with Dynamo's defaults by itself and explain() says so")
+    warnings.warn(f"moecompile: Dynamo's trace of {where} failed with data-dependent shapes captured ({error}); it is "
+                  "traced again with Dynamo's defaults (such shapes there break the graph). moecompile.explain() "
+                  "reports it; options={'strict': True} raises instead.", MoEFallbackWarning, stacklevel=2)
+
+
+def _capture_failed(options, where: str, error: str) -> None:
+    capture_failed(parse_options(options), where, error)
+
+
 setattr(moe_backend, MARK, _wants_capture)
+setattr(moe_backend, RETRACE, _capture_failed)
 install()
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport):
-    """The MoE passes, then the inner compiler. A rewritten graph the inner compiler rejects is compiled as it came
-    in instead, and the failure reported like a pass's (``strict=True`` raises)."""
+def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport, inner=None):
+    """The MoE passes, then the inner compiler (``inner(gm, example_inputs, config)``, ``compile_inner`` by default).
+    A rewritten graph the inner compiler rejects is compiled as it came in instead, and the failure reported like a
+    pass's; so is one that raises at its first run (``FirstRun``). ``strict=True`` raises."""
+    inner = inner or compile_inner
     install()  # torch._dynamo.reset() drops Dynamo's compile callbacks: the next compile captures again
     checkpoint = Checkpoint.take(gm, report)
     gm = rewrite(gm, example_inputs, config, report, checkpoint)
     if not checkpoint.rewrote(report):
-        return compile_inner(gm, example_inputs, config)
+        return inner(gm, example_inputs, config)
     try:
-        return compile_inner(gm, example_inputs, config)
+        compiled = inner(gm, example_inputs, config)
     except torch._dynamo.exc.RestartAnalysis:
         raise  # Dynamo's own control flow: it traces again
     except Exception as exc:
         if config.strict:
             raise MoECompileError(f"the inner compiler ({config.inner}) failed on the rewritten graph: {exc}") from exc
-        return compile_inner(checkpoint.restore(report, "inner", exc, config), example_inputs, config)
+        return inner(checkpoint.restore(report, "inner", exc, config), example_inputs, config)
+    context = torch._guards.TracingContext.try_get()  # Dynamo's, for this graph: its fake tensors, symbolic sizes
+    # the fallback holds no example input: they are real tensors (the passes' full-size stand-ins of sharded experts
+    # among them), and a graph Dynamo keeps without ever calling would keep them alive with it
+    return FirstRun(compiled, lambda exc: _fall_back(exc, checkpoint, context, config, report, inner))
+
+
+class FirstRun:
+    """A rewritten graph's compiled callable, watched at its first call: if that raises, the graph as it came in
+    from Dynamo runs instead (``_fall_back``: the failure reported, strict=True raises), from the random number
+    state the failed call started with, and every later call goes to whichever ran. Forward only: a failure in the
+    first backward raises where backward is called (the forward's saved state is gone by then). Out of memory is
+    raised as it is: the next call is a first call again."""
+
+    def __init__(self, compiled, fall_back):
+        self.fn = compiled
+        self.fall_back = fall_back  # None after the first call
+
+    def __call__(self, *args):
+        if self.fall_back is None:
+            return self.fn(*args)
+        rng = _rng_state()
+        try:
+            out = self.fn(*args)
+        except torch.OutOfMemoryError:
+            raise  # the device's limit, not the rewrite's doing: the next call runs the rewritten graph again
+        except Exception as exc:
+            fall_back, self.fall_back = self.fall_back, None
+            self.fn = fall_back(exc)
+            _set_rng_state(rng)
+            return self.fn(*args)
+        self.fall_back = None
+        return out
+
+
+def _fall_back(exc: Exception, checkpoint: Checkpoint, context, config: MoEOptions, report: PassReport, inner):
+    """The graph as it came in, for a rewritten graph that raised at its first run: compiled by ``inner`` inside the
+    context Dynamo traced it in (its fake tensors and symbolic sizes); where that raises or would need guards Dynamo
+    did not install with the graph, or without Dynamo's fake inputs, it runs uncompiled (its own forward, as eager
+    does)."""
+    if config.strict:
+        raise MoECompileError(f"the rewritten graph {checkpoint.index} raised at its first run: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    gm = checkpoint.restore(report, "first_run", exc, config)
+    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+    guards = len(shape_env.guards) if shape_env is not None else 0
+    fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    if context is None or any(f is None for f in fakes):
+        return gm.forward
+    try:
+        with torch._guards.tracing(context):
+            compiled = inner(gm, fakes, config)
+    except Exception:  # noqa: BLE001 - the failure is reported; the graph still runs, uncompiled
+        return gm.forward
+    if shape_env is not None and len(shape_env.guards) > guards:
+        return gm.forward
+    return compiled
 
 
 def rewrite(gm, example_inputs, config: MoEOptions, report: PassReport,
@@ -67,3 +152,19 @@ def compile_inner(gm: fx.GraphModule, example_inputs, config: MoEOptions):
     from torch._dynamo.backends.registry import lookup_backend
 
     return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def run_uncompiled(gm: fx.GraphModule, example_inputs, config: MoEOptions):
+    """An inner "compiler" that leaves the graph as it is: it runs as the passes return it (explain(), tests)."""
+    return gm.forward
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])

@@ -11,8 +11,8 @@ from moecompile.passes import aliases
 from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, SkipRecord
 
 from . import recompiles
-from .backend import rewrite
-from .tracing.capture import MARK, install
+from .backend import capture_failed, compile_graph, run_uncompiled
+from .tracing import capture
 from .config import parse_options
 from .pipeline import MoEFallbackWarning
 
@@ -23,10 +23,12 @@ class ExplainReport:
     ``skipped``: (region, reason) for every MoE-looking region left as it was; ``graphs``: (stage, code) for
     the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made;
     ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table);
-    ``failures``: (stage, region, error) for every pass or inner compile that raised: that graph ran as it came in;
-    ``loops``: the forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert
+    ``failures``: (stage, region, error) for every pass, inner compile or first run that raised: that graph ran as
+    it came in; ``loops``: the forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert
     (moecompile/tracing/loops.py); ``lost_to_recompiles``: frames that hit Dynamo's recompile limit under a moe
-    backend since the last explain() (which resets Dynamo), so ran eagerly, unrewritten (moecompile/recompiles.py)."""
+    backend since the last explain() (which resets Dynamo), so ran eagerly, unrewritten (moecompile/recompiles.py);
+    ``retraced``: where Dynamo's trace failed with data-dependent shapes captured -> its error: that frame was
+    traced again with Dynamo's defaults (moecompile/tracing/capture.py)."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
@@ -38,14 +40,18 @@ class ExplainReport:
     loops: dict[str, str] = dataclasses.field(default_factory=dict)  # forward whose nonzero() loop was rewritten
     parallel: str = ""  # a parallelized model: its sharding, each layer's dedup and why, and what it has sent
     lost_to_recompiles: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> the limit it hit
+    retraced: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> its capture-on trace's error
 
     def __str__(self) -> str:
         out = [f"moecompile: {len(self.layers)} MoE layer(s) rewritten, {len(self.skipped)} skipped, "
                f"{self.num_graphs} graph(s)" + (f", {len(self.failures)} failure(s)" if self.failures else "")]
         out += [f"  warning: {m}" for m in self.config_mismatches]
         for where, why in self.lost_to_recompiles.items():
-            out.append(f"  warning: earlier in this process {where} hit {why}: it ran eagerly from then on, its MoE "
+            out.append(f"  warning: since the last explain(), {where} hit {why}: it ran eagerly from then on, its MoE "
                        "layers not rewritten (compile with dynamic=True for changing sizes)")
+        for where, error in self.retraced.items():
+            out.append(f"  {where}: traced again with Dynamo's defaults: {error} (raised with data-dependent "
+                       "shapes captured; strict=True raises instead)")
         for f in self.failures:
             out.append(f"  failed: {f.what} raised on {f.region}: {f.error}; that graph runs as it came in "
                        "(strict=True raises)")
@@ -88,21 +94,24 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 
     def backend(gm, example_inputs, **_):
         graphs.append(gm)
-        return rewrite(gm, example_inputs, config, report).forward
+        return compile_graph(gm, example_inputs, config, report, inner=run_uncompiled)
 
-    setattr(backend, MARK, config.capture)  # Dynamo captures data-dependent shapes for it (tracing/capture.py)
+    setattr(backend, capture.MARK, config.capture)  # Dynamo captures data-dependent shapes for it (tracing/capture.py)
+    setattr(backend, capture.RETRACE, lambda options, where, error: capture_failed(config, where, error))
     lost = dict(recompiles.lost)  # what the program lost so far; the reset below gives those frames a fresh start
     recompiles.lost.clear()
     torch._dynamo.reset()
-    install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
+    capture.install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
     compiled = torch.compile(model, backend=backend)
     breaks_before = _data_dependent_breaks()
+    capture.retraced.clear()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
         compiled(*args)
     torch._dynamo.reset()
-    install()
+    capture.install()
     breaks = _data_dependent_breaks() - breaks_before
+    retraced = dict(capture.retraced)
     if breaks:
         report.skipped.append(SkipRecord("<graph breaks>", DATA_DEPENDENT_BREAKS.format(n=breaks)))
     mismatches = _check_against_config(getattr(model, "config", None), report.layers)
@@ -116,7 +125,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 
             parallel += f"\n{replication_report(model)}"
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
-                         report.failures, dict(report.loops), parallel, lost)
+                         report.failures, dict(report.loops), parallel, lost, retraced)
 
 
 DATA_DEPENDENT_BREAKS = (

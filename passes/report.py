@@ -43,6 +43,8 @@ class FailureRecord:
 
     @property
     def what(self) -> str:
+        if self.stage == "first_run":
+            return "the rewritten graph's first run"
         return "the inner compiler" if self.stage == "inner" else f"pass {self.stage!r}"
 
 

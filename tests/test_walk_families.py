@@ -16,9 +16,10 @@ from conftest import RecordingBackend, normwise
 
 from moecompile import pipeline
 from moecompile.tracing.capture import install
-from moecompile.backend import rewrite
+from moecompile.backend import compile_graph, run_uncompiled
 from moecompile.models import hf
 from moecompile.passes.canonicalize import canonicalize_moe_pass
+from moecompile.runtime import grouped_cpu, reference
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- family-table:start -->", "<!-- family-table:end -->"
@@ -193,27 +194,12 @@ def test_every_family_runs_as_eager_when_a_pass_fails(monkeypatch):
 
     monkeypatch.setattr(pipeline, "PASSES", (("detect", dict(pipeline.PASSES)["detect"]),
                                              ("canonicalize", canonicalize_then_raise)))
-    families = sorted(set(hf.moe_families_in_transformers()) | set(hf.FAMILIES))
-    ran = 0
-    for family in families:
-        model = _build(family)
-        if isinstance(model, Exception):
-            continue
-        eager, ids = copy.deepcopy(model), _ids(model)
-        backend = _PassesOnly()
-        torch._dynamo.reset()
-        rewritten.clear()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = torch.compile(model, backend=backend)(ids)
-        assert not backend.errors, f"{family}: backend raised {backend.errors[0]!r}"
-        assert normwise(got.logits, eager(ids).logits) <= 1e-5, f"{family}: outputs changed"
-        rep = backend.report
+    for family, model, ids, rep, warned in _walk_as_eager():
         assert rep.graphs_seen and len(rep.failures) == rep.graphs_seen, family
         assert all((f.stage, f.error) == ("canonicalize", "RuntimeError: forced failure after rewriting")
                    for f in rep.failures), family
         assert not rep.layers and rep.counters["pipeline.failed.canonicalize"] == rep.graphs_seen, family
-        assert any(issubclass(w.category, pipeline.MoEFallbackWarning) for w in caught), family
+        assert warned, family
         if family in hf.FAMILIES:
             assert sum(rewritten) == model.config.num_hidden_layers, family  # every block was spliced, then undone
             torch._dynamo.reset()
@@ -221,16 +207,70 @@ def test_every_family_runs_as_eager_when_a_pass_fails(monkeypatch):
             with pytest.raises(Exception):
                 torch.compile(model, backend=strict, fullgraph=True)(ids)
             assert isinstance(strict.errors[0], pipeline.MoECompileError), family
+        rewritten.clear()
+
+
+def test_every_family_runs_as_eager_when_an_op_raises_at_its_first_run(monkeypatch):
+    """The expert MLP of moe::expert_mlp and moe::expert_mlp_keep (the references' loop, the grouped GEMMs on CPU)
+    raises whenever a graph runs it (not while Dynamo compiles, where the proof runs it), on every family of the walk: each rewritten graph fails at its first run, the graph as it came
+    in from Dynamo runs instead and the model gives eager's output; the report names the first run and the error,
+    and a warning says so; with strict=True the call raises. Forward only, a short proof, and graphs run as the
+    passes return them (no inner compiler): about three minutes."""
+    def raising(real):
+        def run(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return real(*args, **kwargs)
+            raise RuntimeError("forced failure at run time")
+        return run
+
+    for module, name in ((reference, "expert_mlp_ref"), (grouped_cpu, "expert_mlp_keep")):
+        monkeypatch.setattr(module, name, raising(getattr(module, name)))
+    quick = dict(probe_tokens=16, verify_backward=False)
+    for family, model, ids, rep, warned in _walk_as_eager(**quick):
+        assert not rep.layers and all((f.stage, f.error) == ("first_run", "RuntimeError: forced failure at run time")
+                                      for f in rep.failures), family
+        assert rep.counters["pipeline.failed.first_run"] == len(rep.failures), family
+        if family in hf.FAMILIES:
+            assert rep.failures and warned, family
+            undone = [s for s in rep.skipped if s.reason.startswith("proved, but not rewritten")]
+            assert len(undone) == model.config.num_hidden_layers, family  # every block was proved, then undone
+            torch._dynamo.reset()
+            with pytest.raises(pipeline.MoECompileError, match="raised at its first run"):
+                torch.compile(model, backend=_PassesOnly(**quick, strict=True))(ids)
+
+
+def _walk_as_eager(**options):
+    """Every family of the walk that builds, compiled with ``_PassesOnly(**options)`` and run once: the backend must
+    not raise and the logits must be eager's. Yields (family, model, ids, the report, whether a
+    ``MoEFallbackWarning`` was raised)."""
+    families = sorted(set(hf.moe_families_in_transformers()) | set(hf.FAMILIES))
+    ran = 0
+    for family in families:
+        model = _build(family)
+        if isinstance(model, Exception):
+            continue
+        eager, ids = copy.deepcopy(model), _ids(model)
+        backend = _PassesOnly(**options)
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = torch.compile(model, backend=backend)(ids)
+        assert not backend.errors, f"{family}: backend raised {backend.errors[0]!r}"
+        assert normwise(got.logits, eager(ids).logits) <= 1e-5, f"{family}: outputs changed"
+        yield family, model, ids, backend.report, any(issubclass(w.category, pipeline.MoEFallbackWarning)
+                                                      for w in caught)
         ran += 1
     assert ran >= len(hf.FAMILIES)
 
 
 class _PassesOnly(RecordingBackend):
-    """The MoE passes, then the graph runs as they return it (no inner compiler)."""
+    """The MoE passes, then the graph runs as they return it (no inner compiler), watched at its first run."""
 
     def __call__(self, gm, example_inputs, **_):
         try:
-            return rewrite(gm, example_inputs, self.config, self.report).forward
+            return compile_graph(gm, example_inputs, self.config, self.report, inner=run_uncompiled)
+        except torch._dynamo.exc.RestartAnalysis:
+            raise
         except BaseException as exc:
             self.errors.append(exc)
             raise

@@ -1,7 +1,8 @@
 """How a model reaches the backend in one graph: Dynamo's trace, adjusted for MoE code.
 
     capture.py    turn on Dynamo's capture of data-dependent shapes (``nonzero()``, ``.tolist()``) during the moe
-                  backend's own compiles only (compile-start/end callbacks); ``moecompile.capture()`` for a block
+                  backend's own compiles only (compile-start/end callbacks), and trace a frame again with Dynamo's
+                  defaults where the trace with them fails; ``moecompile.capture()`` for a block
     loops.py      prove that a loop over the experts that received tokens equals the loop over every expert, and
                   swap the module's code for that loop while Dynamo traces for moe (put back after)
     loop_ast.py   the source-level (``ast``) reading and rewriting that ``loops.py`` proves with

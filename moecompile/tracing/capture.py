@@ -5,19 +5,26 @@
                                           capture_dynamic_output_shape_ops, capture_scalar_outputs;
                                           swap provable nonzero() expert loops (loops.py)
       Dynamo traces the frame        ->  where(ids == e), x.split(counts.tolist()) stay in the graph (unbacked sizes)
+        the trace fails with them on ->  put back the settings and the code; Dynamo traces the frame again with its
+                                          defaults (RestartAnalysis), and the frame is listed in ``retraced``
       Dynamo compile-end callback    ->  put back the settings and the swapped code
 
 Why callbacks: torch.compile in torch 2.13 gives a custom backend no hook around Dynamo's trace, and without the
 two settings an expert loop breaks the graph before any backend sees the experts. ``install()`` (re)registers
 the callbacks (``torch._dynamo.reset()`` removes them); ``capture()`` turns the settings on for a ``with`` block,
-for any backend. Why the other ways fail, what happens if torch moves the hook, and what no setting captures:
-``docs/detection.md``, Expert loops.
+for any backend. A trace that fails only because the settings are on (``.tolist()`` of a tensor whose length
+depends on the data) is traced again with Dynamo's defaults: Dynamo's ``convert_frame.trace_frame`` is wrapped for
+the moe compiles only, and raises Dynamo's own ``RestartAnalysis`` after putting the settings back. Why the other
+ways fail, what happens if torch moves the hooks, and what no setting captures: ``docs/detection.md``, Expert
+loops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import types
 
 import torch
 
@@ -26,6 +33,8 @@ from moecompile.passes.aliases import EAGER_EXPERTS_REASON
 
 FLAGS = ("capture_dynamic_output_shape_ops", "capture_scalar_outputs")
 MARK = "moecompile_capture"  # attribute of a backend: bool, or callable(options) -> bool
+RETRACE = "moecompile_retrace"  # attribute of a backend: callable(options, where, error) -> None, called when a
+# trace for it failed with the settings on, before Dynamo traces the frame again with its defaults; it may raise
 
 
 @contextlib.contextmanager
@@ -44,18 +53,24 @@ def capturing() -> bool:
 def wants_capture(compiler) -> bool:
     """Whether ``compiler`` (as Dynamo holds it: its debug and torch.compile wrappers included) is a backend that
     asks for capture: one carrying ``MARK``, given the ``options`` torch.compile passes it."""
+    mark, options = _backend_attribute(compiler, MARK)
+    return bool(mark(options)) if callable(mark) else bool(mark)
+
+
+def _backend_attribute(compiler, name: str) -> tuple:
+    """(attribute ``name`` of the backend that ``compiler`` wraps or None, the ``options`` torch.compile passes it)."""
     options = None
     for _ in range(16):  # the wrapper chain is short; a cycle must not hang a compile
         if compiler is None:
-            return False
+            break
         kwargs = getattr(compiler, "kwargs", None)  # torch.compile's _TorchCompileWrapper keeps options= here
         if isinstance(kwargs, dict) and "options" in kwargs:
             options = kwargs["options"]
-        mark = getattr(compiler, MARK, None)
-        if mark is not None:
-            return bool(mark(options)) if callable(mark) else bool(mark)
+        value = getattr(compiler, name, None)
+        if value is not None:
+            return value, options
         compiler = getattr(compiler, "_torchdynamo_orig_backend", None) or getattr(compiler, "compiler_fn", None)
-    return False
+    return None, options
 
 
 def _compile_frame() -> dict:
@@ -63,7 +78,8 @@ def _compile_frame() -> dict:
     ``compiler_fn``, and the ``locals``, ``closure`` and ``globals`` of the frame it compiles; {} if none."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_globals.get("__name__") == "torch._dynamo.convert_frame" and "compiler_fn" in frame.f_code.co_varnames:
+        if (frame.f_globals.get("__name__") == "torch._dynamo.convert_frame"
+                and "compiler_fn" in frame.f_code.co_varnames):
             return frame.f_locals
         frame = frame.f_back
     return {}
@@ -87,14 +103,20 @@ def _namespaces(compile_locals: dict) -> list:
 
 _open: list[contextlib.AbstractContextManager] = []
 _swapped: list = []  # (function, original code) pairs of the loops rewritten for the compile running now
+_patched: list = []  # (convert_frame module, its trace_frame) while the compile running now may trace again
+_retracing: list[str] = []  # the error of the capture-on trace, while the compile running now traces again
+retraced: dict[str, str] = {}  # "fn (file:line)" -> the error of its capture-on trace, for every frame traced again
+# with Dynamo's defaults (explain() clears and reads it)
 
 
 def compile_scope_start(args) -> None:
     """Dynamo compile-start callback: if it traces for the moe backend, capture data-dependent shapes and rewrite
-    the nonzero() expert loops reachable from the frame (``loops.swap``) for this compile. Never raises
-    (an error here would stop the user's compile); on any surprise nothing is turned on."""
+    the nonzero() expert loops reachable from the frame (``loops.swap``) for this compile, and have a trace that
+    fails so traced again with Dynamo's defaults. Never raises (an error here would stop the user's compile); on
+    any surprise nothing is turned on."""
     from torch._dynamo.callback import CallbackTrigger
 
+    _retracing.clear()
     try:
         frame = _compile_frame()
         if args.callback_trigger != CallbackTrigger.DYNAMO or not wants_capture(frame.get("compiler_fn")):
@@ -102,6 +124,7 @@ def compile_scope_start(args) -> None:
         scope = capture()
         scope.__enter__()
         _open.append(scope)
+        _retrace_on_failure()
         loops.swap(_namespaces(frame), _swapped)
     except Exception:  # noqa: BLE001 - a missed capture is reported later with its fix; a crash here is not
         return
@@ -109,10 +132,79 @@ def compile_scope_start(args) -> None:
 
 def compile_scope_end(args) -> None:
     """Dynamo compile-end callback: put back the settings and the code ``compile_scope_start`` changed."""
+    _stop_capture()
+    _retracing.clear()
+
+
+def _stop_capture() -> None:
     loops.restore(_swapped)
     _swapped.clear()
     while _open:
         _open.pop().__exit__(None, None, None)
+    while _patched:
+        module, trace_frame = _patched.pop()
+        module.trace_frame = trace_frame
+
+
+def _retrace_on_failure() -> None:
+    """Wrap Dynamo's ``convert_frame.trace_frame`` (one trace attempt of the frame) for this compile: an attempt that
+    fails with the settings on puts them back and raises ``RestartAnalysis``, on which Dynamo's own loop traces the
+    frame again, now with its defaults. Dynamo's control flow, a frame it gives up on (run eagerly: the program goes
+    on) and the backend's own errors (``strict=True``) pass through. Without ``trace_frame`` nothing is wrapped."""
+    from torch._dynamo import convert_frame, exc as dynamo_exc, symbolic_convert
+
+    trace_frame = getattr(convert_frame, "trace_frame", None)
+    if trace_frame is None:
+        return
+    passes = (dynamo_exc.RestartAnalysis, dynamo_exc.SkipFrame, dynamo_exc.Unsupported, dynamo_exc.UserError,
+              dynamo_exc.BackendCompilerFailed)
+    speculation_log = getattr(symbolic_convert, "SpeculationLog", ())
+
+    @functools.wraps(trace_frame)
+    def trace_or_retrace(*args, **kwargs):
+        try:
+            return trace_frame(*args, **kwargs)
+        except passes:
+            raise
+        except Exception as exc:
+            if not _open:
+                raise
+            values = (*args, *kwargs.values())
+            code = next((v for v in values if isinstance(v, types.CodeType)), None)
+            where, error = _where(exc, code), _first_line(exc)
+            compiler = _compile_frame().get("compiler_fn")
+            policy, options = _backend_attribute(compiler, RETRACE)
+            if callable(policy):
+                try:
+                    policy(options, where, error)
+                except Exception as refused:  # strict=True: raised as Dynamo raises a backend's error
+                    raise dynamo_exc.BackendCompilerFailed(compiler, refused, None) from exc
+            _stop_capture()
+            _retracing.append(error)
+            retraced[where] = error
+            for log in (v for v in values if isinstance(v, speculation_log)):
+                log.clear()  # what this attempt recorded: the next one may break the graph where this one did not
+            raise dynamo_exc.RestartAnalysis(restart_reason=f"moecompile: trace again with Dynamo's defaults "
+                                                            f"({error})") from exc
+
+    _patched.append((convert_frame, trace_frame))
+    convert_frame.trace_frame = trace_or_retrace
+
+
+def _where(exc: Exception, code) -> str:
+    """The user's line the trace failed at (Dynamo's ``real_stack`` of the error), else the frame's first line."""
+    stack = getattr(exc, "real_stack", None) or ()
+    if stack:
+        return f"{stack[-1].name} ({stack[-1].filename}:{stack[-1].lineno})"
+    if code is not None:
+        return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+    return "a frame"
+
+
+def _first_line(exc: Exception, n: int = 200) -> str:
+    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    text = " ".join(f"{type(exc).__name__}: {line}".split())
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def install() -> None:
@@ -142,6 +234,14 @@ CAPTURE_REASON = (
     + _NONZERO_LOOP
 )
 
+RETRACE_REASON = (
+    ": Dynamo broke the graph at a data-dependent shape (nonzero(), where(mask), .tolist()) before the experts, so "
+    "they run outside it: its trace with such shapes captured failed ({error}), and the moe backend traced the frame "
+    "again with Dynamo's defaults so that the program runs. Fix: write the line it failed at so that its sizes have "
+    "a length Dynamo knows (counts from F.one_hot(ids, E).sum(0), not torch.bincount(ids, minlength=E), whose "
+    "length depends on the data: docs/detection.md, Expert loops); options={{'strict': True}} raises at the failure"
+)
+
 LOOP_REASON = (
     ", although Dynamo captured data-dependent shapes: the graph broke at the experts' loop. Most likely "
     + _NONZERO_LOOP
@@ -150,9 +250,12 @@ LOOP_REASON = (
 
 def complete_missing_experts(report) -> None:
     """Say why a graph holds a router and no experts, and the fix, from the capture settings it was traced with
-    (the backend runs inside Dynamo's trace, so the settings read now are the trace's); and record the loops over
-    ``nonzero()`` rows this trace ran rewritten (``report.loops``)."""
+    (the backend runs inside Dynamo's trace, so the settings read now are the trace's, and so is ``_retracing``: a
+    trace again after one with the settings failed); and record the loops over ``nonzero()`` rows this trace ran
+    rewritten (``report.loops``)."""
     why = LOOP_REASON if capturing() else CAPTURE_REASON
+    if _retracing:  # this frame's trace with capture failed: it is traced again with Dynamo's defaults
+        why = RETRACE_REASON.format(error=_retracing[-1])
     if capturing():
         why += "".join(f"; {name}: {r.reason}" for name, r in loops.seen.items() if r.code is None and r.found)
         report.loops.update({name: r.where for name, r in loops.seen.items() if r.code is not None})
