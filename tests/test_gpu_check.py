@@ -1,0 +1,57 @@
+"""benchmarks/gpu_check.py (every GPU check, one report) and benchmarks/gpu_parity.py, on what runs without a GPU:
+the plan, the refusal without CUDA, a step's statuses and report, and the parity check of one family on CPU."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+import gpu_parity  # noqa: E402
+
+
+def test_dry_run_lists_every_step_and_its_command():
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for step in gpu_check.STEPS:
+        assert f"{step.name} ({step.timeout_s} s)" in out.stdout
+    assert "TRITON_INTERPRET=0" in out.stdout and "benchmarks/gpu_parity.py --device cuda" in out.stdout
+
+
+def test_without_cuda_it_says_so_and_runs_nothing(tmp_path):
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path / "r.md")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no CUDA device here" in out.stderr and not (tmp_path / "r.md").exists()
+    bad = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--steps", "kernels,bogus", "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown ['bogus']" in bad.stderr
+
+
+def test_steps_report_their_tables_failures_and_time_limits(tmp_path):
+    writes = gpu_check.Step("writes", "writes a table", [sys.executable, "-c",
+                            "open('{dir}/t.md', 'w').write('| a |\\n|---|\\n| 1 |\\n')"], 60, out="t.md")
+    fails = gpu_check.Step("fails", "exits 3", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], 60)
+    slow = gpu_check.Step("slow", "sleeps", [sys.executable, "-c", "import time; time.sleep(30)"], 1)
+    results = [gpu_check.run_step(s, tmp_path, 60) for s in (writes, fails, slow)]
+    assert [r.status for r in results] == ["passed", "failed (exit 3)", "timed out (1 s)"]
+    results.append(gpu_check.Result(writes, "not run"))
+    text = gpu_check.report(results, "a test device", 12.0)
+    assert "- device: a test device" in text and "- versions: torch " in text and "- commit: " in text
+    assert "| writes | writes a table | passed |" in text and "| 1 |" in text  # the step's own table, pasted
+    assert "## fails: failed (exit 3)" in text and "boom" in text  # the end of its output instead
+    assert "| writes | writes a table | not run | 0 |" in text
+
+
+def test_parity_of_one_family_on_cpu():
+    pytest.importorskip("transformers")
+    import torch
+
+    row = gpu_parity.check_family("mixtral", torch.device("cpu"), torch.float32, {"inner": "aot_eager"})
+    assert row["status"] == "ok" and row["layers"] == 2 and row["out_err"] <= gpu_parity.FP32_TOL, row
+    assert row["grad_err"] <= gpu_parity.FP32_TOL and row["worst"], row
+    assert "| mixtral |" in gpu_parity.table([{**row, "dtype": "float32"}])
