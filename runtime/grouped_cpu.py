@@ -1,6 +1,7 @@
 """``expert_mlp_ref`` without a Python loop over experts: each projection one ``torch._grouped_mm`` over the
-padding-free rows (grouped by expert, in order), the biases gathered per row. Used by the ``moe::expert_mlp`` op
-and its backward where the tensors are not on CUDA's Triton path; the loop of ``reference.py`` stays the meaning.
+padding-free rows (grouped by expert, in order), the biases gathered per row. Used on CPU by ``moe::expert_mlp``
+(forward, and again inside its backward) and by ``moe::expert_mlp_keep`` (which keeps the projections, so its
+backward, ``expert_mlp_keep_backward``, is grouped GEMMs alone); the loop of ``reference.py`` stays the meaning.
 
     x_BH = x_TH[token_ids_B]                    rows of each expert contiguous, offs = cumsum(tokens_per_expert_E)
     up_BI = grouped_mm(x_BH, W_up^T, offs)      (+ gate_BI likewise; + bias[expert of row])
