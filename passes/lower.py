@@ -65,10 +65,11 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
             swapped, kept = _lower_layer(gm.graph, nodes)
             notes += kept
             report.counters.update(f"lower.ops.{op}" for op in swapped)
-        elif config.lowering == "auto" and path in specs:
-            note = _keep_projections(gm.graph, nodes, specs[path])
+        elif config.lowering == "auto" and path in specs and _layer_device(nodes).type == "cpu":
+            form, note = _keep_projections(gm.graph, nodes, specs[path])
             notes.append(note)
-            report.counters["lower.ops.expert_mlp_keep" if "kept" in note else "lower.ops.expert_mlp_loop"] += 1
+            if form:
+                report.counters[f"lower.ops.{form}"] += 1
         for n in gm.graph.nodes:
             if n.meta.get("moe_layer") == path:
                 n.meta["moe_lowering"] = choice
@@ -81,16 +82,20 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
     return gm
 
 
-def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> str:
+def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> tuple[str, str]:
     """On CPU: ``expert_mlp`` -> ``expert_mlp_keep`` (grouped GEMMs; the gate/up projections kept for backward,
-    which then runs no forward again) where ``torch._grouped_mm`` takes the layer's dtype and sizes. The note."""
+    which then runs no forward again) where ``torch._grouped_mm`` takes the layer's dtype and sizes. (The form the
+    experts run in, "" if none is in the graph; the note.)"""
     from ..runtime import grouped_cpu
 
     mlps = [n for n in nodes if moe_op_name(n) == "expert_mlp"]
+    if not mlps:
+        return "", "expert_mlp: none in this layer's graph (its experts run inside another op)"
     dtype, e = _example_above(mlps[0].args[4]).dtype, spec.experts
     if not grouped_cpu.usable_sizes(dtype, e.hidden, e.intermediate):
-        return (f"expert_mlp: torch loop over experts (grouped_mm takes neither {dtype} nor sizes H={e.hidden}, "
-                f"I={e.intermediate} unless float32/bfloat16/float16 and multiples of 16 bytes)")
+        return "expert_mlp_loop", (f"expert_mlp: torch loop over experts (grouped_mm takes neither {dtype} nor sizes "
+                                   f"H={e.hidden}, I={e.intermediate} unless float32/bfloat16/float16 and multiples "
+                                   "of 16 bytes)")
     fused = ""
     for mlp in mlps:
         x, tok, counts, wg, wu, *rest = mlp.args
@@ -109,8 +114,10 @@ def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> str:
         for view in (wg, wu) if gate_up is not None else ():
             if not view.users:
                 graph.erase_node(view)
-    return (f"expert_mlp: grouped GEMMs on CPU{fused}; the {'gate/up' if e.gated else 'up'} projections kept for "
-            f"backward ([rows, {(2 if e.gated else 1) * e.intermediate}] {dtype}), so it runs no forward again")
+    kept = "gate/up" if e.gated else "up"
+    return "expert_mlp_keep", (f"expert_mlp: grouped GEMMs on CPU{fused}; the {kept} projections kept for backward "
+                               f"([rows, {(2 if e.gated else 1) * e.intermediate}] {dtype}), so it runs no forward "
+                               "again")
 
 
 def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
