@@ -22,6 +22,8 @@ import time
 import torch
 import torch.nn as nn
 
+from moecompile.passes.forms import saved_activation_bytes  # noqa: F401  (the scripts import it from here)
+
 # per transformers model_type: the sparse MoE block's class, and the config fields of the routed experts' width and
 # count
 HF_MOE = {"mixtral": ("MixtralSparseMoeBlock", "intermediate_size", "num_local_experts"),
@@ -148,27 +150,6 @@ def peak_gib(fn, device: torch.device, prep) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
-def saved_activation_bytes(fwd, exclude_ptrs: set[int]) -> int:
-    """Bytes of the tensors autograd saves for backward during one forward: each storage once, parameters and
-    buffers of the layer excluded."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        try:
-            st = t.untyped_storage()
-            ptr, nbytes = st.data_ptr(), st.nbytes()
-        except Exception:  # tensors without storage (sparse, nested, some subclasses): count their elements
-            ptr, nbytes = id(t), t.numel() * t.element_size()
-        if ptr not in exclude_ptrs and ptr != 0:
-            seen[ptr] = max(seen.get(ptr, 0), nbytes)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fwd()
-    del out
-    return sum(seen.values())
 
 
 def _counted_cpu(name: str) -> bool:

@@ -74,6 +74,16 @@ def _model_for(target: str, dtype: torch.dtype, full_size: bool = False):
     return hf.build_model(config, dtype=dtype)
 
 
+LOWERING_HELP = ("the form of each proved layer: 'auto' (default, or $MOECOMPILE_LOWERING) times every form and "
+                 "keeps the fastest; 'original', 'torch', 'grouped' or 'triton' forces one ('triton' on CPU needs "
+                 "TRITON_INTERPRET=1 in the environment)")
+
+
+def _lowering(args) -> dict:
+    """The lowering option if given on the command line (else the option's default)."""
+    return {} if args.lowering is None else {"lowering": args.lowering}
+
+
 def inspect(args) -> int:
     import moecompile
 
@@ -82,7 +92,7 @@ def inspect(args) -> int:
     log.info("%s built; Dynamo traces it, then the passes run (the first compile of a process takes longest)",
              args.model)
     ids = torch.randint(0, min(64, model.config.vocab_size if hasattr(model, "config") else 64), (args.batch, args.seq))
-    report = moecompile.explain(model, ids, inner=args.inner, lowering=args.lowering, capture=not args.no_capture)
+    report = moecompile.explain(model, ids, inner=args.inner, capture=not args.no_capture, **_lowering(args))
     print(report)
     if args.graphs:
         for stage, code in report.graphs:
@@ -99,8 +109,9 @@ def demo(args) -> int:
     ids = torch.randint(0, 128, (2, 16))  # every tiny model's vocabulary is 128
     eager, compiled_src = _model_for(args.family, torch.float32), _model_for(args.family, torch.float32)
     compiled_src.load_state_dict(eager.state_dict())
-    print(moecompile.explain(compiled_src, ids, lowering=args.lowering))
-    compiled = torch.compile(compiled_src, backend="moe", options={"inner": args.inner, "lowering": args.lowering})
+    with torch.enable_grad():  # the forms chosen for training, as the steps below run
+        print(moecompile.explain(compiled_src, ids, **_lowering(args)))
+    compiled = torch.compile(compiled_src, backend="moe", options={"inner": args.inner, **_lowering(args)})
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, compiled_src)]
     print(f"\ntraining {args.steps} steps of {args.family} (inner compiler: {args.inner})")
     for step in range(args.steps):
@@ -135,8 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--full-size", action="store_true", help="build a config.json at its real size (random weights)")
     p.add_argument("--inner", default="aot_eager", choices=("inductor", "aot_eager"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--lowering", default="auto", choices=LOWERINGS,
-                   help="kernels: 'triton' on CPU needs TRITON_INTERPRET=1 in the environment")
+    p.add_argument("--lowering", default=None, choices=LOWERINGS, help=LOWERING_HELP)
     p.add_argument("--no-capture", action="store_true",
                    help="trace with Dynamo's defaults (option capture=False): expert loops over nonzero()/where() "
                         "then break the graph and are reported, not rewritten")
@@ -147,8 +157,7 @@ def main(argv=None) -> int:
     d.add_argument("--family", default="mixtral", help="a family or hand-written kind, as inspect takes")
     d.add_argument("--steps", type=int, default=3)
     d.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"))
-    d.add_argument("--lowering", default="auto", choices=LOWERINGS,
-                   help="kernels: 'triton' on CPU needs TRITON_INTERPRET=1 in the environment")
+    d.add_argument("--lowering", default=None, choices=LOWERINGS, help=LOWERING_HELP)
     d.set_defaults(fn=demo)
     c = sub.add_parser("calibrate", help="under torchrun: time all-to-alls at each mesh level, fit alpha and beta, "
                                          "save the link model (JSON) that parallelize(dedup='auto') reads")

@@ -15,6 +15,7 @@ import warnings
 import torch
 import torch.fx as fx
 
+from moecompile.passes import forms
 from moecompile.passes.report import PassReport
 
 from .tracing.capture import MARK, RETRACE, install
@@ -140,8 +141,15 @@ def _fall_back(exc: Exception, checkpoint: Checkpoint, context, config: MoEOptio
 
 def rewrite(gm, example_inputs, config: MoEOptions, report: PassReport,
             checkpoint: Checkpoint | None = None) -> fx.GraphModule:
-    with torch.enable_grad():  # verify differentiates probes even when the model runs under no_grad
-        return run_passes(gm, example_inputs, config, report, checkpoint)
+    token = None
+    if forms.TRAINING.get() is None:  # lower times forward+backward only for a training graph (explain sets it)
+        token = forms.TRAINING.set(torch.is_grad_enabled())
+    try:
+        with torch.enable_grad():  # verify differentiates probes even when the model runs under no_grad
+            return run_passes(gm, example_inputs, config, report, checkpoint)
+    finally:
+        if token is not None:
+            forms.TRAINING.reset(token)
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs, config: MoEOptions):

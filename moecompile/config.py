@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 PASS_NAMES = ("detect", "verify", "canonicalize", "lower")  # what disable_passes may name (expose_sharded and
 # distribute always run: they do nothing unless moecompile.parallelize sharded the model, and then a sharded
 # layer cannot run without them)
 INNER_BACKENDS = ("inductor", "aot_eager")
-LOWERINGS = ("auto", "triton", "torch")
+LOWERINGS = ("auto", "original", "torch", "grouped", "triton")
+CHOOSE = ("memory", "speed")
+LOWERING_ENV = "MOECOMPILE_LOWERING"  # the default of ``lowering`` when options do not give it
+
+
+def _default_lowering() -> str:
+    value = os.environ.get(LOWERING_ENV, "auto") or "auto"
+    if value not in LOWERINGS:
+        raise ValueError(f"{LOWERING_ENV}={value!r} is not a lowering; choose one of {list(LOWERINGS)} or unset it")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,9 +27,17 @@ class MoEOptions:
     """Options of ``torch.compile(model, backend="moe", options={...})``.
 
     inner:            what compiles the graph after the MoE passes: "inductor" (default) or "aot_eager".
-    lowering:         implementation of the canonical ops: "auto" (Triton kernels on CUDA tensors, torch reference
-                      ops on CPU), "triton" (kernels everywhere; on a machine without CUDA they run in Triton's
-                      interpreter, slowly: for tests) or "torch" (reference ops everywhere).
+    lowering:         the form each proved layer runs in. "auto" (default; ``$MOECOMPILE_LOWERING`` changes the
+                      default): every form that can run on the layer's device is timed on the traced shapes with
+                      the layer's parameters (forward+backward when training) and the fastest kept (``choose``),
+                      the choice cached on disk (passes/forms.py). Or one form, forced: "original" (the model's own
+                      code as traced: proved, left as written), "torch" (the canonical ops on torch references),
+                      "grouped" (the canonical ops, the expert MLP as torch._grouped_mm GEMMs keeping its
+                      projections for backward), "triton" (the Triton kernels; without CUDA in Triton's
+                      interpreter, slowly: for tests). A layer sharded by moecompile.parallelize is never
+                      "original" (the exchange needs the rewrite).
+    choose:           with lowering="auto": "memory" keeps the fastest form whose activations saved for backward
+                      take no more bytes than the original's; "speed" the fastest whatever it saves.
     disable_passes:   pass names to skip (see moecompile.pipeline.PASSES). Without "verify" nothing is rewritten.
     strict:           raise instead of leaving an MoE block that could not be proved or rewritten as it was, and
                       instead of running a graph as it came in when a pass (or the inner compiler) fails; also for a
@@ -40,7 +58,8 @@ class MoEOptions:
     """
 
     inner: str = "inductor"
-    lowering: str = "auto"
+    lowering: str = field(default_factory=_default_lowering)
+    choose: str = "memory"
     disable_passes: tuple[str, ...] = ()
     strict: bool = False
     verify_backward: bool = True
@@ -52,7 +71,7 @@ class MoEOptions:
     capture: bool = True
 
 
-_CHOICES = {"inner": INNER_BACKENDS, "lowering": LOWERINGS}
+_CHOICES = {"inner": INNER_BACKENDS, "lowering": LOWERINGS, "choose": CHOOSE}
 
 
 def parse_options(options: dict | MoEOptions | None) -> MoEOptions:
@@ -68,7 +87,7 @@ def parse_options(options: dict | MoEOptions | None) -> MoEOptions:
     if unknown:
         raise ValueError(f"unknown moecompile option(s) {unknown}; valid options: {sorted(fields)}")
     for key, value in options.items():
-        default = fields[key].default
+        default = fields[key].default if key != "lowering" else "auto"
         if key in _CHOICES and value not in _CHOICES[key]:
             raise ValueError(f"option {key}={value!r} is not valid; choose one of {list(_CHOICES[key])}")
         if key == "disable_passes":

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from moecompile.passes import aliases
+from moecompile.passes import aliases, forms
 from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, SkipRecord
 
 from . import recompiles
@@ -19,7 +19,8 @@ from .pipeline import MoEFallbackWarning
 
 @dataclasses.dataclass
 class ExplainReport:
-    """``layers``: one record per rewritten MoE layer (module path, MoESpec, proof error, lowering);
+    """``layers``: one record per proved MoE layer (module path, MoESpec, proof error, the form it runs in: its
+    ``lowering``, "original" for one measured fastest as the model wrote it, and the timings of every form);
     ``skipped``: (region, reason) for every MoE-looking region left as it was; ``graphs``: (stage, code) for
     the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made;
     ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table);
@@ -43,7 +44,10 @@ class ExplainReport:
     retraced: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> its capture-on trace's error
 
     def __str__(self) -> str:
-        out = [f"moecompile: {len(self.layers)} MoE layer(s) rewritten, {len(self.skipped)} skipped, "
+        kept = sum(rec.lowering == "original" for rec in self.layers)  # proved, and measured faster as written
+        out = [f"moecompile: {len(self.layers) - kept} MoE layer(s) rewritten, "
+               + (f"{kept} proved and left as written (the fastest form), " if kept else "")
+               + f"{len(self.skipped)} skipped, "
                f"{self.num_graphs} graph(s)" + (f", {len(self.failures)} failure(s)" if self.failures else "")]
         out += [f"  warning: {m}" for m in self.config_mismatches]
         for where, why in self.lost_to_recompiles.items():
@@ -56,10 +60,13 @@ class ExplainReport:
             out.append(f"  failed: {f.what} raised on {f.region}: {f.error}; that graph runs as it came in "
                        "(strict=True raises)")
         for rec in self.layers:
-            out.append(f"  rewritten {rec.path} ({rec.spec.block_type}) lowering={rec.lowering} "
+            verb = "proved, left as written:" if rec.lowering == "original" else "rewritten"
+            out.append(f"  {verb} {rec.path} ({rec.spec.block_type}) lowering={rec.lowering} "
                        f"proof error={rec.max_error:.2g} after {rec.candidates_tried} candidate(s)")
             out.append(f"      {rec.spec.summary()}")
             out += [f"      lowering: {note}" for note in rec.lowering_notes]
+            out += [f"      form {form}: {t.describe()}{'  <- runs' if form == rec.lowering else ''}"
+                    for form, t in rec.forms.items()]
             if rec.lowering_error is not None:
                 out.append(f"      kernels checked against the references on probes: error {rec.lowering_error:.2g}")
             if rec.kernel_tiles:
@@ -83,7 +90,8 @@ class ExplainReport:
 
 
 def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
-    """Run ``model(*args)`` once through the moe passes (graphs run eagerly afterwards) and report.
+    """Run ``model(*args)`` once through the moe passes (graphs run eagerly afterwards) and report. The model runs
+    without gradients; the forms are chosen (``lowering="auto"``) as for training when the caller's grad mode is on.
 
     Keyword arguments are backend options (see ``moecompile.MoEOptions``); the model itself is not changed, but
     Dynamo's caches are reset before and after (so the model is captured afresh; other compiled code recompiles).
@@ -105,9 +113,13 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     compiled = torch.compile(model, backend=backend)
     breaks_before = _data_dependent_breaks()
     capture.retraced.clear()
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
-        compiled(*args)
+    training = forms.TRAINING.set(torch.is_grad_enabled())  # the forms chosen as the caller would run the model
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
+            compiled(*args)
+    finally:
+        forms.TRAINING.reset(training)
     torch._dynamo.reset()
     capture.install()
     breaks = _data_dependent_breaks() - breaks_before

@@ -9,7 +9,8 @@
 A kept router (``RoutingSpec.kept``: one that draws random numbers) stays as it is, and its own top-k weights and
 ids feed ``moe.build_pft`` in place of ``moe.route``. The new nodes are ``canonical_moe`` traced with
 ``torch.fx.Proxy`` values, so the code that ``verify`` ran is the code that lands. The original routed nodes that
-nothing else uses are then removed.
+nothing else uses are then removed; a copy of them rides on the new output node (``meta["moe_original"]``) for
+the lower pass, which may time it against the canonical forms and put it back (``passes/forms.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .canonical import canonical_moe, routed_like_input
-from .graph_utils import example, hint
+from .graph_utils import example, extract, hint
 from .report import PassReport, block
 
 
@@ -53,6 +54,7 @@ def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
         n.meta["moe_layer"] = cand.path
         if n.target in (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default):
             n.meta["moe_spec"], n.meta["moe_weights"] = spec, dict(b.weights)  # for distribute (sharded experts)
+    new.meta["moe_original"] = _original(cand, b)
     b.routed.replace_all_uses_with(new)
     removed = _remove_dead(gm.graph, cand.slice_nodes - cand.router_nodes)  # a kept router stays whole: its
     # in-place writes too (DeepSeek-style group masks, ``mask.scatter_(1, group_idx, 1)``), which nothing "uses"
@@ -65,6 +67,17 @@ def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
         # a tight capacity (C * E < T * K): our buffer keeps the dropped rows at its tail, never computed
         report.counters["canonicalize.dropped_rows_kept"] += max(0, -delta)
     report.counters["canonicalize.nodes_removed"] += removed
+
+
+def _original(cand, b):
+    """The block's original routed computation as a GraphModule, the graph nodes it reads, and what the lower pass
+    needs to time it (``passes/forms.py``); None for a block whose experts moecompile.parallelize sharded (it
+    reads stand-ins: the exchange needs the rewrite)."""
+    region = cand.slice_nodes - cand.router_nodes
+    gm, inputs = extract(region, b.routed)
+    if any("ep_view" in n.meta for n in inputs):
+        return None
+    return gm, inputs
 
 
 def _remove_dead(graph: fx.Graph, slice_nodes: set[fx.Node]) -> int:

@@ -132,10 +132,10 @@ def extract(nodes: set[fx.Node], output: fx.Node | list[fx.Node]) -> tuple[fx.Gr
     for n in ordered:
         for a in n.all_input_nodes:
             if a not in nodes and a not in env:
-                env[a] = graph.placeholder(f"in_{len(inputs)}")
+                env[a] = _input(graph, a, len(inputs))
                 inputs.append(a)
         if n.op == "placeholder":
-            env[n] = graph.placeholder(f"in_{len(inputs)}")
+            env[n] = _input(graph, n, len(inputs))
             inputs.append(n)
         else:
             env[n] = graph.node_copy(n, lambda a: env[a])
@@ -144,6 +144,14 @@ def extract(nodes: set[fx.Node], output: fx.Node | list[fx.Node]) -> tuple[fx.Gr
     # get_attr nodes (the bodies of a higher-order op, e.g. an autograd.Function's fwd_body_0) read the owner
     root = ordered[0].graph.owning_module or torch.nn.Module()
     return fx.GraphModule(root, graph), inputs
+
+
+def _input(graph: fx.Graph, outside: fx.Node, i: int) -> fx.Node:
+    """A placeholder standing for ``outside``, with its example value (what the passes read shapes from)."""
+    ph = graph.placeholder(f"in_{i}")
+    if "example_value" in outside.meta:
+        ph.meta["example_value"] = outside.meta["example_value"]
+    return ph
 
 
 def draws_random(n: fx.Node) -> bool:

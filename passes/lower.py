@@ -1,4 +1,4 @@
-"""lower: choose the implementation of every canonical MoE op, per layer: Triton kernels or torch references.
+"""lower: choose the form each proved MoE layer runs in, and put it in the graph.
 
     before                                              after (Triton)
     r = moe.route(logits, bias, ...)                    r = moe.route_triton(logits, bias, ...)
@@ -7,12 +7,15 @@
                                                                             p[4], W_gate_up, layout)
     out = moe.combine(y, p[0], p[3], T)
 
-``lowering``: "torch" keeps the canonical ops; "triton" lowers every op that has a kernel; "auto" lowers when the
-layer's tensors are on CUDA (Triton on a GPU), and on CPU swaps expert_mlp for expert_mlp_keep (grouped GEMMs, the
-projections kept for backward: ``_keep_projections``) where torch._grouped_mm takes the layer. On a machine without
-CUDA, "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for the layer's form
-(sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere than its combine)
-stays on torch, and the layer record says which and why (``explain()``).
+The forms: "original" (the model's code as traced, put back from the copy canonicalize kept), "torch" (the
+canonical ops as they are), "grouped" (expert_mlp -> expert_mlp_keep: torch._grouped_mm GEMMs keeping the
+projections for backward, ``_keep_projections``), "triton" (the swaps above). ``lowering="auto"`` times every form
+that can run on the layer's device and keeps the fastest (``forms.py``: the measurement, the rule, the disk
+cache); any other value forces that form. A layer sharded by moecompile.parallelize is never "original" and is not
+timed yet (timing would run its exchange): Triton on CUDA, else grouped where grouped_mm takes it, by rule. On a
+machine without CUDA, "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for
+the layer's form (sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere
+than its combine) stays on torch, and the layer record says which and why (``explain()``).
 
 Before a layer's kernels are used they are proved against the references on probe inputs, forward and (with
 ``verify_backward``) gradients (``lowering_proof.py``); a layer whose kernels disagree, or raise, keeps the
@@ -50,42 +53,146 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
     specs = {rec.path: rec.spec for rec in report.layers}
     choices = {}
     for path, nodes in layers.items():
-        choice, notes = _choose(nodes, config.lowering)
-        error, tiles = None, ""
-        if choice == "triton" and config.verify_lowering:
+        original = next((n.meta.pop("moe_original") for n in nodes if "moe_original" in n.meta), None)
+        spec = specs.get(path)
+        forms, notes = _candidates(nodes, config, original, spec)
+        error, tiles, timings = None, "", {}
+        if "triton" in forms and config.verify_lowering:
             ok, error, why = prove_lowered(nodes, values, _lower_layer, seed=config.probe_seed,
                                            backward=config.verify_backward)
             report.counters["lower.proved" if ok else "lower.fallback"] += 1
             if not ok:
-                choice = "torch"
+                forms = [f for f in forms if f != "triton"] or ["torch"]
                 notes.append(f"Triton kernels disagreed with the torch references on probe inputs ({why}): "
                              "this layer keeps the references")
-        if choice == "triton":
-            tiles = _kernel_tiles(nodes, specs[path]) if path in specs else ""
+        choice = forms[0]
+        if len(forms) > 1:
+            choice, timings, why = _measured(gm, nodes, forms, original, values, spec, config)
+            notes.append(why)
+            report.counters["lower.measured" if why.startswith("measured") else "lower.cached"] += 1
+        if choice == "original":
+            _restore_original(gm.graph, nodes, original)
+        elif choice == "triton":
+            tiles = _kernel_tiles(nodes, spec) if spec is not None else ""
             swapped, kept = _lower_layer(gm.graph, nodes)
             notes += kept
             report.counters.update(f"lower.ops.{op}" for op in swapped)
-        elif config.lowering == "auto" and path in specs and _layer_device(nodes).type == "cpu":
-            form, note = _keep_projections(gm.graph, nodes, specs[path])
+        elif choice == "grouped":
+            form, note = _keep_projections(gm.graph, nodes, spec)
             notes.append(note)
             if form:
                 report.counters[f"lower.ops.{form}"] += 1
+            choice = "grouped" if form == "expert_mlp_keep" else "torch"
         for n in gm.graph.nodes:
             if n.meta.get("moe_layer") == path:
                 n.meta["moe_lowering"] = choice
-        choices[path] = (choice, notes, error, tiles)
+        choices[path] = (choice, notes, error, tiles, timings)
         report.counters[f"lower.{choice}"] += 1
     for rec in report.layers:
         if rec.path in choices:
-            rec.lowering, notes, rec.lowering_error, rec.kernel_tiles = choices[rec.path]
+            rec.lowering, notes, rec.lowering_error, rec.kernel_tiles, rec.forms = choices[rec.path]
             rec.lowering_notes = list(notes)
     return gm
 
 
+def _candidates(nodes: list[fx.Node], config, original, spec) -> tuple[list[str], list[str]]:
+    """The forms the layer may run in (the first when only one), and notes on those left out and why."""
+    lowering, notes = config.lowering, []
+    device = _layer_device(nodes)
+    if spec is None:  # no record of the layer's proof: nothing to build its other forms from
+        return ["torch"], notes
+    if lowering == "original" and original is None:
+        notes.append("original: not available (" + ("its experts are sharded: the exchange needs the rewrite"
+                                                    if _sharded(nodes) else "no copy of the block kept") +
+                     "); the canonical ops run on torch")
+        return ["torch"], notes
+    if lowering in ("original", "torch", "grouped"):
+        return [lowering], notes
+    if lowering == "triton" or device.type == "cuda":
+        _triton_available(device)
+        if lowering == "triton":
+            return ["triton"], notes
+    if _sharded(nodes):  # timing it would run the exchange's collectives, a different number of times per rank
+        rule = "triton" if device.type == "cuda" else "grouped" if _grouped_usable(nodes, spec) else "torch"
+        notes.append(f"auto: its experts are sharded, {rule} by rule (the local experts are not timed yet)")
+        return [rule], notes
+    forms = ["original"] if original is not None else []
+    forms += ["torch"]
+    if _grouped_usable(nodes, spec):
+        forms.append("grouped")
+    if device.type == "cuda":
+        forms.append("triton")
+    if device.type not in ("cpu", "cuda"):  # meta tensors (a layer built to be inspected): nothing to time
+        rule = "triton" if "triton" in forms else forms[-1]
+        notes.append(f"auto: tensors on {device.type}, nothing to time; {rule} by rule")
+        return [rule], notes
+    return forms, notes
+
+
+def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, dict, str]:
+    """Time the candidate forms (or read their timings from the cache) and pick one: (form, timings, note)."""
+    from . import forms as forms_mod
+
+    device = _layer_device(nodes)
+    backward = forms_mod.TRAINING.get() is not False and any(getattr(v, "requires_grad", False)
+                                                             for v in values.values())
+    mlp = next(n for n in nodes if moe_op_name(n) == "expert_mlp")
+    dtype = _example_above(mlp.args[4]).dtype
+    x = _example_above(mlp.args[0])
+    tokens = (hint(x.numel()) or 0) // spec.experts.hidden
+    code = forms_mod.code_signature(original[0]) if original else "local"
+    key = forms_mod.layer_key(spec, tokens, dtype, backward, forms, code)
+    cache = forms_mod.cache()
+    timings = cache.get(device, key)
+    source = "cached"
+    if timings is None or set(timings) != set(forms):
+        transforms = {"torch": None, "grouped": lambda g, ns: _keep_projections(g, ns, spec),
+                      "triton": _lower_layer}
+        candidates = {form: forms_mod.Candidate(*original) if form == "original"
+                      else forms_mod.canonical_candidate(nodes, transforms[form]) for form in forms}
+        timings = forms_mod.measure(candidates, values, backward, device, seed=config.probe_seed,
+                                    num_experts=spec.experts.num_experts)
+        cache.put(device, key, timings)
+        source = "measured"
+    choice, why = forms_mod.pick(timings, config.choose)
+    if choice is None:
+        choice = "torch"
+    what = "forward+backward" if backward else "forward"
+    listed = "; ".join(f"{f} {t.describe()}" for f, t in timings.items())
+    return choice, timings, (f"{source} ({what} at {tokens} tokens, {device.type}): {listed}; "
+                             f"{choice}: {why}, choose={config.choose!r}")
+
+
+def _restore_original(graph: fx.Graph, nodes: list[fx.Node], original) -> None:
+    """Put the block's original routed computation back in place of its canonical nodes."""
+    orig_gm, inputs = original
+    region = set(nodes)
+    out = next(n for n in nodes if any(u not in region for u in n.users))
+    env = dict(zip([n for n in orig_gm.graph.nodes if n.op == "placeholder"], inputs))
+    with graph.inserting_before(out):
+        result = graph.graph_copy(orig_gm.graph, env)
+    out.replace_all_uses_with(result)
+    for n in reversed(nodes):
+        if not n.users:
+            graph.erase_node(n)
+
+
+def _sharded(nodes: list[fx.Node]) -> bool:
+    return any((moe_op_name(n) or "").startswith("ep_") for n in nodes)
+
+
+def _grouped_usable(nodes: list[fx.Node], spec) -> bool:
+    from ..runtime import grouped_cpu
+
+    mlps = [n for n in nodes if moe_op_name(n) == "expert_mlp"]
+    e = spec.experts
+    return bool(mlps) and grouped_cpu.usable_sizes(_example_above(mlps[0].args[4]).dtype, e.hidden, e.intermediate)
+
+
 def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> tuple[str, str]:
-    """On CPU: ``expert_mlp`` -> ``expert_mlp_keep`` (grouped GEMMs; the gate/up projections kept for backward,
-    which then runs no forward again) where ``torch._grouped_mm`` takes the layer's dtype and sizes. (The form the
-    experts run in, "" if none is in the graph; the note.)"""
+    """The "grouped" form: ``expert_mlp`` -> ``expert_mlp_keep`` (grouped GEMMs; the gate/up projections kept for
+    backward, which then runs no forward again) where ``torch._grouped_mm`` takes the layer's dtype and sizes. (The
+    form the experts run in, "" if none is in the graph; the note.)"""
     from ..runtime import grouped_cpu
 
     mlps = [n for n in nodes if moe_op_name(n) == "expert_mlp"]
@@ -115,17 +222,13 @@ def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> tuple[str,
             if not view.users:
                 graph.erase_node(view)
     kept = "gate/up" if e.gated else "up"
-    return "expert_mlp_keep", (f"expert_mlp: grouped GEMMs on CPU{fused}; the {kept} projections kept for backward "
+    return "expert_mlp_keep", (f"expert_mlp: grouped GEMMs{fused}; the {kept} projections kept for backward "
                                f"([rows, {(2 if e.gated else 1) * e.intermediate}] {dtype}), so it runs no forward "
                                "again")
 
 
-def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
-    if lowering == "torch":
-        return "torch", []
-    device = _layer_device(nodes)
-    if lowering == "auto" and device.type != "cuda":
-        return "torch", [f"auto: tensors on {device.type}, the canonical ops run on torch there"]
+def _triton_available(device: torch.device) -> None:
+    """Load the Triton kernels for ``device``'s tensors; on CPU only in Triton's interpreter, else raise."""
     if device.type == "cpu":
         from ..runtime import kernels
         from ..runtime.kernels.common import interpreting
@@ -138,8 +241,6 @@ def _choose(nodes: list[fx.Node], lowering: str) -> tuple[str, list[str]]:
             raise LoweringUnavailable("lowering='triton' got CPU tensors on a machine with CUDA: move the model to "
                                       "the GPU, or run with TRITON_INTERPRET=1 to test the kernels on CPU")
     from ..runtime import triton_ops  # noqa: F401  (registers the moe::*_triton ops)
-
-    return "triton", []
 
 
 def _layer_device(nodes: list[fx.Node]) -> torch.device:

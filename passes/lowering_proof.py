@@ -39,7 +39,7 @@ def prove_lowered(
     gen = torch.Generator().manual_seed(seed)
     num_experts = next(n.args[2] for n in nodes if moe_op_name(n) == "build_pft")
     try:
-        inputs = [_probe(n, values, gen, num_experts) for n in outside]
+        inputs = [probe_value(n, values, gen, num_experts) for n in outside]
     except ValueError as exc:  # nothing to prove the kernels on: the references stay
         return False, float("inf"), str(exc)
     diff = [(n.name, t) for n, t in zip(outside, inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -67,7 +67,7 @@ def prove_lowered(
     return True, worst, ""
 
 
-def _probe(n: fx.Node, values: dict, gen: torch.Generator, num_experts: int):
+def probe_value(n: fx.Node, values: dict, gen: torch.Generator, num_experts: int):
     """The layer's own parameters (as leaves sharing their storage); random activations of the traced shape; for
     the expert ids of a router the model keeps ([T, K] integers), K distinct random experts per token."""
     if is_param(n, values):

@@ -15,7 +15,8 @@ class LayerRecord:
     spec: MoESpec
     candidates_tried: int = 1
     max_error: float = 0.0  # worst normwise error of the proof (forward and backward)
-    lowering: str = "torch"  # "triton" or "torch", chosen by the lower pass
+    lowering: str = "torch"  # the form it runs in: "original", "torch", "grouped" or "triton" (the lower pass)
+    forms: dict = field(default_factory=dict)  # lowering="auto": form -> forms.Timing, what the choice compared
     lowering_notes: list[str] = field(default_factory=list)  # ops kept on torch in a Triton layer, and why
     lowering_error: float | None = None  # the Triton kernels against the references on probes (lower's proof)
     kernel_tiles: str = ""  # tile configuration of each grouped GEMM kernel, and where it comes from

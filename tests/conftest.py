@@ -14,6 +14,10 @@ from moecompile.config import parse_options
 from moecompile.passes.report import PassReport
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one form for every proved layer, whatever this machine's timings: the grouped GEMMs where torch._grouped_mm takes
+# the layer, else the torch references (so each test checks the rewrite it was written for); tests of the measured
+# choice pass lowering="auto" themselves (tests/test_forms.py)
+os.environ.setdefault("MOECOMPILE_LOWERING", "grouped")
 # one intra-op thread: float sums in the same order whatever the machine's core count, so a comparison near its
 # tolerance (an ill-conditioned model's gradients) and the README table generated from the walk do not move with it
 torch.set_num_threads(1)

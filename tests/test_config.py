@@ -24,7 +24,8 @@ def test_defaults_and_frozen():
 @pytest.mark.parametrize("bad,match", [
     ({"innr": "aot_eager"}, r"unknown moecompile option\(s\) \['innr'\]; valid options: \["),
     ({"inner": "tvm"}, r"inner='tvm' is not valid; choose one of \['inductor', 'aot_eager'\]"),
-    ({"lowering": "cuda"}, r"choose one of \['auto', 'triton', 'torch'\]"),
+    ({"lowering": "cuda"}, r"choose one of \['auto', 'original', 'torch', 'grouped', 'triton'\]"),
+    ({"choose": "fast"}, r"choose='fast' is not valid; choose one of \['memory', 'speed'\]"),
     ({"disable_passes": ["detect", "fuse"]}, r"unknown pass\(es\) \['fuse'\]; passes: \['detect'"),
     ({"strict": "yes"}, r"strict must be True or False"),
     ({"max_candidates": -1}, r"non-negative int"),

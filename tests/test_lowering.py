@@ -13,6 +13,7 @@ from test_families import IDS, _check_against_eager
 
 import moecompile
 from moecompile.models import handwritten, hf
+from moecompile.passes import forms
 from moecompile.runtime.kernels.common import interpreting
 
 # these compile CPU models with lowering="triton": the kernels run in the interpreter (conftest switches it on)
@@ -84,11 +85,15 @@ def test_ops_without_kernels_stay_on_torch_and_say_why():
     assert report.layers and all("build_pft: torch" in " ".join(r.lowering_notes) for r in report.layers)
 
 
-def test_auto_keeps_torch_on_cpu_and_explain_shows_the_choice():
+def test_auto_on_cpu_times_the_torch_forms_and_explain_shows_the_choice(tmp_path, monkeypatch):
+    """lowering="auto" on CPU: the Triton kernels (the interpreter, for tests) are no candidate; the forms that
+    ran are listed with their times (tests/test_forms.py tests the choice itself)."""
+    monkeypatch.setenv("MOECOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(forms, "cache", lambda: forms.FormCache())
     model = hf.tiny_model("mixtral")
-    auto = moecompile.explain(model, IDS)
-    assert all(r.lowering == "torch" for r in auto.layers)
-    assert "auto: tensors on cpu" in str(auto)
+    auto = moecompile.explain(model, IDS, lowering="auto")
+    assert all(set(r.forms) == {"original", "torch", "grouped"} and r.lowering in r.forms for r in auto.layers)
+    assert str(auto).count("  <- runs") == len(auto.layers) == 2
     assert not any(op in auto.graph("lower") for op in LOWERED_OPS)
     lowered = moecompile.explain(model, IDS, lowering="triton")
     assert all(r.lowering == "triton" for r in lowered.layers) and "lowering=triton" in str(lowered)

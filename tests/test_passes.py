@@ -129,16 +129,16 @@ def test_canonicalize_then_lower_leave_only_canonical_ops():
     assert "topk" not in names and "silu" not in names  # the old routed computation is gone
     assert names.count("linear") == 1  # only the router logits remain of the original
     moe_nodes = [n for n in gm.graph.nodes if n.meta.get("moe_layer")]
-    # on CPU, lowering="auto" runs the expert MLP as grouped GEMMs keeping its projections for backward
+    # lowering="grouped" (the tests' default, conftest.py): the expert MLP as grouped GEMMs keeping its projections
     assert {moe_op_name(n) for n in moe_nodes} >= {"route", "build_pft", "expert_mlp_keep", "combine"}
-    assert all(n.meta["moe_lowering"] == "torch" for n in moe_nodes)
-    assert not annotated(gm) and report.layers[0].lowering == "torch"
-    assert any("grouped GEMMs on CPU" in note for note in report.layers[0].lowering_notes)
+    assert all(n.meta["moe_lowering"] == "grouped" for n in moe_nodes)
+    assert not annotated(gm) and report.layers[0].lowering == "grouped"
+    assert any("grouped GEMMs" in note for note in report.layers[0].lowering_notes)
     torch.testing.assert_close(gm(*ex), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("lowering,grouped_mm_takes_it,keep", [("torch", True, False), ("auto", False, False),
-                                                                ("auto", True, True)])
+@pytest.mark.parametrize("lowering,grouped_mm_takes_it,keep", [("torch", True, False), ("grouped", False, False),
+                                                                ("grouped", True, True)])
 def test_cpu_expert_mlp_form_and_its_gradients(lowering, grouped_mm_takes_it, keep, monkeypatch):
     """lowering="torch" keeps moe::expert_mlp (it runs its forward again in backward); so does a layer whose dtype
     or sizes grouped_mm does not take, saying why; the kept-projection form trains like the block itself."""

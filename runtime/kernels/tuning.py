@@ -28,13 +28,13 @@ import itertools
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
 
+from .. import disk_cache
 from .common import interpreting
 
 ROLES = ("up_act", "down", "dh", "dx", "wgrad_up", "wgrad_down")
@@ -126,8 +126,7 @@ class Tuner:
 
     def __init__(self, cache_dir: str | os.PathLike | None = None, shipped: Path = SHIPPED,
                  bench: Callable[[Callable[[], None]], float] = _bench, enabled: bool | None = None):
-        default = Path.home() / ".cache" / "moecompile"
-        self.cache_dir = Path(cache_dir or os.environ.get("MOECOMPILE_CACHE_DIR") or default)
+        self.cache_dir = disk_cache.cache_dir(cache_dir)
         self.shipped = json.loads(shipped.read_text()) if shipped.exists() else {}
         self.bench = bench
         self.enabled = os.environ.get("MOECOMPILE_AUTOTUNE", "1") != "0" if enabled is None else enabled
@@ -139,29 +138,11 @@ class Tuner:
 
     def _load(self, device_name: str) -> dict[str, dict]:
         if device_name not in self.tuned:
-            try:
-                self.tuned[device_name] = json.loads(self.cache_file(device_name).read_text())
-            except (OSError, ValueError):
-                self.tuned[device_name] = {}
+            self.tuned[device_name] = disk_cache.load(self.cache_file(device_name))
         return self.tuned[device_name]
 
     def _store(self, device_name: str, k: str, cfg: dict) -> None:
-        """Merge one entry into the file (re-read first: other processes may have tuned other keys), atomically."""
-        table = self._load(device_name)
-        table[k] = cfg
-        path = self.cache_file(device_name)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                table.update({**json.loads(path.read_text()), k: cfg})
-            except (OSError, ValueError):
-                pass
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(table, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except OSError:  # a read-only home: the tuning still holds for this process
-            pass
+        disk_cache.store(self.cache_file(device_name), self._load(device_name), k, cfg)
 
     def lookup(self, role: str, k: str, dtype: torch.dtype, device: torch.device,
                rule: Callable[[], dict]) -> tuple[dict, str]:

@@ -1,0 +1,282 @@
+"""forms: the form each proved MoE layer runs in, chosen by timing every candidate on the user's own device.
+
+    original  the model's own code as traced (the region verify proved), left as it was
+    torch     the canonical ops on torch references (moe.route, moe.build_pft, moe.expert_mlp, moe.combine)
+    grouped   the canonical ops, the expert MLP as torch._grouped_mm GEMMs keeping its projections for backward
+              (moe.expert_mlp_keep)
+    triton    the Triton kernels (moe.route_triton, moe.build_pft_triton, moe.fused_experts), proved first
+
+Each candidate is the layer cut out of the graph (``graph_utils.extract``) in that form, run on the traced shapes:
+random tokens and router logits of the traced size, the layer's real parameters used in place (``detach()``
+shares their storage), forward and backward when the program trains (grad mode on and a parameter requiring
+grad), forward only otherwise. One warm-up call each (Triton compiles, tiles are tuned), then rounds that call
+every candidate once in turn, until at least ``MIN_ROUNDS`` rounds and ``BUDGET_S`` seconds: the median per
+candidate. A forward under ``saved_tensors_hooks`` counts the bytes each saves for backward (each storage once,
+the layer's inputs excluded). The candidates run eagerly, op by op: the time of the canonical forms is what runs
+(the inner compiler cannot look into the moe ops); the original's is an upper bound of what Inductor makes of it.
+
+``choose="memory"`` (default) keeps the fastest candidate that saves no more bytes than the original,
+``choose="speed"`` the fastest. Timings are cached on disk (``runtime/disk_cache.py``): one file per device model
+and torch, Triton and moecompile versions, one entry per layer signature (its spec, token count, dtype, whether it
+trains, the candidates), so a second process chooses without timing and the same inputs give the same program.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import hashlib
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from ..runtime import disk_cache
+from .graph_utils import extract
+from .lowering_proof import probe_value
+
+FORMS = ("original", "torch", "grouped", "triton")  # the order ties are broken in
+MIN_ROUNDS = 3
+MAX_ROUNDS = 25
+BUDGET_S = 0.5  # per layer, after the warm-up: more rounds while under it (noisy shared machines)
+# whether the program being compiled computes gradients: set by the backend from the caller's grad mode (the passes
+# themselves run under enable_grad, for verify), or by explain() from its caller's; None: unknown, taken as training
+TRAINING: contextvars.ContextVar[bool | None] = contextvars.ContextVar("moecompile_training", default=None)
+
+
+@dataclass
+class Timing:
+    """One candidate: median milliseconds of a call (forward, or forward+backward), bytes saved for backward."""
+
+    ms: float | None  # None: it raised (``error``)
+    saved_bytes: int = 0
+    error: str = ""
+
+    def describe(self) -> str:
+        if self.ms is None:
+            return f"raised {self.error}"
+        return f"{self.ms:.3g} ms, saves {self.saved_bytes / 2**20:.3g} MiB"
+
+
+@dataclass
+class Candidate:
+    """A form of the layer as a function of the graph nodes it reads: ``gm(*[value of n for n in inputs])``."""
+
+    gm: fx.GraphModule
+    inputs: list[fx.Node]
+
+
+def canonical_candidate(nodes: list[fx.Node], transform: Callable[[fx.Graph, list[fx.Node]], object] | None):
+    """The layer's canonical nodes cut out, ``transform``ed (a lower swap) on the copy; the graph is untouched."""
+    region = set(nodes)
+    outputs = [n for n in nodes if any(u not in region for u in n.users)]
+    gm, inputs = extract(region, outputs[0] if len(outputs) == 1 else outputs)
+    if transform is not None:
+        transform(gm.graph, [n for n in gm.graph.nodes if n.meta.get("moe_layer") is not None])
+        gm.graph.lint()
+        gm.recompile()
+    return Candidate(gm, inputs)
+
+
+def measure(candidates: dict[str, Candidate], values: dict, backward: bool, device: torch.device, *,
+            seed: int = 0, num_experts: int) -> dict[str, Timing]:
+    """Time every candidate on the same probe inputs (``lowering_proof.probe_value``), round-robin."""
+    gen = torch.Generator().manual_seed(seed)
+    probes: dict[fx.Node, object] = {}
+    for c in candidates.values():
+        for n in c.inputs:
+            if n not in probes:
+                probes[n] = probe_value(n, values, gen, num_experts)
+    if not backward:
+        probes = {n: v.detach() if isinstance(v, torch.Tensor) else v for n, v in probes.items()}
+    keep = {t.untyped_storage().data_ptr() for t in probes.values() if isinstance(t, torch.Tensor)}
+    calls, results = {}, {}
+    for form, c in candidates.items():
+        args = [probes[n] for n in c.inputs]
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        call = functools.partial(_call, c.gm, args, leaves if backward else [], gen)
+        try:
+            with torch.set_grad_enabled(backward):
+                call()  # the warm-up: Triton compiles, tiles are tuned
+                results[form] = Timing(None, _saved_bytes(c.gm, args, keep) if backward else 0)
+            calls[form] = call
+        except Exception as exc:  # noqa: BLE001 - a form that cannot run this layer is no candidate
+            results[form] = Timing(None, error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
+    times: dict[str, list[float]] = {form: [] for form in calls}
+    start = time.perf_counter()
+    for r in range(MAX_ROUNDS):
+        if r >= MIN_ROUNDS and time.perf_counter() - start > BUDGET_S:
+            break
+        for form, call in calls.items():
+            with torch.set_grad_enabled(backward):
+                _sync(device)
+                t0 = time.perf_counter()
+                call()
+                _sync(device)
+            times[form].append(time.perf_counter() - t0)
+    for form, ts in times.items():
+        results[form].ms = statistics.median(ts) * 1e3
+    return results
+
+
+def _call(gm: fx.GraphModule, args: list, leaves: list[torch.Tensor], gen: torch.Generator) -> None:
+    out = gm(*args)
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    if leaves:
+        grads = [torch.ones_like(o) for o in outs]
+        torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _saved_bytes(gm: fx.GraphModule, args: list, exclude: set[int]) -> int:
+    """Bytes autograd saves for backward in one forward of ``gm``: each storage once, the inputs' excluded."""
+    return saved_activation_bytes(lambda: gm(*args), exclude)
+
+
+def saved_activation_bytes(fwd: Callable[[], object], exclude_ptrs: set[int]) -> int:
+    """Bytes of the tensors autograd saves for backward during ``fwd()``: each storage once, those whose data
+    pointer is in ``exclude_ptrs`` (parameters, inputs) not counted."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        try:
+            st = t.untyped_storage()
+            ptr, nbytes = st.data_ptr(), st.nbytes()
+        except Exception:  # noqa: BLE001 - no storage (sparse, nested, some subclasses): count its elements
+            ptr, nbytes = id(t), t.numel() * t.element_size()
+        if ptr not in exclude_ptrs and ptr != 0:
+            seen[ptr] = max(seen.get(ptr, 0), nbytes)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fwd()
+    del out
+    return sum(seen.values())
+
+
+def pick(results: dict[str, Timing], choose: str) -> tuple[str | None, str]:
+    """(the form kept, why): the fastest that ran; with ``choose="memory"`` only among those saving no more
+    bytes than the original (when the original ran). None when nothing ran."""
+    ran = {f: t for f, t in results.items() if t.ms is not None}
+    if not ran:
+        return None, "no candidate ran"
+    allowed = ran
+    if choose == "memory" and "original" in ran:
+        bound = ran["original"].saved_bytes
+        allowed = {f: t for f, t in ran.items() if t.saved_bytes <= bound}
+    order = {f: i for i, f in enumerate(FORMS)}
+    best = min(allowed, key=lambda f: (allowed[f].ms, order.get(f, len(FORMS))))
+    why = f"the fastest of {len(ran)} measured"
+    if allowed is not ran and len(allowed) < len(ran):
+        faster = sorted(f for f in ran if f not in allowed and ran[f].ms < allowed[best].ms)
+        if faster:
+            why += f" saving no more than the original ({', '.join(faster)} faster but save more; choose='speed' " \
+                   "takes them)"
+    return best, why
+
+
+def code_signature(gm: fx.GraphModule) -> str:
+    """What the graph computes, without its node names (two layers of one model run the same ops on different
+    parameters): each node's op, target and arguments, nodes named by their position."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    named = lambda a: f"%{index[a]}"  # noqa: E731
+    return "\n".join(f"{n.op} {getattr(n.target, '__name__', n.target) if n.op != 'placeholder' else ''} "
+                     f"{fx.node.map_arg(n.args, named)} {fx.node.map_arg(n.kwargs, named)}" for n in gm.graph.nodes)
+
+
+# ---- the cache ------------------------------------------------------------------------------------------------
+
+
+def device_model(device: torch.device) -> str:
+    """The name choices are cached under: the GPU's model, or the CPU's and the threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{_cpu_name()}-{torch.get_num_threads()}threads"
+
+
+@functools.cache
+def code_version() -> str:
+    """moecompile's version and a digest of its passes' and runtime's source: a change to the code that forms run
+    (or to how they are built) is a new cache file."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha1()
+    for f in sorted([*root.glob("passes/*.py"), *root.glob("runtime/**/*.py")]):
+        digest.update(f.read_bytes())
+    try:
+        from importlib.metadata import version
+
+        base = version("moecompile")
+    except Exception:  # noqa: BLE001 - not installed (run from a checkout)
+        base = "dev"
+    return f"moecompile{base}+{digest.hexdigest()[:10]}"
+
+
+@functools.cache
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def layer_key(spec, tokens: int, dtype: torch.dtype, backward: bool, forms: list[str], original: str = "") -> str:
+    """The cache key of a layer: readable sizes, then a digest of the whole spec and of the original's code (two
+    models may write the same spec differently)."""
+    e = spec.experts
+    what = dataclasses.replace(spec, path="")  # the same layer at another place in the model times the same
+    digest = hashlib.sha1(f"{what!r}\n{original}".encode()).hexdigest()[:12]
+    return (f"E{e.num_experts} H{e.hidden} I{e.intermediate} k{spec.routing.top_k} T{tokens} "
+            f"{str(dtype).removeprefix('torch.')} {'fwd+bwd' if backward else 'fwd'} {'/'.join(forms)} {digest}")
+
+
+class FormCache:
+    """Timings by layer key, in memory and in one JSON file per device model and versions."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self.directory = directory
+        self.tables: dict[Path, dict] = {}
+
+    def path(self, device: torch.device) -> Path:
+        import triton
+
+        name = f"forms-{device_model(device)}-torch{torch.__version__}-triton{triton.__version__}-{code_version()}"
+        return disk_cache.cache_dir(self.directory) / f"{disk_cache.safe_name(name)}.json"
+
+    def _table(self, path: Path) -> dict:
+        if path not in self.tables:
+            self.tables[path] = disk_cache.load(path)
+        return self.tables[path]
+
+    def get(self, device: torch.device, key: str) -> dict[str, Timing] | None:
+        entry = self._table(self.path(device)).get(key)
+        if not isinstance(entry, dict):
+            return None
+        try:
+            return {f: Timing(v["ms"], int(v["saved_bytes"]), str(v.get("error", ""))) for f, v in entry.items()}
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, device: torch.device, key: str, results: dict[str, Timing]) -> None:
+        path = self.path(device)
+        entry = {f: {"ms": t.ms, "saved_bytes": t.saved_bytes, "error": t.error} for f, t in results.items()}
+        disk_cache.store(path, self._table(path), key, entry)
+
+
+@functools.cache
+def cache() -> FormCache:
+    """The process's cache (``$MOECOMPILE_CACHE_DIR`` read at first use)."""
+    return FormCache()
