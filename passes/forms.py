@@ -85,11 +85,46 @@ def canonical_candidate(nodes: list[fx.Node], transform: Callable[[fx.Graph, lis
     return Candidate(gm, inputs)
 
 
+def expert_candidate(mlp: fx.Node, transform: Callable[[fx.Graph, list[fx.Node]], object] | None,
+                     example_of: Callable[[fx.Node], torch.Tensor]) -> Candidate:
+    """A sharded layer's local expert MLP alone, with the views and stacks that make its weights from this rank's
+    parameters (the exchange around it is not run: timing it would run collectives), ``transform``ed.
+    ``example_of`` gives an example tensor (its dtype and device) of an input that carries none."""
+    region, todo = {mlp}, [a for a in mlp.args[3:9] if isinstance(a, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder" or n.meta.get("moe_layer") != mlp.meta.get("moe_layer") or n in region:
+            continue
+        region.add(n)
+        todo += n.all_input_nodes
+    gm, inputs = extract(region, mlp)
+    for ph, n in zip([p for p in gm.graph.nodes if p.op == "placeholder"], inputs):
+        ph.meta.setdefault("example_value", example_of(n))
+    if transform is not None:
+        transform(gm.graph, [n for n in gm.graph.nodes if n.op == "call_function"])
+        gm.graph.lint()
+        gm.recompile()
+    return Candidate(gm, inputs)
+
+
+def local_expert_probes(mlp: fx.Node, rows: int, hidden: int, dtype: torch.dtype, device: torch.device,
+                        gen: torch.Generator) -> dict:
+    """Probe inputs of a sharded layer's local expert MLP at ``rows`` received rows (their number is known only
+    when it runs): random rows, each its own token, spread evenly over the local experts."""
+    x, tok, counts = mlp.args[:3]
+    E = mlp.meta["moe_local_experts"]
+    split = torch.full((E,), rows // E, dtype=torch.int64)
+    split[: rows % E] += 1
+    return {x: torch.randn(rows, hidden, generator=gen).to(dtype).to(device).requires_grad_(True),
+            tok: torch.arange(rows, device=device), counts: split.to(device)}
+
+
 def measure(candidates: dict[str, Candidate], values: dict, backward: bool, device: torch.device, *,
-            seed: int = 0, num_experts: int) -> dict[str, Timing]:
-    """Time every candidate on the same probe inputs (``lowering_proof.probe_value``), round-robin."""
+            seed: int = 0, num_experts: int, probes: dict | None = None) -> dict[str, Timing]:
+    """Time every candidate on the same probe inputs (``probes`` where given, else
+    ``lowering_proof.probe_value``), round-robin."""
     gen = torch.Generator().manual_seed(seed)
-    probes: dict[fx.Node, object] = {}
+    probes = dict(probes or {})
     for c in candidates.values():
         for n in c.inputs:
             if n not in probes:

@@ -11,8 +11,9 @@ The forms: "original" (the model's code as traced, put back from the copy canoni
 canonical ops as they are), "grouped" (expert_mlp -> expert_mlp_keep: torch._grouped_mm GEMMs keeping the
 projections for backward, ``_keep_projections``), "triton" (the swaps above). ``lowering="auto"`` times every form
 that can run on the layer's device and keeps the fastest (``forms.py``: the measurement, the rule, the disk
-cache); any other value forces that form. A layer sharded by moecompile.parallelize is never "original" and is not
-timed yet (timing would run its exchange): Triton on CUDA, else grouped where grouped_mm takes it, by rule. On a
+cache); any other value forces that form. A layer sharded by moecompile.parallelize is never "original"; on CPU its
+local expert MLP alone is timed, torch against grouped (timing the exchange would run collectives), on CUDA it
+takes the Triton kernels by rule. On a
 machine without CUDA, "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for
 the layer's form (sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere
 than its combine) stays on torch, and the layer record says which and why (``explain()``).
@@ -112,10 +113,11 @@ def _candidates(nodes: list[fx.Node], config, original, spec) -> tuple[list[str]
         _triton_available(device)
         if lowering == "triton":
             return ["triton"], notes
-    if _sharded(nodes):  # timing it would run the exchange's collectives, a different number of times per rank
-        rule = "triton" if device.type == "cuda" else "grouped" if _grouped_usable(nodes, spec) else "torch"
-        notes.append(f"auto: its experts are sharded, {rule} by rule (the local experts are not timed yet)")
-        return [rule], notes
+    if _sharded(nodes):  # its local experts alone are timed (timing the exchange would run collectives)
+        if device.type == "cuda":
+            notes.append("auto: its experts are sharded, triton by rule (its local experts are not timed on CUDA)")
+            return ["triton"], notes
+        return ["torch", "grouped"] if _grouped_usable(nodes, spec) else ["torch"], notes
     forms = ["original"] if original is not None else []
     forms += ["torch"]
     if _grouped_usable(nodes, spec):
@@ -138,9 +140,11 @@ def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, di
                                                              for v in values.values())
     mlp = next(n for n in nodes if moe_op_name(n) == "expert_mlp")
     dtype = _example_above(mlp.args[4]).dtype
-    x = _example_above(mlp.args[0])
+    sharded = _sharded(nodes)  # its local experts alone are timed, on T*K rows (the exchange is not run)
+    dispatch = next((n for n in nodes if moe_op_name(n) == "ep_dispatch"), None)
+    x = _example_above((dispatch if sharded and dispatch is not None else mlp).args[0])  # this rank's tokens
     tokens = (hint(x.numel()) or 0) // spec.experts.hidden
-    code = forms_mod.code_signature(original[0]) if original else "local"
+    code = forms_mod.code_signature(original[0]) if original else f"local {mlp.meta.get('moe_local_experts')}"
     key = forms_mod.layer_key(spec, tokens, dtype, backward, forms, code)
     cache = forms_mod.cache()
     timings = cache.get(device, key)
@@ -149,15 +153,19 @@ def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, di
         transforms = {"torch": None, "grouped": lambda g, ns: _keep_projections(g, ns, spec),
                       "triton": _lower_layer}
         candidates = {form: forms_mod.Candidate(*original) if form == "original"
+                      else forms_mod.expert_candidate(mlp, transforms[form], _example_above) if sharded
                       else forms_mod.canonical_candidate(nodes, transforms[form]) for form in forms}
+        probes = forms_mod.local_expert_probes(
+            mlp, max(1, tokens * spec.routing.top_k), spec.experts.hidden, dtype, device,
+            torch.Generator().manual_seed(config.probe_seed)) if sharded else None
         timings = forms_mod.measure(candidates, values, backward, device, seed=config.probe_seed,
-                                    num_experts=spec.experts.num_experts)
+                                    num_experts=spec.experts.num_experts, probes=probes)
         cache.put(device, key, timings)
         source = "measured"
     choice, why = forms_mod.pick(timings, config.choose)
     if choice is None:
         choice = "torch"
-    what = "forward+backward" if backward else "forward"
+    what = ("forward+backward" if backward else "forward") + (" of the local experts" if sharded else "")
     listed = "; ".join(f"{f} {t.describe()}" for f, t in timings.items())
     return choice, timings, (f"{source} ({what} at {tokens} tokens, {device.type}): {listed}; "
                              f"{choice}: {why}, choose={config.choose!r}")

@@ -135,7 +135,11 @@ def test_triton_on_cpu_without_the_interpreter_says_how():
 
 
 def test_more_experts_than_the_pft_kernel_takes_keep_torch_pft():
-    report = _check_against_eager(hf.tiny_model("qwen3_moe", num_experts=520), lowering="triton")
+    """520 experts: build_pft stays on torch, the rest runs the kernels, equal to eager forward and backward. One
+    layer and no probe check of the kernels (verify_lowering=False): in Triton's interpreter each run of the
+    520-expert kernels takes minutes; the comparison with eager checks them."""
+    model = hf.tiny_model("qwen3_moe", num_experts=520, num_hidden_layers=1)
+    report = _check_against_eager(model, lowering="triton", verify_lowering=False)
     assert all(r.lowering_notes == ["build_pft: torch (the Triton kernel takes at most 512 experts)"]
                for r in report.layers)
     assert report.counters["lower.ops.fused_experts"] == len(report.layers) > 0
