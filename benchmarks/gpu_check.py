@@ -8,14 +8,15 @@ Steps, each a child process with its own time limit (the whole run stops startin
     kernels        the Triton kernel tests compiled on CUDA (TRITON_INTERPRET=0): every kernel against its reference,
                    bitwise determinism of forward and backward, the compile of every tile configuration, tuning
     parity         every family of the walk on CUDA, fp32 and bf16, compiled against eager (benchmarks/gpu_parity.py)
+    ep             expert parallelism, dedup="node" and replication="adaptive" on 4 gloo ranks sharing the GPU, two
+                   training steps against one process (benchmarks/gpu_ep.py)
     layer          one MoE layer at real widths, T = 4096 and 16384: eager, Inductor, moe (benchmarks/bench_gpu.py)
     layer-decode   the same at T = 16 and 256
     gemms          each grouped GEMM of the kernels against torch._grouped_mm (benchmarks/bench_kernels.py)
     gemms-decode   the same, forward only, at decode token counts
 
-Not yet a step: the expert-parallel, dedup and replication tests with CUDA tensors on gloo ranks sharing the GPU
-(their tests build CPU tensors only; issue 23, item 4). The report has the date, the device, the versions and the
-commit, a table of the steps (passed, failed, timed out, not run) and each step's tables or the end of its output.
+The report has the date, the device, the versions and the commit, a table of the steps (passed, failed, timed
+out, not run) and each step's tables or the end of its output.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ STEPS = [
     Step("parity", "every walk family on CUDA, fp32 and bf16, against eager",
          [PY, "benchmarks/gpu_parity.py", "--device", "cuda", "--moe-option", "inner=aot_eager", "--out",
           "{dir}/parity.md"], 420, out="parity.md"),
+    Step("ep", "expert parallelism, dedup and replication on 4 gloo ranks sharing the GPU, against one process",
+         [PY, "benchmarks/gpu_ep.py", "--device", "cuda", "--out", "{dir}/ep.md"], 300, out="ep.md"),
     Step("layer", "one layer at real widths, T = 4096, 16384",
          [PY, "benchmarks/bench_gpu.py", "--tokens", "4096,16384", "--out", "{dir}/layer.md"], 300, out="layer.md"),
     Step("layer-decode", "one layer, T = 16, 256",
@@ -111,8 +114,6 @@ def report(results: list[Result], device: str, total_s: float) -> str:
     lines = header(device) + [f"- wall time: {total_s / 60:.1f} min", "", "| step | what | status | s |",
                               "|---|---|---|---|"]
     lines += [f"| {r.step.name} | {r.step.what} | {r.status} | {r.seconds:.0f} |" for r in results]
-    lines += ["", "Not a step yet: the expert-parallel, dedup and replication tests with CUDA tensors on gloo ranks "
-              "(their tests build CPU tensors only)."]
     for r in results:
         if r.status == "not run":
             continue

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_check  # noqa: E402
+import gpu_ep  # noqa: E402
 import gpu_parity  # noqa: E402
 
 
@@ -55,3 +56,15 @@ def test_parity_of_one_family_on_cpu():
     assert row["status"] == "ok" and row["layers"] == 2 and row["out_err"] <= gpu_parity.FP32_TOL, row
     assert row["grad_err"] <= gpu_parity.FP32_TOL and row["worst"], row
     assert "| mixtral |" in gpu_parity.table([{**row, "dtype": "float32"}])
+
+
+def test_expert_parallel_step_on_cpu():
+    """gpu_ep.py's dedup case on 4 gloo ranks with CPU tensors (what the GPU step runs with CUDA tensors): trained
+    against one process within 1e-5; a case that fails is reported as such, not raised."""
+    pytest.importorskip("transformers")
+    result = gpu_ep.run_case("node", "cpu", inner="aot_eager")
+    assert result["status"] == "passed" and result["logits"] <= gpu_ep.TOL and result["params"] <= gpu_ep.TOL, result
+    broken = gpu_ep.run_case("no such dedup level", "cpu", inner="aot_eager")
+    assert broken["status"] == "error" and "dedup" in broken["detail"], broken
+    text = gpu_ep.table([result, broken], "cpu")
+    assert "| node | 4 on (2, 2) | cpu |" in text and "| no such dedup level |" in text
