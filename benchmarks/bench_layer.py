@@ -103,7 +103,8 @@ def run_variant(variant: str, shape: str, layer: nn.Module, x: torch.Tensor, gy:
             row.error = f"moecompile.explain rewrote {len(report.layers)} layer(s), expected 1; {why}"
             return row, None, None
         rec = report.layers[0]
-        row.notes.append(f"explain: rewrote {rec.path} ({rec.spec.block_type}), lowering={rec.lowering}, "
+        verb = "proved, left as written (the fastest form)" if rec.lowering == "original" else "rewrote"
+        row.notes.append(f"explain: {verb} {rec.path} ({rec.spec.block_type}), lowering={rec.lowering}, "
                          f"proof error={rec.max_error:.2g}; {rec.spec.summary()}")
         row.notes += [f"lowering: {note}" for note in rec.lowering_notes]
     if variant == "hf-eager":
@@ -159,7 +160,9 @@ def run_variant(variant: str, shape: str, layer: nn.Module, x: torch.Tensor, gy:
         row.notes.append(f"{recompiles} graph(s) compiled after the first call (recompilation during timing)")
     if variant == "moecompile":
         moe = sorted({n.split("::")[1] for n in event_names(fwd_bwd, device) if n.startswith("moe::")})
-        row.notes.append("profiler saw moe:: ops: " + (", ".join(moe) if moe else "NONE (layer not rewritten?)"))
+        kept = args.explained[shape].layers[0].lowering == "original"
+        row.notes.append("profiler saw moe:: ops: " + (", ".join(moe) if moe else "none, the model's code runs "
+                                                        "(lowering=original)" if kept else "NONE (not rewritten?)"))
     if args.verbose:
         for label, names in (("fwd", names_fwd), ("fwd+bwd", names_fb)):
             top = sorted(names.items(), key=lambda kv: -kv[1])

@@ -152,18 +152,23 @@ def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, di
     if timings is None or set(timings) != set(forms):
         transforms = {"torch": None, "grouped": lambda g, ns: _keep_projections(g, ns, spec),
                       "triton": _lower_layer}
-        candidates = {form: forms_mod.Candidate(*original) if form == "original"
-                      else forms_mod.expert_candidate(mlp, transforms[form], _example_above) if sharded
-                      else forms_mod.canonical_candidate(nodes, transforms[form]) for form in forms}
-        probes = forms_mod.local_expert_probes(
-            mlp, max(1, tokens * spec.routing.top_k), spec.experts.hidden, dtype, device,
-            torch.Generator().manual_seed(config.probe_seed)) if sharded else None
-        timings = forms_mod.measure(candidates, values, backward, device, seed=config.probe_seed,
-                                    num_experts=spec.experts.num_experts, probes=probes)
+        try:
+            candidates = {form: forms_mod.Candidate(*original) if form == "original"
+                          else forms_mod.expert_candidate(mlp, transforms[form], _example_above) if sharded
+                          else forms_mod.canonical_candidate(nodes, transforms[form]) for form in forms}
+            probes = forms_mod.local_expert_probes(
+                mlp, max(1, tokens * spec.routing.top_k), spec.experts.hidden, dtype, device,
+                torch.Generator().manual_seed(config.probe_seed)) if sharded else None
+            timings = forms_mod.measure(candidates, values, backward, device, seed=config.probe_seed,
+                                        num_experts=spec.experts.num_experts, probes=probes)
+        except Exception as exc:  # noqa: BLE001 - the layer still runs: in the form of the rule
+            rule = next(f for f in ("triton", "grouped", "torch") if f in forms or f == "torch")
+            return rule, {}, (f"auto: the forms could not be timed ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:200]}); {rule} by rule")
         cache.put(device, key, timings)
         source = "measured"
     choice, why = forms_mod.pick(timings, config.choose)
-    if choice is None:
+    if choice is None:  # every form raised while timed: the references, which verify ran
         choice = "torch"
     what = ("forward+backward" if backward else "forward") + (" of the local experts" if sharded else "")
     listed = "; ".join(f"{f} {t.describe()}" for f, t in timings.items())

@@ -202,3 +202,14 @@ def test_a_sharded_layer_times_its_local_experts(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_sharded_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
+
+
+def test_forms_that_cannot_be_timed_leave_the_rule_and_say_why(cache, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("no timer here")
+
+    monkeypatch.setattr(forms, "measure", broken)
+    report = _compiled("modulelist")
+    assert [r.lowering for r in report.layers] == ["grouped"] * 2 and not report.layers[0].forms
+    assert "auto: the forms could not be timed (RuntimeError: no timer here); grouped by rule" in \
+        report.layers[0].lowering_notes
