@@ -15,6 +15,10 @@ candidate. A forward under ``saved_tensors_hooks`` counts the bytes each saves f
 the layer's inputs excluded). The candidates run eagerly, op by op: the time of the canonical forms is what runs
 (the inner compiler cannot look into the moe ops); the original's is an upper bound of what Inductor makes of it.
 
+A layer sharded by moecompile.parallelize (never "original": the exchange needs the rewrite) is timed by its local
+expert MLP alone on CPU (``expert_candidate``: torch against grouped, on T*K random rows spread evenly over the
+local experts; no collective runs, so ranks need not time in step); on CUDA it takes the Triton kernels by rule.
+
 ``choose="memory"`` (default) keeps the fastest candidate that saves no more bytes than the original,
 ``choose="speed"`` the fastest. Timings are cached on disk (``runtime/disk_cache.py``): one file per device model
 and torch, Triton and moecompile versions, one entry per layer signature (its spec, token count, dtype, whether it
@@ -136,7 +140,7 @@ def measure(candidates: dict[str, Candidate], values: dict, backward: bool, devi
     for form, c in candidates.items():
         args = [probes[n] for n in c.inputs]
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        call = functools.partial(_call, c.gm, args, leaves if backward else [], gen)
+        call = functools.partial(_call, c.gm, args, leaves if backward else [])
         try:
             with torch.set_grad_enabled(backward):
                 call()  # the warm-up: Triton compiles, tiles are tuned
@@ -161,7 +165,7 @@ def measure(candidates: dict[str, Candidate], values: dict, backward: bool, devi
     return results
 
 
-def _call(gm: fx.GraphModule, args: list, leaves: list[torch.Tensor], gen: torch.Generator) -> None:
+def _call(gm: fx.GraphModule, args: list, leaves: list[torch.Tensor]) -> None:
     out = gm(*args)
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
     if leaves:
