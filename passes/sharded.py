@@ -50,6 +50,8 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
         fake = example(view)
         ph.meta["example_value"] = fake
         ph.meta["ep_view"] = view
+        if "nn_module_stack" in view.meta:  # as a local parameter's input carries its module: detect groups a
+            ph.meta["nn_module_stack"] = dict(view.meta["nn_module_stack"])  # block's nodes and weights by it
         shape = [hint(s) for s in fake.shape]
         std = 1.0 / max(1, shape[-1]) ** 0.5  # a layer's usual scale: probes neither vanish nor saturate
         ph.meta["ep_standin"] = torch.nn.Parameter((torch.randn(shape, generator=gen) * std).to(fake.dtype),
