@@ -206,13 +206,11 @@ def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> tuple[str,
     """The "grouped" form: ``expert_mlp`` -> ``expert_mlp_keep`` (grouped GEMMs; the gate/up projections kept for
     backward, which then runs no forward again) where ``torch._grouped_mm`` takes the layer's dtype and sizes. (The
     form the experts run in, "" if none is in the graph; the note.)"""
-    from ..runtime import grouped_cpu
-
     mlps = [n for n in nodes if moe_op_name(n) == "expert_mlp"]
     if not mlps:
         return "", "expert_mlp: none in this layer's graph (its experts run inside another op)"
     dtype, e = _example_above(mlps[0].args[4]).dtype, spec.experts
-    if not grouped_cpu.usable_sizes(dtype, e.hidden, e.intermediate):
+    if not _grouped_usable(nodes, spec):
         return "expert_mlp_loop", (f"expert_mlp: torch loop over experts (grouped_mm takes neither {dtype} nor sizes "
                                    f"H={e.hidden}, I={e.intermediate} unless float32/bfloat16/float16 and multiples "
                                    "of 16 bytes)")
