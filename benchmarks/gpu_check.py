@@ -34,8 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-KERNEL_TESTS = ["tests/test_kernels_grouped.py", "tests/test_kernels_pft.py", "tests/test_kernels_router.py",
-                "tests/test_kernels_compile.py", "tests/test_tuning.py"]
+KERNEL_TESTS = ["tests/test_kernels_grouped.py", "tests/test_kernels_vendor.py", "tests/test_kernels_pft.py",
+                "tests/test_kernels_router.py", "tests/test_kernels_compile.py", "tests/test_tuning.py"]
 
 
 @dataclass

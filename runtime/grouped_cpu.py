@@ -40,20 +40,17 @@ def expert_mlp_grouped(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_
                            b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit)[0]
 
 
-class _Rows:
-    """What forward and backward share: the rows' expert offsets, the count n of rows computed (dropped rows,
-    under a capacity, sit after them), each row's expert where a bias needs it, the scaled input rows."""
+class Segments:
+    """Rows grouped by expert, in order: their offsets for ``grouped_mm``, the count n of rows computed (rows
+    dropped by a capacity sit after them; reading n waits for the device), and each row's expert where a bias
+    needs it. The GEMMs over such rows (``kernels/vendor.py`` uses them too)."""
 
-    def __init__(self, x_TH, token_ids_B, counts_E, dtype, input_scale_B, biased):
+    def __init__(self, counts_E, biased):
         counts = counts_E.to(torch.int64)
         self.offs = counts.cumsum(0).to(torch.int32)
         self.n = n = int(self.offs[-1]) if self.offs.numel() else 0
         self.expert_B = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
                                                 output_size=n) if biased else None
-        self.tok = token_ids_B[:n]
-        self.x_BH = x_TH[self.tok].to(dtype)  # before the scale (the scale's gradient needs it)
-        self.scale = None if input_scale_B is None else input_scale_B[:n].to(dtype).unsqueeze(-1)
-        self.xs_BH = self.x_BH if self.scale is None else self.x_BH * self.scale
 
     def mm(self, rows, w, *, t=False):
         """rows[b] @ w[expert of b] (``t``: @ w[expert of b]^T) for every row; a strided view of w (interleaved
@@ -75,6 +72,17 @@ class _Rows:
 
     def pad(self, rows, B):
         return rows if self.n == B else torch.cat([rows, rows.new_zeros(B - self.n, *rows.shape[1:])])
+
+
+class Rows(Segments):
+    """``Segments`` with the routed input rows: gathered from x_TH, and scaled."""
+
+    def __init__(self, x_TH, token_ids_B, counts_E, dtype, input_scale_B, biased):
+        super().__init__(counts_E, biased)
+        self.tok = token_ids_B[:self.n]
+        self.x_BH = x_TH[self.tok].to(dtype)  # before the scale (the scale's gradient needs it)
+        self.scale = None if input_scale_B is None else input_scale_B[:self.n].to(dtype).unsqueeze(-1)
+        self.xs_BH = self.x_BH if self.scale is None else self.x_BH * self.scale
 
 
 def _columns(layout: str, I: int) -> tuple[slice, slice]:
@@ -100,7 +108,7 @@ def expert_mlp_keep(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH
     wg, wu = _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
     check_activation(activation, gated=wg is not None)
     dtype, B, I = wu.dtype, token_ids_B.shape[0], wu.shape[1]
-    r = _Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
+    r = Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
               any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)))
     gs, us = _columns(gate_up_layout, I)
     if w_gate_up is not None:
@@ -127,14 +135,14 @@ def expert_mlp_keep_backward(grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_ex
     again. ``w_gate_up``'s gradient is one tensor in its own layout."""
     wg, wu = _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
     gated, E, I, dtype = wg is not None, wu.shape[0], wu.shape[1], wu.dtype
-    r = _Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
+    r = Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
               any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)))
     n = r.n
     gy = grad_y_BH[:n].to(dtype).contiguous()  # an expanded gradient has zero strides grouped_mm refuses
     gs, us = _columns(gate_up_layout, I)
     pre = pre_BJ[:n]
-    h, d_pre = _activation_backward(activation, pre, gs if gated else None, us, alpha, limit,
-                                    lambda: r.mm(gy, w_down_EHI))
+    h, d_pre = activation_backward(activation, pre, gs if gated else None, us, alpha, limit,
+                                    lambda h: r.mm(gy, w_down_EHI))
     grads = dict.fromkeys(("x", "wg", "wu", "wd", "bg", "bu", "bd", "scale", "gu"))
     if w_gate_up is not None:
         d_xs, grads["gu"] = r.mm(d_pre, w_gate_up), r.outer(d_pre, r.xs_BH)
@@ -159,21 +167,22 @@ def expert_mlp_keep_backward(grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_ex
     return [g.to(t.dtype) for g, t in zip(grads.values(), present) if t is not None]
 
 
-def _activation_backward(activation, pre, gs, us, alpha, limit, grad_h):
-    """(h, d_pre): the activation again from the kept projections, and its derivative at ``grad_h()`` written into
-    the projections' columns. Gated silu (SwiGLU, most models) by hand with no temporaries beyond h's; the rest
+def activation_backward(activation, pre, gs, us, alpha, limit, grad_h):
+    """(h, d_pre): the activation again from the kept projections, and its derivative at ``grad_h(h)`` written
+    into the projections' columns. Gated silu (SwiGLU, most models) by hand with no temporaries beyond h's; the rest
     through ``torch.func.vjp`` of ``apply_activation``, the meaning."""
     if gs is None:
         h, act_vjp = torch.func.vjp(lambda u: apply_activation(activation, None, u, alpha=alpha, limit=limit), pre)
-        return h, act_vjp(grad_h())[0]
+        return h, act_vjp(grad_h(h))[0]
     gate, up = pre[:, gs], pre[:, us]
     d_pre = pre.new_empty(pre.shape)
     if activation == "silu":  # h = silu(g) u: dh/du = silu(g), dh/dg = u silu'(g)
         silu_g = torch.nn.functional.silu(gate)
-        h, d_h = silu_g * up, grad_h()
+        h = silu_g * up
+        d_h = grad_h(h)
         torch.mul(d_h, silu_g, out=d_pre[:, us])
         torch.ops.aten.silu_backward.grad_input(d_h * up, gate, grad_input=d_pre[:, gs])
         return h, d_pre
     h, act_vjp = torch.func.vjp(lambda g, u: apply_activation(activation, g, u, alpha=alpha, limit=limit), gate, up)
-    d_pre[:, gs], d_pre[:, us] = act_vjp(grad_h())
+    d_pre[:, gs], d_pre[:, us] = act_vjp(grad_h(h))
     return h, d_pre

@@ -127,3 +127,33 @@ def test_interpreter_keeps_its_small_fixed_tiles(tmp_path):
     assert tuner.choose("up_act", k, torch.float32, torch.device("cpu"), True, lambda c: None,
                         lambda: {}) == tuning.INTERPRETER
     assert tuner.lookup("wgrad_up", k, torch.float32, torch.device("cpu"), dict)[0] == tuning.WGRAD_INTERPRETER
+
+
+def test_the_vendor_gemm_is_a_candidate_of_each_role(tmp_path, fake_gpu):
+    """Timed beside the tiles: stored as VENDOR when fastest (and named so), skipped when it raises or the role
+    has none."""
+    k = tuning.key("dx", BF16, 2048, 768, 128, 32768, True)
+    rule = lambda: tiles.rule_config("dx", 256, BF16)  # noqa: E731
+
+    def tuner(timer, where):
+        return tuning.Tuner(cache_dir=tmp_path / where, shipped=tmp_path / "none.json", bench=timer, enabled=True)
+
+    def vendor_fast(fn):
+        return 0.1 if fn is vendor else 1.0
+
+    def vendor():
+        pass
+
+    best = tuner(vendor_fast, "a").choose("dx", k, BF16, GPU, True, lambda c: None, rule, vendor)
+    assert best == tuning.VENDOR and tuning.describe(best) == "torch._grouped_mm"
+    assert json.loads(tuner(vendor_fast, "a").cache_file("Test GPU").read_text()) == {k: tuning.VENDOR}
+
+    def refused():
+        raise RuntimeError("grouped_mm: unsupported dtype")
+
+    def slow_tiles(fn):
+        fn()
+        return 2.0 if fn is not refused else 0.0
+
+    assert "BLOCK_M" in tuner(slow_tiles, "b").choose("dx", k, BF16, GPU, True, lambda c: None, rule, refused)
+    assert "BLOCK_M" in tuner(vendor_fast, "c").choose("dx", k, BF16, GPU, True, lambda c: None, rule, None)

@@ -9,7 +9,8 @@
     combine.py       the deterministic combine (each token's k rows in k order) and its row inversion
 beside them, not kernels in threes: ``grouped_common.py`` (the tile schedule over expert segments and the host
 checks both grouped modules share), ``tiles.py`` (the tile-size rule and how a launch picks its tiles),
-``tuning.py`` (timing candidates on the GPU, the cache on disk), ``common.py`` (activations, dtypes, targets).
+``tuning.py`` (timing candidates on the GPU, the cache on disk), ``vendor.py`` (each grouped GEMM role on
+``torch._grouped_mm``, a candidate of the tuner), ``common.py`` (activations, dtypes, targets).
 
 Every kernel module has ``compile_targets()``: each kernel with every configuration its launcher can pick,
 which CI compiles for sm_90 (tests/test_kernels_compile.py).

@@ -28,10 +28,11 @@ import triton.language as tl
 from .. import reference as ref
 from . import combine as cb
 from . import tuning
+from . import vendor as vd
 from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, target
 from .grouped_common import (check_expert_args, load_scale, locate, max_tiles, opt_bias, proj_tile,
                              rows_contiguous)
-from .tiles import gpu_config, gpu_configs, rule_config, tile_config, tuner_configs
+from .tiles import gpu_config, gpu_configs, rule_config, run_role, tuner_configs
 
 # ---- tile bodies (shared by the separate kernels and the fused one) ------------------------------------------
 
@@ -189,8 +190,10 @@ def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_
             PREC=dot_precision(w_up_EIH.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
 
-    launch(tile_config("up_act", config, launch, dtype=w_up_EIH.dtype, device=x_TH.device, B=B, E=E, H=H, I=I,
-                       gated=w_gate_EIH is not None))
+    vendor = vd.candidate(w_up_EIH.dtype, H, I, vd.up_act, h_BI, x_TH, token_ids_B, counts, w_gate_EIH, w_up_EIH,
+                          b_gate_EI, b_up_EI, input_scale_B, activation=activation, alpha=alpha, limit=limit)
+    run_role("up_act", config, launch, vendor, dtype=w_up_EIH.dtype, device=x_TH.device, B=B, E=E, H=H, I=I,
+             gated=w_gate_EIH is not None)
     return h_BI
 
 
@@ -226,8 +229,9 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
             num_stages=cfg["num_stages"],
         )
 
-    launch(tile_config("down", config, launch, dtype=w_down_EHI.dtype, device=h_BI.device, B=B, E=E, H=H, I=I,
-                       gated=False))
+    vendor = vd.candidate(w_down_EHI.dtype, H, I, vd.down, y_BH, h_BI, counts, w_down_EHI, b_down_EH)
+    run_role("down", config, launch, vendor, dtype=w_down_EHI.dtype, device=h_BI.device, B=B, E=E, H=H, I=I,
+             gated=False)
     if not combine:
         return y_BH
     rows_TK = cb.token_rows(token_ids_B, num_tokens, src_B)
@@ -260,8 +264,11 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
     check_shape("combine_weights_B", combine_weights_B, (B,))
     check_shape("x_TH", x_TH, (num_tokens, H))
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
-    if single_launch is None:
-        single_launch = interpreting()
+    if single_launch is None:  # (a configuration naming the vendor GEMM runs the two launches' roles on it)
+        single_launch = interpreting() and not tuning.is_vendor(config)
+    if single_launch and tuning.is_vendor(config):
+        raise ValueError("single_launch=True runs the persistent Triton kernel: pass a tile configuration, not "
+                         "tuning.VENDOR")
     if not single_launch:
         h_BI = up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI,
                       input_scale_B, activation=activation, alpha=alpha, limit=limit, config=config, zero_tail=False)
@@ -271,6 +278,8 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
     cfg = config or tuning.tuner().lookup("up_act", tuning.key("up_act", w_up_EIH.dtype, H, I, E, B, True),
                                           w_up_EIH.dtype, x_TH.device,
                                           lambda: rule_config("up_act", B / max(E, 1), w_up_EIH.dtype))[0]
+    if tuning.is_vendor(cfg):  # the up projection was tuned to the vendor GEMM: this kernel takes the rule's tiles
+        cfg = rule_config("up_act", B / max(E, 1), w_up_EIH.dtype)
     counts = tokens_per_expert_E.contiguous()
     tiles = max_tiles(B, E, cfg["BLOCK_M"])
     P = num_programs or max(1, min(tiles, _programs_available(x_TH.device)))

@@ -25,11 +25,13 @@ import triton
 import triton.language as tl
 
 from . import combine as cb
+from . import tuning
+from . import vendor as vd
 from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, target
 from .grouped_common import (check_expert_args, load_scale, locate, max_tiles, opt_bias, proj_tile,
                              rows_contiguous, segments)
 from .grouped_mlp import FLAG_SETS, REAL_LAUNCH
-from .tiles import gpu_config, gpu_configs, tile_config, tuner_configs, wgrad_gpu_config
+from .tiles import gpu_config, gpu_configs, run_role, tuner_configs, wgrad_gpu_config
 
 
 @triton.jit
@@ -224,8 +226,10 @@ def _wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype
         )
 
     rows = a.shape[0] if a_tok is None else c.shape[0]  # the buffer's routed rows (the other may be [T, ...])
-    launch(tile_config(role, config, launch, dtype=dtype, device=a.device, B=rows, E=E, H=N2, I=N1,
-                       gated=split is not None, rule=lambda: wgrad_gpu_config(dtype)))
+    vendor = vd.candidate(dtype, N1, N2, vd.wgrad, a, a_tok, a_scale, c, c_tok, c_scale, counts, dws,
+                          dbs if want_db else None, split=split, dtype=dtype)
+    run_role(role, config, launch, vendor, dtype=dtype, device=a.device, B=rows, E=E, H=N2, I=N1,
+             gated=split is not None, rule=lambda: wgrad_gpu_config(dtype))
     return dws, (dbs if want_db else [None] * len(dws))
 
 
@@ -238,12 +242,13 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     says: the halves of one fused gate/up gradient, say; by default new tensors with each weight's own strides
     (``empty_like``: a transposed weight gets a transposed gradient, no copy to its layout afterwards). Bias
     gradients are contiguous. ``config``: one tile configuration for every kernel
-    (``{"gemm": {...}, "wgrad": {...}}``, or one GEMM configuration for dh and dx); None lets each kernel take
-    the tuner's (``tuning.py``)."""
+    (``{"gemm": {...}, "wgrad": {...}}``, or one GEMM configuration for dh and dx; ``tuning.VENDOR`` for the
+    vendor GEMM, ``vendor.py``); None lets each kernel take the tuner's (``tuning.py``)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
-    config = {"gemm": config} if config is not None and "BLOCK_M" in config else (config or {})
+    one = config is not None and ("BLOCK_M" in config or tuning.is_vendor(config))
+    config = {"gemm": config} if one else (config or {})
     T = x_TH.shape[0]
     dt = w_up_EIH.dtype
     gated = w_gate_EIH is not None
@@ -279,7 +284,13 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
             HAS_SCALE=input_scale_B is not None, HAS_CW=has_cw, ACT=ACT_CODES[activation], **common(cfg),
         )
 
-    launch_dh(tile_config("dh", config.get("gemm"), launch_dh, **shape))
+    def vendor_dh():
+        partial["cw"] = pcw = torch.zeros(B, 1, dtype=torch.float32, device=dev) if has_cw else None
+        vd.dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts, dout, w_gate_EIH, w_up_EIH, w_down_EHI,
+              b_gate_EI, b_up_EI, activation=activation, alpha=alpha, limit=limit, h_out=h_BI, dgu_out=dgu,
+              pcw_out=pcw)
+
+    run_role("dh", config.get("gemm"), launch_dh, vd.candidate(dt, H, I, vendor_dh), **shape)
     dxs_BH = torch.empty(B, H, dtype=dt, device=dev)  # dropped tail rows: never written, never read
     has_s = input_scale_B is not None
     bd_dcw = has_cw and b_down_EH is not None
@@ -294,7 +305,13 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
             GATED=gated, HAS_SCALE=has_s, BD_DCW=bd_dcw, **common(cfg),
         )
 
-    launch_dx(tile_config("dx", config.get("gemm"), launch_dx, **shape))
+    def vendor_dx():
+        partial["s"] = ps = torch.zeros(B, 1, dtype=torch.float32, device=dev) if has_s else None
+        partial["bd"] = pbd = torch.zeros(B, 1, dtype=torch.float32, device=dev) if bd_dcw else None
+        vd.dx(x_TH, token_ids_B, counts, dgu, dout, w_gate_EIH, w_up_EIH, b_down_EH, dxs_out=dxs_BH, ps_out=ps,
+              pbd_out=pbd)
+
+    run_role("dx", config.get("gemm"), launch_dx, vd.candidate(dt, H, I, vendor_dx), **shape)
     xs = dict(c=x_TH.contiguous(), c_tok=token_ids_B, c_scale=input_scale_B)
     want_db = b_gate_EI is not None or b_up_EI is not None
     wargs = dict(counts=counts, E=E, dtype=dt, config=config.get("wgrad"))

@@ -1,7 +1,8 @@
 """Tile sizes of the grouped GEMM kernels: the untuned rule each role starts from, and how a launch picks its tiles.
 
     tile_config(role, config, launch, ...)   the caller's config, else the tuner's (tuning.py): the interpreter's
-                                             fixed tiles, a tuning on disk, one made now, the shipped table, or
+                                             fixed tiles, a tuning on disk, one made now (the vendor GEMM among
+                                             the candidates: run_role runs the pick), the shipped table, or
     rule_config(role, rows/expert, dtype)    this rule (gpu_config; dh halves N; wgrad_gpu_config for wgrad_*)
     layer_configs(...)                       every role's choice for a layer's shape, without tuning (explain())
 
@@ -52,15 +53,30 @@ def wgrad_gpu_config(dtype) -> dict:
 
 
 def tile_config(role: str, config: dict | None, launch, *, dtype, device, B: int, E: int, H: int, I: int,
-                gated: bool, rule=None) -> dict:
+                gated: bool, rule=None, vendor=None) -> dict:
     """``config`` when the caller gives one; else the tuner's for this role and shape (``tuning.py``: the
-    interpreter's fixed tiles, a tuning cached on disk, a tuning made now by timing ``launch(cfg)``, the shipped
-    table, or ``rule()``, by default ``rule_config``)."""
+    interpreter's fixed tiles, a tuning cached on disk, a tuning made now by timing ``launch(cfg)`` and
+    ``vendor()``, the shipped table, or ``rule()``, by default ``rule_config``)."""
     if config is not None:
         return config
     k = tuning.key(role, dtype, H, I, E, B, gated)
     rule = rule or (lambda: rule_config(role, B / max(E, 1), dtype))
-    return tuning.tuner().choose(role, k, dtype, device, gated, launch, rule)
+    return tuning.tuner().choose(role, k, dtype, device, gated, launch, rule, vendor)
+
+
+def run_role(role: str, config: dict | None, launch, vendor, **shape) -> dict:
+    """Pick the role's configuration (``tile_config``) and run it: ``vendor()`` (``vendor.py``, None where the
+    vendor GEMM does not take the shape) when it is ``tuning.VENDOR``, else the kernel, ``launch(cfg)``."""
+    cfg = tile_config(role, config, launch, vendor=vendor, **shape)
+    if not tuning.is_vendor(cfg):
+        launch(cfg)
+    elif vendor is None:
+        raise ValueError(f"the {role} kernel was asked to run on torch._grouped_mm, which does not take "
+                         f"{shape['dtype']} with widths {shape['H']}, {shape['I']} (rows of 16 bytes): "
+                         "pass a tile configuration instead")
+    else:
+        vendor()
+    return cfg
 
 
 def layer_configs(dtype, device, B: int, E: int, H: int, I: int, gated: bool) -> dict[str, tuple[dict, str]]:

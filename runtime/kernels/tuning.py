@@ -15,6 +15,10 @@ In order:
 4. the shipped table (``h100_table.json``, from measurements on an H100) for that GPU model and key;
 5. the rule of ``tiles.gpu_config`` (what was used before tuning existed).
 
+Beside the tiles, the tuner times the vendor's grouped GEMM for the role (``vendor.py``: ``torch._grouped_mm``
+with the kernel's epilogue as torch ops) where it takes the dtype and widths; when it is fastest the role's
+configuration is ``VENDOR`` and the launcher runs it instead of the kernel.
+
 Why not ``triton.autotune``: the kernels of one layer allocate buffers whose sizes depend on the tile (partial
 sums per column tile, the persistent kernel's scratch), the key needs a rows-per-expert bucket that is no kernel
 argument, ``explain()`` must name the configuration before anything runs, and the interpreter cannot run a
@@ -46,6 +50,13 @@ SMEM_DEFAULT = 232448  # an H100's shared memory per block (opt-in), when the de
 ACC_REGISTERS = {"wgrad": 64, "gemm": 128}
 INTERPRETER = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
 WGRAD_INTERPRETER = dict(BLOCK_N1=16, BLOCK_N2=16, BLOCK_K=16, num_warps=4, num_stages=1)
+
+
+VENDOR = {"vendor": "torch._grouped_mm"}  # the configuration of a role that runs the vendor GEMM
+
+
+def is_vendor(cfg: dict | None) -> bool:
+    return bool(cfg) and "vendor" in cfg
 
 
 def key(role: str, dtype: torch.dtype, H: int, I: int, E: int, rows: int, gated: bool) -> str:
@@ -158,18 +169,21 @@ class Tuner:
         return rule(), "rule"
 
     def choose(self, role: str, k: str, dtype: torch.dtype, device: torch.device, gated: bool,
-               launch: Callable[[dict], None], rule: Callable[[], dict]) -> dict:
-        """The configuration for this launch; tunes (times every kept candidate with ``launch``) when the key is
-        new on this GPU and tuning is enabled."""
+               launch: Callable[[dict], None], rule: Callable[[], dict],
+               vendor: Callable[[], None] | None = None) -> dict:
+        """The configuration for this launch; tunes (times every kept candidate with ``launch``, and ``vendor``,
+        the role on the vendor's GEMM, where given: ``VENDOR`` when it wins) when the key is new on this GPU and
+        tuning is enabled."""
         cfg, source = self.lookup(role, k, dtype, device, rule)
         if source in ("tuned", "interpreter") or not self.enabled or device.type != "cuda":
             return cfg
         kept = prune_configs(role, candidates(role, dtype), dtype, gated, _smem(device))
+        runs = [(c, lambda c=c: launch(c)) for c in kept] + ([(VENDOR, vendor)] if vendor is not None else [])
         timings = []
-        for c in kept:
+        for c, run in runs:
             try:
-                timings.append((self.bench(lambda c=c: launch(c)), c))
-            except Exception:  # out of resources on this GPU, say: not a candidate
+                timings.append((self.bench(run), c))
+            except Exception:  # out of resources on this GPU, or a GEMM the vendor refuses: not a candidate
                 continue
         if not timings:
             return cfg
@@ -185,6 +199,8 @@ def tuner() -> Tuner:
 
 
 def describe(cfg: dict) -> str:
+    if is_vendor(cfg):
+        return cfg["vendor"]
     if "BLOCK_N1" in cfg:
         return f"{cfg['BLOCK_N1']}x{cfg['BLOCK_N2']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"

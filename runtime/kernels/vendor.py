@@ -1,0 +1,118 @@
+"""The vendor's grouped GEMM (``torch._grouped_mm``: CUTLASS on an H100) for each role of the grouped GEMM
+kernels, as a candidate the tuner times beside the Triton tiles (``tuning.py``): a role whose vendor form is
+fastest on this GPU and shape runs it instead of its kernel, the other roles of the same layer keep theirs.
+
+Each function writes the buffers the role's kernel writes (rows past the counted ones are left as the kernel
+leaves them), rounding as the torch reference does: gathered rows in the weights' dtype, GEMM outputs in it.
+The fused epilogues of the kernels (gather, bias, activation, the partial sums for the combine weights' and the
+row scales' gradients) run as torch ops around the GEMMs. Unlike the kernels, each reads the number of counted
+rows (one wait for the device): that cost is in what the tuner times.
+
+    role        kernel (grouped_mlp*.py)                         here
+    up_act      gather, [gate,] up GEMM, bias, activation -> h    Rows, grouped_mm x2, apply_activation
+    down        h @ Wd^T + bd -> y rows                          grouped_mm
+    dh          recompute g, u, h; G = dout[tok] @ Wd; dcw; act'  grouped_mm x3, activation_backward
+    dx          dxs = dg @ Wg + du @ Wu; partial sums for ds, dcw grouped_mm x2
+    wgrad_*     dW[e] = A_e^T C_e, db[e] = column sums of A_e    grouped_mm over the rows (K = rows)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..activations import apply_activation
+from ..grouped_cpu import Rows, Segments, activation_backward, usable_sizes
+
+
+def candidate(dtype: torch.dtype, n1: int, n2: int, role_fn, /, *args, **kwargs):
+    """``role_fn(*args, **kwargs)`` as a zero-argument call, or None where ``torch._grouped_mm`` does not take
+    the role's dtype and operand widths (rows of 16 bytes)."""
+    return functools.partial(role_fn, *args, **kwargs) if usable_sizes(dtype, n1, n2) else None
+
+
+def _projections(r: Rows, wg, wu, bg, bu):
+    """[g | u] (gated) or u: the projections before the activation, with their biases."""
+    u = r.bias(r.mm(r.xs_BH, wu, t=True), bu)
+    return u if wg is None else torch.cat([r.bias(r.mm(r.xs_BH, wg, t=True), bg), u], dim=1)
+
+
+def _split(wg, I):
+    return (slice(0, I), slice(I, 2 * I)) if wg is not None else (None, slice(None))
+
+
+def up_act(h_out, x_TH, token_ids_B, counts_E, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI, input_scale_B, *,
+           activation, alpha, limit):
+    """h rows: the activated projections of the gathered (and scaled) rows."""
+    biased = b_gate_EI is not None or b_up_EI is not None
+    r = Rows(x_TH, token_ids_B, counts_E, w_up_EIH.dtype, input_scale_B, biased)
+    pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
+    gs, us = _split(w_gate_EIH, w_up_EIH.shape[1])
+    h_out[:r.n] = apply_activation(activation, None if gs is None else pre[:, gs], pre[:, us], alpha=alpha,
+                                   limit=limit)
+
+
+def down(y_out, h_BI, counts_E, w_down_EHI, b_down_EH):
+    """y rows: h @ Wd[e]^T + bd[e]."""
+    s = Segments(counts_E, b_down_EH is not None)
+    y_out[:s.n] = s.bias(s.mm(h_BI[:s.n], w_down_EHI, t=True), b_down_EH)
+
+
+def dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts_E, dout_TH, w_gate_EIH, w_up_EIH, w_down_EHI,
+       b_gate_EI, b_up_EI, *, activation, alpha, limit, h_out, dgu_out, pcw_out):
+    """h rows again, [dg | du] (or du) rows, and <h, dout[tok] @ Wd> per row into column 0 of ``pcw_out`` (the
+    combine weights' gradient) when there are combine weights."""
+    dt, I = w_up_EIH.dtype, w_up_EIH.shape[1]
+    r = Rows(x_TH, token_ids_B, counts_E, dt, input_scale_B, b_gate_EI is not None or b_up_EI is not None)
+    pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
+    G = r.mm(dout_TH[r.tok].to(dt), w_down_EHI)
+
+    def grad_h(h):
+        if combine_weights_B is None:
+            return G
+        pcw_out[:r.n, 0] = (h.float() * G.float()).sum(1)
+        return (G.float() * combine_weights_B[:r.n].float()[:, None]).to(dt)
+
+    gs, us = _split(w_gate_EIH, I)
+    h, d_pre = activation_backward(activation, pre, gs, us, alpha, limit, grad_h)
+    h_out[:r.n] = h
+    dgu_out[:r.n] = d_pre
+
+
+def dx(x_TH, token_ids_B, counts_E, dgu, dout_TH, w_gate_EIH, w_up_EIH, b_down_EH, *, dxs_out, ps_out, pbd_out):
+    """dxs rows = dg @ Wg[e] + du @ Wu[e] (summed in fp32, then rounded); into column 0 of ``ps_out`` (when
+    given) <dxs, x[tok]>, of ``pbd_out`` (when given) <bd[e], dout[tok]>."""
+    dt, I = w_up_EIH.dtype, w_up_EIH.shape[1]
+    s = Segments(counts_E, pbd_out is not None)
+    n = s.n
+    acc = s.mm(dgu[:n, I:] if w_gate_EIH is not None else dgu[:n], w_up_EIH).float()
+    if w_gate_EIH is not None:
+        acc += s.mm(dgu[:n, :I], w_gate_EIH).float()
+    dxs_out[:n] = acc = acc.to(dt)
+    tok = token_ids_B[:n]
+    if ps_out is not None:
+        ps_out[:n, 0] = (acc.float() * x_TH[tok].to(dt).float()).sum(1)
+    if pbd_out is not None:
+        pbd_out[:n, 0] = (dout_TH[tok].float() * b_down_EH[s.expert_B].float()).sum(1)
+
+
+def wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts_E, dws, dbs, *, split, dtype):
+    """dW[e] = A_e^T C_e over expert e's rows into ``dws`` (its halves of A's columns with ``split``), the column
+    sums of A_e into ``dbs`` when given; A row r is a[a_tok[r]] * a_scale[r] (rounded once), C likewise with the
+    scale rounded to the dtype first (the reference's gather)."""
+    s = Segments(counts_E, dbs is not None)
+    n = s.n
+    A = a[a_tok[:n]] if a_tok is not None else a[:n]
+    A = A.to(dtype) if a_scale is None else (A.float() * a_scale[:n].float()[:, None]).to(dtype)
+    C = (c[c_tok[:n]] if c_tok is not None else c[:n]).to(dtype)
+    if c_scale is not None:
+        C = (C.float() * c_scale[:n].to(dtype).float()[:, None]).to(dtype)
+    halves = (slice(0, split), slice(split, None)) if split else (slice(None),)
+    dw = s.outer(A, C)
+    for out, cols in zip(dws, halves):
+        out.copy_(dw[:, cols])
+    if dbs is not None:
+        db = s.per_expert(A.float(), counts_E.shape[0])
+        for out, cols in zip(dbs, halves):
+            out.copy_(db[:, cols])
