@@ -7,27 +7,34 @@ rows padding-free (``runtime/comm/ops.py``).
                                                      y_BH = moe.ep_combine(y_RH, d[1], counts_E, d[3], B, group, layer)
     out_TH = moe.combine(y_BH, tok_B, cw_B, T)       out_TH = moe.combine(y_BH, tok_B, cw_B, T)        (unchanged)
 
-Routing stays on each rank's own tokens (global expert ids). The expert weights are read from the local shards
-(the ``moe.ep_global_view`` inputs that ``expose_sharded`` stood in for); the stand-in placeholders are removed, so
-the graph's inputs are again exactly Dynamo's. A sharded layer that was not rewritten (verify refused it) cannot
-run: this pass raises, naming it, and the pipeline reports it.
+Routing stays on each rank's own tokens (global expert ids); a sequence-sharded layer (``moe_tp="ssmb"``) first
+takes this tp rank's slice of them and all-gathers the combined output (``_sequence_shard``). The expert weights
+are read from the local shards (the ``moe.ep_global_view`` inputs that ``expose_sharded`` stood in for); the
+stand-in placeholders are removed, so the graph's inputs are again exactly Dynamo's. A sharded layer that was not
+rewritten (verify refused it) cannot run: this pass raises, naming it, and the pipeline reports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 import moecompile.runtime.placement.swap  # noqa: F401  (registers moe::ep_to_slots)
 from moecompile.runtime.comm.dedup import hierarchical_experts
+from moecompile.runtime.comm.exchange import resolve_group
 
 from .canonical import expert_tensors
+from .graph_utils import example
 from .report import PassReport, block
+from .sharded import EP_VIEWS, view_arg
 
 EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
 COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)
+PFT = (torch.ops.moe.build_pft, torch.ops.moe.build_pft.default)
 
 
 def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
@@ -62,15 +69,16 @@ def _local_weights(spec, weights: dict):
     ``nn.ModuleList`` entries of the experts held here (a consecutive block; the others are views)."""
     views, local = [], {}
     for role, w in weights.items():
-        if isinstance(w, (list, tuple)):
-            remote = [_view(n) for n in w]
+        if isinstance(w, (list, tuple)):  # a local expert's weight: a graph input, or a view of its slice (ted)
+            read = [_view(n) for n in w]
+            remote = [v if v is not None and v.target in EP_VIEWS[2:] else None for v in read]
             here = [i for i, v in enumerate(remote) if v is None]
             local[role] = None
-            if len(here) < len(w):
-                views += [v for v in remote if v is not None]
+            if any(v is not None for v in read):
+                views += [v for v in read if v is not None]
                 if not here or here != list(range(here[0], here[0] + len(here))):
                     raise ValueError(f"the experts of the layer held here are not one consecutive block: {here}")
-                local[role] = [w[i] for i in here]
+                local[role] = [w[i] if read[i] is None else read[i].args[0] for i in here]
         elif _view(w) is not None:
             views.append(_view(w))
             local[role] = _view(w).args[0]
@@ -92,17 +100,23 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         raise NotImplementedError(f"{e.storage} expert storage{' with identity experts' if e.identity_experts else ''}"
                                   " cannot run sharded yet")
     group_name, layer = views[0].args[2:4]
-    dedup = _arg(views[0], "dedup", "off")
+    dedup = view_arg(views[0], "dedup", "off")
     scale = node.args[9]  # the routing weights, when they scale each expert's input (Llama 4)
     if scale is not None and dedup != "off":
         raise NotImplementedError("experts that scale their input by the routing weight send one row per (token, "
                                   "expert): they cannot dedup (parallelize picks dedup='off' for them)")
+    if view_arg(views[0], "moe_tp", "off") == "ssmb":
+        _sequence_shard(gm, node, view_arg(views[0], "tp_group"), layer)
+        report.counters["distribute.sequence_sharded_layers"] += 1
     first = next(iter(local.values()))
     if isinstance(first, list):  # a ModuleList: its local experts
         local_experts = len(first)
     else:  # a stacked [E_l, ...] or flat [E_l * R, ...] shard of the view's global dim 0 (E or E * R)
         local_experts = e.num_experts * first.meta["example_value"].shape[0] // views[0].args[1]
-    local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts))
+    moe_tp, tp_group = view_arg(views[0], "moe_tp", "off"), view_arg(views[0], "tp_group", "")
+    ted = moe_tp == "ted"  # each expert's intermediate size cut over tp (moecompile/distributed/ted.py)
+    inter = e.intermediate // dist.get_world_size(resolve_group(tp_group)) if ted else e.intermediate
+    local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts, intermediate=inter))
     tracer = fx.proxy.GraphAppendingTracer(gm.graph)
     proxy = lambda n: fx.Proxy(n, tracer) if isinstance(n, fx.Node) else n  # noqa: E731
     x, tok, counts = (proxy(a) for a in node.args[:3])
@@ -115,11 +129,20 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, mine)
 
         def run_experts(x_RH, perm_R, counts_L):
-            return torch.ops.moe.expert_mlp(x_RH, perm_R, counts_L, gate if e.gated else None, up, down,
-                                            b_gate if e.gated else None, b_up, b_down, None, *node.args[10:])
+            y = torch.ops.moe.expert_mlp(x_RH, perm_R, counts_L, gate if e.gated else None, up, down,
+                                         b_gate if e.gated else None, b_up, None if ted else b_down, None,
+                                         *node.args[10:])
+            if not ted:
+                return y
+            y = torch.ops.moe.tp_reduce(y, tp_group, layer)  # the partial sums over this rank's slice of I
+            if b_down is None:
+                return y
+            expert = torch.repeat_interleave(torch.arange(local_experts, device=y.device), counts_L,
+                                             output_size=y.size(0))
+            return y + b_down[expert]  # once, after the sum
 
-        replicas, capacity_factor = _arg(views[0], "replicas"), _arg(views[0], "capacity_factor", 0.0)
-        slots = _arg(views[0], "slots")  # the placement of a layer that swaps experts (each view carries it)
+        replicas, capacity_factor = view_arg(views[0], "replicas"), view_arg(views[0], "capacity_factor", 0.0)
+        slots = view_arg(views[0], "slots")  # the placement of a layer that swaps experts (each view carries it)
         order = None
         if slots is not None:  # the layer swaps experts: its rows go by slot, not by expert id
             s = torch.ops.moe.ep_to_slots(tok, counts, proxy(slots), x.size(0), layer)
@@ -141,6 +164,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             weights = weights if order is None else weights[order]
             out = hierarchical_experts(x, tok, counts, weights, run_experts, group_name, layer, dedup).node
         else:
+            if ted:  # the token input's gradient: the sum of every tp rank's partial (its slice of I)
+                x = torch.ops.moe.tp_copy(x, tp_group)
             d = torch.ops.moe.ep_dispatch(x, tok, counts, group_name, layer)
             y = torch.ops.moe.ep_combine(run_experts(d[0], d[1], d[2]), d[1], counts, d[3], tok.size(0),
                                          group_name, layer)
@@ -159,15 +184,40 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     report.counters[f"distribute.sharded_layers.dedup_{dedup}"] += 1
 
 
-def _arg(view: fx.Node, name: str, default=None):
-    """The view op's argument ``name`` (by its schema: ``moe.ep_global_view`` and ``moe.ep_remote_expert`` place
-    them differently), or ``default`` where the op has none or the call left it out."""
-    op = view.target if hasattr(view.target, "_schema") else view.target.default
-    names = [a.name for a in op._schema.arguments]
-    if name not in names:
-        return default
-    at = names.index(name)
-    return view.args[at] if len(view.args) > at else view.kwargs.get(name, default)
+def _sequence_shard(gm: fx.GraphModule, node: fx.Node, tp_group: str, layer: str) -> None:
+    """SSMB (``runtime/comm/tp.py``): the routing's top-k weights and ids, and the experts' token input, become this
+    tp rank's slice of the block's tokens; the combine sums that slice, and its output is all-gathered over tp
+    for every reader. Runs before the exchange is put in, which then sends this slice's rows."""
+    x, tok = node.args[0], node.args[1]
+    pft = tok.args[0] if tok.op == "call_function" and tok.target is operator.getitem else None
+    readers = list(node.users)
+    combine = readers[0] if len(readers) == 1 and readers[0].target in COMBINE else None
+    if pft is None or pft.target not in PFT or combine is None or combine.args[0] is not node:
+        raise NotImplementedError("moe_tp='ssmb' needs the layer's rows built by one moe.build_pft and read by one "
+                                  "moe.combine")
+    graph, new = gm.graph, []
+
+    def add(*args, method=None):
+        n = graph.call_method(method, args) if method else graph.call_function(torch.ops.moe.tp_slice.default, args)
+        n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "moe_layer") if k in node.meta})
+        new.append(n)
+        return n
+
+    with graph.inserting_before(pft):
+        pft.args = (add(pft.args[0], tp_group), add(pft.args[1], tp_group), *pft.args[2:])
+    with graph.inserting_before(node):
+        x_slice = add(x, tp_group)
+        node.args = (x_slice, *node.args[1:])
+        rows = add(x_slice, 0, method="size")
+    T = combine.args[3]
+    combine.args = (*combine.args[:3], rows, *combine.args[4:])
+    with graph.inserting_after(combine):
+        out = graph.call_function(torch.ops.moe.tp_gather.default, (combine, T, tp_group, layer))
+        out.meta.update(new[0].meta)
+    combine.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+    value = example(x)
+    if isinstance(value, torch.Tensor):  # the slice's shape, for the passes after (lower times the experts on it)
+        x_slice.meta["example_value"] = torch.ops.moe.tp_slice(value, tp_group)
 
 
 def _only_combine(node: fx.Node, dedup: str) -> fx.Node:

@@ -16,6 +16,8 @@ shards back and removes these placeholders.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 
@@ -62,6 +64,17 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
     return gm
 
 
+def view_arg(view: fx.Node, name: str, default=None):
+    """The view op's argument ``name`` (by its schema: ``moe.ep_global_view`` and ``moe.ep_remote_expert`` place
+    them differently), or ``default`` where the op has none or the call left it out."""
+    op = view.target if hasattr(view.target, "_schema") else view.target.default
+    names = [a.name for a in op._schema.arguments]
+    if name not in names:
+        return default
+    at = names.index(name)
+    return view.args[at] if len(view.args) > at else view.kwargs.get(name, default)
+
+
 def _key(view: fx.Node) -> tuple:
     """Views equal in op and arguments read the same weight."""
     plain = lambda a: tuple(a) if isinstance(a, list) else a  # noqa: E731
@@ -77,12 +90,18 @@ def _dynamo_name(fqn: str) -> str:
 
 def _standin_name(view: fx.Node) -> str:
     """A remote ModuleList expert's weight is named as Dynamo would name it, after the graph input of the local
-    weight it is shaped like (detect reads a ModuleList's experts from those names); others after their view."""
+    weight it is shaped like (detect reads a ModuleList's experts from those names); others after their view.
+    Under tensor-expert parallelism a local ModuleList expert's weight is a view of its slice too: its stand-in
+    is named after that slice's graph input, and every stand-in of the layer ends in ``ted_`` alike."""
+    ted = "ted_" if view_arg(view, "moe_tp") == "ted" else ""
     if view.target in EP_VIEWS[2:]:
         like, name = _dynamo_name(view.args[5]), _dynamo_name(view.args[6])
         for ph in view.graph.find_nodes(op="placeholder"):
             if ph.name.endswith(f"_{like}_"):
-                return ph.name.replace(like, name)
+                return ph.name.replace(like, name) + ted
+    local = view.args[0]
+    if ted and isinstance(local, fx.Node) and local.op == "placeholder" and re.search(r"_modules_\d+_", local.name):
+        return local.name + ted
     return f"{view.name}_standin"
 
 

@@ -3,6 +3,10 @@
     parallel.py           ``moecompile.parallelize``: detect, check every rank agrees, shard experts, set up dedup,
                           swap or replication, data-parallel gradients for the rest
     mesh.py               mesh level names, the process groups of each collective kind (made once, with timeouts)
+    views.py              how a module reads the expert weights it no longer holds whole (while Dynamo traces)
+    grads.py              data-parallel gradients of the parameters that are not sharded, the experts' divisors
+    moe_tp.py             ``moe_tp``: how the MoE blocks meet a "tp" mesh dimension (SSMB, TED, "auto")
+    ted.py                tensor-expert parallelism: experts over dp, their intermediate size over tp
     sharded_state.py      state_dict / optimizer state of sharded experts as DTensors in expert order
     swap.py               expert swap every N optimizer steps (HierMoE's HierD-ES), driven by the cost model
     replicate.py          adaptive replication: slots per rank, the layer's placement buffers

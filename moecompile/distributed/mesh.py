@@ -11,7 +11,7 @@ taken from the ``DeviceMesh``: the mesh's own sub-groups get torch's default tim
 rank that died would leave the others waiting that long in an exchange inside a node. Each is made once per mesh
 (every rank makes the same ones, in the same order, as ``new_group`` requires) and reused. The mesh must span the
 whole world, in rank order (a mesh of some ranks only, expert parallelism inside a larger data-parallel world,
-is refused: not built yet).
+is refused: not built yet). A dimension named ``"tp"`` (tensor parallelism: ``tp_groups``) may sit among the levels.
 """
 
 from __future__ import annotations
@@ -26,12 +26,28 @@ from moecompile.runtime.comm.stats import COMM
 _GROUPS: dict[tuple, tuple] = {}
 
 
+TP = "tp"  # the mesh dimension of tensor parallelism: its ranks' MoE-block inputs are identical
+
+
 def setup_mesh(mesh):
     """Check ``mesh`` and return its process group, with its levels known to the runtime."""
     group = _check_mesh(mesh)
     if mesh.ndim > 1:
         _set_layout(mesh, group)
     return group
+
+
+def tp_dim(mesh) -> int | None:
+    """The index of the mesh's ``"tp"`` dimension, or None."""
+    names = tuple(mesh.mesh_dim_names or ())
+    return names.index(TP) if TP in names else None
+
+
+def tp_groups(mesh):
+    """(this rank's tensor-parallel group: the ranks differing only in ``"tp"``; its data-parallel group: the ranks
+    differing in the other dimensions, this rank alone on a mesh of ``"tp"`` only)."""
+    d = tp_dim(mesh)
+    return _group(mesh, (d,)), _group(mesh, tuple(i for i in range(mesh.ndim) if i != d))
 
 
 def level_names(mesh) -> tuple[str, ...]:
@@ -44,7 +60,7 @@ def _check_mesh(mesh):
 
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
-    levels.check_names(mesh.mesh_dim_names)
+    levels.check_names(tuple(n for n in mesh.mesh_dim_names or () if n != TP))  # "tp" may sit anywhere
     ranks = mesh.mesh.flatten().tolist()
     if ranks != list(range(dist.get_world_size())):
         raise ValueError(f"the mesh's ranks {ranks} are not every rank of the default process group, in order "
@@ -100,6 +116,8 @@ def _set_layout(mesh, group) -> None:
     coords = {int(r): tuple(int(c) for c in torch.nonzero(mesh.mesh == r)[0]) for r in mesh.mesh.flatten()}
     COMM.set_levels(coords, level_names(mesh))
     register_group_kind(group.group_name, "flat")
+    if tp_dim(mesh) is not None:  # no dedup over a mesh with "tp" (parallelize refuses it): no levels' groups
+        return
     for level, ((cross_kind, cross_g), (inner_kind, inner_g)) in _dedup_groups(mesh).items():
         register_layout(group.group_name, level, cross_g.group_name, inner_g.group_name)
         register_group_kind(cross_g.group_name, cross_kind)

@@ -13,9 +13,12 @@
    ``moe.ep_remote_expert``. The backend's ``distribute`` pass then runs the experts where they live.
 4. ``state_dict()`` gives each sharded parameter as a DTensor ``Shard(0)`` over the mesh (its global identity, for
    ``torch.distributed.checkpoint``); ``load_state_dict`` takes a DTensor or a full ``[E, ...]`` tensor.
-5. Data parallelism for the rest: in backward, the gradients of the parameters that are not sharded are averaged
-   over the ranks (one all-reduce of their flattened incoming gradients when backward ends), and the sharded
-   experts' gradients (which gather every rank's tokens) divided by W: the gradients of the mean loss, as DDP.
+5. Data parallelism for the rest (``grads.py``): in backward, the gradients of the parameters that are not sharded
+   are averaged over the data-parallel ranks (one all-reduce of their flattened incoming gradients when backward
+   ends), and the sharded experts' gradients (which gather every rank's tokens) divided by the ranks whose tokens
+   they saw: the gradients of the mean loss, as DDP.
+6. On a mesh with a ``"tp"`` dimension, ``moe_tp`` (``moe_tp.py``) says whether each tp rank routes all its tokens
+   or its slice of them (sequence-sharded MoE blocks).
 
 Why not DTensor parameters: the model's own experts code (transformers' grouped_mm / batched_mm / eager forms)
 mixes the expert weights with plain activation tensors, which DTensor refuses ("mixed torch.Tensor and DTensor")
@@ -35,16 +38,20 @@ from moecompile.runtime.stats import recording_routing
 
 from moecompile.runtime.comm.levels import dedup_levels
 
+from . import moe_tp as moe_tp_mod
+from . import ted
+from .grads import sync_gradients
 from .mesh import level_names, setup_mesh
 from moecompile.runtime.placement.replication import check_slots
 
-from .replicate import REPLICAS, check_options, replicable, replicate_layer
+from .replicate import check_options, replicable, replicate_layer
 from .sharded_state import SLOTS, experts_module, global_state, list_prefix, local_state
+from .views import read_remote, read_through_view
 
 
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
                 swap_gamma: float = 10.0, replication: str = "off", slots_per_rank: int | None = None,
-                capacity_factor: float | None = None, **options) -> nn.Module:
+                capacity_factor: float | None = None, moe_tp: str = "off", **options) -> nn.Module:
     """Shard the experts of every MoE layer of ``model`` over ``mesh`` (in place; returns ``model``).
 
     ``dedup``: ``"off"`` (one row per (token, expert) over the whole mesh), ``"node"`` (one row per distinct
@@ -57,10 +64,14 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``slots_per_rank=S``: each rank holds S expert slots, instances of the experts placed by the routing of each step,
     their master weights and optimizer state on the hosts (train with ``moecompile.ExpertOptimizer``;
     ``capacity_factor``: rows per instance, ceil(factor x routed rows / slots), the rest dropped;
-    ``moecompile/distributed/replicate.py``). Other keyword arguments are backend options, for detection."""
+    ``moecompile/distributed/replicate.py``). ``moe_tp`` on a mesh with a ``"tp"`` dimension (the ranks whose
+    MoE-block inputs are identical): ``"off"`` (each tp rank routes all its tokens), ``"ssmb"`` (each routes its
+    slice) or ``"ted"`` (experts over the other dimensions, their intermediate size over tp;
+    ``moecompile/distributed/moe_tp.py``). Other keyword arguments are backend options, for detection."""
     from ..explain import explain
 
     group = setup_mesh(mesh)
+    tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
     _check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     if not isinstance(swap_every, int) or swap_every < 0:
@@ -73,7 +84,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     plans, left = [], []
     for rec in report.layers:
-        why = _unshardable(rec, world)
+        rec.moe_tp = moe_tp_mod.layer_mode(rec, moe_tp, tp, example_args, world)
+        why = _unshardable(rec, tp.dp if rec.moe_tp == "ted" else world)
         if why:
             left.append((rec.path, why))
             continue
@@ -85,7 +97,10 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         for rec, params in plans:
             if not replicable(params):
                 check_slots(rec.spec.experts.num_experts, world, slots_per_rank)
-    local, swapping, replicas = set(), [], []
+    divisors, swapping, replicas = {}, [], []  # sharded expert parameter held here -> its gradient's divisor
+    for rec, params in plans:
+        if rec.moe_tp == "ted":
+            ted.check(rec, tp)
     for rec, params in plans:
         why_not = replicable(params) if replication != "off" else "not asked"
         if why_not and replication != "off":
@@ -93,21 +108,24 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if not why_not:
             layer, rows = replicate_layer(model, rec, params, group, rank, world, slots_per_rank,
                                           replication == "adaptive", capacity_factor)
-            _read_through_view(layer.module, rows, group.group_name, rec.path, "off", layer.capacity_factor)
-            local |= set(params.values())
+            read_through_view(layer.module, rows, group.group_name, rec.path, "off", layer.capacity_factor)
+            divisors.update(dict.fromkeys(params.values(), world))
             replicas.append(layer)
             continue
         slots = torch.arange(rec.spec.experts.num_experts) if swap_every and world > 1 else None
         first = next(iter(params.values()))
         if slots is not None and isinstance(first, list) and list_prefix(first) is None:
             slots, rec.shard_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
-        held = _shard_layer(model, rec, params, mesh, group, rank, world, slots)
-        local |= held
+        if rec.moe_tp == "ted":
+            held = ted.shard(model, rec, params, mesh, tp)
+        else:
+            held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp)
+        divisors.update(dict.fromkeys(held, tp.expert_divisor(rec.moe_tp, world) if tp is not None else world))
         if slots is not None:
             swapping.append((rec, _swapped_tensors(model, params, held), slots))
     for rec in report.layers:  # the full expert weights it holds would stay alive (the sharding freeing nothing)
         rec.expert_weights = {}
-    _sync_gradients(model, local, group, world)
+    sync_gradients(model, divisors, *((tp.dp_group, tp.dp) if tp is not None else (group, world)))
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
     model._moe_parallel.module_list_experts = {n for _, params in plans for names in params.values()
                                                if isinstance(names, list) for n in names}
@@ -235,15 +253,16 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
                          "creating it) before moecompile.parallelize")
 
 
-def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, slots=None) -> set[str]:
+def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, slots=None, tp=None) -> set[str]:
     """Keep this rank's experts of one layer; returns the names of the expert parameters it still holds."""
     dedup, E = rec.dedup, rec.spec.experts.num_experts
+    views = moe_tp_mod.view_args(rec.moe_tp, tp)  # the views' moe_tp and tp_group
     local_E = E // world
     mine = range(rank * local_E, (rank + 1) * local_E)
     if isinstance(next(iter(params.values())), list):
-        held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup, slots)
+        held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup, slots, views)
     else:
-        held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots)
+        held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots, views)
     names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
     listed = names if len(names) <= 4 else names[:2] + [f"... {len(names)} in all"]
     how = "one row per (token, expert)" if dedup == "off" else (
@@ -252,6 +271,10 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     how += f" (dedup={dedup!r}: {rec.dedup_reason})"
     rec.sharding = (f"{local_E} of {E} experts on each of {world} ranks ({', '.join(listed)}); "
                     f"the rows cross the ranks padding-free, {how}")
+    if tp is not None:
+        rec.sharding += "; " + moe_tp_mod.describe(rec.moe_tp, tp)
+        if rec.moe_tp_choice is not None:
+            rec.sharding += f"; {rec.moe_tp_choice}"
     if slots is not None:
         rec.sharding += "; experts swap ranks during training (swap_every)"
     elif getattr(rec, "shard_note", None):
@@ -266,7 +289,7 @@ def _swapped_tensors(model, params: dict, held: set[str]) -> list:
             else model.get_parameter(names) for names in params.values()]
 
 
-def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, layer, dedup, slots) -> set[str]:
+def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, layer, dedup, slots, views) -> set[str]:
     """Stacked ``[E, ...]`` weights, or flat ``[E * R, ...]`` ones (R rows per expert): each rank keeps its
     consecutive 1 / world of dim 0 (its E / world experts)."""
     attrs = {}
@@ -282,14 +305,14 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
     for module, rows in attrs.items():
         if slots is not None:  # the placement, a graph input read by the ops (not saved: state_dict un-swaps)
             module.register_buffer(SLOTS, slots, persistent=False)
-        _read_through_view(module, rows, group.group_name, layer, dedup)
+        read_through_view(module, rows, group.group_name, layer, dedup, extra=views)
         module._moe_rows = rows  # read by sharded_state.sharded_parameters (optimizer state)
         module.register_state_dict_post_hook(global_state(rows, mesh, group))
         module._register_load_state_dict_pre_hook(local_state(rows, mesh, rank, group), with_module=True)
     return set(params.values())
 
 
-def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_name, layer, dedup, slots
+def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_name, layer, dedup, slots, views
                        ) -> set[str]:
     """An ``nn.ModuleList`` layer: the weights of the experts other ranks hold are dropped (not parameters here,
     not in this rank's state_dict: ``torch.distributed.checkpoint`` gets each expert from the rank holding it);
@@ -310,90 +333,5 @@ def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_n
             del module._parameters[attr]
             if slots is not None:  # the placement, a graph input read by the ops (as a stacked layer's)
                 module.register_buffer(SLOTS, slots, persistent=False)
-            _read_remote(module, attr, like, expert, name, group_name, layer, dedup)
+            read_remote(module, attr, like, expert, name, group_name, layer, dedup, views)
     return held
-
-
-def _read_remote(module, attr, like, expert, name, group_name, layer, dedup) -> None:
-    shape, dtype, device, like_name = like  # constants (a tensor or module in the closure would become a graph
-    # input named after the closure); the device is the one the model was on when it was parallelized
-    args = (list(shape), expert, group_name, layer, dedup, like_name, name, dtype, device)
-
-    def read(self):
-        if torch.compiler.is_compiling():
-            return torch.ops.moe.ep_remote_expert(*args, self._buffers.get(SLOTS))
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def refuse_eager(mod, args_):
-        if not torch.compiler.is_compiling():
-            torch.ops.moe.ep_remote_expert(*args)  # raises, saying why
-
-    def drop_remote(state_dict, prefix, *_):  # a full state_dict loads: this rank keeps only its experts
-        state_dict.pop(prefix + attr, None)
-
-    cls = module.__class__
-    module.__class__ = type(f"Remote{cls.__name__}", (cls,), {attr: property(read)})
-    module.register_forward_pre_hook(refuse_eager)
-    module._register_load_state_dict_pre_hook(drop_remote)
-
-
-def _read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, layer: str, dedup: str,
-                       capacity_factor: float = 0.0) -> None:
-    """While Dynamo traces, the module reads each weight of ``rows`` (name -> its global dim 0: E, or E x R for
-    flat weights) as ``moe.ep_global_view`` of its local shard (a subclass with one property per name); elsewhere
-    as the shard itself (``get_parameter``, ``.shape``), and its forward refuses to run eagerly: the model's own
-    code would read global expert ids from a shard. The parameter stays registered under its name, so
-    ``named_parameters`` and optimizers see the shard."""
-    def view(attr):
-        def read(self):
-            local = self._parameters[attr]
-            if torch.compiler.is_compiling():
-                return torch.ops.moe.ep_global_view(local, rows[attr], group_name, layer, dedup,
-                                                    self._buffers.get(SLOTS), self._buffers.get(REPLICAS),
-                                                    capacity_factor)
-            return local
-        return property(read)
-
-    def refuse_eager(mod, args):
-        if not torch.compiler.is_compiling():
-            first = next(iter(rows))
-            torch.ops.moe.ep_global_view(mod._parameters[first], rows[first], group_name, layer)  # raises, saying why
-
-    cls = module.__class__
-    module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {n: view(n) for n in rows})
-    module.register_forward_pre_hook(refuse_eager)
-
-
-def _sync_gradients(model: nn.Module, sharded: set[str], group, world: int) -> None:
-    """Data-parallel gradients (``sharded``: the names of the expert parameters held here): each backward's incoming
-    gradients of the replicated parameters are held back
-    (the parameter accumulates zeros), all-reduced together when backward ends and averaged, then accumulated;
-    a sharded expert's gradient is divided by the ranks. Gradient accumulation over several backwards stays
-    right: each backward's own gradients are averaged, as DDP does."""
-    replicated = [p for n, p in model.named_parameters() if n not in sharded and p.requires_grad]
-    pending: dict[int, torch.Tensor] = {}
-
-    def finish():
-        grads = [pending.pop(id(p), None) for p in replicated]
-        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, replicated)])
-        dist.all_reduce(flat, group=group)
-        flat /= world
-        offset = 0
-        for p in replicated:
-            g = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            p.grad = g.clone() if p.grad is None else p.grad + g
-
-    def hold(p):
-        def hook(grad):
-            if not pending:
-                torch.autograd.Variable._execution_engine.queue_callback(finish)
-            pending[id(p)] = grad.detach().clone() if id(p) not in pending else pending[id(p)] + grad
-            return torch.zeros_like(grad)
-        return hook
-
-    for p in replicated:
-        p.register_hook(hold(p))
-    for n, p in model.named_parameters():
-        if n in sharded and p.requires_grad:
-            p.register_hook(lambda grad: grad / world)

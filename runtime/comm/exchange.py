@@ -31,6 +31,13 @@ _EMULATED = None  # the LinkModel every all-to-all here waits by, or None
 _GROUP_KINDS: dict[str, str] = {}  # process group name -> collective kind of the link model
 
 
+def resolve_group(group_name: str):
+    """The process group of that name (ops take groups by name: a graph holds strings, not groups)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
 def register_group_kind(group_name: str, kind: str) -> None:
     _GROUP_KINDS[group_name] = kind
 

@@ -12,9 +12,10 @@ Legend: T tokens here, B = T*K routed rows here (sorted by global expert, hence 
 received (sorted by source rank, then local expert), W ranks, E_l local experts, H hidden.
 
 Each op's backward is the other direction's exchange. ``ep_global_view`` and ``ep_remote_expert`` stand for a
-sharded weight while Dynamo traces (its global shape, no value; running one raises). The process group is an
-argument (``group_name``), bytes are counted per layer in ``stats.COMM``. The ops' arguments (placement, dedup
-level, replicas, capacity): ``docs/expert-parallelism.md``, The ops.
+sharded weight while Dynamo traces (its global shape, no value; running one raises); ``moe_tp`` and ``tp_group``
+say how the layer meets a tensor-parallel group (``"ssmb"``: the ``distribute`` pass slices its tokens, ``tp.py``).
+The process group is an argument (``group_name``), bytes are counted per layer in ``stats.COMM``. The ops'
+arguments (placement, dedup level, replicas, capacity): ``docs/expert-parallelism.md``, The ops.
 """
 
 from __future__ import annotations
@@ -23,16 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_autograd, register_fake
 
+from . import tp  # noqa: F401  (registers moe::tp_slice, moe::tp_gather)
 from .exchange import exchange, exchange_counts
+from .exchange import resolve_group as _group
 from .stats import COMM
 
 Tensor = torch.Tensor
-
-
-def _group(group_name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
 
 
 def _splits(counts_E: Tensor, recv_WL: Tensor, world: int) -> tuple[list[int], list[int]]:
@@ -47,8 +44,8 @@ def _splits(counts_E: Tensor, recv_WL: Tensor, world: int) -> tuple[list[int], l
 
 @custom_op("moe::ep_global_view", mutates_args=())
 def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str, dedup: str = "off",
-                   slots: Tensor | None = None, replicas: Tensor | None = None, capacity_factor: float = 0.0
-                   ) -> Tensor:
+                   slots: Tensor | None = None, replicas: Tensor | None = None, capacity_factor: float = 0.0,
+                   moe_tp: str = "off", tp_group: str = "", full_shape: list[int] | None = None) -> Tensor:
     raise RuntimeError(
         f"the experts of MoE layer {layer!r} are sharded over ranks by moecompile.parallelize and only run in a "
         "graph the moe backend rewrote: compile the model with torch.compile(model, backend='moe') (see "
@@ -57,13 +54,14 @@ def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str,
 
 @register_fake("moe::ep_global_view")
 def _ep_global_view_fake(local, num_experts, group_name, layer, dedup="off", slots=None, replicas=None,
-                         capacity_factor=0.0):
-    return local.new_empty((num_experts, *local.shape[1:]))
+                         capacity_factor=0.0, moe_tp="off", tp_group="", full_shape=None):
+    return local.new_empty(full_shape if full_shape is not None else (num_experts, *local.shape[1:]))
 
 
 @custom_op("moe::ep_remote_expert", mutates_args=())
 def ep_remote_expert(shape: list[int], expert: int, group_name: str, layer: str, dedup: str, like_name: str,
-                     name: str, dtype: torch.dtype, device: torch.device, slots: Tensor | None = None) -> Tensor:
+                     name: str, dtype: torch.dtype, device: torch.device, slots: Tensor | None = None,
+                     moe_tp: str = "off", tp_group: str = "", full_shape: list[int] | None = None) -> Tensor:
     raise RuntimeError(
         f"expert {expert} of MoE layer {layer!r} lives on another rank (moecompile.parallelize sharded the "
         "layer's nn.ModuleList experts): the layer only runs in a graph the moe backend rewrote: compile the model "
@@ -72,7 +70,8 @@ def ep_remote_expert(shape: list[int], expert: int, group_name: str, layer: str,
 
 
 @register_fake("moe::ep_remote_expert")
-def _ep_remote_expert_fake(shape, expert, group_name, layer, dedup, like_name, name, dtype, device, slots=None):
+def _ep_remote_expert_fake(shape, expert, group_name, layer, dedup, like_name, name, dtype, device, slots=None,
+                           moe_tp="off", tp_group=""):
     return torch.empty(shape, dtype=dtype, device=device)
 
 

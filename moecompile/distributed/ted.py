@@ -1,0 +1,170 @@
+"""Tensor-expert parallelism (TED: DeepSpeed-TED, X-MoE App. C) of one MoE layer, ``moe_tp="ted"``.
+
+The experts are sharded over the mesh's dimensions other than ``"tp"`` (the data-parallel group: E / dp experts
+per rank), and each expert's intermediate dimension over ``"tp"`` (I / tp per rank): gate and up by rows of
+their [I, H] (their columns as a product), down by columns of its [H, I]. Tokens stay replicated over tp; the
+``distribute`` pass exchanges rows over the dp group, runs the local experts on this rank's intermediate slice,
+sums the down projection's partial rows over tp (``moe.tp_reduce``; the down bias added once, after it) and
+gives the token input's gradient the sum of its tp partials (``moe.tp_copy``). Every tensor the model reads keeps
+its whole shape while Dynamo traces (``moe.ep_global_view(..., full_shape=)``).
+
+Which positions of a stored weight are this tp rank's (t of G, Is = I / G): along I, [t Is, (t + 1) Is) for a
+separate gate, up or down weight or bias; a fused gate/up weight ([2I, H] rows in its layout) keeps its layout
+locally: ``chunk`` (gate rows then up rows) takes both runs, [t Is, (t + 1) Is) and I + the same, as does
+``chunk_up_first``; ``interleave`` (gate and up rows alternating) takes [2 t Is, 2 (t + 1) Is). The down bias [H]
+is not cut.
+
+The state_dict gives each weight whole along I (gathered over tp): a stacked one as the DTensor of its experts,
+``Shard(0)`` over the dp dimensions and ``Replicate()`` over tp; a ModuleList layer's local experts as full
+tensors. Loading takes a DTensor, a full tensor, or this rank's experts, and keeps this rank's slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moecompile.runtime.layouts import contiguous_stride
+
+from .views import read_remote, read_through_view
+
+
+def check(rec, tp) -> None:
+    """ValueError naming the fix where TED cannot cut this layer."""
+    e = rec.spec.experts
+    if e.storage not in ("stacked", "modulelist"):
+        raise ValueError(f"moe_tp='ted' cuts stacked [E, ...] expert weights or nn.ModuleList experts; MoE layer "
+                         f"{rec.path} stores its experts {e.storage}: use moe_tp='ssmb' for it")
+    if e.intermediate % tp.tp:
+        raise ValueError(f"moe_tp='ted' splits each expert's intermediate size over tp: MoE layer {rec.path} has "
+                         f"{e.intermediate}, which {tp.tp} does not divide: use a tp size that divides it, or "
+                         "moe_tp='ssmb'")
+    if e.num_experts % tp.dp:
+        raise ValueError(f"moe_tp='ted' shards the experts over the mesh's dimensions other than 'tp' ({tp.dp} ranks):"
+                         f" MoE layer {rec.path} has {e.num_experts} experts, which do not divide over them: use a "
+                         "mesh whose dp size divides them, or moe_tp='ssmb'")
+
+
+def _cut(spec, role: str, per_expert: bool) -> tuple[int, str] | None:
+    """(dimension of the stored weight that holds I, how it is cut: "run" or a gate/up layout), None if not cut."""
+    e = spec.experts
+    if role == "down_bias":
+        return None
+    if role in ("gate", "up", "gate_up"):
+        dim = 2 if e.up_transposed else 1
+    elif role == "down":
+        dim = 1 if e.down_transposed else 2
+    else:  # gate_bias, up_bias, gate_up_bias: [E, I] or [E, 2I]
+        dim = 1
+    return dim - per_expert, (e.gate_up if role.startswith("gate_up") else "run")
+
+
+def positions(kind: str, I: int, G: int, t: int) -> torch.Tensor:
+    """This tp rank's positions along the cut dimension (module docstring)."""
+    Is = I // G
+    run = torch.arange(t * Is, (t + 1) * Is)
+    if kind == "run":
+        return run
+    if kind == "interleave":
+        return torch.arange(2 * t * Is, 2 * (t + 1) * Is)
+    return torch.cat([run, run + I])  # chunk, chunk_up_first: both halves' runs, in the stored order
+
+
+def _gather_whole(local: torch.Tensor, cut, I: int, tp) -> torch.Tensor:
+    """The weight whole along I from every tp rank's slice (every tp rank calls it together)."""
+    if cut is None:
+        return local
+    dim, kind = cut
+    parts = [torch.empty_like(local) for _ in range(tp.tp)]
+    dist.all_gather(parts, local.contiguous(), group=tp.tp_group)
+    shape = list(local.shape)
+    shape[dim] = shape[dim] * tp.tp
+    whole = local.new_empty(shape)
+    for t, part in enumerate(parts):
+        whole.index_copy_(dim, positions(kind, I, tp.tp, t).to(local.device), part)
+    return whole
+
+
+def _mine(value: torch.Tensor, cut, I: int, tp) -> torch.Tensor:
+    if cut is None:
+        return value
+    dim, kind = cut
+    return value.index_select(dim, positions(kind, I, tp.tp, dist.get_rank(tp.tp_group)).to(value.device))
+
+
+def shard(model, rec, params: dict, mesh, tp) -> set[str]:
+    """Keep this rank's experts (over dp) and intermediate slice (over tp) of one layer; the names held."""
+    e, layer = rec.spec.experts, rec.path
+    d, E_l = dist.get_rank(tp.dp_group), e.num_experts // tp.dp
+    mine = range(d * E_l, (d + 1) * E_l)
+    extra = {"moe_tp": "ted", "tp_group": tp.tp_group.group_name}
+    group_name = tp.dp_group.group_name  # the experts' exchange: over dp
+    held = set()
+    for role, names in params.items():
+        listed = isinstance(names, list)
+        cut = _cut(rec.spec, role, per_expert=listed)
+        for i, name in enumerate(names if listed else [names]):
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            full = module._parameters[attr]
+            if listed and i not in mine:
+                like = (tuple(full.shape), full.dtype, full.device, names[mine.start])  # a local one's name
+                del module._parameters[attr]
+                read_remote(module, attr, like, i, name, group_name, layer, "off", extra)
+                continue
+            rows = full.detach() if listed else full.detach()[d * E_l:(d + 1) * E_l]
+            local = nn.Parameter(_mine(rows, cut, e.intermediate, tp).clone(), full.requires_grad)
+            local._moe_sharded = True
+            module._parameters[attr] = local
+            read_through_view(module, {attr: 1 if listed else e.num_experts}, group_name, layer, "off",
+                              extra=extra, full_shapes={attr: tuple(full.shape)})
+            _state_hooks(module, attr, cut, e.intermediate, tp, None if listed else (e.num_experts, mesh))
+            held.add(name)
+    rec.sharding = (f"{E_l} of {e.num_experts} experts on each of {tp.dp} data-parallel ranks, each expert's "
+                    f"intermediate size {e.intermediate} cut over tp ({tp.tp} ranks, {e.intermediate // tp.tp} "
+                    "each); tokens replicated over tp, the down projection's partial sums reduced over it "
+                    "(moe_tp='ted')")
+    if rec.moe_tp_choice is not None:
+        rec.sharding += f"; {rec.moe_tp_choice}"
+    return held
+
+
+def _state_hooks(module, attr, cut, I, tp, stacked) -> None:
+    """state_dict: the weight whole along I (a DTensor over the dp dimensions when ``stacked`` = (E, mesh));
+    load_state_dict: this rank's slice of a DTensor, a full tensor or this rank's whole-I experts."""
+    def save(mod, state_dict, prefix, local_metadata):
+        key = prefix + attr
+        if key not in state_dict:
+            return
+        whole = _gather_whole(state_dict[key], cut, I, tp)
+        if stacked is not None:
+            from torch.distributed.tensor import DTensor, Replicate, Shard
+
+            E, mesh = stacked
+            placements = [Replicate() if name == "tp" else Shard(0) for name in mesh.mesh_dim_names]
+            shape = (E, *whole.shape[1:])
+            whole = DTensor.from_local(whole, mesh, placements, run_check=False, shape=shape,
+                                       stride=contiguous_stride(shape))
+        state_dict[key] = whole
+
+    def load(mod, state_dict, prefix, *_):
+        key = prefix + attr
+        if key not in state_dict:
+            return
+        value = state_dict[key]
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        local = mod._parameters[attr]
+        if stacked is not None and value.shape[0] == stacked[0] and value.shape[0] != local.shape[0]:
+            E_l = local.shape[0]
+            d = dist.get_rank(tp.dp_group)
+            value = value[d * E_l:(d + 1) * E_l]
+        if value.shape != local.shape:
+            value = _mine(value, cut, I, tp)
+        state_dict[key] = value
+
+    module.register_state_dict_post_hook(save)
+    module._register_load_state_dict_pre_hook(load, with_module=True)

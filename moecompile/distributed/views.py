@@ -1,0 +1,72 @@
+"""How a sharded model's modules read the expert weights they no longer hold whole: while Dynamo traces, through
+the stand-in ops of ``runtime/comm/ops.py`` (``moe.ep_global_view`` of a local shard, ``moe.ep_remote_expert`` of
+another rank's ``nn.ModuleList`` expert), which carry the global shape and the layer's distribution to the
+backend's passes; eagerly, they refuse to run (the model's own code would read global expert ids from a shard).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .replicate import REPLICAS
+from .sharded_state import SLOTS
+
+
+def read_remote(module, attr, like, expert, name, group_name, layer, dedup, extra=None) -> None:
+    """While Dynamo traces, the module reads ``attr`` (the weight of an ``nn.ModuleList`` expert another rank holds)
+    as ``moe.ep_remote_expert`` (``like``: the shape, dtype, device and name of a local weight of that role); it
+    holds no value here and its forward refuses to run eagerly. ``extra``: the op's keyword arguments beyond
+    those (``moe_tp``, ``tp_group``)."""
+    extra = extra or {}
+    shape, dtype, device, like_name = like  # constants (a tensor or module in the closure would become a graph
+    # input named after the closure); the device is the one the model was on when it was parallelized
+    args = (list(shape), expert, group_name, layer, dedup, like_name, name, dtype, device)
+
+    def read(self):
+        if torch.compiler.is_compiling():
+            return torch.ops.moe.ep_remote_expert(*args, self._buffers.get(SLOTS), **extra)
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def refuse_eager(mod, args_):
+        if not torch.compiler.is_compiling():
+            torch.ops.moe.ep_remote_expert(*args)  # raises, saying why
+
+    def drop_remote(state_dict, prefix, *_):  # a full state_dict loads: this rank keeps only its experts
+        state_dict.pop(prefix + attr, None)
+
+    cls = module.__class__
+    module.__class__ = type(f"Remote{cls.__name__}", (cls,), {attr: property(read)})
+    module.register_forward_pre_hook(refuse_eager)
+    module._register_load_state_dict_pre_hook(drop_remote)
+
+
+def read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, layer: str, dedup: str,
+                      capacity_factor: float = 0.0, extra=None, full_shapes=None) -> None:
+    """While Dynamo traces, the module reads each weight of ``rows`` (name -> its global dim 0: E, or E x R for
+    flat weights) as ``moe.ep_global_view`` of its local shard (a subclass with one property per name); elsewhere
+    as the shard itself (``get_parameter``, ``.shape``), and its forward refuses to run eagerly: the model's own
+    code would read global expert ids from a shard. The parameter stays registered under its name, so
+    ``named_parameters`` and optimizers see the shard. ``extra``: the op's keyword arguments beyond those
+    (``moe_tp``, ``tp_group``); ``full_shapes``: name -> the whole weight's shape where the shard is cut in more
+    dimensions than the first (tensor-expert parallelism cuts the intermediate one too)."""
+    extra = extra or {}
+    full = {attr: {"full_shape": list(shape)} for attr, shape in (full_shapes or {}).items()}
+    def view(attr):
+        def read(self):
+            local = self._parameters[attr]
+            if torch.compiler.is_compiling():
+                return torch.ops.moe.ep_global_view(local, rows[attr], group_name, layer, dedup,
+                                                    self._buffers.get(SLOTS), self._buffers.get(REPLICAS),
+                                                    capacity_factor, **extra, **full.get(attr, {}))
+            return local
+        return property(read)
+
+    def refuse_eager(mod, args):
+        if not torch.compiler.is_compiling():
+            first = next(iter(rows))
+            torch.ops.moe.ep_global_view(mod._parameters[first], rows[first], group_name, layer)  # raises, saying why
+
+    cls = module.__class__
+    module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {n: view(n) for n in rows})
+    module.register_forward_pre_hook(refuse_eager)

@@ -1,0 +1,192 @@
+"""MoE blocks beside tensor parallelism (moecompile.parallelize(..., moe_tp=...)) on gloo, against one process.
+
+World 4, mesh ("dp", "tp") = (2, 2): the two ranks of one dp index hold the same batch (a tp group), the two dp
+indices two different batches; the reference is one process training on both batches together (the same mean
+loss). For moe_tp "ssmb" and "off": three SGD steps (momentum 0.9) of a tiny Mixtral (stacked experts) and of a
+hand-written ModuleList model equal one process (fp32, 1e-5: each step's logits and every parameter after), at a
+token count tp does not divide (uneven slices); each rank holds 1/4 of the experts; under "ssmb" each rank sends
+half the rows it sends under "off" on the same batch, and the MoE blocks' activations saved for backward halve.
+Bad input is refused with ValueError. A failing rank fails the test; every collective has a timeout.
+"""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import moecompile
+from moecompile.models.handwritten import TinyMoELM
+from moecompile.models.hf import tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+TOL = 1e-5
+STEPS, LR = 3, 0.1
+
+
+def _init(rank, world, tmp, timeout=120):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous{world}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+
+
+def _build(family):
+    if family == "mixtral":
+        return tiny_model("mixtral")
+    torch.manual_seed(0)
+    return TinyMoELM(family)
+
+
+def _batches(model, dp, batch, seq):
+    gen = torch.Generator().manual_seed(7)
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
+    return torch.randint(0, vocab, (dp, batch, seq), generator=gen)
+
+
+def _saved_bytes(fn):
+    """Bytes of the tensors autograd saves while ``fn`` runs (each storage once)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def _train(family, mesh, moe_tp, batch, seq):
+    """Three steps on the mesh beside one process; returns (rows sent per step by this rank, bytes saved)."""
+    world = dist.get_world_size()
+    dp_index, tp = mesh.get_coordinate()[0], mesh.shape[1]
+    ref, model = _build(family).train(), _build(family).train()
+    batches = _batches(model, mesh.shape[0], batch, seq)
+    mine, together = batches[dp_index], batches.flatten(0, 1)
+    moecompile.parallelize(model, mesh, mine, moe_tp=moe_tp)
+    info = model._moe_parallel
+    assert not info.left and all(r.sharding for r in info.report.layers), str(info)
+    if moe_tp == "auto":  # tiny experts at 7 tokens: r = 2 / 16 <= 2 / 7, TED; the report shows both sides
+        assert all(r.moe_tp == "ted" and "r = k / H_FFN = 2 / 16" in r.sharding for r in info.report.layers), str(info)
+        assert "2 / (c S) = 2 / (1 x 7)" in str(info) and "predicted per rank" in str(info)
+    else:
+        assert all(r.moe_tp == moe_tp for r in info.report.layers)
+    held = sum(p.numel() for n, p in model.named_parameters() if _is_expert(n, p))
+    whole = sum(p.numel() for n, p in ref.named_parameters() if ".experts" in n)
+    assert held * world == whole, (held, whole)
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
+    rows = slice(dp_index * mine.shape[0], (dp_index + 1) * mine.shape[0])
+    moecompile.comm_stats(reset=True)
+    saved = 0
+    for step in range(STEPS):
+        if step == 0:  # compiles (the passes' proof runs torch.func, which refuses saved-tensor hooks)
+            out = compiled(mine, labels=mine)
+        else:
+            out, saved = _saved_bytes(lambda: compiled(mine, labels=mine))
+        ref_out = ref(together, labels=together)
+        torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family} {moe_tp} step {step}: {m}")
+        out.loss.backward()
+        ref_out.loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    state = model.state_dict()  # sharded weights whole (a DTensor, or this rank's ModuleList experts)
+    assert {n for n, _ in model.named_parameters()} <= set(state)
+    for name in state:
+        got = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
+        torch.testing.assert_close(got, ref.state_dict()[name], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family} {moe_tp}: {name}: {m}")
+    stats = moecompile.comm_stats()
+    sent = sum(v for layer in stats.values() for k, v in layer.items() if k.startswith("dispatch."))
+    return sent // STEPS, saved
+
+
+def _is_expert(name, p):
+    return getattr(p, "_moe_sharded", False) or ".experts." in name
+
+
+def _world4(rank, world, tmp):
+    _init(rank, world, tmp)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        # Mixtral: 2 sequences of 7 tokens, 7 per tp rank: the rows this rank sends halve. The ModuleList model:
+        # 3 x 5 = 15 tokens, slices of 8 and 7
+        for family, batch, seq in (("mixtral", 2, 7), ("loop", 3, 5)):
+            sent_off, saved_off = _train(family, mesh, "off", batch, seq)
+            sent_ssmb, saved_ssmb = _train(family, mesh, "ssmb", batch, seq)
+            _train(family, mesh, "ted", batch, seq)
+            if batch * seq % 2 == 0:
+                assert sent_ssmb * 2 == sent_off, (family, sent_ssmb, sent_off)
+            assert sent_ssmb < sent_off and saved_ssmb < saved_off, (family, sent_ssmb, sent_off, saved_ssmb, saved_off)
+        _train("mixtral", mesh, "auto", 2, 7)
+        _bad_input(mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _bad_input(mesh):
+    model = _build("mixtral")
+    ids = _batches(model, 1, 1, 5)[0]
+    with pytest.raises(ValueError, match="moe_tp='fast' is not one of"):
+        moecompile.parallelize(model, mesh, ids, moe_tp="fast")
+    with pytest.raises(ValueError, match="needs a mesh dimension named 'tp'"):
+        moecompile.parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local")), ids,
+                               moe_tp="ssmb")
+    with pytest.raises(ValueError, match="dedup on a mesh with a 'tp' dimension is not built yet"):
+        moecompile.parallelize(model, mesh, ids, moe_tp="ssmb", dedup="dp")
+
+
+def test_moe_blocks_beside_tensor_parallelism_equal_one_process(tmp_path):
+    mp.spawn(_world4, args=(4, str(tmp_path)), nprocs=4, join=True)
+
+
+# (model, transformers type, hidden, expert intermediate, experts, top-k, config extras): x-moe.md Fig. 17's models
+REAL = {
+    "DeepSeek-V3": ("deepseek_v3", 7168, 2048, 256, 8, dict(n_group=8, topk_group=4, n_shared_experts=1)),
+    "Qwen3-30B-A3B": ("qwen3_moe", 2048, 768, 128, 8, {}),
+    "Mixtral-8x7B": ("mixtral", 4096, 14336, 8, 2, {}),
+}
+
+
+def _real_spec(model_type, hidden, inter, experts, top_k, extra):
+    """The MoE spec of a real-shape block built on the meta device (no memory): its expert weights' shapes and
+    top-k (verify cannot run on meta tensors, so the spec is read, not proved)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from measure import hf_moe_block
+
+    from moecompile.passes.spec import ExpertSpec, MoESpec, RoutingSpec
+
+    cls, cfg = hf_moe_block(model_type, hidden, inter, experts, top_k, **extra)
+    with torch.device("meta"):
+        block = cls(cfg)
+    down = next(p for n, p in block.named_parameters() if n.endswith("down_proj"))  # [E, H, I]
+    E, H, I = down.shape
+    return MoESpec(path="mlp", block_type=cls.__name__, routing=RoutingSpec(top_k=cfg.num_experts_per_tok),
+                   experts=ExpertSpec(num_experts=E, hidden=H, intermediate=I))
+
+
+def test_auto_picks_by_x_moe_appendix_c_on_the_published_shapes():
+    """SSMB for DeepSeek-V3 and Qwen3-30B-A3B, TED for Mixtral-8x7B at S = 4096 (a (8, 8) mesh: 64 ranks, each
+    with 4096 tokens); the rule on Fig. 17's other models at 2048, 4096 and 8192 (c = 1): DeepSeek-MoE SSMB,
+    Mixtral-8x22B TED, Arctic TED then SSMB as S grows."""
+    from moecompile.distributed.moe_tp import TPSetup, choose, rule
+
+    setup = TPSetup("auto", None, 8, None, 8)
+    want = {"DeepSeek-V3": "ssmb", "Qwen3-30B-A3B": "ssmb", "Mixtral-8x7B": "ted"}
+    for name, shape in REAL.items():
+        spec = _real_spec(*shape)
+        choice = choose(spec, 4096, 4096, setup, 64, 2)
+        print(f"{name}: {choice}")
+        assert choice.mode == want[name], (name, str(choice))
+        assert choice.activation["ssmb"] * 8 == choice.activation["ted"]  # the tokens' rows fall by the tp size
+    for S in (2048, 4096, 8192):
+        assert rule(6, 1408, 1.0, S) == "ssmb"  # DeepSeek-MoE 16B
+        assert rule(2, 16384, 1.0, S) == "ted"  # Mixtral-8x22B
+    assert [rule(2, 4864, 1.0, S) for S in (2048, 4096, 8192)] == ["ted", "ted", "ssmb"]  # Arctic
