@@ -18,13 +18,15 @@ from .tracing.capture import capture
 from .distributed.comm import comm_report, comm_rows, plot_comm
 from .distributed.expert_optimizer import ExpertOptimizer, replication_report
 from .distributed.parallel import parallelize
+from .distributed.views import expert_parameters
 from .distributed.sharded_state import get_optimizer_state_dict, set_optimizer_state_dict
 from moecompile.runtime.comm.stats import comm_stats
 from moecompile.runtime.stats import token_drops
 
-__all__ = ["moe_backend", "capture", "parallelize", "ExpertOptimizer", "replication_report", "MoEOptions", "ExplainReport", "explain",
-           "token_drops", "comm_stats", "comm_report", "comm_rows", "plot_comm", "get_optimizer_state_dict",
-           "set_optimizer_state_dict", "MoECompileError", "MoEFallbackWarning"]
+__all__ = ["moe_backend", "capture", "parallelize", "expert_parameters", "ExpertOptimizer", "replication_report",
+           "MoEOptions", "ExplainReport", "explain", "token_drops", "comm_stats", "comm_report", "comm_rows",
+           "plot_comm", "get_optimizer_state_dict", "set_optimizer_state_dict", "MoECompileError",
+           "MoEFallbackWarning"]
 
 from . import recompiles as _recompiles
 

@@ -2,20 +2,29 @@
 
 World 4, mesh ("dp", "tp") = (2, 2): the two ranks of one dp index hold the same batch (a tp group), the two dp
 indices two different batches; the reference is one process training on both batches together (the same mean
-loss). For moe_tp "ssmb" and "off": three SGD steps (momentum 0.9) of a tiny Mixtral (stacked experts) and of a
-hand-written ModuleList model equal one process (fp32, 1e-5: each step's logits and every parameter after), at a
-token count tp does not divide (uneven slices); each rank holds 1/4 of the experts; under "ssmb" each rank sends
-half the rows it sends under "off" on the same batch, and the MoE blocks' activations saved for backward halve.
-Bad input is refused with ValueError. A failing rank fails the test; every collective has a timeout.
+loss). For moe_tp "off", "ssmb" and "ted": three SGD steps (momentum 0.9) of a tiny Mixtral (stacked experts)
+and of a hand-written ModuleList model equal one process (fp32, 1e-5: each step's logits, and every weight of
+the state_dict after, sharded ones gathered whole), at 14 tokens and at 15 (uneven slices); each rank holds 1/4
+of the expert weights; under "ssmb" each rank sends half the rows it sends under "off" on the same batch, and
+the MoE blocks save fewer bytes for backward. Mixtral again beside torch's tensor parallelism of attention and
+FSDP2 of each decoder layer (the SSMB one compiled layer by layer), and with "auto" (its choice and reasons in
+the report). The SSMB run's torch.distributed.checkpoint loads into a 1-D 4-rank expert-parallel model and, in
+the parent, into one process: the same weights. Bad input is refused with ValueError (FSDP2 taking the expert
+shards over included). Without processes: "auto" on the published shapes (real blocks built on the meta
+device), and TED's refusals. A failing rank fails the test; every collective has a timeout.
 """
 
+import dataclasses
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor import DTensor
 
 import moecompile
@@ -60,14 +69,29 @@ def _saved_bytes(fn):
     return out, sum(seen.values())
 
 
-def _train(family, mesh, moe_tp, batch, seq):
-    """Three steps on the mesh beside one process; returns (rows sent per step by this rank, bytes saved)."""
+def _tp_attention(model, mesh):
+    """torch's tensor parallelism of each decoder layer's attention over "tp": q, k, v by columns, o by rows."""
+    plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
+            "o_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer.self_attn, mesh["tp"], plan)
+
+
+def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per_layer=False):
+    """Three steps on the mesh beside one process; returns (rows sent per step by this rank, bytes saved).
+    ``tp_attention``: attention tensor-parallel over "tp" first; ``fsdp``: then FSDP2 of each decoder layer over
+    "dp" (the experts left to moecompile); ``per_layer``: each decoder layer compiled alone (torchtitan's way)."""
     world = dist.get_world_size()
-    dp_index, tp = mesh.get_coordinate()[0], mesh.shape[1]
+    dp_index = mesh.get_coordinate()[0]
     ref, model = _build(family).train(), _build(family).train()
     batches = _batches(model, mesh.shape[0], batch, seq)
     mine, together = batches[dp_index], batches.flatten(0, 1)
+    if tp_attention:
+        _tp_attention(model, mesh)
     moecompile.parallelize(model, mesh, mine, moe_tp=moe_tp)
+    if fsdp:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"], ignored_params=moecompile.expert_parameters(model))
     info = model._moe_parallel
     assert not info.left and all(r.sharding for r in info.report.layers), str(info)
     if moe_tp == "auto":  # tiny experts at 7 tokens: r = 2 / 16 <= 2 / 7, TED; the report shows both sides
@@ -78,7 +102,11 @@ def _train(family, mesh, moe_tp, batch, seq):
     held = sum(p.numel() for n, p in model.named_parameters() if _is_expert(n, p))
     whole = sum(p.numel() for n, p in ref.named_parameters() if ".experts" in n)
     assert held * world == whole, (held, whole)
-    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    options = {"inner": "aot_eager", "strict": True}
+    if per_layer:
+        for layer in model.model.layers:
+            layer.compile(backend="moe", options=options)
+    compiled = model if per_layer else torch.compile(model, backend="moe", options=options)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
     rows = slice(dp_index * mine.shape[0], (dp_index + 1) * mine.shape[0])
     moecompile.comm_stats(reset=True)
@@ -102,30 +130,52 @@ def _train(family, mesh, moe_tp, batch, seq):
                                    msg=lambda m: f"{family} {moe_tp}: {name}: {m}")
     stats = moecompile.comm_stats()
     sent = sum(v for layer in stats.values() for k, v in layer.items() if k.startswith("dispatch."))
-    return sent // STEPS, saved
+    return sent // STEPS, saved, model
 
 
 def _is_expert(name, p):
     return getattr(p, "_moe_sharded", False) or ".experts." in name
 
 
-def _world4(rank, world, tmp):
+def _world4(rank, world, tmp):  # noqa: C901 (one spawn, many checks)
     _init(rank, world, tmp)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         # Mixtral: 2 sequences of 7 tokens, 7 per tp rank: the rows this rank sends halve. The ModuleList model:
         # 3 x 5 = 15 tokens, slices of 8 and 7
         for family, batch, seq in (("mixtral", 2, 7), ("loop", 3, 5)):
-            sent_off, saved_off = _train(family, mesh, "off", batch, seq)
-            sent_ssmb, saved_ssmb = _train(family, mesh, "ssmb", batch, seq)
+            sent_off, saved_off, _ = _train(family, mesh, "off", batch, seq)
+            sent_ssmb, saved_ssmb, trained = _train(family, mesh, "ssmb", batch, seq)
+            if family == "mixtral":
+                _checkpoint(trained, rank, tmp)
             _train(family, mesh, "ted", batch, seq)
             if batch * seq % 2 == 0:
                 assert sent_ssmb * 2 == sent_off, (family, sent_ssmb, sent_off)
             assert sent_ssmb < sent_off and saved_ssmb < saved_off, (family, sent_ssmb, sent_off, saved_ssmb, saved_off)
         _train("mixtral", mesh, "auto", 2, 7)
+        for moe_tp in ("ssmb", "ted", "off"):  # with torch's TP of attention and FSDP2 of the decoder layers
+            _train("mixtral", mesh, moe_tp, 2, 7, tp_attention=True, fsdp=True, per_layer=moe_tp == "ssmb")
         _bad_input(mesh)
     finally:
         dist.destroy_process_group()
+
+
+def _checkpoint(model, rank, tmp):
+    """Save the (2, 2) SSMB run with torch.distributed.checkpoint (and its weights whole, for the parent), then
+    load it into a 1-D 4-rank expert-parallel model: the same weights."""
+    state = model.state_dict()
+    dcp.save(state, checkpoint_id=f"{tmp}/ckpt_ssmb")
+    whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    if rank == 0:
+        torch.save(whole, f"{tmp}/saved_ssmb.pt")
+    flat = _build("mixtral")
+    moecompile.parallelize(flat, init_device_mesh("cpu", (4,)), _batches(flat, 1, 1, 5)[0])
+    target = flat.state_dict()
+    dcp.load(target, checkpoint_id=f"{tmp}/ckpt_ssmb")
+    flat.load_state_dict(target)
+    for name, value in flat.state_dict().items():
+        got = value.full_tensor() if isinstance(value, DTensor) else value
+        assert torch.equal(got, whole[name]), name
 
 
 def _bad_input(mesh):
@@ -138,10 +188,22 @@ def _bad_input(mesh):
                                moe_tp="ssmb")
     with pytest.raises(ValueError, match="dedup on a mesh with a 'tp' dimension is not built yet"):
         moecompile.parallelize(model, mesh, ids, moe_tp="ssmb", dedup="dp")
+    moecompile.parallelize(model, mesh, ids, moe_tp="ssmb")
+    fully_shard(model.model.layers[0], mesh=mesh["dp"])  # FSDP2 takes the expert shards over at its first run
+    with pytest.raises(ValueError, match="ignored_params=moecompile.expert_parameters"):
+        model(ids)
 
 
 def test_moe_blocks_beside_tensor_parallelism_equal_one_process(tmp_path):
     mp.spawn(_world4, args=(4, str(tmp_path)), nprocs=4, join=True)
+    # the (2, 2) SSMB checkpoint into one process, without a process group: the same weights
+    model = _build("mixtral")
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=f"{tmp_path}/ckpt_ssmb")
+    saved = torch.load(f"{tmp_path}/saved_ssmb.pt")
+    assert set(state) == set(saved)
+    for name, value in state.items():
+        assert torch.equal(value, saved[name]), name
 
 
 # (model, transformers type, hidden, expert intermediate, experts, top-k, config extras): x-moe.md Fig. 17's models
@@ -190,3 +252,21 @@ def test_auto_picks_by_x_moe_appendix_c_on_the_published_shapes():
         assert rule(6, 1408, 1.0, S) == "ssmb"  # DeepSeek-MoE 16B
         assert rule(2, 16384, 1.0, S) == "ted"  # Mixtral-8x22B
     assert [rule(2, 4864, 1.0, S) for S in (2048, 4096, 8192)] == ["ted", "ted", "ssmb"]  # Arctic
+
+
+def test_ted_refuses_what_it_cannot_cut():
+    from types import SimpleNamespace
+
+    from moecompile.distributed import ted
+    from moecompile.distributed.moe_tp import TPSetup
+
+    spec = _real_spec(*REAL["Mixtral-8x7B"])
+    layer = SimpleNamespace(path="model.layers.0.mlp", spec=spec)
+    ted.check(layer, TPSetup("ted", None, 8, None, 8))  # 14336 / 8, 8 experts / 8
+    with pytest.raises(ValueError, match="intermediate size over tp: .* 14336, which 3 does not divide"):
+        ted.check(layer, TPSetup("ted", None, 3, None, 2))
+    with pytest.raises(ValueError, match="8 experts, which do not divide over them"):
+        ted.check(layer, TPSetup("ted", None, 2, None, 3))
+    flat = SimpleNamespace(path="dbrx", spec=spec.replace(experts=dataclasses.replace(spec.experts, storage="flat")))
+    with pytest.raises(ValueError, match="stores its experts flat: use moe_tp='ssmb'"):
+        ted.check(flat, TPSetup("ted", None, 2, None, 2))

@@ -4,16 +4,19 @@ process training on all of them would.
 
     replicated parameters   each backward's incoming gradients are held back (the parameter accumulates zeros),
                             all-reduced together over the data-parallel group when backward ends, averaged, then
-                            accumulated (gradient accumulation over several backwards stays right, as DDP's)
+                            accumulated (gradient accumulation over several backwards stays right, as DDP's);
+                            those FSDP2's ``fully_shard`` took over later are left to it (no second reduction)
     sharded experts         summed over every rank that routed rows to them already (the exchange's backward):
                             divided by the number of ranks whose rows repeat the same batch's tokens' share
 
-On a mesh with a ``"tp"`` dimension the data-parallel group is the ranks of the other dimensions: the ranks of one
-tp group see the same tokens, so their replicated gradients are equal (a replicated tensor's gradient is whole on
-every tp rank, as tensor parallelism keeps it, and a sequence-sharded MoE block gives whole gradients back too:
-``runtime/comm/tp.py``), and averaging over dp alone is the mean. Expert divisors: the dp size where each token
-reaches its experts once over the tp group (``moe_tp="ssmb"``), the mesh size where every tp rank routes all its
-tokens (``"off"``: each token's rows arrive tp times).
+A tensor-parallel weight (a DTensor: torch's ``parallelize_module``) is averaged by its local shard, over the
+data-parallel group, whose ranks hold the same shard. On a mesh with a ``"tp"`` dimension the data-parallel group is
+the ranks of the other dimensions: the ranks of one tp group see the same tokens, so their replicated gradients are
+equal (a replicated tensor's gradient is whole on every tp rank, as tensor parallelism keeps it, and a
+sequence-sharded MoE block gives whole gradients back too: ``runtime/comm/tp.py``), and averaging over dp alone is
+the mean. Expert divisors: the dp size where each token reaches its experts once over the tp group
+(``moe_tp="ssmb"``), the mesh size where every tp rank routes all its tokens (``"off"``: each token's rows arrive tp
+times).
 """
 
 from __future__ import annotations
@@ -31,15 +34,22 @@ def sync_gradients(model: nn.Module, expert_divisors: dict[str, int], group, siz
     pending: dict[int, torch.Tensor] = {}
 
     def finish():
-        grads = [pending.pop(id(p), None) for p in replicated]
-        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, replicated)])
+        live = {id(p) for p in model.parameters()}  # FSDP2 replaced the ones it manages: its to reduce
+        mine = [p for p in replicated if id(p) in live]
+        grads = [pending.pop(id(p), None) for p in mine]
+        pending.clear()
+        if not mine:
+            return
+        flat = torch.cat([_local(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                          for g, p in zip(grads, mine)])
         dist.all_reduce(flat, group=group)
         flat /= size
         offset = 0
-        for p in replicated:
-            g = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            p.grad = g.clone() if p.grad is None else p.grad + g
+        for p in mine:
+            local = _local(p)
+            g = _like(p, flat[offset:offset + local.numel()].view_as(local).clone())
+            offset += local.numel()
+            p.grad = g if p.grad is None else p.grad + g
 
     def hold(p):
         def hook(grad):
@@ -56,3 +66,17 @@ def sync_gradients(model: nn.Module, expert_divisors: dict[str, int], group, siz
         divisor = expert_divisors.get(n, 1)
         if divisor > 1 and p.requires_grad:
             p.register_hook(lambda grad, d=divisor: grad / d)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a tensor-parallel weight or its gradient); a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient of ``p``: a DTensor with ``p``'s mesh and placements where ``p`` is one."""
+    if not hasattr(p, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

@@ -46,7 +46,7 @@ from moecompile.runtime.placement.replication import check_slots
 
 from .replicate import check_options, replicable, replicate_layer
 from .sharded_state import SLOTS, experts_module, global_state, list_prefix, local_state
-from .views import read_remote, read_through_view
+from .views import guard_owned, read_remote, read_through_view
 
 
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
@@ -241,6 +241,8 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
         digest.update(f"{rec.path}|{rec.spec}|{sorted(params.items())}".encode())
     for name, p in model.state_dict().items():
         digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        if hasattr(p, "full_tensor"):  # a DTensor (tensor parallelism): the whole weight, not this rank's shard
+            p = p.full_tensor()
         if p.is_floating_point():
             digest.update(repr(float(p.detach().double().sum())).encode())
     mine = digest.hexdigest()
@@ -327,6 +329,8 @@ def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_n
         for expert, name in enumerate(names):
             if expert in mine:
                 held.add(name)
+                module_name, _, attr = name.rpartition(".")
+                guard_owned(model.get_submodule(module_name), attr, layer)  # FSDP2 must not take it over
                 continue
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)

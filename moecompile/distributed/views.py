@@ -52,9 +52,13 @@ def read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, 
     dimensions than the first (tensor-expert parallelism cuts the intermediate one too)."""
     extra = extra or {}
     full = {attr: {"full_shape": list(shape)} for attr, shape in (full_shapes or {}).items()}
+    owned = {attr: module._parameters[attr] for attr in rows}  # the shards made here, for taken_over()
+
     def view(attr):
         def read(self):
             local = self._parameters[attr]
+            if local is not owned[attr]:
+                taken_over(layer, attr)
             if torch.compiler.is_compiling():
                 return torch.ops.moe.ep_global_view(local, rows[attr], group_name, layer, dedup,
                                                     self._buffers.get(SLOTS), self._buffers.get(REPLICAS),
@@ -70,3 +74,39 @@ def read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, 
     cls = module.__class__
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {n: view(n) for n in rows})
     module.register_forward_pre_hook(refuse_eager)
+
+
+def taken_over(layer: str, attr: str) -> None:
+    """A sharded expert weight was replaced after parallelize: FSDP2's ``fully_shard`` of a module holding it
+    (it would all-gather different experts' shards as one weight), or an assignment. Raises, naming the fix."""
+    raise ValueError(
+        f"the expert weight {attr!r} of MoE layer {layer!r} is no longer the shard moecompile.parallelize made: "
+        "FSDP2's fully_shard of a module holding it took it over (it would gather other ranks' different experts "
+        "as one weight). Leave the sharded experts to moecompile: fully_shard(module, mesh=mesh['dp'], "
+        "ignored_params=moecompile.expert_parameters(model))")
+
+
+def guard_owned(module: nn.Module, attr: str, layer: str) -> None:
+    """``attr`` (a local expert's weight, read by the model's code as it is) raises ``taken_over`` once it is no
+    longer the parameter it is now."""
+    owned = module._parameters[attr]
+
+    def read(self):
+        local = self._parameters[attr]
+        if local is not owned:
+            taken_over(layer, attr)
+        return local
+
+    cls = module.__class__
+    module.__class__ = type(f"Held{cls.__name__}", (cls,), {attr: property(read)})
+
+
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The expert weights ``moecompile.parallelize`` sharded, held on this rank: pass them to FSDP2's
+    ``fully_shard`` as ``ignored_params`` (each rank holds other experts: their gradients are moecompile's)."""
+    info = getattr(model, "_moe_parallel", None)
+    if info is None:
+        raise ValueError("expert_parameters(model) lists what moecompile.parallelize sharded: call it after "
+                         "moecompile.parallelize(model, mesh, ...)")
+    return {p for n, p in model.named_parameters()
+            if getattr(p, "_moe_sharded", False) or n in info.module_list_experts}
