@@ -285,10 +285,9 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         )
 
     def vendor_dh():
-        partial["cw"] = pcw = torch.zeros(B, 1, dtype=torch.float32, device=dev) if has_cw else None
-        vd.dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts, dout, w_gate_EIH, w_up_EIH, w_down_EHI,
-              b_gate_EI, b_up_EI, activation=activation, alpha=alpha, limit=limit, h_out=h_BI, dgu_out=dgu,
-              pcw_out=pcw)
+        partial["cw"] = vd.dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts, dout, w_gate_EIH, w_up_EIH,
+                              w_down_EHI, b_gate_EI, b_up_EI, activation=activation, alpha=alpha, limit=limit,
+                              h_out=h_BI, dgu_out=dgu)
 
     run_role("dh", config.get("gemm"), launch_dh, vd.candidate(dt, H, I, vendor_dh), **shape)
     dxs_BH = torch.empty(B, H, dtype=dt, device=dev)  # dropped tail rows: never written, never read
@@ -306,10 +305,8 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         )
 
     def vendor_dx():
-        partial["s"] = ps = torch.zeros(B, 1, dtype=torch.float32, device=dev) if has_s else None
-        partial["bd"] = pbd = torch.zeros(B, 1, dtype=torch.float32, device=dev) if bd_dcw else None
-        vd.dx(x_TH, token_ids_B, counts, dgu, dout, w_gate_EIH, w_up_EIH, b_down_EH, dxs_out=dxs_BH, ps_out=ps,
-              pbd_out=pbd)
+        partial["s"], partial["bd"] = vd.dx(x_TH, token_ids_B, counts, dgu, dout, w_gate_EIH, w_up_EIH, b_down_EH,
+                                            dxs_out=dxs_BH, scale=has_s, bd_dcw=bd_dcw)
 
     run_role("dx", config.get("gemm"), launch_dx, vd.candidate(dt, H, I, vendor_dx), **shape)
     xs = dict(c=x_TH.contiguous(), c_tok=token_ids_B, c_scale=input_scale_B)

@@ -60,10 +60,11 @@ def down(y_out, h_BI, counts_E, w_down_EHI, b_down_EH):
 
 
 def dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts_E, dout_TH, w_gate_EIH, w_up_EIH, w_down_EHI,
-       b_gate_EI, b_up_EI, *, activation, alpha, limit, h_out, dgu_out, pcw_out):
-    """h rows again, [dg | du] (or du) rows, and <h, dout[tok] @ Wd> per row into column 0 of ``pcw_out`` (the
-    combine weights' gradient) when there are combine weights."""
+       b_gate_EI, b_up_EI, *, activation, alpha, limit, h_out, dgu_out):
+    """h rows again, [dg | du] (or du) rows; returns <h, dout[tok] @ Wd> per row as [B, 1] fp32 partial sums (the
+    combine weights' gradient) when there are combine weights, else None."""
     dt, I = w_up_EIH.dtype, w_up_EIH.shape[1]
+    pcw_out = None if combine_weights_B is None else torch.zeros(token_ids_B.shape[0], 1, device=x_TH.device)
     r = Rows(x_TH, token_ids_B, counts_E, dt, input_scale_B, b_gate_EI is not None or b_up_EI is not None)
     pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
     G = r.mm(dout_TH[r.tok].to(dt), w_down_EHI)
@@ -78,12 +79,15 @@ def dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts_E, dout_TH, w
     h, d_pre = activation_backward(activation, pre, gs, us, alpha, limit, grad_h)
     h_out[:r.n] = h
     dgu_out[:r.n] = d_pre
+    return pcw_out
 
 
-def dx(x_TH, token_ids_B, counts_E, dgu, dout_TH, w_gate_EIH, w_up_EIH, b_down_EH, *, dxs_out, ps_out, pbd_out):
-    """dxs rows = dg @ Wg[e] + du @ Wu[e] (summed in fp32, then rounded); into column 0 of ``ps_out`` (when
-    given) <dxs, x[tok]>, of ``pbd_out`` (when given) <bd[e], dout[tok]>."""
+def dx(x_TH, token_ids_B, counts_E, dgu, dout_TH, w_gate_EIH, w_up_EIH, b_down_EH, *, dxs_out, scale, bd_dcw):
+    """dxs rows = dg @ Wg[e] + du @ Wu[e] (summed in fp32, then rounded); returns [B, 1] fp32 partial sums
+    <dxs, x[tok]> (with a row ``scale``) and <bd[e], dout[tok]> (``bd_dcw``), each None when not asked."""
     dt, I = w_up_EIH.dtype, w_up_EIH.shape[1]
+    ps_out, pbd_out = (torch.zeros(token_ids_B.shape[0], 1, device=x_TH.device) if want else None
+                       for want in (scale, bd_dcw))
     s = Segments(counts_E, pbd_out is not None)
     n = s.n
     acc = s.mm(dgu[:n, I:] if w_gate_EIH is not None else dgu[:n], w_up_EIH).float()
@@ -95,6 +99,7 @@ def dx(x_TH, token_ids_B, counts_E, dgu, dout_TH, w_gate_EIH, w_up_EIH, b_down_E
         ps_out[:n, 0] = (acc.float() * x_TH[tok].to(dt).float()).sum(1)
     if pbd_out is not None:
         pbd_out[:n, 0] = (dout_TH[tok].float() * b_down_EH[s.expert_B].float()).sum(1)
+    return ps_out, pbd_out
 
 
 def wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts_E, dws, dbs, *, split, dtype):
