@@ -10,8 +10,10 @@ each MoE layer:
              partial sums are reduced over it
     "ssmb"   sequence-sharded MoE block (X-MoE §4.3): each tp rank routes only its slice of the block's tokens
              (``runtime/comm/tp.py``: uneven slices when tp does not divide them), the experts are sharded over every
-             rank of the mesh (EP = dp x tp), the block's output is all-gathered over tp; its activations saved for
-             backward and the rows each rank sends fall by the tp size
+             rank of the mesh (EP = dp x tp), the block's output is all-gathered over tp; the rows each rank sends
+             fall by the tp size, its activations saved for backward nearly so (the router's scores and shared
+             experts stay whole: ``benchmarks/moe_tp.md``)
+    "auto"   per layer, "ssmb" or "ted" by x-moe.md Appendix C (``choose``; its reasons go in the report)
 
 Where the slice is cut: after the router's scores (``moe.route`` / a kept router's top-k), before the routing
 that builds the padding-free buffer. The router's linear scores every token on every tp rank (T x E, under 1% of
