@@ -82,8 +82,9 @@ def taken_over(layer: str, attr: str) -> None:
     raise ValueError(
         f"the expert weight {attr!r} of MoE layer {layer!r} is no longer the shard moecompile.parallelize made: "
         "FSDP2's fully_shard of a module holding it took it over (it would gather other ranks' different experts "
-        "as one weight). Leave the sharded experts to moecompile: fully_shard(module, mesh=mesh['dp'], "
-        "ignored_params=moecompile.expert_parameters(model))")
+        "as one weight), or it was assigned anew. Leave the sharded experts to moecompile: fully_shard(module, "
+        "mesh=mesh['dp'], ignored_params=moecompile.expert_parameters(model)); load weights in place "
+        "(load_state_dict without assign=True)")
 
 
 def guard_owned(module: nn.Module, attr: str, layer: str) -> None:
