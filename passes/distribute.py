@@ -105,15 +105,15 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     if scale is not None and dedup != "off":
         raise NotImplementedError("experts that scale their input by the routing weight send one row per (token, "
                                   "expert): they cannot dedup (parallelize picks dedup='off' for them)")
-    if view_arg(views[0], "moe_tp", "off") == "ssmb":
-        _sequence_shard(gm, node, view_arg(views[0], "tp_group"), layer)
+    moe_tp, tp_group = view_arg(views[0], "moe_tp", "off"), view_arg(views[0], "tp_group", "")
+    if moe_tp == "ssmb":
+        _sequence_shard(gm, node, tp_group, layer)
         report.counters["distribute.sequence_sharded_layers"] += 1
     first = next(iter(local.values()))
     if isinstance(first, list):  # a ModuleList: its local experts
         local_experts = len(first)
     else:  # a stacked [E_l, ...] or flat [E_l * R, ...] shard of the view's global dim 0 (E or E * R)
         local_experts = e.num_experts * first.meta["example_value"].shape[0] // views[0].args[1]
-    moe_tp, tp_group = view_arg(views[0], "moe_tp", "off"), view_arg(views[0], "tp_group", "")
     ted = moe_tp == "ted"  # each expert's intermediate size cut over tp (moecompile/distributed/ted.py)
     inter = e.intermediate // dist.get_world_size(resolve_group(tp_group)) if ted else e.intermediate
     local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts, intermediate=inter))
