@@ -9,8 +9,10 @@ of the expert weights; under "ssmb" each rank sends half the rows it sends under
 the MoE blocks save fewer bytes for backward. Mixtral again beside torch's tensor parallelism of attention and
 FSDP2 of each decoder layer (the SSMB one compiled layer by layer), and with "auto" (its choice and reasons in
 the report). The SSMB run's torch.distributed.checkpoint loads into a 1-D 4-rank expert-parallel model and, in
-the parent, into one process: the same weights. Bad input is refused with ValueError (FSDP2 taking the expert
-shards over included). Without processes: "auto" on the published shapes (real blocks built on the meta
+the parent, into one process: the same weights. A second spawn: dedup at "dp" (SSMB Mixtral, "off" ModuleList
+model), expert swaps and adaptive replication under SSMB (each token's rows placed once over the mesh) on the
+same mesh equal one process too, and TED / "auto" refuse them. Bad input is refused with ValueError (FSDP2
+taking the expert shards over included). Without processes: "auto" on the published shapes (real blocks built on the meta
 device), and TED's refusals. A failing rank fails the test; every collective has a timeout.
 """
 
@@ -77,10 +79,12 @@ def _tp_attention(model, mesh):
         parallelize_module(layer.self_attn, mesh["tp"], plan)
 
 
-def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per_layer=False):
+def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per_layer=False, **options):
     """Three steps on the mesh beside one process; returns (rows sent per step by this rank, bytes saved).
     ``tp_attention``: attention tensor-parallel over "tp" first; ``fsdp``: then FSDP2 of each decoder layer over
-    "dp" (the experts left to moecompile); ``per_layer``: each decoder layer compiled alone (torchtitan's way)."""
+    "dp" (the experts left to moecompile); ``per_layer``: each decoder layer compiled alone (torchtitan's way);
+    ``options``: parallelize's expert-parallel options (dedup, swap_every, replication and slots_per_rank; with
+    replication, moecompile.ExpertOptimizer trains it)."""
     world = dist.get_world_size()
     dp_index = mesh.get_coordinate()[0]
     ref, model = _build(family).train(), _build(family).train()
@@ -88,7 +92,7 @@ def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per
     mine, together = batches[dp_index], batches.flatten(0, 1)
     if tp_attention:
         _tp_attention(model, mesh)
-    moecompile.parallelize(model, mesh, mine, moe_tp=moe_tp)
+    moecompile.parallelize(model, mesh, mine, moe_tp=moe_tp, **options)
     if fsdp:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp"], ignored_params=moecompile.expert_parameters(model))
@@ -101,13 +105,16 @@ def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per
         assert all(r.moe_tp == moe_tp for r in info.report.layers)
     held = sum(p.numel() for n, p in model.named_parameters() if _is_expert(n, p))
     whole = sum(p.numel() for n, p in ref.named_parameters() if ".experts" in n)
-    assert held * world == whole, (held, whole)
-    options = {"inner": "aot_eager", "strict": True}
+    if "replication" not in options:  # (replicated experts: slots_per_rank instances on each rank)
+        assert held * world == whole, (held, whole)
+    backend = {"inner": "aot_eager", "strict": True}
     if per_layer:
         for layer in model.model.layers:
-            layer.compile(backend="moe", options=options)
-    compiled = model if per_layer else torch.compile(model, backend="moe", options=options)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
+            layer.compile(backend="moe", options=backend)
+    compiled = model if per_layer else torch.compile(model, backend="moe", options=backend)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    opt = (moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9) if "replication" in options
+           else torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
     rows = slice(dp_index * mine.shape[0], (dp_index + 1) * mine.shape[0])
     moecompile.comm_stats(reset=True)
     saved = 0
@@ -186,12 +193,37 @@ def _bad_input(mesh):
     with pytest.raises(ValueError, match="needs a mesh dimension named 'tp'"):
         moecompile.parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local")), ids,
                                moe_tp="ssmb")
-    with pytest.raises(ValueError, match="dedup on a mesh with a 'tp' dimension is not built yet"):
-        moecompile.parallelize(model, mesh, ids, moe_tp="ssmb", dedup="dp")
     moecompile.parallelize(model, mesh, ids, moe_tp="ssmb")
     fully_shard(model.model.layers[0], mesh=mesh["dp"])  # FSDP2 takes the expert shards over at its first run
     with pytest.raises(ValueError, match="ignored_params=moecompile.expert_parameters"):
         model(ids)
+
+
+def _levels(rank, world, tmp):
+    """dedup, expert swap and replication over the mesh's levels, beside "tp": the rows cross "dp" once per
+    (token, dp index), the experts swap ranks, or replicate; each equals one process."""
+    _init(rank, world, tmp)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for family, moe_tp in (("mixtral", "ssmb"), ("loop", "off")):
+            _, _, model = _train(family, mesh, moe_tp, 2, 7, dedup="dp")
+            assert all("dedup='dp'" in r.sharding for r in model._moe_parallel.report.layers)
+        _, _, model = _train("mixtral", mesh, "ssmb", 2, 7, swap_every=1)
+        assert model._moe_parallel.swap.history, "no expert was swapped"
+        _, _, model = _train("mixtral", mesh, "ssmb", 2, 7, replication="adaptive", slots_per_rank=2)
+        assert all("sequence-sharded" in r.sharding for r in model._moe_parallel.report.layers)
+        for step in model._moe_parallel.expert_optimizer.history:  # each token's 2 rows routed once over the mesh
+            assert all(sum(h["popularity"]) == 2 * 14 * 2 for h in step.values()), step
+        ids = _batches(model, 1, 1, 5)[0]
+        for moe_tp in ("ted", "auto"):
+            with pytest.raises(ValueError, match=f"dedup with moe_tp='{moe_tp}'.*use moe_tp='ssmb' or 'off'"):
+                moecompile.parallelize(_build("mixtral"), mesh, ids, moe_tp=moe_tp, dedup="dp")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_levels_beside_tp_equal_one_process(tmp_path):
+    mp.spawn(_levels, args=(4, str(tmp_path)), nprocs=4, join=True)
 
 
 def test_moe_blocks_beside_tensor_parallelism_equal_one_process(tmp_path):

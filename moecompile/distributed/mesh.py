@@ -116,8 +116,6 @@ def _set_layout(mesh, group) -> None:
     coords = {int(r): tuple(int(c) for c in torch.nonzero(mesh.mesh == r)[0]) for r in mesh.mesh.flatten()}
     COMM.set_levels(coords, level_names(mesh))
     register_group_kind(group.group_name, "flat")
-    if tp_dim(mesh) is not None:  # no dedup over a mesh with "tp" (parallelize refuses it): no levels' groups
-        return
     for level, ((cross_kind, cross_g), (inner_kind, inner_g)) in _dedup_groups(mesh).items():
         register_layout(group.group_name, level, cross_g.group_name, inner_g.group_name)
         register_group_kind(cross_g.group_name, cross_kind)

@@ -62,10 +62,12 @@ def check(moe_tp: str, mesh, dedup: str, swap_every: int, replication: str) -> T
         return None
     others = {"dedup": dedup != "off", "swap_every": bool(swap_every), "replication": replication != "off"}
     asked = [name for name, on in others.items() if on]
-    if asked:
-        raise ValueError(f"{', '.join(asked)} on a mesh with a {TP!r} dimension is not built yet (the expert-parallel "
-                         f"levels they work over would leave {TP!r} out): drop {' and '.join(asked)}, or build the "
-                         f"mesh without {TP!r}")
+    if asked and moe_tp in ("ted", "auto"):
+        what = "TED" if moe_tp == "ted" else "'auto' (which may pick TED for a layer)"
+        raise ValueError(f"{', '.join(asked)} with moe_tp={moe_tp!r}: {what} shards the experts over the dimensions "
+                         f"other than {TP!r} and cuts each one over {TP!r}, which {' and '.join(asked)} cannot serve "
+                         "(they move whole experts or rows over every rank of the mesh): use moe_tp='ssmb' or "
+                         f"'off', or drop {' and '.join(asked)}")
     tp_group, dp_group = tp_groups(mesh)
     return TPSetup(moe_tp, tp_group, dist.get_world_size(tp_group), dp_group, dist.get_world_size(dp_group))
 

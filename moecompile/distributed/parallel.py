@@ -108,9 +108,12 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if not why_not:
             layer, rows = replicate_layer(model, rec, params, group, rank, world, slots_per_rank,
                                           replication == "adaptive", capacity_factor)
-            read_through_view(layer.module, rows, group.group_name, rec.path, "off", layer.capacity_factor)
-            divisors.update(dict.fromkeys(params.values(), world))
+            read_through_view(layer.module, rows, group.group_name, rec.path, "off", layer.capacity_factor,
+                              extra=moe_tp_mod.view_args(rec.moe_tp, tp))
+            divisors.update(dict.fromkeys(params.values(), _divisor(tp, rec.moe_tp, world)))
             replicas.append(layer)
+            if tp is not None:
+                rec.sharding += "; " + moe_tp_mod.describe(rec.moe_tp, tp)
             continue
         slots = torch.arange(rec.spec.experts.num_experts) if swap_every and world > 1 else None
         first = next(iter(params.values()))
@@ -120,7 +123,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             held = ted.shard(model, rec, params, mesh, tp)
         else:
             held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp)
-        divisors.update(dict.fromkeys(held, tp.expert_divisor(rec.moe_tp, world) if tp is not None else world))
+        divisors.update(dict.fromkeys(held, _divisor(tp, rec.moe_tp, world)))
         if slots is not None:
             swapping.append((rec, _swapped_tensors(model, params, held), slots))
     for rec in report.layers:  # the full expert weights it holds would stay alive (the sharding freeing nothing)
@@ -135,6 +138,11 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
 
         model._moe_parallel.swap = ExpertSwap(swapping, swap_every, swap_gamma, link, mesh, group)
     return model
+
+
+def _divisor(tp, mode: str, world: int) -> int:
+    """What a sharded expert weight's gradient is divided by: the ranks whose tokens reach it."""
+    return tp.expert_divisor(mode, world) if tp is not None else world
 
 
 def _check_dedup(dedup, mesh) -> None:
