@@ -12,8 +12,8 @@ the report). The SSMB run's torch.distributed.checkpoint loads into a 1-D 4-rank
 the parent, into one process: the same weights. A second spawn: dedup at "dp" (SSMB Mixtral, "off" ModuleList
 model), expert swaps and adaptive replication under SSMB (each token's rows placed once over the mesh) on the
 same mesh equal one process too, and TED / "auto" refuse them. Bad input is refused with ValueError (FSDP2
-taking the expert shards over included). Without processes: "auto" on the published shapes (real blocks built on the meta
-device), and TED's refusals. A failing rank fails the test; every collective has a timeout.
+taking the expert shards over included). Without processes: "auto" on the published shapes (real blocks built on
+the meta device), and TED's refusals. A failing rank fails the test; every collective has a timeout.
 """
 
 import dataclasses
