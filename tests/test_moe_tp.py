@@ -11,9 +11,10 @@ FSDP2 of each decoder layer (the SSMB one compiled layer by layer), and with "au
 the report). The SSMB run's torch.distributed.checkpoint loads into a 1-D 4-rank expert-parallel model and, in
 the parent, into one process: the same weights. A second spawn: dedup at "dp" (SSMB Mixtral, "off" ModuleList
 model), expert swaps and adaptive replication under SSMB (each token's rows placed once over the mesh) on the
-same mesh equal one process too, and TED / "auto" refuse them. Bad input is refused with ValueError (FSDP2
-taking the expert shards over included). Without processes: "auto" on the published shapes (real blocks built on
-the meta device), and TED's refusals. A failing rank fails the test; every collective has a timeout.
+same mesh equal one process too, and TED / "auto" refuse them. A tiny Mixtral loaded with transformers'
+from_pretrained(path, tp_plan="auto") under torchrun (2 ranks: tests/hf_tp_plan_run.py) trains the same way.
+Bad input is refused with ValueError (FSDP2 taking the expert shards over included). Without processes: "auto"
+on the published shapes (real blocks built on the meta device), and TED's refusals. A failing rank fails the test; every collective has a timeout.
 """
 
 import dataclasses
@@ -32,6 +33,7 @@ from torch.distributed.tensor import DTensor
 import moecompile
 from moecompile.models.handwritten import TinyMoELM
 from moecompile.models.hf import tiny_model
+from torchrun import ROOT, torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -236,6 +238,13 @@ def test_moe_blocks_beside_tensor_parallelism_equal_one_process(tmp_path):
     assert set(state) == set(saved)
     for name, value in state.items():
         assert torch.equal(value, saved[name]), name
+
+
+def test_transformers_tp_plan_auto_under_torchrun(tmp_path):
+    """transformers' from_pretrained(path, tp_plan="auto") under torchrun (2 ranks): tests/hf_tp_plan_run.py."""
+    tiny_model("mixtral").save_pretrained(tmp_path / "mixtral")
+    out = torchrun(ROOT / "tests" / "hf_tp_plan_run.py", tmp_path / "mixtral", nproc=2, timeout=400)
+    assert all(f"ok {what}" in out for what in ("ssmb", "ted", "off", "refused")), out[-4000:]
 
 
 # (model, transformers type, hidden, expert intermediate, experts, top-k, config extras): x-moe.md Fig. 17's models

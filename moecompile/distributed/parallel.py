@@ -41,6 +41,7 @@ from moecompile.runtime.comm.levels import dedup_levels
 from . import moe_tp as moe_tp_mod
 from . import ted
 from .grads import sync_gradients
+from .hf_tp import take_back_experts
 from .mesh import level_names, setup_mesh
 from moecompile.runtime.placement.replication import check_slots
 
@@ -72,6 +73,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
 
     group = setup_mesh(mesh)
     tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
+    take_back_experts(model, tp.tp_group if tp is not None else None)  # transformers' tp_plan="auto" experts
     _check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     if not isinstance(swap_every, int) or swap_every < 0:
