@@ -14,7 +14,8 @@ model), expert swaps and adaptive replication under SSMB (each token's rows plac
 same mesh equal one process too, and TED / "auto" refuse them. A tiny Mixtral loaded with transformers'
 from_pretrained(path, tp_plan="auto") under torchrun (2 ranks: tests/hf_tp_plan_run.py) trains the same way.
 Bad input is refused with ValueError (FSDP2 taking the expert shards over included). Without processes: "auto"
-on the published shapes (real blocks built on the meta device), and TED's refusals. A failing rank fails the test; every collective has a timeout.
+on the published shapes (real blocks built on the meta device), and TED's refusals. A failing rank fails the
+test; every collective has a timeout.
 """
 
 import dataclasses
