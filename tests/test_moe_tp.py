@@ -4,7 +4,8 @@ World 4, mesh ("dp", "tp") = (2, 2): the two ranks of one dp index hold the same
 indices two different batches; the reference is one process training on both batches together (the same mean
 loss). For moe_tp "off", "ssmb" and "ted": three SGD steps (momentum 0.9) of a tiny Mixtral (stacked experts)
 and of a hand-written ModuleList model equal one process (fp32, 1e-5: each step's logits, and every weight of
-the state_dict after, sharded ones gathered whole), at 14 tokens and at 15 (uneven slices); each rank holds 1/4
+the state_dict after, sharded ones gathered whole, and every momentum of get_optimizer_state_dict, which
+set_optimizer_state_dict gives back), at 14 tokens and at 15 (uneven slices); each rank holds 1/4
 of the expert weights; under "ssmb" each rank sends half the rows it sends under "off" on the same batch, and
 the MoE blocks save fewer bytes for backward. Mixtral again beside torch's tensor parallelism of attention and
 FSDP2 of each decoder layer (the SSMB one compiled layer by layer), and with "auto" (its choice and reasons in
@@ -138,9 +139,31 @@ def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per
         got = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
         torch.testing.assert_close(got, ref.state_dict()[name], rtol=TOL, atol=TOL,
                                    msg=lambda m: f"{family} {moe_tp}: {name}: {m}")
+    if "replication" not in options:  # (ExpertOptimizer keeps the replicated experts' state on the hosts)
+        _check_optimizer_state(model, ref, opt, ref_opt, f"{family} {moe_tp}")
     stats = moecompile.comm_stats()
     sent = sum(v for layer in stats.values() for k, v in layer.items() if k.startswith("dispatch."))
     return sent // STEPS, saved, model
+
+
+def _check_optimizer_state(model, ref, opt, ref_opt, what):
+    """moecompile.get_optimizer_state_dict: every momentum this rank's optimizer holds, by parameter name, whole
+    (sharded experts as DTensors, TED's gathered along I), equal to the one-process momentum; and
+    set_optimizer_state_dict of it gives each rank back its own slices."""
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    saved = moecompile.get_optimizer_state_dict(model, opt)
+    want = {n: ref_opt.state[p]["momentum_buffer"] for n, p in ref.named_parameters()}
+    assert saved["state"] and set(saved["state"]) <= set(want), sorted(saved["state"])
+    for name, state in saved["state"].items():
+        torch.testing.assert_close(full(state["momentum_buffer"]), want[name], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{what} momentum of {name}: {m}")
+    held = [full(opt.state[p]["momentum_buffer"]).clone() for p in model.parameters()]
+    saved["state"] = {n: {k: v.clone() for k, v in s.items()} for n, s in saved["state"].items()}  # (not views)
+    for p in model.parameters():
+        opt.state[p]["momentum_buffer"].zero_()
+    moecompile.set_optimizer_state_dict(model, opt, saved)
+    for p, before in zip(model.parameters(), held):
+        assert torch.equal(full(opt.state[p]["momentum_buffer"]), before), what
 
 
 def _is_expert(name, p):

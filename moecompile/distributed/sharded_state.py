@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from moecompile.runtime.layouts import contiguous_stride
 
+from . import ted
+
 SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
 
 
@@ -154,6 +156,11 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
         for key, value in state.get(fqn, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == shard.shape:
                 state[fqn][key] = to_global(value, total, module._buffers.get(SLOTS), info.mesh, info.group)
+    for fqn, how in ted.parameters(model).items():  # tensor-expert parallel: whole along I, as the weight
+        shard = model.get_parameter(fqn)
+        for key, value in state.get(fqn, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == shard.shape:
+                state[fqn][key] = ted.to_whole(value, how)
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
     return {"state": state, "param_groups": groups}
 
@@ -171,6 +178,9 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     for fqn, (total, module) in sharded_parameters(model).items():
         for key, value in state.get(fqn, {}).items():
             state[fqn][key] = to_local(value, total, module._buffers.get(SLOTS), info.mesh, rank, info.group)
+    for fqn, how in ted.parameters(model).items():
+        for key, value in state.get(fqn, {}).items():
+            state[fqn][key] = ted.to_slice(value, model.get_parameter(fqn).shape, how)
     unknown = sorted(set(state) - set(index))
     if unknown:
         raise ValueError(f"the optimizer state names parameters the optimizer does not train ({unknown[:3]}...): "

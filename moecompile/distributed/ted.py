@@ -132,39 +132,57 @@ def shard(model, rec, params: dict, mesh, tp) -> set[str]:
 
 def _state_hooks(module, attr, cut, I, tp, stacked) -> None:
     """state_dict: the weight whole along I (a DTensor over the dp dimensions when ``stacked`` = (E, mesh));
-    load_state_dict: this rank's slice of a DTensor, a full tensor or this rank's whole-I experts."""
-    def save(mod, state_dict, prefix, local_metadata):
-        key = prefix + attr
-        if key not in state_dict:
-            return
-        whole = _gather_whole(state_dict[key], cut, I, tp)
-        if stacked is not None:
-            from torch.distributed.tensor import DTensor, Replicate, Shard
+    load_state_dict: this rank's slice of a DTensor, a full tensor or this rank's whole-I experts. The module
+    keeps how (``_moe_ted``): its optimizer state converts the same way (``sharded_state``)."""
+    how = (cut, I, tp, stacked)
+    module.__dict__.setdefault("_moe_ted", {})[attr] = how
 
-            E, mesh = stacked
-            placements = [Replicate() if name == "tp" else Shard(0) for name in mesh.mesh_dim_names]
-            shape = (E, *whole.shape[1:])
-            whole = DTensor.from_local(whole, mesh, placements, run_check=False, shape=shape,
-                                       stride=contiguous_stride(shape))
-        state_dict[key] = whole
+    def save(mod, state_dict, prefix, local_metadata):
+        if prefix + attr in state_dict:
+            state_dict[prefix + attr] = to_whole(state_dict[prefix + attr], how)
 
     def load(mod, state_dict, prefix, *_):
-        key = prefix + attr
-        if key not in state_dict:
-            return
-        value = state_dict[key]
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        local = mod._parameters[attr]
-        if stacked is not None and value.shape[0] == stacked[0] and value.shape[0] != local.shape[0]:
-            E_l = local.shape[0]
-            d = dist.get_rank(tp.dp_group)
-            value = value[d * E_l:(d + 1) * E_l]
-        if value.shape != local.shape:
-            value = _mine(value, cut, I, tp)
-        state_dict[key] = value
+        if prefix + attr in state_dict:
+            state_dict[prefix + attr] = to_slice(state_dict[prefix + attr], mod._parameters[attr].shape, how)
 
     module.register_state_dict_post_hook(save)
     module._register_load_state_dict_pre_hook(load, with_module=True)
+
+
+def parameters(model) -> dict[str, tuple]:
+    """Each TED-cut expert weight ``model`` holds: its name -> how it is cut (``to_whole``, ``to_slice``)."""
+    return {f"{name}.{attr}" if name else attr: how for name, module in model.named_modules()
+            for attr, how in module.__dict__.get("_moe_ted", {}).items()}
+
+
+def to_whole(local: torch.Tensor, how) -> torch.Tensor:
+    """This rank's slice of a weight (or of its optimizer state) whole along I, for a checkpoint: a DTensor
+    ``Shard(0)`` over the dp dimensions and ``Replicate()`` over tp for a stacked weight (every rank calls it)."""
+    cut, I, tp, stacked = how
+    out = _gather_whole(local, cut, I, tp)
+    if stacked is None:
+        return out
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    E, mesh = stacked
+    placements = [Replicate() if name == "tp" else Shard(0) for name in mesh.mesh_dim_names]
+    shape = (E, *out.shape[1:])
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
+
+
+def to_slice(value, shape, how):
+    """This rank's slice (of ``shape``) of a checkpoint's weight or optimizer state: a DTensor, a full tensor or
+    this rank's experts whole along I; anything else (a step count) as it is."""
+    cut, I, tp, stacked = how
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if not isinstance(value, torch.Tensor) or value.dim() != len(shape):
+        return value
+    if stacked is not None and value.shape[0] == stacked[0] and value.shape[0] != shape[0]:
+        d = dist.get_rank(tp.dp_group)
+        value = value[d * shape[0]:(d + 1) * shape[0]]
+    if value.shape != shape:
+        value = _mine(value, cut, I, tp)
+    return value
