@@ -175,6 +175,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "moe_layer") if k in node.meta})
             if n.target in EXPERT_MLP:
                 n.meta["moe_local_experts"] = local_experts  # the lower pass times them alone (passes/forms.py)
+                n.meta["moe_local_intermediate"] = inter  # TED: this rank's slice of I (the GEMMs' size)
     replaced.replace_all_uses_with(out)
     old_inputs = replaced.all_input_nodes + node.all_input_nodes
     gm.graph.erase_node(replaced)

@@ -144,7 +144,8 @@ def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, di
     dispatch = next((n for n in nodes if moe_op_name(n) == "ep_dispatch"), None)
     x = _example_above((dispatch if sharded and dispatch is not None else mlp).args[0])  # this rank's tokens
     tokens = (hint(x.numel()) or 0) // spec.experts.hidden
-    code = forms_mod.code_signature(original[0]) if original else f"local {mlp.meta.get('moe_local_experts')}"
+    code = forms_mod.code_signature(original[0]) if original else (
+        f"local {mlp.meta.get('moe_local_experts')} I {_intermediate(mlp, spec)}")
     key = forms_mod.layer_key(spec, tokens, dtype, backward, forms, code)
     cache = forms_mod.cache()
     timings = cache.get(device, key)
@@ -198,8 +199,13 @@ def _grouped_usable(nodes: list[fx.Node], spec) -> bool:
     from ..runtime import grouped_cpu
 
     mlps = [n for n in nodes if moe_op_name(n) == "expert_mlp"]
-    e = spec.experts
-    return bool(mlps) and grouped_cpu.usable_sizes(_example_above(mlps[0].args[4]).dtype, e.hidden, e.intermediate)
+    return bool(mlps) and grouped_cpu.usable_sizes(_example_above(mlps[0].args[4]).dtype, spec.experts.hidden,
+                                                   _intermediate(mlps[0], spec))
+
+
+def _intermediate(mlp: fx.Node, spec) -> int:
+    """The intermediate size the layer's GEMMs run at: its slice of I where TED cut it (``distribute``)."""
+    return mlp.meta.get("moe_local_intermediate", spec.experts.intermediate)
 
 
 def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> tuple[str, str]:
@@ -212,7 +218,7 @@ def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> tuple[str,
     dtype, e = _example_above(mlps[0].args[4]).dtype, spec.experts
     if not _grouped_usable(nodes, spec):
         return "expert_mlp_loop", (f"expert_mlp: torch loop over experts (grouped_mm takes neither {dtype} nor sizes "
-                                   f"H={e.hidden}, I={e.intermediate} unless float32/bfloat16/float16 and multiples "
+                                   f"H={e.hidden}, I={_intermediate(mlps[0], spec)} unless float32/bfloat16/float16 and multiples "
                                    "of 16 bytes)")
     fused = ""
     for mlp in mlps:
@@ -234,8 +240,8 @@ def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> tuple[str,
                 graph.erase_node(view)
     kept = "gate/up" if e.gated else "up"
     return "expert_mlp_keep", (f"expert_mlp: grouped GEMMs{fused}; the {kept} projections kept for backward "
-                               f"([rows, {(2 if e.gated else 1) * e.intermediate}] {dtype}), so it runs no forward "
-                               "again")
+                               f"([rows, {(2 if e.gated else 1) * _intermediate(mlps[0], spec)}] {dtype}), so it "
+                               "runs no forward again")
 
 
 def _triton_available(device: torch.device) -> None:
@@ -283,7 +289,8 @@ def _kernel_tiles(nodes: list[fx.Node], spec) -> str:
     x = _example_above(mlp.args[0])
     T = (hint(x.numel()) or 0) // e.hidden
     dtype = _example_above(mlp.args[4]).dtype  # the expert weights' (the kernels compute in it)
-    configs = tiles.layer_configs(dtype, x.device, T * spec.routing.top_k, e.num_experts, e.hidden, e.intermediate,
+    E = mlp.meta.get("moe_local_experts", e.num_experts)  # a sharded layer's: its local experts, slice of I
+    configs = tiles.layer_configs(dtype, x.device, T * spec.routing.top_k, E, e.hidden, _intermediate(mlp, spec),
                                   e.gated)
     tunes = tuning.tuner().enabled and x.device.type == "cuda"
     line = ", ".join(f"{role} {tuning.describe(cfg)} ({source}"

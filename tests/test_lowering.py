@@ -227,3 +227,22 @@ class _CountOutputs(torch.utils._python_dispatch.TorchDispatchMode):
             if isinstance(o, torch.Tensor) and o.numel() == self.numel:
                 self.storages.add(o.untyped_storage().data_ptr())
         return out
+
+
+def test_grouped_gemms_judged_at_the_sizes_this_rank_runs():
+    """A TED layer's experts run at its slice of I (the distribute pass records it): torch._grouped_mm is judged
+    usable at that size, not at the model's I (fp32, 16-byte multiples: I = 20 is, its half 10 is not)."""
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from moecompile.passes import lower
+
+    graph = fx.Graph()
+    args = [graph.placeholder(f"a{i}") for i in range(5)]
+    args[4].meta["example_value"] = torch.empty(2, 20, 32)
+    mlp = graph.call_function(torch.ops.moe.expert_mlp.default, tuple(args))
+    spec = SimpleNamespace(experts=SimpleNamespace(hidden=32, intermediate=20))
+    assert lower._grouped_usable([mlp], spec)
+    mlp.meta["moe_local_intermediate"] = 10
+    assert not lower._grouped_usable([mlp], spec)
