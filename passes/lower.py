@@ -218,8 +218,8 @@ def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> tuple[str,
     dtype, e = _example_above(mlps[0].args[4]).dtype, spec.experts
     if not _grouped_usable(nodes, spec):
         return "expert_mlp_loop", (f"expert_mlp: torch loop over experts (grouped_mm takes neither {dtype} nor sizes "
-                                   f"H={e.hidden}, I={_intermediate(mlps[0], spec)} unless float32/bfloat16/float16 and multiples "
-                                   "of 16 bytes)")
+                                   f"H={e.hidden}, I={_intermediate(mlps[0], spec)} unless float32/bfloat16/float16 "
+                                   "and multiples of 16 bytes)")
     fused = ""
     for mlp in mlps:
         x, tok, counts, wg, wu, *rest = mlp.args
