@@ -21,12 +21,13 @@ from .distributed.parallel import parallelize
 from .distributed.views import expert_parameters
 from .distributed.sharded_state import get_optimizer_state_dict, set_optimizer_state_dict
 from moecompile.runtime.comm.stats import comm_stats
+from moecompile.runtime.comm.hybrid import hybrid_topology
 from moecompile.runtime.stats import token_drops
 
 __all__ = ["moe_backend", "capture", "parallelize", "expert_parameters", "ExpertOptimizer", "replication_report",
            "MoEOptions", "ExplainReport", "explain", "token_drops", "comm_stats", "comm_report", "comm_rows",
-           "plot_comm", "get_optimizer_state_dict", "set_optimizer_state_dict", "MoECompileError",
-           "MoEFallbackWarning"]
+           "plot_comm", "get_optimizer_state_dict", "set_optimizer_state_dict", "hybrid_topology",
+           "MoECompileError", "MoEFallbackWarning"]
 
 from . import recompiles as _recompiles
 
