@@ -93,7 +93,9 @@ LONGEST_FIRST = ("test_walk_families.py::test_every_moe_family_rewritten_or_skip
                  "test_parallelize.py::", "test_walk_families.py::test_every_family_runs_as_eager",
                  "test_forms.py::test_a_sharded", "test_gpu_check.py::test_expert_parallel",
                  "test_lowering.py::test_triton_lowering_under_inductor", "test_families.py::test_inductor",
-                 "test_ep_levels.py::", "test_replicate.py::", "test_example_ep.py::",
+                 "test_moe_tp.py::test_moe_blocks", "test_ep_levels.py::", "test_replicate.py::",
+                 "test_moe_tp.py::test_expert_parallel_levels", "test_example_ep.py::",
+                 "test_moe_tp.py::test_transformers",
                  "test_recompiles.py::test_lengths")
 
 
