@@ -1,10 +1,14 @@
 """Expert domains as data (HybridEP, hybridep.md §IV-A; runtime/comm/hybrid.py): Algorithm 1's decision for every
 ordered pair of ranks, checked against the paper's Table VII (the communication frequency of one level of 8, 16
-and 32 workers at every domain size), Fig. 8(b)'s two-level example, and bad input."""
+and 32 workers at every domain size), Fig. 8(b)'s two-level example, and bad input; and the all-gather of a domain's experts with its gradient
+(runtime/comm/domains.py) on gloo."""
 
 import itertools
+from datetime import timedelta
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 import moecompile
 from moecompile.runtime.comm import hybrid
@@ -65,3 +69,36 @@ def test_bad_input_names_the_fix():
         moecompile.hybrid_topology([4], [3])
     with pytest.raises(ValueError, match="whole number >= 1"):
         moecompile.hybrid_topology([0], [1])
+
+
+def _gather_ranks(rank, world, tmp):
+    """moe::domain_gather over domains of 2 ranks of world 4: the domain's experts in rank order, and each owner's
+    gradient the sum of every copy's (the reduce-scatter gloo does as an all-reduce), counted bytes included."""
+    import torch.distributed as dist
+
+    import moecompile.runtime.comm.ops  # noqa: F401  (registers the ops)
+    from moecompile.runtime.comm.stats import COMM
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        domains = [[0, 1], [2, 3]]
+        mine, _ = dist.new_subgroups_by_enumeration(domains, timeout=timedelta(seconds=60))
+        weights = [torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(world)]  # rank r's 2 experts
+        coef = [torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        w = weights[rank].clone().requires_grad_(True)
+        COMM.reset()
+        got = torch.ops.moe.domain_gather(w, mine.group_name, "layer")
+        domain = domains[rank // 2]
+        torch.testing.assert_close(got, torch.cat([weights[q] for q in domain]))
+        (got * coef[rank]).sum().backward()
+        mine_rows = slice(2 * domain.index(rank), 2 * domain.index(rank) + 2)
+        torch.testing.assert_close(w.grad, sum(coef[q][mine_rows] for q in domain))
+        sent = COMM.snapshot()["layer"]
+        assert sent["calls.domain_gather"] == 1 and sent["calls.domain_reduce"] == 1, sent
+    finally:
+        dist.destroy_process_group()
+
+
+def test_domain_gather_and_its_gradient(tmp_path):
+    mp.spawn(_gather_ranks, args=(4, str(tmp_path)), nprocs=4, join=True)

@@ -3,6 +3,8 @@
     ops.py          ``moe::ep_dispatch`` / ``moe::ep_combine`` (padding-free row exchange), ``moe::ep_global_view``
                     and ``moe::ep_remote_expert`` (stand-ins of sharded weights while Dynamo traces)
     tp.py           ``moe::tp_slice`` / ``moe::tp_gather``: sequence-sharded MoE blocks over a tensor-parallel group
+    domains.py      ``moe::domain_gather``: an expert domain's weights all-gathered, gradients summed back (HybridEP)
+    hybrid.py       which ranks form expert domains and which exchange tokens (HybridEP Algorithm 1; pure)
     dedup.py        hierarchical dispatch with token dedup at a mesh level (X-MoE RBD, HierMoE HierD-AlltoAll)
     exchange.py     the uneven ``all_to_all_single`` under those ops, as differentiable functions; link emulation
     plan.py         where routed rows go and what dedup saves (pure torch, no process group)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_autograd, register_fake
 
-from . import tp  # noqa: F401  (registers moe::tp_slice, moe::tp_gather)
+from . import domains, tp  # noqa: F401  (register moe::domain_gather, moe::tp_slice, moe::tp_gather...)
 from .exchange import exchange, exchange_counts
 from .exchange import resolve_group as _group
 from .stats import COMM

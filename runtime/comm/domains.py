@@ -1,0 +1,79 @@
+"""Expert domains (HybridEP, hybridep.md §IV): the ranks of one domain all-gather their experts' weights, so each
+computes its own tokens for every expert of the domain; only tokens for other domains' experts travel
+(``hybrid.py`` says which ranks form a domain).
+
+    moe::domain_gather(w, group)    this rank's [E_l, ...] experts -> the domain's [S x E_l, ...], in the group's
+                                    rank order                     backward: each copy's gradient summed back to
+                                                                   the owner (a reduce-scatter)
+
+The owner keeps the only parameter (and optimizer state) of its experts; the gathered copies are activations of
+the step. gloo has no reduce-scatter: there the backward all-reduces the whole gradient and keeps this rank's rows
+(the same sum; twice the bytes), NCCL reduce-scatters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.library import custom_op, register_autograd, register_fake
+
+from .exchange import resolve_group
+from .stats import COMM
+
+Tensor = torch.Tensor
+
+
+def _size(group_name: str) -> int:
+    return dist.get_world_size(resolve_group(group_name))
+
+
+@custom_op("moe::domain_gather", mutates_args=())
+def domain_gather(w: Tensor, group_name: str, layer: str = "") -> Tensor:
+    group = resolve_group(group_name)
+    parts = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, w.contiguous(), group=group)
+    if layer:
+        COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * len(parts),
+                      math.prod(w.shape[1:]) * w.element_size())
+    return torch.cat(parts)
+
+
+@register_fake("moe::domain_gather")
+def _domain_gather_fake(w, group_name, layer=""):
+    return w.new_empty((w.shape[0] * _size(group_name), *w.shape[1:]))
+
+
+@custom_op("moe::domain_reduce", mutates_args=())
+def domain_reduce(grad: Tensor, group_name: str, layer: str = "") -> Tensor:
+    """This rank's rows of the sum over the domain of ``grad`` ([S x E_l, ...] -> [E_l, ...])."""
+    group = resolve_group(group_name)
+    S, r = dist.get_world_size(group), dist.get_rank(group)
+    rows = grad.shape[0] // S
+    if dist.get_backend(group) == "nccl":
+        out = grad.new_empty((rows, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=group)
+    else:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        out = total[r * rows:(r + 1) * rows].clone()
+    if layer:
+        COMM.add_rows(layer, "domain_reduce", group, [rows] * S, math.prod(grad.shape[1:]) * grad.element_size())
+    return out
+
+
+@register_fake("moe::domain_reduce")
+def _domain_reduce_fake(grad, group_name, layer=""):
+    return grad.new_empty((grad.shape[0] // _size(group_name), *grad.shape[1:]))
+
+
+def _gather_setup(ctx, inputs, output):
+    ctx.group_name, ctx.layer = inputs[1], inputs[2]
+
+
+def _gather_bwd(ctx, grad):
+    return torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None
+
+
+register_autograd("moe::domain_gather", _gather_bwd, setup_context=_gather_setup)
