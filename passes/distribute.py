@@ -8,7 +8,9 @@ rows padding-free (``runtime/comm/ops.py``).
     out_TH = moe.combine(y_BH, tok_B, cw_B, T)       out_TH = moe.combine(y_BH, tok_B, cw_B, T)        (unchanged)
 
 Routing stays on each rank's own tokens (global expert ids); a sequence-sharded layer (``moe_tp="ssmb"``) first
-takes this tp rank's slice of them and all-gathers the combined output (``_sequence_shard``). The expert weights
+takes this tp rank's slice of them and all-gathers the combined output (``_sequence_shard``); a layer with expert
+domains (``moecompile/distributed/domains.py``) first all-gathers its domain's experts (``moe.domain_gather``) and
+exchanges rows over its exchange group. The expert weights
 are read from the local shards (the ``moe.ep_global_view`` inputs that ``expose_sharded`` stood in for); the
 stand-in placeholders are removed, so the graph's inputs are again exactly Dynamo's. A sharded layer that was not
 rewritten (verify refused it) cannot run: this pass raises, naming it, and the pipeline reports it.
@@ -114,6 +116,9 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         local_experts = len(first)
     else:  # a stacked [E_l, ...] or flat [E_l * R, ...] shard of the view's global dim 0 (E or E * R)
         local_experts = e.num_experts * first.meta["example_value"].shape[0] // views[0].args[1]
+    domain_group = view_arg(views[0], "domain_group", "")  # expert domains: the domain's experts gathered here
+    domain_size = dist.get_world_size(resolve_group(domain_group)) if domain_group else 1
+    local_experts *= domain_size
     ted = moe_tp == "ted"  # each expert's intermediate size cut over tp (moecompile/distributed/ted.py)
     inter = e.intermediate // dist.get_world_size(resolve_group(tp_group)) if ted else e.intermediate
     local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts, intermediate=inter))
@@ -126,6 +131,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         replaced = _only_combine(node, dedup)
     with gm.graph.inserting_before(replaced):
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
+        if domain_size > 1:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
+            mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
         gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, mine)
 
         def run_experts(x_RH, perm_R, counts_L):
@@ -143,6 +150,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
 
         replicas, capacity_factor = view_arg(views[0], "replicas"), view_arg(views[0], "capacity_factor", 0.0)
         slots = view_arg(views[0], "slots")  # the placement of a layer that swaps experts (each view carries it)
+        if slots is None:  # expert domains: the experts in the exchange group's gathered order
+            slots = view_arg(views[0], "domain_slots")
         order = None
         if slots is not None:  # the layer swaps experts: its rows go by slot, not by expert id
             s = torch.ops.moe.ep_to_slots(tok, counts, proxy(slots), x.size(0), layer)

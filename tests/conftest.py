@@ -95,7 +95,7 @@ LONGEST_FIRST = ("test_walk_families.py::test_every_moe_family_rewritten_or_skip
                  "test_lowering.py::test_triton_lowering_under_inductor", "test_families.py::test_inductor",
                  "test_moe_tp.py::test_moe_blocks", "test_ep_levels.py::", "test_replicate.py::",
                  "test_moe_tp.py::test_expert_parallel_levels", "test_example_ep.py::",
-                 "test_moe_tp.py::test_transformers",
+                 "test_moe_tp.py::test_transformers", "test_hybrid.py::test_expert_domains",
                  "test_recompiles.py::test_lengths")
 
 

@@ -1,7 +1,10 @@
 """Expert domains as data (HybridEP, hybridep.md §IV-A; runtime/comm/hybrid.py): Algorithm 1's decision for every
 ordered pair of ranks, checked against the paper's Table VII (the communication frequency of one level of 8, 16
-and 32 workers at every domain size), Fig. 8(b)'s two-level example, and bad input; and the all-gather of a domain's experts with its gradient
-(runtime/comm/domains.py) on gloo."""
+and 32 workers at every domain size), Fig. 8(b)'s two-level example, and bad input. On gloo: the all-gather of
+a domain's experts and its gradient (runtime/comm/domains.py); training with expert domains (parallelize(...,
+expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "node", "local", both) and world
+8 (1-D: domain sizes 1, 2, 4, 8); the bytes with one domain and with domain size 1; bad input. Every collective
+has a timeout; a failing rank fails the test."""
 
 import itertools
 from datetime import timedelta
@@ -34,7 +37,8 @@ def test_one_level_counts_equal_table_vii(workers):
 def test_two_levels_fig_8b():
     """4 datacenters x 4 GPUs, datacenters in domains of 2, each datacenter's GPUs one domain: GPUs of one
     datacenter all-gather; at the datacenter level, GPUs of equal index in datacenters of one domain all-gather
-    and those at the same offset of different domains all-to-all; ranks of different datacenters and GPU indices never talk."""
+    and those at the same offset of different domains all-to-all; ranks of different datacenters and GPU indices
+    never talk."""
     pairs = moecompile.hybrid_topology(sizes=[4, 4], domain_sizes=[2, 4])
     found = {(m, n): (level, kind) for m, n, level, kind in pairs}
     assert len(found) == len(pairs)  # one level per pair at most
@@ -74,13 +78,10 @@ def test_bad_input_names_the_fix():
 def _gather_ranks(rank, world, tmp):
     """moe::domain_gather over domains of 2 ranks of world 4: the domain's experts in rank order, and each owner's
     gradient the sum of every copy's (the reduce-scatter gloo does as an all-reduce), counted bytes included."""
-    import torch.distributed as dist
-
     import moecompile.runtime.comm.ops  # noqa: F401  (registers the ops)
     from moecompile.runtime.comm.stats import COMM
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist = _init(rank, world, tmp, 60)
     try:
         domains = [[0, 1], [2, 3]]
         mine, _ = dist.new_subgroups_by_enumeration(domains, timeout=timedelta(seconds=60))
@@ -102,3 +103,132 @@ def _gather_ranks(rank, world, tmp):
 
 def test_domain_gather_and_its_gradient(tmp_path):
     mp.spawn(_gather_ranks, args=(4, str(tmp_path)), nprocs=4, join=True)
+
+
+TOL, STEPS, LR = 1e-5, 3, 0.1
+
+
+def _train(family, mesh, expert_domains):
+    """Three SGD steps, each rank on its own batch, against one process on all of them (the mean loss): each
+    step's logits and every weight after (sharded ones gathered whole) equal; each rank holds 1 / W of the
+    expert weights; returns the bytes this rank sent per phase and link in the last step."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from moecompile.models.hf import tiny_model
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref, model = tiny_model(family).train(), tiny_model(family).train()
+    batches = torch.randint(0, ref.config.vocab_size, (world, 2, 5), generator=torch.Generator().manual_seed(3))
+    mine, together = batches[rank], batches.flatten(0, 1)
+    moecompile.parallelize(model, mesh, mine, expert_domains=expert_domains)
+    info = model._moe_parallel
+    assert not info.left and all(("expert domains" in r.sharding) == (expert_domains is not None)
+                                 for r in info.report.layers), str(info)
+    held = sum(p.numel() for p in model.parameters() if getattr(p, "_moe_sharded", False))
+    assert held * world == sum(p.numel() for n, p in ref.named_parameters() if ".experts." in n)
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
+    rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
+    for step in range(STEPS):
+        moecompile.comm_stats(reset=True)
+        out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
+        torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family} {expert_domains} step {step}: {m}")
+        out.loss.backward(), ref_out.loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    state = model.state_dict()
+    for name, value in ref.state_dict().items():
+        got = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
+        torch.testing.assert_close(got, value, rtol=TOL, atol=TOL, msg=lambda m: f"{expert_domains} {name}: {m}")
+    sent = {}
+    for layer in moecompile.comm_stats().values():
+        for k, v in layer.items():
+            if not k.startswith(("calls", "seconds")):
+                sent[k] = sent.get(k, 0) + v
+    return sent, held * 4  # (fp32)
+
+
+def _init(rank, world, tmp, seconds):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=seconds))
+    torch.set_num_threads(1)
+    return dist
+
+
+def _domains_world4(rank, world, tmp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist = _init(rank, world, tmp, 120)
+    try:
+        flat = init_device_mesh("cpu", (4,))
+        two = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+        for mesh, domains in ((two, {"node": 2}), (two, {"local": 2}), (two, {"node": 2, "local": 2})):
+            sent, _ = _train("mixtral", mesh, domains)
+            assert not any(k.startswith(("dispatch", "combine")) and not k.endswith(".self") for k in sent) == (
+                domains == {"node": 2, "local": 2}), sent  # one domain of every rank: no token row leaves a rank
+        _check_bytes(rank, world, init_device_mesh("cpu", (4,)))
+        _bad_input(two)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_bytes(rank, world, flat):
+    """On a 1-D mesh: domain size 1 sends the bytes plain expert parallelism sends; domain size W moves no token
+    row and each rank sends its own experts' bytes to each of the W - 1 others (and sums as many gradients back)."""
+    plain, _ = _train("deepseek_v3", flat, None)
+    one, _ = _train("deepseek_v3", flat, {"ep": 1})
+    assert one == plain, (one, plain)
+    every, own = _train("deepseek_v3", flat, {"ep": world})
+    layers = 2  # (deepseek_v3's tiny config: two MoE layers, each rank's experts of each)
+    assert every["domain_gather.peer"] == (world - 1) * own and every["domain_reduce.peer"] == (world - 1) * own
+    assert all(k.endswith(".self") for k in every if k.startswith(("dispatch", "combine"))), every
+    assert own % layers == 0, own
+    if rank == 0:
+        print(f"per step: domain size 1 {sum(one.values())} B (plain EP {sum(plain.values())} B), domain size "
+              f"{world}: {every}", flush=True)
+
+
+def _bad_input(mesh):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moecompile.models.hf import tiny_model
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    cases = [({"expert_domains": {"node": 3}}, r"level 0 has 2 workers and domain size 3: .* one of \[1, 2\]"),
+             ({"expert_domains": {"rack": 2}}, r"this mesh's level names \['node', 'local'\]"),
+             ({"expert_domains": "auto"}, "'auto' .* is not built yet"),
+             ({"expert_domains": {"node": 2}, "compress": 0.1}, "compress=0.1: .* not built yet"),
+             ({"expert_domains": {"node": 2}, "dedup": "node"}, "expert_domains with dedup is not built"),
+             ({"expert_domains": {"node": 2}, "replication": "adaptive", "slots_per_rank": 3},
+              "expert_domains with replication is not built")]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            moecompile.parallelize(tiny_model("mixtral"), mesh, ids, **kwargs)
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match="expert_domains with moe_tp is not built"):
+        moecompile.parallelize(tiny_model("mixtral"), tp, ids, expert_domains={"dp": 2}, moe_tp="ssmb")
+    from moecompile.models.handwritten import TinyMoELM
+
+    with pytest.raises(ValueError, match="nn.ModuleList, which is not built"):
+        moecompile.parallelize(TinyMoELM("loop"), mesh, ids, expert_domains={"node": 2})
+
+
+def _domains_world8(rank, world, tmp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist = _init(rank, world, tmp, 300)
+    try:
+        flat = init_device_mesh("cpu", (8,))
+        for size in (1, 2, 4, 8):
+            _train("mixtral", flat, {"ep": size})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_expert_domains_train_as_one_process(tmp_path, world):
+    mp.spawn(_domains_world4 if world == 4 else _domains_world8, args=(world, str(tmp_path)), nprocs=world,
+             join=True)

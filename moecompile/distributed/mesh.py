@@ -34,6 +34,8 @@ def setup_mesh(mesh):
     group = _check_mesh(mesh)
     if mesh.ndim > 1:
         _set_layout(mesh, group)
+    else:  # one level: every other rank is a "peer" (a mesh of levels set up before no longer names the links)
+        COMM.set_levels({}, ())
     return group
 
 

@@ -38,6 +38,7 @@ from moecompile.runtime.stats import recording_routing
 
 from moecompile.runtime.comm.levels import dedup_levels
 
+from . import domains as domains_mod
 from . import moe_tp as moe_tp_mod
 from . import ted
 from .grads import sync_gradients
@@ -46,13 +47,14 @@ from .mesh import level_names, setup_mesh
 from moecompile.runtime.placement.replication import check_slots
 
 from .replicate import check_options, replicable, replicate_layer
-from .sharded_state import SLOTS, experts_module, global_state, list_prefix, local_state
+from .sharded_state import DOMAIN_SLOTS, SLOTS, experts_module, global_state, list_prefix, local_state
 from .views import guard_owned, read_remote, read_through_view
 
 
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
                 swap_gamma: float = 10.0, replication: str = "off", slots_per_rank: int | None = None,
-                capacity_factor: float | None = None, moe_tp: str = "off", **options) -> nn.Module:
+                capacity_factor: float | None = None, moe_tp: str = "off", expert_domains=None, compress=None,
+                **options) -> nn.Module:
     """Shard the experts of every MoE layer of ``model`` over ``mesh`` (in place; returns ``model``).
 
     ``dedup``: ``"off"`` (one row per (token, expert) over the whole mesh), ``"node"`` (one row per distinct
@@ -68,12 +70,17 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``moecompile/distributed/replicate.py``). ``moe_tp`` on a mesh with a ``"tp"`` dimension (the ranks whose
     MoE-block inputs are identical): ``"off"`` (each tp rank routes all its tokens), ``"ssmb"`` (each routes its
     slice) or ``"ted"`` (experts over the other dimensions, their intermediate size over tp;
-    ``moecompile/distributed/moe_tp.py``). Other keyword arguments are backend options, for detection."""
+    ``moecompile/distributed/moe_tp.py``). ``expert_domains={level: size}``: the workers of each level that form
+    one domain all-gather their experts, only tokens for other domains' experts travel (HybridEP;
+    ``moecompile/distributed/domains.py``). Other keyword arguments are backend options, for detection."""
     from ..explain import explain
 
     group = setup_mesh(mesh)
     tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
     take_back_experts(model, tp.tp_group if tp is not None else None)  # transformers' tp_plan="auto" experts
+    domains = domains_mod.check(expert_domains, compress, mesh, dedup=dedup != "off", swap_every=bool(swap_every),
+                                replication=replication != "off", moe_tp=tp is not None)
+    domains = domains_mod.setup(mesh, domains) if domains is not None else None
     _check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     if not isinstance(swap_every, int) or swap_every < 0:
@@ -100,9 +107,11 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             if not replicable(params):
                 check_slots(rec.spec.experts.num_experts, world, slots_per_rank)
     divisors, swapping, replicas = {}, [], []  # sharded expert parameter held here -> its gradient's divisor
-    for rec, params in plans:
+    for rec, params in plans:  # every layer checked before any changes
         if rec.moe_tp == "ted":
             ted.check(rec, tp)
+        if domains is not None:
+            domains_mod.check_layer(rec, params)
     for rec, params in plans:
         why_not = replicable(params) if replication != "off" else "not asked"
         if why_not and replication != "off":
@@ -124,7 +133,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if rec.moe_tp == "ted":
             held = ted.shard(model, rec, params, mesh, tp)
         else:
-            held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp)
+            held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, domains)
         divisors.update(dict.fromkeys(held, _divisor(tp, rec.moe_tp, world)))
         if slots is not None:
             swapping.append((rec, _swapped_tensors(model, params, held), slots))
@@ -265,7 +274,8 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
                          "creating it) before moecompile.parallelize")
 
 
-def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, slots=None, tp=None) -> set[str]:
+def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, slots=None, tp=None, domains=None
+                 ) -> set[str]:
     """Keep this rank's experts of one layer; returns the names of the expert parameters it still holds."""
     dedup, E = rec.dedup, rec.spec.experts.num_experts
     views = moe_tp_mod.view_args(rec.moe_tp, tp)  # the views' moe_tp and tp_group
@@ -274,7 +284,7 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     if isinstance(next(iter(params.values())), list):
         held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup, slots, views)
     else:
-        held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots, views)
+        held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots, views, domains, E)
     names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
     listed = names if len(names) <= 4 else names[:2] + [f"... {len(names)} in all"]
     how = "one row per (token, expert)" if dedup == "off" else (
@@ -287,6 +297,8 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
         rec.sharding += "; " + moe_tp_mod.describe(rec.moe_tp, tp)
         if rec.moe_tp_choice is not None:
             rec.sharding += f"; {rec.moe_tp_choice}"
+    if domains is not None:
+        rec.sharding += "; " + domains.describe()
     if slots is not None:
         rec.sharding += "; experts swap ranks during training (swap_every)"
     elif getattr(rec, "shard_note", None):
@@ -301,9 +313,14 @@ def _swapped_tensors(model, params: dict, held: set[str]) -> list:
             else model.get_parameter(names) for names in params.values()]
 
 
-def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, layer, dedup, slots, views) -> set[str]:
+def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, layer, dedup, slots, views,
+                   domains=None, num_experts=0) -> set[str]:
     """Stacked ``[E, ...]`` weights, or flat ``[E * R, ...]`` ones (R rows per expert): each rank keeps its
-    consecutive 1 / world of dim 0 (its E / world experts)."""
+    consecutive 1 / world of dim 0 (its E / world experts). With ``domains`` the module reads them through views
+    of its domain (gathered) and exchange groups."""
+    exchange = group.group_name
+    if domains is not None:
+        exchange, views = domains.exchange_group.group_name, {**views, "domain_group": domains.domain_group.group_name}
     attrs = {}
     for role, name in params.items():
         module_name, _, attr = name.rpartition(".")
@@ -317,7 +334,10 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
     for module, rows in attrs.items():
         if slots is not None:  # the placement, a graph input read by the ops (not saved: state_dict un-swaps)
             module.register_buffer(SLOTS, slots, persistent=False)
-        read_through_view(module, rows, group.group_name, layer, dedup, extra=views)
+        order = domains.slots(num_experts) if domains is not None else None
+        if order is not None and not torch.equal(order, torch.arange(num_experts)):  # each expert's slot in the
+            module.register_buffer(DOMAIN_SLOTS, order, persistent=False)  # exchange group's order (a graph input)
+        read_through_view(module, rows, exchange, layer, dedup, extra=views)
         module._moe_rows = rows  # read by sharded_state.sharded_parameters (optimizer state)
         module.register_state_dict_post_hook(global_state(rows, mesh, group))
         module._register_load_state_dict_pre_hook(local_state(rows, mesh, rank, group), with_module=True)

@@ -16,6 +16,7 @@ from moecompile.runtime.layouts import contiguous_stride
 from . import ted
 
 SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
+DOMAIN_SLOTS = "moe_domain_slots"  # expert domains: each expert's slot in the exchange group's gathered order
 
 
 def to_global(local, total: int, slots, mesh, group):

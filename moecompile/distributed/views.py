@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .replicate import REPLICAS
-from .sharded_state import SLOTS
+from .sharded_state import DOMAIN_SLOTS, SLOTS
 
 
 def read_remote(module, attr, like, expert, name, group_name, layer, dedup, extra=None) -> None:
@@ -60,9 +60,10 @@ def read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, 
             if local is not owned[attr]:
                 taken_over(layer, attr)
             if torch.compiler.is_compiling():
+                domain = {"domain_slots": self._buffers[DOMAIN_SLOTS]} if DOMAIN_SLOTS in self._buffers else {}
                 return torch.ops.moe.ep_global_view(local, rows[attr], group_name, layer, dedup,
                                                     self._buffers.get(SLOTS), self._buffers.get(REPLICAS),
-                                                    capacity_factor, **extra, **full.get(attr, {}))
+                                                    capacity_factor, **extra, **full.get(attr, {}), **domain)
             return local
         return property(read)
 
