@@ -182,10 +182,8 @@ def _check_bytes(rank, world, flat):
     one, _ = _train("deepseek_v3", flat, {"ep": 1})
     assert one == plain, (one, plain)
     every, own = _train("deepseek_v3", flat, {"ep": world})
-    layers = 2  # (deepseek_v3's tiny config: two MoE layers, each rank's experts of each)
     assert every["domain_gather.peer"] == (world - 1) * own and every["domain_reduce.peer"] == (world - 1) * own
     assert all(k.endswith(".self") for k in every if k.startswith(("dispatch", "combine"))), every
-    assert own % layers == 0, own
     if rank == 0:
         print(f"per step: domain size 1 {sum(one.values())} B (plain EP {sum(plain.values())} B), domain size "
               f"{world}: {every}", flush=True)

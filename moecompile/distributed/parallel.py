@@ -331,12 +331,14 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
         shard._moe_sharded = True
         module._parameters[attr] = shard
         attrs.setdefault(module, {})[attr] = full.shape[0]
+    order = domains.slots(num_experts) if domains is not None else None  # the layer's, once
+    if order is not None and torch.equal(order, torch.arange(num_experts)):
+        order = None  # the gathered order is expert order: nothing to sort
     for module, rows in attrs.items():
         if slots is not None:  # the placement, a graph input read by the ops (not saved: state_dict un-swaps)
             module.register_buffer(SLOTS, slots, persistent=False)
-        order = domains.slots(num_experts) if domains is not None else None
-        if order is not None and not torch.equal(order, torch.arange(num_experts)):  # each expert's slot in the
-            module.register_buffer(DOMAIN_SLOTS, order, persistent=False)  # exchange group's order (a graph input)
+        if order is not None:  # each expert's slot in the exchange group's order (a graph input)
+            module.register_buffer(DOMAIN_SLOTS, order, persistent=False)
         read_through_view(module, rows, exchange, layer, dedup, extra=views)
         module._moe_rows = rows  # read by sharded_state.sharded_parameters (optimizer state)
         module.register_state_dict_post_hook(global_state(rows, mesh, group))
