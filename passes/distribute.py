@@ -32,6 +32,7 @@ from moecompile.runtime.comm.exchange import resolve_group
 from .canonical import expert_tensors
 from .graph_utils import example
 from .report import PassReport, block
+from .sequence_shard import cut_before_router
 from .sharded import EP_VIEWS, view_arg
 
 EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
@@ -109,7 +110,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
                                   "expert): they cannot dedup (parallelize picks dedup='off' for them)")
     moe_tp, tp_group = view_arg(views[0], "moe_tp", "off"), view_arg(views[0], "tp_group", "")
     if moe_tp == "ssmb":
-        _sequence_shard(gm, node, tp_group, layer)
+        _sequence_shard(gm, node, tp_group, layer, report)
         report.counters["distribute.sequence_sharded_layers"] += 1
     first = next(iter(local.values()))
     if isinstance(first, list):  # a ModuleList: its local experts
@@ -194,10 +195,15 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     report.counters[f"distribute.sharded_layers.dedup_{dedup}"] += 1
 
 
-def _sequence_shard(gm: fx.GraphModule, node: fx.Node, tp_group: str, layer: str) -> None:
-    """SSMB (``runtime/comm/tp.py``): the routing's top-k weights and ids, and the experts' token input, become this
-    tp rank's slice of the block's tokens; the combine sums that slice, and its output is all-gathered over tp
-    for every reader. Runs before the exchange is put in, which then sends this slice's rows."""
+def _sequence_shard(gm: fx.GraphModule, node: fx.Node, tp_group: str, layer: str, report: PassReport) -> None:
+    """SSMB (``runtime/comm/tp.py``): the block runs on this tp rank's slice of its tokens from its input on
+    (``sequence_shard.py``). Where that input is not one static-shaped tensor, the cut falls after the router: the
+    routing's top-k weights and ids, and the experts' token input, become the slice; the combine sums it, and its
+    output is all-gathered over tp for every reader. Runs before the exchange is put in, which then sends this
+    slice's rows."""
+    if cut_before_router(gm, node, tp_group, layer):
+        return
+    report.counters["distribute.sequence_sharded_after_router"] += 1
     x, tok = node.args[0], node.args[1]
     pft = tok.args[0] if tok.op == "call_function" and tok.target is operator.getitem else None
     readers = list(node.users)

@@ -1,22 +1,22 @@
 """MoE blocks beside tensor parallelism (moecompile.parallelize(..., moe_tp=...)) on gloo, against one process.
 
 World 4, mesh ("dp", "tp") = (2, 2): the two ranks of one dp index hold the same batch (a tp group), the two dp
-indices two different batches; the reference is one process training on both batches together (the same mean
-loss). For moe_tp "off", "ssmb" and "ted": three SGD steps (momentum 0.9) of a tiny Mixtral (stacked experts)
-and of a hand-written ModuleList model equal one process (fp32, 1e-5: each step's logits, and every weight of
-the state_dict after, sharded ones gathered whole, and every momentum of get_optimizer_state_dict, which
-set_optimizer_state_dict gives back), at 14 tokens and at 15 (uneven slices); each rank holds 1/4
-of the expert weights; under "ssmb" each rank sends half the rows it sends under "off" on the same batch, and
-the MoE blocks save fewer bytes for backward. Mixtral again beside torch's tensor parallelism of attention and
-FSDP2 of each decoder layer (the SSMB one compiled layer by layer), and with "auto" (its choice and reasons in
-the report). The SSMB run's torch.distributed.checkpoint loads into a 1-D 4-rank expert-parallel model and, in
-the parent, into one process: the same weights. A second spawn: dedup at "dp" (SSMB Mixtral, "off" ModuleList
-model), expert swaps and adaptive replication under SSMB (each token's rows placed once over the mesh) on the
-same mesh equal one process too, and TED / "auto" refuse them. A tiny Mixtral loaded with transformers'
-from_pretrained(path, tp_plan="auto") under torchrun (2 ranks: tests/hf_tp_plan_run.py) trains the same way.
-Bad input is refused with ValueError (FSDP2 taking the expert shards over included). Without processes: "auto"
-on the published shapes (real blocks built on the meta device), and TED's refusals. A failing rank fails the
-test; every collective has a timeout.
+indices two different batches; the reference is one process training on both batches together (the same mean loss).
+For moe_tp "off", "ssmb" and "ted": three SGD steps (momentum 0.9) of a tiny Mixtral (stacked experts) and of a
+hand-written ModuleList model equal one process (fp32, 1e-5: each step's logits, and every weight of the state_dict
+after, sharded ones gathered whole, and every momentum of get_optimizer_state_dict, which set_optimizer_state_dict
+gives back), at 14 tokens and at 15 (uneven slices); each rank holds 1/4 of the expert weights; under "ssmb" each
+rank sends half the rows it sends under "off" on the same batch, and (Mixtral, each MoE block compiled alone) the
+MoE blocks' saved activations, summed over the ranks, halve. Mixtral again beside torch's tensor parallelism of
+attention and FSDP2 of each decoder layer (the SSMB one compiled layer by layer), and with "auto" (its choice and
+reasons in the report). The SSMB run's torch.distributed.checkpoint loads into a 1-D 4-rank expert-parallel model
+and, in the parent, into one process: the same weights. A second spawn: dedup at "dp" (SSMB Mixtral, "off"
+ModuleList model), expert swaps and adaptive replication under SSMB (each token's rows placed once over the mesh) on
+the same mesh equal one process too, and TED / "auto" refuse them. A tiny Mixtral loaded with transformers'
+from_pretrained(path, tp_plan="auto") under torchrun (2 ranks: tests/hf_tp_plan_run.py) trains the same way. Bad
+input is refused with ValueError (FSDP2 taking the expert shards over included). Without processes: "auto" on the
+published shapes (real blocks built on the meta device), and TED's refusals. A failing rank fails the test; every
+collective has a timeout.
 """
 
 import dataclasses
@@ -62,16 +62,33 @@ def _batches(model, dp, batch, seq):
     return torch.randint(0, vocab, (dp, batch, seq), generator=gen)
 
 
-def _saved_bytes(fn):
-    """Bytes of the tensors autograd saves while ``fn`` runs (each storage once)."""
-    seen = {}
+def _saved_bytes(fn, blocks=()):
+    """Bytes of the tensors autograd saves while ``fn`` runs (each storage once); with ``blocks``, only while one
+    of those modules runs, their parameters left out (the MoE blocks' activations)."""
+    seen, hooks, ctx = {}, [], []
+    weights = {p.untyped_storage().data_ptr() for b in blocks for p in b.parameters()}
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
+    def enter(module, args):
+        ctx.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        ctx[-1].__enter__()
+
+    for block in blocks:
+        hooks += [block.register_forward_pre_hook(enter),
+                  block.register_forward_hook(lambda module, args, out: ctx.pop().__exit__(None, None, None))]
+    try:
+        if blocks:
+            out = fn()
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = fn()
+    finally:
+        for hook in hooks:
+            hook.remove()
     return out, sum(seen.values())
 
 
@@ -83,10 +100,12 @@ def _tp_attention(model, mesh):
         parallelize_module(layer.self_attn, mesh["tp"], plan)
 
 
-def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per_layer=False, **options):
-    """Three steps on the mesh beside one process; returns (rows sent per step by this rank, bytes saved).
+def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per_layer=False, per_block=False,
+           **options):
+    """Three steps on the mesh beside one process; returns (rows sent per step by this rank, bytes saved, model).
     ``tp_attention``: attention tensor-parallel over "tp" first; ``fsdp``: then FSDP2 of each decoder layer over
     "dp" (the experts left to moecompile); ``per_layer``: each decoder layer compiled alone (torchtitan's way);
+    ``per_block``: each MoE block compiled alone, and the bytes saved counted inside the blocks only;
     ``options``: parallelize's expert-parallel options (dedup, swap_every, replication and slots_per_rank; with
     replication, moecompile.ExpertOptimizer trains it)."""
     world = dist.get_world_size()
@@ -112,10 +131,10 @@ def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per
     if "replication" not in options:  # (replicated experts: slots_per_rank instances on each rank)
         assert held * world == whole, (held, whole)
     backend = {"inner": "aot_eager", "strict": True}
-    if per_layer:
-        for layer in model.model.layers:
-            layer.compile(backend="moe", options=backend)
-    compiled = model if per_layer else torch.compile(model, backend="moe", options=backend)
+    blocks = [model.get_submodule(r.path) for r in info.report.layers] if per_block else []
+    for module in blocks or (model.model.layers if per_layer else []):
+        module.compile(backend="moe", options=backend)
+    compiled = model if per_layer or per_block else torch.compile(model, backend="moe", options=backend)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
     opt = (moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9) if "replication" in options
            else torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
@@ -126,7 +145,7 @@ def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per
         if step == 0:  # compiles (the passes' proof runs torch.func, which refuses saved-tensor hooks)
             out = compiled(mine, labels=mine)
         else:
-            out, saved = _saved_bytes(lambda: compiled(mine, labels=mine))
+            out, saved = _saved_bytes(lambda: compiled(mine, labels=mine), blocks)
         ref_out = ref(together, labels=together)
         torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL,
                                    msg=lambda m: f"{family} {moe_tp} step {step}: {m}")
@@ -177,14 +196,23 @@ def _world4(rank, world, tmp):  # noqa: C901 (one spawn, many checks)
         # Mixtral: 2 sequences of 7 tokens, 7 per tp rank: the rows this rank sends halve. The ModuleList model:
         # 3 x 5 = 15 tokens, slices of 8 and 7
         for family, batch, seq in (("mixtral", 2, 7), ("loop", 3, 5)):
-            sent_off, saved_off, _ = _train(family, mesh, "off", batch, seq)
-            sent_ssmb, saved_ssmb, trained = _train(family, mesh, "ssmb", batch, seq)
+            per_block = family == "mixtral"  # (saved bytes inside the MoE blocks, each compiled alone)
+            sent_off, saved_off, _ = _train(family, mesh, "off", batch, seq, per_block=per_block)
+            sent_ssmb, saved_ssmb, trained = _train(family, mesh, "ssmb", batch, seq, per_block=per_block)
             if family == "mixtral":
                 _checkpoint(trained, rank, tmp)
             _train(family, mesh, "ted", batch, seq)
             if batch * seq % 2 == 0:
                 assert sent_ssmb * 2 == sent_off, (family, sent_ssmb, sent_off)
             assert sent_ssmb < sent_off and saved_ssmb < saved_off, (family, sent_ssmb, sent_off, saved_ssmb, saved_off)
+            if not per_block:
+                continue
+            # the MoE blocks' saved activations halve, summed over the ranks (the rows each receives depend on the
+            # routing): all but the [E]-sized expert counts, which do not shrink (about 150 bytes of a layer's
+            # 14 000 per rank here: at most 2% over half)
+            total = torch.tensor([saved_off, saved_ssmb], dtype=torch.float64)
+            dist.all_reduce(total)
+            assert 0 <= 2 * total[1] - total[0] <= 0.02 * total[0], (family, total.tolist())
         _train("mixtral", mesh, "auto", 2, 7)
         for moe_tp in ("ssmb", "ted", "off"):  # with torch's TP of attention and FSDP2 of the decoder layers
             _train("mixtral", mesh, moe_tp, 2, 7, tp_attention=True, fsdp=True, per_layer=moe_tp == "ssmb")

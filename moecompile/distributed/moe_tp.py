@@ -8,17 +8,17 @@ each MoE layer:
     "ted"    tensor-expert parallelism (``ted.py``): the experts sharded over the dimensions other than tp, each
              expert's intermediate dimension over tp; tokens stay replicated over tp, the down projection's
              partial sums are reduced over it
-    "ssmb"   sequence-sharded MoE block (X-MoE §4.3): each tp rank routes only its slice of the block's tokens
-             (``runtime/comm/tp.py``: uneven slices when tp does not divide them), the experts are sharded over every
-             rank of the mesh (EP = dp x tp), the block's output is all-gathered over tp; the rows each rank sends
-             fall by the tp size, its activations saved for backward nearly so (the router's scores and shared
-             experts stay whole: ``benchmarks/moe_tp.md``)
+    "ssmb"   sequence-sharded MoE block (X-MoE §4.3): each tp rank runs the block, router and shared experts
+             included, on its slice of the block's tokens (``runtime/comm/tp.py``: uneven slices when tp does not
+             divide them), the experts are sharded over every rank of the mesh (EP = dp x tp), the block's output is
+             all-gathered over tp; the rows each rank sends and its activations saved for backward fall by the tp
+             size
     "auto"   per layer, "ssmb" or "ted" by x-moe.md Appendix C (``choose``; its reasons go in the report)
 
-Where the slice is cut: after the router's scores (``moe.route`` / a kept router's top-k), before the routing
-that builds the padding-free buffer. The router's linear scores every token on every tp rank (T x E, under 1% of
-the block's work at real sizes), so its gradient arrives whole on each rank and no parameter needs a reduction
-over tp: replicated parameters stay equal over the tp group, wherever FSDP2 or tensor parallelism manage them.
+Where the slice is cut: at the block's input, before the router (``passes/sequence_shard.py``). The router's
+weight (and a shared expert's) then sees each tp rank's own tokens, so its gradient is summed over tp in backward
+(``moe.tp_linear``): every tp rank holds the whole gradient of a replicated parameter, wherever FSDP2 or tensor
+parallelism manage it.
 """
 
 from __future__ import annotations

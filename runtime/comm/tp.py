@@ -14,6 +14,12 @@ intermediate dimension over the group instead:
     moe::tp_copy(x, group)        x (a copy)                              backward: all-reduce (sum of the partials)
     moe::tp_reduce(y, group)      all-reduce of the partial rows (sum)    backward: the gradient as it is
 
+A replicated weight that meets sliced rows (the router's, a shared expert's, under SSMB) gets from each rank only
+its slice's part of the gradient; the sum over the group is the whole one:
+
+    moe::tp_linear(x, w, b, group)  linear(x, w, b)                       backward: x's gradient as linear's; w's
+                                                                          and b's all-reduced over the group
+
 The backwards of slice and gather are each other's forwards (X-MoE Fig. 8): a replicated tensor's gradient is the
 whole gradient on every tp rank (as tensor parallelism keeps it), so the gradient of what a block reads is whole
 again on every rank, and nothing upstream needs a reduction over the group. Slices travel in token order: slice r
@@ -130,6 +136,36 @@ def _reduce_bwd(ctx, grad):
     return grad, None, None
 
 
+@custom_op("moe::tp_linear", mutates_args=())
+def tp_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group_name: str) -> Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@register_fake("moe::tp_linear")
+def _tp_linear_fake(x, weight, bias, group_name):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, ctx.group_name = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _linear_bwd(ctx, grad):
+    x, weight = ctx.saved_tensors
+    g = grad.reshape(-1, grad.shape[-1])
+    grad_x = (grad @ weight.to(grad.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+    grad_w = grad_b = None
+    if ctx.needs_input_grad[1]:  # this slice's part; the group's sum is the whole gradient
+        grad_w = torch.ops.moe.tp_reduce((g.t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype),
+                                         ctx.group_name)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        grad_b = torch.ops.moe.tp_reduce(g.sum(0).to(ctx.bias_dtype), ctx.group_name)
+    return grad_x, grad_w, grad_b, None
+
+
+register_autograd("moe::tp_linear", _linear_bwd, setup_context=_linear_setup)
 register_autograd("moe::tp_slice", _slice_bwd, setup_context=_slice_setup)
 register_autograd("moe::tp_copy", _copy_bwd, setup_context=_copy_setup)
 register_autograd("moe::tp_reduce", _reduce_bwd)
