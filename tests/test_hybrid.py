@@ -3,8 +3,10 @@ ordered pair of ranks, checked against the paper's Table VII (the communication 
 and 32 workers at every domain size), Fig. 8(b)'s two-level example, and bad input. On gloo: the all-gather of
 a domain's experts and its gradient (runtime/comm/domains.py); training with expert domains (parallelize(...,
 expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "node", "local", both) and world
-8 (1-D: domain sizes 1, 2, 4, 8); the bytes with one domain and with domain size 1; bad input. Every collective
-has a timeout; a failing rank fails the test."""
+8 (1-D: domain sizes 1, 2, 4, 8); the bytes with one domain and with domain size 1; bad input. The stream model
+(runtime/comm/stream.py): its choice in both of §III's regimes and against Eqs. 11-12's closed form (pure); under
+emulated links, every candidate's predicted communication against the measured one, and expert_domains="auto"
+training as one process (world 4). Every collective has a timeout; a failing rank fails the test."""
 
 import itertools
 from datetime import timedelta
@@ -14,7 +16,9 @@ import torch
 import torch.multiprocessing as mp
 
 import moecompile
-from moecompile.runtime.comm import hybrid
+from moecompile.runtime.comm import hybrid, stream
+from moecompile.runtime.comm.cost_model import LinkModel, messages
+from moecompile.runtime.comm.plan import Placement
 
 # hybridep.md Table VII: EP size -> {domain size: (A2A, AG)}
 TABLE_VII = {
@@ -75,6 +79,50 @@ def test_bad_input_names_the_fix():
         moecompile.hybrid_topology([0], [1])
 
 
+def _uniform(W, T, E):
+    """Every rank's T tokens, one expert each, spread evenly over the E experts (hybridep.md §III's even gate)."""
+    ids = (torch.arange(W * T) % E).view(-1, 1)
+    return ids, torch.arange(W).repeat_interleave(T)
+
+
+def test_stream_model_moves_as_section_iii_says():
+    """One level of 4 workers, no start-up cost, even routing: the model picks one domain of every worker (all-
+    gather only) when a rank's data D is large against its experts' bytes P_E (2 D > G P_E), and domain size 1
+    (plain expert parallelism) when the experts are large (hybridep.md Eqs. 11-12 without overlap); its bytes are
+    the runtime's (domain size 1: plain expert parallelism's rows; one domain: (G - 1) P_E, no row)."""
+    link = LinkModel({"flat": (0.0, 1e-9)})
+    W, T, E, row = 4, 64, 8, 256
+    ids, source = _uniform(W, T, E)
+    D = T * row  # a rank's routed rows
+    for P_E, want in ((D // 8, (4,)), (D, (1,))):  # 2 D = 16 P_E > 4 P_E; 2 D = 2 P_E < 4 P_E
+        got = [stream.predict(ids, source, [W], ["ep"], c, E, row, P_E, link) for c in stream.candidates([W])]
+        print({p.domain_sizes: f"{p.total * 1e6:.1f} us" for p in got})
+        assert stream.choose(got).domain_sizes == want, (P_E, got)
+    one, every = (stream.predict(ids, source, [W], ["ep"], (d,), E, row, 1000, link) for d in (1, W))
+    plain = messages(ids, Placement.contiguous(E, (W,)), source, row, names=("ep",))["off"]
+    assert one.a2a_bytes == plain[1][1] and one.ag_bytes == 0
+    assert every.a2a_bytes == 0 and every.ag_bytes == (W - 1) * 1000 and every.a2a == 0
+
+
+def test_stream_model_agrees_with_the_closed_form():
+    """With Eq. 7's overlap and a pre-expert time PE, Eqs. 11-12 give p = 1 - B PE / (P_E (G - 1)) when
+    2 D < G P_E: on one level of 8, PE = 3 P_E / B gives p = 4 / 7, a domain of 8 - 4 = 4 workers; the search
+    over every candidate (1, 2, 4, 8) picks the same. When 2 D >= G P_E both give p = 0 (one domain of 8)."""
+    B = 1e9
+    link = LinkModel({"flat": (0.0, 1 / B)})
+    W, T, E, row = 8, 64, 8, 1024
+    ids, source = _uniform(W, T, E)
+    D = T * row
+    for P_E, pre in ((D / 2, 3 * (D / 2) / B), (D / 8, 3 * (D / 8) / B)):
+        p = stream.closed_form(W, D, P_E, B, pre)
+        domain = round(W - p * (W - 1))
+        got = [stream.predict(ids, source, [W], ["ep"], c, E, row, P_E, link, pre_s=pre, overlap=True)
+               for c in stream.candidates([W])]
+        print(f"P_E {P_E:.0f}: closed form p {p:.3f} (domain {domain}), search {stream.choose(got).domain_sizes}")
+        assert stream.choose(got).domain_sizes == (domain,)
+    assert stream.closed_form(W, D, D / 2, B, 3 * (D / 2) / B) == pytest.approx(4 / 7)
+
+
 def _gather_ranks(rank, world, tmp):
     """moe::domain_gather over domains of 2 ranks of world 4: the domain's experts in rank order, and each owner's
     gradient the sum of every copy's (the reduce-scatter gloo does as an all-reduce), counted bytes included."""
@@ -108,7 +156,7 @@ def test_domain_gather_and_its_gradient(tmp_path):
 TOL, STEPS, LR = 1e-5, 3, 0.1
 
 
-def _train(family, mesh, expert_domains):
+def _train(family, mesh, expert_domains, **options):
     """Three SGD steps, each rank on its own batch, against one process on all of them (the mean loss): each
     step's logits and every weight after (sharded ones gathered whole) equal; each rank holds 1 / W of the
     expert weights; returns the bytes this rank sent per phase and link in the last step."""
@@ -121,7 +169,7 @@ def _train(family, mesh, expert_domains):
     ref, model = tiny_model(family).train(), tiny_model(family).train()
     batches = torch.randint(0, ref.config.vocab_size, (world, 2, 5), generator=torch.Generator().manual_seed(3))
     mine, together = batches[rank], batches.flatten(0, 1)
-    moecompile.parallelize(model, mesh, mine, expert_domains=expert_domains)
+    moecompile.parallelize(model, mesh, mine, expert_domains=expert_domains, **options)
     info = model._moe_parallel
     assert not info.left and all(("expert domains" in r.sharding) == (expert_domains is not None)
                                  for r in info.report.layers), str(info)
@@ -170,9 +218,43 @@ def _domains_world4(rank, world, tmp):
             assert not any(k.startswith(("dispatch", "combine")) and not k.endswith(".self") for k in sent) == (
                 domains == {"node": 2, "local": 2}), sent  # one domain of every rank: no token row leaves a rank
         _check_bytes(rank, world, init_device_mesh("cpu", (4,)))
+        _stream_measured(two)
         _bad_input(two)
     finally:
         dist.destroy_process_group()
+
+
+SLOW = LinkModel({"flat": (2e-3, 2e-7), "node": (2e-3, 4e-7), "local": (1e-3, 2e-8)})  # s, s / byte
+
+
+def _stream_measured(two):
+    """Under emulated links ("node" slow), each candidate's communication time as the stream model predicts it,
+    against what one forward's all-gather and exchange take (moecompile.distributed.domains.time_hybrid): within
+    the band the dedup model meets (tests/test_ep_levels.py). Then expert_domains="auto" trains as one process,
+    its report giving every candidate's predicted time and the chosen one's measured time."""
+    from moecompile.distributed.domains import time_hybrid
+    from moecompile.models.hf import tiny_model
+    from moecompile.runtime.comm.exchange import emulate_links
+
+    W, T, E, hidden, names = 4, 48, 8, 64, ("node", "local")
+    ids = torch.randint(0, E, (W * T, 2), generator=torch.Generator().manual_seed(5))
+    source = torch.arange(W).repeat_interleave(T)
+    P_E = 3 * hidden * 32 * (E // W) * 4
+    with emulate_links(SLOW):
+        for c in stream.candidates((2, 2)):
+            pred = stream.predict(ids, source, (2, 2), names, c, E, hidden * 4, P_E, SLOW)
+            comm = pred.ag + pred.a2a
+            measured = time_hybrid(ids, source, E, two, hidden, dict(zip(names, c)), P_E, repeats=2)
+            if torch.distributed.get_rank() == 0:
+                print(f"domains {c}: predicted {comm * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms", flush=True)
+            assert 0.8 * comm < measured < 1.5 * comm + 0.03, (c, comm, measured)
+        _train("mixtral", two, "auto", link_model=SLOW)
+        model = tiny_model("mixtral")
+        moecompile.parallelize(model, two, torch.zeros(2, 5, dtype=torch.long), expert_domains="auto",
+                               link_model=SLOW)
+        report = str(model._moe_parallel)
+        assert report.count("expert domains auto ->") == len(model._moe_parallel.report.layers), report
+        assert "{'node': 1, 'local': 1}" in report and "measured" in report, report
 
 
 def _check_bytes(rank, world, flat):
@@ -197,7 +279,7 @@ def _bad_input(mesh):
     ids = torch.zeros(1, 4, dtype=torch.long)
     cases = [({"expert_domains": {"node": 3}}, r"level 0 has 2 workers and domain size 3: .* one of \[1, 2\]"),
              ({"expert_domains": {"rack": 2}}, r"this mesh's level names \['node', 'local'\]"),
-             ({"expert_domains": "auto"}, "'auto' .* is not built yet"),
+             ({"expert_domains": "auto"}, "'auto' sizes each layer's domains .* pass link_model="),
              ({"expert_domains": {"node": 2}, "compress": 0.1}, "compress=0.1: .* not built yet"),
              ({"expert_domains": {"node": 2}, "dedup": "node"}, "expert_domains with dedup is not built"),
              ({"expert_domains": {"node": 2}, "replication": "adaptive", "slots_per_rank": 3},

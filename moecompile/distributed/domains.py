@@ -17,12 +17,18 @@ experts' order (domains over an outer level only): each expert's slot in that or
 
 from __future__ import annotations
 
+import math
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moecompile.runtime.comm import hybrid
+from moecompile.runtime.comm.exchange import register_group_kind
+from moecompile.runtime.comm.levels import kind
+from moecompile.runtime.comm.stream import spanned
 
 from .mesh import level_names
 
@@ -56,24 +62,30 @@ class Domains:
                 f"other domains' experts exchanged with ranks {self.exchange_ranks}")
 
 
-def check(expert_domains, compress, mesh, **others) -> dict[str, int] | None:
-    """The domain size of each mesh level (None: plain expert parallelism), or ValueError naming the fix."""
+def check(expert_domains, compress, mesh, link_model=None, **others) -> dict[str, int] | str | None:
+    """The domain size of each mesh level (None: plain expert parallelism; "auto": each layer's, by the stream
+    model, ``choose``), or ValueError naming the fix."""
     if compress is not None:
         raise ValueError(f"compress={compress!r}: compressed expert migration (hybridep.md §IV-B) is not built yet: "
                          "leave compress=None")
     if expert_domains is None:
         return None
-    if expert_domains == "auto":
-        raise ValueError("expert_domains='auto' (sized by hybridep.md's stream model) is not built yet: give the "
-                         "domain size of each level, e.g. expert_domains={'node': 2}")
     names = level_names(mesh)
-    if not isinstance(expert_domains, dict) or any(k not in names for k in expert_domains):
+    if expert_domains == "auto" and link_model is None:
+        raise ValueError("expert_domains='auto' sizes each layer's domains by hybridep.md's stream model, which "
+                         "prices the links: pass link_model= a LinkModel or the JSON file `torchrun --nproc-per-node "
+                         "N -m moecompile calibrate --mesh NODESxLOCAL --out links.json` wrote, or give the domain "
+                         "size of each level, e.g. expert_domains={" f"{names[0]!r}: 2" "}")
+    if expert_domains != "auto" and (not isinstance(expert_domains, dict)
+                                     or any(k not in names for k in expert_domains)):
         raise ValueError(f"expert_domains={expert_domains!r}: give a dict from this mesh's level names {list(names)} "
                          "to how many workers of that level form one domain, e.g. {" f"{names[0]!r}: 2" "}")
     asked = [name for name, on in others.items() if on]
     if asked:
         raise ValueError(f"expert_domains with {', '.join(asked)} is not built: drop {' and '.join(asked)} or "
                          "expert_domains")
+    if expert_domains == "auto":
+        return "auto"
     sizes = {n: expert_domains.get(n, 1) for n in names}
     hybrid.check(tuple(mesh.shape), tuple(sizes.values()))  # each divides its level
     return sizes
@@ -105,4 +117,97 @@ def setup(mesh, sizes: dict[str, int]) -> Domains:
             made.append(mine)
         _GROUPS[key] = (dist.group.WORLD, *made)
     gather, exchange = hybrid.groups(rank, shape, domain_sizes)
+    names = level_names(mesh)
+    for group, ranks in ((_GROUPS[key][1], gather), (_GROUPS[key][2], exchange)):  # emulate_links's kinds
+        if len(ranks) > 1:
+            register_group_kind(group.group_name, kind(names, spanned(ranks, shape)))
     return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes)
+
+
+
+def choose(records, link, routing: dict, mesh, group) -> None:
+    """``expert_domains="auto"``: each layer's domain sizes (``rec.domain_sizes``), the least time the stream model
+    (``runtime/comm/stream.py``) predicts for one forward of every rank's example routing (gathered, so every
+    rank decides alike) on ``link``, over every candidate; ``rec.domain_reason`` lists each candidate's predicted
+    time and the chosen one's measured time (``time_hybrid``, on the example routing)."""
+    from moecompile.runtime.comm import stream
+
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, {rec.path: routing.get(rec.path) for rec in records}, group=group)
+    names, shape = level_names(mesh), tuple(mesh.shape)
+    W = math.prod(shape)
+    for rec in records:
+        ids = [mine[rec.path] for mine in every]
+        rec.domain_sizes = dict.fromkeys(names, 1)
+        if any(i is None for i in ids):
+            rec.domain_reason = "expert domains auto: no routing was recorded on the example input, none taken"
+            continue
+        e = rec.spec.experts
+        weight = next(iter(rec.expert_weights.values()))
+        elem = weight.element_size()
+        mats = 3 if e.gated else 2
+        expert_bytes = mats * e.hidden * e.intermediate * (e.num_experts // W) * elem
+        source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
+        every_ids = torch.cat(ids)
+        rate = compute_rate(e.hidden, e.intermediate, max(1, every_ids.numel() // W), weight.dtype, group)
+        predicted = [stream.predict(every_ids, source, shape, names, c, e.num_experts, e.hidden * elem,
+                                    expert_bytes, link, mats * e.hidden * e.intermediate, rate)
+                     for c in stream.candidates(shape)]
+        best = stream.choose(predicted)
+        rec.domain_sizes = dict(zip(names, best.domain_sizes))
+        measured = time_hybrid(every_ids, source, e.num_experts, mesh, e.hidden, rec.domain_sizes, expert_bytes)
+        rec.domain_reason = (
+            f"expert domains auto -> {rec.domain_sizes}: least predicted time of one forward's expert "
+            "communication and compute (hybridep.md Eq. 8, no overlap) of the example routing: "
+            + ", ".join(f"{dict(zip(names, p.domain_sizes))} {p.total * 1e3:.3g} ms" for p in predicted)
+            + f"; measured {measured * 1e3:.3g} ms (communication)")
+
+
+def compute_rate(hidden: int, intermediate: int, rows: int, dtype, group, repeats: int = 3) -> float:
+    """Eq. 1's C: multiply-adds per second of a [rows, H] x [H, I] GEMM here, the slowest rank's."""
+    a, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(hidden, intermediate, dtype=dtype)
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        a @ b
+        samples.append(time.perf_counter() - start)
+    seconds = torch.tensor([max(statistics.median(samples[1:]), 1e-9)], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    return rows * hidden * intermediate / float(seconds)
+
+
+def time_hybrid(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts: int, mesh, hidden: int,
+                sizes: dict[str, int], expert_bytes: int, repeats: int = 3, layer: str = "calibrate") -> float:
+    """Seconds of one forward's expert communication with these domain sizes (the domain's all-gather of
+    ``expert_bytes`` per rank, the exchange of this routing's rows for other domains' experts and their outputs
+    back, experts passing rows through): the median over ``repeats`` of the slowest rank. The result is checked
+    (each token gets back its routing weights' sum times itself)."""
+    import moecompile.runtime.comm.ops  # noqa: F401  (registers the ops)
+    import moecompile.runtime.comm.domains  # noqa: F401
+
+    from .calibrate import _slowest_median
+
+    d = setup(mesh, sizes)
+    rank, E, ops = dist.get_rank(), num_experts, torch.ops.moe
+    ids = d.slots(E)[ids_TK[source_rank_T == rank]]  # by slot: the exchange group's members hold them in order
+    T, K = ids.shape
+    gen = torch.Generator().manual_seed(rank)
+    x, weights_TK = torch.randn(T, hidden, generator=gen), torch.rand(T, K, generator=gen)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    tok_B, counts_E, w_B = order // K, torch.bincount(ids.reshape(-1), minlength=E), weights_TK.reshape(-1)[order]
+    mine = torch.zeros(max(1, expert_bytes // 4))  # fp32 stand-in for this rank's experts
+
+    def once():
+        if len(d.gather_ranks) > 1:
+            ops.domain_gather(mine, d.domain_group.group_name, layer)
+        if len(d.exchange_ranks) > 1:
+            group = d.exchange_group.group_name
+            r = ops.ep_dispatch(x, tok_B, counts_E, group, layer)
+            y = ops.ep_combine(r[0][r[1]], r[1], counts_E, r[3], tok_B.numel(), group, layer)
+        else:
+            y = x[tok_B]
+        return torch.zeros_like(x).index_add_(0, tok_B, y * w_B[:, None])
+
+    seconds, out = _slowest_median(once, repeats, dist.group.WORLD, torch.device("cpu"))
+    torch.testing.assert_close(out, x * weights_TK.sum(-1, keepdim=True), msg=lambda m: f"{sizes} exchange: {m}")
+    return seconds

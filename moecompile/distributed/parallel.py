@@ -72,22 +72,23 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     slice) or ``"ted"`` (experts over the other dimensions, their intermediate size over tp;
     ``moecompile/distributed/moe_tp.py``). ``expert_domains={level: size}``: the workers of each level that form
     one domain all-gather their experts, only tokens for other domains' experts travel (HybridEP;
-    ``moecompile/distributed/domains.py``). Other keyword arguments are backend options, for detection."""
+    ``moecompile/distributed/domains.py``); ``"auto"``: each layer's sizes by the stream model, on ``link_model``.
+    Other keyword arguments are backend options, for detection."""
     from ..explain import explain
 
     group = setup_mesh(mesh)
     tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
     take_back_experts(model, tp.tp_group if tp is not None else None)  # transformers' tp_plan="auto" experts
-    domains = domains_mod.check(expert_domains, compress, mesh, dedup=dedup != "off", swap_every=bool(swap_every),
-                                replication=replication != "off", moe_tp=tp is not None)
-    domains = domains_mod.setup(mesh, domains) if domains is not None else None
+    domains = domains_mod.check(expert_domains, compress, mesh, link_model, dedup=dedup != "off",
+                                swap_every=bool(swap_every), replication=replication != "off", moe_tp=tp is not None)
+    domains = domains_mod.setup(mesh, domains) if isinstance(domains, dict) else domains  # None, or "auto"
     _check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     if not isinstance(swap_every, int) or swap_every < 0:
         raise ValueError(f"swap_every must be a whole number of optimizer steps >= 0 (0: never); got {swap_every!r}")
     link = _link_model(link_model) if dedup == "auto" or link_model is not None else None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    auto = dedup == "auto"
+    auto = dedup == "auto" or domains == "auto"  # (the choice reads the example's routing)
     with recording_routing() as routing:  # the torch references record it (Triton kernels would not)
         report = explain(model, *example_args, **({**options, "lowering": "torch"} if auto else options))
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
@@ -112,6 +113,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             ted.check(rec, tp)
         if domains is not None:
             domains_mod.check_layer(rec, params)
+    if domains == "auto":
+        domains_mod.choose([rec for rec, _ in plans], link, routing, mesh, group)
     for rec, params in plans:
         why_not = replicable(params) if replication != "off" else "not asked"
         if why_not and replication != "off":
@@ -133,7 +136,10 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if rec.moe_tp == "ted":
             held = ted.shard(model, rec, params, mesh, tp)
         else:
-            held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, domains)
+            layer_domains = domains_mod.setup(mesh, rec.domain_sizes) if domains == "auto" else domains
+            held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, layer_domains)
+            if domains == "auto":
+                rec.sharding += "; " + rec.domain_reason
         divisors.update(dict.fromkeys(held, _divisor(tp, rec.moe_tp, world)))
         if slots is not None:
             swapping.append((rec, _swapped_tensors(model, params, held), slots))

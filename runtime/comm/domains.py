@@ -8,7 +8,8 @@ computes its own tokens for every expert of the domain; only tokens for other do
 
 The owner keeps the only parameter (and optimizer state) of its experts; the gathered copies are activations of
 the step. gloo has no reduce-scatter: there the backward all-reduces the whole gradient and keeps this rank's rows
-(the same sum; twice the bytes), NCCL reduce-scatters.
+(the same sum; twice the bytes), NCCL reduce-scatters. Under ``exchange.emulate_links`` both wait as their
+group's link would take for the bytes a rank receives ((S - 1) shards).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_autograd, register_fake
 
-from .exchange import resolve_group
+from .exchange import resolve_group, wait_as_link
 from .stats import COMM
 
 Tensor = torch.Tensor
@@ -34,6 +35,7 @@ def domain_gather(w: Tensor, group_name: str, layer: str = "") -> Tensor:
     group = resolve_group(group_name)
     parts = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, w.contiguous(), group=group)
+    wait_as_link(group, (len(parts) - 1) * w.numel() * w.element_size())
     if layer:
         COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * len(parts),
                       math.prod(w.shape[1:]) * w.element_size())
@@ -58,6 +60,7 @@ def domain_reduce(grad: Tensor, group_name: str, layer: str = "") -> Tensor:
         total = grad.contiguous().clone()
         dist.all_reduce(total, group=group)
         out = total[r * rows:(r + 1) * rows].clone()
+    wait_as_link(group, (S - 1) * out.numel() * out.element_size())
     if layer:
         COMM.add_rows(layer, "domain_reduce", group, [rows] * S, math.prod(grad.shape[1:]) * grad.element_size())
     return out

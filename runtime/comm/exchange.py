@@ -14,7 +14,9 @@ Link emulation. This machine's ranks talk over loopback, where every link is ali
 each all-to-all here (rows and counts) also wait ``alpha + beta * n`` seconds of its group's collective kind
 (``flat``, ``node``, ``local``: ``register_group_kind``), ``n`` the bytes this rank sends to, or receives from,
 the other ranks, whichever is more: the cost model's expression (``cost_model.messages``), so its predictions
-can be checked against what the emulated links take, and a dedup choice shows its effect.
+can be checked against what the emulated links take, and a dedup choice shows its effect. Expert domains'
+all-gathers and their gradients' reductions (``domains.py``) wait the same way (``wait_as_link``), for the bytes
+a rank receives.
 """
 
 from __future__ import annotations
@@ -61,9 +63,15 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, recv_splits, send_splits, 
     per_row = math.prod(inp.shape[1:]) * inp.element_size()
     send = send_splits or [inp.shape[0] // world] * world
     recv = recv_splits or [out.shape[0] // world] * world
-    n = max(sum(send) - send[me], sum(recv) - recv[me]) * per_row
-    group_name = (group or dist.group.WORLD).group_name
-    time.sleep(_EMULATED.time(_GROUP_KINDS.get(group_name, "flat"), n))
+    wait_as_link(group, max(sum(send) - send[me], sum(recv) - recv[me]) * per_row)
+
+
+def wait_as_link(group, nbytes: float) -> None:
+    """Under ``emulate_links``, wait as long as a collective of ``group``'s kind moving ``nbytes`` (its busiest
+    rank's) takes on the emulated link; nothing otherwise."""
+    if _EMULATED is not None:
+        group_name = (group or dist.group.WORLD).group_name
+        time.sleep(_EMULATED.time(_GROUP_KINDS.get(group_name, "flat"), nbytes))
 
 
 def exchange(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None) -> torch.Tensor:
