@@ -10,7 +10,8 @@ rows padding-free (``runtime/comm/ops.py``).
 Routing stays on each rank's own tokens (global expert ids); a sequence-sharded layer (``moe_tp="ssmb"``) first
 takes this tp rank's slice of them and all-gathers the combined output (``_sequence_shard``); a layer with expert
 domains (``moecompile/distributed/domains.py``) first all-gathers its domain's experts (``moe.domain_gather``) and
-exchanges rows over its exchange group. The expert weights
+exchanges rows over its exchange group; each such all-gather starts right after the previous layer's experts and
+is waited for at this layer's (``_start_gathers_early``). The expert weights
 are read from the local shards (the ``moe.ep_global_view`` inputs that ``expose_sharded`` stood in for); the
 stand-in placeholders are removed, so the graph's inputs are again exactly Dynamo's. A sharded layer that was not
 rewritten (verify refused it) cannot run: this pass raises, naming it, and the pipeline reports it.
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+import moecompile.runtime.comm.domains  # noqa: F401  (registers moe::domain_gather*)
 import moecompile.runtime.placement.swap  # noqa: F401  (registers moe::ep_to_slots)
 from moecompile.runtime.comm.dedup import hierarchical_experts
 from moecompile.runtime.comm.exchange import resolve_group
@@ -38,6 +40,7 @@ from .sharded import EP_VIEWS, view_arg
 EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
 COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)
 PFT = (torch.ops.moe.build_pft, torch.ops.moe.build_pft.default)
+GATHER = (torch.ops.moe.domain_gather, torch.ops.moe.domain_gather.default)
 
 
 def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
@@ -48,6 +51,7 @@ def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
         if node.target in EXPERT_MLP and "moe_spec" in node.meta:
             with block(node.meta["moe_layer"]):
                 _shard_experts(gm, node, report)
+    _start_gathers_early(gm.graph, report)
     for ph in standins:
         view = ph.meta["ep_view"]
         _erase_unused(gm.graph, list(ph.users))  # dead reads the model's code left (dbrx views its weights per expert)
@@ -234,6 +238,32 @@ def _sequence_shard(gm: fx.GraphModule, node: fx.Node, tp_group: str, layer: str
     value = example(x)
     if isinstance(value, torch.Tensor):  # the slice's shape, for the passes after (lower times the experts on it)
         x_slice.meta["example_value"] = torch.ops.moe.tp_slice(value, tp_group)
+
+
+def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
+    """Expert domains' all-gathers started ahead (hybridep.md §IV-B): each ``moe.domain_gather`` becomes
+    ``moe.domain_gather_start`` right after the previous layer's experts (the first layer's: as soon as its weights
+    are there), so the gather runs while this layer's pre-expert part computes, and ``moe.domain_gather_wait`` where
+    the experts need it. One layer's gathered copies in flight beside the running one's, at most."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_input = max((n for n in graph.nodes if n.op in ("placeholder", "get_attr")), key=order.get, default=None)
+    previous = None  # the last experts before the gather: the previous layer's
+    for node in list(graph.nodes):
+        if node.target in EXPERT_MLP and node.meta.get("moe_local_experts"):
+            previous = node
+        if node.target not in GATHER:
+            continue
+        w, group, layer = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else ""
+        after = max((n for n in (w, previous, last_input) if isinstance(n, fx.Node)), key=order.get)
+        with graph.inserting_after(after):
+            start = graph.call_function(torch.ops.moe.domain_gather_start.default, (w, group))
+        with graph.inserting_before(node):
+            wait = graph.call_function(torch.ops.moe.domain_gather_wait.default, (start, w, group, layer))
+        for n in (start, wait):
+            n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "moe_layer") if k in node.meta})
+        node.replace_all_uses_with(wait)
+        graph.erase_node(node)
+        report.counters["distribute.gathers_started_early"] += 1
 
 
 def _only_combine(node: fx.Node, dedup: str) -> fx.Node:

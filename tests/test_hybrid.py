@@ -6,7 +6,8 @@ expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "
 8 (1-D: domain sizes 1, 2, 4, 8); the bytes with one domain and with domain size 1; bad input. The stream model
 (runtime/comm/stream.py): its choice in both of §III's regimes and against Eqs. 11-12's closed form (pure); under
 emulated links, every candidate's predicted communication against the measured one, and expert_domains="auto"
-training as one process (world 4). Every collective has a timeout; a failing rank fails the test."""
+training as one process (world 4); where the distribute pass starts each layer's all-gather and waits for it.
+Every collective has a timeout; a failing rank fails the test."""
 
 import itertools
 from datetime import timedelta
@@ -121,6 +122,37 @@ def test_stream_model_agrees_with_the_closed_form():
         print(f"P_E {P_E:.0f}: closed form p {p:.3f} (domain {domain}), search {stream.choose(got).domain_sizes}")
         assert stream.choose(got).domain_sizes == (domain,)
     assert stream.closed_form(W, D, D / 2, B, 3 * (D / 2) / B) == pytest.approx(4 / 7)
+
+
+def test_gathers_start_after_the_previous_layers_experts():
+    """The distribute pass's placement (hybridep.md §IV-B): layer 0's all-gather starts as soon as the graph's
+    inputs are there, layer 1's right after layer 0's experts, so each runs while its layer's pre-expert part
+    computes; each is waited for just before its own experts."""
+    import torch.fx as fx
+
+    import moecompile.runtime.comm.domains  # noqa: F401  (registers the ops)
+    from moecompile.passes.distribute import _start_gathers_early
+    from moecompile.passes.report import PassReport
+
+    graph, ops = fx.Graph(), torch.ops.moe
+    x, w0, w1 = (graph.placeholder(name) for name in ("x", "w0", "w1"))
+    pre0 = graph.call_function(torch.relu, (x,))
+    experts0 = graph.call_function(ops.expert_mlp.default, (pre0, graph.call_function(ops.domain_gather.default,
+                                                                                       (w0, "g", "l0"))))
+    pre1 = graph.call_function(torch.relu, (experts0,))
+    experts1 = graph.call_function(ops.expert_mlp.default, (pre1, graph.call_function(ops.domain_gather.default,
+                                                                                       (w1, "g", "l1"))))
+    graph.output(experts1)
+    for n in (experts0, experts1):
+        n.meta["moe_local_experts"] = 2
+    report = PassReport()
+    _start_gathers_early(graph, report)
+    order = [str(n.target).split(".")[-2] if n.op == "call_function" and "moe" in str(n.target) else
+             getattr(n.target, "__name__", n.op) for n in graph.nodes]
+    assert order == ["placeholder"] * 3 + ["domain_gather_start", "relu", "domain_gather_wait", "expert_mlp",
+                                           "domain_gather_start", "relu", "domain_gather_wait", "expert_mlp",
+                                           "output"], order
+    assert report.counters["distribute.gathers_started_early"] == 2
 
 
 def _gather_ranks(rank, world, tmp):

@@ -6,6 +6,10 @@ computes its own tokens for every expert of the domain; only tokens for other do
                                     rank order                     backward: each copy's gradient summed back to
                                                                    the owner (a reduce-scatter)
 
+    moe::domain_gather_start(w, group) -> key     the same all-gather, started (asynchronously) where the
+    moe::domain_gather_wait(key, w, group)         distribute pass puts it, ahead of the experts; waited for at
+                                                   the experts (hybridep.md §IV-B's asynchronous communicator)
+
 The owner keeps the only parameter (and optimizer state) of its experts; the gathered copies are activations of
 the step. gloo has no reduce-scatter: there the backward all-reduces the whole gradient and keeps this rank's rows
 (the same sum; twice the bytes), NCCL reduce-scatters. Under ``exchange.emulate_links`` both wait as their
@@ -14,7 +18,9 @@ group's link would take for the bytes a rank receives ((S - 1) shards).
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,20 +36,56 @@ def _size(group_name: str) -> int:
     return dist.get_world_size(resolve_group(group_name))
 
 
-@custom_op("moe::domain_gather", mutates_args=())
-def domain_gather(w: Tensor, group_name: str, layer: str = "") -> Tensor:
-    group = resolve_group(group_name)
+def _launch(w: Tensor, group) -> tuple:
     parts = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, w.contiguous(), group=group)
-    wait_as_link(group, (len(parts) - 1) * w.numel() * w.element_size())
+    return dist.all_gather(parts, w.contiguous(), group=group, async_op=True), parts, time.perf_counter()
+
+
+def _finish(work, parts, started: float, w: Tensor, group, layer: str) -> Tensor:
+    work.wait()
+    wait_as_link(group, (len(parts) - 1) * w.numel() * w.element_size(), since=started)
     if layer:
         COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * len(parts),
                       math.prod(w.shape[1:]) * w.element_size())
     return torch.cat(parts)
 
 
+@custom_op("moe::domain_gather", mutates_args=())
+def domain_gather(w: Tensor, group_name: str, layer: str = "") -> Tensor:
+    group = resolve_group(group_name)
+    return _finish(*_launch(w, group), w, group, layer)
+
+
 @register_fake("moe::domain_gather")
 def _domain_gather_fake(w, group_name, layer=""):
+    return w.new_empty((w.shape[0] * _size(group_name), *w.shape[1:]))
+
+
+_IN_FLIGHT: dict[int, tuple] = {}  # key -> (work, parts, start time) of an all-gather started ahead
+_KEYS = itertools.count()
+
+
+@custom_op("moe::domain_gather_start", mutates_args=())
+def domain_gather_start(w: Tensor, group_name: str) -> Tensor:
+    """Starts ``domain_gather(w)`` (asynchronously); returns the key ``domain_gather_wait`` takes."""
+    key = next(_KEYS)
+    _IN_FLIGHT[key] = _launch(w, resolve_group(group_name))
+    return torch.tensor([key], dtype=torch.int64)
+
+
+@register_fake("moe::domain_gather_start")
+def _domain_gather_start_fake(w, group_name):
+    return torch.empty(1, dtype=torch.int64)
+
+
+@custom_op("moe::domain_gather_wait", mutates_args=())
+def domain_gather_wait(key: Tensor, w: Tensor, group_name: str, layer: str = "") -> Tensor:
+    """``domain_gather(w)``, started by ``domain_gather_start`` (its ``key``): waits for it here."""
+    return _finish(*_IN_FLIGHT.pop(int(key[0])), w, resolve_group(group_name), layer)
+
+
+@register_fake("moe::domain_gather_wait")
+def _domain_gather_wait_fake(key, w, group_name, layer=""):
     return w.new_empty((w.shape[0] * _size(group_name), *w.shape[1:]))
 
 
@@ -79,4 +121,13 @@ def _gather_bwd(ctx, grad):
     return torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None
 
 
+def _wait_setup(ctx, inputs, output):
+    ctx.group_name, ctx.layer = inputs[2], inputs[3]
+
+
+def _wait_bwd(ctx, grad):
+    return None, torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None
+
+
 register_autograd("moe::domain_gather", _gather_bwd, setup_context=_gather_setup)
+register_autograd("moe::domain_gather_wait", _wait_bwd, setup_context=_wait_setup)

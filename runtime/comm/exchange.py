@@ -66,12 +66,14 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, recv_splits, send_splits, 
     wait_as_link(group, max(sum(send) - send[me], sum(recv) - recv[me]) * per_row)
 
 
-def wait_as_link(group, nbytes: float) -> None:
+def wait_as_link(group, nbytes: float, since: float | None = None) -> None:
     """Under ``emulate_links``, wait as long as a collective of ``group``'s kind moving ``nbytes`` (its busiest
-    rank's) takes on the emulated link; nothing otherwise."""
+    rank's) takes on the emulated link (one started at ``since``, a ``time.perf_counter()``: what is left of
+    it); nothing otherwise."""
     if _EMULATED is not None:
         group_name = (group or dist.group.WORLD).group_name
-        time.sleep(_EMULATED.time(_GROUP_KINDS.get(group_name, "flat"), nbytes))
+        left = _EMULATED.time(_GROUP_KINDS.get(group_name, "flat"), nbytes)
+        time.sleep(max(0.0, left - (time.perf_counter() - since if since is not None else 0.0)))
 
 
 def exchange(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None) -> torch.Tensor:

@@ -10,8 +10,9 @@ in), ``n`` the bytes its busiest rank sends or receives (the same expression ``e
     Eq. 4   AG     = the domain's all-gather: (D_size - 1) x P_E bytes in (P_E: one rank's own experts' bytes)
     Eq. 3,5 A2A    = the exchange over the ranks of equal offsets: the per-expert counts, the routed rows (only
                      those for other domains' experts), the outputs back (the two A2As of Eq. 5)
-    Eq. 7   ovlp   = min(PE, AG) where the runtime starts the all-gather before the pre-expert part ends
-                     (``overlap``), else 0; our expert GEMMs do not overlap communication, so no n Lat_EP term
+    Eq. 7   ovlp   = min(PE, AG) where the runtime starts the all-gather before the pre-expert part
+                     (``overlap``: the distribute pass does), else 0; our expert GEMMs do not overlap
+                     communication, so no n Lat_EP term
     Eq. 8,9 total  = comp + AG + A2A - ovlp, comp of the slowest rank (every collective lasts as its busiest rank)
 
 Eqs. 10-12 solve this for one level, uniform routing and one p on every GPU (p = (G - d) / (G - 1), d the domain
