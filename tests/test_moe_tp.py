@@ -10,13 +10,13 @@ rank sends half the rows it sends under "off" on the same batch, and (Mixtral, e
 MoE blocks' saved activations, summed over the ranks, halve. Mixtral again beside torch's tensor parallelism of
 attention and FSDP2 of each decoder layer (the SSMB one compiled layer by layer), and with "auto" (its choice and
 reasons in the report). The SSMB run's torch.distributed.checkpoint loads into a 1-D 4-rank expert-parallel model
-and, in the parent, into one process: the same weights. A second spawn: dedup at "dp" (SSMB Mixtral, "off"
-ModuleList model), expert swaps and adaptive replication under SSMB (each token's rows placed once over the mesh) on
-the same mesh equal one process too, and TED / "auto" refuse them. A tiny Mixtral loaded with transformers'
-from_pretrained(path, tp_plan="auto") under torchrun (2 ranks: tests/hf_tp_plan_run.py) trains the same way. Bad
-input is refused with ValueError (FSDP2 taking the expert shards over included). Without processes: "auto" on the
-published shapes (real blocks built on the meta device), and TED's refusals. A failing rank fails the test; every
-collective has a timeout.
+and, in the parent, into one process: the same weights. A second spawn: DeepSeek-V3 (shared expert, grouped sigmoid
+router) under SSMB; dedup at "dp" (SSMB Mixtral, "off" ModuleList model), expert swaps and adaptive replication
+under SSMB (each token's rows placed once over the mesh) on the same mesh equal one process too, and TED / "auto"
+refuse them. A tiny Mixtral loaded with transformers' from_pretrained(path, tp_plan="auto") under torchrun (2 ranks:
+tests/hf_tp_plan_run.py) trains the same way. Bad input is refused with ValueError (FSDP2 taking the expert shards
+over included). Without processes: "auto" on the published shapes (real blocks built on the meta device), and TED's
+refusals. A failing rank fails the test; every collective has a timeout.
 """
 
 import dataclasses
@@ -50,8 +50,8 @@ def _init(rank, world, tmp, timeout=120):
 
 
 def _build(family):
-    if family == "mixtral":
-        return tiny_model("mixtral")
+    if family in ("mixtral", "deepseek_v3"):
+        return tiny_model(family)
     torch.manual_seed(0)
     return TinyMoELM(family)
 
@@ -262,6 +262,9 @@ def _levels(rank, world, tmp):
         for family, moe_tp in (("mixtral", "ssmb"), ("loop", "off")):
             _, _, model = _train(family, mesh, moe_tp, 2, 7, dedup="dp")
             assert all("dedup='dp'" in r.sharding for r in model._moe_parallel.report.layers)
+        # DeepSeek-V3 under SSMB: its shared expert and sigmoid, group-limited router run on the slice too (their
+        # weights' gradients summed over tp by moe.tp_linear)
+        _, _, model = _train("deepseek_v3", mesh, "ssmb", 2, 7)
         _, _, model = _train("mixtral", mesh, "ssmb", 2, 7, swap_every=1)
         assert model._moe_parallel.swap.history, "no expert was swapped"
         _, _, model = _train("mixtral", mesh, "ssmb", 2, 7, replication="adaptive", slots_per_rank=2)

@@ -66,6 +66,17 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, recv_splits, send_splits, 
     wait_as_link(group, max(sum(send) - send[me], sum(recv) - recv[me]) * per_row)
 
 
+_CHARGED = [0.0]  # seconds of emulated link time charged so far (the whole of each, overlapped or not)
+
+
+def charged_seconds(reset: bool = False) -> float:
+    """The emulated link seconds charged since the last reset (what the links take, before any overlap)."""
+    value = _CHARGED[0]
+    if reset:
+        _CHARGED[0] = 0.0
+    return value
+
+
 def wait_as_link(group, nbytes: float, since: float | None = None) -> None:
     """Under ``emulate_links``, wait as long as a collective of ``group``'s kind moving ``nbytes`` (its busiest
     rank's) takes on the emulated link (one started at ``since``, a ``time.perf_counter()``: what is left of
@@ -73,6 +84,7 @@ def wait_as_link(group, nbytes: float, since: float | None = None) -> None:
     if _EMULATED is not None:
         group_name = (group or dist.group.WORLD).group_name
         left = _EMULATED.time(_GROUP_KINDS.get(group_name, "flat"), nbytes)
+        _CHARGED[0] += left
         time.sleep(max(0.0, left - (time.perf_counter() - since if since is not None else 0.0)))
 
 
