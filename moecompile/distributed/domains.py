@@ -25,10 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moecompile.runtime.comm import hybrid
+from moecompile.runtime.comm import hybrid, stream
 from moecompile.runtime.comm.exchange import register_group_kind
 from moecompile.runtime.comm.levels import kind
-from moecompile.runtime.comm.stream import spanned
 
 from .mesh import level_names
 
@@ -120,9 +119,8 @@ def setup(mesh, sizes: dict[str, int]) -> Domains:
     names = level_names(mesh)
     for group, ranks in ((_GROUPS[key][1], gather), (_GROUPS[key][2], exchange)):  # emulate_links's kinds
         if len(ranks) > 1:
-            register_group_kind(group.group_name, kind(names, spanned(ranks, shape)))
+            register_group_kind(group.group_name, kind(names, stream.spanned(ranks, shape)))
     return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes)
-
 
 
 def choose(records, link, routing: dict, mesh, group) -> None:
@@ -130,8 +128,6 @@ def choose(records, link, routing: dict, mesh, group) -> None:
     (``runtime/comm/stream.py``) predicts for one forward of every rank's example routing (gathered, so every
     rank decides alike) on ``link``, over every candidate; ``rec.domain_reason`` lists each candidate's predicted
     time and the chosen one's measured time (``time_hybrid``, on the example routing)."""
-    from moecompile.runtime.comm import stream
-
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, {rec.path: routing.get(rec.path) for rec in records}, group=group)
     names, shape = level_names(mesh), tuple(mesh.shape)
