@@ -45,3 +45,62 @@ def decode(values_Ek: Tensor, indices_Ek: Tensor, shared_X: Tensor) -> Tensor:
 def encoded_bytes(E: int, numel: int, q: float, elem: int) -> int:
     """Bytes of ``encode``'s output for E experts of ``numel`` entries: k values and k int32 indices each."""
     return E * kept(numel, q) * (elem + 4)
+
+
+# ---- the compressed all-gather of a domain's experts ------------------------------------------------------------
+
+import torch.distributed as dist  # noqa: E402
+from torch.library import custom_op, register_autograd, register_fake  # noqa: E402
+
+from .exchange import resolve_group  # noqa: E402
+from .stats import COMM  # noqa: E402
+
+
+@custom_op("moe::expert_mean", mutates_args=())
+def expert_mean(w: Tensor, num_experts: int, group_name: str) -> Tensor:
+    """The shared expert: the mean of the layer's ``num_experts`` experts, every rank's ``w`` [E_l, ...] summed over
+    ``group`` (all the layer's ranks). Not differentiated: the residuals carry the gradient."""
+    total = w.detach().sum(0)
+    dist.all_reduce(total, group=resolve_group(group_name))
+    return total / num_experts
+
+
+@register_fake("moe::expert_mean")
+def _expert_mean_fake(w, num_experts, group_name):
+    return w.new_empty(w.shape[1:])
+
+
+@custom_op("moe::domain_gather_compressed", mutates_args=())
+def domain_gather_compressed(w: Tensor, shared: Tensor, q: float, group_name: str, layer: str = "") -> Tensor:
+    """``moe.domain_gather`` with SR compression: each rank sends its experts' residual top-``q`` entries; the
+    other ranks' experts come back as shared + residual, this rank's own exactly."""
+    group = resolve_group(group_name)
+    S, r = dist.get_world_size(group), dist.get_rank(group)
+    values, indices = encode(w, shared, q)
+    all_values = [torch.empty_like(values) for _ in range(S)]
+    all_indices = [torch.empty_like(indices) for _ in range(S)]
+    dist.all_gather(all_values, values, group=group)
+    dist.all_gather(all_indices, indices, group=group)
+    if layer:
+        COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * S,
+                      indices.shape[1] * (values.element_size() + 4))
+    out = decode(torch.cat(all_values), torch.cat(all_indices), shared).to(w.dtype)
+    out = out.view(S * w.shape[0], *w.shape[1:])
+    out[r * w.shape[0]:(r + 1) * w.shape[0]] = w  # its own experts exactly
+    return out
+
+
+@register_fake("moe::domain_gather_compressed")
+def _domain_gather_compressed_fake(w, shared, q, group_name, layer=""):
+    return w.new_empty((w.shape[0] * dist.get_world_size(resolve_group(group_name)), *w.shape[1:]))
+
+
+def _compressed_setup(ctx, inputs, output):
+    ctx.group_name, ctx.layer = inputs[3], inputs[4]
+
+
+def _compressed_bwd(ctx, grad):  # straight through: each copy's gradient summed back to its owner
+    return torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None, None, None
+
+
+register_autograd("moe::domain_gather_compressed", _compressed_bwd, setup_context=_compressed_setup)
