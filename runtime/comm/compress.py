@@ -8,7 +8,12 @@ entries largest in magnitude, as (value, index) pairs; a receiver decodes S + th
     decode(values, indices, S_X)    -> [E, X]: S plus each expert's kept residual entries (q = 1: W exactly)
     encoded_bytes(E, X, q, elem)    what encode's output costs on the wire, against E X elem uncompressed
 
-WIP (issue 25 item 5): not wired into ``parallelize`` yet (``compress=`` is refused there).
+    moe::expert_mean(w, E, group)                  the shared expert: the mean of the layer's E experts
+    moe::domain_gather_compressed(w, S, q, group)  moe.domain_gather sending residual pairs; own experts exact;
+                                                   backward: each copy's gradient summed to its owner (as if exact)
+
+``parallelize(..., expert_domains=..., compress=q)`` (stacked experts): it changes the forward (the gathered
+copies are approximate), so it is never on by default and the report says so.
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+from torch.library import custom_op, register_autograd, register_fake
+
+from .domains import domain_reduce  # noqa: F401  (registers moe::domain_reduce, the backward)
+from .exchange import resolve_group
+from .stats import COMM
 
 Tensor = torch.Tensor
 
@@ -48,12 +59,6 @@ def encoded_bytes(E: int, numel: int, q: float, elem: int) -> int:
 
 
 # ---- the compressed all-gather of a domain's experts ------------------------------------------------------------
-
-import torch.distributed as dist  # noqa: E402
-from torch.library import custom_op, register_autograd, register_fake  # noqa: E402
-
-from .exchange import resolve_group  # noqa: E402
-from .stats import COMM  # noqa: E402
 
 
 @custom_op("moe::expert_mean", mutates_args=())
