@@ -6,7 +6,8 @@ expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "
 8 (1-D: domain sizes 1, 2, 4, 8); the bytes with one domain and with domain size 1; bad input. The stream model
 (runtime/comm/stream.py): its choice in both of §III's regimes and against Eqs. 11-12's closed form (pure); under
 emulated links, every candidate's predicted communication against the measured one, and expert_domains="auto"
-training as one process (world 4); where the distribute pass starts each layer's all-gather and waits for it.
+training as one process (world 4); where the distribute pass starts each layer's all-gather and waits for it;
+compress=q (q = 1 as one process; the bytes at q = 0.25).
 Every collective has a timeout; a failing rank fails the test."""
 
 import itertools
