@@ -8,7 +8,8 @@ the loss curve against exact experts, training on the bundled text.
 gathers every expert, so every expert's bytes are what compression acts on); a tiny Mixtral (byte vocabulary,
 2 layers, 8 experts, top-2) on windows of ``benchmarks/data/corpus.txt``, each rank its own, AdamW; the same
 initial model and data for every run: exact experts (``compress=None``) and each ``--q`` (the fraction of
-residual entries sent). Per run: the bytes each rank sends per step in the experts' all-gathers, the loss
+residual entries sent). Per run: the bytes each rank sends per step in the experts' all-gathers and in the
+shared expert's all-reduce (counted as a ring all-reduce sends), the loss
 (mean of the first and last 10 steps), and the seconds; the plot draws the loss curves.
 """
 
@@ -49,8 +50,10 @@ def _run_one(q, args, text, rank, mesh):
         opt.step()
         opt.zero_grad()
         losses.append(float(out.loss))
-        sent = sum(layer.get("domain_gather.peer", 0) for layer in moecompile.comm_stats().values())
-    return {"losses": losses, "sent": sent, "seconds": time.perf_counter() - start}
+        stats = moecompile.comm_stats().values()
+        sent = sum(layer.get("domain_gather.peer", 0) for layer in stats)
+        shared = sum(layer.get("expert_mean.peer", 0) for layer in stats)
+    return {"losses": losses, "sent": sent, "shared": shared, "seconds": time.perf_counter() - start}
 
 
 def _worker(rank, world, tmp, args):
@@ -80,12 +83,13 @@ def _table(results, args) -> str:
     exact = results[0][1]["sent"]
     lines = [f"{args.steps} steps, 4 ranks (gloo, CPU), one domain of all 4, tiny Mixtral (2 layers, 8 experts, "
              f"top-2, hidden {args.hidden}), {args.batch}x{args.seq} bytes per rank per step, AdamW lr {args.lr}.",
-             "", "| compress | all-gather B/step/rank | of exact | loss, first 10 | loss, last 10 | seconds |",
-             "|---|---|---|---|---|---|"]
+             "", "| compress | all-gather B/step/rank | shared expert's all-reduce B/step/rank | total, of exact | "
+             "loss, first 10 | loss, last 10 | seconds |", "|---|---|---|---|---|---|---|"]
     for q, run in results:
         first, last = run["losses"][:10], run["losses"][-10:]
-        lines.append(f"| {q if q is not None else 'None (exact)'} | {run['sent']} | {run['sent'] / exact:.3f} | "
-                     f"{sum(first) / len(first):.4f} | {sum(last) / len(last):.4f} | {run['seconds']:.0f} |")
+        lines.append(f"| {q if q is not None else 'None (exact)'} | {run['sent']} | {run['shared']} | "
+                     f"{(run['sent'] + run['shared']) / exact:.3f} | {sum(first) / len(first):.4f} | "
+                     f"{sum(last) / len(last):.4f} | {run['seconds']:.0f} |")
     return "\n".join(lines)
 
 

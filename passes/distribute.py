@@ -141,7 +141,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         if domain_size > 1 and q:
             world = view_arg(views[0], "compress_group")
             mine = {r: torch.ops.moe.domain_gather_compressed(p, torch.ops.moe.expert_mean(
-                p.detach(), e.num_experts, world), q, domain_group, layer) for r, p in mine.items()}
+                p.detach(), e.num_experts, world, layer), q, domain_group, layer) for r, p in mine.items()}
         elif domain_size > 1:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
             mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
         gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, mine)

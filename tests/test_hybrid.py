@@ -311,8 +311,9 @@ def _compressed(world, flat):
     experts = model.model.layers[0].mlp.experts
     want = sum((world - 1) * encoded_bytes(w.shape[0], w[0].numel(), 0.25, 4)
                for w in (experts.gate_up_proj, experts.down_proj))
-    for name, layer in moecompile.comm_stats().items():
-        assert layer["domain_gather.peer"] == want, (name, layer["domain_gather.peer"], want)
+    shared = sum((world - 1) * (2 * w[0].numel() * 4 // world) for w in (experts.gate_up_proj, experts.down_proj))
+    for name, layer in moecompile.comm_stats().items():  # (the shared expert's all-reduce: as a ring's bytes)
+        assert layer["domain_gather.peer"] == want and layer["expert_mean.peer"] == shared, (name, layer, want)
 
 
 def _check_bytes(rank, world, flat):

@@ -8,7 +8,8 @@ entries largest in magnitude, as (value, index) pairs; a receiver decodes S + th
     decode(values, indices, S_X)    -> [E, X]: S plus each expert's kept residual entries (q = 1: W exactly)
     encoded_bytes(E, X, q, elem)    what encode's output costs on the wire, against E X elem uncompressed
 
-    moe::expert_mean(w, E, group)                  the shared expert: the mean of the layer's E experts
+    moe::expert_mean(w, E, group)                  the shared expert: the mean of the layer's E experts, all-
+                                                   reduced over every rank each step
     moe::domain_gather_compressed(w, S, q, group)  moe.domain_gather sending residual pairs; own experts exact;
                                                    backward: each copy's gradient summed to its owner (as if exact)
 
@@ -62,16 +63,21 @@ def encoded_bytes(E: int, numel: int, q: float, elem: int) -> int:
 
 
 @custom_op("moe::expert_mean", mutates_args=())
-def expert_mean(w: Tensor, num_experts: int, group_name: str) -> Tensor:
+def expert_mean(w: Tensor, num_experts: int, group_name: str, layer: str = "") -> Tensor:
     """The shared expert: the mean of the layer's ``num_experts`` experts, every rank's ``w`` [E_l, ...] summed over
-    ``group`` (all the layer's ranks). Not differentiated: the residuals carry the gradient."""
+    ``group`` (all the layer's ranks). Not differentiated: the residuals carry the gradient. Counted as a ring
+    all-reduce sends: 2 (W - 1) / W of one expert's bytes per rank."""
+    group = resolve_group(group_name)
     total = w.detach().sum(0)
-    dist.all_reduce(total, group=resolve_group(group_name))
+    dist.all_reduce(total, group=group)
+    if layer:
+        W = dist.get_world_size(group)
+        COMM.add_rows(layer, "expert_mean", group, [1] * W, 2 * total.numel() * total.element_size() // W)
     return total / num_experts
 
 
 @register_fake("moe::expert_mean")
-def _expert_mean_fake(w, num_experts, group_name):
+def _expert_mean_fake(w, num_experts, group_name, layer=""):
     return w.new_empty(w.shape[1:])
 
 
