@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+import moecompile.runtime.comm.compress  # noqa: F401  (registers moe::domain_gather_compressed, moe::expert_mean)
 import moecompile.runtime.comm.domains  # noqa: F401  (registers moe::domain_gather*)
 import moecompile.runtime.placement.swap  # noqa: F401  (registers moe::ep_to_slots)
 from moecompile.runtime.comm.dedup import hierarchical_experts
@@ -136,7 +137,12 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         replaced = _only_combine(node, dedup)
     with gm.graph.inserting_before(replaced):
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
-        if domain_size > 1:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
+        q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked weights
+        if domain_size > 1 and q:
+            world = view_arg(views[0], "compress_group")
+            mine = {r: torch.ops.moe.domain_gather_compressed(p, torch.ops.moe.expert_mean(
+                p.detach(), e.num_experts, world, layer), q, domain_group, layer) for r, p in mine.items()}
+        elif domain_size > 1:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
             mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
         gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, mine)
 

@@ -285,8 +285,8 @@ class Cut:
         if kw or len(args) != 2:
             return False
         sliced = [self.rows[a] for a in args if isinstance(a, fx.Node) and isinstance(self.rows.get(a), Rows)]
-        if len({s.lead for s in sliced}) != 1:
-            return False
+        if len({s.lead for s in sliced}) != 1 or len({len(s.rest) for s in sliced}) != 1:
+            return False  # (rows of different ranks broadcast over the tokens: not row by row)
         rest = max((s.rest for s in sliced), key=len)
         shapes = [s.rest for s in sliced]
         for a in args:

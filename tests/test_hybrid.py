@@ -6,7 +6,8 @@ expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "
 8 (1-D: domain sizes 1, 2, 4, 8); the bytes with one domain and with domain size 1; bad input. The stream model
 (runtime/comm/stream.py): its choice in both of §III's regimes and against Eqs. 11-12's closed form (pure); under
 emulated links, every candidate's predicted communication against the measured one, and expert_domains="auto"
-training as one process (world 4); where the distribute pass starts each layer's all-gather and waits for it.
+training as one process (world 4); where the distribute pass starts each layer's all-gather and waits for it;
+compress=q (q = 1 as one process; the bytes at q = 0.25).
 Every collective has a timeout; a failing rank fails the test."""
 
 import itertools
@@ -251,6 +252,7 @@ def _domains_world4(rank, world, tmp):
                 domains == {"node": 2, "local": 2}), sent  # one domain of every rank: no token row leaves a rank
         _check_bytes(rank, world, init_device_mesh("cpu", (4,)))
         _stream_measured(two)
+        _compressed(world, init_device_mesh("cpu", (4,)))
         _bad_input(two)
     finally:
         dist.destroy_process_group()
@@ -290,6 +292,31 @@ def _stream_measured(two):
         assert "{'node': 1, 'local': 1}" in report and "measured" in report, report
 
 
+def _compressed(world, flat):
+    """compress=q (SR compression of the gathered experts): q = 1 trains as one process (the residual keeps every
+    entry); at q = 0.25 each rank sends, per weight, its experts' k (value, int32 index) pairs to each of the W - 1
+    others, k = ceil(q x the entries of one expert), and the report says the forward is not exact."""
+    from moecompile.models.hf import tiny_model
+    from moecompile.runtime.comm.compress import encoded_bytes
+
+    _train("mixtral", flat, {"ep": world}, compress=1.0)
+    model = tiny_model("mixtral").train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    moecompile.parallelize(model, flat, ids, expert_domains={"ep": world}, compress=0.25)
+    assert all("compress=0.25" in r.sharding and "not exact" in r.sharding for r in model._moe_parallel.report.layers)
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    moecompile.comm_stats(reset=True)
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    experts = model.model.layers[0].mlp.experts
+    want = sum((world - 1) * encoded_bytes(w.shape[0], w[0].numel(), 0.25, 4)
+               for w in (experts.gate_up_proj, experts.down_proj))
+    shared = sum((world - 1) * (2 * w[0].numel() * 4 // world) for w in (experts.gate_up_proj, experts.down_proj))
+    for name, layer in moecompile.comm_stats().items():  # (the shared expert's all-reduce: as a ring's bytes)
+        assert layer["domain_gather.peer"] == want and layer["expert_mean.peer"] == shared, (name, layer, want)
+
+
 def _check_bytes(rank, world, flat):
     """On a 1-D mesh: domain size 1 sends the bytes plain expert parallelism sends; domain size W moves no token
     row and each rank sends its own experts' bytes to each of the W - 1 others (and sums as many gradients back)."""
@@ -313,7 +340,8 @@ def _bad_input(mesh):
     cases = [({"expert_domains": {"node": 3}}, r"level 0 has 2 workers and domain size 3: .* one of \[1, 2\]"),
              ({"expert_domains": {"rack": 2}}, r"this mesh's level names \['node', 'local'\]"),
              ({"expert_domains": "auto"}, "'auto' sizes each layer's domains .* pass link_model="),
-             ({"expert_domains": {"node": 2}, "compress": 0.1}, "compress=0.1: .* not built yet"),
+             ({"expert_domains": {"node": 2}, "compress": 1.5}, r"compress=1.5: .* must be in \(0, 1\]"),
+             ({"compress": 0.1}, "compress=0.1 compresses the experts an expert domain gathers"),
              ({"expert_domains": {"node": 2}, "dedup": "node"}, "expert_domains with dedup is not built"),
              ({"expert_domains": {"node": 2}, "replication": "adaptive", "slots_per_rank": 3},
               "expert_domains with replication is not built")]

@@ -44,6 +44,7 @@ class Domains:
     exchange_ranks: list[int]
     mesh_shape: tuple[int, ...]
     domain_sizes: tuple[int, ...]
+    compress: float | None = None  # the fraction of residual entries sent (SR compression), or None: exact
 
     def slots(self, num_experts: int) -> torch.Tensor:
         """Expert -> its slot in the exchange group's gathered order (every rank's the same)."""
@@ -57,16 +58,24 @@ class Domains:
         return torch.tensor([slot_of_rank[int(e) // per_rank] for e in expert]) * per_rank + expert % per_rank
 
     def describe(self) -> str:
-        return (f"expert domains {self.sizes}: the experts of ranks {self.gather_ranks} gathered here, tokens for "
+        text = (f"expert domains {self.sizes}: the experts of ranks {self.gather_ranks} gathered here, tokens for "
                 f"other domains' experts exchanged with ranks {self.exchange_ranks}")
+        if self.compress is not None:
+            text += (f"; compress={self.compress:g}: the gathered experts are the shared (mean) expert plus each "
+                     "one's largest residual entries, not exact (this changes the forward)")
+        return text
 
 
 def check(expert_domains, compress, mesh, link_model=None, **others) -> dict[str, int] | str | None:
     """The domain size of each mesh level (None: plain expert parallelism; "auto": each layer's, by the stream
     model, ``choose``), or ValueError naming the fix."""
     if compress is not None:
-        raise ValueError(f"compress={compress!r}: compressed expert migration (hybridep.md §IV-B) is not built yet: "
-                         "leave compress=None")
+        if expert_domains is None:
+            raise ValueError(f"compress={compress!r} compresses the experts an expert domain gathers: give "
+                             "expert_domains too, or leave compress=None")
+        if isinstance(compress, bool) or not isinstance(compress, (int, float)) or not 0 < compress <= 1:
+            raise ValueError(f"compress={compress!r}: the fraction of residual entries kept must be in (0, 1], "
+                             "e.g. 0.02 (hybridep.md keeps 1 in 50), or None for exact experts")
     if expert_domains is None:
         return None
     names = level_names(mesh)
@@ -90,17 +99,21 @@ def check(expert_domains, compress, mesh, link_model=None, **others) -> dict[str
     return sizes
 
 
-def check_layer(rec, params: dict) -> None:
-    """ValueError where a layer's experts cannot be gathered (an ``nn.ModuleList`` of them: not built)."""
+def check_layer(rec, params: dict, compress=None) -> None:
+    """ValueError where a layer's experts cannot be gathered (an ``nn.ModuleList`` of them: not built), or not
+    compressed (flat [E * R, ...] weights: the shared expert is the mean of whole experts)."""
     if any(isinstance(names, list) for names in params.values()):
         raise ValueError(f"expert_domains gathers stacked [E, ...] or flat expert weights; MoE layer {rec.path} "
                          "keeps its experts in an nn.ModuleList, which is not built: drop expert_domains")
+    if compress is not None and rec.spec.experts.storage != "stacked":
+        raise ValueError(f"compress= works on stacked [E, ...] expert weights; MoE layer {rec.path} stores them "
+                         f"{rec.spec.experts.storage}: drop compress")
 
 
 _GROUPS: dict[tuple, tuple] = {}
 
 
-def setup(mesh, sizes: dict[str, int]) -> Domains:
+def setup(mesh, sizes: dict[str, int], compress: float | None = None) -> Domains:
     """This rank's domain and exchange groups (every rank makes all of them, in the same order, once per mesh
     and domain sizes)."""
     from .mesh import _timeout
@@ -120,7 +133,7 @@ def setup(mesh, sizes: dict[str, int]) -> Domains:
     for group, ranks in ((_GROUPS[key][1], gather), (_GROUPS[key][2], exchange)):  # emulate_links's kinds
         if len(ranks) > 1:
             register_group_kind(group.group_name, kind(names, stream.spanned(ranks, shape)))
-    return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes)
+    return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes, compress)
 
 
 def choose(records, link, routing: dict, mesh, group) -> None:

@@ -81,7 +81,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     take_back_experts(model, tp.tp_group if tp is not None else None)  # transformers' tp_plan="auto" experts
     domains = domains_mod.check(expert_domains, compress, mesh, link_model, dedup=dedup != "off",
                                 swap_every=bool(swap_every), replication=replication != "off", moe_tp=tp is not None)
-    domains = domains_mod.setup(mesh, domains) if isinstance(domains, dict) else domains  # None, or "auto"
+    domains = domains_mod.setup(mesh, domains, compress) if isinstance(domains, dict) else domains  # None, "auto"
     _check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     if not isinstance(swap_every, int) or swap_every < 0:
@@ -112,7 +112,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if rec.moe_tp == "ted":
             ted.check(rec, tp)
         if domains is not None:
-            domains_mod.check_layer(rec, params)
+            domains_mod.check_layer(rec, params, compress)
     if domains == "auto":
         domains_mod.choose([rec for rec, _ in plans], link, routing, mesh, group)
     for rec, params in plans:
@@ -136,7 +136,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if rec.moe_tp == "ted":
             held = ted.shard(model, rec, params, mesh, tp)
         else:
-            layer_domains = domains_mod.setup(mesh, rec.domain_sizes) if domains == "auto" else domains
+            layer_domains = domains_mod.setup(mesh, rec.domain_sizes, compress) if domains == "auto" else domains
             held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, layer_domains)
             if domains == "auto":
                 rec.sharding += "; " + rec.domain_reason
@@ -327,6 +327,8 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
     exchange = group.group_name
     if domains is not None:
         exchange, views = domains.exchange_group.group_name, {**views, "domain_group": domains.domain_group.group_name}
+        if domains.compress is not None:  # SR compression: the shared expert is the mean over every rank's
+            views.update(compress=float(domains.compress), compress_group=group.group_name)
     attrs = {}
     for role, name in params.items():
         module_name, _, attr = name.rpartition(".")

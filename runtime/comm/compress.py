@@ -1,0 +1,117 @@
+"""Shared + residual (SR) compression of the experts an expert domain all-gathers (hybridep.md §IV-B).
+
+Experts of one layer differ in few parameters: with the *shared expert* S (the mean of the layer's experts), each
+expert's residual W_e - S is sparse. A rank sends, for each of its experts, only the ``q`` fraction of residual
+entries largest in magnitude, as (value, index) pairs; a receiver decodes S + the scattered residual.
+
+    encode(W_EX, S_X, q)            -> values [E, k], indices [E, k] (int32), k = ceil(q X) of the X entries
+    decode(values, indices, S_X)    -> [E, X]: S plus each expert's kept residual entries (q = 1: W exactly)
+    encoded_bytes(E, X, q, elem)    what encode's output costs on the wire, against E X elem uncompressed
+
+    moe::expert_mean(w, E, group)                  the shared expert: the mean of the layer's E experts, all-
+                                                   reduced over every rank each step
+    moe::domain_gather_compressed(w, S, q, group)  moe.domain_gather sending residual pairs; own experts exact;
+                                                   backward: each copy's gradient summed to its owner (as if exact)
+
+``parallelize(..., expert_domains=..., compress=q)`` (stacked experts): it changes the forward (the gathered
+copies are approximate), so it is never on by default and the report says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.library import custom_op, register_autograd, register_fake
+
+from .domains import domain_reduce  # noqa: F401  (registers moe::domain_reduce, the backward)
+from .exchange import resolve_group
+from .stats import COMM
+
+Tensor = torch.Tensor
+
+
+def kept(numel: int, q: float) -> int:
+    """Entries kept of ``numel`` at fraction ``q`` (at least one)."""
+    if not 0 < q <= 1:
+        raise ValueError(f"compress={q!r}: the fraction of residual entries kept must be in (0, 1], e.g. 0.02")
+    return max(1, math.ceil(q * numel))
+
+
+def encode(w_EX: Tensor, shared_X: Tensor, q: float) -> tuple[Tensor, Tensor]:
+    """Each expert's (row of ``w_EX``, flattened) residual against ``shared_X``, its ``q`` fraction of entries
+    largest in magnitude as values and int32 indices."""
+    residual = w_EX.reshape(w_EX.shape[0], -1) - shared_X.reshape(1, -1)
+    k = kept(residual.shape[1], q)
+    idx = residual.abs().topk(k, dim=1, sorted=False).indices
+    return residual.gather(1, idx), idx.to(torch.int32)
+
+
+def decode(values_Ek: Tensor, indices_Ek: Tensor, shared_X: Tensor) -> Tensor:
+    """[E, X]: ``shared_X`` plus each expert's residual entries put back at their indices."""
+    out = shared_X.reshape(1, -1).repeat(values_Ek.shape[0], 1)
+    return out.scatter_add_(1, indices_Ek.long(), values_Ek.to(out.dtype))
+
+
+def encoded_bytes(E: int, numel: int, q: float, elem: int) -> int:
+    """Bytes of ``encode``'s output for E experts of ``numel`` entries: k values and k int32 indices each."""
+    return E * kept(numel, q) * (elem + 4)
+
+
+# ---- the compressed all-gather of a domain's experts ------------------------------------------------------------
+
+
+@custom_op("moe::expert_mean", mutates_args=())
+def expert_mean(w: Tensor, num_experts: int, group_name: str, layer: str = "") -> Tensor:
+    """The shared expert: the mean of the layer's ``num_experts`` experts, every rank's ``w`` [E_l, ...] summed over
+    ``group`` (all the layer's ranks). Not differentiated: the residuals carry the gradient. Counted as a ring
+    all-reduce sends: 2 (W - 1) / W of one expert's bytes per rank."""
+    group = resolve_group(group_name)
+    total = w.detach().sum(0)
+    dist.all_reduce(total, group=group)
+    if layer:
+        W = dist.get_world_size(group)
+        COMM.add_rows(layer, "expert_mean", group, [1] * W, 2 * total.numel() * total.element_size() // W)
+    return total / num_experts
+
+
+@register_fake("moe::expert_mean")
+def _expert_mean_fake(w, num_experts, group_name, layer=""):
+    return w.new_empty(w.shape[1:])
+
+
+@custom_op("moe::domain_gather_compressed", mutates_args=())
+def domain_gather_compressed(w: Tensor, shared: Tensor, q: float, group_name: str, layer: str = "") -> Tensor:
+    """``moe.domain_gather`` with SR compression: each rank sends its experts' residual top-``q`` entries; the
+    other ranks' experts come back as shared + residual, this rank's own exactly."""
+    group = resolve_group(group_name)
+    S, r = dist.get_world_size(group), dist.get_rank(group)
+    values, indices = encode(w, shared, q)
+    all_values = [torch.empty_like(values) for _ in range(S)]
+    all_indices = [torch.empty_like(indices) for _ in range(S)]
+    dist.all_gather(all_values, values, group=group)
+    dist.all_gather(all_indices, indices, group=group)
+    if layer:
+        COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * S,
+                      indices.shape[1] * (values.element_size() + 4))
+    out = decode(torch.cat(all_values), torch.cat(all_indices), shared).to(w.dtype)
+    out = out.view(S * w.shape[0], *w.shape[1:])
+    out[r * w.shape[0]:(r + 1) * w.shape[0]] = w  # its own experts exactly
+    return out
+
+
+@register_fake("moe::domain_gather_compressed")
+def _domain_gather_compressed_fake(w, shared, q, group_name, layer=""):
+    return w.new_empty((w.shape[0] * dist.get_world_size(resolve_group(group_name)), *w.shape[1:]))
+
+
+def _compressed_setup(ctx, inputs, output):
+    ctx.group_name, ctx.layer = inputs[3], inputs[4]
+
+
+def _compressed_bwd(ctx, grad):  # straight through: each copy's gradient summed back to its owner
+    return torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None, None, None
+
+
+register_autograd("moe::domain_gather_compressed", _compressed_bwd, setup_context=_compressed_setup)
