@@ -49,7 +49,7 @@ def _run_one(q, args, text, rank, mesh):
         out.loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
         stats = moecompile.comm_stats().values()
         sent = sum(layer.get("domain_gather.peer", 0) for layer in stats)
         shared = sum(layer.get("expert_mean.peer", 0) for layer in stats)
