@@ -1,22 +1,23 @@
 """MoE blocks beside tensor parallelism (moecompile.parallelize(..., moe_tp=...)) on gloo, against one process.
 
-World 4, mesh ("dp", "tp") = (2, 2): the two ranks of one dp index hold the same batch (a tp group), the two dp
-indices two different batches; the reference is one process training on both batches together (the same mean loss).
-For moe_tp "off", "ssmb" and "ted": three SGD steps (momentum 0.9) of a tiny Mixtral (stacked experts) and of a
-hand-written ModuleList model equal one process (fp32, 1e-5: each step's logits, and every weight of the state_dict
-after, sharded ones gathered whole, and every momentum of get_optimizer_state_dict, which set_optimizer_state_dict
-gives back), at 14 tokens and at 15 (uneven slices); each rank holds 1/4 of the expert weights; under "ssmb" each
-rank sends half the rows it sends under "off" on the same batch, and (Mixtral, each MoE block compiled alone) the
-MoE blocks' saved activations, summed over the ranks, halve. Mixtral again beside torch's tensor parallelism of
-attention and FSDP2 of each decoder layer (the SSMB one compiled layer by layer), and with "auto" (its choice and
-reasons in the report). The SSMB run's torch.distributed.checkpoint loads into a 1-D 4-rank expert-parallel model
-and, in the parent, into one process: the same weights. A second spawn: DeepSeek-V3 (shared expert, grouped sigmoid
-router) under SSMB; dedup at "dp" (SSMB Mixtral, "off" ModuleList model), expert swaps and adaptive replication
-under SSMB (each token's rows placed once over the mesh) on the same mesh equal one process too, and TED / "auto"
-refuse them. A tiny Mixtral loaded with transformers' from_pretrained(path, tp_plan="auto") under torchrun (2 ranks:
-tests/hf_tp_plan_run.py) trains the same way. Bad input is refused with ValueError (FSDP2 taking the expert shards
-over included). Without processes: "auto" on the published shapes (real blocks built on the meta device), and TED's
-refusals. A failing rank fails the test; every collective has a timeout.
+World 4, mesh ("dp", "tp") = (2, 2): the two ranks of one dp index hold the same batch (a tp group), the two dp indices
+two different batches; the reference is one process training on both batches together (the same mean loss). For moe_tp
+"off", "ssmb" and "ted": three SGD steps (momentum 0.9) of a tiny Mixtral (stacked experts) and of a hand-written
+ModuleList model equal one process (fp32, 1e-5: each step's logits, and every weight of the state_dict after, sharded
+ones gathered whole, and every momentum of get_optimizer_state_dict, which set_optimizer_state_dict gives back), at 14
+tokens and at 15 (uneven slices); each rank holds 1/4 of the expert weights; under "ssmb" each rank sends half the rows
+it sends under "off" on the same batch, and (Mixtral, each MoE block compiled alone) the MoE blocks' saved activations,
+summed over the ranks, halve. Mixtral again beside torch's tensor parallelism of attention and FSDP2 of each decoder
+layer (``fully_shard(layer, mesh=mesh["dp"])`` as written: it leaves out the modules parallelize marked; "off" with
+ignored_params; the SSMB one compiled layer by layer), and with "auto" (its choice and reasons in the report). The SSMB
+run's torch.distributed.checkpoint loads into a 1-D 4-rank expert-parallel model and, in the parent, into one process:
+the same weights. A second spawn: DeepSeek-V3 (shared expert, grouped sigmoid router) under SSMB; dedup at "dp" (SSMB
+Mixtral, "off" ModuleList model), expert swaps and adaptive replication under SSMB (each token's rows placed once over
+the mesh) on the same mesh equal one process too, and TED / "auto" refuse them. A tiny Mixtral loaded with transformers'
+from_pretrained(path, tp_plan="auto") under torchrun (2 ranks: tests/hf_tp_plan_run.py) trains the same way. Bad input
+is refused with ValueError (an expert shard assigned anew included). Without processes: "auto" on the published shapes
+(real blocks built on the meta device), and TED's refusals. A failing rank fails the test; every collective has a
+timeout.
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -116,9 +118,13 @@ def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per
     if tp_attention:
         _tp_attention(model, mesh)
     moecompile.parallelize(model, mesh, mine, moe_tp=moe_tp, **options)
-    if fsdp:
+    if fsdp:  # the issue's program as written (parallelize marks the expert modules for FSDP2 to leave out), and
+        # with the set of expert weights named (moe_tp="off")
+        named = {"ignored_params": moecompile.expert_parameters(model)} if moe_tp == "off" else {}
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"], ignored_params=moecompile.expert_parameters(model))
+            fully_shard(layer, mesh=mesh["dp"], **named)
+        assert not any(isinstance(p, DTensor) for p in moecompile.expert_parameters(model))
+        assert "FSDP2's fully_shard leaves out" in str(model._moe_parallel)
     info = model._moe_parallel
     assert not info.left and all(r.sharding for r in info.report.layers), str(info)
     if moe_tp == "auto":  # tiny experts at 7 tokens: r = 2 / 16 <= 2 / 7, TED; the report shows both sides
@@ -248,9 +254,10 @@ def _bad_input(mesh):
         moecompile.parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local")), ids,
                                moe_tp="ssmb")
     moecompile.parallelize(model, mesh, ids, moe_tp="ssmb")
-    fully_shard(model.model.layers[0], mesh=mesh["dp"])  # FSDP2 takes the expert shards over at its first run
-    with pytest.raises(ValueError, match="ignored_params=moecompile.expert_parameters"):
-        model(ids)
+    experts = model.model.layers[0].mlp.experts  # an expert shard assigned anew (e.g. load_state_dict(assign=True))
+    experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach().clone())
+    with pytest.raises(ValueError, match="no longer the shard moecompile.parallelize made"):
+        torch.compile(model, backend="moe")(ids)
 
 
 def _levels(rank, world, tmp):

@@ -48,7 +48,7 @@ from moecompile.runtime.placement.replication import check_slots
 
 from .replicate import check_options, replicable, replicate_layer
 from .sharded_state import DOMAIN_SLOTS, SLOTS, experts_module, global_state, list_prefix, local_state
-from .views import guard_owned, read_remote, read_through_view
+from .views import guard_owned, leave_out_of_fsdp, read_remote, read_through_view
 
 
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
@@ -150,6 +150,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     model._moe_parallel.module_list_experts = {n for _, params in plans for names in params.values()
                                                if isinstance(names, list) for n in names}
     model._moe_parallel.replicas = replicas
+    model._moe_parallel.fsdp_left_out = leave_out_of_fsdp(model)
     if swapping:
         from .swap import ExpertSwap
 
@@ -182,11 +183,15 @@ class ParallelInfo:
         self.swap = None  # the ExpertSwap of a model parallelized with swap_every
         self.module_list_experts: set[str] = set()  # every weight name of the sharded ModuleList experts (all ranks')
         self.replicas: list = []  # the ReplicaLayer of each layer whose experts replicate (replicate.py)
+        self.fsdp_left_out: list[str] = []  # the modules holding expert shards that FSDP2's fully_shard leaves out
 
     def __str__(self) -> str:
         lines = [f"expert parallelism over {self.world} rank(s):"]
         lines += [f"  sharded {r.path}: {r.sharding}" for r in self.report.layers if r.sharding]
         lines += [f"  left whole (replicated) {path}: {why}" for path, why in self.left]
+        if self.fsdp_left_out:
+            lines.append(f"  FSDP2's fully_shard leaves out {len(self.fsdp_left_out)} module(s) holding expert shards "
+                         "(moecompile reduces their gradients)")
         return "\n".join(lines)
 
 

@@ -112,3 +112,31 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
                          "moecompile.parallelize(model, mesh, ...)")
     return {p for n, p in model.named_parameters()
             if getattr(p, "_moe_sharded", False) or n in info.module_list_experts}
+
+
+def leave_out_of_fsdp(model: nn.Module) -> list[str]:
+    """Mark each module holding an expert weight this rank was given, as torch marks a module under its composable
+    ``replicate``: FSDP2's ``fully_shard`` of a module above leaves such modules (and their parameters) out, as if
+    they were passed as ``ignored_params``, so ``fully_shard(layer, mesh=mesh["dp"])`` needs no argument. The
+    marked modules' other parameters, if any, are averaged over the data-parallel group by moecompile
+    (``grads.py``) as any parameter FSDP2 does not hold. Returns the modules marked; none where this torch has no
+    such mark (a ``fully_shard`` then needs ``ignored_params=moecompile.expert_parameters(model)``, and one without
+    it raises ``taken_over`` at its first run)."""
+    try:
+        from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+        from torch.distributed.fsdp._fully_shard._fsdp_common import _is_composable_with_fsdp
+    except ImportError:
+        return []
+    held = expert_parameters(model)
+    owners = {name.rpartition(".")[0] for name, p in model.named_parameters() if p in held}
+    marked = []
+    for name in sorted(owners):
+        module = model.get_submodule(name)
+        if module is model:  # the model itself: FSDP2 of it would hold nothing
+            continue
+        module.__dict__.setdefault(REGISTRY_KEY, {}).setdefault("replicate", RegistryItem())
+        if _is_composable_with_fsdp(module):  # this torch reads another mark: leave the module as it was
+            module.__dict__[REGISTRY_KEY].pop("replicate")
+            return marked
+        marked.append(name)
+    return marked
