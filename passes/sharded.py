@@ -92,13 +92,17 @@ def _standin_name(view: fx.Node) -> str:
     """A remote ModuleList expert's weight is named as Dynamo would name it, after the graph input of the local
     weight it is shaped like (detect reads a ModuleList's experts from those names); others after their view.
     Under tensor-expert parallelism a local ModuleList expert's weight is a view of its slice too: its stand-in
-    is named after that slice's graph input, and every stand-in of the layer ends in ``ted_`` alike."""
+    is named after that slice's graph input, and every stand-in of the layer ends in ``ted_`` alike. A module
+    compiled below the model's root (the MoE block alone) names its inputs from there: the names are matched
+    with as many of the layer path's leading modules dropped as that takes."""
     ted = "ted_" if view_arg(view, "moe_tp") == "ted" else ""
     if view.target in EP_VIEWS[2:]:
-        like, name = _dynamo_name(view.args[5]), _dynamo_name(view.args[6])
-        for ph in view.graph.find_nodes(op="placeholder"):
-            if ph.name.endswith(f"_{like}_"):
-                return ph.name.replace(like, name) + ted
+        like, name, layer = view.args[5].split("."), view.args[6].split("."), view.args[3].split(".")
+        for k in range(len(layer) + 1):  # the model's names, then as the layer's own module compiled alone sees them
+            like_k, name_k = _dynamo_name(".".join(like[k:])), _dynamo_name(".".join(name[k:]))
+            for ph in view.graph.find_nodes(op="placeholder"):
+                if ph.name.endswith(f"_{like_k}_"):
+                    return ph.name[: len(ph.name) - len(like_k) - 1] + name_k + "_" + ted
     local = view.args[0]
     if ted and isinstance(local, fx.Node) and local.op == "placeholder" and re.search(r"_modules_\d+_", local.name):
         return local.name + ted

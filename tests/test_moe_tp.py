@@ -202,16 +202,16 @@ def _world4(rank, world, tmp):  # noqa: C901 (one spawn, many checks)
         # Mixtral: 2 sequences of 7 tokens, 7 per tp rank: the rows this rank sends halve. The ModuleList model:
         # 3 x 5 = 15 tokens, slices of 8 and 7
         for family, batch, seq in (("mixtral", 2, 7), ("loop", 3, 5)):
-            per_block = family == "mixtral"  # (saved bytes inside the MoE blocks, each compiled alone)
-            sent_off, saved_off, _ = _train(family, mesh, "off", batch, seq, per_block=per_block)
-            sent_ssmb, saved_ssmb, trained = _train(family, mesh, "ssmb", batch, seq, per_block=per_block)
+            # each MoE block compiled alone (the saved bytes counted inside the blocks)
+            sent_off, saved_off, _ = _train(family, mesh, "off", batch, seq, per_block=True)
+            sent_ssmb, saved_ssmb, trained = _train(family, mesh, "ssmb", batch, seq, per_block=True)
             if family == "mixtral":
                 _checkpoint(trained, rank, tmp)
             _train(family, mesh, "ted", batch, seq)
             if batch * seq % 2 == 0:
                 assert sent_ssmb * 2 == sent_off, (family, sent_ssmb, sent_off)
             assert sent_ssmb < sent_off and saved_ssmb < saved_off, (family, sent_ssmb, sent_off, saved_ssmb, saved_off)
-            if not per_block:
+            if family != "mixtral":  # (15 tokens: slices of 8 and 7)
                 continue
             # the MoE blocks' saved activations halve, summed over the ranks (the rows each receives depend on the
             # routing): all but the [E]-sized expert counts, which do not shrink (about 150 bytes of a layer's
