@@ -11,6 +11,7 @@ compress=q (q = 1 as one process; the bytes at q = 0.25).
 Every collective has a timeout; a failing rank fails the test."""
 
 import itertools
+import re
 from datetime import timedelta
 
 import pytest
@@ -290,6 +291,9 @@ def _stream_measured(two):
         report = str(model._moe_parallel)
         assert report.count("expert domains auto ->") == len(model._moe_parallel.report.layers), report
         assert "{'node': 1, 'local': 1}" in report and "measured" in report, report
+        # Eq. 2's PE, measured per layer (every tiny layer's attention takes some time) and printed
+        pes = [float(m) for m in re.findall(r"pre-expert time PE ([0-9.e+-]+) ms", report)]
+        assert len(pes) == len(model._moe_parallel.report.layers) and all(pe > 0 for pe in pes), report
 
 
 def _compressed(world, flat):

@@ -136,11 +136,14 @@ def setup(mesh, sizes: dict[str, int], compress: float | None = None) -> Domains
     return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes, compress)
 
 
-def choose(records, link, routing: dict, mesh, group) -> None:
+def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | None = None) -> None:
     """``expert_domains="auto"``: each layer's domain sizes (``rec.domain_sizes``), the least time the stream model
     (``runtime/comm/stream.py``) predicts for one forward of every rank's example routing (gathered, so every
     rank decides alike) on ``link``, over every candidate; ``rec.domain_reason`` lists each candidate's predicted
-    time and the chosen one's measured time (``time_hybrid``, on the example routing)."""
+    time and the chosen one's measured time (``time_hybrid``, on the example routing). ``pre``: each layer's
+    pre-expert time PE (``pre_expert_seconds``), with which Eq. 7 credits min(PE, AG) of the all-gather started
+    ahead; none given: 0."""
+    pre = pre or {}
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, {rec.path: routing.get(rec.path) for rec in records}, group=group)
     names, shape = level_names(mesh), tuple(mesh.shape)
@@ -159,18 +162,64 @@ def choose(records, link, routing: dict, mesh, group) -> None:
         source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
         every_ids = torch.cat(ids)
         rate = compute_rate(e.hidden, e.intermediate, max(1, every_ids.numel() // W), weight.dtype, group)
+        pe = pre.get(rec.path, 0.0)
         predicted = [stream.predict(every_ids, source, shape, names, c, e.num_experts, e.hidden * elem,
-                                    expert_bytes, link, mats * e.hidden * e.intermediate, rate, overlap=True)
+                                    expert_bytes, link, mats * e.hidden * e.intermediate, rate, pre_s=pe,
+                                    overlap=True)
                      for c in stream.candidates(shape)]
         best = stream.choose(predicted)
         rec.domain_sizes = dict(zip(names, best.domain_sizes))
         measured = time_hybrid(every_ids, source, e.num_experts, mesh, e.hidden, rec.domain_sizes, expert_bytes)
         rec.domain_reason = (
             f"expert domains auto -> {rec.domain_sizes}: least predicted time of one forward's expert "
-            "communication and compute (hybridep.md Eq. 8; the pre-expert time not measured: no overlap credited) "
-            "of the example routing: "
+            f"communication and compute (hybridep.md Eq. 8; pre-expert time PE {pe * 1e3:.3g} ms, measured eagerly "
+            "on the example: the all-gather overlaps it, Eq. 7) of the example routing: "
             + ", ".join(f"{dict(zip(names, p.domain_sizes))} {p.total * 1e3:.3g} ms" for p in predicted)
             + f"; measured {measured * 1e3:.3g} ms (communication)")
+
+
+def pre_expert_seconds(model, paths: list[str], example_args, group, repeats: int = 2) -> dict[str, float]:
+    """Eq. 2's PE of each MoE block at ``paths``: the time from the previous block's end (the model's start, for
+    the first) to the block's start, over which the distribute pass runs the block's all-gather (item 4 starts it
+    after the previous layer's experts): one eager forward of the example without gradients (the last of
+    ``repeats``; random state kept), the least over the ranks so that Eq. 7's overlap is not overstated. The
+    block's own router, inside it, is not counted. A block called more than once: its first call."""
+    marks: dict[str, list[float]] = {}
+    cuda = any(p.is_cuda for p in model.parameters())
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def mark(path: str, at: int):
+        def hook(*_):
+            marks.setdefault(path, [math.nan, math.nan])
+            if math.isnan(marks[path][at]):
+                marks[path][at] = now()
+        return hook
+
+    handles = [model.register_forward_pre_hook(mark("", 1))]
+    for path in paths:
+        module = model.get_submodule(path)
+        handles += [module.register_forward_pre_hook(mark(path, 0)), module.register_forward_hook(mark(path, 1))]
+    try:
+        with torch.no_grad(), torch.random.fork_rng():
+            for _ in range(repeats):
+                marks.clear()
+                model(*example_args)
+    finally:
+        for h in handles:
+            h.remove()
+    ends = sorted((t[1], p) for p, t in marks.items())
+    pe = []
+    for path in paths:
+        start = marks.get(path, [math.nan])[0]
+        before = [end for end, p in ends if end <= start and p != path]
+        pe.append(start - before[-1] if before else 0.0)
+    seconds = torch.tensor([x if x == x else 0.0 for x in pe], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MIN, group=group)
+    return dict(zip(paths, seconds.tolist()))
 
 
 def compute_rate(hidden: int, intermediate: int, rows: int, dtype, group, repeats: int = 3) -> float:

@@ -114,7 +114,9 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if domains is not None:
             domains_mod.check_layer(rec, params, compress)
     if domains == "auto":
-        domains_mod.choose([rec for rec, _ in plans], link, routing, mesh, group)
+        records = [rec for rec, _ in plans]
+        pre = domains_mod.pre_expert_seconds(model, [r.path for r in records], example_args, group)
+        domains_mod.choose(records, link, routing, mesh, group, pre)
     for rec, params in plans:
         why_not = replicable(params) if replication != "off" else "not asked"
         if why_not and replication != "off":
