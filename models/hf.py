@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from moecompile.passes.aliases import CONFIG_ALIASES
+from moecompile.passes.aliases import CONFIG_ALIASES, LAYER_LAYOUT, moe_layer_flags
 
 _COMMON = dict(
     vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
@@ -298,33 +298,11 @@ def _per_layer_lists(cfg: PretrainedConfig, num_layers: int) -> dict[str, list]:
 
 
 _ROUTING_KEYS = {*_EXPERT_COUNT_KEYS, *_TOPK_KEYS, "n_group", "num_expert_group", "topk_group"}
-# Fields that make some layers dense, as the models read them: "below" (layers below it), "above" (layers above
-# it), "step" (all but every step-th layer, (i + 1) % step == 0), "dense" (these layers), "moe" (all but these),
-# "types" (a kind per layer, "dense" or another).
-_LAYOUT = {"first_k_dense_replace": "below", "first_k_dense": "below", "num_dense_layers": "below",
-           "n_dense_layers": "below", "moe_layer_start_index": "below", "moe_layer_end_index": "above",
-           "decoder_sparse_step": "step", "moe_layer_interval": "step", "mlp_only_layers": "dense",
-           "moe_layers": "moe", "mlp_layer_types": "types"}
-_LISTS = ("dense", "moe", "types")
-
-
-def _moe_flags(values: dict, n: int) -> list[bool]:
-    """Whether each of ``n`` layers is MoE by the ``_LAYOUT`` fields of ``values`` (a config's dict)."""
-    def dense(i, kind, v):
-        if kind in _LISTS:
-            return v[i] == "dense" if kind == "types" else (i in v) == (kind == "dense")
-        return {"below": i < v, "above": 0 <= v < i, "step": v > 1 and (i + 1) % v != 0}[kind]
-
-    fields = [(kind, v) for k, kind in _LAYOUT.items()
-              if isinstance(v := values.get(k), list if kind in _LISTS else int) and (kind != "types" or len(v) >= n)]
-    return [not any(dense(i, kind, v) for kind, v in fields) for i in range(n)]
-
-
 def _dense_layout(values: dict, keep: list[int]) -> dict:
-    """The ``_LAYOUT`` fields of a user's config shrunk to its layers ``keep``, each dense or MoE as it was."""
-    flags = _moe_flags(values, max(keep) + 1)
+    """The ``LAYER_LAYOUT`` fields of a user's config shrunk to its layers ``keep``, each dense or MoE as it was."""
+    flags = moe_layer_flags(values, max(keep) + 1)
     out = {}
-    for k, kind in _LAYOUT.items():
+    for k, kind in LAYER_LAYOUT.items():
         v = values.get(k)
         if isinstance(v, list) and kind in ("dense", "moe"):
             out[k] = [j for j, i in enumerate(keep) if flags[i] == (kind == "moe")]
@@ -334,9 +312,10 @@ def _dense_layout(values: dict, keep: list[int]) -> dict:
             out[k] = sum(i < v for i in keep)
         elif isinstance(v, int) and kind == "above" and v >= 0:  # the last kept layer at or below it
             out[k] = sum(i <= v for i in keep) - 1
-    steps = [k for k, kind in _LAYOUT.items() if kind == "step" and isinstance(values.get(k), int)]
+    steps = [k for k, kind in LAYER_LAYOUT.items() if kind == "step" and isinstance(values.get(k), int)]
     want = [flags[i] for i in keep]  # a step of 1 where the fields above now say which layers are dense, else 2
-    step = next((s for s in (1, 2) if _moe_flags({**values, **out, **dict.fromkeys(steps, s)}, len(keep)) == want), 1)
+    step = next((s for s in (1, 2)
+                 if moe_layer_flags({**values, **out, **dict.fromkeys(steps, s)}, len(keep)) == want), 1)
     return {**out, **dict.fromkeys(steps, step)}
 
 
@@ -347,7 +326,7 @@ def shrink_config(family: str, base: PretrainedConfig | None = None) -> Pretrain
     top-k and expert groups stay as they are, so the tiny model routes like the real one.
     Per-layer lists (``layer_types``, ``mlp_layer_types``...) keep the first layer of every kind they
     contain, so hybrid models keep one layer of each kind (2 layers at least). A user's config with dense layers
-    (``first_k_dense_replace``, ``mlp_only_layers``...: ``_LAYOUT``) keeps its first one and its first two MoE
+    (``first_k_dense_replace``, ``mlp_only_layers``...: ``LAYER_LAYOUT``) keeps its first one and its first two MoE
     layers; a default config's are made MoE (``_SHRINK``), as the family walk builds it.
     """
     default = _default_config(family) if base is None else base
@@ -358,7 +337,7 @@ def shrink_config(family: str, base: PretrainedConfig | None = None) -> Pretrain
     kw = {}
     for names, value in _SHRINK:
         for name in names:
-            if base is not None and (name in _ROUTING_KEYS or name in _LAYOUT):
+            if base is not None and (name in _ROUTING_KEYS or name in LAYER_LAYOUT):
                 continue
             v = _get(default, name)
             if name in present and (isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -370,7 +349,7 @@ def shrink_config(family: str, base: PretrainedConfig | None = None) -> Pretrain
             kw["num_key_value_heads"] = kw["num_attention_heads"]
     layer_key = next((k for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if k in kw), None)
     per_layer = _per_layer_lists(default, _int(default, layer_key)) if layer_key else {}
-    flags = _moe_flags(values, _int(default, layer_key)) if base is not None and layer_key else []
+    flags = moe_layer_flags(values, _int(default, layer_key)) if base is not None and layer_key else []
     moe = [i for i, f in enumerate(flags) if f][:2] if not all(flags) else []  # dense, then 2 MoE as tiny models
     keep = sorted({lst.index(x) for lst in [*per_layer.values(), flags] for x in lst} | {0, *moe})
     keep = keep if len(keep) > 1 else [0, 1]

@@ -174,6 +174,9 @@ def main(argv=None) -> int:
     c.add_argument("--timeout", type=float, default=300,
                    help="seconds a collective may wait before the ranks raise (a dead rank never hangs the others)")
     c.set_defaults(fn=_calibrate)
+    from .plan.cli import add_parser as add_plan
+
+    add_plan(sub)
     args = parser.parse_args(argv)
     with progress() if args.cmd in ("inspect", "demo") else contextlib.nullcontext():
         return args.fn(args)

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from moecompile.plan.cost import xmoe_rule
+
 from .mesh import TP, tp_dim, tp_groups
 
 MODES = ("off", "ssmb", "ted", "auto")
@@ -108,8 +110,9 @@ class Choice:
 
 
 def rule(k: int, h_ffn: int, c: float, S: int) -> str:
-    """x-moe.md Appendix C: "ssmb" when k / H_FFN > 2 / (c S), else "ted"."""
-    return "ssmb" if k / h_ffn > 2 / (c * S) else "ted"
+    """x-moe.md Appendix C: "ssmb" when k / H_FFN > 2 / (c S), else "ted" (the planner's rule:
+    ``moecompile/plan/cost.py``)."""
+    return xmoe_rule(k, h_ffn, c, S)
 
 
 def choose(spec, S: int, tokens: int, setup: TPSetup, world: int, elem: int) -> Choice:

@@ -1,0 +1,224 @@
+"""One plan's time, bytes per link and memory per GPU (every formula here is also in docs/planner.md).
+
+Ranks are laid out over the cluster's levels, innermost fastest; tensor parallelism takes the innermost ``tp``
+ranks of the innermost level. The expert-parallel group is ``ep`` ranks, innermost first: consecutive ranks
+(``moe_tp`` "off" and "ssmb", the tp ranks included), or, under "ted", ranks of one tp index (experts sharded over
+the data-parallel ranks, each expert's intermediate size over tp). Experts are replicated over the ``N / ep``
+(TED: ``dp / ep``) expert-parallel groups, whose gradients are averaged across them.
+
+Per MoE layer and micro-batch (forward; backward counts twice the compute and once more each exchange):
+    dispatch, combine   ``runtime/comm/expected.py``'s bytes per level, each phase lasting its slowest level's
+                        alpha + bytes / bandwidth (the levels' links run at once)
+    experts             roofline of the grouped GEMMs: max(FLOPs / peak, bytes read and written / HBM)
+    allgather           expert domains: the domain's experts gathered, less the pre-expert compute it overlaps
+The step: every layer's forward and backward, the language-model head, and the gradient all-reduce (a ring:
+2 (n - 1) / n of the bytes over the slowest level the replicas span). Memory: bf16 weights and gradients, Adam
+(fp32 master, m, v: 12 bytes a parameter) sharded over the data-parallel replicas (ZeRO-1), activations of every
+layer (attention ``T H (4 + 11 / tp)`` bytes and a dense MLP's ``19 T H I / (4 H) / tp``, Korthikanti et al. with
+flash attention; a MoE layer's by ``moe_layer_activations``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from moecompile.runtime.comm import expected
+
+from .cluster import Cluster
+from .shapes import MoEShape
+
+ELEM = 2  # bf16
+ADAM_BYTES = 12
+
+
+@dataclass(frozen=True)
+class Plan:
+    ep: int
+    tp: int
+    dp: int
+    moe_tp: str = "off"
+    dedup: str = "off"
+    expert_domains: tuple | None = None  # ((level, size), ...)
+    slots_per_rank: int = 0
+
+    def as_dict(self) -> dict:
+        return {"ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
+                "expert_domains": dict(self.expert_domains) if self.expert_domains else None,
+                "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None}
+
+
+def group_counts(cluster: Cluster, size: int, stride: int = 1) -> list[int] | None:
+    """A group of ``size`` ranks taken innermost first, every ``stride``-th rank of the innermost level: its size
+    per level (outermost first); None where it does not tile the levels."""
+    counts = list(cluster.counts)
+    counts[-1] //= stride
+    out, left = [1] * len(counts), size
+    for j in reversed(range(len(counts))):
+        take = math.gcd(left, counts[j])
+        if take < min(left, counts[j]):
+            return None
+        out[j], left = take, left // take
+        if left == 1:
+            break
+    return out if left == 1 else None
+
+
+def moe_layer_activations(shape: MoEShape, tokens: float, tp_rows: int = 1, tp_inter: int = 1,
+                          capacity: float | None = None) -> float:
+    """Bytes one MoE layer keeps for backward on a GPU, x-moe.md Table 4's quantity: the dispatched rows, the
+    experts' intermediate activations and the combined rows of its ``tokens`` (uniform routing; padding-free, or
+    with ``capacity`` factor c the padded buffers of c K T rows). ``tp_rows``: the rows divided over tp (SSMB);
+    ``tp_inter``: the intermediate size divided over tp (TED)."""
+    rows = tokens * shape.top_k * (capacity or 1.0) / tp_rows
+    inter = shape.intermediate / tp_inter
+    return rows * ELEM * (2 * shape.hidden + (shape.mats - 1) * inter + inter)
+
+
+def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batch: int) -> dict:
+    """The plan's entry of plan.json (``layer_s``, ``step_s``, ``bytes_per_link``, ``memory_GB``, ``fits``), or
+    ``{"invalid": why}`` where the cluster cannot lay it out."""
+    N, levels = cluster.gpus, cluster.levels
+    ted = plan.moe_tp == "ted"
+    ep_counts = group_counts(cluster, plan.ep, plan.tp if ted else 1)
+    if ep_counts is None:
+        return {"invalid": f"an expert-parallel group of {plan.ep} does not tile the levels {cluster.counts}"}
+    T = seq * micro_batch
+    H, I, E, K = shape.hidden, shape.intermediate, shape.num_experts, shape.top_k
+    tp_rows = plan.tp if plan.moe_tp == "ssmb" else 1
+    tp_inter = plan.tp if ted else 1
+    rows = T * K / tp_rows
+    row_bytes = H * ELEM
+    dedup_level = [lv.name for lv in levels].index(plan.dedup) if plan.dedup != "off" else None
+    expert_bytes = (E // plan.ep) * shape.expert_params() // tp_inter * ELEM
+    sent = {"exchange": [0.0] * len(levels), "gather": [0.0] * len(levels), "tp": [0.0] * len(levels)}
+
+    def phase(what: str, bytes_per_level) -> float:
+        for j, b in enumerate(bytes_per_level):
+            sent[what][j] += b
+        return level_seconds(levels, bytes_per_level)
+
+    pre = _roofline(cluster, 2 * T * shape.attention_params() / plan.tp + 2 * T * seq * shape.heads *
+                    shape.head_dim / plan.tp, T * H * ELEM * 4)
+    allgather = 0.0
+    held = expert_bytes
+    if plan.expert_domains:
+        sizes = dict(plan.expert_domains)
+        domain_counts = [sizes.get(lv.name, 1) for lv in levels]
+        gather, rows_out = expected.domain_bytes(rows, row_bytes, ep_counts, domain_counts, expert_bytes)
+        dispatch, allgather = domain_times(levels, gather, rows_out, pre)
+        phase("gather", gather), phase("exchange", rows_out)
+        held = expert_bytes * math.prod(domain_counts)
+    else:
+        phases = expected.dispatch_bytes(rows, row_bytes, ep_counts, E, K, dedup_level)
+        dispatch = sum(phase("exchange", p) for p in phases)
+    if plan.slots_per_rank:  # replication: each step, S slots' weights come in and their gradients go back to
+        # the owners (adaptive-expert-replication's placement phases), over the group's slowest level
+        slow = min((j for j, c in enumerate(ep_counts) if c > 1), key=lambda j: levels[j].GBps)
+        slot = [0.0] * len(levels)
+        slot[slow] = plan.slots_per_rank * shape.expert_params() * ELEM
+        allgather += phase("gather", slot)
+    combine = dispatch  # the combine sends the dispatch's bytes back
+    if plan.tp > 1 and plan.moe_tp != "off":  # SSMB: the output all-gathered; TED: the partial sums reduced
+        tp_bytes = [0.0] * (len(levels) - 1) + [(plan.tp - 1) / plan.tp * T * H * ELEM * (2 if ted else 1)]
+        combine += phase("tp", tp_bytes)
+    inter = I / tp_inter
+    flops = 2 * rows * shape.mats * H * inter
+    experts = _roofline(cluster, flops, held + rows * ELEM * (2 * H + shape.mats * inter))
+    layer = {"dispatch": dispatch, "experts": experts, "combine": combine, "allgather": allgather,
+             "total": dispatch + experts + combine + allgather}
+    step, grads_level = _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes)
+    # per step: each MoE layer's dispatch and combine twice (forward, backward), its gather once each way (the
+    # backward's reduce-scatter), the tp collective each way; the gradient all-reduces
+    bytes_per_link = {lv.name: shape.moe_layers * (4 * x + 2 * g + 2 * t) + r for lv, x, g, t, r in
+                      zip(levels, sent["exchange"], sent["gather"], sent["tp"], grads_level)}
+    memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, 2 * (held - expert_bytes))
+    return {**plan.as_dict(), "layer_s": layer, "step_s": step, "bytes_per_link": bytes_per_link,
+            "memory_GB": memory, "fits": memory["total"] <= cluster.memory_GB}
+
+
+def level_seconds(levels, bytes_per_level) -> float:
+    """One collective phase: its slowest level's alpha + bytes / bandwidth (the levels' links run at once)."""
+    return max(lv.seconds(b) for lv, b in zip(levels, bytes_per_level))
+
+
+def domain_times(levels, gather, rows_out, pre: float) -> tuple[float, float]:
+    """Expert domains (hybridep.md Eqs. 3-8): (the dispatch's seconds, the all-gather's seconds left after the
+    ``pre`` seconds of pre-expert compute it overlaps, Eq. 7) from ``expected.domain_bytes``'s bytes per level."""
+    return level_seconds(levels, rows_out), max(0.0, level_seconds(levels, gather) - pre)
+
+
+def best_domain(levels, counts, data_bytes: float, expert_bytes: float, pre: float) -> tuple[list[int], float]:
+    """The domain sizes per level (dividing ``counts``) of least Eq. 8 time, pre-expert compute plus the
+    all-gather it does not hide plus the dispatch and combine of ``data_bytes`` (a GPU's rows, D) with
+    ``expert_bytes`` (P_E) per GPU; and that time. What ``evaluate`` prices for each domain plan."""
+    best = None
+    for sizes in itertools.product(*[[d for d in range(1, c + 1) if c % d == 0] for c in counts]):
+        gather, rows_out = expected.domain_bytes(data_bytes, 1, counts, sizes, expert_bytes)
+        dispatch, allgather = domain_times(levels, gather, rows_out, pre)
+        total = pre + allgather + 2 * dispatch
+        if best is None or total < best[1]:
+            best = (list(sizes), total)
+    return best
+
+
+def xmoe_rule(k: int, h_ffn: int, c: float, S: int) -> str:
+    """x-moe.md Appendix C: "ssmb" when r = k / H_FFN > 2 / (c S) (SSMB's activation saving, 4 c k S H, beats
+    TED's model-state saving, 8 H_FFN H, under ZeRO-1), else "ted"."""
+    return "ssmb" if k / h_ffn > 2 / (c * S) else "ted"
+
+
+def _roofline(cluster: Cluster, flops: float, nbytes: float) -> float:
+    return max(flops / (cluster.tflops * 1e12), nbytes / (cluster.hbm_TBps * 1e12))
+
+
+def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float, list[float]]:
+    """Seconds of one optimizer step of one micro-batch per data-parallel rank, and the gradient all-reduces'
+    bytes per level."""
+    H = shape.hidden
+    dense_mlp = _roofline(cluster, 2 * T * shape.mats * H * shape.dense_intermediate / plan.tp,
+                          shape.mats * H * shape.dense_intermediate * ELEM / plan.tp)
+    shared = _roofline(cluster, 2 * T * shape.mats * H * shape.shared_intermediate / plan.tp,
+                       shape.mats * H * shape.shared_intermediate * ELEM / plan.tp)
+    head = _roofline(cluster, 2 * T * shape.vocab * H / plan.tp, shape.vocab * H * ELEM / plan.tp)
+    moe = layer["dispatch"] + layer["combine"] + layer["allgather"]
+    compute = 3 * (shape.layers * pre + (shape.layers - shape.moe_layers) * dense_mlp + shape.moe_layers *
+                   (shared + layer["experts"]) + head)
+    step = compute + 2 * shape.moe_layers * moe
+    grads = [0.0] * len(cluster.levels)
+    dense_bytes = shape.dense_params() / plan.tp * ELEM
+    replicas = (plan.dp if plan.moe_tp == "ted" else cluster.gpus) // plan.ep
+    expert_stride = plan.ep * (plan.tp if plan.moe_tp == "ted" else 1)
+    for nbytes, size, stride in ((dense_bytes, plan.dp, plan.tp),
+                                 (shape.moe_layers * expert_bytes, replicas, expert_stride)):
+        if size <= 1:
+            continue
+        counts = group_counts(cluster, size * stride) or list(cluster.counts)
+        ring = 2 * (size - 1) / size * nbytes
+        span = [j for j, c in enumerate(counts) if c > 1]
+        slowest = min(span, key=lambda j: cluster.levels[j].GBps) if span else len(counts) - 1
+        grads[slowest] += ring
+        step += cluster.levels[slowest].seconds(ring)
+    return step, grads
+
+
+def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float) -> dict:
+    """GB per GPU; ``gathered``: bytes of other ranks' experts held at once (expert domains: two layers' copies,
+    the running one's and the next one's gather started ahead), counted with the weights."""
+    GB = 1e9
+    dense = shape.dense_params() / plan.tp
+    experts = shape.moe_layers * expert_bytes / ELEM + shape.moe_layers * plan.slots_per_rank * \
+        shape.expert_params() / tp_inter
+    replicas = (plan.dp if plan.moe_tp == "ted" else N) // plan.ep
+    weights = (dense + experts) * ELEM + gathered
+    optimizer = ADAM_BYTES * (dense / plan.dp + shape.moe_layers * expert_bytes / ELEM / replicas)
+    H = shape.hidden
+    attention = T * H * (4 + 11 / plan.tp)
+    mlp = 19 * T * shape.dense_intermediate / 4 / plan.tp
+    moe_layer = moe_layer_activations(shape, T, tp_rows, tp_inter)
+    activations = shape.layers * attention + (shape.layers - shape.moe_layers) * mlp + shape.moe_layers * moe_layer
+    out = {"weights": weights / GB, "grads": (weights - gathered) / GB, "optimizer": optimizer / GB,
+           "activations": activations / GB, "moe_layer_activations": moe_layer / GB}
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
+    return out

@@ -1,0 +1,84 @@
+"""Every plan for a model on a cluster, priced by ``cost.py``, ranked by step time among those that fit.
+
+Considered: tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel
+degree dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every
+level its group spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of
+every size its group allows per level, and replication of one slot per rank. Dedup and replication are not
+combined with TED (``parallelize`` refuses them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from moecompile.runtime.comm import expected
+
+from .cluster import Cluster
+from .cost import Plan, evaluate, group_counts, xmoe_rule
+from .shapes import MoEShape
+
+
+def candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
+    N, inner = cluster.gpus, cluster.counts[-1]
+    names = [lv.name for lv in cluster.levels]
+    out = []
+    for tp in (t for t in (1, 2, 4, 8) if inner % t == 0 and t <= inner):
+        dp = N // tp
+        for moe_tp in (("off",) if tp == 1 else ("ssmb", "ted", "off")):
+            limit = dp if moe_tp == "ted" else N
+            for ep in (1 << i for i in range(int(math.log2(limit)) + 1)):
+                if shape.num_experts % ep or limit % ep:
+                    continue
+                counts = group_counts(cluster, ep, tp if moe_tp == "ted" else 1)
+                if counts is None:
+                    continue
+                out.append(Plan(ep, tp, dp, moe_tp))
+                if moe_tp == "ted":
+                    continue
+                for j, name in enumerate(names[:-1]):
+                    if counts[j] > 1 and math.prod(counts[j + 1:]) > 1:
+                        out.append(Plan(ep, tp, dp, moe_tp, dedup=name))
+                for sizes in itertools.product(*[[d for d in range(1, c + 1) if c % d == 0] for c in counts]):
+                    if math.prod(sizes) > 1:
+                        out.append(Plan(ep, tp, dp, moe_tp, expert_domains=tuple(
+                            (n, s) for n, s in zip(names, sizes) if s > 1)))
+                if ep > 1:
+                    out.append(Plan(ep, tp, dp, moe_tp, slots_per_rank=1))
+    return out
+
+
+def duplication(shape: MoEShape, cluster: Cluster) -> dict[str, float]:
+    """At each level but the innermost: hiermoe.md Table II's duplication rate, the experts spread over every
+    GPU (groups of that level: the product of the counts down to it, at most E)."""
+    out = {}
+    for j, level in enumerate(cluster.levels[:-1]):
+        groups = min(math.prod(cluster.counts[:j + 1]), shape.num_experts)
+        if shape.num_experts % groups == 0:
+            out[level.name] = expected.duplication_rate(shape.num_experts, shape.top_k, groups)
+    return out
+
+
+def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1) -> dict:
+    """plan.json's object: ``model``, ``moe_tp_rule`` (x-moe.md App. C at this sequence length, dropless: c = 1),
+    ``duplication``, ``plans`` (ranked: fitting ones by step time first, then
+    the rest by their memory), ``chosen`` (0 where the first fits, else None) and ``shortfall_GB`` (the least
+    memory over the GPU's of any plan, where none fits)."""
+    if seq < 1 or micro_batch < 1:
+        raise ValueError(f"--seq and --micro-batch must be >= 1, got {seq} and {micro_batch}")
+    plans = [evaluate(shape, cluster, p, seq, micro_batch) for p in candidates(shape, cluster)]
+    plans = [p for p in plans if "invalid" not in p]
+    if not plans:
+        raise ValueError(f"no expert-parallel degree of {shape.num_experts} experts tiles {cluster.gpus} GPUs "
+                         f"laid out as {cluster.counts}")
+    plans.sort(key=lambda p: (not p["fits"], p["step_s"] if p["fits"] else p["memory_GB"]["total"]))
+    fits = plans[0]["fits"]
+    rule = {"r": shape.top_k / shape.intermediate, "bound": 2 / seq,
+            "choice": xmoe_rule(shape.top_k, shape.intermediate, 1.0, seq)}
+    out = {"model": shape.as_dict(), "moe_tp_rule": rule, "cluster": {"gpu": cluster.gpu_name, "gpus": cluster.gpus,
+                                                  "levels": [lv.name for lv in cluster.levels]},
+           "seq": seq, "micro_batch": micro_batch, "duplication": duplication(shape, cluster), "plans": plans,
+           "chosen": 0 if fits else None}
+    if not fits:
+        out["shortfall_GB"] = plans[0]["memory_GB"]["total"] - cluster.memory_GB
+    return out

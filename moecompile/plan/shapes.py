@@ -1,0 +1,106 @@
+"""A model's MoE shapes from its ``config.json``: read through the alias tables detection uses
+(``passes/aliases.py``: the names families give the number of experts, top-k, widths and which layers are MoE).
+
+Multimodal configs keep the language model's fields in ``text_config`` (read from there when the top level has
+no experts). Experts are priced as gated (gate, up and down projections: 3 matrices of H x I); a family whose
+experts have two matrices is overpriced by 3/2 (not told apart yet).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from moecompile.passes.aliases import CONFIG_ALIASES, moe_layer_flags
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """What the planner prices. ``intermediate``: one routed expert's; ``dense_intermediate``: a dense layer's
+    MLP; ``shared_intermediate``: all shared experts of a layer together (0: none)."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    layers: int
+    moe_layers: int
+    dense_intermediate: int
+    shared_intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    gated: bool = True
+
+    @property
+    def mats(self) -> int:
+        return 3 if self.gated else 2
+
+    def expert_params(self) -> int:
+        """One routed expert's weights."""
+        return self.mats * self.hidden * self.intermediate
+
+    def attention_params(self) -> int:
+        q = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv)  # q, k, v and o projections
+
+    def dense_params(self) -> int:
+        """Every weight but the routed experts': attention, dense MLPs, shared experts, routers, embeddings."""
+        dense_layers = self.layers - self.moe_layers
+        return (self.layers * self.attention_params() + dense_layers * self.mats * self.hidden *
+                self.dense_intermediate + self.moe_layers * (self.mats * self.hidden * self.shared_intermediate +
+                                                             self.hidden * self.num_experts)
+                + 2 * self.vocab * self.hidden)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _get(values: dict, field: str, default=None):
+    for name in CONFIG_ALIASES[field]:
+        v = values.get(name)
+        if v is not None:
+            return v
+    return default
+
+
+def read_config(source) -> MoEShape:
+    """A ``config.json`` path, a directory holding one, or its dict -> ``MoEShape``. A dense model (no experts
+    field) or a config missing a width raises ``ValueError`` naming the fields it looked for."""
+    name = "config"
+    if isinstance(source, (str, os.PathLike)):
+        path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+        try:
+            with open(path) as f:
+                values = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the model config {path!r}: {e}") from None
+        name = values.get("_name_or_path") or values.get("model_type") or os.path.basename(os.path.dirname(
+            os.path.abspath(path))) or name
+    else:
+        values = dict(source)
+        name = values.get("model_type", name)
+    if _get(values, "num_experts") is None and isinstance(values.get("text_config"), dict):
+        values = {**values["text_config"], "model_type": values.get("model_type")}
+    experts, top_k = _get(values, "num_experts"), _get(values, "top_k")
+    if not isinstance(experts, int) or experts < 2 or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"{name}: not an MoE config: no expert count ({'|'.join(CONFIG_ALIASES['num_experts'])}) "
+                         f"and top-k ({'|'.join(CONFIG_ALIASES['top_k'])}) found; the planner plans MoE models")
+    need = {f: _get(values, f) for f in ("hidden", "expert_intermediate", "layers", "heads", "vocab")}
+    missing = [f"{f} ({'|'.join(CONFIG_ALIASES[f])})" for f, v in need.items() if not isinstance(v, int)]
+    if missing:
+        raise ValueError(f"{name}: the config lacks {', '.join(missing)}: add them to the config")
+    H, layers, heads = need["hidden"], need["layers"], need["heads"]
+    flags = moe_layer_flags(values, layers)
+    shared = _get(values, "shared_experts", 0) or 0
+    shared_inter = _get(values, "shared_intermediate") or shared * need["expert_intermediate"]
+    return MoEShape(name=str(name), hidden=H, intermediate=need["expert_intermediate"], num_experts=experts,
+                    top_k=top_k, layers=layers, moe_layers=sum(flags),
+                    dense_intermediate=_get(values, "dense_intermediate", need["expert_intermediate"]),
+                    shared_intermediate=int(shared_inter), heads=heads,
+                    kv_heads=_get(values, "kv_heads", heads) or heads,
+                    head_dim=values.get("head_dim") or H // heads, vocab=need["vocab"])
