@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 
 from moecompile.runtime.comm import expected
+from moecompile.runtime.comm.cost_model import LinkModel, price
+from moecompile.runtime.comm.levels import kinds
 
 from .cluster import Cluster
 from .shapes import MoEShape
@@ -90,7 +92,6 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     tp_inter = plan.tp if ted else 1
     rows = T * K / tp_rows
     row_bytes = H * ELEM
-    dedup_level = [lv.name for lv in levels].index(plan.dedup) if plan.dedup != "off" else None
     expert_bytes = (E // plan.ep) * shape.expert_params() // tp_inter * ELEM
     sent = {"exchange": [0.0] * len(levels), "gather": [0.0] * len(levels), "tp": [0.0] * len(levels)}
 
@@ -107,19 +108,19 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         sizes = dict(plan.expert_domains)
         domain_counts = [sizes.get(lv.name, 1) for lv in levels]
         gather, rows_out = expected.domain_bytes(rows, row_bytes, ep_counts, domain_counts, expert_bytes)
-        dispatch, allgather = domain_times(levels, gather, rows_out, pre)
-        phase("gather", gather), phase("exchange", rows_out)
+        for what, nbytes in (("gather", gather), ("exchange", rows_out), ("exchange", rows_out)):  # rows, outputs
+            phase(what, nbytes)
+        dispatch, combine, allgather = domain_times(levels, ep_counts, domain_counts, rows * row_bytes,
+                                                    expert_bytes, pre, (E // plan.ep) * 8 * math.prod(ep_counts))
         held = expert_bytes * math.prod(domain_counts)
     else:
-        phases = expected.dispatch_bytes(rows, row_bytes, ep_counts, E, K, dedup_level)
-        dispatch = sum(phase("exchange", p) for p in phases)
+        dispatch, combine = exchange_times(levels, ep_counts, rows / K, K, E, row_bytes, plan.dedup, sent)
     if plan.slots_per_rank:  # replication: each step, S slots' weights come in and their gradients go back to
         # the owners (adaptive-expert-replication's placement phases), over the group's slowest level
         slow = min((j for j, c in enumerate(ep_counts) if c > 1), key=lambda j: levels[j].GBps)
         slot = [0.0] * len(levels)
         slot[slow] = plan.slots_per_rank * shape.expert_params() * ELEM
         allgather += phase("gather", slot)
-    combine = dispatch  # the combine sends the dispatch's bytes back
     if plan.tp > 1 and plan.moe_tp != "off":  # SSMB: the output all-gathered; TED: the partial sums reduced
         tp_bytes = [0.0] * (len(levels) - 1) + [(plan.tp - 1) / plan.tp * T * H * ELEM * (2 if ted else 1)]
         combine += phase("tp", tp_bytes)
@@ -129,13 +130,53 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     layer = {"dispatch": dispatch, "experts": experts, "combine": combine, "allgather": allgather,
              "total": dispatch + experts + combine + allgather}
     step, grads_level = _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes)
-    # per step: each MoE layer's dispatch and combine twice (forward, backward), its gather once each way (the
-    # backward's reduce-scatter), the tp collective each way; the gradient all-reduces
-    bytes_per_link = {lv.name: shape.moe_layers * (4 * x + 2 * g + 2 * t) + r for lv, x, g, t, r in
+    # per step: each MoE layer's exchange (its dispatch and combine) twice (forward, backward), its gather once
+    # each way (the backward's reduce-scatter), the tp collective each way; the gradient all-reduces
+    bytes_per_link = {lv.name: shape.moe_layers * 2 * (x + g + t) + r for lv, x, g, t, r in
                       zip(levels, sent["exchange"], sent["gather"], sent["tp"], grads_level)}
     memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, 2 * (held - expert_bytes))
     return {**plan.as_dict(), "layer_s": layer, "step_s": step, "bytes_per_link": bytes_per_link,
             "memory_GB": memory, "fits": memory["total"] <= cluster.memory_GB}
+
+
+def link_model(levels, counts) -> tuple[LinkModel, list[str]]:
+    """The link model (``runtime/comm/cost_model.py``: alpha, beta per collective kind) of an expert-parallel group
+    of ``counts`` ranks per level, for the kinds its all-to-alls use (levels of one rank left out), and those
+    levels' names. A kind's ranks differ in some levels; of the bytes a rank sends to the others, the share that
+    first differs at level j crosses j's link, and the links run at once: beta = the largest share x seconds per
+    byte over those levels, alpha = their largest."""
+    used = [j for j, c in enumerate(counts) if c > 1]
+    names = [levels[j].name for j in used]
+    params = {}
+    for k in kinds(names):
+        dims = range(len(used)) if k == "flat" else [names.index(n) for n in k.split("+")]
+        sub = [counts[used[d]] for d in dims]
+        share = [f / (1 - 1 / math.prod(sub)) for f in expected.level_fractions(sub)]
+        lv = [levels[used[d]] for d in dims]
+        params[k] = (max(x.alpha_s for x in lv), max(f / (x.GBps * 1e9) for f, x in zip(share, lv)))
+    return LinkModel(params), names
+
+
+def exchange_times(levels, counts, tokens, top_k, num_experts, row_bytes, dedup: str, sent=None
+                   ) -> tuple[float, float]:
+    """(dispatch, combine) seconds of one layer's all-to-alls as the runtime runs them (``expected_messages``:
+    the same collectives ``cost_model.messages`` counts on a measured routing), priced by ``link_model`` with the
+    dedup choice's ``cost_model.price``; ``sent["exchange"]`` gains each level's bytes."""
+    if math.prod(counts) == 1:
+        return 0.0, 0.0
+    link, names = link_model(levels, counts)
+    sub = [c for c in counts if c > 1]
+    msgs = expected.expected_messages(tokens, top_k, num_experts, sub, names, row_bytes)[dedup]
+    if sent is not None:
+        by_name = {lv.name: j for j, lv in enumerate(levels)}
+        for kind, n in msgs:
+            dims = names if kind == "flat" else kind.split("+")
+            part = [counts[by_name[d]] for d in dims]
+            for d, f in zip(dims, expected.level_fractions(part)):
+                sent["exchange"][by_name[d]] += n * f / (1 - 1 / math.prod(part))
+    dispatch, combine = expected.split_dispatch_combine(dedup, msgs)
+    seconds = price({"dispatch": dispatch, "combine": combine}, link)
+    return seconds["dispatch"], seconds["combine"]
 
 
 def level_seconds(levels, bytes_per_level) -> float:
@@ -143,10 +184,23 @@ def level_seconds(levels, bytes_per_level) -> float:
     return max(lv.seconds(b) for lv, b in zip(levels, bytes_per_level))
 
 
-def domain_times(levels, gather, rows_out, pre: float) -> tuple[float, float]:
-    """Expert domains (hybridep.md Eqs. 3-8): (the dispatch's seconds, the all-gather's seconds left after the
-    ``pre`` seconds of pre-expert compute it overlaps, Eq. 7) from ``expected.domain_bytes``'s bytes per level."""
-    return level_seconds(levels, rows_out), max(0.0, level_seconds(levels, gather) - pre)
+def domain_times(levels, counts, domain_counts, data_bytes: float, expert_bytes: float, pre: float,
+                 count_bytes: float = 0.0) -> tuple[float, float, float]:
+    """Expert domains (hybridep.md Eqs. 3-8) of ``domain_counts`` ranks per level in a group of ``counts``:
+    (dispatch, combine, the all-gather's seconds left after the ``pre`` seconds of pre-expert compute it overlaps,
+    Eq. 7). ``data_bytes``: a rank's rows (D), of which those for other domains' experts cross the exchange group
+    (after its per-expert counts, ``count_bytes``); ``expert_bytes``: its experts (P_E), gathered from the
+    domain's others. Each priced by ``link_model``, as the exchange."""
+    exchange = [g // d for g, d in zip(counts, domain_counts)]
+    dispatch = combine = allgather = 0.0
+    if math.prod(exchange) > 1:
+        link, _ = link_model(levels, exchange)
+        rows = data_bytes * (1 - 1 / math.prod(exchange))
+        dispatch, combine = link.time("flat", count_bytes) + link.time("flat", rows), link.time("flat", rows)
+    if math.prod(domain_counts) > 1:
+        link, _ = link_model(levels, domain_counts)
+        allgather = max(0.0, link.time("flat", (math.prod(domain_counts) - 1) * expert_bytes) - pre)
+    return dispatch, combine, allgather
 
 
 def best_domain(levels, counts, data_bytes: float, expert_bytes: float, pre: float) -> tuple[list[int], float]:
@@ -155,9 +209,8 @@ def best_domain(levels, counts, data_bytes: float, expert_bytes: float, pre: flo
     ``expert_bytes`` (P_E) per GPU; and that time. What ``evaluate`` prices for each domain plan."""
     best = None
     for sizes in itertools.product(*[[d for d in range(1, c + 1) if c % d == 0] for c in counts]):
-        gather, rows_out = expected.domain_bytes(data_bytes, 1, counts, sizes, expert_bytes)
-        dispatch, allgather = domain_times(levels, gather, rows_out, pre)
-        total = pre + allgather + 2 * dispatch
+        dispatch, combine, allgather = domain_times(levels, counts, sizes, data_bytes, expert_bytes, pre)
+        total = pre + allgather + dispatch + combine
         if best is None or total < best[1]:
             best = (list(sizes), total)
     return best

@@ -150,7 +150,13 @@ def dispatch_times(ids_TK: torch.Tensor, placement: Placement, source_rank_T: to
                    names=TWO_LEVELS) -> dict[str, float]:
     """Predicted seconds of one dispatch and combine of this routing, per dedup choice (``off`` and each level of
     ``names`` dedup can run at)."""
-    plan = messages(ids_TK, placement, source_rank_T, hidden * elem_bytes, weight_bytes, gamma, names)
+    return price(messages(ids_TK, placement, source_rank_T, hidden * elem_bytes, weight_bytes, gamma, names), link)
+
+
+def price(plan: dict[str, list[tuple[str, float]]], link: LinkModel) -> dict[str, float]:
+    """Seconds of each choice's all-to-alls, one after another: alpha + beta x bytes of each. The dedup choice
+    prices a measured routing's ``messages`` with it, the planner (``moecompile/plan``) their expectation under
+    uniform routing (``expected.expected_messages``)."""
     return {mode: sum(link.time(kind, n) for kind, n in msgs) for mode, msgs in plan.items()}
 
 

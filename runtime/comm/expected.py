@@ -10,9 +10,8 @@ probability ``(g_j - 1) * prod(g_i, i > j) / prod(g)`` (``level_fractions``); by
                                E experts in R equal groups: R (1 - C(E - E/R, K) / C(E, K))
     duplication_rate(E, K, R)  1 - distinct / K: the fraction of a token's K rows that go to a group another of
                                its rows already goes to (hiermoe.md Table II's quantity)
-    dispatch_bytes(...)        per phase of one dispatch, the bytes a rank sends over each level: plain (one row
-                               per (token, expert)) or deduplicated at a level (one row per distinct (token, group
-                               of that level) across it, then copies to the experts inside the group)
+    expected_messages(...)     ``cost_model.messages``' all-to-alls, kind by kind, for uniform routing: the
+                               planner prices them with the same link model the dedup choice uses
     domain_bytes(...)          expert domains (hybridep.md): the all-gather of the domain's experts, and the rows
                                for other domains' experts over the exchange group
 """
@@ -20,6 +19,8 @@ probability ``(g_j - 1) * prod(g_i, i > j) / prod(g)`` (``level_fractions``); by
 from __future__ import annotations
 
 import math
+
+from .levels import dedup_levels, inner_size, level_kinds
 
 
 def distinct_groups(num_experts: int, top_k: int, groups: int) -> float:
@@ -44,33 +45,6 @@ def level_fractions(counts) -> list[float]:
     return out
 
 
-def _spread(total: float, fractions: list[float], levels: range) -> list[float]:
-    """``total`` bytes that leave a rank, split over ``levels`` in proportion to their fractions."""
-    share = sum(fractions[j] for j in levels)
-    return [total * fractions[j] / share if j in levels and share > 0 else 0.0 for j in range(len(fractions))]
-
-
-def dispatch_bytes(rows: float, row_bytes: float, counts, num_experts: int, top_k: int,
-                   dedup_level: int | None = None, meta_bytes: float = 12.0) -> list[list[float]]:
-    """Phases of one dispatch (the combine sends the same back), each the bytes per level one rank sends.
-    ``rows``: the rank's (token, expert) rows (tokens x K); ``counts``: the expert-parallel group per level;
-    ``dedup_level``: the level index across which one row per distinct (token, group) goes (groups: the
-    subgroups below that level), None for plain; ``meta_bytes``: an assignment's expert id and weight."""
-    n = len(counts)
-    fractions = level_fractions(counts)
-    if dedup_level is None:
-        return [[rows * row_bytes * f for f in fractions]]
-    groups = math.prod(counts[:dedup_level + 1])
-    tokens = rows / top_k
-    pairs = tokens * distinct_groups(num_experts, top_k, groups) * (groups - 1) / groups  # remote (token, group)
-    outer = range(0, dedup_level + 1)
-    inner_counts = counts[dedup_level + 1:]
-    inner = level_fractions(inner_counts)
-    copies = [0.0] * (dedup_level + 1) + [rows * row_bytes * f for f in inner]
-    cross = _spread(pairs * row_bytes + rows * (1 - 1 / groups) * meta_bytes, fractions, outer)
-    return [cross, copies] if n > dedup_level + 1 else [cross]
-
-
 def domain_bytes(rows: float, row_bytes: float, counts, domain_counts, expert_bytes: float
                  ) -> tuple[list[float], list[float]]:
     """(all-gather bytes per level a rank receives: its domain's other ranks' experts, ``expert_bytes`` each;
@@ -80,3 +54,37 @@ def domain_bytes(rows: float, row_bytes: float, counts, domain_counts, expert_by
     exchange = [g // d for g, d in zip(counts, domain_counts)]
     sent = [rows * row_bytes * f for f in level_fractions(exchange)]
     return gather, sent
+
+
+def expected_messages(tokens: float, top_k: int, num_experts: int, counts, names, row_bytes: float,
+                      weight_bytes: float = 4) -> dict[str, list[tuple[str, float]]]:
+    """``cost_model.messages`` for uniform routing: per dedup choice (``off`` and each level of ``names`` but the
+    innermost), the (collective kind, bytes a rank sends off-rank) of each all-to-all of one dispatch and combine,
+    in the runtime's order; every rank sends alike, so the busiest rank's bytes are the expectation. ``tokens``:
+    a rank's tokens; ``counts``: the mesh's size per level, named ``names`` (outermost first)."""
+    names, counts = tuple(names), tuple(counts)
+    ranks = math.prod(counts)
+    E, T, K = num_experts, tokens, top_k
+    off_rank = 1 - 1 / ranks
+    plan = {"off": [("flat", (ranks - 1) * (E // ranks) * 8), ("flat", T * K * off_rank * row_bytes),
+                    ("flat", T * K * off_rank * row_bytes)]}
+    for level in dedup_levels(names):
+        cross, inner = level_kinds(names, level)
+        n = inner_size(counts, names, level)
+        groups = ranks // n
+        remote = 1 - 1 / groups
+        pairs = T * distinct_groups(E, K, groups) * remote * row_bytes
+        copies = T * K * (1 - 1 / n) * row_bytes
+        plan[level] = [(cross, (groups - 1) * 16), (cross, pairs), (cross, T * K * remote * 16),
+                       (cross, T * K * remote * weight_bytes), (inner, (n - 1) * (E // ranks) * 8),
+                       (inner, copies), (inner, copies), (cross, pairs)]
+    return plan
+
+
+COMBINE_PHASES = {"off": 1}  # per dedup choice, how many of the last messages are the combine's (dedup: 2)
+
+
+def split_dispatch_combine(mode: str, msgs: list) -> tuple[list, list]:
+    """(the dispatch's messages, the combine's) of one dedup choice's list, in the runtime's order."""
+    k = COMBINE_PHASES.get(mode, 2)
+    return msgs[:-k], msgs[-k:]
