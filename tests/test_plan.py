@@ -207,3 +207,34 @@ def test_expected_messages_are_the_dedup_models_on_a_uniform_routing():
         for (kind, got), (_, exp) in zip(sampled[mode], want[mode]):
             print(f"{mode} {kind}: sampled {got:.0f} B, expected {exp:.0f} B")
             assert exp <= got <= 1.03 * exp, (mode, kind, got, exp)
+
+
+def _against_links(rank, world, tmp):
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_plan import compare
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        for name, predicted, measured in compare(init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local")),
+                                                 repeats=2):
+            if rank == 0:
+                print(f"{name}: predicted {predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms", flush=True)
+            assert 0.8 * predicted < measured < 1.5 * predicted + 0.03, (name, predicted, measured)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_predictions_meet_emulated_links(tmp_path):
+    """Item 3: the planner's dispatch + combine (dedup off, at "node", expert domains over "local", "node", both)
+    from a calibration of emulated links, within the band the dedup model meets (tests/test_ep_levels.py)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_against_links, args=(4, str(tmp_path)), nprocs=4, join=True)
