@@ -57,7 +57,7 @@ def compare(mesh, repeats: int = 3) -> list[tuple[str, float, float]]:
             else:
                 sizes = [domains.get(lv["name"], 1) for lv in LEVELS]
                 predicted = sum(domain_times(levels, [2, 2], sizes, TOKENS * K * HIDDEN * 4, EXPERT_BYTES, 0.0,
-                                             (E // 4) * 8 * 4))
+                                             E // 4))
                 measured = time_hybrid(ids, source, E, mesh, HIDDEN, dict(zip(("node", "local"), sizes)), EXPERT_BYTES,
                                        repeats=repeats)
             rows.append((name, predicted, measured))

@@ -20,13 +20,14 @@ flash attention; a MoE layer's by ``moe_layer_activations``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
 
-from moecompile.runtime.comm import expected
+from moecompile.runtime.comm import expected, hybrid, stream
 from moecompile.runtime.comm.cost_model import LinkModel, price
-from moecompile.runtime.comm.levels import kinds
+from moecompile.runtime.comm.levels import kind
 
 from .cluster import Cluster
 from .shapes import MoEShape
@@ -111,7 +112,7 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         for what, nbytes in (("gather", gather), ("exchange", rows_out), ("exchange", rows_out)):  # rows, outputs
             phase(what, nbytes)
         dispatch, combine, allgather = domain_times(levels, ep_counts, domain_counts, rows * row_bytes,
-                                                    expert_bytes, pre, (E // plan.ep) * 8 * math.prod(ep_counts))
+                                                    expert_bytes, pre, E // plan.ep)
         held = expert_bytes * math.prod(domain_counts)
     else:
         dispatch, combine = exchange_times(levels, ep_counts, rows / K, K, E, row_bytes, plan.dedup, sent)
@@ -139,22 +140,28 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
             "memory_GB": memory, "fits": memory["total"] <= cluster.memory_GB}
 
 
-def link_model(levels, counts) -> tuple[LinkModel, list[str]]:
+def link_model(levels, counts) -> tuple[LinkModel, tuple[str, ...]]:
     """The link model (``runtime/comm/cost_model.py``: alpha, beta per collective kind) of an expert-parallel group
-    of ``counts`` ranks per level, for the kinds its all-to-alls use (levels of one rank left out), and those
-    levels' names. A kind's ranks differ in some levels; of the bytes a rank sends to the others, the share that
-    first differs at level j crosses j's link, and the links run at once: beta = the largest share x seconds per
-    byte over those levels, alpha = their largest."""
+    of ``counts`` ranks per level, for every set of its levels a collective may span (levels of one rank left out),
+    and those levels' names. A kind's ranks differ in some levels; of the bytes a rank sends to the others, the
+    share that first differs at level j (in the group's ranks that differ in those levels) crosses j's link, and
+    the links run at once: beta = the largest share x seconds per byte over those levels, alpha = their largest."""
+    return _link_model(tuple(levels), tuple(counts))
+
+
+@functools.lru_cache(maxsize=1024)
+def _link_model(levels, counts) -> tuple[LinkModel, tuple[str, ...]]:
     used = [j for j, c in enumerate(counts) if c > 1]
     names = [levels[j].name for j in used]
     params = {}
-    for k in kinds(names):
-        dims = range(len(used)) if k == "flat" else [names.index(n) for n in k.split("+")]
-        sub = [counts[used[d]] for d in dims]
-        share = [f / (1 - 1 / math.prod(sub)) for f in expected.level_fractions(sub)]
-        lv = [levels[used[d]] for d in dims]
-        params[k] = (max(x.alpha_s for x in lv), max(f / (x.GBps * 1e9) for f, x in zip(share, lv)))
-    return LinkModel(params), names
+    for n in range(1, len(used) + 1):
+        for dims in itertools.combinations(range(len(used)), n):
+            sub = [counts[used[d]] for d in dims]
+            share = [f / (1 - 1 / math.prod(sub)) for f in expected.level_fractions(sub)]
+            lv = [levels[used[d]] for d in dims]
+            params[kind(names, dims)] = (max(x.alpha_s for x in lv),
+                                         max(f / (x.GBps * 1e9) for f, x in zip(share, lv)))
+    return LinkModel(params), tuple(names)
 
 
 def exchange_times(levels, counts, tokens, top_k, num_experts, row_bytes, dedup: str, sent=None
@@ -185,22 +192,21 @@ def level_seconds(levels, bytes_per_level) -> float:
 
 
 def domain_times(levels, counts, domain_counts, data_bytes: float, expert_bytes: float, pre: float,
-                 count_bytes: float = 0.0) -> tuple[float, float, float]:
+                 experts_per_rank: int = 0) -> tuple[float, float, float]:
     """Expert domains (hybridep.md Eqs. 3-8) of ``domain_counts`` ranks per level in a group of ``counts``:
     (dispatch, combine, the all-gather's seconds left after the ``pre`` seconds of pre-expert compute it overlaps,
     Eq. 7). ``data_bytes``: a rank's rows (D), of which those for other domains' experts cross the exchange group
-    (after its per-expert counts, ``count_bytes``); ``expert_bytes``: its experts (P_E), gathered from the
-    domain's others. Each priced by ``link_model``, as the exchange."""
-    exchange = [g // d for g, d in zip(counts, domain_counts)]
-    dispatch = combine = allgather = 0.0
-    if math.prod(exchange) > 1:
-        link, _ = link_model(levels, exchange)
-        rows = data_bytes * (1 - 1 / math.prod(exchange))
-        dispatch, combine = link.time("flat", count_bytes) + link.time("flat", rows), link.time("flat", rows)
-    if math.prod(domain_counts) > 1:
-        link, _ = link_model(levels, domain_counts)
-        allgather = max(0.0, link.time("flat", (math.prod(domain_counts) - 1) * expert_bytes) - pre)
-    return dispatch, combine, allgather
+    (after its per-expert counts); ``expert_bytes``: its experts (P_E), gathered from the domain's others. Priced
+    by ``stream.price``, as ``expert_domains="auto"`` prices a measured routing, on ``link_model``."""
+    used = [j for j, c in enumerate(counts) if c > 1]
+    if not used:
+        return 0.0, 0.0, 0.0
+    link, names = link_model(levels, counts)
+    sizes, domains = [counts[j] for j in used], [domain_counts[j] for j in used]
+    rows = data_bytes * (1 - math.prod(domains) / math.prod(sizes))
+    p = stream.price(link, names, sizes, domains, expert_bytes, rows, experts_per_rank)
+    back = link.time(kind(names, stream.spanned(hybrid.groups(0, sizes, domains)[1], sizes)), rows) if p.a2a else 0.0
+    return p.a2a - back, back, max(0.0, p.ag - pre)
 
 
 def best_domain(levels, counts, data_bytes: float, expert_bytes: float, pre: float) -> tuple[list[int], float]:

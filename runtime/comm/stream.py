@@ -84,17 +84,30 @@ def predict(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, sizes, names, dom
                         dtype=torch.long)
     rows = torch.bincount(src * W + dest, minlength=W * W).view(W, W).double()
     computed = rows.sum(0)  # rows each rank runs its experts on
-    d = len(gather[0])
-    ag = a2a = ag_bytes = a2a_bytes = 0.0
+    comp = pre_s + float(computed.max()) * macs_per_row / rate
+    return price(link, names, sizes, domain_sizes, expert_bytes, _busiest(rows * row_bytes), per_rank, comp, pre_s,
+                 overlap)
+
+
+def price(link, names, sizes, domain_sizes, expert_bytes: float, a2a_bytes: float, experts_per_rank: int,
+          comp: float = 0.0, pre_s: float = 0.0, overlap: bool = False) -> Prediction:
+    """Eqs. 4-8 priced on ``link`` (one kind per set of levels a collective spans) from the bytes they move: the
+    domain's all-gather of (S - 1) x ``expert_bytes``; the exchange's per-expert counts, then ``a2a_bytes`` of rows
+    (the busiest rank's: a measured routing's, or the planner's expectation, ``moecompile/plan``) and the outputs
+    back. ``predict`` and the planner's ``domain_times`` both price with it."""
+    sizes, domain_sizes = hybrid.check(sizes, domain_sizes)
+    gather, exchange = hybrid.groups(0, sizes, domain_sizes)
+    d = len(gather)
+    ag = a2a = ag_bytes = 0.0
     if d > 1:
         ag_bytes = (d - 1) * expert_bytes
-        ag = link.time(kind(names, spanned(gather[0], sizes)), ag_bytes)
-    if len(exchange[0]) > 1:
-        a2a_kind = kind(names, spanned(exchange[0], sizes))
-        counts = (len(exchange[0]) - 1) * per_rank * d * 8  # each peer's per-expert counts (int64)
-        a2a_bytes = _busiest(rows * row_bytes)
+        ag = link.time(kind(names, spanned(gather, sizes)), ag_bytes)
+    if len(exchange) > 1:
+        a2a_kind = kind(names, spanned(exchange, sizes))
+        counts = (len(exchange) - 1) * experts_per_rank * d * 8  # each peer's per-expert counts (int64)
         a2a = link.time(a2a_kind, counts) + 2 * link.time(a2a_kind, a2a_bytes)  # the rows out, the outputs back
-    comp = pre_s + float(computed.max()) * macs_per_row / rate
+    else:
+        a2a_bytes = 0.0
     return Prediction(tuple(domain_sizes), comp, ag, a2a, min(pre_s, ag) if overlap else 0.0, ag_bytes, a2a_bytes)
 
 
