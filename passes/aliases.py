@@ -18,10 +18,15 @@ CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
     "dense_intermediate": ("intermediate_size", "ffn_hidden_size", "ffn_dim"),
     "layers": ("num_hidden_layers", "num_layers", "n_layer", "n_layers"),
     "shared_experts": ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"),
-    "shared_intermediate": ("shared_expert_intermediate_size",),
-    "heads": ("num_attention_heads", "n_head", "num_heads"),
-    "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_kv_heads"),
+    "shared_intermediate": ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
+    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads"),
     "vocab": ("vocab_size", "padded_vocab_size"),
+    # top-k names the planner reads after "top_k"'s (the family walk's config shrinking, models/hf.py, sets only
+    # those: these families' own code reads theirs)
+    "top_k_more": ("num_experts_per_token", "top_k_experts", "moe_top_k"),
+    # per-layer kinds in a list: how many layers there are, and which are MoE (nemotron_h's "moe")
+    "layer_kinds": ("layers_block_type",),
 }
 
 # Fields that make some layers dense, as the models read them: "below" (layers below it), "above" (layers above

@@ -86,16 +86,24 @@ def read_config(source) -> MoEShape:
         name = values.get("model_type", name)
     if _get(values, "num_experts") is None and isinstance(values.get("text_config"), dict):
         values = {**values["text_config"], "model_type": values.get("model_type")}
-    experts, top_k = _get(values, "num_experts"), _get(values, "top_k")
+    for nested in ("ffn_config", "attn_config"):  # dbrx keeps its experts' and attention's fields there
+        if isinstance(values.get(nested), dict):
+            values = {**values[nested], **values}
+    experts, top_k = _get(values, "num_experts"), _get(values, "top_k", _get(values, "top_k_more"))
     if not isinstance(experts, int) or experts < 2 or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"{name}: not an MoE config: no expert count ({'|'.join(CONFIG_ALIASES['num_experts'])}) "
                          f"and top-k ({'|'.join(CONFIG_ALIASES['top_k'])}) found; the planner plans MoE models")
     need = {f: _get(values, f) for f in ("hidden", "expert_intermediate", "layers", "heads", "vocab")}
+    if need["layers"] is None and isinstance(_get(values, "layer_kinds"), list):
+        need["layers"] = len(_get(values, "layer_kinds"))
     missing = [f"{f} ({'|'.join(CONFIG_ALIASES[f])})" for f, v in need.items() if not isinstance(v, int)]
     if missing:
         raise ValueError(f"{name}: the config lacks {', '.join(missing)}: add them to the config")
     H, layers, heads = need["hidden"], need["layers"], need["heads"]
     flags = moe_layer_flags(values, layers)
+    kinds = _get(values, "layer_kinds")
+    if isinstance(kinds, list) and "moe" in kinds:  # the list names every layer: MoE ones by kind
+        flags = [k == "moe" for k in kinds]
     shared = _get(values, "shared_experts", 0) or 0
     shared_inter = _get(values, "shared_intermediate") or shared * need["expert_intermediate"]
     return MoEShape(name=str(name), hidden=H, intermediate=need["expert_intermediate"], num_experts=experts,
