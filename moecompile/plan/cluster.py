@@ -4,7 +4,8 @@
      "levels": [{"name": "node", "count": 128, "alpha_s": 1e-5, "GBps": 25},
                 {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]}
 
-Levels outermost first; ``count``: workers of that level per worker of the level above; ``alpha_s`` (start-up
+``gpu`` may add ``pcie_GBps`` (its host link, 25 unless given: replication's host optimizer). Levels outermost
+first; ``count``: workers of that level per worker of the level above; ``alpha_s`` (start-up
 seconds) and ``GBps`` (10^9 bytes per second a GPU sends over that level) may instead come from a calibration
 file (``python -m moecompile calibrate``'s JSON: a level's link is its kind of the same name).
 """
@@ -37,6 +38,7 @@ class Cluster:
     hbm_TBps: float
     memory_GB: float
     levels: tuple[Level, ...]
+    pcie_GBps: float = 25.0  # the GPU's link to its host (replication's host optimizer), gpu "pcie_GBps" if given
 
     @property
     def gpus(self) -> int:
@@ -86,8 +88,10 @@ def read_cluster(source, calibration=None) -> Cluster:
         if not alpha >= 0:
             raise ValueError(f"level {name!r}: alpha_s must be >= 0, got {alpha!r}")
         levels.append(Level(name, level["count"], float(alpha), float(gbps)))
+    pcie = gpu.get("pcie_GBps", 25.0)
+    _positive(pcie, "gpu.pcie_GBps")
     return Cluster(str(gpu["name"]), float(gpu["bf16_tflops"]), float(gpu["hbm_TBps"]), float(gpu["memory_GB"]),
-                   tuple(levels))
+                   tuple(levels), float(pcie))
 
 
 def _load(source, what: str) -> dict:

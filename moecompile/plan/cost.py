@@ -93,7 +93,7 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     tp_inter = plan.tp if ted else 1
     rows = T * K / tp_rows
     row_bytes = H * ELEM
-    expert_bytes = (E // plan.ep) * shape.expert_params() // tp_inter * ELEM
+    expert_bytes = (E // plan.ep) * shape.expert_params() // tp_inter * ELEM  # (replication: its slots, below)
     sent = {"exchange": [0.0] * len(levels), "gather": [0.0] * len(levels), "tp": [0.0] * len(levels)}
 
     def phase(what: str, bytes_per_level) -> float:
@@ -116,12 +116,16 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         held = expert_bytes * math.prod(domain_counts)
     else:
         dispatch, combine = exchange_times(levels, ep_counts, rows / K, K, E, row_bytes, plan.dedup, sent)
-    if plan.slots_per_rank:  # replication: each step, S slots' weights come in and their gradients go back to
-        # the owners (adaptive-expert-replication's placement phases), over the group's slowest level
+    if plan.slots_per_rank:  # replication (adaptive-expert-replication.md's phases, per step): every slot's
+        # gradient out to the experts' host optimizers and its new weights in, over the group's slowest link
+        # (S G_e / b_net each), and the hosts' share over PCIe (S G_e / (R b_pcie), R = N S / E instances a class)
         slow = min((j for j, c in enumerate(ep_counts) if c > 1), key=lambda j: levels[j].GBps)
+        moved = 2 * plan.slots_per_rank * shape.expert_params() * ELEM
         slot = [0.0] * len(levels)
-        slot[slow] = plan.slots_per_rank * shape.expert_params() * ELEM
-        allgather += phase("gather", slot)
+        slot[slow] = moved
+        replicas = plan.ep * plan.slots_per_rank / E
+        allgather += phase("gather", slot) + moved / replicas / (cluster.pcie_GBps * 1e9)
+        held = plan.slots_per_rank * shape.expert_params() * ELEM
     if plan.tp > 1 and plan.moe_tp != "off":  # SSMB: the output all-gathered; TED: the partial sums reduced
         tp_bytes = [0.0] * (len(levels) - 1) + [(plan.tp - 1) / plan.tp * T * H * ELEM * (2 if ted else 1)]
         combine += phase("tp", tp_bytes)
@@ -135,7 +139,8 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     # each way (the backward's reduce-scatter), the tp collective each way; the gradient all-reduces
     bytes_per_link = {lv.name: shape.moe_layers * 2 * (x + g + t) + r for lv, x, g, t, r in
                       zip(levels, sent["exchange"], sent["gather"], sent["tp"], grads_level)}
-    memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, 2 * (held - expert_bytes))
+    memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter,
+                     0.0 if plan.slots_per_rank else 2 * (held - expert_bytes))
     return {**plan.as_dict(), "layer_s": layer, "step_s": step, "bytes_per_link": bytes_per_link,
             "memory_GB": memory, "fits": memory["total"] <= cluster.memory_GB}
 
@@ -267,11 +272,14 @@ def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float)
     the running one's and the next one's gather started ahead), counted with the weights."""
     GB = 1e9
     dense = shape.dense_params() / plan.tp
-    experts = shape.moe_layers * expert_bytes / ELEM + shape.moe_layers * plan.slots_per_rank * \
-        shape.expert_params() / tp_inter
     replicas = (plan.dp if plan.moe_tp == "ted" else N) // plan.ep
+    if plan.slots_per_rank:  # S expert instances a rank; their optimizer on the hosts
+        experts, expert_optimizer = shape.moe_layers * plan.slots_per_rank * shape.expert_params(), 0.0
+    else:
+        experts = shape.moe_layers * expert_bytes / ELEM
+        expert_optimizer = experts / replicas
     weights = (dense + experts) * ELEM + gathered
-    optimizer = ADAM_BYTES * (dense / plan.dp + shape.moe_layers * expert_bytes / ELEM / replicas)
+    optimizer = ADAM_BYTES * (dense / plan.dp + expert_optimizer)
     H = shape.hidden
     attention = T * H * (4 + 11 / plan.tp)
     mlp = 19 * T * shape.dense_intermediate / 4 / plan.tp

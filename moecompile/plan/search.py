@@ -3,8 +3,9 @@
 Considered: tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel
 degree dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every
 level its group spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of
-every size its group allows per level, and replication of one slot per rank. Dedup and replication are not
-combined with TED (``parallelize`` refuses them).
+every size its group allows per level; and replication (every rank holds S slots, each an instance of some
+expert: S the least that holds every expert once, and twice that). Dedup and replication are not combined with
+TED (``parallelize`` refuses them).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                     if math.prod(sizes) > 1:
                         out.append(Plan(ep, tp, dp, moe_tp, expert_domains=tuple(
                             (n, s) for n, s in zip(names, sizes) if s > 1)))
-                if ep > 1:
-                    out.append(Plan(ep, tp, dp, moe_tp, slots_per_rank=1))
+
+            if moe_tp != "ted" and N > 1:  # replication: S slots on every rank (each a class's instance)
+                least = max(1, -(-shape.num_experts // N))  # at least one instance a class
+                out += [Plan(N, tp, dp, moe_tp, slots_per_rank=s) for s in (least, 2 * least)]
     return out
 
 
