@@ -116,11 +116,12 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         held = expert_bytes * math.prod(domain_counts)
     else:
         dispatch, combine = exchange_times(levels, ep_counts, rows / K, K, E, row_bytes, plan.dedup, sent)
-    if plan.slots_per_rank:  # replication (adaptive-expert-replication.md's phases, per step): every slot's
-        # gradient out to the experts' host optimizers and its new weights in, over the group's slowest link
-        # (S G_e / b_net each), and the hosts' share over PCIe (S G_e / (R b_pcie), R = N S / E instances a class)
+    if plan.slots_per_rank:  # replication (adaptive-expert-replication.md's phases, per step): every slot's new
+        # weights in (and, counted by the step's backward, its gradient out to the experts' host optimizers), over
+        # the group's slowest link (S W_e / b_net) and the hosts' share over PCIe (S W_e / (R b_pcie), R = N S / E
+        # instances a class)
         slow = min((j for j, c in enumerate(ep_counts) if c > 1), key=lambda j: levels[j].GBps)
-        moved = 2 * plan.slots_per_rank * shape.expert_params() * ELEM
+        moved = plan.slots_per_rank * shape.expert_params() * ELEM
         slot = [0.0] * len(levels)
         slot[slow] = moved
         replicas = plan.ep * plan.slots_per_rank / E
