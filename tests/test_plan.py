@@ -115,7 +115,7 @@ def test_reads_the_published_configs_and_every_family():
     for name, (E, K, H, I, moe_layers) in want.items():
         s = read_config(os.path.join(CONFIGS, f"{name}.json"))
         assert (s.num_experts, s.top_k, s.hidden, s.intermediate, s.moe_layers) == (E, K, H, I, moe_layers), s
-    from models.hf import moe_families_in_transformers, walk_config
+    from moecompile.models.hf import moe_families_in_transformers, walk_config
 
     unread = {}
     for family in moe_families_in_transformers():

@@ -53,8 +53,8 @@ def read_cluster(source, calibration=None) -> Cluster:
     """A cluster JSON path or dict -> ``Cluster``; ``calibration``: a calibrate JSON (path or dict) whose
     ``params[level name] = [alpha, beta]`` fills each level's missing ``alpha_s``/``GBps``. A missing or bad field
     raises ``ValueError`` naming it."""
-    values = _load(source, "cluster")
-    links = _load(calibration, "calibration").get("params", {}) if calibration is not None else {}
+    values = load_json(source, "cluster")
+    links = load_json(calibration, "calibration").get("params", {}) if calibration is not None else {}
     gpu = values.get("gpu")
     if not isinstance(gpu, dict):
         raise ValueError('the cluster file needs "gpu": {"name": ..., "bf16_tflops": ..., "hbm_TBps": ..., '
@@ -94,7 +94,8 @@ def read_cluster(source, calibration=None) -> Cluster:
                    tuple(levels), float(pcie))
 
 
-def _load(source, what: str) -> dict:
+def load_json(source, what: str) -> dict:
+    """A JSON object from a path (or the dict itself); a file that cannot be read raises ValueError naming it."""
     if isinstance(source, dict):
         return source
     try:

@@ -163,7 +163,7 @@ def _link_model(levels, counts) -> tuple[LinkModel, tuple[str, ...]]:
     for n in range(1, len(used) + 1):
         for dims in itertools.combinations(range(len(used)), n):
             sub = [counts[used[d]] for d in dims]
-            share = [f / (1 - 1 / math.prod(sub)) for f in expected.level_fractions(sub)]
+            share = expected.offrank_shares(sub)
             lv = [levels[used[d]] for d in dims]
             params[kind(names, dims)] = (max(x.alpha_s for x in lv),
                                          max(f / (x.GBps * 1e9) for f, x in zip(share, lv)))
@@ -185,8 +185,8 @@ def exchange_times(levels, counts, tokens, top_k, num_experts, row_bytes, dedup:
         for kind, n in msgs:
             dims = names if kind == "flat" else kind.split("+")
             part = [counts[by_name[d]] for d in dims]
-            for d, f in zip(dims, expected.level_fractions(part)):
-                sent["exchange"][by_name[d]] += n * f / (1 - 1 / math.prod(part))
+            for d, f in zip(dims, expected.offrank_shares(part)):
+                sent["exchange"][by_name[d]] += n * f
     dispatch, combine = expected.split_dispatch_combine(dedup, msgs)
     seconds = price({"dispatch": dispatch, "combine": combine}, link)
     return seconds["dispatch"], seconds["combine"]

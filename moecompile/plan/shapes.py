@@ -8,11 +8,12 @@ experts have two matrices is overpriced by 3/2 (not told apart yet).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 
 from moecompile.passes.aliases import CONFIG_ALIASES, moe_layer_flags
+
+from .cluster import load_json
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,7 @@ def read_config(source) -> MoEShape:
     name = "config"
     if isinstance(source, (str, os.PathLike)):
         path = os.path.join(source, "config.json") if os.path.isdir(source) else source
-        try:
-            with open(path) as f:
-                values = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read the model config {path!r}: {e}") from None
+        values = load_json(path, "model config")
         name = values.get("_name_or_path") or values.get("model_type") or os.path.basename(os.path.dirname(
             os.path.abspath(path))) or name
     else:

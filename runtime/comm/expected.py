@@ -45,6 +45,13 @@ def level_fractions(counts) -> list[float]:
     return out
 
 
+def offrank_shares(counts) -> list[float]:
+    """Per level, the share of the bytes a rank sends to the group's other members that crosses that level's link
+    (``level_fractions`` without the rank itself)."""
+    total = math.prod(counts)
+    return [f / (1 - 1 / total) for f in level_fractions(counts)]
+
+
 def domain_bytes(rows: float, row_bytes: float, counts, domain_counts, expert_bytes: float
                  ) -> tuple[list[float], list[float]]:
     """(all-gather bytes per level a rank receives: its domain's other ranks' experts, ``expert_bytes`` each;
