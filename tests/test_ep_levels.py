@@ -110,7 +110,7 @@ def _links_and_choice(mesh, rank):
         predicted = dispatch_times(ids, Placement.contiguous(E, SHAPE), source, hidden, 4, emulated, names=NAMES)
         assert set(predicted) == {"off", "rack", "node"}
         for dedup in predicted:
-            measured = time_dispatch(ids, source, E, mesh, hidden, dedup, repeats=2)
+            measured = time_dispatch(ids, source, E, mesh, hidden, dedup, repeats=5)  # median: robust to 2 late wakes
             assert 0.8 * predicted[dedup] < measured < 1.5 * predicted[dedup] + 0.03, (dedup, measured, predicted)
     rack_slow = LinkModel({"flat": (0, 1e-6), "rack": (0, 1e-6), "node+local": (0, 1e-9), "rack+node": (0, 1e-6),
                            "local": (0, 1e-9)})
