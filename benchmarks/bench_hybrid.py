@@ -2,7 +2,7 @@
 (hybridep.md Table V's sweep, scaled down), and the all-gather's overlap in a training step.
 
     torchrun --standalone --nproc-per-node 8 benchmarks/bench_hybrid.py [--out benchmarks/hybrid.md]
-        [--plot benchmarks/hybrid.png] [--units 6 24 96 192] [--no-step]
+        [--plot benchmarks/hybrid.png] [--units 6 24 96 192] [--no-step] [--no-sweep] [--compress Q]
 
 8 ranks as 2 "datacenters" x 4 (mesh ("node", "local")); the inter-datacenter link emulated slow
 (``exchange.emulate_links``: every all-to-all and all-gather waits alpha + beta x bytes of its kind on top of
@@ -16,9 +16,10 @@ machine's own cost: gloo, copies, 8 processes on few cores), so ``measured - loo
 share, the part the models predict. This is one layer's communication, not Table V's iteration time.
 
 The step part (item 4): a tiny Mixtral trained on the same mesh with one domain per datacenter's ranks
-(``{"local": 4}``) and with the model's choice; a training step's time under the emulated links, without them
-(compute and loopback alone), and the link seconds the emulation charged per step: with the all-gather started
-ahead of the experts, the step takes less than the sum of its parts.
+(``{"local": 4}``, and with ``compress=Q`` too when given) and with the model's choice; a training step's time
+under the emulated links, without them (compute and loopback alone), and the link seconds the emulation charged
+per step: with the all-gather (exact or compressed) started ahead of the experts, the step takes less than the
+sum of its parts.
 """
 
 from __future__ import annotations
@@ -99,12 +100,13 @@ def _steps(args, mesh) -> list[str]:
     lines = ["", "| expert domains | step ms, emulated links | step ms, no emulation | link ms charged per step | "
                  "sum of parts ms | overlap saved ms |", "|---|---|---|---|---|---|"]
     rank, world = dist.get_rank(), dist.get_world_size()
-    for domains in ({"local": 4}, "auto"):
+    runs = [({"local": 4}, None)] + ([({"local": 4}, args.compress)] if args.compress else []) + [("auto", None)]
+    for domains, q in runs:
         model = tiny_model("mixtral").train()
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (world, 4, 32), generator=torch.Generator().manual_seed(1))[rank]
         with exchange.emulate_links(SLOW):
-            moecompile.parallelize(model, mesh, ids, expert_domains=domains, link_model=SLOW)
+            moecompile.parallelize(model, mesh, ids, expert_domains=domains, link_model=SLOW, compress=q)
         compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -137,7 +139,8 @@ def _steps(args, mesh) -> list[str]:
         with_links, charged = times[True]
         alone = times[False][0]
         parts = alone + charged
-        lines.append(f"| {domains} ({', '.join(sorted(set(chosen)))}) | {with_links * 1e3:.1f} | {alone * 1e3:.1f} | "
+        name = f"{domains}" + (f", compress={q:g}" if q is not None else "")
+        lines.append(f"| {name} ({', '.join(sorted(set(chosen)))}) | {with_links * 1e3:.1f} | {alone * 1e3:.1f} | "
                      f"{charged * 1e3:.1f} | {parts * 1e3:.1f} | {(parts - with_links) * 1e3:.1f} |")
     return lines
 
@@ -169,6 +172,9 @@ def main() -> int:
     p.add_argument("--units", type=int, nargs="+", default=[6, 24, 96, 192])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-step", action="store_true", help="skip the training-step part")
+    p.add_argument("--no-sweep", action="store_true", help="skip the data-size sweep (the training steps alone)")
+    p.add_argument("--compress", type=float, default=None,
+                   help="also time steps with {'local': 4} and compress=q (the compressed gather started ahead)")
     p.add_argument("--out", default="")
     p.add_argument("--plot", default="")
     args = p.parse_args()
@@ -178,7 +184,7 @@ def main() -> int:
     if world % 2:
         raise SystemExit("run on an even number of ranks (2 groups)")
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=NAMES)
-    lines, curves = _sweep(args, mesh, world)
+    lines, curves = _sweep(args, mesh, world) if not args.no_sweep else ([], {})
     if not args.no_step:
         lines += _steps(args, mesh)
     if dist.get_rank() == 0:
@@ -189,7 +195,7 @@ def main() -> int:
                 f.write(f"# Expert domains across a slow link (issue 25, items 3, 4 and 7)\n\n"
                         f"`torchrun --standalone --nproc-per-node {world} benchmarks/bench_hybrid.py "
                         f"{' '.join(sys.argv[1:])}` on {os.cpu_count()} CPU cores (gloo, loopback).\n\n{text}\n")
-        if args.plot:
+        if args.plot and curves:
             _plot(args.plot, args.units, curves)
     dist.destroy_process_group()
     return 0

@@ -42,6 +42,7 @@ EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
 COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)
 PFT = (torch.ops.moe.build_pft, torch.ops.moe.build_pft.default)
 GATHER = (torch.ops.moe.domain_gather, torch.ops.moe.domain_gather.default)
+COMPRESSED = (torch.ops.moe.domain_gather_compressed, torch.ops.moe.domain_gather_compressed.default)
 
 
 def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
@@ -250,25 +251,36 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
     """Expert domains' all-gathers started ahead (hybridep.md §IV-B): each ``moe.domain_gather`` becomes
     ``moe.domain_gather_start`` right after the previous layer's experts (the first layer's: as soon as its weights
     are there), so the gather runs while this layer's pre-expert part computes, and ``moe.domain_gather_wait`` where
-    the experts need it. One layer's gathered copies in flight beside the running one's, at most."""
+    the experts need it. One layer's gathered copies in flight beside the running one's, at most. A compressed
+    gather (``compress=q``) moves the same way, its shared expert and encode with its start."""
+    ops = torch.ops.moe
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_input = max((n for n in graph.nodes if n.op in ("placeholder", "get_attr")), key=order.get, default=None)
     previous = None  # the last experts before the gather: the previous layer's
     for node in list(graph.nodes):
         if node.target in EXPERT_MLP and node.meta.get("moe_local_experts"):
             previous = node
-        if node.target not in GATHER:
+        if node.target not in GATHER + COMPRESSED:
             continue
-        w, group, layer = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else ""
+        w = node.args[0]
         after = max((n for n in (w, previous, last_input) if isinstance(n, fx.Node)), key=order.get)
+        if node.target in GATHER:
+            group, layer = node.args[1], node.args[2] if len(node.args) > 2 else ""
+            start_op, start_args, wait_op = ops.domain_gather_start.default, (w, group), ops.domain_gather_wait
+        else:  # (w, expert_mean(w.detach(), E, mean_group, layer), q, group, layer)
+            mean, q, group, layer = node.args[1:5]
+            start_op, wait_op = ops.domain_gather_compressed_start.default, ops.domain_gather_compressed_wait
+            start_args = (w, mean.args[1], q, group, mean.args[2], layer)
         with graph.inserting_after(after):
-            start = graph.call_function(torch.ops.moe.domain_gather_start.default, (w, group))
+            start = graph.call_function(start_op, start_args)
         with graph.inserting_before(node):
-            wait = graph.call_function(torch.ops.moe.domain_gather_wait.default, (start, w, group, layer))
+            wait = graph.call_function(wait_op.default, (start, w, group, layer))
         for n in (start, wait):
             n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "moe_layer") if k in node.meta})
         node.replace_all_uses_with(wait)
         graph.erase_node(node)
+        if node.target in COMPRESSED:
+            _erase_unused(graph, [mean])
         report.counters["distribute.gathers_started_early"] += 1
 
 

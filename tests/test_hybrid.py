@@ -129,10 +129,11 @@ def test_stream_model_agrees_with_the_closed_form():
 def test_gathers_start_after_the_previous_layers_experts():
     """The distribute pass's placement (hybridep.md §IV-B): layer 0's all-gather starts as soon as the graph's
     inputs are there, layer 1's right after layer 0's experts, so each runs while its layer's pre-expert part
-    computes; each is waited for just before its own experts."""
+    computes; each is waited for just before its own experts. A compressed gather (layer 1 here) moves the same
+    way, its shared expert (expert_mean) and encode done by its start."""
     import torch.fx as fx
 
-    import moecompile.runtime.comm.domains  # noqa: F401  (registers the ops)
+    import moecompile.runtime.comm.compress  # noqa: F401  (registers the ops)
     from moecompile.passes.distribute import _start_gathers_early
     from moecompile.passes.report import PassReport
 
@@ -142,8 +143,9 @@ def test_gathers_start_after_the_previous_layers_experts():
     experts0 = graph.call_function(ops.expert_mlp.default, (pre0, graph.call_function(ops.domain_gather.default,
                                                                                        (w0, "g", "l0"))))
     pre1 = graph.call_function(torch.relu, (experts0,))
-    experts1 = graph.call_function(ops.expert_mlp.default, (pre1, graph.call_function(ops.domain_gather.default,
-                                                                                       (w1, "g", "l1"))))
+    mean = graph.call_function(ops.expert_mean.default, (graph.call_method("detach", (w1,)), 8, "world", "l1"))
+    gathered = graph.call_function(ops.domain_gather_compressed.default, (w1, mean, 0.25, "g", "l1"))
+    experts1 = graph.call_function(ops.expert_mlp.default, (pre1, gathered))
     graph.output(experts1)
     for n in (experts0, experts1):
         n.meta["moe_local_experts"] = 2
@@ -152,8 +154,10 @@ def test_gathers_start_after_the_previous_layers_experts():
     order = [str(n.target).split(".")[-2] if n.op == "call_function" and "moe" in str(n.target) else
              getattr(n.target, "__name__", n.op) for n in graph.nodes]
     assert order == ["placeholder"] * 3 + ["domain_gather_start", "relu", "domain_gather_wait", "expert_mlp",
-                                           "domain_gather_start", "relu", "domain_gather_wait", "expert_mlp",
-                                           "output"], order
+                                           "domain_gather_compressed_start", "relu", "domain_gather_compressed_wait",
+                                           "expert_mlp", "output"], order
+    start = next(n for n in graph.nodes if n.target is ops.domain_gather_compressed_start.default)
+    assert start.args == (w1, 8, 0.25, "g", "world", "l1"), start.args
     assert report.counters["distribute.gathers_started_early"] == 2
 
 

@@ -12,6 +12,10 @@ entries largest in magnitude, as (value, index) pairs; a receiver decodes S + th
                                                    reduced over every rank each step
     moe::domain_gather_compressed(w, S, q, group)  moe.domain_gather sending residual pairs; own experts exact;
                                                    backward: each copy's gradient summed to its owner (as if exact)
+    moe::domain_gather_compressed_start(w, E, q, group, mean_group) -> key    the shared expert and the encode
+    moe::domain_gather_compressed_wait(key, w, group)                         done and the pairs' all-gathers
+                                                   started where the distribute pass puts them (ahead of the
+                                                   experts, as the exact gather's start/wait); decoded at the wait
 
 ``parallelize(..., expert_domains=..., compress=q)`` (stacked experts): it changes the forward (the gathered
 copies are approximate), so it is never on by default and the report says so.
@@ -20,13 +24,15 @@ copies are approximate), so it is never on by default and the report says so.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_autograd, register_fake
 
 from .domains import domain_reduce  # noqa: F401  (registers moe::domain_reduce, the backward)
-from .exchange import resolve_group
+from .domains import in_flight, new_key
+from .exchange import resolve_group, wait_as_link
 from .stats import COMM
 
 Tensor = torch.Tensor
@@ -62,18 +68,25 @@ def encoded_bytes(E: int, numel: int, q: float, elem: int) -> int:
 # ---- the compressed all-gather of a domain's experts ------------------------------------------------------------
 
 
+def _mean(w: Tensor, num_experts: int, group_name: str, layer: str) -> Tensor:
+    group = resolve_group(group_name)
+    total = w.detach().sum(0)
+    started = time.perf_counter()
+    dist.all_reduce(total, group=group)
+    W = dist.get_world_size(group)
+    ring = 2 * (W - 1) * total.numel() * total.element_size() // W  # what a ring all-reduce sends per rank
+    wait_as_link(group, ring, since=started)
+    if layer:
+        COMM.add_rows(layer, "expert_mean", group, [1] * W, 2 * total.numel() * total.element_size() // W)
+    return total / num_experts
+
+
 @custom_op("moe::expert_mean", mutates_args=())
 def expert_mean(w: Tensor, num_experts: int, group_name: str, layer: str = "") -> Tensor:
     """The shared expert: the mean of the layer's ``num_experts`` experts, every rank's ``w`` [E_l, ...] summed over
     ``group`` (all the layer's ranks). Not differentiated: the residuals carry the gradient. Counted as a ring
     all-reduce sends: 2 (W - 1) / W of one expert's bytes per rank."""
-    group = resolve_group(group_name)
-    total = w.detach().sum(0)
-    dist.all_reduce(total, group=group)
-    if layer:
-        W = dist.get_world_size(group)
-        COMM.add_rows(layer, "expert_mean", group, [1] * W, 2 * total.numel() * total.element_size() // W)
-    return total / num_experts
+    return _mean(w, num_experts, group_name, layer)
 
 
 @register_fake("moe::expert_mean")
@@ -81,24 +94,36 @@ def _expert_mean_fake(w, num_experts, group_name, layer=""):
     return w.new_empty(w.shape[1:])
 
 
+def _launch(w: Tensor, shared: Tensor, q: float, group) -> tuple:
+    S = dist.get_world_size(group)
+    values, indices = encode(w, shared, q)
+    all_values = [torch.empty_like(values) for _ in range(S)]
+    all_indices = [torch.empty_like(indices) for _ in range(S)]
+    works = (dist.all_gather(all_values, values, group=group, async_op=True),
+             dist.all_gather(all_indices, indices, group=group, async_op=True))
+    return works, all_values, all_indices, shared, time.perf_counter()
+
+
+def _finish(works, all_values, all_indices, shared, started, w: Tensor, group, layer: str) -> Tensor:
+    for work in works:
+        work.wait()
+    S, r = dist.get_world_size(group), dist.get_rank(group)
+    pair = all_indices[0].shape[1] * (all_values[0].element_size() + 4)  # one expert's (value, index) pairs
+    wait_as_link(group, (S - 1) * w.shape[0] * pair, since=started)
+    if layer:
+        COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * S, pair)
+    out = decode(torch.cat(all_values), torch.cat(all_indices), shared).to(w.dtype)
+    out = out.view(S * w.shape[0], *w.shape[1:])
+    out[r * w.shape[0]:(r + 1) * w.shape[0]] = w  # its own experts exactly
+    return out
+
+
 @custom_op("moe::domain_gather_compressed", mutates_args=())
 def domain_gather_compressed(w: Tensor, shared: Tensor, q: float, group_name: str, layer: str = "") -> Tensor:
     """``moe.domain_gather`` with SR compression: each rank sends its experts' residual top-``q`` entries; the
     other ranks' experts come back as shared + residual, this rank's own exactly."""
     group = resolve_group(group_name)
-    S, r = dist.get_world_size(group), dist.get_rank(group)
-    values, indices = encode(w, shared, q)
-    all_values = [torch.empty_like(values) for _ in range(S)]
-    all_indices = [torch.empty_like(indices) for _ in range(S)]
-    dist.all_gather(all_values, values, group=group)
-    dist.all_gather(all_indices, indices, group=group)
-    if layer:
-        COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * S,
-                      indices.shape[1] * (values.element_size() + 4))
-    out = decode(torch.cat(all_values), torch.cat(all_indices), shared).to(w.dtype)
-    out = out.view(S * w.shape[0], *w.shape[1:])
-    out[r * w.shape[0]:(r + 1) * w.shape[0]] = w  # its own experts exactly
-    return out
+    return _finish(*_launch(w, shared, q, group), w, group, layer)
 
 
 @register_fake("moe::domain_gather_compressed")
@@ -115,3 +140,42 @@ def _compressed_bwd(ctx, grad):  # straight through: each copy's gradient summed
 
 
 register_autograd("moe::domain_gather_compressed", _compressed_bwd, setup_context=_compressed_setup)
+
+
+@custom_op("moe::domain_gather_compressed_start", mutates_args=())
+def domain_gather_compressed_start(w: Tensor, num_experts: int, q: float, group_name: str, mean_group: str,
+                                   layer: str = "") -> Tensor:
+    """The shared expert (``expert_mean`` over ``mean_group``), this rank's residual pairs, and their all-gather
+    over ``group_name`` started (asynchronously); returns the key ``domain_gather_compressed_wait`` takes."""
+    shared = _mean(w, num_experts, mean_group, layer)
+    key = new_key()
+    in_flight[key] = _launch(w.detach(), shared, q, resolve_group(group_name))
+    return torch.tensor([key], dtype=torch.int64)
+
+
+@register_fake("moe::domain_gather_compressed_start")
+def _compressed_start_fake(w, num_experts, q, group_name, mean_group, layer=""):
+    return torch.empty(1, dtype=torch.int64)
+
+
+@custom_op("moe::domain_gather_compressed_wait", mutates_args=())
+def domain_gather_compressed_wait(key: Tensor, w: Tensor, group_name: str, layer: str = "") -> Tensor:
+    """``domain_gather_compressed(w, ...)`` started by ``domain_gather_compressed_start`` (its ``key``): waits for
+    the pairs here and decodes them."""
+    return _finish(*in_flight.pop(int(key[0])), w, resolve_group(group_name), layer)
+
+
+@register_fake("moe::domain_gather_compressed_wait")
+def _compressed_wait_fake(key, w, group_name, layer=""):
+    return w.new_empty((w.shape[0] * dist.get_world_size(resolve_group(group_name)), *w.shape[1:]))
+
+
+def _compressed_wait_setup(ctx, inputs, output):
+    ctx.group_name, ctx.layer = inputs[2], inputs[3]
+
+
+def _compressed_wait_bwd(ctx, grad):
+    return None, torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None
+
+
+register_autograd("moe::domain_gather_compressed_wait", _compressed_wait_bwd, setup_context=_compressed_wait_setup)

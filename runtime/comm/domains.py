@@ -61,15 +61,15 @@ def _domain_gather_fake(w, group_name, layer=""):
     return w.new_empty((w.shape[0] * _size(group_name), *w.shape[1:]))
 
 
-_IN_FLIGHT: dict[int, tuple] = {}  # key -> (work, parts, start time) of an all-gather started ahead
-_KEYS = itertools.count()
+in_flight: dict[int, tuple] = {}  # key -> what a gather started ahead needs at its wait (compress.py's too)
+new_key = itertools.count().__next__
 
 
 @custom_op("moe::domain_gather_start", mutates_args=())
 def domain_gather_start(w: Tensor, group_name: str) -> Tensor:
     """Starts ``domain_gather(w)`` (asynchronously); returns the key ``domain_gather_wait`` takes."""
-    key = next(_KEYS)
-    _IN_FLIGHT[key] = _launch(w, resolve_group(group_name))
+    key = new_key()
+    in_flight[key] = _launch(w, resolve_group(group_name))
     return torch.tensor([key], dtype=torch.int64)
 
 
@@ -81,7 +81,7 @@ def _domain_gather_start_fake(w, group_name):
 @custom_op("moe::domain_gather_wait", mutates_args=())
 def domain_gather_wait(key: Tensor, w: Tensor, group_name: str, layer: str = "") -> Tensor:
     """``domain_gather(w)``, started by ``domain_gather_start`` (its ``key``): waits for it here."""
-    return _finish(*_IN_FLIGHT.pop(int(key[0])), w, resolve_group(group_name), layer)
+    return _finish(*in_flight.pop(int(key[0])), w, resolve_group(group_name), layer)
 
 
 @register_fake("moe::domain_gather_wait")
