@@ -1,6 +1,6 @@
 """``python -m moecompile plan config.json --cluster cluster.json --seq 4096 --micro-batch 1 [--json plan.json]
-[--plot plan.png] [--top 10] [--calibration links.json]``: the ranked table of the ``--top`` best plans; exit
-status 3 (and the smallest shortfall) where no plan fits in memory."""
+[--plot plan.png] [--top 10] [--calibration links.json] [--routing routing.pt]``: the ranked table of the
+``--top`` best plans; exit status 3 (and the smallest shortfall) where no plan fits in memory."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import time
 
 from .cluster import read_cluster
+from .routing import read_routing
 from .search import plan
 from .shapes import read_config
 
@@ -27,6 +28,13 @@ def describe(p: dict) -> str:
     return " ".join(parts)
 
 
+def routing_text(routing: dict | None) -> str:
+    if routing is None:
+        return "uniform routing"
+    return (f"measured routing: {routing['layers']} layers, {routing['tokens']} tokens, busiest expert "
+            f"{routing['busiest_expert']:.2f}x the mean")
+
+
 def table(result: dict, top: int) -> str:
     m = result["model"]
     lines = [f"{m['name']}: {m['moe_layers']} MoE layers of {m['num_experts']} experts (top-{m['top_k']}, hidden "
@@ -35,7 +43,7 @@ def table(result: dict, top: int) -> str:
              f"x-moe.md App. C: r = k / H_FFN = {result['moe_tp_rule']['r']:.3g} vs 2 / (c S) = "
              f"{result['moe_tp_rule']['bound']:.3g} (c = 1): {result['moe_tp_rule']['choice'].upper()} saves more "
              "memory where tp > 1",
-             "duplication rate (uniform routing): " + (", ".join(f"{k} {v:.1%}" for k, v in
+             f"duplication rate ({routing_text(result['routing'])}): " + (", ".join(f"{k} {v:.1%}" for k, v in
                                                                result["duplication"].items()) or "one level"),
              f"{'#':>3} {'plan':<44} {'step s':>9} {'layer ms':>9} {'disp ms':>8} {'exp ms':>8} {'comb ms':>8} "
              f"{'AG ms':>7} {'mem GB':>8} fits"]
@@ -85,7 +93,8 @@ def main(args) -> int:
     start = time.perf_counter()
     shape = read_config(args.config)
     cluster = read_cluster(args.cluster, args.calibration or None)
-    result = plan(shape, cluster, args.seq, args.micro_batch)
+    routing = read_routing(args.routing, shape.num_experts) if args.routing else None
+    result = plan(shape, cluster, args.seq, args.micro_batch, routing)
     result["cluster"]["memory_GB"] = cluster.memory_GB
     result["seconds"] = time.perf_counter() - start
     print(table(result, args.top))
@@ -103,6 +112,8 @@ def add_parser(sub) -> None:
     p.add_argument("config", help="the model's config.json (or its directory)")
     p.add_argument("--cluster", required=True, help="the cluster JSON (docs/planner.md)")
     p.add_argument("--calibration", default="", help="a calibrate JSON filling the levels' alpha_s / GBps")
+    p.add_argument("--routing", default="", help="a measured routing (moecompile.record_routing's file) in place of "
+                                                 "uniform routing")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--json", default="")

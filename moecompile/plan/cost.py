@@ -79,9 +79,10 @@ def moe_layer_activations(shape: MoEShape, tokens: float, tp_rows: int = 1, tp_i
     return rows * ELEM * (2 * shape.hidden + (shape.mats - 1) * inter + inter)
 
 
-def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batch: int) -> dict:
+def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batch: int, routing=None) -> dict:
     """The plan's entry of plan.json (``layer_s``, ``step_s``, ``bytes_per_link``, ``memory_GB``, ``fits``), or
-    ``{"invalid": why}`` where the cluster cannot lay it out."""
+    ``{"invalid": why}`` where the cluster cannot lay it out. ``routing``: a measured ``plan.routing.Routing``
+    (uniform routing where None): the exchanges' busiest rank and the experts' busiest rank's rows."""
     N, levels = cluster.gpus, cluster.levels
     ted = plan.moe_tp == "ted"
     ep_counts = group_counts(cluster, plan.ep, plan.tp if ted else 1)
@@ -108,14 +109,23 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     if plan.expert_domains:
         sizes = dict(plan.expert_domains)
         domain_counts = [sizes.get(lv.name, 1) for lv in levels]
+        domains = plan.ep // math.prod(domain_counts)  # a token's rows go to one rank of each domain
+        offrank = routing.offrank(domains) if routing is not None and domains > 1 else None
         gather, rows_out = expected.domain_bytes(rows, row_bytes, ep_counts, domain_counts, expert_bytes)
+        if offrank is not None:  # the busiest rank's rows, not the mean's
+            rows_out = [b * offrank / (1 - 1 / domains) for b in rows_out]
         for what, nbytes in (("gather", gather), ("exchange", rows_out), ("exchange", rows_out)):  # rows, outputs
             phase(what, nbytes)
         dispatch, combine, allgather = domain_times(levels, ep_counts, domain_counts, rows * row_bytes,
-                                                    expert_bytes, pre, E // plan.ep)
+                                                    expert_bytes, pre, E // plan.ep, offrank)
         held = expert_bytes * math.prod(domain_counts)
     else:
-        dispatch, combine = exchange_times(levels, ep_counts, rows / K, K, E, row_bytes, plan.dedup, sent)
+        dispatch, combine = exchange_times(levels, ep_counts, rows / K, K, E, row_bytes, plan.dedup, sent,
+                                           routing, plan.slots_per_rank)
+    # the busiest rank's rows over the mean (expert domains: a rank computes its domain's experts' rows of one rank
+    # of each domain, so the domains' shares decide)
+    busiest = 1.0 if routing is None else routing.imbalance(plan.ep // math.prod(domain_counts)) \
+        if plan.expert_domains else routing.imbalance(plan.ep, plan.slots_per_rank)
     if plan.slots_per_rank:  # replication (adaptive-expert-replication.md's phases, per step): every slot's new
         # weights in (and, counted by the step's backward, its gradient out to the experts' host optimizers), over
         # the group's slowest link (S W_e / b_net) and the hosts' share over PCIe (S W_e / (R b_pcie), R = N S / E
@@ -131,8 +141,8 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         tp_bytes = [0.0] * (len(levels) - 1) + [(plan.tp - 1) / plan.tp * T * H * ELEM * (2 if ted else 1)]
         combine += phase("tp", tp_bytes)
     inter = I / tp_inter
-    flops = 2 * rows * shape.mats * H * inter
-    experts = _roofline(cluster, flops, held + rows * ELEM * (2 * H + shape.mats * inter))
+    flops = 2 * rows * busiest * shape.mats * H * inter
+    experts = _roofline(cluster, flops, held + rows * busiest * ELEM * (2 * H + shape.mats * inter))
     layer = {"dispatch": dispatch, "experts": experts, "combine": combine, "allgather": allgather,
              "total": dispatch + experts + combine + allgather}
     step, grads_level = _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes)
@@ -141,7 +151,7 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     bytes_per_link = {lv.name: shape.moe_layers * 2 * (x + g + t) + r for lv, x, g, t, r in
                       zip(levels, sent["exchange"], sent["gather"], sent["tp"], grads_level)}
     memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter,
-                     0.0 if plan.slots_per_rank else 2 * (held - expert_bytes))
+                     0.0 if plan.slots_per_rank else 2 * (held - expert_bytes), busiest)
     return {**plan.as_dict(), "layer_s": layer, "step_s": step, "bytes_per_link": bytes_per_link,
             "memory_GB": memory, "fits": memory["total"] <= cluster.memory_GB}
 
@@ -170,16 +180,20 @@ def _link_model(levels, counts) -> tuple[LinkModel, tuple[str, ...]]:
     return LinkModel(params), tuple(names)
 
 
-def exchange_times(levels, counts, tokens, top_k, num_experts, row_bytes, dedup: str, sent=None
-                   ) -> tuple[float, float]:
+def exchange_times(levels, counts, tokens, top_k, num_experts, row_bytes, dedup: str, sent=None, routing=None,
+                   slots_per_rank: int = 0) -> tuple[float, float]:
     """(dispatch, combine) seconds of one layer's all-to-alls as the runtime runs them (``expected_messages``:
-    the same collectives ``cost_model.messages`` counts on a measured routing), priced by ``link_model`` with the
+    the same collectives ``cost_model.messages`` counts on a measured routing; ``routing``: a measured one's
+    statistics, ``slots_per_rank``: its rows over replication's instances), priced by ``link_model`` with the
     dedup choice's ``cost_model.price``; ``sent["exchange"]`` gains each level's bytes."""
     if math.prod(counts) == 1:
         return 0.0, 0.0
     link, names = link_model(levels, counts)
     sub = [c for c in counts if c > 1]
-    msgs = expected.expected_messages(tokens, top_k, num_experts, sub, names, row_bytes)[dedup]
+    if routing is not None:
+        msgs = routing.messages(tokens, top_k, sub, names, row_bytes, slots_per_rank)[dedup]
+    else:
+        msgs = expected.expected_messages(tokens, top_k, num_experts, sub, names, row_bytes)[dedup]
     if sent is not None:
         by_name = {lv.name: j for j, lv in enumerate(levels)}
         for kind, n in msgs:
@@ -198,18 +212,19 @@ def level_seconds(levels, bytes_per_level) -> float:
 
 
 def domain_times(levels, counts, domain_counts, data_bytes: float, expert_bytes: float, pre: float,
-                 experts_per_rank: int = 0) -> tuple[float, float, float]:
+                 experts_per_rank: int = 0, offrank: float | None = None) -> tuple[float, float, float]:
     """Expert domains (hybridep.md Eqs. 3-8) of ``domain_counts`` ranks per level in a group of ``counts``:
     (dispatch, combine, the all-gather's seconds left after the ``pre`` seconds of pre-expert compute it overlaps,
     Eq. 7). ``data_bytes``: a rank's rows (D), of which those for other domains' experts cross the exchange group
-    (after its per-expert counts); ``expert_bytes``: its experts (P_E), gathered from the domain's others. Priced
-    by ``stream.price``, as ``expert_domains="auto"`` prices a measured routing, on ``link_model``."""
+    (after its per-expert counts; ``offrank``: the busiest rank's share of D it sends or receives there, uniform
+    routing's 1 - 1 / domains where None); ``expert_bytes``: its experts (P_E), gathered from the domain's others.
+    Priced by ``stream.price``, as ``expert_domains="auto"`` prices a measured routing, on ``link_model``."""
     used = [j for j, c in enumerate(counts) if c > 1]
     if not used:
         return 0.0, 0.0, 0.0
     link, names = link_model(levels, counts)
     sizes, domains = [counts[j] for j in used], [domain_counts[j] for j in used]
-    rows = data_bytes * (1 - math.prod(domains) / math.prod(sizes))
+    rows = data_bytes * (1 - math.prod(domains) / math.prod(sizes) if offrank is None else offrank)
     p = stream.price(link, names, sizes, domains, expert_bytes, rows, experts_per_rank)
     back = link.time(kind(names, stream.spanned(hybrid.groups(0, sizes, domains)[1], sizes)), rows) if p.a2a else 0.0
     return p.a2a - back, back, max(0.0, p.ag - pre)
@@ -268,9 +283,10 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
     return step, grads
 
 
-def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float) -> dict:
+def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float, busiest: float = 1.0) -> dict:
     """GB per GPU; ``gathered``: bytes of other ranks' experts held at once (expert domains: two layers' copies,
-    the running one's and the next one's gather started ahead), counted with the weights."""
+    the running one's and the next one's gather started ahead), counted with the weights; ``busiest``: the
+    busiest rank's routed rows over the mean (its MoE activations grow with them)."""
     GB = 1e9
     dense = shape.dense_params() / plan.tp
     replicas = (plan.dp if plan.moe_tp == "ted" else N) // plan.ep
@@ -284,7 +300,7 @@ def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float)
     H = shape.hidden
     attention = T * H * (4 + 11 / plan.tp)
     mlp = 19 * T * shape.dense_intermediate / 4 / plan.tp
-    moe_layer = moe_layer_activations(shape, T, tp_rows, tp_inter)
+    moe_layer = moe_layer_activations(shape, T * busiest, tp_rows, tp_inter)
     activations = shape.layers * attention + (shape.layers - shape.moe_layers) * mlp + shape.moe_layers * moe_layer
     out = {"weights": weights / GB, "grads": (weights - gathered) / GB, "optimizer": optimizer / GB,
            "activations": activations / GB, "moe_layer_activations": moe_layer / GB}

@@ -51,25 +51,30 @@ def candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
     return out
 
 
-def duplication(shape: MoEShape, cluster: Cluster) -> dict[str, float]:
+def duplication(shape: MoEShape, cluster: Cluster, routing=None) -> dict[str, float]:
     """At each level but the innermost: hiermoe.md Table II's duplication rate, the experts spread over every
-    GPU (groups of that level: the product of the counts down to it, at most E)."""
+    GPU (groups of that level: the product of the counts down to it, at most E); of ``routing`` where given."""
     out = {}
     for j, level in enumerate(cluster.levels[:-1]):
         groups = min(math.prod(cluster.counts[:j + 1]), shape.num_experts)
         if shape.num_experts % groups == 0:
-            out[level.name] = expected.duplication_rate(shape.num_experts, shape.top_k, groups)
+            out[level.name] = expected.duplication_rate(shape.num_experts, shape.top_k, groups) if routing is None \
+                else routing.duplication_rate(groups)
     return out
 
 
-def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1) -> dict:
+def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1, routing=None) -> dict:
     """plan.json's object: ``model``, ``moe_tp_rule`` (x-moe.md App. C at this sequence length, dropless: c = 1),
-    ``duplication``, ``plans`` (ranked: fitting ones by step time first, then
+    ``routing`` (None: uniform; a measured ``routing.Routing``: its layers and tokens), ``duplication``, ``plans``
+    (ranked: fitting ones by step time first, then
     the rest by their memory), ``chosen`` (0 where the first fits, else None) and ``shortfall_GB`` (the least
     memory over the GPU's of any plan, where none fits)."""
     if seq < 1 or micro_batch < 1:
         raise ValueError(f"--seq and --micro-batch must be >= 1, got {seq} and {micro_batch}")
-    plans = [evaluate(shape, cluster, p, seq, micro_batch) for p in candidates(shape, cluster)]
+    if routing is not None and routing.top_k != shape.top_k:
+        raise ValueError(f"the routing file's tokens chose {routing.top_k} experts each; the config's top-k is "
+                         f"{shape.top_k}: record the routing on the model the config describes")
+    plans = [evaluate(shape, cluster, p, seq, micro_batch, routing) for p in candidates(shape, cluster)]
     plans = [p for p in plans if "invalid" not in p]
     if not plans:
         raise ValueError(f"no expert-parallel degree of {shape.num_experts} experts tiles {cluster.gpus} GPUs "
@@ -80,7 +85,8 @@ def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1) -> d
             "choice": xmoe_rule(shape.top_k, shape.intermediate, 1.0, seq)}
     out = {"model": shape.as_dict(), "moe_tp_rule": rule, "cluster": {"gpu": cluster.gpu_name, "gpus": cluster.gpus,
                                                   "levels": [lv.name for lv in cluster.levels]},
-           "seq": seq, "micro_batch": micro_batch, "duplication": duplication(shape, cluster), "plans": plans,
+           "seq": seq, "micro_batch": micro_batch, "duplication": duplication(shape, cluster, routing),
+           "routing": None if routing is None else routing.summary(), "plans": plans,
            "chosen": 0 if fits else None}
     if not fits:
         out["shortfall_GB"] = plans[0]["memory_GB"]["total"] - cluster.memory_GB

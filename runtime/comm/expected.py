@@ -10,8 +10,9 @@ probability ``(g_j - 1) * prod(g_i, i > j) / prod(g)`` (``level_fractions``); by
                                E experts in R equal groups: R (1 - C(E - E/R, K) / C(E, K))
     duplication_rate(E, K, R)  1 - distinct / K: the fraction of a token's K rows that go to a group another of
                                its rows already goes to (hiermoe.md Table II's quantity)
-    expected_messages(...)     ``cost_model.messages``' all-to-alls, kind by kind, for uniform routing: the
-                               planner prices them with the same link model the dedup choice uses
+    expected_messages(...)     ``cost_model.messages``' all-to-alls, kind by kind, for uniform routing (or a
+                               measured one's per-rank shares and per-group hits: ``moecompile/plan/routing.py``):
+                               the planner prices them with the same link model the dedup choice uses
     domain_bytes(...)          expert domains (hybridep.md): the all-gather of the domain's experts, and the rows
                                for other domains' experts over the exchange group
 """
@@ -64,27 +65,31 @@ def domain_bytes(rows: float, row_bytes: float, counts, domain_counts, expert_by
 
 
 def expected_messages(tokens: float, top_k: int, num_experts: int, counts, names, row_bytes: float,
-                      weight_bytes: float = 4) -> dict[str, list[tuple[str, float]]]:
-    """``cost_model.messages`` for uniform routing: per dedup choice (``off`` and each level of ``names`` but the
-    innermost), the (collective kind, bytes a rank sends off-rank) of each all-to-all of one dispatch and combine,
-    in the runtime's order; every rank sends alike, so the busiest rank's bytes are the expectation. ``tokens``:
-    a rank's tokens; ``counts``: the mesh's size per level, named ``names`` (outermost first)."""
+                      weight_bytes: float = 4, shares=None, hits=None) -> dict[str, list[tuple[str, float]]]:
+    """``cost_model.messages`` for a routing known by its statistics: per dedup choice (``off`` and each level of
+    ``names`` but the innermost), the (collective kind, busiest rank's bytes sent or received off-rank) of each
+    all-to-all of one dispatch and combine, in the runtime's order. ``tokens``: a rank's tokens (every rank
+    starts alike); ``counts``: the mesh's size per level, named ``names`` (outermost first). ``shares``: each
+    rank's share of the routed rows (its E / W contiguous experts'), ``hits(G)``: per group of G contiguous
+    ones, the fraction of tokens with a row there; uniform routing where not given (1 / W; the expected distinct
+    groups / G). Rank d of W receives (W - 1) T K P_d rows and sends T K (1 - P_d): the busiest is the larger."""
     names, counts = tuple(names), tuple(counts)
     ranks = math.prod(counts)
     E, T, K = num_experts, tokens, top_k
-    off_rank = 1 - 1 / ranks
-    plan = {"off": [("flat", (ranks - 1) * (E // ranks) * 8), ("flat", T * K * off_rank * row_bytes),
-                    ("flat", T * K * off_rank * row_bytes)]}
+    P = list(shares) if shares is not None else [1 / ranks] * ranks
+    rows = T * K * max(max(1 - p, (ranks - 1) * p) for p in P)
+    plan = {"off": [("flat", (ranks - 1) * (E // ranks) * 8), ("flat", rows * row_bytes), ("flat", rows * row_bytes)]}
     for level in dedup_levels(names):
         cross, inner = level_kinds(names, level)
         n = inner_size(counts, names, level)
-        groups = ranks // n
-        remote = 1 - 1 / groups
-        pairs = T * distinct_groups(E, K, groups) * remote * row_bytes
-        copies = T * K * (1 - 1 / n) * row_bytes
-        plan[level] = [(cross, (groups - 1) * 16), (cross, pairs), (cross, T * K * remote * 16),
-                       (cross, T * K * remote * weight_bytes), (inner, (n - 1) * (E // ranks) * 8),
-                       (inner, copies), (inner, copies), (cross, pairs)]
+        G = ranks // n
+        q = hits(G) if hits is not None else [distinct_groups(E, K, G) / G] * G
+        P_g = [sum(P[g * n:(g + 1) * n]) for g in range(G)]
+        pairs = T * max(max(sum(q) - h, (G - 1) * h) for h in q) * row_bytes  # one row a (token, other group)
+        routed = T * K * max(max(1 - p, (G - 1) * p) for p in P_g)  # a 16-byte entry per routed row off-group
+        copies = G * T * K * max(max(P_g[d // n] - P[d], (n - 1) * P[d]) for d in range(ranks)) * row_bytes
+        plan[level] = [(cross, (G - 1) * 16), (cross, pairs), (cross, routed * 16), (cross, routed * weight_bytes),
+                       (inner, (n - 1) * (E // ranks) * 8), (inner, copies), (inner, copies), (cross, pairs)]
     return plan
 
 
