@@ -127,6 +127,18 @@ def test_reads_the_published_configs_and_every_family():
     assert not unread, unread
 
 
+@pytest.mark.parametrize("name, published", [("deepseek_v3", 671e9), ("qwen3_30b_a3b", 30.5e9),
+                                             ("mixtral_8x7b", 46.7e9), ("gpt_oss_20b", 21e9)])
+def test_parameter_counts_equal_the_published_ones(name, published):
+    """Every weight the planner prices (attention: DeepSeek-V3's multi-head latent attention through its ranks;
+    dense and shared MLPs, routers, embeddings and head, the routed experts) sums to the model's published total
+    within 1% (DeepSeek-V3: 671B without its multi-token-prediction module; the others' model cards)."""
+    shape = read_config(os.path.join(CONFIGS, f"{name}.json"))
+    ours = shape.dense_params() + shape.moe_layers * shape.num_experts * shape.expert_params()
+    print(f"{name}: published {published / 1e9:.1f}B, ours {ours / 1e9:.2f}B, error {ours / published - 1:+.2%}")
+    assert ours == pytest.approx(published, rel=0.01)
+
+
 def test_bad_input_names_the_problem(tmp_path):
     with pytest.raises(ValueError, match="not an MoE config"):
         read_config({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2})

@@ -102,8 +102,8 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
             sent[what][j] += b
         return level_seconds(levels, bytes_per_level)
 
-    pre = _roofline(cluster, 2 * T * shape.attention_params() / plan.tp + 2 * T * seq * shape.heads *
-                    shape.head_dim / plan.tp, T * H * ELEM * 4)
+    pre = _roofline(cluster, (2 * T * shape.attention_params() + shape.attention_core_flops(T, seq)) / plan.tp,
+                    T * H * ELEM * 4)
     allgather = 0.0
     held = expert_bytes
     if plan.expert_domains:

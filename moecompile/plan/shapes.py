@@ -3,7 +3,10 @@
 
 Multimodal configs keep the language model's fields in ``text_config`` (read from there when the top level has
 no experts). Experts are priced as gated (gate, up and down projections: 3 matrices of H x I); a family whose
-experts have two matrices is overpriced by 3/2 (not told apart yet).
+experts have two matrices is overpriced by 3/2 (not told apart yet). Attention: multi-head with ``kv_heads``
+key/value heads, or DeepSeek's multi-head latent attention where the config gives ``kv_lora_rank`` (its low-rank
+query and key/value projections, query/key heads of ``qk_nope_head_dim + qk_rope_head_dim``, value heads of
+``v_head_dim``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ class MoEShape:
     head_dim: int
     vocab: int
     gated: bool = True
+    q_lora: int = 0  # multi-head latent attention (MLA) where kv_lora > 0: its ranks and head widths
+    kv_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
 
     @property
     def mats(self) -> int:
@@ -45,9 +53,21 @@ class MoEShape:
         return self.mats * self.hidden * self.intermediate
 
     def attention_params(self) -> int:
-        q = self.heads * self.head_dim
+        H, n = self.hidden, self.heads
+        if self.kv_lora:  # MLA: q (through its rank, if any), kv's down and up projections, o
+            qk = self.qk_nope + self.qk_rope
+            q = (H * self.q_lora + self.q_lora * n * qk) if self.q_lora else H * n * qk
+            kv = H * (self.kv_lora + self.qk_rope) + self.kv_lora * n * (self.qk_nope + self.v_head)
+            return q + kv + n * self.v_head * H
+        q = n * self.head_dim
         kv = self.kv_heads * self.head_dim
-        return self.hidden * (2 * q + 2 * kv)  # q, k, v and o projections
+        return H * (2 * q + 2 * kv)  # q, k, v and o projections
+
+    def attention_core_flops(self, tokens: float, seq: int) -> float:
+        """Scores and their weighted values of ``tokens`` queries over a causal ``seq`` (half the square):
+        tokens x seq x heads x (query/key width + value width)."""
+        qk, v = (self.qk_nope + self.qk_rope, self.v_head) if self.kv_lora else (self.head_dim, self.head_dim)
+        return tokens * seq * self.heads * (qk + v)
 
     def dense_params(self) -> int:
         """Every weight but the routed experts': attention, dense MLPs, shared experts, routers, embeddings."""
@@ -59,6 +79,10 @@ class MoEShape:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+MLA = {"q_lora": "q_lora_rank", "kv_lora": "kv_lora_rank", "qk_nope": "qk_nope_head_dim",
+       "qk_rope": "qk_rope_head_dim", "v_head": "v_head_dim"}  # DeepSeek's config fields
 
 
 def _get(values: dict, field: str, default=None):
@@ -108,4 +132,5 @@ def read_config(source) -> MoEShape:
                     dense_intermediate=_get(values, "dense_intermediate", need["expert_intermediate"]),
                     shared_intermediate=int(shared_inter), heads=heads,
                     kv_heads=_get(values, "kv_heads", heads) or heads,
-                    head_dim=values.get("head_dim") or H // heads, vocab=need["vocab"])
+                    head_dim=values.get("head_dim") or H // heads, vocab=need["vocab"],
+                    **{field: values.get(key) or 0 for field, key in MLA.items()})
