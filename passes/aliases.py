@@ -32,6 +32,10 @@ CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
 # Fields that make some layers dense, as the models read them: "below" (layers below it), "above" (layers above
 # it), "step" (all but every step-th layer, (i + 1) % step == 0), "dense" (these layers), "moe" (all but these),
 # "types" (a kind per layer, "dense" or another).
+# model_type of families whose routed experts have two matrices (up, down: no gate); the planner prices the rest as
+# gated (tests/test_plan.py checks this against the installed transformers' expert classes)
+TWO_MATRIX_EXPERTS = frozenset({"nemotron_h"})
+
 LAYER_LAYOUT = {"first_k_dense_replace": "below", "first_k_dense": "below", "num_dense_layers": "below",
                 "n_dense_layers": "below", "moe_layer_start_index": "below", "moe_layer_end_index": "above",
                 "decoder_sparse_step": "step", "moe_layer_interval": "step", "mlp_only_layers": "dense",

@@ -127,6 +127,34 @@ def test_reads_the_published_configs_and_every_family():
     assert not unread, unread
 
 
+def test_two_matrix_experts_as_transformers_defines_them():
+    """The families whose expert class holds up and down weights and no gate (read from the installed
+    transformers' modeling code) are exactly those the planner prices with two matrices."""
+    import importlib
+    import inspect
+    import re
+
+    from moecompile.models.hf import moe_families_in_transformers
+    from moecompile.passes.aliases import TWO_MATRIX_EXPERTS
+
+    two, seen = set(), set()
+    for family in moe_families_in_transformers():
+        try:
+            source = inspect.getsource(importlib.import_module(f"transformers.models.{family}.modeling_{family}"))
+        except ModuleNotFoundError:
+            continue
+        for body in re.findall(r"class \w*Experts\(nn\.Module\):(.*?)\n    def forward", source, re.S):
+            params = set(re.findall(r"self\.(\w+) = nn\.Parameter", body))
+            seen.add(family)
+            if {"up_proj", "down_proj"} <= params and not any("gate" in p for p in params):
+                two.add(family)
+    assert len(seen) > 30 and two == set(TWO_MATRIX_EXPERTS), (len(seen), two)  # the scan reads most families
+    from moecompile.models.hf import walk_config
+
+    assert not read_config(walk_config("nemotron_h").to_dict()).gated
+    assert read_config(walk_config("mixtral").to_dict()).gated
+
+
 @pytest.mark.parametrize("name, published", [("deepseek_v3", 671e9), ("qwen3_30b_a3b", 30.5e9),
                                              ("mixtral_8x7b", 46.7e9), ("gpt_oss_20b", 21e9)])
 def test_parameter_counts_equal_the_published_ones(name, published):

@@ -2,8 +2,8 @@
 (``passes/aliases.py``: the names families give the number of experts, top-k, widths and which layers are MoE).
 
 Multimodal configs keep the language model's fields in ``text_config`` (read from there when the top level has
-no experts). Experts are priced as gated (gate, up and down projections: 3 matrices of H x I); a family whose
-experts have two matrices is overpriced by 3/2 (not told apart yet). Attention: multi-head with ``kv_heads``
+no experts). Experts are priced as gated (gate, up and down projections: 3 matrices of H x I), but for the
+families ``passes/aliases.py`` names in ``TWO_MATRIX_EXPERTS`` (up and down only). Attention: multi-head with ``kv_heads``
 key/value heads, or DeepSeek's multi-head latent attention where the config gives ``kv_lora_rank`` (its low-rank
 query and key/value projections, query/key heads of ``qk_nope_head_dim + qk_rope_head_dim``, value heads of
 ``v_head_dim``).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from moecompile.passes.aliases import CONFIG_ALIASES, moe_layer_flags
+from moecompile.passes.aliases import CONFIG_ALIASES, TWO_MATRIX_EXPERTS, moe_layer_flags
 
 from .cluster import load_json
 
@@ -133,4 +133,5 @@ def read_config(source) -> MoEShape:
                     shared_intermediate=int(shared_inter), heads=heads,
                     kv_heads=_get(values, "kv_heads", heads) or heads,
                     head_dim=values.get("head_dim") or H // heads, vocab=need["vocab"],
+                    gated=values.get("model_type") not in TWO_MATRIX_EXPERTS,
                     **{field: values.get(key) or 0 for field, key in MLA.items()})
