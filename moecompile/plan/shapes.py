@@ -3,8 +3,8 @@
 
 Multimodal configs keep the language model's fields in ``text_config`` (read from there when the top level has
 no experts). Experts are priced as gated (gate, up and down projections: 3 matrices of H x I), but for the
-families ``passes/aliases.py`` names in ``TWO_MATRIX_EXPERTS`` (up and down only). Attention: multi-head with ``kv_heads``
-key/value heads, or DeepSeek's multi-head latent attention where the config gives ``kv_lora_rank`` (its low-rank
+families ``passes/aliases.py`` names in ``TWO_MATRIX_EXPERTS`` (up and down only). Attention: multi-head with
+``kv_heads`` key/value heads, or DeepSeek's multi-head latent attention where the config gives ``kv_lora_rank`` (its low-rank
 query and key/value projections, query/key heads of ``qk_nope_head_dim + qk_rope_head_dim``, value heads of
 ``v_head_dim``).
 """
