@@ -78,6 +78,17 @@ def optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp, family):
             torch.save(full, f"{tmp}/saved_swap_optim.pt")
 
 
+def loads_in_one_process(one, tmp, ckpt, saved):
+    """The torch.distributed.checkpoint ``ckpt`` (saved by several ranks) loaded into ``one`` (a model of one
+    process, no process group) gives exactly the parameters in ``saved`` (``save``'s whole state)."""
+    state = one.state_dict()
+    dcp.load(state, checkpoint_id=f"{tmp}/{ckpt}")
+    one.load_state_dict(state)
+    whole = torch.load(f"{tmp}/{saved}")
+    for name, p in one.named_parameters():
+        torch.testing.assert_close(p, whole[name], rtol=0, atol=0, msg=f"{ckpt}: {name}")
+
+
 def save(model, tmp, rank, family):
     """A torch.distributed.checkpoint of the model, and (rank 0) the whole state as plain tensors: what each load
     must find, exactly."""

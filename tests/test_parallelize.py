@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from ep_checkpoints import TOL, check_after_swaps, save
+from ep_checkpoints import TOL, check_after_swaps, loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -361,13 +361,7 @@ def test_expert_parallel_training_equals_one_process(tmp_path):
     for family, ckpt, saved in (("mixtral", "ckpt_mixtral", "saved_mixtral.pt"), ("loop", "ckpt_loop", "saved_loop.pt"),
                                 *((f, f"ckpt_swap_{f}", f"saved_swap_{f}.pt") for f in ("mixtral", "dbrx"))):
         # in one process, no group; all but the first saved after expert swaps (the ModuleList's too)
-        one = _build(family)
-        state = one.state_dict()
-        dcp.load(state, checkpoint_id=f"{tmp}/{ckpt}")
-        one.load_state_dict(state)
-        saved = torch.load(f"{tmp}/{saved}")
-        for name, p in one.named_parameters():
-            torch.testing.assert_close(p, saved[name], rtol=0, atol=0, msg=f"{ckpt}: {name}")
+        loads_in_one_process(_build(family), tmp, ckpt, saved)
     _load_optimizer_in_one_process(tmp)
 
 

@@ -9,6 +9,9 @@ process training on all of them would.
     sharded experts         summed over every rank that routed rows to them already (the exchange's backward):
                             divided by the number of ranks whose rows repeat the same batch's tokens' share
 
+Experts held by several ranks (a mesh's ``"dp_replicate"`` dimension: each expert-parallel group holds every
+expert) are held back the same way and summed over those ranks, then divided by the copies times their divisor.
+
 A tensor-parallel weight (a DTensor: torch's ``parallelize_module``) is averaged by its local shard, over the
 data-parallel group, whose ranks hold the same shard. On a mesh with a ``"tp"`` dimension the data-parallel group is
 the ranks of the other dimensions: the ranks of one tp group see the same tokens, so their replicated gradients are
@@ -26,16 +29,33 @@ import torch.distributed as dist
 from torch import nn
 
 
-def sync_gradients(model: nn.Module, expert_divisors: dict[str, int], group, size: int) -> None:
+def sync_gradients(model: nn.Module, expert_divisors: dict[str, int], group, size: int, expert_group=None,
+                   copies: int = 1) -> None:
     """Register the hooks: ``expert_divisors`` maps the name of each sharded expert parameter held here to what its
     gradient is divided by; every other parameter that requires a gradient is averaged over ``group`` (``size``
-    ranks; None or 1: nothing to average)."""
+    ranks; None or 1: nothing to average). ``copies`` > 1: each expert is held by that many ranks (``expert_group``,
+    a mesh's ``"dp_replicate"``): its gradient is averaged over them too."""
+    experts = {n: p for n, p in model.named_parameters() if n in expert_divisors and p.requires_grad}
     replicated = [p for n, p in model.named_parameters() if n not in expert_divisors and p.requires_grad]
+    if size > 1:
+        _average_at_end(model, replicated, group, {id(p): size for p in replicated})
+    if copies > 1:  # the divisor applied after the sum over the copies
+        _average_at_end(model, list(experts.values()), expert_group,
+                        {id(p): copies * expert_divisors[n] for n, p in experts.items()})
+        return
+    for n, p in experts.items():
+        if expert_divisors[n] > 1:
+            p.register_hook(lambda grad, d=expert_divisors[n]: grad / d)
+
+
+def _average_at_end(model: nn.Module, params: list, group, divisor: dict[int, int]) -> None:
+    """Each backward's incoming gradients of ``params`` held back (the parameter accumulates zeros), summed over
+    ``group`` in one all-reduce when backward ends, divided by ``divisor[id(p)]``, then accumulated."""
     pending: dict[int, torch.Tensor] = {}
 
     def finish():
         live = {id(p) for p in model.parameters()}  # FSDP2 replaced the ones it manages: its to reduce
-        mine = [p for p in replicated if id(p) in live]
+        mine = [p for p in params if id(p) in live]
         grads = [pending.pop(id(p), None) for p in mine]
         pending.clear()
         if not mine:
@@ -43,11 +63,10 @@ def sync_gradients(model: nn.Module, expert_divisors: dict[str, int], group, siz
         flat = torch.cat([_local(g if g is not None else torch.zeros_like(p)).reshape(-1)
                           for g, p in zip(grads, mine)])
         dist.all_reduce(flat, group=group)
-        flat /= size
         offset = 0
         for p in mine:
             local = _local(p)
-            g = _like(p, flat[offset:offset + local.numel()].view_as(local).clone())
+            g = _like(p, flat[offset:offset + local.numel()].view_as(local) / divisor[id(p)])
             offset += local.numel()
             p.grad = g if p.grad is None else p.grad + g
 
@@ -59,13 +78,8 @@ def sync_gradients(model: nn.Module, expert_divisors: dict[str, int], group, siz
             return torch.zeros_like(grad)
         return hook
 
-    if size > 1:
-        for p in replicated:
-            p.register_hook(hold(p))
-    for n, p in model.named_parameters():
-        divisor = expert_divisors.get(n, 1)
-        if divisor > 1 and p.requires_grad:
-            p.register_hook(lambda grad, d=divisor: grad / d)
+    for p in params:
+        p.register_hook(hold(p))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,12 @@ The groups are made here with ``new_subgroups_by_enumeration`` and the timeout o
 taken from the ``DeviceMesh``: the mesh's own sub-groups get torch's default timeout (30 minutes under gloo), so a
 rank that died would leave the others waiting that long in an exchange inside a node. Each is made once per mesh
 (every rank makes the same ones, in the same order, as ``new_group`` requires) and reused. The mesh must span the
-whole world, in rank order (a mesh of some ranks only, expert parallelism inside a larger data-parallel world,
-is refused: not built yet). A dimension named ``"tp"`` (tensor parallelism: ``tp_groups``) may sit among the levels.
+whole world, in rank order (a mesh of some ranks only is refused). A dimension named ``"tp"`` (tensor parallelism:
+``tp_groups``) may sit among the levels. An outermost dimension named ``"dp_replicate"`` holds ranks that keep the
+same experts (expert data parallelism, as Megatron's and torchtitan's expert-parallel degree below the world
+size): the experts are sharded over the other dimensions (the expert-parallel group, ``setup_mesh``'s group: one
+per index of ``"dp_replicate"``), each rank exchanges rows only inside its group, and the experts' gradients are
+averaged over ``"dp_replicate"`` (``replicate_group``).
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ _GROUPS: dict[tuple, tuple] = {}
 
 
 TP = "tp"  # the mesh dimension of tensor parallelism: its ranks' MoE-block inputs are identical
+REPLICATE = "dp_replicate"  # the outermost mesh dimension whose ranks hold the same experts
 
 
 def setup_mesh(mesh):
-    """Check ``mesh`` and return its process group, with its levels known to the runtime."""
+    """Check ``mesh`` and return this rank's expert-parallel process group (the whole mesh, or its ranks of this
+    rank's ``"dp_replicate"`` index), with its levels known to the runtime."""
     group = _check_mesh(mesh)
-    if mesh.ndim > 1:
+    if len(level_names(mesh)) > 1:
         _set_layout(mesh, group)
     else:  # one level: every other rank is a "peer" (a mesh of levels set up before no longer names the links)
         COMM.set_levels({}, ())
@@ -52,9 +58,37 @@ def tp_groups(mesh):
     return _group(mesh, (d,)), _group(mesh, tuple(i for i in range(mesh.ndim) if i != d))
 
 
+def expert_copies(mesh, **asked) -> int:
+    """The size of the mesh's ``"dp_replicate"`` dimension (1 without one): how many copies of each expert;
+    ValueError where copies meet an option ``asked`` (name: on) that does not serve them yet."""
+    copies = mesh.shape[0] if _offset(mesh) else 1
+    names = [name for name, on in asked.items() if on]
+    if copies > 1 and names:
+        raise ValueError(f"a mesh with {REPLICATE!r} (each expert on {copies} ranks) with {', '.join(names)} is not "
+                         f"built: drop {' and '.join(names)}, or the {REPLICATE!r} dimension (experts over every "
+                         "rank)")
+    return copies
+
+
+def replicate_group(mesh):
+    """This rank's group of the ranks holding the same experts (differing only in ``"dp_replicate"``), or None."""
+    return _group(mesh, (0,)) if _offset(mesh) else None
+
+
+def ep_shape(mesh) -> tuple[int, ...]:
+    """The expert-parallel group's shape: the mesh's, ``"dp_replicate"`` left out."""
+    return tuple(mesh.shape)[_offset(mesh):]
+
+
+def _offset(mesh) -> int:  # noqa: N802  (1 where the mesh's first dimension is "dp_replicate")
+    return int(tuple(mesh.mesh_dim_names or ())[:1] == (REPLICATE,))
+
+
 def level_names(mesh) -> tuple[str, ...]:
-    """The mesh's level names, outermost first (a 1-D mesh's, named or not: one level)."""
-    return tuple(mesh.mesh_dim_names) if mesh.ndim > 1 else (mesh.mesh_dim_names or ("ep",))[:1]
+    """The expert-parallel levels' names, outermost first (``"dp_replicate"`` left out; a single level's, named
+    or not: one level)."""
+    names = tuple(mesh.mesh_dim_names or ())[_offset(mesh):]
+    return names if len(names) > 1 else (names or ("ep",))[:1]
 
 
 def _check_mesh(mesh):
@@ -62,13 +96,23 @@ def _check_mesh(mesh):
 
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
-    levels.check_names(tuple(n for n in mesh.mesh_dim_names or () if n != TP))  # "tp" may sit anywhere
+    names = tuple(mesh.mesh_dim_names or ())
+    if REPLICATE in names[1:]:
+        raise ValueError(f"mesh dimension {REPLICATE!r} must come first (outermost: the expert-parallel groups are "
+                         f"consecutive ranks); got {names}: e.g. init_device_mesh(device, (copies, nodes, "
+                         f"gpus_per_node), mesh_dim_names=({REPLICATE!r}, 'node', 'local'))")
+    offset = _offset(mesh)
+    if offset and mesh.ndim == 1:
+        raise ValueError(f"a mesh of {REPLICATE!r} alone shards no expert: add the expert-parallel dimensions after "
+                         f"it, e.g. mesh_dim_names=({REPLICATE!r}, 'ep')")
+    levels.check_names(tuple(n for n in names[offset:] if n != TP))  # "tp" may sit anywhere
     ranks = mesh.mesh.flatten().tolist()
     if ranks != list(range(dist.get_world_size())):
         raise ValueError(f"the mesh's ranks {ranks} are not every rank of the default process group, in order "
                          f"(world size {dist.get_world_size()}): expert parallelism runs over the whole world; build "
-                         "the mesh with init_device_mesh(device, shape) whose sizes multiply to the world size")
-    return dist.group.WORLD
+                         "the mesh with init_device_mesh(device, shape) whose sizes multiply to the world size (a "
+                         f"smaller expert-parallel group: an outermost {REPLICATE!r} dimension)")
+    return _group(mesh, tuple(range(offset, mesh.ndim))) if offset and mesh.ndim > 1 else dist.group.WORLD
 
 
 def _timeout():
@@ -95,8 +139,8 @@ def _group(mesh, dims: tuple[int, ...]):
 
 def _dedup_groups(mesh) -> dict[str, tuple[tuple[str, object], tuple[str, object]]]:
     """Per dedup level of ``mesh``: ((cross kind, this rank's cross group), (inner kind, its inner group))."""
-    names = level_names(mesh)
-    return {level: tuple((levels.kind(names, dims), _group(mesh, dims))
+    names, offset = level_names(mesh), _offset(mesh)
+    return {level: tuple((levels.kind(names, dims), _group(mesh, tuple(d + offset for d in dims)))
                          for dims in levels.split(names, level))
             for level in levels.dedup_levels(names)}
 
@@ -115,7 +159,8 @@ def _set_layout(mesh, group) -> None:
     from moecompile.runtime.comm.exchange import register_group_kind
     from moecompile.runtime.comm.dedup import register_layout
 
-    coords = {int(r): tuple(int(c) for c in torch.nonzero(mesh.mesh == r)[0]) for r in mesh.mesh.flatten()}
+    offset = _offset(mesh)  # coordinates in the expert-parallel group
+    coords = {int(r): tuple(int(c) for c in torch.nonzero(mesh.mesh == r)[0])[offset:] for r in mesh.mesh.flatten()}
     COMM.set_levels(coords, level_names(mesh))
     register_group_kind(group.group_name, "flat")
     for level, ((cross_kind, cross_g), (inner_kind, inner_g)) in _dedup_groups(mesh).items():

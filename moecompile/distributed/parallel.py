@@ -43,7 +43,7 @@ from . import moe_tp as moe_tp_mod
 from . import ted
 from .grads import sync_gradients
 from .hf_tp import take_back_experts
-from .mesh import level_names, setup_mesh
+from .mesh import REPLICATE, ep_shape, expert_copies, level_names, replicate_group, setup_mesh
 from moecompile.runtime.placement.replication import check_slots
 
 from .replicate import check_options, replicable, replicate_layer
@@ -73,10 +73,14 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``moecompile/distributed/moe_tp.py``). ``expert_domains={level: size}``: the workers of each level that form
     one domain all-gather their experts, only tokens for other domains' experts travel (HybridEP;
     ``moecompile/distributed/domains.py``); ``"auto"``: each layer's sizes by the stream model, on ``link_model``.
-    Other keyword arguments are backend options, for detection."""
+    ``mesh``: an outermost dimension named ``"dp_replicate"`` keeps copies of the experts, one per index (each
+    expert-parallel group over the other dimensions; ``mesh.py``). Other keyword arguments are backend options,
+    for detection."""
     from ..explain import explain
 
     group = setup_mesh(mesh)
+    copies = expert_copies(mesh, moe_tp=moe_tp in ("ted", "auto"), expert_domains=expert_domains is not None,
+                           swap_every=bool(swap_every), replication=replication != "off")
     tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
     take_back_experts(model, tp.tp_group if tp is not None else None)  # transformers' tp_plan="auto" experts
     domains = domains_mod.check(expert_domains, compress, mesh, link_model, dedup=dedup != "off",
@@ -101,7 +105,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             continue
         plans.append((rec, {role: [names[id(p)] for p in w] if isinstance(w, list) else names[id(w)]
                             for role, w in rec.expert_weights.items()}))
-    _check_ranks_agree(model, plans, group)
+    _check_ranks_agree(model, plans, None)  # every rank of the world, the copies of each expert too
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
     if replication != "off":  # every layer's slots checked before any layer changes
         for rec, params in plans:
@@ -126,7 +130,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
                                           replication == "adaptive", capacity_factor)
             read_through_view(layer.module, rows, group.group_name, rec.path, "off", layer.capacity_factor,
                               extra=moe_tp_mod.view_args(rec.moe_tp, tp))
-            divisors.update(dict.fromkeys(params.values(), _divisor(tp, rec.moe_tp, world)))
+            divisors.update(dict.fromkeys(params.values(), _divisor(tp, rec.moe_tp, world, copies)))
             replicas.append(layer)
             if tp is not None:
                 rec.sharding += "; " + moe_tp_mod.describe(rec.moe_tp, tp)
@@ -142,13 +146,15 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, layer_domains)
             if domains == "auto":
                 rec.sharding += "; " + rec.domain_reason
-        divisors.update(dict.fromkeys(held, _divisor(tp, rec.moe_tp, world)))
+        divisors.update(dict.fromkeys(held, _divisor(tp, rec.moe_tp, world, copies)))
         if slots is not None:
             swapping.append((rec, _swapped_tensors(model, params, held), slots))
     for rec in report.layers:  # the full expert weights it holds would stay alive (the sharding freeing nothing)
         rec.expert_weights = {}
-    sync_gradients(model, divisors, *((tp.dp_group, tp.dp) if tp is not None else (group, world)))
+    sync_gradients(model, divisors, *((tp.dp_group, tp.dp) if tp is not None else (None, dist.get_world_size())),
+                   expert_group=replicate_group(mesh), copies=copies)
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
+    model._moe_parallel.copies = copies
     model._moe_parallel.module_list_experts = {n for _, params in plans for names in params.values()
                                                if isinstance(names, list) for n in names}
     model._moe_parallel.replicas = replicas
@@ -160,13 +166,14 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     return model
 
 
-def _divisor(tp, mode: str, world: int) -> int:
-    """What a sharded expert weight's gradient is divided by: the ranks whose tokens reach it."""
-    return tp.expert_divisor(mode, world) if tp is not None else world
+def _divisor(tp, mode: str, world: int, copies: int = 1) -> int:
+    """What a sharded expert weight's gradient is divided by: the ranks of its expert-parallel group whose tokens
+    reach it (``world``: the group's size; the tp setup's dp counts every copy's ranks)."""
+    return tp.expert_divisor(mode, world * copies) // copies if tp is not None else world
 
 
 def _check_dedup(dedup, mesh) -> None:
-    levels = dedup_levels(mesh.mesh_dim_names)
+    levels = dedup_levels(level_names(mesh))
     if dedup in ("off", "auto", *levels):
         return
     if not levels:
@@ -186,9 +193,12 @@ class ParallelInfo:
         self.module_list_experts: set[str] = set()  # every weight name of the sharded ModuleList experts (all ranks')
         self.replicas: list = []  # the ReplicaLayer of each layer whose experts replicate (replicate.py)
         self.fsdp_left_out: list[str] = []  # the modules holding expert shards that FSDP2's fully_shard leaves out
+        self.copies = 1  # the ranks holding each expert (a mesh's "dp_replicate" size)
 
     def __str__(self) -> str:
-        lines = [f"expert parallelism over {self.world} rank(s):"]
+        lines = [f"expert parallelism over {self.world} rank(s)" + (
+            f", each expert on {self.copies} ranks ({REPLICATE!r}: its gradient averaged over them)"
+            if self.copies > 1 else "") + ":"]
         lines += [f"  sharded {r.path}: {r.sharding}" for r in self.report.layers if r.sharding]
         lines += [f"  left whole (replicated) {path}: {why}" for path, why in self.left]
         if self.fsdp_left_out:
@@ -242,7 +252,7 @@ def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
         weight = next(iter(rec.expert_weights.values()))
         elem = (weight[0] if isinstance(weight, list) else weight).element_size()  # a ModuleList: its first expert
         source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
-        times = dispatch_times(torch.cat(ids), Placement.contiguous(e.num_experts, tuple(mesh.shape)), source,
+        times = dispatch_times(torch.cat(ids), Placement.contiguous(e.num_experts, ep_shape(mesh)), source,
                                e.hidden, elem, link, names=level_names(mesh))
         rec.dedup, rec.predicted_s = choose_dedup(times), times
         rec.dedup_reason = ("least predicted time of one dispatch and combine of the example routing: " +

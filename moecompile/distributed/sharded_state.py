@@ -1,6 +1,7 @@
 """The state_dict of a layer ``moecompile.parallelize`` sharded: each stacked (or flat) expert weight as a DTensor
-``Shard(0)`` over the mesh, in expert order (its global ``[E, ...]`` or ``[E * R, ...]`` identity, for
-``torch.distributed.checkpoint``), and back on load (a DTensor of this mesh, one of another layout gathered
+``Shard(0)`` over the mesh (``Replicate`` over its ``"dp_replicate"`` dimension), in expert order (its global
+``[E, ...]`` or ``[E * R, ...]`` identity, for ``torch.distributed.checkpoint``), and back on load (a DTensor of
+this mesh, one of another layout gathered
 whole, or a full tensor). A layer that swaps
 experts holds its rows in slot order: they are exchanged to expert order for the state_dict and back on load.
 The optimizer state of those weights likewise (``get_optimizer_state_dict``, ``set_optimizer_state_dict``).
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from moecompile.runtime.layouts import contiguous_stride
 
 from . import ted
+from .mesh import REPLICATE
 
 SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
 DOMAIN_SLOTS = "moe_domain_slots"  # expert domains: each expert's slot in the exchange group's gathered order
@@ -22,12 +24,12 @@ DOMAIN_SLOTS = "moe_domain_slots"  # expert domains: each expert's slot in the e
 def to_global(local, total: int, slots, mesh, group):
     """This rank's shard (slot order when ``slots``) as the DTensor ``Shard(0)`` of the global ``[total, ...]``
     tensor in expert order (every rank calls it together)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     local = _placed(local, slots, group, to_slots=False)
     shape = (total, *local.shape[1:])
-    return DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=shape,
-                              stride=contiguous_stride(shape))
+    placements = [Replicate() if name == REPLICATE else Shard(0) for name in mesh.mesh_dim_names or [None]]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
 
 
 def to_local(value, total: int, slots, mesh, rank, group):

@@ -1,0 +1,156 @@
+"""Experts replicated over a mesh's outermost ``"dp_replicate"`` dimension (an expert-parallel group smaller than
+the world, as the planner's plans with ep below the GPU count run): world 4 as a (2, 2) ("dp_replicate", "ep")
+mesh, each expert on 2 ranks. Mixtral (stacked experts) and a hand-written ModuleList model train three SGD steps,
+each rank on its own batch, beside one process training on the four batches together: every step's logits and
+the parameters after the steps are equal (fp32, 1e-5); each rank holds the E / 2 experts of its index in its
+group, and exchanges rows only inside its group. The state_dict gives each stacked expert weight as a DTensor
+Replicate over "dp_replicate" and Shard(0) over "ep"; a torch.distributed.checkpoint saved by the 4 ranks loads in
+one process exactly. A (1, 2, 2) ("dp_replicate", "node", "local") mesh dedups over "node" inside its group the
+same way, and a (2, 2) ("dp_replicate", "tp") mesh runs two copies of a sequence-sharded (SSMB) group. Options
+that do not serve copies of experts yet are refused with ValueError."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ep_checkpoints import TOL, loads_in_one_process, save
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+import moecompile
+from moecompile.models.handwritten import TinyMoELM
+from moecompile.models.hf import tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+STEPS, LR = 3, 0.1
+
+
+def _build(family):
+    torch.manual_seed(0)
+    return TinyMoELM(family) if family == "loop" else tiny_model(family)
+
+
+def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1):
+    """Three steps with the experts over ``mesh`` and in one process; returns (sharded model, one-process model).
+    ``tp``: the ranks of one tp group (consecutive) hold the same batch (7 tokens: uneven SSMB slices)."""
+    ref, model = _build(family).train(), _build(family).train()
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
+    batches = torch.randint(0, vocab, (world // tp, 2, 6 if tp == 1 else 7), generator=torch.Generator().manual_seed(7))
+    mine, together = batches[rank // tp], batches.flatten(0, 1)
+    moecompile.parallelize(model, mesh, mine, dedup=dedup, moe_tp=moe_tp)
+    info = model._moe_parallel
+    group_size, copies = info.world, info.copies
+    assert group_size * copies == world and not info.left, str(info)
+    ep_rank = dist.get_rank(info.group)
+    assert ep_rank == rank % group_size and (copies == 1 or "each expert on 2 ranks" in str(info)), str(info)
+    every = dict(ref.named_parameters())
+    for name, p in model.named_parameters():  # this rank's E / group experts: its index in the group's
+        if getattr(p, "_moe_sharded", False):
+            n = p.shape[0]
+            assert n * group_size == every[name].shape[0] and torch.equal(p, every[name][ep_rank * n:(ep_rank + 1) * n])
+        elif ".experts." in name:  # a ModuleList's expert: one of this rank's
+            assert int(name.split(".experts.")[1].split(".")[0]) // (8 // group_size) == ep_rank, name
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
+    rows = slice(rank // tp * mine.shape[0], (rank // tp + 1) * mine.shape[0])
+    moecompile.comm_stats(reset=True)
+    for step in range(STEPS):
+        out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
+        torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family} step {step}: {m}")
+        out.loss.backward()
+        ref_out.loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    for name, p in model.named_parameters():
+        want = every[name].detach()
+        if getattr(p, "_moe_sharded", False):
+            want = want[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]]
+        torch.testing.assert_close(p.detach(), want, rtol=TOL, atol=TOL, msg=lambda m: f"{family} {name}: {m}")
+    return model, ref
+
+
+def _bad_input(mesh, rank):
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    for kwargs, match in (({"swap_every": 1}, "with swap_every is not built"),
+                          ({"expert_domains": {"ep": 2}}, "with expert_domains is not built"),
+                          ({"replication": "adaptive", "slots_per_rank": 2}, "with replication is not built")):
+        with pytest.raises(ValueError, match=match):
+            moecompile.parallelize(tiny_model("mixtral"), mesh, ids, **kwargs)
+    inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp_replicate"))
+    with pytest.raises(ValueError, match="'dp_replicate' must come first"):
+        moecompile.parallelize(tiny_model("mixtral"), inner, ids)
+
+
+def _planner_plans_run(rank, world):
+    """Every plan ``python -m moecompile plan`` prices for a tiny Mixtral on 2 nodes x 2 GPUs and says runs
+    (``plan.json``'s ``run``: mesh and options) is accepted by parallelize and shards as priced: the plan's
+    copies of each expert (N / ep; TED: N / (ep tp)) over ``"dp_replicate"``, the rest its exchange group. Two
+    copies of a group over "tp" with moe_tp "off" (trained nowhere else) train a step."""
+    from moecompile.plan import read_cluster, read_config
+    from moecompile.plan.search import plan
+
+    cluster = read_cluster({"gpu": {"name": "cpu", "bf16_tflops": 1, "hbm_TBps": 1, "memory_GB": 80},
+                            "levels": [{"name": "node", "count": 2, "alpha_s": 1e-5, "GBps": 1},
+                                       {"name": "local", "count": 2, "alpha_s": 1e-6, "GBps": 10}]})
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    seen, ran = set(), set()  # every runnable layout; those trained a step here
+    for p in plan(read_config(tiny_model("mixtral").config.to_dict()), cluster, 6)["plans"]:
+        run = p["run"]
+        key = repr((run.get("mesh_shape"), run.get("mesh_dim_names"), run.get("options")))
+        if "not_runnable" in run or key in seen:
+            continue
+        seen.add(key)
+        mesh = init_device_mesh("cpu", tuple(run["mesh_shape"]), mesh_dim_names=tuple(run["mesh_dim_names"]))
+        model = moecompile.parallelize(tiny_model("mixtral").train(), mesh, ids, **run["options"])
+        info = model._moe_parallel
+        copies = world // (p["ep"] * (p["tp"] if p["moe_tp"] == "ted" else 1))  # (TED: ep over one tp index)
+        assert (info.copies, info.world) == (copies, world // copies), (run, info.world, info.copies)
+        assert not info.left and all(r.sharding for r in info.report.layers), (run, str(info))
+        if run["mesh_dim_names"] == ["dp_replicate", "tp"] and run["options"] == {"moe_tp": "off"}:
+            ran.add(key)  # (the others train in _world4 or tests/test_parallelize.py, test_moe_tp.py, ...)
+            compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+            loss = compiled(ids, labels=ids).loss
+            loss.backward()
+            assert torch.isfinite(loss), run
+    assert len(seen) >= 15 and ran, seen  # off, dedup, SSMB, TED, domains, replication, with and without copies
+
+
+def _world4(rank, world, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))
+        _bad_input(mesh, rank)
+        _planner_plans_run(rank, world)
+        for family in ("mixtral", "loop"):
+            model, _ = _train(family, mesh, rank, world)
+            stats = moecompile.comm_stats()[model._moe_parallel.report.layers[0].path]
+            assert stats["calls.dispatch"] == STEPS, stats
+            state = model.state_dict()
+            stacked = [n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)]
+            for name in stacked:
+                assert state[name].placements == (Replicate(), Shard(0)), (name, state[name].placements)
+            assert bool(stacked) == (family == "mixtral")
+            save(model, tmp, rank, family)
+        levels = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "node", "local"))
+        model, _ = _train("mixtral", levels, rank, world, dedup="node")
+        stats = moecompile.comm_stats()[model._moe_parallel.report.layers[0].path]
+        assert stats["dedup.remote_pairs"] < stats["dedup.remote_assignments"], stats
+        # two copies of a sequence-sharded expert-parallel group over "tp" (its ranks hold the same tokens)
+        tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "tp"))
+        model, _ = _train("mixtral", tp, rank, world, moe_tp="ssmb", tp=2)
+        assert all("sequence-sharded" in r.sharding for r in model._moe_parallel.report.layers)
+        with pytest.raises(ValueError, match="with moe_tp is not built"):
+            moecompile.parallelize(tiny_model("mixtral"), tp, torch.zeros(1, 4, dtype=torch.long), moe_tp="ted")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_experts_replicated_over_dp_replicate_train_as_one_process(tmp_path):
+    tmp = str(tmp_path)
+    mp.spawn(_world4, args=(4, tmp), nprocs=4, join=True)
+    for family in ("mixtral", "loop"):  # the 4 ranks' checkpoint, in one process with no group
+        loads_in_one_process(_build(family), tmp, f"ckpt_{family}", f"saved_{family}.pt")
