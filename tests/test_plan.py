@@ -207,6 +207,11 @@ def test_cli_writes_plan_json_and_exits_3_when_nothing_fits(tmp_path):
     assert any(p["expert_domains"] for p in result["plans"]) and any(p["replication"] for p in result["plans"])
     fitting = [p["step_s"] for p in result["plans"] if p["fits"]]
     assert result["plans"][0]["step_s"] == min(fitting)
+    # how to run it: 4 copies of a 256-rank group of 32 nodes x 8 tp ranks (tests/test_dp_replicate.py runs each
+    # runnable layout of a small cluster)
+    assert result["plans"][0]["run"] == {"mesh_shape": [4, 32, 8], "mesh_dim_names": ["dp_replicate", "node", "tp"],
+                                         "options": {"moe_tp": "ssmb", "dedup": "node"}}, result["plans"][0]["run"]
+    assert "run it: mesh = init_device_mesh('cuda', (4, 32, 8)" in run.stdout, run.stdout
     tiny = tmp_path / "tiny.json"  # 8 GPUs of 8 GB cannot hold DeepSeek-V3
     tiny.write_text(json.dumps({"gpu": {"name": "small", "bf16_tflops": 100, "hbm_TBps": 1, "memory_GB": 8},
                                 "levels": [{"name": "local", "count": 8, "alpha_s": 1e-6, "GBps": 100}]}))

@@ -9,6 +9,7 @@ import time
 
 from .cluster import read_cluster
 from .routing import read_routing
+from .run import code
 from .search import plan
 from .shapes import read_config
 
@@ -56,7 +57,16 @@ def table(result: dict, top: int) -> str:
         lines.append(f"no plan fits in memory: the smallest needs {result['shortfall_GB']:.3g} GB more per GPU "
                      f"({describe(result['plans'][0])}); use more GPUs, a shorter sequence or a smaller micro-batch")
     else:
-        lines.append(f"chosen: {describe(result['plans'][result['chosen']])}")
+        chosen = result["plans"][result["chosen"]]
+        lines.append(f"chosen: {describe(chosen)}")
+        lines.append(f"  run it: {code(chosen['run'])}")
+        if "not_runnable" in chosen["run"]:
+            runnable = next((i for i, p in enumerate(result["plans"]) if p["fits"] and "not_runnable" not in p["run"]),
+                            None)
+            if runnable is not None:
+                p = result["plans"][runnable]
+                lines.append(f"best that runs with moecompile today: #{runnable} {describe(p)} ({p['step_s']:.4g} s a "
+                             f"step)\n  run it: {code(p['run'])}")
     lines.append(f"{len(result['plans'])} plans considered in {result['seconds']:.2f} s")
     return "\n".join(lines)
 

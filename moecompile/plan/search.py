@@ -17,6 +17,7 @@ from moecompile.runtime.comm import expected
 
 from .cluster import Cluster
 from .cost import Plan, evaluate, group_counts, xmoe_rule
+from .run import how_to_run
 from .shapes import MoEShape
 
 
@@ -66,7 +67,8 @@ def duplication(shape: MoEShape, cluster: Cluster, routing=None) -> dict[str, fl
 def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1, routing=None) -> dict:
     """plan.json's object: ``model``, ``moe_tp_rule`` (x-moe.md App. C at this sequence length, dropless: c = 1),
     ``routing`` (None: uniform; a measured ``routing.Routing``: its layers and tokens), ``duplication``, ``plans``
-    (ranked: fitting ones by step time first, then
+    (each with ``run``: the mesh and ``parallelize`` options that run it, ``run.py``; ranked: fitting ones by step
+    time first, then
     the rest by their memory), ``chosen`` (0 where the first fits, else None) and ``shortfall_GB`` (the least
     memory over the GPU's of any plan, where none fits)."""
     if seq < 1 or micro_batch < 1:
@@ -74,8 +76,11 @@ def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1, rout
     if routing is not None and routing.top_k != shape.top_k:
         raise ValueError(f"the routing file's tokens chose {routing.top_k} experts each; the config's top-k is "
                          f"{shape.top_k}: record the routing on the model the config describes")
-    plans = [evaluate(shape, cluster, p, seq, micro_batch, routing) for p in candidates(shape, cluster)]
-    plans = [p for p in plans if "invalid" not in p]
+    plans = []
+    for candidate in candidates(shape, cluster):
+        priced = evaluate(shape, cluster, candidate, seq, micro_batch, routing)
+        if "invalid" not in priced:
+            plans.append({**priced, "run": how_to_run(candidate, cluster)})
     if not plans:
         raise ValueError(f"no expert-parallel degree of {shape.num_experts} experts tiles {cluster.gpus} GPUs "
                          f"laid out as {cluster.counts}")

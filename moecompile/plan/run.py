@@ -1,0 +1,67 @@
+"""How to run a plan with ``moecompile.parallelize``: the ``DeviceMesh`` that lays the ranks out as the planner
+priced them, and the options, or why it cannot run yet.
+
+The planner's layout: ranks innermost first over the cluster's levels; tensor parallelism the innermost ``tp``
+ranks; the expert-parallel group ``ep`` consecutive ranks (``moe_tp`` "off" and "ssmb": the tp ranks included) or
+the ranks of one tp index (TED), repeated over the rest. As a mesh: an outermost ``"dp_replicate"`` dimension for
+the copies of the group (``N / ep``; none where ep spans every rank), then the group's levels of more than one
+rank, innermost ``"local"`` and outward ``"node"``, ``"rack"``, ``"pod"`` (the names ``parallelize`` knows; a
+single level keeps the cluster's name), then ``"tp"``.
+"""
+
+from __future__ import annotations
+
+from moecompile.runtime.comm.levels import LEVELS
+
+from .cluster import Cluster
+from .cost import Plan, group_counts
+
+
+def how_to_run(plan: Plan, cluster: Cluster) -> dict:
+    """``{"mesh_shape": [...], "mesh_dim_names": [...], "options": {...}}`` (``parallelize``'s keyword arguments),
+    or ``{"not_runnable": why}``."""
+    N, tp, ted = cluster.gpus, plan.tp, plan.moe_tp == "ted"
+    copies = (plan.dp if ted else N) // plan.ep
+    refused = [what for what, on in (("TED", ted), ("expert domains", plan.expert_domains),
+                                     ("replication", plan.slots_per_rank)) if on]
+    if copies > 1 and refused:
+        return {"not_runnable": f"{refused[0]} with each expert on {copies} ranks (ep {plan.ep} below "
+                                f"{plan.dp if ted else N}) is not built"}
+    if plan.expert_domains and tp > 1:
+        return {"not_runnable": "expert domains beside tensor parallelism are not built"}
+    if plan.ep == 1 and tp == 1:
+        return {"not_runnable": "ep 1 shards no expert: train the model data-parallel as it is"}
+    if not ted and plan.ep % tp:
+        return {"not_runnable": f"an expert-parallel group of {plan.ep} ranks inside a tp group of {tp}: "
+                                "parallelize puts the tp ranks in the group"}
+    counts = group_counts(cluster, plan.ep, tp if ted else 1)
+    counts[-1] //= 1 if ted else tp  # the group's ranks over the levels, tp's left out
+    used = [(lv.name, c) for lv, c in zip(cluster.levels, counts) if c > 1]
+    if len(used) > len(LEVELS):
+        return {"not_runnable": f"{len(used)} levels: parallelize names at most {len(LEVELS)} ({LEVELS})"}
+    rename = {name: name if len(used) == 1 else LEVELS[len(LEVELS) - len(used) + i]
+              for i, (name, _) in enumerate(used)}
+    if plan.dedup != "off" and plan.dedup not in rename:
+        return {"not_runnable": f"dedup at {plan.dedup!r}, a level the expert-parallel group does not span"}
+    dims = ([("dp_replicate", copies)] if copies > 1 else []) + [(rename[n], c) for n, c in used] + \
+        ([("tp", tp)] if tp > 1 else [])
+    options = {}
+    if tp > 1:
+        options["moe_tp"] = plan.moe_tp
+    if plan.dedup != "off":
+        options["dedup"] = rename[plan.dedup]
+    if plan.expert_domains:
+        options["expert_domains"] = {rename[n]: s for n, s in plan.expert_domains}
+    if plan.slots_per_rank:
+        options.update(replication="adaptive", slots_per_rank=plan.slots_per_rank)
+    return {"mesh_shape": [c for _, c in dims], "mesh_dim_names": [n for n, _ in dims], "options": options}
+
+
+def code(run: dict, device: str = "cuda") -> str:
+    """The two lines of Python ``run`` (``how_to_run``'s) stands for."""
+    if "not_runnable" in run:
+        return f"not runnable with moecompile yet: {run['not_runnable']}"
+    args = "".join(f", {k}={v!r}" for k, v in run["options"].items())
+    return (f"mesh = init_device_mesh({device!r}, {tuple(run['mesh_shape'])}, "
+            f"mesh_dim_names={tuple(run['mesh_dim_names'])}); "
+            f"moecompile.parallelize(model, mesh, example_ids{args})")
