@@ -2,7 +2,7 @@
 the world, as the planner's plans with ep below the GPU count run): world 4 as a (2, 2) ("dp_replicate", "ep")
 mesh, each expert on 2 ranks. Mixtral (stacked experts) and a hand-written ModuleList model train three SGD steps,
 each rank on its own batch, beside one process training on the four batches together: every step's logits and
-the parameters after the steps are equal (fp32, 1e-5); each rank holds the E / 2 experts of its index in its
+the parameters and their momentum after the steps are equal (fp32, 1e-5); each rank holds the E / 2 experts of its index in its
 group, and exchanges rows only inside its group. The state_dict gives each stacked expert weight as a DTensor
 Replicate over "dp_replicate" and Shard(0) over "ep"; a torch.distributed.checkpoint saved by the 4 ranks loads in
 one process exactly. A (1, 2, 2) ("dp_replicate", "node", "local") mesh dedups over "node" inside its group the
@@ -68,6 +68,12 @@ def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1):
         if getattr(p, "_moe_sharded", False):
             want = want[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]]
         torch.testing.assert_close(p.detach(), want, rtol=TOL, atol=TOL, msg=lambda m: f"{family} {name}: {m}")
+    momentum = moecompile.get_optimizer_state_dict(model, opt)["state"]  # stacked experts': DTensors, whole
+    for name, p in model.named_parameters():
+        got = momentum[name]["momentum_buffer"]
+        got = got.full_tensor() if getattr(p, "_moe_sharded", False) else got
+        torch.testing.assert_close(got, ref_opt.state[every[name]]["momentum_buffer"], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family} momentum of {name}: {m}")
     return model, ref
 
 

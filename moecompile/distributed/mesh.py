@@ -63,7 +63,7 @@ def expert_copies(mesh, **asked) -> int:
     ValueError where copies meet an option ``asked`` (name: on) that does not serve them yet."""
     copies = mesh.shape[0] if _offset(mesh) else 1
     names = [name for name, on in asked.items() if on]
-    if copies > 1 and names:
+    if _offset(mesh) and names:  # (of any size: their own code reads the whole mesh as expert-parallel levels)
         raise ValueError(f"a mesh with {REPLICATE!r} (each expert on {copies} ranks) with {', '.join(names)} is not "
                          f"built: drop {' and '.join(names)}, or the {REPLICATE!r} dimension (experts over every "
                          "rank)")
