@@ -80,7 +80,8 @@ def ep_shape(mesh) -> tuple[int, ...]:
     return tuple(mesh.shape)[_offset(mesh):]
 
 
-def _offset(mesh) -> int:  # noqa: N802  (1 where the mesh's first dimension is "dp_replicate")
+def _offset(mesh) -> int:
+    """1 where the mesh's first dimension is ``"dp_replicate"`` (the expert-parallel levels start after it), else 0."""
     return int(tuple(mesh.mesh_dim_names or ())[:1] == (REPLICATE,))
 
 
@@ -112,7 +113,7 @@ def _check_mesh(mesh):
                          f"(world size {dist.get_world_size()}): expert parallelism runs over the whole world; build "
                          "the mesh with init_device_mesh(device, shape) whose sizes multiply to the world size (a "
                          f"smaller expert-parallel group: an outermost {REPLICATE!r} dimension)")
-    return _group(mesh, tuple(range(offset, mesh.ndim))) if offset and mesh.ndim > 1 else dist.group.WORLD
+    return _group(mesh, tuple(range(offset, mesh.ndim))) if offset else dist.group.WORLD
 
 
 def _timeout():
