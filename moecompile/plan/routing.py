@@ -87,8 +87,7 @@ class Routing:
     def offrank(self, ranks: int) -> float:
         """The busiest rank's share of its tokens' rows sent to, or received from, the other ranks (``ranks - 1``
         times its share received, 1 - its share sent), averaged over the layers; uniform: 1 - 1 / ranks."""
-        return sum(max(max(1 - p, (ranks - 1) * p) for p in shares)
-                   for shares in self.rank_shares(ranks)) / len(self.loads)
+        return sum(expected.busiest_offrank(shares) for shares in self.rank_shares(ranks)) / len(self.loads)
 
     def messages(self, tokens: float, top_k: int, counts, names, row_bytes: float, slots_per_rank: int = 0
                  ) -> dict:

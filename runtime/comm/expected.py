@@ -64,6 +64,13 @@ def domain_bytes(rows: float, row_bytes: float, counts, domain_counts, expert_by
     return gather, sent
 
 
+def busiest_offrank(shares) -> float:
+    """Of W ranks whose shares of the routed rows are ``shares``, the busiest one's rows sent to or received from
+    the others, per routed row of one rank: rank d receives (W - 1) P_d and sends 1 - P_d (ranks start alike)."""
+    W = len(shares)
+    return max(max(1 - p, (W - 1) * p) for p in shares)
+
+
 def expected_messages(tokens: float, top_k: int, num_experts: int, counts, names, row_bytes: float,
                       weight_bytes: float = 4, shares=None, hits=None) -> dict[str, list[tuple[str, float]]]:
     """``cost_model.messages`` for a routing known by its statistics: per dedup choice (``off`` and each level of
@@ -77,7 +84,7 @@ def expected_messages(tokens: float, top_k: int, num_experts: int, counts, names
     ranks = math.prod(counts)
     E, T, K = num_experts, tokens, top_k
     P = list(shares) if shares is not None else [1 / ranks] * ranks
-    rows = T * K * max(max(1 - p, (ranks - 1) * p) for p in P)
+    rows = T * K * busiest_offrank(P)
     plan = {"off": [("flat", (ranks - 1) * (E // ranks) * 8), ("flat", rows * row_bytes), ("flat", rows * row_bytes)]}
     for level in dedup_levels(names):
         cross, inner = level_kinds(names, level)
@@ -86,7 +93,7 @@ def expected_messages(tokens: float, top_k: int, num_experts: int, counts, names
         q = hits(G) if hits is not None else [distinct_groups(E, K, G) / G] * G
         P_g = [sum(P[g * n:(g + 1) * n]) for g in range(G)]
         pairs = T * max(max(sum(q) - h, (G - 1) * h) for h in q) * row_bytes  # one row a (token, other group)
-        routed = T * K * max(max(1 - p, (G - 1) * p) for p in P_g)  # a 16-byte entry per routed row off-group
+        routed = T * K * busiest_offrank(P_g)  # a 16-byte entry per routed row off-group
         copies = G * T * K * max(max(P_g[d // n] - P[d], (n - 1) * P[d]) for d in range(ranks)) * row_bytes
         plan[level] = [(cross, (G - 1) * 16), (cross, pairs), (cross, routed * 16), (cross, routed * weight_bytes),
                        (inner, (n - 1) * (E // ranks) * 8), (inner, copies), (inner, copies), (cross, pairs)]
