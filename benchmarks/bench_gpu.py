@@ -32,9 +32,11 @@ import torch.nn as nn
 from measure import (HF_MOE, count_ops, event_names, fmt, free, hf_moe_block, init_weights_, markdown_table,
                      median_ms, normwise_error, option_value, peak_gib, timed_call)
 
-VARIANTS = ("eager", "inductor", "moe", "moe-torch")
-LOWERING = {"moe": "triton", "moe-torch": "torch"}
+VARIANTS = ("eager", "inductor", "moe", "moe-auto", "moe-torch")
+# moe: the Triton kernels forced; moe-auto: what a user gets (lowering="auto": the fastest form timed on this device)
+LOWERING = {"moe": "triton", "moe-auto": "auto", "moe-torch": "torch"}
 EXPECTED_OP = {"moe": "moe::fused_experts", "moe-torch": "moe::expert_mlp"}  # proof that the rewrite ran
+FORM_OF_OP = {"moe::fused_experts": "triton", "moe::expert_mlp_keep": "grouped", "moe::expert_mlp": "torch"}
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,12 @@ def run_variant(row: Row, block: nn.Module, x, g, ref, moe_options: dict, args) 
         row.note = "moe ops seen: " + (", ".join(seen) or "none")
         if EXPECTED_OP[row.variant] not in seen:
             row.status = f"(no {EXPECTED_OP[row.variant]}: not rewritten/lowered, see notes)"
+    elif row.variant == "moe-auto":
+        seen = {n for n in event_names(fwd_bwd, x.device) if n.startswith("moe::")}
+        zero()
+        form = next((f for op, f in FORM_OF_OP.items() if op in seen), "original" if not seen else "?")
+        row.status = f"(form: {form})"
+        row.note = "moe ops seen: " + (", ".join(sorted(seen)) or "none (the layer kept as written)")
     return out
 
 
@@ -265,8 +273,8 @@ def parse_args(argv=None):
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--tokens", help="comma-separated T values (default 4096,16384; 64 with --tiny)")
     p.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} (the error column needs "
-                   "eager); default eager,inductor,moe on cuda, eager,inductor,moe-torch on cpu, where moe's "
-                   "kernels run in Triton's interpreter, seconds per call")
+                   "eager); default eager,inductor,moe,moe-auto on cuda, eager,inductor,moe-torch on cpu, where "
+                   "moe's kernels run in Triton's interpreter, seconds per call")
     p.add_argument("--reps", type=int, help="timed repetitions (default 20 on cuda, 5 on cpu)")
     p.add_argument("--warmup", type=int, help="fwd+bwd warm-ups after the first call (default 3 on cuda, 1 on cpu)")
     p.add_argument("--tiny", action="store_true", help="H=64, I=96, E=8/16, k=2 (smoke test, runs on CPU)")
@@ -280,7 +288,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    chosen = {v.strip() for v in (args.variants or f"eager,inductor,{'moe' if cuda else 'moe-torch'}").split(",")}
+    default = "eager,inductor,moe,moe-auto" if cuda else "eager,inductor,moe-torch"
+    chosen = {v.strip() for v in (args.variants or default).split(",")}
     args.variants = [v for v in VARIANTS if v in chosen]  # eager first: the reference
     if set(args.models) - set(MODELS) or chosen - set(VARIANTS) or not args.models or not args.variants:
         p.error(f"--models / --variants: choose from {','.join(MODELS)} / {','.join(VARIANTS)}")

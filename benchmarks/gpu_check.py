@@ -1,19 +1,26 @@
 """Every GPU check in one command, one markdown report: run it first whenever a GPU is at hand.
 
-    python benchmarks/gpu_check.py --out benchmarks/gpu_check.md        # on a CUDA machine; about 20 minutes
+    python benchmarks/gpu_check.py --out benchmarks/gpu_check.md        # on a CUDA machine; about 15 minutes
     python benchmarks/gpu_check.py --dry-run                            # the steps and their commands, run nothing
+    python benchmarks/gpu_check.py --steps layer,kernels,parity,ep,gemms --limit parity=200 --budget-min 11
 
-Steps, each a child process with its own time limit (the whole run stops starting steps past ``--budget-min``):
+Steps, each a child process (its own process group: a step past its time limit is stopped with every process it
+started) with its own time limit; the whole run starts no step past ``--budget-min``:
 
     kernels        the Triton kernel tests compiled on CUDA (TRITON_INTERPRET=0): every kernel against its reference,
                    bitwise determinism of forward and backward, the compile of every tile configuration, tuning
-    parity         every family of the walk on CUDA, fp32 and bf16, compiled against eager (benchmarks/gpu_parity.py)
+    parity         every family of the walk on CUDA, fp32 and bf16, the Triton form forced, against eager
+                   (benchmarks/gpu_parity.py, the families split over 8 processes)
     ep             expert parallelism, dedup="node" and replication="adaptive" on 4 gloo ranks sharing the GPU, two
                    training steps against one process (benchmarks/gpu_ep.py)
     layer          one MoE layer at real widths, T = 4096 and 16384: eager, Inductor, moe (benchmarks/bench_gpu.py)
     layer-decode   the same at T = 16 and 256
     gemms          each grouped GEMM of the kernels against torch._grouped_mm (benchmarks/bench_kernels.py)
     gemms-decode   the same, forward only, at decode token counts
+
+kernels, parity and ep time nothing: adjacent ones run at the same time (their compiles are CPU-bound). The
+others time the GPU and run alone, in the order of ``--steps``. The report is rewritten after every step (a run
+cut short keeps what finished); ``--files DIR`` keeps each step's log and tables.
 
 The report has the date, the device, the versions and the commit, a table of the steps (passed, failed, timed
 out, not run) and each step's tables or the end of its output.
@@ -22,9 +29,11 @@ out, not run) and each step's tables or the end of its output.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,21 +51,23 @@ KERNEL_TESTS = ["tests/test_kernels_grouped.py", "tests/test_kernels_vendor.py",
 class Step:
     name: str
     what: str
-    argv: list[str]  # "{dir}" is the folder of the step's own report files
+    argv: list[str]  # "{dir}": the folder of the step's own report files; "{limit}": its time limit less 30 s
     timeout_s: int
     env: dict = field(default_factory=dict)
     out: str = ""  # a markdown file the step writes into {dir}, pasted into the report
+    timed: bool = True  # False: it times nothing, and runs beside the untimed steps next to it
 
 
 STEPS = [
     Step("kernels", "Triton kernel tests compiled on CUDA (bitwise determinism included)",
-         [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *KERNEL_TESTS], 360,
-         {"TRITON_INTERPRET": "0"}),
-    Step("parity", "every walk family on CUDA, fp32 and bf16, against eager",
-         [PY, "benchmarks/gpu_parity.py", "--device", "cuda", "--moe-option", "inner=aot_eager", "--out",
-          "{dir}/parity.md"], 420, out="parity.md"),
+         [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4", *KERNEL_TESTS], 360,
+         {"TRITON_INTERPRET": "0"}, timed=False),
+    Step("parity", "every walk family on CUDA, fp32 and bf16, the Triton form, against eager",
+         [PY, "benchmarks/gpu_parity.py", "--device", "cuda", "--moe-option", "inner=aot_eager", "--moe-option",
+          "lowering=triton", "--jobs", "8", "--timeout", "{limit}", "--out", "{dir}/parity.md"], 420,
+         out="parity.md", timed=False),
     Step("ep", "expert parallelism, dedup and replication on 4 gloo ranks sharing the GPU, against one process",
-         [PY, "benchmarks/gpu_ep.py", "--device", "cuda", "--out", "{dir}/ep.md"], 300, out="ep.md"),
+         [PY, "benchmarks/gpu_ep.py", "--device", "cuda", "--out", "{dir}/ep.md"], 300, out="ep.md", timed=False),
     Step("layer", "one layer at real widths, T = 4096, 16384",
          [PY, "benchmarks/bench_gpu.py", "--tokens", "4096,16384", "--out", "{dir}/layer.md"], 300, out="layer.md"),
     Step("layer-decode", "one layer, T = 16, 256",
@@ -78,21 +89,51 @@ class Result:
     tables: str = ""
 
 
+def run_steps(steps: list[Step], folder: Path, limit_s: float) -> list[Result]:
+    """Run ``steps`` at the same time, each to min(its own limit, ``limit_s``); its output goes to
+    ``folder/<name>.log``. A step past its limit is stopped with its whole process group (pytest's workers, the
+    parity processes, the gloo ranks), so nothing it started is left holding the GPU."""
+    running = []
+    for step in steps:
+        limit = min(step.timeout_s, limit_s)
+        argv = [a.replace("{dir}", str(folder)).replace("{limit}", f"{max(limit - 30, 10):.0f}") for a in step.argv]
+        log = open(folder / f"{step.name}.log", "w")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **step.env}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        running.append((step, proc, log, time.perf_counter(), limit))
+    results = []
+    for step, proc, log, t0, limit in running:
+        try:
+            code = proc.wait(timeout=max(0.0, t0 + limit - time.perf_counter()))
+            status = "passed" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            status = f"timed out ({limit:.0f} s)"
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left running, timed out or not
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
+        output = (folder / f"{step.name}.log").read_text(errors="replace")
+        tables = (folder / step.out).read_text() if step.out and (folder / step.out).exists() else ""
+        results.append(Result(step, status, time.perf_counter() - t0, "\n".join(output.strip().splitlines()[-40:]),
+                              tables))
+    return results
+
+
 def run_step(step: Step, folder: Path, limit_s: float) -> Result:
-    argv = [a.replace("{dir}", str(folder)) for a in step.argv]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(argv, cwd=ROOT, env={**os.environ, **step.env}, capture_output=True, text=True,
-                              timeout=min(step.timeout_s, limit_s))
-        status, output = ("passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})",
-                          proc.stdout + proc.stderr)
-    except subprocess.TimeoutExpired as exc:
-        status = f"timed out ({min(step.timeout_s, limit_s):.0f} s)"
-        output = "".join(o.decode(errors="replace") if isinstance(o, bytes) else (o or "")
-                         for o in (exc.stdout, exc.stderr))
-    seconds = time.perf_counter() - t0
-    tables = (folder / step.out).read_text() if step.out and (folder / step.out).exists() else ""
-    return Result(step, status, seconds, "\n".join(output.strip().splitlines()[-40:]), tables)
+    return run_steps([step], folder, limit_s)[0]
+
+
+def groups(steps: list[Step]) -> list[list[Step]]:
+    """The steps in order, adjacent untimed ones together (they run at once), each timed one alone."""
+    out: list[list[Step]] = []
+    for s in steps:
+        if out and not s.timed and not out[-1][-1].timed:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
 
 
 def header(device: str) -> list[str]:
@@ -105,6 +146,7 @@ def header(device: str) -> list[str]:
         except ImportError:
             versions.append(f"{name} not installed")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit.stdout = commit.stdout or os.environ.get("MOECOMPILE_COMMIT", "")  # a copy of the tree without .git
     return [f"# GPU check, {datetime.date.today().isoformat()}", "",
             f"- device: {device}", f"- versions: {', '.join(versions)}",
             f"- commit: {commit.stdout.strip() or 'unknown'}", "- command: `python benchmarks/gpu_check.py`"]
@@ -125,19 +167,31 @@ def report(results: list[Result], device: str, total_s: float) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/gpu_check.md", help="the markdown report")
-    p.add_argument("--steps", default=",".join(s.name for s in STEPS), help="comma-separated subset")
+    p.add_argument("--steps", default=",".join(s.name for s in STEPS), help="comma-separated, run in this order")
     p.add_argument("--budget-min", type=float, default=20.0, help="start no step past this many minutes")
     p.add_argument("--dry-run", action="store_true", help="print the steps and their commands, run nothing")
+    p.add_argument("--limit", action="append", default=[], metavar="STEP=SECONDS",
+                   help="a step's own time limit instead of its default (repeatable), to fit a short GPU lease")
+    p.add_argument("--files", help="keep each step's log and tables in this folder (default: a temporary one)")
     args = p.parse_args(argv)
     chosen = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = sorted(set(chosen) - {s.name for s in STEPS})
     if unknown:
         p.error(f"--steps: unknown {unknown}; choose from {', '.join(s.name for s in STEPS)}")
-    steps = [s for s in STEPS if s.name in chosen]
+    limits = {}
+    for item in args.limit:
+        name, _, seconds = item.partition("=")
+        if name not in {s.name for s in STEPS} or not seconds.isdigit():
+            p.error(f"--limit {item!r}: expected STEP=SECONDS, STEP one of {', '.join(s.name for s in STEPS)}")
+        limits[name] = int(seconds)
+    by_name = {s.name: dataclasses.replace(s, timeout_s=limits.get(s.name, s.timeout_s)) for s in STEPS}
+    steps = [by_name[n] for n in dict.fromkeys(chosen)]
     if args.dry_run:
-        for s in steps:
-            env = " ".join(f"{k}={v}" for k, v in s.env.items())
-            print(f"{s.name} ({s.timeout_s} s): {env + ' ' if env else ''}{' '.join(s.argv)}")
+        for group in groups(steps):
+            for s in group:
+                env = " ".join(f"{k}={v}" for k, v in s.env.items())
+                at_once = f", at once with {len(group) - 1} more" if len(group) > 1 else ""
+                print(f"{s.name} ({s.timeout_s} s{at_once}): {env + ' ' if env else ''}{' '.join(s.argv)}")
         return 0
     import torch
 
@@ -148,14 +202,19 @@ def main(argv=None) -> int:
     device = f"{torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
     budget, start, results = args.budget_min * 60, time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp:
-        for s in steps:
+        folder = Path(args.files or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        for group in groups(steps):
             left = budget - (time.perf_counter() - start)
             if left < 30:
-                results.append(Result(s, "not run"))
+                results += [Result(s, "not run") for s in group]
                 continue
-            print(f"... {s.name}: {s.what}", file=sys.stderr, flush=True)
-            results.append(run_step(s, Path(tmp), left))
-            print(f"    {results[-1].status} in {results[-1].seconds:.0f} s", file=sys.stderr, flush=True)
+            print(f"... {', '.join(s.name for s in group)}: {'; '.join(s.what for s in group)}", file=sys.stderr,
+                  flush=True)
+            for r in run_steps(group, folder, left):
+                results.append(r)
+                print(f"    {r.step.name}: {r.status} in {r.seconds:.0f} s", file=sys.stderr, flush=True)
+            Path(args.out).write_text(report(results, device, time.perf_counter() - start))
     text = report(results, device, time.perf_counter() - start)
     Path(args.out).write_text(text)
     print(text)

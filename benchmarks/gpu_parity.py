@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_parity.py --device cuda --out parity.md                  # every family, fp32 and bf16
     python benchmarks/gpu_parity.py --device cpu --families mixtral,qwen3_moe --dtypes float32   # (CPU smoke test)
+    python benchmarks/gpu_parity.py --device cuda --jobs 8 --out parity.md     # the families split over 8 processes
 
 Each family is built as the walk builds it (``moecompile.models.hf.walk_config``: the tiny config, else the written
 or shrunk one), with random weights, on ``--device`` in each dtype, and trained one step (logits, then the loss's
@@ -19,9 +20,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -105,13 +110,57 @@ def table(rows: list[dict]) -> str:
     return markdown_table(head, body)
 
 
+def summary(rows: list[dict], device: torch.device) -> tuple[str, bool]:
+    """The report (counts, then the table) and whether every row passed (no FAIL, no ERROR)."""
+    counts = {s: sum(r.get("status") == s for r in rows) for s in ("ok", "not rewritten", "FAIL", "skipped")}
+    counts["ERROR"] = sum("error" in r for r in rows)
+    text = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"Parity on {device} ({name}): {text}\n\n{table(rows)}\n", not (counts["FAIL"] or counts["ERROR"])
+
+
+def check_all(names: list[str], dtypes: list[str], device: torch.device, options: dict, emit) -> None:
+    """Every (dtype, family) row, each given to ``emit`` as soon as it is known (a run cut short keeps them)."""
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for family in names:
+            print(f"... {family} {dtype_name}", file=sys.stderr, flush=True)
+            try:
+                row = check_family(family, device, dtype, options)
+            except Exception as exc:  # noqa: BLE001 - a row, not the end of the run
+                traceback.print_exc()
+                row = dict(family=family, error=" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+            emit({**row, "dtype": dtype_name})
+            torch._dynamo.reset()
+
+
+def fan_out(argv: list[str], jobs: int, timeout_s: float | None) -> list[dict]:
+    """Run this script ``jobs`` times at once, each on every ``jobs``-th family (``--shard i/jobs``), and gather
+    their rows: the compiles are CPU-bound, so a many-core GPU machine checks the walk in a fraction of the time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [Path(tmp) / f"rows{i}.jsonl" for i in range(jobs)]
+        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--jobs", "1", "--shard", f"{i}/{jobs}",
+                                   "--rows", str(f)]) for i, f in enumerate(files)]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        return [json.loads(line) for f in files if f.exists() for line in f.read_text().splitlines() if line]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--families", default="", help="comma-separated (default: every family of the walk)")
     p.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--out", help="also write the table (markdown) here")
+    p.add_argument("--out", help="also write the table (markdown) here, rewritten after every row")
+    p.add_argument("--jobs", type=int, default=1, help="processes checking families at once (default 1)")
+    p.add_argument("--timeout", type=float, help="with --jobs: stop the processes after this many seconds")
+    p.add_argument("--shard", default="0/1", help="I/N: check every N-th family from the I-th (used by --jobs)")
+    p.add_argument("--rows", help="append each row as a JSON line to this file (used by --jobs)")
     args = p.parse_args(argv)
     from measure import option_value
 
@@ -130,30 +179,49 @@ def main(argv=None) -> int:
     unknown = sorted(set(names) - set(families()))
     if unknown:
         p.error(f"--families: unknown {unknown}")
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)) or args.jobs < 1:
+        p.error(f"--shard {args.shard!r} / --jobs {args.jobs}: expected I/N with 0 <= I < N, and --jobs >= 1")
+    names = names[int(index)::int(count)]
     rows = []
-    for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        for family in names:
-            print(f"... {family} {dtype_name}", file=sys.stderr, flush=True)
-            try:
-                row = check_family(family, device, dtype, options)
-            except Exception as exc:  # noqa: BLE001 - a row, not the end of the run
-                traceback.print_exc()
-                row = dict(family=family, error=" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
-            row["dtype"] = dtype_name
-            rows.append(row)
-            torch._dynamo.reset()
-    out = table(rows)
-    counts = {s: sum(r.get("status") == s for r in rows) for s in ("ok", "not rewritten", "FAIL", "skipped")}
-    counts["ERROR"] = sum("error" in r for r in rows)
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    text = f"Parity on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}): " \
-           f"{summary}\n\n{out}\n"
-    print(text)
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if args.rows:
+            with open(args.rows, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if args.out:
+            Path(args.out).write_text(summary(rows, device)[0])
+
+    if args.jobs > 1:
+        passed_on = _without(list(sys.argv[1:] if argv is None else argv), ("--jobs", "--timeout", "--out"))
+        for row in fan_out(passed_on, args.jobs, args.timeout):
+            emit(row)
+        order = {(d, f): i for i, (d, f) in enumerate((d, f) for d in args.dtypes.split(",") for f in names)}
+        rows.sort(key=lambda r: order.get((r["dtype"], r["family"]), len(order)))
+    else:
+        check_all(names, args.dtypes.split(","), device, options, emit)
+    text, ok = summary(rows, device)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    return 1 if counts["FAIL"] or counts["ERROR"] else 0
+        Path(args.out).write_text(text)
+    print(text)
+    missing = len(names) * len(args.dtypes.split(",")) - len(rows)
+    if missing:
+        print(f"gpu_parity: {missing} rows missing (a process was stopped or died)", file=sys.stderr)
+    return 0 if ok and not missing else 1
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` less each flag of ``flags`` and its value (``--flag v`` or ``--flag=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":

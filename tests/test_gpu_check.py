@@ -20,8 +20,13 @@ def test_dry_run_lists_every_step_and_its_command():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for step in gpu_check.STEPS:
-        assert f"{step.name} ({step.timeout_s} s)" in out.stdout
+        assert f"{step.name} ({step.timeout_s} s" in out.stdout
     assert "TRITON_INTERPRET=0" in out.stdout and "benchmarks/gpu_parity.py --device cuda" in out.stdout
+    assert "kernels (360 s, at once with 2 more)" in out.stdout  # the three untimed steps run together
+    ordered = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--steps", "gemms,ep,layer",
+                              "--limit", "layer=60"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert [line.split(" (")[0] for line in ordered.stdout.splitlines()] == ["gemms", "ep", "layer"]
+    assert "layer (60 s)" in ordered.stdout and "ep (300 s)" in ordered.stdout
 
 
 def test_without_cuda_it_says_so_and_runs_nothing(tmp_path):
@@ -46,6 +51,29 @@ def test_steps_report_their_tables_failures_and_time_limits(tmp_path):
     assert "| writes | writes a table | passed |" in text and "| 1 |" in text  # the step's own table, pasted
     assert "## fails: failed (exit 3)" in text and "boom" in text  # the end of its output instead
     assert "| writes | writes a table | not run | 0 |" in text
+
+
+def test_untimed_steps_run_at_once_and_a_late_one_is_stopped_with_its_children(tmp_path):
+    """Two untimed steps of 3 s each finish together in about 3 s; a step past its limit is killed with the
+    process it started (its process group), so nothing it began holds the GPU afterwards."""
+    import time
+
+    nap = [sys.executable, "-c", "import time; time.sleep(3)"]
+    steps = [gpu_check.Step(n, "naps", nap, 60, timed=False) for n in ("a", "b")]
+    assert [len(g) for g in gpu_check.groups([*steps, gpu_check.Step("t", "timed", nap, 60), *steps])] == [2, 1, 2]
+    t0 = time.perf_counter()
+    assert [r.status for r in gpu_check.run_steps(steps, tmp_path, 60)] == ["passed", "passed"]
+    assert time.perf_counter() - t0 < 5.5
+    pid_file = tmp_path / "child.pid"
+    spawner = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+               f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    late = gpu_check.run_step(gpu_check.Step("late", "spawns and sleeps", [sys.executable, "-c", spawner], 2),
+                              tmp_path, 60)
+    assert late.status == "timed out (2 s)"
+    child = int(pid_file.read_text())
+    time.sleep(0.5)
+    state = Path(f"/proc/{child}/stat")
+    assert not state.exists() or state.read_text().split(") ")[1].startswith("Z"), "the step's child still runs"
 
 
 def test_parity_of_one_family_on_cpu():
