@@ -8,7 +8,8 @@ Steps, each a child process (its own process group: a step past its time limit i
 started) with its own time limit; the whole run starts no step past ``--budget-min``:
 
     kernels        the Triton kernel tests compiled on CUDA (TRITON_INTERPRET=0): every kernel against its reference,
-                   bitwise determinism of forward and backward, the compile of every tile configuration, tuning
+                   bitwise determinism of forward and backward, the compile of every tile configuration, tuning;
+                   each failure written as it happens (tests/conftest.py, MOECOMPILE_FAILURE_LOG)
     parity         every family of the walk on CUDA, fp32 and bf16, the Triton form forced, against eager
                    (benchmarks/gpu_parity.py, the families split over 8 processes)
     ep             expert parallelism, dedup="node" and replication="adaptive" on 4 gloo ranks sharing the GPU, two
@@ -61,10 +62,11 @@ class Step:
 STEPS = [
     Step("kernels", "Triton kernel tests compiled on CUDA (bitwise determinism included)",
          [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4", *KERNEL_TESTS], 360,
-         {"TRITON_INTERPRET": "0"}, timed=False),
+         {"TRITON_INTERPRET": "0", "MOECOMPILE_FAILURE_LOG": "{dir}/kernel_failures.md"}, out="kernel_failures.md",
+         timed=False),
     Step("parity", "every walk family on CUDA, fp32 and bf16, the Triton form, against eager",
-         [PY, "benchmarks/gpu_parity.py", "--device", "cuda", "--moe-option", "inner=aot_eager", "--moe-option",
-          "lowering=triton", "--jobs", "8", "--timeout", "{limit}", "--out", "{dir}/parity.md"], 420,
+         [PY, "benchmarks/gpu_parity.py", "--device", "cuda", "--moe-option", "lowering=triton", "--jobs", "8",
+          "--timeout", "{limit}", "--out", "{dir}/parity.md"], 420,
          out="parity.md", timed=False),
     Step("ep", "expert parallelism, dedup and replication on 4 gloo ranks sharing the GPU, against one process",
          [PY, "benchmarks/gpu_ep.py", "--device", "cuda", "--out", "{dir}/ep.md"], 300, out="ep.md", timed=False),
@@ -96,9 +98,10 @@ def run_steps(steps: list[Step], folder: Path, limit_s: float) -> list[Result]:
     running = []
     for step in steps:
         limit = min(step.timeout_s, limit_s)
-        argv = [a.replace("{dir}", str(folder)).replace("{limit}", f"{max(limit - 30, 10):.0f}") for a in step.argv]
+        fill = lambda a: a.replace("{dir}", str(folder)).replace("{limit}", f"{max(limit - 30, 10):.0f}")  # noqa: E731
+        argv, env = [fill(a) for a in step.argv], {k: fill(v) for k, v in step.env.items()}
         log = open(folder / f"{step.name}.log", "w")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **step.env}, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         running.append((step, proc, log, time.perf_counter(), limit))
     results = []

@@ -9,7 +9,10 @@ or shrunk one), with random weights, on ``--device`` in each dtype, and trained 
 gradients) compiled with ``backend="moe"`` (Inductor inside; the Triton kernels on CUDA) beside the same model run
 eagerly in the same dtype, and in float32 as the reference:
 
-- float32: the compiled logits and gradients are within 1e-4 (normwise: max |a - b| / max |b|) of eager's;
+- float32: the compiled logits and gradients are within 1e-4 (normwise: max |a - b| / max |b|) of eager's; where
+  they are not, the model in float64 (experts run by transformers' eager loop) decides: the compiled model passes
+  if it is no further from it than twice eager float32's own distance plus 1e-4 (an ill-conditioned gradient, as
+  hy_v4's hyper-connection head, where eager float32 itself is 1.8e-3 from float64);
 - bfloat16: the compiled error to the float32 reference is at most twice eager bfloat16's own, plus 1e-2.
 
 A family whose MoE layers are not all rewritten is reported as such (``explain``'s skip reasons); one that raises is
@@ -82,6 +85,8 @@ def check_family(family: str, device: torch.device, dtype: torch.dtype, options:
     if dtype == torch.float32:
         ok = out_err <= FP32_TOL and grad_err <= FP32_TOL
         row["bound"] = FP32_TOL
+        if not ok:  # ill-conditioned, or wrong: the float64 model decides
+            ok, row["note"] = _against_float64(config, base, ids, device, (got, got_g), (want, want_g))
     else:  # bf16: as accurate as eager bf16, to the float32 model
         ref, ref_g = _step(copy.deepcopy(base).to(device), ids)
         bound = 2 * normwise(want, ref) + 1e-2
@@ -93,6 +98,22 @@ def check_family(family: str, device: torch.device, dtype: torch.dtype, options:
     row["status"] = "ok" if ok and row["layers"] and not row["skipped"] else (
         "FAIL" if not ok else "not rewritten")
     return row
+
+
+def _against_float64(config, base, ids, device, got, want) -> tuple[bool, str]:
+    """Whether the compiled float32 step (``got``: logits, grads) is as close to the float64 model as eager float32
+    (``want``) is, within twice its distance plus 1e-4; and a note with both distances."""
+    from moecompile.models import hf
+
+    exact = hf.build_model(config, dtype=torch.float64, experts_implementation="eager").train()
+    exact.load_state_dict(base.state_dict())
+    ref, ref_g = _step(exact.to(device), ids)
+    as64 = lambda grads: {n: g.double() for n, g in grads.items()}  # noqa: E731
+    d_got = max(normwise(got[0], ref), _worst(as64(got[1]), ref_g)[0])
+    d_want = max(normwise(want[0], ref), _worst(as64(want[1]), ref_g)[0])
+    ok = d_got <= 2 * d_want + FP32_TOL
+    return ok, (f"beyond 1e-4 of eager; to float64: compiled {d_got:.1e}, eager float32 {d_want:.1e} "
+                f"({'within' if ok else 'beyond'} twice it + 1e-4)")
 
 
 def table(rows: list[dict]) -> str:

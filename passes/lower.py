@@ -146,7 +146,8 @@ def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, di
     tokens = (hint(x.numel()) or 0) // spec.experts.hidden
     code = forms_mod.code_signature(original[0]) if original else (
         f"local {mlp.meta.get('moe_local_experts')} I {_intermediate(mlp, spec)}")
-    key = forms_mod.layer_key(spec, tokens, dtype, backward, forms, code)
+    compiled = config.inner == "inductor" and device.type in forms_mod.COMPILE_ORIGINAL_ON and "original" in forms
+    key = forms_mod.layer_key(spec, tokens, dtype, backward, forms, code + ("\ninductor" if compiled else ""))
     cache = forms_mod.cache()
     timings = cache.get(device, key)
     source = "cached"
@@ -161,7 +162,8 @@ def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, di
                 mlp, max(1, tokens * spec.routing.top_k), spec.experts.hidden, dtype, device,
                 torch.Generator().manual_seed(config.probe_seed)) if sharded else None
             timings = forms_mod.measure(candidates, values, backward, device, seed=config.probe_seed,
-                                        num_experts=spec.experts.num_experts, probes=probes)
+                                        num_experts=spec.experts.num_experts, probes=probes,
+                                        compile_original=compiled)
         except Exception as exc:  # noqa: BLE001 - the layer still runs: in the form of the rule
             rule = next(f for f in ("triton", "grouped", "torch") if f in forms or f == "torch")
             return rule, {}, (f"auto: the forms could not be timed ({type(exc).__name__}: "
@@ -173,7 +175,8 @@ def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, di
         choice = "torch"
     what = ("forward+backward" if backward else "forward") + (" of the local experts" if sharded else "")
     listed = "; ".join(f"{f} {t.describe()}" for f, t in timings.items())
-    return choice, timings, (f"{source} ({what} at {tokens} tokens, {device.type}): {listed}; "
+    inductor = ", the original under Inductor" if compiled else ""
+    return choice, timings, (f"{source} ({what} at {tokens} tokens{inductor}, {device.type}): {listed}; "
                              f"{choice}: {why}, choose={config.choose!r}")
 
 

@@ -56,8 +56,8 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
             ph.meta["nn_module_stack"] = dict(view.meta["nn_module_stack"])  # block's nodes and weights by it
         shape = [hint(s) for s in fake.shape]
         std = 1.0 / max(1, shape[-1]) ** 0.5  # a layer's usual scale: probes neither vanish nor saturate
-        ph.meta["ep_standin"] = torch.nn.Parameter((torch.randn(shape, generator=gen) * std).to(fake.dtype),
-                                                   requires_grad=False)
+        standin = (torch.randn(shape, generator=gen) * std).to(device=fake.device, dtype=fake.dtype)  # the
+        ph.meta["ep_standin"] = torch.nn.Parameter(standin, requires_grad=False)  # layer's device: verify runs there
         view.replace_all_uses_with(ph)
         seen[key] = last = ph
         report.counters["expose_sharded.views"] += 1

@@ -104,3 +104,14 @@ def pytest_collection_modifyitems(config, items):
         return next((i for i, key in enumerate(LONGEST_FIRST) if key in item.nodeid), len(LONGEST_FIRST))
 
     items.sort(key=rank)  # stable: the others keep their order
+
+
+def pytest_runtest_logreport(report):
+    """With MOECOMPILE_FAILURE_LOG set, each failure is appended to that file the moment it is known (its test id
+    and the end of its traceback), so a run stopped at a time limit (benchmarks/gpu_check.py on a short GPU lease)
+    still says why its tests failed."""
+    path = os.environ.get("MOECOMPILE_FAILURE_LOG")
+    if path and report.failed:
+        tail = "\n".join(str(report.longrepr).strip().splitlines()[-12:])
+        with open(path, "a") as f:
+            f.write(f"### {report.nodeid} ({report.when})\n{tail}\n\n")

@@ -91,6 +91,26 @@ def test_real_timings_pick_per_the_rule_and_a_second_process_reads_them(cache, t
     assert second.counters["lower.cached"] == 2 and not second.counters["lower.measured"]
 
 
+def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch):
+    """With inner="inductor" on a device of COMPILE_ORIGINAL_ON (CUDA; CPU here by patching) the original is timed
+    as Inductor compiles it, forward and backward, not op by op: the note says so, the cache key differs from the
+    op-by-op one, and the program still trains like eager."""
+    monkeypatch.setattr(forms, "COMPILE_ORIGINAL_ON", ("cpu",))
+    compiled_calls = []
+    real = forms.inductor_compiled
+
+    def counting(gm, args, leaves):
+        compiled_calls.append(gm)
+        return real(gm, args, leaves)
+
+    monkeypatch.setattr(forms, "inductor_compiled", counting)
+    report = _compiled("modulelist", inner="inductor")
+    rec = report.layers[0]
+    assert len(compiled_calls) == 1  # the original only, once for the two layers of one signature
+    assert all(t.ms > 0 and t.saved_bytes > 0 for t in rec.forms.values()), rec.forms
+    assert any("forward+backward at 12 tokens, the original under Inductor, cpu" in n for n in rec.lowering_notes)
+
+
 def test_inference_times_the_forward_only(cache):
     torch.manual_seed(0)
     model = handwritten.TinyMoELM("gather")
