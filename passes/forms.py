@@ -70,11 +70,12 @@ class Timing:
     ms: float | None  # None: it raised (``error``)
     saved_bytes: int = 0
     error: str = ""
+    note: str = ""  # how it was timed, where not as asked (the original op by op: Inductor failed on it)
 
     def describe(self) -> str:
         if self.ms is None:
             return f"raised {self.error}"
-        return f"{self.ms:.3g} ms, saves {self.saved_bytes / 2**20:.3g} MiB"
+        return f"{self.ms:.3g} ms, saves {self.saved_bytes / 2**20:.3g} MiB" + (f" ({self.note})" if self.note else "")
 
 
 @dataclass
@@ -185,11 +186,15 @@ def measure(candidates: dict[str, Candidate], values: dict, backward: bool, devi
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         try:
             with torch.set_grad_enabled(backward):
-                compiled = compile_original and form == "original"
-                fn = inductor_compiled(c.gm, args, leaves if backward else []) if compiled else c.gm
+                fn, note = c.gm, ""
+                if compile_original and form == "original":
+                    try:
+                        fn = inductor_compiled(c.gm, args, leaves if backward else [])
+                    except Exception as exc:  # noqa: BLE001 - timed op by op then, an upper bound, and said so
+                        note = f"op by op: Inductor failed on it, {type(exc).__name__}: {str(exc)[:120]}"
                 call = functools.partial(_call, fn, args, leaves if backward else [])
                 call()  # the warm-up: Triton compiles, tiles are tuned
-                results[form] = Timing(None, _saved_bytes(fn, args, keep) if backward else 0)
+                results[form] = Timing(None, _saved_bytes(fn, args, keep) if backward else 0, note=note)
             calls[form] = call
         except Exception as exc:  # noqa: BLE001 - a form that cannot run this layer is no candidate
             results[form] = Timing(None, error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
@@ -350,13 +355,15 @@ class FormCache:
         if not isinstance(entry, dict):
             return None
         try:
-            return {f: Timing(v["ms"], int(v["saved_bytes"]), str(v.get("error", ""))) for f, v in entry.items()}
+            return {f: Timing(v["ms"], int(v["saved_bytes"]), str(v.get("error", "")), str(v.get("note", "")))
+                    for f, v in entry.items()}
         except (KeyError, TypeError, ValueError):
             return None
 
     def put(self, device: torch.device, key: str, results: dict[str, Timing]) -> None:
         path = self.path(device)
-        entry = {f: {"ms": t.ms, "saved_bytes": t.saved_bytes, "error": t.error} for f, t in results.items()}
+        entry = {f: {"ms": t.ms, "saved_bytes": t.saved_bytes, "error": t.error, "note": t.note}
+                 for f, t in results.items()}
         disk_cache.store(path, self._table(path), key, entry)
 
 

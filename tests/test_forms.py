@@ -91,7 +91,7 @@ def test_real_timings_pick_per_the_rule_and_a_second_process_reads_them(cache, t
     assert second.counters["lower.cached"] == 2 and not second.counters["lower.measured"]
 
 
-def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch):
+def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch, tmp_path):
     """With inner="inductor" on a device of COMPILE_ORIGINAL_ON (CUDA; CPU here by patching) the original is timed
     as Inductor compiles it, forward and backward, not op by op: the note says so, the cache key differs from the
     op-by-op one, and the program still trains like eager."""
@@ -109,6 +109,15 @@ def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch):
     assert len(compiled_calls) == 1  # the original only, once for the two layers of one signature
     assert all(t.ms > 0 and t.saved_bytes > 0 for t in rec.forms.values()), rec.forms
     assert any("forward+backward at 12 tokens, the original under Inductor, cpu" in n for n in rec.lowering_notes)
+    assert "op by op" not in rec.forms["original"].describe()
+
+    def broken(gm, args, leaves):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(forms, "inductor_compiled", broken)  # the original is timed op by op then, and says so
+    monkeypatch.setattr(forms, "cache", lambda: FormCache(tmp_path / "second"))
+    rec = _compiled("modulelist", inner="inductor").layers[0]
+    assert rec.forms["original"].ms > 0 and "op by op: Inductor failed on it" in rec.forms["original"].describe()
 
 
 def test_inference_times_the_forward_only(cache):
