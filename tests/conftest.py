@@ -111,7 +111,7 @@ def pytest_runtest_logreport(report):
     and the end of its traceback), so a run stopped at a time limit (benchmarks/gpu_check.py on a short GPU lease)
     still says why its tests failed."""
     path = os.environ.get("MOECOMPILE_FAILURE_LOG")
-    if path and report.failed:
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: the controller writes it
         tail = "\n".join(str(report.longrepr).strip().splitlines()[-12:])
         with open(path, "a") as f:
             f.write(f"### {report.nodeid} ({report.when})\n{tail}\n\n")
