@@ -18,8 +18,8 @@ inner="inductor" on CUDA it is compiled by Inductor first (``inductor_compiled``
 Mixtral's block 12% faster than op by op, enough to pick a slower form); elsewhere op by op, an upper bound.
 
 A layer sharded by moecompile.parallelize (never "original": the exchange needs the rewrite) is timed by its local
-expert MLP alone on CPU (``expert_candidate``: torch against grouped, on T*K random rows spread evenly over the
-local experts; no collective runs, so ranks need not time in step); on CUDA it takes the Triton kernels by rule.
+expert MLP alone (``expert_candidate``: torch against grouped, on T*K random rows spread evenly over the local
+experts; no collective runs, so ranks need not time in step), on CPU and CUDA alike.
 
 ``choose="memory"`` (default) keeps the fastest candidate that saves no more bytes than the original,
 ``choose="speed"`` the fastest. Timings are cached on disk (``runtime/disk_cache.py``): one file per device model
