@@ -13,8 +13,8 @@ projections for backward, ``_keep_projections``), "triton" (the swaps above). ``
 that can run on the layer's device and keeps the fastest (``forms.py``: the measurement, the rule, the disk
 cache); any other value forces that form. A layer sharded by moecompile.parallelize is never "original": its
 local expert MLP alone is timed, torch against grouped (timing the exchange would run collectives; the fused Triton
-kernel needs the combine its experts feed, and a sharded layer's feed moe.ep_combine). On a machine without CUDA, "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for
-the layer's form (sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere
+kernel needs the combine its experts feed, and a sharded layer's feed moe.ep_combine). On a machine without
+CUDA, "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for the layer's form (sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere
 than its combine) stays on torch, and the layer record says which and why (``explain()``).
 
 Before a layer's kernels are used they are proved against the references on probe inputs, forward and (with
