@@ -7,15 +7,16 @@
                                                                             p[4], W_gate_up, layout)
     out = moe.combine(y, p[0], p[3], T)
 
-The forms: "original" (the model's code as traced, put back from the copy canonicalize kept), "torch" (the
-canonical ops as they are), "grouped" (expert_mlp -> expert_mlp_keep: torch._grouped_mm GEMMs keeping the
-projections for backward, ``_keep_projections``), "triton" (the swaps above). ``lowering="auto"`` times every form
-that can run on the layer's device and keeps the fastest (``forms.py``: the measurement, the rule, the disk
-cache); any other value forces that form. A layer sharded by moecompile.parallelize is never "original": its
-local expert MLP alone is timed, torch against grouped (timing the exchange would run collectives; the fused Triton
-kernel needs the combine its experts feed, and a sharded layer's feed moe.ep_combine). On a machine without
-CUDA, "triton" runs the kernels in Triton's interpreter (for tests). An op without a kernel for the layer's form (sparsemixer or sqrtsoftplus routing, capacity-limited buffers, an expert output used elsewhere
-than its combine) stays on torch, and the layer record says which and why (``explain()``).
+The forms: "original" (the model's code as traced, put back from the copy canonicalize kept), "torch" (the canonical
+ops as they are), "grouped" (expert_mlp -> expert_mlp_keep: torch._grouped_mm GEMMs keeping the projections for
+backward, ``_keep_projections``), "triton" (the swaps above). ``lowering="auto"`` times every form that can run on
+the layer's device and keeps the fastest (``forms.py``: the measurement, the rule, the disk cache); any other value
+forces that form. A layer sharded by moecompile.parallelize is never "original": its local expert MLP alone is
+timed, torch against grouped (timing the exchange would run collectives; the fused Triton kernel needs the combine
+its experts feed, and a sharded layer's feed moe.ep_combine). On a machine without CUDA, "triton" runs the kernels
+in Triton's interpreter (for tests). An op without a kernel for the layer's form (sparsemixer or sqrtsoftplus
+routing, capacity-limited buffers, an expert output used elsewhere than its combine) stays on torch, and the layer
+record says which and why (``explain()``).
 
 Before a layer's kernels are used they are proved against the references on probe inputs, forward and (with
 ``verify_backward``) gradients (``lowering_proof.py``); a layer whose kernels disagree, or raise, keeps the
