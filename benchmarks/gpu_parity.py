@@ -220,7 +220,8 @@ def main(argv=None) -> int:
             Path(args.out).write_text(summary(rows, device)[0])
 
     if args.jobs > 1:
-        passed_on = _without(list(sys.argv[1:] if argv is None else argv), ("--jobs", "--timeout", "--out"))
+        flags = ("--jobs", "--timeout", "--out", "--families", "--shard", "--rows")
+        passed_on = _without(list(sys.argv[1:] if argv is None else argv), flags) + ["--families", ",".join(names)]
         for row in fan_out(passed_on, args.jobs, args.timeout):
             emit(row)
         order = {(d, f): i for i, (d, f) in enumerate((d, f) for d in args.dtypes.split(",") for f in names)}
