@@ -183,16 +183,16 @@ def measure(candidates: dict[str, Candidate], values: dict, backward: bool, devi
     calls, results = {}, {}
     for form, c in candidates.items():
         args = [probes[n] for n in c.inputs]
-        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] if backward else []
         try:
             with torch.set_grad_enabled(backward):
                 fn, note = c.gm, ""
                 if compile_original and form == "original":
                     try:
-                        fn = inductor_compiled(c.gm, args, leaves if backward else [])
+                        fn = inductor_compiled(c.gm, args, leaves)
                     except Exception as exc:  # noqa: BLE001 - timed op by op then, an upper bound, and said so
                         note = f"op by op: Inductor failed on it, {type(exc).__name__}: {str(exc)[:120]}"
-                call = functools.partial(_call, fn, args, leaves if backward else [])
+                call = functools.partial(_call, fn, args, leaves)
                 call()  # the warm-up: Triton compiles, tiles are tuned
                 results[form] = Timing(None, _saved_bytes(fn, args, keep) if backward else 0, note=note)
             calls[form] = call
