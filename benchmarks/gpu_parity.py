@@ -15,8 +15,9 @@ eagerly in the same dtype, and in float32 as the reference:
   hy_v4's hyper-connection head, where eager float32 itself is 1.8e-3 from float64);
 - bfloat16: the compiled error to the float32 reference is at most twice eager bfloat16's own, plus 1e-2.
 
-A family whose MoE layers are not all rewritten is reported as such (``explain``'s skip reasons); one that raises is
-an error row. The exit status is 1 if any row fails. ``benchmarks/gpu_check.py`` runs it as one of its steps.
+A family whose MoE layers are not all rewritten is reported as such, with ``explain``'s skip reasons and failures (a
+graph whose pass or first run failed ran as written); one that raises is an error row. The exit status is 1 if any
+row fails. ``benchmarks/gpu_check.py`` runs it as one of its steps.
 """
 
 from __future__ import annotations
@@ -82,9 +83,12 @@ def check_family(family: str, device: torch.device, dtype: torch.dtype, options:
     got, got_g = _step(torch.compile(model, backend="moe", options=options), ids, params=model)
     seconds = time.perf_counter() - t0
     out_err, (grad_err, worst) = normwise(got, want), _worst(got_g, want_g)
-    row = dict(family=family, layers=len(report.layers), skipped=len(report.skipped), seconds=seconds,
+    row = dict(family=family, layers=len(report.layers), skipped=len(report.skipped) + len(report.failures),
+               seconds=seconds,
                lowering=",".join(sorted({r.lowering for r in report.layers})) or "-", out_err=out_err,
-               grad_err=grad_err, worst=worst, note="; ".join(f"{s.region}: {s.reason}" for s in report.skipped))
+               grad_err=grad_err, worst=worst, note="; ".join(
+                   [f"{s.region}: {s.reason}" for s in report.skipped]
+                   + [f"{f.region}: {f.what} failed, ran as written: {f.error}" for f in report.failures]))
     if not want_g or set(got_g) != set(want_g):
         return {**row, "status": "FAIL", "note": f"gradients of {len(got_g)} parameters, eager has {len(want_g)}"}
     if dtype == torch.float32:

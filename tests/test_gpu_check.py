@@ -87,6 +87,30 @@ def test_parity_of_one_family_on_cpu():
     assert "| mixtral |" in gpu_parity.table([{**row, "dtype": "float32"}])
 
 
+def test_parity_names_a_graph_that_failed_at_its_first_run(monkeypatch):
+    """A rewritten graph that raises when it first runs (the compile worked) is run as written: the row says "not
+    rewritten" and its note names the failure, where it said nothing before (phimoe and kolibri1 on the H100)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from moecompile.runtime import grouped_cpu, reference
+
+    def raising(*args, **kwargs):
+        if torch.compiler.is_compiling():  # the proof runs it while Dynamo compiles
+            return real[kwargs.pop("_which")](*args, **kwargs)
+        raise RuntimeError("expert_mlp failed at run time")
+
+    real = {"ref": reference.expert_mlp_ref, "keep": grouped_cpu.expert_mlp_keep}
+    monkeypatch.setattr(reference, "expert_mlp_ref", lambda *a, **k: raising(*a, _which="ref", **k))
+    monkeypatch.setattr(grouped_cpu, "expert_mlp_keep", lambda *a, **k: raising(*a, _which="keep", **k))
+    from moecompile import MoEFallbackWarning
+
+    with pytest.warns(MoEFallbackWarning, match="first run failed"):
+        row = gpu_parity.check_family("mixtral", torch.device("cpu"), torch.float32, {"inner": "aot_eager"})
+    assert row["status"] == "not rewritten" and row["out_err"] <= gpu_parity.FP32_TOL, row
+    assert "the rewritten graph's first run failed, ran as written: RuntimeError: expert_mlp failed" in row["note"]
+
+
 def test_expert_parallel_step_on_cpu():
     """gpu_ep.py's dedup case on 4 gloo ranks with CPU tensors (what the GPU step runs with CUDA tensors): trained
     against one process within 1e-5; a case that fails is reported as such, not raised."""
