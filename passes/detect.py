@@ -15,7 +15,8 @@ everything else stay as they are:
 Structure fixes what it can (E, K, H, I, the routing ops present, the weight shapes); what the graph leaves
 ambiguous (gate/up order, a fused weight's split, transposition when I == H) becomes a short list of candidate
 specs, and ``verify`` keeps the first one that reproduces the block. A router that draws random numbers (PhiMoE
-in ``train()``) is kept as it is: the spec's routing says ``kept`` and the binding names its top-k weights and ids.
+in ``train()``) or picks from 16-bit scores (DBRX in bf16) is kept as it is (``kept.py``): the spec's routing says
+``kept`` and the binding names its top-k weights and ids.
 Last, whatever looks like an MoE block but no block took (``unexplained.py``) is a skip record with its reason.
 """
 
@@ -28,17 +29,14 @@ import torch
 import torch.fx as fx
 
 from . import aliases
-from .graph_utils import (
-    ancestors, descendants, draws_random, example, hint, is_param, module_stack, mutated_input,
-    nodes_by_module, op_name, placeholder_values, shape_of,
-)
+from .graph_utils import ancestors, descendants, draws_random, example, hint, is_param, module_stack, \
+    mutated_input, nodes_by_module, op_name, placeholder_values, shape_of
 from .experts import Skip, expert_options, expert_params
-from .kept import gather_ids, kept_router, looked_up, per_expert_scale, router_side, unread_router
+from .kept import gather_ids, kept_router, looked_up, low_precision_picks, per_expert_scale, router_side, \
+    unread_router
 from .report import PassReport, block
-from .routing import (
-    PASS_THROUGH, router_linear, router_weight, routing_options, selections_in,
-    steered_by, view_chain,
-)
+from .routing import PASS_THROUGH, router_linear, router_weight, routing_options, selections_in, steered_by, \
+    view_chain
 from .spec import Binding, ExpertSpec, MoESpec, RoutingSpec
 from .unexplained import ROOT, unexplained_blocks
 
@@ -188,8 +186,10 @@ def _describe(path, block_type, region, router, values, order, config, unread=No
     kept, router_nodes = {}, set()
     scale = per_expert_scale(slice_nodes, sels, values, E)
     hashed = [gather_ids(s) for s in sels if looked_up(s)]
-    if unread or scale is not None or hashed or any(draws_random(n) for n in slice_nodes | logits_nodes):
-        side = router_params | ({scale} if scale is not None else set())
+    narrow = low_precision_picks([s for s in sels if not looked_up(s)], router, slice_nodes)
+    random = any(draws_random(n) for n in slice_nodes | logits_nodes)
+    if unread or scale is not None or hashed or narrow or random:
+        side = router_params | {a for a in (scale, corr) if a is not None}  # corr: a bias for choosing (LFM2)
         side |= {a for n in ancestors(hashed, slice_nodes) for a in n.all_input_nodes if is_param(a, values)}
         topk = kept_router(slice_nodes, sels + hashed, x_in, values, side)
         if topk is None and unread:
@@ -202,8 +202,9 @@ def _describe(path, block_type, region, router, values, order, config, unread=No
             why = (f"scores {hint(shape_of(sels[0].args[0])[-1])} classes from {w_router.shape[0]} logits per "
                    f"token for {E} experts, which moe.route does not compute" if unread
                    else "takes its expert ids from a table (hash routing), which moe.route does not compute" if hashed
-                   else "draws random numbers" if scale is None
-                   else f"scales its weights per expert ({scale.name}[ids]), which moe.route does not compute")
+                   else f"scales its weights per expert ({scale.name}[ids]), which moe.route does not compute"
+                   if scale is not None else "draws random numbers" if random
+                   else f"picks its experts from {str(narrow)[6:]} scores; moe.route's float32 could pick otherwise")
             routing.update(score_fn=["kept"], top_k=[hint(shape_of(topk[1])[-1])], jitter_eps=[0.0],
                            renormalize=[False], renorm_eps=[0.0], scaling=[1.0], kept=[why])
             kept, router_nodes, corr = dict(topk_weights=topk[0], topk_ids=topk[1]), topk[2], None

@@ -3,6 +3,7 @@ router's own [T, K] weights and ids, and the router stays in the graph, unproved
 
 A router is kept when ``moe.route`` cannot compute it or must not: it draws random numbers (PhiMoE's training
 sparsemixer), scales its weights per expert (Gemma 4), takes its ids from a table (DeepSeek-V4's hash routing),
+picks from 16-bit scores (DBRX in bf16: moe.route scores in float32, and near-ties would go otherwise),
 or its scores are not one [T, E] linear over the experts (``unread_router``: Inkling's router scores the shared
 experts beside the routed ones and normalises them together; ZAYA's is an MLP with a skip class over [B, S, E + 1]
 scores). Here: finding that router and its block, and cutting the weights and ids the experts read out of it.
@@ -88,6 +89,19 @@ def per_expert_scale(slice_nodes, sels, values, E) -> fx.Node | None:
 
 
 _VIEWS = {"view", "reshape", "contiguous", "squeeze", "unsqueeze", "flatten", "view_as", "reshape_as"}
+
+
+def low_precision_picks(sels, router: fx.Node, slice_nodes) -> torch.dtype | None:
+    """The 16-bit float dtype in which the scores a selection picks from were computed after the ``router`` linear
+    (DBRX's softmax in bf16, LFM2's sigmoid), or None. moe.route scores the logits in float32 at least, so near-ties
+    among the rounded scores would pick otherwise: such a router is kept as written. A selection over the logits
+    themselves (GPT-OSS's top-k) picks as moe.route does."""
+    path = ancestors(sels, slice_nodes) & descendants([router], slice_nodes)
+    for n in path - {router, *sels}:
+        v = example(n)
+        if op_name(n) not in _VIEWS and isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16):
+            return v.dtype
+    return None
 
 
 def kept_router(slice_nodes, sels, x_in, values, router_params):
