@@ -53,6 +53,20 @@ def test_vendor_roles_equal_the_reference_beside_kernels(T, layout, routing, dty
             check(g, gtruth[name], glowp[name], dtype, f"grad {name} with {config}")
 
 
+@pytest.mark.parametrize("layout", ["mixtral", "llama4"])
+def test_vendor_epilogues_in_slices_of_rows_equal_whole(layout, monkeypatch):
+    """The float32 epilogues of the vendor roles (the combine weights' and the row scales' partial sums, the summed
+    gate and up gradients of the rows) run a slice of rows at a time, bounding their temporaries: slices of 5 rows
+    give the gradients one slice gives, bit for bit."""
+    t, tok, counts, kw = make_problem(42, layout, torch.float32, "skewed")
+    grad_out = torch.randn(42, H, generator=torch.Generator().manual_seed(1))
+    whole = _grads(t, tok, counts, kw, grad_out, {"gemm": V})
+    monkeypatch.setattr(vd, "CHUNK", 5 * H)  # 5 rows of the hidden width; fewer of the intermediate one
+    assert len(vd._row_slices(int(counts.sum()), H)) > 2
+    for name, a, b in zip(NAMES, whole, _grads(t, tok, counts, kw, grad_out, {"gemm": V})):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
 def test_vendor_roles_leave_dropped_tail_rows_alone():
     """Rows past the counted ones (a capacity's drops): h zero where asked, y zero when handed out, no
     combine-weight gradient; the rest equal to the reference."""

@@ -26,6 +26,16 @@ from ..activations import apply_activation
 from ..grouped_cpu import Rows, Segments, activation_backward, usable_sizes
 
 
+CHUNK = 1 << 24  # elements of one float32 temporary (64 MiB) in the row-wise epilogues, which run a slice of rows
+# at a time: at Mixtral's T = 16384 whole-width float32 copies of [rows, I] were 1.75 GiB each on the H100
+
+
+def _row_slices(n: int, width: int):
+    """Slices covering rows 0..n in steps of at most CHUNK elements of ``width`` columns."""
+    step = max(1, CHUNK // max(1, width))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
 def candidate(dtype: torch.dtype, n1: int, n2: int, role_fn, /, *args, **kwargs):
     """``role_fn(*args, **kwargs)`` as a zero-argument call, or None where ``torch._grouped_mm`` does not take
     the role's dtype and operand widths (rows of 16 bytes)."""
@@ -72,8 +82,12 @@ def dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts_E, dout_TH, w
     def grad_h(h):
         if combine_weights_B is None:
             return G
-        pcw_out[:r.n, 0] = (h.float() * G.float()).sum(1)
-        return (G.float() * combine_weights_B[:r.n].float()[:, None]).to(dt)
+        scaled = torch.empty_like(G)
+        for rows in _row_slices(r.n, I):  # float32 copies, multiplied in place
+            g = G[rows].to(torch.float32, copy=True)
+            pcw_out[rows, 0] = h[rows].to(torch.float32, copy=True).mul_(g).sum(1)
+            scaled[rows] = g.mul_(combine_weights_B[rows].float()[:, None])  # rounded to dt as it is written
+        return scaled
 
     gs, us = _split(w_gate_EIH, I)
     h, d_pre = activation_backward(activation, pre, gs, us, alpha, limit, grad_h)
@@ -90,15 +104,18 @@ def dx(x_TH, token_ids_B, counts_E, dgu, dout_TH, w_gate_EIH, w_up_EIH, b_down_E
                        for want in (scale, bd_dcw))
     s = Segments(counts_E, pbd_out is not None)
     n = s.n
-    acc = s.mm(dgu[:n, I:] if w_gate_EIH is not None else dgu[:n], w_up_EIH).float()
-    if w_gate_EIH is not None:
-        acc += s.mm(dgu[:n, :I], w_gate_EIH).float()
-    dxs_out[:n] = acc = acc.to(dt)
+    up = s.mm(dgu[:n, I:] if w_gate_EIH is not None else dgu[:n], w_up_EIH)
+    gate = None if w_gate_EIH is None else s.mm(dgu[:n, :I], w_gate_EIH)
     tok = token_ids_B[:n]
-    if ps_out is not None:
-        ps_out[:n, 0] = (acc.float() * x_TH[tok].to(dt).float()).sum(1)
-    if pbd_out is not None:
-        pbd_out[:n, 0] = (dout_TH[tok].float() * b_down_EH[s.expert_B].float()).sum(1)
+    for rows in _row_slices(n, x_TH.shape[1]):
+        acc = up[rows].float()
+        if gate is not None:
+            acc += gate[rows]
+        dxs_out[rows] = acc  # rounded to dt
+        if ps_out is not None:
+            ps_out[rows, 0] = x_TH[tok[rows]].to(dt).float().mul_(dxs_out[rows]).sum(1)  # a gathered copy
+        if pbd_out is not None:
+            pbd_out[rows, 0] = dout_TH[tok[rows]].float().mul_(b_down_EH[s.expert_B[rows]]).sum(1)
     return ps_out, pbd_out
 
 
