@@ -25,6 +25,7 @@ import operator
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 import moecompile.runtime.comm.compress  # noqa: F401  (registers moe::domain_gather_compressed, moe::expert_mean)
 import moecompile.runtime.comm.domains  # noqa: F401  (registers moe::domain_gather*)
@@ -252,7 +253,10 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
     ``moe.domain_gather_start`` right after the previous layer's experts (the first layer's: as soon as its weights
     are there), so the gather runs while this layer's pre-expert part computes, and ``moe.domain_gather_wait`` where
     the experts need it. One layer's gathered copies in flight beside the running one's, at most. A compressed
-    gather (``compress=q``) moves the same way, its shared expert and encode with its start."""
+    gather (``compress=q``) moves the same way, its shared expert and encode with its start; its wait gives the
+    pairs, which ``moe.sr_decode`` decodes right before the experts, marked for AOT autograd's partitioner to
+    compute again in backward (as activation checkpointing marks what it recomputes), so that the decoded copies
+    are not kept from forward to backward."""
     ops = torch.ops.moe
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_input = max((n for n in graph.nodes if n.op in ("placeholder", "get_attr")), key=order.get, default=None)
@@ -274,10 +278,16 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
         with graph.inserting_after(after):
             start = graph.call_function(start_op, start_args)
         with graph.inserting_before(node):
-            wait = graph.call_function(wait_op.default, (start, w, group, layer))
-        for n in (start, wait):
+            if node.target in GATHER:
+                new = [graph.call_function(wait_op.default, (start, w, group, layer))]
+            else:  # the pairs waited for, then decoded (computed again in backward: only the pairs are kept)
+                new = [graph.call_function(wait_op.default, (start, w, q, group, layer))]
+                new += [graph.call_function(operator.getitem, (new[0], i)) for i in range(3)]
+                new.append(graph.call_function(ops.sr_decode.default, (*new[1:], w, group, layer)))
+                new[-1].meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
+        for n in (start, *new):
             n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "moe_layer") if k in node.meta})
-        node.replace_all_uses_with(wait)
+        node.replace_all_uses_with(new[-1])
         graph.erase_node(node)
         if node.target in COMPRESSED:
             _erase_unused(graph, [mean])

@@ -7,7 +7,7 @@ expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "
 (runtime/comm/stream.py): its choice in both of §III's regimes and against Eqs. 11-12's closed form (pure); under
 emulated links, every candidate's predicted communication against the measured one, and expert_domains="auto"
 training as one process (world 4); where the distribute pass starts each layer's all-gather and waits for it;
-compress=q (q = 1 as one process; the bytes at q = 0.25).
+compress=q (q = 1 as one process; the bytes at q = 0.25; the decoded copies not kept for backward).
 Every collective has a timeout; a failing rank fails the test."""
 
 import itertools
@@ -130,8 +130,11 @@ def test_gathers_start_after_the_previous_layers_experts():
     """The distribute pass's placement (hybridep.md §IV-B): layer 0's all-gather starts as soon as the graph's
     inputs are there, layer 1's right after layer 0's experts, so each runs while its layer's pre-expert part
     computes; each is waited for just before its own experts. A compressed gather (layer 1 here) moves the same
-    way, its shared expert (expert_mean) and encode done by its start."""
+    way, its shared expert (expert_mean) and encode done by its start; its pairs are decoded (moe.sr_decode) right
+    before the experts, marked to be computed again in backward."""
     import torch.fx as fx
+
+    from torch.utils.checkpoint import CheckpointPolicy
 
     import moecompile.runtime.comm.compress  # noqa: F401  (registers the ops)
     from moecompile.passes.distribute import _start_gathers_early
@@ -155,9 +158,11 @@ def test_gathers_start_after_the_previous_layers_experts():
              getattr(n.target, "__name__", n.op) for n in graph.nodes]
     assert order == ["placeholder"] * 3 + ["domain_gather_start", "relu", "domain_gather_wait", "expert_mlp",
                                            "domain_gather_compressed_start", "relu", "domain_gather_compressed_wait",
-                                           "expert_mlp", "output"], order
+                                           *["getitem"] * 3, "sr_decode", "expert_mlp", "output"], order
     start = next(n for n in graph.nodes if n.target is ops.domain_gather_compressed_start.default)
     assert start.args == (w1, 8, 0.25, "g", "world", "l1"), start.args
+    decode = next(n for n in graph.nodes if n.target is ops.sr_decode.default)
+    assert decode.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE and decode.users == {experts1: None}
     assert report.counters["distribute.gathers_started_early"] == 2
 
 
@@ -323,6 +328,27 @@ def _compressed(world, flat):
     shared = sum((world - 1) * (2 * w[0].numel() * 4 // world) for w in (experts.gate_up_proj, experts.down_proj))
     for name, layer in moecompile.comm_stats().items():  # (the shared expert's all-reduce: as a ring's bytes)
         assert layer["domain_gather.peer"] == want and layer["expert_mean.peer"] == shared, (name, layer, want)
+    _decoded_in_backward_again(compiled, ids, experts, world)
+
+
+def _decoded_in_backward_again(compiled, ids, experts, world):
+    """The decoded copies are not kept from forward to backward: no tensor saved for backward has their shape, and
+    moe.sr_decode runs in backward as often as in forward (the partitioner computes it again)."""
+    from unittest import mock
+
+    import moecompile.runtime.comm.compress as compress
+
+    copies = {(world * w.shape[0], *w.shape[1:]) for w in (experts.gate_up_proj, experts.down_proj)}
+    saved, decodes = [], []
+    real = compress._decode_domain
+    with mock.patch.object(compress, "_decode_domain", lambda *a: (decodes.append(torch.is_grad_enabled()),
+                                                                    real(*a))[1]):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(tuple(t.shape)), t)[1], lambda t: t):
+            loss = compiled(ids, labels=ids).loss
+        forward = len(decodes)
+        loss.backward()
+    assert saved and not copies & set(saved), (copies, saved)
+    assert forward == 2 * len(compiled.model.layers) and len(decodes) == 2 * forward, decodes
 
 
 def _check_bytes(rank, world, flat):

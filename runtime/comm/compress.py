@@ -13,9 +13,12 @@ entries largest in magnitude, as (value, index) pairs; a receiver decodes S + th
     moe::domain_gather_compressed(w, S, q, group)  moe.domain_gather sending residual pairs; own experts exact;
                                                    backward: each copy's gradient summed to its owner (as if exact)
     moe::domain_gather_compressed_start(w, E, q, group, mean_group) -> key    the shared expert and the encode
-    moe::domain_gather_compressed_wait(key, w, group)                         done and the pairs' all-gathers
+    moe::domain_gather_compressed_wait(key, w, q, group) -> pairs, shared     done and the pairs' all-gathers
                                                    started where the distribute pass puts them (ahead of the
-                                                   experts, as the exact gather's start/wait); decoded at the wait
+                                                   experts, as the exact gather's start/wait)
+    moe::sr_decode(values, indices, shared, w, group)  the domain's experts from the pairs, right before the
+                                                   experts; marked to be computed again in backward, so that only
+                                                   the pairs are kept between forward and backward
 
 ``parallelize(..., expert_domains=..., compress=q)`` (stacked experts): it changes the forward (the gathered
 copies are approximate), so it is never on by default and the report says so.
@@ -104,17 +107,24 @@ def _launch(w: Tensor, shared: Tensor, q: float, group) -> tuple:
     return works, all_values, all_indices, shared, time.perf_counter()
 
 
-def _finish(works, all_values, all_indices, shared, started, w: Tensor, group, layer: str) -> Tensor:
+def _receive(works, all_values, all_indices, shared, started, w: Tensor, group, layer: str) -> tuple:
+    """The pairs of every rank of the domain, in rank order, once their all-gathers are done (and the link emulated
+    and the bytes counted), and the shared expert."""
     for work in works:
         work.wait()
-    S, r = dist.get_world_size(group), dist.get_rank(group)
+    S = dist.get_world_size(group)
     pair = all_indices[0].shape[1] * (all_values[0].element_size() + 4)  # one expert's (value, index) pairs
     wait_as_link(group, (S - 1) * w.shape[0] * pair, since=started)
     if layer:
         COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * S, pair)
-    out = decode(torch.cat(all_values), torch.cat(all_indices), shared).to(w.dtype)
-    out = out.view(S * w.shape[0], *w.shape[1:])
-    out[r * w.shape[0]:(r + 1) * w.shape[0]] = w  # its own experts exactly
+    return torch.cat(all_values), torch.cat(all_indices), shared
+
+
+def _decode_domain(values: Tensor, indices: Tensor, shared: Tensor, w: Tensor, rank: int) -> Tensor:
+    """The domain's experts [S E_l, ...]: every other rank's decoded, this rank's own (``w``) exactly."""
+    E_l = w.shape[0]
+    out = decode(values, indices, shared).to(w.dtype).view(values.shape[0], *w.shape[1:])
+    out[rank * E_l:(rank + 1) * E_l] = w
     return out
 
 
@@ -123,7 +133,7 @@ def domain_gather_compressed(w: Tensor, shared: Tensor, q: float, group_name: st
     """``moe.domain_gather`` with SR compression: each rank sends its experts' residual top-``q`` entries; the
     other ranks' experts come back as shared + residual, this rank's own exactly."""
     group = resolve_group(group_name)
-    return _finish(*_launch(w, shared, q, group), w, group, layer)
+    return _decode_domain(*_receive(*_launch(w, shared, q, group), w, group, layer), w, dist.get_rank(group))
 
 
 @register_fake("moe::domain_gather_compressed")
@@ -159,23 +169,44 @@ def _compressed_start_fake(w, num_experts, q, group_name, mean_group, layer=""):
 
 
 @custom_op("moe::domain_gather_compressed_wait", mutates_args=())
-def domain_gather_compressed_wait(key: Tensor, w: Tensor, group_name: str, layer: str = "") -> Tensor:
-    """``domain_gather_compressed(w, ...)`` started by ``domain_gather_compressed_start`` (its ``key``): waits for
-    the pairs here and decodes them."""
-    return _finish(*in_flight.pop(int(key[0])), w, resolve_group(group_name), layer)
+def domain_gather_compressed_wait(key: Tensor, w: Tensor, q: float, group_name: str,
+                                  layer: str = "") -> tuple[Tensor, Tensor, Tensor]:
+    """What ``domain_gather_compressed_start`` started (its ``key``), waited for: every rank's residual pairs in
+    rank order (values [S E_l, k], int32 indices [S E_l, k]) and the shared expert, for ``sr_decode``."""
+    return _receive(*in_flight.pop(int(key[0])), w, resolve_group(group_name), layer)
 
 
 @register_fake("moe::domain_gather_compressed_wait")
-def _compressed_wait_fake(key, w, group_name, layer=""):
-    return w.new_empty((w.shape[0] * dist.get_world_size(resolve_group(group_name)), *w.shape[1:]))
+def _compressed_wait_fake(key, w, q, group_name, layer=""):
+    rows, k = w.shape[0] * dist.get_world_size(resolve_group(group_name)), kept(w[0].numel(), q)
+    return w.new_empty(rows, k), w.new_empty(rows, k, dtype=torch.int32), w.new_empty(w.shape[1:])
 
 
-def _compressed_wait_setup(ctx, inputs, output):
-    ctx.group_name, ctx.layer = inputs[2], inputs[3]
+register_autograd("moe::domain_gather_compressed_wait", lambda ctx, *grads: (None,) * 5,
+                  setup_context=lambda ctx, inputs, output: None)  # pairs and the shared expert: no gradient
 
 
-def _compressed_wait_bwd(ctx, grad):
-    return None, torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None
+@custom_op("moe::sr_decode", mutates_args=())
+def sr_decode(values: Tensor, indices: Tensor, shared: Tensor, w: Tensor, group_name: str,
+              layer: str = "") -> Tensor:
+    """The domain's experts decoded from ``domain_gather_compressed_wait``'s pairs: shared + residual for the other
+    ranks' experts, this rank's ``w`` exactly. Pure (no communication): the distribute pass marks it to be computed
+    again in backward, so that the decoded copies are not kept from forward to backward; only the pairs are.
+    Backward: each copy's gradient summed back to its owner (``moe.domain_reduce``), as for exact copies."""
+    return _decode_domain(values, indices, shared, w, dist.get_rank(resolve_group(group_name)))
 
 
-register_autograd("moe::domain_gather_compressed_wait", _compressed_wait_bwd, setup_context=_compressed_wait_setup)
+@register_fake("moe::sr_decode")
+def _sr_decode_fake(values, indices, shared, w, group_name, layer=""):
+    return w.new_empty((values.shape[0], *w.shape[1:]))
+
+
+def _sr_decode_setup(ctx, inputs, output):
+    ctx.group_name, ctx.layer = inputs[4], inputs[5]
+
+
+def _sr_decode_bwd(ctx, grad):
+    return None, None, None, torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None
+
+
+register_autograd("moe::sr_decode", _sr_decode_bwd, setup_context=_sr_decode_setup)
