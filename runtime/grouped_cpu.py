@@ -167,22 +167,30 @@ def expert_mlp_keep_backward(grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_ex
     return [g.to(t.dtype) for g, t in zip(grads.values(), present) if t is not None]
 
 
-def activation_backward(activation, pre, gs, us, alpha, limit, grad_h):
+def activation_backward(activation, pre, gs, us, alpha, limit, grad_h, h_out=None, d_pre=None):
     """(h, d_pre): the activation again from the kept projections, and its derivative at ``grad_h(h)`` written
-    into the projections' columns. Gated silu (SwiGLU, most models) by hand with no temporaries beyond h's; the rest
-    through ``torch.func.vjp`` of ``apply_activation``, the meaning."""
+    into the projections' columns; into ``h_out`` and ``d_pre`` where given (no copy afterwards). Gated silu
+    (SwiGLU, most models) by hand with no temporaries beyond h's; the rest through ``torch.func.vjp`` of
+    ``apply_activation``, the meaning."""
     if gs is None:
         h, act_vjp = torch.func.vjp(lambda u: apply_activation(activation, None, u, alpha=alpha, limit=limit), pre)
-        return h, act_vjp(grad_h(h))[0]
+        d_pre = _into(d_pre, act_vjp(grad_h(_into(h_out, h)))[0])
+        return h if h_out is None else h_out, d_pre
     gate, up = pre[:, gs], pre[:, us]
-    d_pre = pre.new_empty(pre.shape)
+    d_pre = pre.new_empty(pre.shape) if d_pre is None else d_pre
     if activation == "silu":  # h = silu(g) u: dh/du = silu(g), dh/dg = u silu'(g)
         silu_g = torch.nn.functional.silu(gate)
-        h = silu_g * up
+        h = torch.mul(silu_g, up, out=h_out) if h_out is not None else silu_g * up
         d_h = grad_h(h)
         torch.mul(d_h, silu_g, out=d_pre[:, us])
+        del silu_g
         torch.ops.aten.silu_backward.grad_input(d_h * up, gate, grad_input=d_pre[:, gs])
         return h, d_pre
     h, act_vjp = torch.func.vjp(lambda g, u: apply_activation(activation, g, u, alpha=alpha, limit=limit), gate, up)
-    d_pre[:, gs], d_pre[:, us] = act_vjp(grad_h(h))
-    return h, d_pre
+    d_pre[:, gs], d_pre[:, us] = act_vjp(grad_h(_into(h_out, h)))
+    return h if h_out is None else h_out, d_pre
+
+
+def _into(out, value):
+    """``value`` copied into ``out`` (and ``out`` returned), or ``value`` itself when there is no ``out``."""
+    return value if out is None else out.copy_(value)

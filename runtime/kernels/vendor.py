@@ -43,9 +43,16 @@ def candidate(dtype: torch.dtype, n1: int, n2: int, role_fn, /, *args, **kwargs)
 
 
 def _projections(r: Rows, wg, wu, bg, bu):
-    """[g | u] (gated) or u: the projections before the activation, with their biases."""
+    """[g | u] (gated) or u: the projections before the activation, with their biases (each written into its
+    half as it is made: no concatenation holding both twice)."""
     u = r.bias(r.mm(r.xs_BH, wu, t=True), bu)
-    return u if wg is None else torch.cat([r.bias(r.mm(r.xs_BH, wg, t=True), bg), u], dim=1)
+    if wg is None:
+        return u
+    pre = u.new_empty(u.shape[0], 2 * u.shape[1])
+    pre[:, u.shape[1]:] = u
+    del u
+    pre[:, :pre.shape[1] // 2] = r.bias(r.mm(r.xs_BH, wg, t=True), bg)
+    return pre
 
 
 def _split(wg, I):
@@ -90,9 +97,7 @@ def dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts_E, dout_TH, w
         return scaled
 
     gs, us = _split(w_gate_EIH, I)
-    h, d_pre = activation_backward(activation, pre, gs, us, alpha, limit, grad_h)
-    h_out[:r.n] = h
-    dgu_out[:r.n] = d_pre
+    activation_backward(activation, pre, gs, us, alpha, limit, grad_h, h_out=h_out[:r.n], d_pre=dgu_out[:r.n])
     return pcw_out
 
 
