@@ -1,6 +1,7 @@
 """SR compression of gathered experts (runtime/comm/compress.py, hybridep.md §IV-B): q = 1 round-trips exactly;
 q < 1 keeps the residual entries largest in magnitude and costs k x (value + int32 index) bytes per expert;
-bad q is refused."""
+bad q is refused. ``decoded_in_backward_again`` is run by tests/test_hybrid.py's world-4 training with compress=q:
+the decoded copies are computed again in backward, not kept from forward."""
 
 import pytest
 import torch
@@ -35,3 +36,21 @@ def test_keeps_the_largest_residuals_and_counts_bytes():
 def test_bad_fraction_is_refused(q):
     with pytest.raises(ValueError, match="must be in \\(0, 1\\]"):
         compress.kept(10, q)
+
+
+def decoded_in_backward_again(compiled, ids, experts, world):
+    """The decoded copies are not kept from forward to backward: no tensor saved for backward has their shape, and
+    moe.sr_decode runs in backward as often as in forward (the partitioner computes it again)."""
+    from unittest import mock
+
+    copies = {(world * w.shape[0], *w.shape[1:]) for w in (experts.gate_up_proj, experts.down_proj)}
+    saved, decodes = [], []
+    real = compress._decode_domain
+    with mock.patch.object(compress, "_decode_domain", lambda *a: (decodes.append(torch.is_grad_enabled()),
+                                                                    real(*a))[1]):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(tuple(t.shape)), t)[1], lambda t: t):
+            loss = compiled(ids, labels=ids).loss
+        forward = len(decodes)
+        loss.backward()
+    assert saved and not copies & set(saved), (copies, saved)
+    assert forward == 2 * len(compiled.model.layers) and len(decodes) == 2 * forward, decodes

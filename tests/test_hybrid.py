@@ -17,6 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_compress import decoded_in_backward_again
 
 import moecompile
 from moecompile.runtime.comm import hybrid, stream
@@ -328,27 +329,7 @@ def _compressed(world, flat):
     shared = sum((world - 1) * (2 * w[0].numel() * 4 // world) for w in (experts.gate_up_proj, experts.down_proj))
     for name, layer in moecompile.comm_stats().items():  # (the shared expert's all-reduce: as a ring's bytes)
         assert layer["domain_gather.peer"] == want and layer["expert_mean.peer"] == shared, (name, layer, want)
-    _decoded_in_backward_again(compiled, ids, experts, world)
-
-
-def _decoded_in_backward_again(compiled, ids, experts, world):
-    """The decoded copies are not kept from forward to backward: no tensor saved for backward has their shape, and
-    moe.sr_decode runs in backward as often as in forward (the partitioner computes it again)."""
-    from unittest import mock
-
-    import moecompile.runtime.comm.compress as compress
-
-    copies = {(world * w.shape[0], *w.shape[1:]) for w in (experts.gate_up_proj, experts.down_proj)}
-    saved, decodes = [], []
-    real = compress._decode_domain
-    with mock.patch.object(compress, "_decode_domain", lambda *a: (decodes.append(torch.is_grad_enabled()),
-                                                                    real(*a))[1]):
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(tuple(t.shape)), t)[1], lambda t: t):
-            loss = compiled(ids, labels=ids).loss
-        forward = len(decodes)
-        loss.backward()
-    assert saved and not copies & set(saved), (copies, saved)
-    assert forward == 2 * len(compiled.model.layers) and len(decodes) == 2 * forward, decodes
+    decoded_in_backward_again(compiled, ids, experts, world)
 
 
 def _check_bytes(rank, world, flat):
