@@ -17,6 +17,7 @@ draws the loss curves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -46,10 +47,9 @@ def _run_one(q, args, text, rank, mesh):
     for step in range(args.steps):
         moecompile.comm_stats(reset=True)
         ids = _windows(text, rank, step + 1, args.batch, args.seq)
-        if step == args.steps - 1 and step:  # (not while compiling: the proofs differentiate with torch.func)
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: (_hold(kept, t), t)[1], lambda t: t):
-                out = compiled(ids, labels=ids)
-        else:
+        last = step == args.steps - 1 and step  # (not while compiling: the proofs differentiate with torch.func)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (_hold(kept, t), t)[1], lambda t: t) if last \
+                else contextlib.nullcontext():
             out = compiled(ids, labels=ids)
         out.loss.backward()
         opt.step()

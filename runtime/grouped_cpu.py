@@ -174,8 +174,8 @@ def activation_backward(activation, pre, gs, us, alpha, limit, grad_h, h_out=Non
     ``apply_activation``, the meaning."""
     if gs is None:
         h, act_vjp = torch.func.vjp(lambda u: apply_activation(activation, None, u, alpha=alpha, limit=limit), pre)
-        d_pre = _into(d_pre, act_vjp(grad_h(_into(h_out, h)))[0])
-        return h if h_out is None else h_out, d_pre
+        h = _into(h_out, h)
+        return h, _into(d_pre, act_vjp(grad_h(h))[0])
     gate, up = pre[:, gs], pre[:, us]
     d_pre = pre.new_empty(pre.shape) if d_pre is None else d_pre
     if activation == "silu":  # h = silu(g) u: dh/du = silu(g), dh/dg = u silu'(g)
@@ -187,8 +187,9 @@ def activation_backward(activation, pre, gs, us, alpha, limit, grad_h, h_out=Non
         torch.ops.aten.silu_backward.grad_input(d_h * up, gate, grad_input=d_pre[:, gs])
         return h, d_pre
     h, act_vjp = torch.func.vjp(lambda g, u: apply_activation(activation, g, u, alpha=alpha, limit=limit), gate, up)
-    d_pre[:, gs], d_pre[:, us] = act_vjp(grad_h(_into(h_out, h)))
-    return h if h_out is None else h_out, d_pre
+    h = _into(h_out, h)
+    d_pre[:, gs], d_pre[:, us] = act_vjp(grad_h(h))
+    return h, d_pre
 
 
 def _into(out, value):

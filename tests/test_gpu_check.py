@@ -95,14 +95,15 @@ def test_parity_names_a_graph_that_failed_at_its_first_run(monkeypatch):
 
     from moecompile.runtime import grouped_cpu, reference
 
-    def raising(*args, **kwargs):
-        if torch.compiler.is_compiling():  # the proof runs it while Dynamo compiles
-            return real[kwargs.pop("_which")](*args, **kwargs)
-        raise RuntimeError("expert_mlp failed at run time")
+    def raising(real):
+        def run(*args, **kwargs):
+            if torch.compiler.is_compiling():  # the proof runs it while Dynamo compiles
+                return real(*args, **kwargs)
+            raise RuntimeError("expert_mlp failed at run time")
+        return run
 
-    real = {"ref": reference.expert_mlp_ref, "keep": grouped_cpu.expert_mlp_keep}
-    monkeypatch.setattr(reference, "expert_mlp_ref", lambda *a, **k: raising(*a, _which="ref", **k))
-    monkeypatch.setattr(grouped_cpu, "expert_mlp_keep", lambda *a, **k: raising(*a, _which="keep", **k))
+    for module, name in ((reference, "expert_mlp_ref"), (grouped_cpu, "expert_mlp_keep")):
+        monkeypatch.setattr(module, name, raising(getattr(module, name)))
     from moecompile import MoEFallbackWarning
 
     with pytest.warns(MoEFallbackWarning, match="first run failed"):

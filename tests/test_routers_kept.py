@@ -109,9 +109,9 @@ def test_a_router_scoring_in_bf16_is_kept_and_matches_eager(bias):
     model.choice_bias = model.choice_bias.float() if bias else None  # LFM2 keeps it in float32
     x = torch.randn(2, 8, H)
     runs = []
-    for m, dtype, backend in [(model, torch.float32, None), (model, torch.bfloat16, None),
-                              (model, torch.bfloat16, RecordingBackend(inner="aot_eager"))]:
-        m = copy.deepcopy(m).to(dtype)
+    for dtype, backend in [(torch.float32, None), (torch.bfloat16, None),
+                           (torch.bfloat16, RecordingBackend(inner="aot_eager"))]:
+        m = copy.deepcopy(model).to(dtype)
         if bias:
             m.choice_bias = model.choice_bias
         run = torch.compile(m, backend=backend, fullgraph=True) if backend else m

@@ -48,10 +48,11 @@ def _projections(r: Rows, wg, wu, bg, bu):
     u = r.bias(r.mm(r.xs_BH, wu, t=True), bu)
     if wg is None:
         return u
-    pre = u.new_empty(u.shape[0], 2 * u.shape[1])
-    pre[:, u.shape[1]:] = u
+    I = u.shape[1]
+    pre = u.new_empty(u.shape[0], 2 * I)
+    pre[:, I:] = u
     del u
-    pre[:, :pre.shape[1] // 2] = r.bias(r.mm(r.xs_BH, wg, t=True), bg)
+    pre[:, :I] = r.bias(r.mm(r.xs_BH, wg, t=True), bg)
     return pre
 
 
