@@ -1,8 +1,8 @@
 """SR compression of the experts an expert domain gathers (hybridep.md §IV-B, issue 25 item 5): bytes saved and
 the loss curve against exact experts, training on the bundled text.
 
-    python benchmarks/bench_compress.py [--steps 300] [--q 1 0.1 0.02] [--out benchmarks/compress.md]
-        [--plot benchmarks/compress.png]
+    python benchmarks/bench_compress.py [--steps 300] [--q 1 0.1 0.02] [--whole-decode 0.1]
+        [--out benchmarks/compress.md] [--plot benchmarks/compress.png]
 
 4 ranks (gloo, spawned here), a 1-D mesh and one domain of all 4 (``expert_domains={"ep": 4}``: every rank
 gathers every expert, so every expert's bytes are what compression acts on); a tiny Mixtral (byte vocabulary,
@@ -10,8 +10,10 @@ gathers every expert, so every expert's bytes are what compression acts on); a t
 initial model and data for every run: exact experts (``compress=None``) and each ``--q`` (the fraction of
 residual entries sent). Per run: the bytes each rank sends per step in the experts' all-gathers and in the
 shared expert's all-reduce (counted as a ring all-reduce sends), the bytes the last step's forward kept for backward
-(each storage a saved tensor holds, once), the loss (mean of the first and last 10 steps), and the seconds; the plot
-draws the loss curves.
+(each storage a saved tensor holds, once), the peak of what the last step allocated, forward and backward
+(torch.profiler, as benchmarks/vendor_memory.py), the loss (mean of the first and last 10 steps), and the seconds; the
+plot draws the loss curves. ``--whole-decode q`` runs q once more with the domain's copies decoded whole before the
+experts (``moe.sr_decode``, as before the experts decoded with use; ``distribute.DECODE_WITH_USE``), for the peak.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ from datetime import timedelta
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_replication import _windows  # noqa: E402  (the same windows of the bundled text)
+from vendor_memory import _peak  # noqa: E402  (the peak of what torch.profiler saw allocated)
 
 
-def _run_one(q, args, text, rank, mesh):
+def _run_one(q, args, text, rank, mesh, whole=False):
     import torch
 
     import moecompile
     from moecompile.models.hf import tiny_model
+    from moecompile.passes import distribute
 
+    distribute.DECODE_WITH_USE = not whole  # (read when the first call compiles)
     torch.manual_seed(0)
     model = tiny_model("mixtral", vocab_size=256, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
@@ -43,22 +48,32 @@ def _run_one(q, args, text, rank, mesh):
                            expert_domains={"ep": mesh.size()}, compress=q)
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    losses, sent, kept, start = [], 0, {}, time.perf_counter()
+    losses, sent, kept, peak, start = [], 0, {}, 0, time.perf_counter()
     for step in range(args.steps):
         moecompile.comm_stats(reset=True)
         ids = _windows(text, rank, step + 1, args.batch, args.seq)
         last = step == args.steps - 1 and step  # (not while compiling: the proofs differentiate with torch.func)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (_hold(kept, t), t)[1], lambda t: t) if last \
-                else contextlib.nullcontext():
-            out = compiled(ids, labels=ids)
-        out.loss.backward()
+        out = []
+
+        def step_fn():
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (_hold(kept, t), t)[1], lambda t: t) if last \
+                    else contextlib.nullcontext():
+                out.append(compiled(ids, labels=ids))
+            out[0].loss.backward()
+
+        if last:  # the last step's peak allocation, forward and backward
+            peak = _peak(step_fn)
+        else:
+            step_fn()
+        out = out[0]
         opt.step()
         opt.zero_grad()
         losses.append(float(out.loss.detach()))
         stats = moecompile.comm_stats().values()
         sent = sum(layer.get("domain_gather.peer", 0) for layer in stats)
         shared = sum(layer.get("expert_mean.peer", 0) for layer in stats)
-    return {"losses": losses, "sent": sent, "shared": shared, "saved": sum(kept.values()),
+    distribute.DECODE_WITH_USE = True
+    return {"losses": losses, "sent": sent, "shared": shared, "saved": sum(kept.values()), "peak": peak,
             "seconds": time.perf_counter() - start}
 
 
@@ -80,10 +95,11 @@ def _worker(rank, world, tmp, args):
         with open(os.path.join(HERE, "data", "corpus.txt"), "rb") as f:
             text = f.read()
         results = []
-        for q in [None, *args.q]:
-            results.append((q, _run_one(q, args, text, rank, mesh)))
+        for q, whole in [(None, False), *[(q, False) for q in args.q], *[(q, True) for q in args.whole_decode]]:
+            results.append((q, whole, _run_one(q, args, text, rank, mesh, whole)))
             if rank == 0:
-                print(f"done: compress={q} ({results[-1][1]['seconds']:.0f} s)", flush=True)
+                print(f"done: compress={q}{' decoded whole' if whole else ''} ({results[-1][2]['seconds']:.0f} s)",
+                      flush=True)
         if rank == 0:
             torch.save(results, f"{tmp}/results.pt")
     finally:
@@ -91,16 +107,17 @@ def _worker(rank, world, tmp, args):
 
 
 def _table(results, args) -> str:
-    exact = results[0][1]["sent"]
+    exact = results[0][2]["sent"]
     lines = [f"{args.steps} steps, 4 ranks (gloo, CPU), one domain of all 4, tiny Mixtral (2 layers, 8 experts, "
              f"top-2, hidden {args.hidden}), {args.batch}x{args.seq} bytes per rank per step, AdamW lr {args.lr}.",
              "", "| compress | all-gather B/step/rank | shared expert's all-reduce B/step/rank | total, of exact | "
-             "kept for backward B/rank | loss, first 10 | loss, last 10 | seconds |",
-             "|---|---|---|---|---|---|---|---|"]
-    for q, run in results:
+             "kept for backward B/rank | peak of a step B/rank | loss, first 10 | loss, last 10 | seconds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for q, whole, run in results:
         first, last = run["losses"][:10], run["losses"][-10:]
-        lines.append(f"| {q if q is not None else 'None (exact)'} | {run['sent']} | {run['shared']} | "
-                     f"{(run['sent'] + run['shared']) / exact:.3f} | {run['saved']} | "
+        label = "None (exact)" if q is None else f"{q} (decoded whole)" if whole else f"{q}"
+        lines.append(f"| {label} | {run['sent']} | {run['shared']} | "
+                     f"{(run['sent'] + run['shared']) / exact:.3f} | {run['saved']} | {run['peak']} | "
                      f"{sum(first) / len(first):.4f} | "
                      f"{sum(last) / len(last):.4f} | {run['seconds']:.0f} |")
     return "\n".join(lines)
@@ -113,8 +130,9 @@ def _plot(path, results) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for q, run in results:
-        ax.plot(run["losses"], label=f"compress={q}" if q is not None else "exact experts", linewidth=1)
+    for q, whole, run in results:
+        if not whole:  # (decoded whole or with use: the same numbers)
+            ax.plot(run["losses"], label=f"compress={q}" if q is not None else "exact experts", linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (rank 0's batch)")
     ax.set_title("SR compression of the gathered experts")
@@ -130,6 +148,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--q", type=float, nargs="+", default=[1.0, 0.1, 0.02])
+    p.add_argument("--whole-decode", type=float, nargs="*", default=[],
+                   help="these q also with the domain's copies decoded whole before the experts (moe.sr_decode), "
+                        "as before the experts decoded with use")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)

@@ -11,7 +11,8 @@ Routing stays on each rank's own tokens (global expert ids); a sequence-sharded 
 takes this tp rank's slice of them and all-gathers the combined output (``_sequence_shard``); a layer with expert
 domains (``moecompile/distributed/domains.py``) first all-gathers its domain's experts (``moe.domain_gather``) and
 exchanges rows over its exchange group; each such all-gather starts right after the previous layer's experts and
-is waited for at this layer's (``_start_gathers_early``). The expert weights
+is waited for at this layer's (``_start_gathers_early``); compressed, its pairs go to ``moe.expert_mlp_sr``, which
+decodes one owner's experts at a time with their GEMMs (``_decode_with_use``). The expert weights
 are read from the local shards (the ``moe.ep_global_view`` inputs that ``expose_sharded`` stood in for); the
 stand-in placeholders are removed, so the graph's inputs are again exactly Dynamo's. A sharded layer that was not
 rewritten (verify refused it) cannot run: this pass raises, naming it, and the pipeline reports it.
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import moecompile.runtime.comm.compress  # noqa: F401  (registers moe::domain_gather_compressed, moe::expert_mean)
 import moecompile.runtime.comm.domains  # noqa: F401  (registers moe::domain_gather*)
+import moecompile.runtime.comm.sr_experts  # noqa: F401  (registers moe::expert_mlp_sr)
 import moecompile.runtime.placement.swap  # noqa: F401  (registers moe::ep_to_slots)
 from moecompile.runtime.comm.dedup import hierarchical_experts
 from moecompile.runtime.comm.exchange import resolve_group
@@ -43,6 +45,7 @@ EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
 COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)
 PFT = (torch.ops.moe.build_pft, torch.ops.moe.build_pft.default)
 GATHER = (torch.ops.moe.domain_gather, torch.ops.moe.domain_gather.default)
+DECODE_WITH_USE = True  # False: compressed experts decoded whole by moe.sr_decode (benchmarks/bench_compress.py)
 COMPRESSED = (torch.ops.moe.domain_gather_compressed, torch.ops.moe.domain_gather_compressed.default)
 
 
@@ -55,6 +58,7 @@ def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
             with block(node.meta["moe_layer"]):
                 _shard_experts(gm, node, report)
     _start_gathers_early(gm.graph, report)
+    _decode_with_use(gm.graph, report)
     for ph in standins:
         view = ph.meta["ep_view"]
         _erase_unused(gm.graph, list(ph.users))  # dead reads the model's code left (dbrx views its weights per expert)
@@ -140,13 +144,19 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     with gm.graph.inserting_before(replaced):
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked weights
-        if domain_size > 1 and q:
+        if domain_size > 1 and q:  # in canonical layout, so that the experts can decode with use (_decode_with_use)
             world = view_arg(views[0], "compress_group")
-            mine = {r: torch.ops.moe.domain_gather_compressed(p, torch.ops.moe.expert_mean(
-                p.detach(), e.num_experts, world, layer), q, domain_group, layer) for r, p in mine.items()}
+            tensors = expert_tensors(local_spec, mine)
+            unused = () if e.gated else (0, 3)  # an ungated MLP's gate and its bias: never read
+            tensors = [None if t is None or i in unused else torch.ops.moe.domain_gather_compressed(
+                t, torch.ops.moe.expert_mean(t.detach(), e.num_experts, world, layer), q, domain_group, layer)
+                for i, t in enumerate(tensors)]
         elif domain_size > 1:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
-            mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
-        gate, up, down, b_gate, b_up, b_down = expert_tensors(local_spec, mine)
+            tensors = expert_tensors(local_spec, {r: torch.ops.moe.domain_gather(p, domain_group, layer)
+                                                  for r, p in mine.items()})
+        else:
+            tensors = expert_tensors(local_spec, mine)
+        gate, up, down, b_gate, b_up, b_down = tensors
 
         def run_experts(x_RH, perm_R, counts_L):
             y = torch.ops.moe.expert_mlp(x_RH, perm_R, counts_L, gate if e.gated else None, up, down,
@@ -292,6 +302,32 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
         if node.target in COMPRESSED:
             _erase_unused(graph, [mean])
         report.counters["distribute.gathers_started_early"] += 1
+
+
+def _decode_with_use(graph: fx.Graph, report: PassReport) -> None:
+    """Each ``moe.expert_mlp`` whose weights are all ``moe.sr_decode`` outputs read by it alone becomes
+    ``moe.expert_mlp_sr`` (runtime/comm/sr_experts.py), which decodes one owner's experts at a time right before
+    their rows' GEMMs: the domain's decoded copies never exist whole, in forward or backward. (The biases, small,
+    stay decoded by ``moe.sr_decode``.)"""
+    for node in list(graph.nodes) if DECODE_WITH_USE else ():
+        if node.target not in EXPERT_MLP:
+            continue
+        x, tok, counts, gate, up, down, *rest = node.args
+        weights = [w for w in (gate, up, down) if w is not None]
+        if not all(isinstance(w, fx.Node) and w.target is torch.ops.moe.sr_decode.default and len(w.users) == 1
+                   for w in weights):
+            continue
+        parts = [list(p) for p in zip(*(w.args[:4] for w in weights))]  # values, indices, shared, own
+        group, layer = weights[0].args[4:6]
+        with graph.inserting_before(node):
+            fused = graph.call_function(torch.ops.moe.expert_mlp_sr.default,
+                                        (x, tok, counts, *parts, gate is not None, *rest, group, layer))
+        fused.meta.update(node.meta)
+        node.replace_all_uses_with(fused)
+        graph.erase_node(node)
+        for w in weights:
+            graph.erase_node(w)
+        report.counters["distribute.decoded_with_use"] += 1
 
 
 def _only_combine(node: fx.Node, dedup: str) -> fx.Node:

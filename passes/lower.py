@@ -11,7 +11,8 @@ The forms: "original" (the model's code as traced, put back from the copy canoni
 ops as they are), "grouped" (expert_mlp -> expert_mlp_keep: torch._grouped_mm GEMMs keeping the projections for
 backward, ``_keep_projections``), "triton" (the swaps above). ``lowering="auto"`` times every form that can run on
 the layer's device and keeps the fastest (``forms.py``: the measurement, the rule, the disk cache); any other value
-forces that form. A layer sharded by moecompile.parallelize is never "original": its local expert MLP alone is
+forces that form. A compressed expert domain's experts (``moe.expert_mlp_sr``) have one form, timed against none.
+A layer sharded by moecompile.parallelize is never "original": its local expert MLP alone is
 timed, torch against grouped (timing the exchange would run collectives; the fused Triton kernel needs the combine
 its experts feed, and a sharded layer's feed moe.ep_combine). On a machine without CUDA, "triton" runs the kernels
 in Triton's interpreter (for tests). An op without a kernel for the layer's form (sparsemixer or sqrtsoftplus
@@ -43,6 +44,8 @@ class LoweringUnavailable(ValueError):
 
 
 _SWAPS = {"route": "route_triton", "build_pft": "build_pft_triton"}
+SR_NOTE = ("expert_mlp_sr: the compressed domain's experts decoded one owner at a time with their rows' GEMMs "
+           "(runtime/comm/sr_experts.py); no other form is timed")
 
 
 def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
@@ -56,6 +59,10 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
     for path, nodes in layers.items():
         original = next((n.meta.pop("moe_original") for n in nodes if "moe_original" in n.meta), None)
         spec = specs.get(path)
+        if any(moe_op_name(n) == "expert_mlp_sr" for n in nodes):  # a compressed domain's experts: one form
+            choices[path] = ("torch", [SR_NOTE], None, "", {})
+            report.counters["lower.torch"] += 1
+            continue
         forms, notes = _candidates(nodes, config, original, spec)
         error, tiles, timings = None, "", {}
         if "triton" in forms and config.verify_lowering:

@@ -1,7 +1,8 @@
 """SR compression of gathered experts (runtime/comm/compress.py, hybridep.md §IV-B): q = 1 round-trips exactly;
 q < 1 keeps the residual entries largest in magnitude and costs k x (value + int32 index) bytes per expert;
-bad q is refused. ``decoded_in_backward_again`` is run by tests/test_hybrid.py's world-4 training with compress=q:
-the decoded copies are computed again in backward, not kept from forward."""
+bad q is refused; the experts decode one owner's experts at a time (moe.expert_mlp_sr) and equal the whole domain
+decoded. ``decoded_in_backward_again`` is run by tests/test_hybrid.py's world-4 training with compress=q: the
+decoded copies are computed again in backward, not kept from forward, and never whole."""
 
 import pytest
 import torch
@@ -39,18 +40,71 @@ def test_bad_fraction_is_refused(q):
 
 
 def decoded_in_backward_again(compiled, ids, experts, world):
-    """The decoded copies are not kept from forward to backward: no tensor saved for backward has their shape, and
-    moe.sr_decode runs in backward as often as in forward (the partitioner computes it again)."""
+    """The decoded copies are not kept from forward to backward, and never exist whole: no tensor saved for backward
+    has a whole domain's shape, and the experts decode one owner's experts at a time (moe.expert_mlp_sr), each of
+    the W - 1 other owners per weight (gate, up, down) and layer, in forward and again in backward."""
     from unittest import mock
 
-    copies = {(world * w.shape[0], *w.shape[1:]) for w in (experts.gate_up_proj, experts.down_proj)}
+    from moecompile.runtime.comm import sr_experts
+
+    E_l, (I, H) = experts.gate_up_proj.shape[0], experts.down_proj.shape[2:0:-1]
+    copies = {(world * E_l, I, H), (world * E_l, H, I)}
     saved, decodes = [], []
-    real = compress._decode_domain
-    with mock.patch.object(compress, "_decode_domain", lambda *a: (decodes.append(torch.is_grad_enabled()),
-                                                                    real(*a))[1]):
+    real = compress.decode
+    with mock.patch.object(sr_experts, "decode", lambda *a: (decodes.append((torch.is_grad_enabled(),
+                                                                              a[0].shape[0])), real(*a))[1]):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(tuple(t.shape)), t)[1], lambda t: t):
             loss = compiled(ids, labels=ids).loss
         forward = len(decodes)
         loss.backward()
     assert saved and not copies & set(saved), (copies, saved)
-    assert forward == 2 * len(compiled.model.layers) and len(decodes) == 2 * forward, decodes
+    assert forward == 3 * (world - 1) * len(compiled.model.layers) and len(decodes) == 2 * forward, decodes
+    assert {rows for _, rows in decodes} == {E_l}, decodes
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_experts_decode_one_owner_at_a_time(gated):
+    """moe.expert_mlp_sr (runtime/comm/sr_experts.py) equals decoding the whole domain (4 owners x 2 experts) and
+    running moe.expert_mlp, forward and every gradient (x, biases, input scale, and each weight's whole-domain
+    copies), with this rank's own experts exact; every decode it makes is one owner's 2 experts, never the domain's
+    8, and an owner whose experts got no rows is not decoded."""
+    from unittest import mock
+
+    from moecompile.runtime.comm import sr_experts
+
+    gen = torch.Generator().manual_seed(1)
+    S, E_l, H, I, T, rank = 4, 2, 8, 4, 6, 1
+    own = [torch.randn(E_l, *shape, generator=gen) for shape in ([(I, H)] if gated else []) + [(I, H), (H, I)]]
+    others = [torch.randn(S * E_l, *w.shape[1:], generator=gen) for w in own]
+    for w, o in zip(own, others):
+        o[rank * E_l:(rank + 1) * E_l] = w
+    shared = [o.mean(0) for o in others]
+    pairs = [compress.encode(o, s, 0.5) for o, s in zip(others, shared)]
+    values, indices = [p[0] for p in pairs], [p[1] for p in pairs]
+    counts = torch.tensor([3, 1, 2, 1, 0, 0, 1, 2])  # owner 1 is this rank; owner 2 gets no rows
+    tok = torch.randint(0, T, (int(counts.sum()),), generator=gen)
+    x = torch.randn(T, H, generator=gen)
+    biases = [torch.randn(S * E_l, n, generator=gen) for n in (I, I, H)]
+    biases[0] = biases[0] if gated else None
+    scale = torch.rand(tok.shape[0], generator=gen)
+    attrs = ("silu" if gated else "gelu", 1.702, 7.0)
+
+    copies = [compress._decode_domain(v, i, s, w, rank) for v, i, s, w in zip(values, indices, shared, own)]
+    leaves = [t.clone().requires_grad_(True) for t in (x, *copies, *[b for b in biases if b is not None], scale)]
+    x_, *rest = leaves
+    weights, extra = rest[:len(own)], iter(rest[len(own):])
+    bg, bu, bd = [next(extra) if b is not None else None for b in biases]
+    want = torch.ops.moe.expert_mlp(x_, tok, counts, *(weights if gated else [None, *weights]), bg, bu, bd,
+                                    rest[-1], *attrs)
+    grad_y = torch.randn(want.shape, generator=gen)
+    want_grads = torch.autograd.grad(want, leaves, grad_y)
+
+    decoded, real = [], compress.decode
+    args = (x, tok, counts, values, indices, shared, own, gated, *biases, scale, *attrs)
+    with mock.patch.object(sr_experts, "decode", lambda *a: (decoded.append(a[0].shape[0]), real(*a))[1]):
+        got = sr_experts.sr_forward(*args, rank=rank)
+        got_grads = sr_experts.sr_backward(grad_y, *args, rank=rank)
+    torch.testing.assert_close(got, want)
+    assert len(got_grads) == len(want_grads)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+    assert decoded == [E_l] * (2 * 2 * len(own)), decoded  # owners 0 and 3, forward and backward, each weight

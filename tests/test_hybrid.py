@@ -324,9 +324,11 @@ def _compressed(world, flat):
     loss.backward()
     assert torch.isfinite(loss)
     experts = model.model.layers[0].mlp.experts
-    want = sum((world - 1) * encoded_bytes(w.shape[0], w[0].numel(), 0.25, 4)
-               for w in (experts.gate_up_proj, experts.down_proj))
-    shared = sum((world - 1) * (2 * w[0].numel() * 4 // world) for w in (experts.gate_up_proj, experts.down_proj))
+    # per weight in canonical layout (gate and up are the halves of gate_up_proj): E_l experts of numel entries
+    weights = [(experts.gate_up_proj.shape[0], experts.gate_up_proj[0].numel() // 2)] * 2
+    weights += [(experts.down_proj.shape[0], experts.down_proj[0].numel())]
+    want = sum((world - 1) * encoded_bytes(E_l, numel, 0.25, 4) for E_l, numel in weights)
+    shared = sum((world - 1) * (2 * numel * 4 // world) for _, numel in weights)
     for name, layer in moecompile.comm_stats().items():  # (the shared expert's all-reduce: as a ring's bytes)
         assert layer["domain_gather.peer"] == want and layer["expert_mean.peer"] == shared, (name, layer, want)
     decoded_in_backward_again(compiled, ids, experts, world)

@@ -16,9 +16,10 @@ entries largest in magnitude, as (value, index) pairs; a receiver decodes S + th
     moe::domain_gather_compressed_wait(key, w, q, group) -> pairs, shared     done and the pairs' all-gathers
                                                    started where the distribute pass puts them (ahead of the
                                                    experts, as the exact gather's start/wait)
-    moe::sr_decode(values, indices, shared, w, group)  the domain's experts from the pairs, right before the
-                                                   experts; marked to be computed again in backward, so that only
-                                                   the pairs are kept between forward and backward
+    moe::sr_decode(values, indices, shared, w, group)  the domain's copies of one weight from the pairs, whole
+                                                   (the biases; the weights decode with use, one owner's experts
+                                                   at a time: moe::expert_mlp_sr, sr_experts.py); marked to be
+                                                   computed again in backward: only the pairs are kept
 
 ``parallelize(..., expert_domains=..., compress=q)`` (stacked experts): it changes the forward (the gathered
 copies are approximate), so it is never on by default and the report says so.
