@@ -61,18 +61,18 @@ def decoded_in_backward_again(compiled, ids, experts, world):
     assert forward == 3 * (world - 1) * len(compiled.model.layers) and len(decodes) == 2 * forward, decodes
     assert {rows for _, rows in decodes} == {E_l}, decodes
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_experts_decode_one_owner_at_a_time(gated):
+@pytest.mark.parametrize("gated, H", [(True, 8), (False, 8), (True, 6)])  # H = 6: no grouped_mm (16-byte rows)
+def test_experts_decode_one_owner_at_a_time(gated, H):
     """moe.expert_mlp_sr (runtime/comm/sr_experts.py) equals decoding the whole domain (4 owners x 2 experts) and
     running moe.expert_mlp, forward and every gradient (x, biases, input scale, and each weight's whole-domain
-    copies), with this rank's own experts exact; every decode it makes is one owner's 2 experts, never the domain's
+    copies), on grouped GEMMs and (H = 6) without, with this rank's own experts exact; every decode it makes is one owner's 2 experts, never the domain's
     8, and an owner whose experts got no rows is not decoded."""
     from unittest import mock
 
     from moecompile.runtime.comm import sr_experts
 
     gen = torch.Generator().manual_seed(1)
-    S, E_l, H, I, T, rank = 4, 2, 8, 4, 6, 1
+    S, E_l, I, T, rank = 4, 2, 4, 6, 1
     own = [torch.randn(E_l, *shape, generator=gen) for shape in ([(I, H)] if gated else []) + [(I, H), (H, I)]]
     others = [torch.randn(S * E_l, *w.shape[1:], generator=gen) for w in own]
     for w, o in zip(own, others):

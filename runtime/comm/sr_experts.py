@@ -9,8 +9,9 @@ owner's experts at a time, right before the GEMMs of their rows, so the domain's
 up, down): the pairs ``moe.domain_gather_compressed_wait`` received for the domain's S x E_l experts, the shared
 expert, and this rank's own E_l experts, which it computes exactly. The rows are sorted by expert (as for
 ``moe.expert_mlp``), so the rows of owner c's experts are one slice: for each owner, its experts are decoded
-(shared + residual, ``compress.decode``: E_l experts, not S x E_l) and its rows run through ``moe.expert_mlp``'s
-computation. Backward decodes again, owner by owner, and returns each weight's gradient for the whole domain's copies
+(shared + residual, ``compress.decode``: E_l experts, not S x E_l) and its rows run through grouped GEMMs
+(``torch._grouped_mm`` where it takes the dtype and sizes: on CPU, and bf16 on CUDA; else ``moe.expert_mlp``'s
+computation). Backward decodes again, owner by owner, and returns each weight's gradient for the whole domain's copies
 summed back to their owners (``moe.domain_reduce``), as ``moe.sr_decode``'s backward does. Between forward and
 backward only the pairs are kept.
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op, register_autograd, register_fake
 
+from .. import grouped_cpu
 from ..ops import _expert_mlp
 from .compress import decode
 from .exchange import resolve_group
@@ -61,6 +63,32 @@ def _owner_args(values, indices, shared, own, gated, b_gate, b_up, b_down, scale
     return gate, up, down, _cut(b_gate, experts), _cut(b_up, experts), _cut(b_down, experts), _cut(scale, rows)
 
 
+def _grouped(x: Tensor, up: Tensor, down: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these: on CPU its dtypes and sizes, on CUDA bf16 only."""
+    return grouped_cpu.usable(x, up, down) and (x.device.type == "cpu" or up.dtype == torch.bfloat16)
+
+
+def _owner_forward(x, tok, counts, gate, up, down, *rest, activation, alpha, limit) -> Tensor:
+    """One owner's rows: grouped GEMMs where ``torch._grouped_mm`` takes them, else ``moe.expert_mlp``'s
+    computation."""
+    attrs = dict(activation=activation, alpha=alpha, limit=limit)
+    if _grouped(x, up, down):
+        return grouped_cpu.expert_mlp_grouped(x, tok, counts, gate, up, down, *rest, **attrs)
+    return _expert_mlp(x, tok, counts, gate, up, down, *rest, **attrs)
+
+
+def _owner_backward(grad_y, x, tok, counts, gate, up, down, *rest, activation, alpha, limit) -> list[Tensor]:
+    """Gradients of one owner's present inputs among (x, gate, up, down, biases, scale): where grouped GEMMs run, its
+    projections computed again (``grouped_cpu.expert_mlp_keep``) and differentiated from them; else by
+    ``moe.expert_mlp_backward``."""
+    if not _grouped(x, up, down):
+        return torch.ops.moe.expert_mlp_backward(grad_y, x, tok, counts, gate, up, down, *rest, activation, alpha,
+                                                 limit)
+    attrs = dict(activation=activation, alpha=alpha, limit=limit)
+    _, pre = grouped_cpu.expert_mlp_keep(x, tok, counts, gate, up, down, *rest, **attrs)
+    return grouped_cpu.expert_mlp_keep_backward(grad_y, pre, x, tok, counts, gate, up, down, *rest, **attrs)
+
+
 def sr_forward(x, tok, counts, values, indices, shared, own, gated, b_gate, b_up, b_down, scale, activation, alpha,
                limit, rank: int) -> Tensor:
     """The op's forward with this rank's place in the domain given (``rank``)."""
@@ -68,7 +96,8 @@ def sr_forward(x, tok, counts, values, indices, shared, own, gated, b_gate, b_up
     for owner, rows, experts in _owners(counts, own[0].shape[0]):
         args = _owner_args(values, indices, shared, own, gated, b_gate, b_up, b_down, scale, owner, rank, experts,
                            rows)
-        y[rows] = _expert_mlp(x, tok[rows], counts[experts], *args, activation=activation, alpha=alpha, limit=limit)
+        y[rows] = _owner_forward(x, tok[rows], counts[experts], *args, activation=activation, alpha=alpha,
+                                 limit=limit)
     return y
 
 
@@ -82,8 +111,8 @@ def sr_backward(grad_y, x, tok, counts, values, indices, shared, own, gated, b_g
     for owner, rows, experts in _owners(counts, own[0].shape[0]):
         args = _owner_args(values, indices, shared, own, gated, b_gate, b_up, b_down, scale, owner, rank, experts,
                            rows)
-        got = iter(torch.ops.moe.expert_mlp_backward(grad_y[rows], x, tok[rows], counts[experts], *args, activation,
-                                                     alpha, limit))
+        got = iter(_owner_backward(grad_y[rows].contiguous(), x, tok[rows], counts[experts], *args,
+                                   activation=activation, alpha=alpha, limit=limit))
         grads["x"] += next(got)
         for copy in copies:  # (gate,) up, down: in argument order, as expert_mlp_backward returns them
             copy[experts] = next(got)
