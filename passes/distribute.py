@@ -45,8 +45,8 @@ EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
 COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)
 PFT = (torch.ops.moe.build_pft, torch.ops.moe.build_pft.default)
 GATHER = (torch.ops.moe.domain_gather, torch.ops.moe.domain_gather.default)
-DECODE_WITH_USE = True  # False: compressed experts decoded whole by moe.sr_decode (benchmarks/bench_compress.py)
 COMPRESSED = (torch.ops.moe.domain_gather_compressed, torch.ops.moe.domain_gather_compressed.default)
+DECODE_WITH_USE = True  # False: compressed experts decoded whole by moe.sr_decode (benchmarks/bench_compress.py)
 
 
 def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:

@@ -105,7 +105,7 @@ def sr_backward(grad_y, x, tok, counts, values, indices, shared, own, gated, b_g
                 alpha, limit, rank: int) -> list[Tensor]:
     """Gradients of x, of each weight's whole-domain copies [S E_l, ...], and of the biases and scale present."""
     copies = [w.new_zeros((v.shape[0], *w.shape[1:])) for v, w in zip(values, own)]
-    grads = {"x": torch.zeros_like(x)}
+    dx = torch.zeros_like(x)
     extras = {k: torch.zeros_like(t) for k, t in (("bg", b_gate), ("bu", b_up), ("bd", b_down), ("sc", scale))
               if t is not None}
     for owner, rows, experts in _owners(counts, own[0].shape[0]):
@@ -113,12 +113,12 @@ def sr_backward(grad_y, x, tok, counts, values, indices, shared, own, gated, b_g
                            rows)
         got = iter(_owner_backward(grad_y[rows].contiguous(), x, tok[rows], counts[experts], *args,
                                    activation=activation, alpha=alpha, limit=limit))
-        grads["x"] += next(got)
-        for copy in copies:  # (gate,) up, down: in argument order, as expert_mlp_backward returns them
+        dx += next(got)
+        for copy in copies:  # (gate,) up, down: in argument order, as both backward paths return them
             copy[experts] = next(got)
         for key in extras:  # the biases, then the scale
             extras[key][rows if key == "sc" else experts] = next(got)
-    return [grads["x"], *copies, *extras.values()]
+    return [dx, *copies, *extras.values()]
 
 
 def _rank(group_name: str) -> int:
