@@ -61,12 +61,13 @@ def decoded_in_backward_again(compiled, ids, experts, world):
     assert forward == 3 * (world - 1) * len(compiled.model.layers) and len(decodes) == 2 * forward, decodes
     assert {rows for _, rows in decodes} == {E_l}, decodes
 
+
 @pytest.mark.parametrize("gated, H", [(True, 8), (False, 8), (True, 6)])  # H = 6: no grouped_mm (16-byte rows)
 def test_experts_decode_one_owner_at_a_time(gated, H):
     """moe.expert_mlp_sr (runtime/comm/sr_experts.py) equals decoding the whole domain (4 owners x 2 experts) and
     running moe.expert_mlp, forward and every gradient (x, biases, input scale, and each weight's whole-domain
-    copies), on grouped GEMMs and (H = 6) without, with this rank's own experts exact; every decode it makes is one owner's 2 experts, never the domain's
-    8, and an owner whose experts got no rows is not decoded."""
+    copies), on grouped GEMMs and (H = 6) without, with this rank's own experts exact; every decode it makes is one
+    owner's 2 experts, never the domain's 8, and an owner whose experts got no rows is not decoded."""
     from unittest import mock
 
     from moecompile.runtime.comm import sr_experts
