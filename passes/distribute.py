@@ -144,18 +144,14 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     with gm.graph.inserting_before(replaced):
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked weights
+        if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
+            mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
+        tensors = expert_tensors(local_spec, mine)
         if domain_size > 1 and q:  # in canonical layout, so that the experts can decode with use (_decode_with_use)
             world = view_arg(views[0], "compress_group")
-            tensors = expert_tensors(local_spec, mine)
-            unused = () if e.gated else (0, 3)  # an ungated MLP's gate and its bias: never read
-            tensors = [None if t is None or i in unused else torch.ops.moe.domain_gather_compressed(
+            tensors = [None if t is None else torch.ops.moe.domain_gather_compressed(
                 t, torch.ops.moe.expert_mean(t.detach(), e.num_experts, world, layer), q, domain_group, layer)
-                for i, t in enumerate(tensors)]
-        elif domain_size > 1:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
-            tensors = expert_tensors(local_spec, {r: torch.ops.moe.domain_gather(p, domain_group, layer)
-                                                  for r, p in mine.items()})
-        else:
-            tensors = expert_tensors(local_spec, mine)
+                for t in tensors]
         gate, up, down, b_gate, b_up, b_down = tensors
 
         def run_experts(x_RH, perm_R, counts_L):

@@ -161,7 +161,7 @@ def _expert_mlp_sr_backward_fake(grad_y_BH, x_TH, token_ids_B, tokens_per_expert
 
 def _setup(ctx, inputs, output):
     x, tok, counts, values, indices, shared, own, gated, *optional = inputs[:12]
-    ctx.lists = [len(values)] * 4
+    ctx.weights = len(values)  # (values, indices, shared and own: one entry per weight each)
     ctx.present = [t is not None for t in optional]
     ctx.save_for_backward(x, tok, counts, *values, *indices, *shared, *own, *[t for t in optional if t is not None])
     ctx.gated, ctx.attrs, ctx.group_name, ctx.layer = gated, inputs[12:15], inputs[15], inputs[16]
@@ -170,7 +170,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_y):
     saved = list(ctx.saved_tensors)
     x, tok, counts, rest = saved[0], saved[1], saved[2], iter(saved[3:])
-    values, indices, shared, own = ([next(rest) for _ in range(n)] for n in ctx.lists)
+    values, indices, shared, own = ([next(rest) for _ in range(ctx.weights)] for _ in range(4))
     optional = [next(rest) if p else None for p in ctx.present]
     grads = iter(torch.ops.moe.expert_mlp_sr_backward(grad_y, x, tok, counts, values, indices, shared, own,
                                                       ctx.gated, *optional, *ctx.attrs, ctx.group_name))
