@@ -12,17 +12,9 @@ import torch
 from moecompile.runtime import reference as ref
 from moecompile.runtime.kernels import grouped_mlp as gm
 from moecompile.runtime.kernels import grouped_mlp_bwd as gb
-from moecompile.runtime.kernels.common import interpreting
+from kernel_device import DEV, on_device
 
-DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
-
-
-def on_device(fn, *args, **kwargs):
-    """``fn`` with its tensor arguments on DEV; its tensor results back on the CPU (where the references run)."""
-    move = lambda v, dev: v.to(dev) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    out = fn(*[move(a, DEV) for a in args], **{k: move(v, DEV) for k, v in kwargs.items()})
-    return tuple(move(o, "cpu") for o in out) if isinstance(out, tuple) else move(out, "cpu")
 
 E, H, I = 8, 40, 24  # H and I not multiples of the 16-wide tiles: partial tiles are masked, never padded
 NAMES = ("x", "cw", "wg", "wu", "wd", "bg", "bu", "bd", "s")
@@ -70,7 +62,8 @@ def make_problem(T, layout, dtype, routing="random", K=2, seed=0):
         both = rnd(E, 2 * I)
         t["bg"], t["bu"] = both[:, ::2], both[:, 1::2]
     t["bd"] = rnd(E, H) if biases else None
-    # GPT-OSS's and DeepSeek-V4's clamps and Inkling2's caps at values the activations actually reach, so both regimes are exercised
+    # GPT-OSS's and DeepSeek-V4's clamps and Inkling2's caps at values the activations actually reach, so both
+    # regimes are exercised
     kw = dict(activation=act, alpha=1.702, limit=0.5 if act in ("swiglu_clamp", "silu_clamp") else 7.0)
     if act == "swiglu_softcap":
         kw.update(alpha=0.8, limit=0.5)

@@ -1,8 +1,10 @@
-"""The on-device padding-free token buffer (runtime/kernels/pft.py) against reference.build_pft_ref, in Triton's
-interpreter (conftest sets TRITON_INTERPRET=1 before the kernels are imported)."""
+"""The on-device padding-free token buffer (runtime/kernels/pft.py) against reference.build_pft_ref: in Triton's
+interpreter on CPU (conftest sets TRITON_INTERPRET=1 before the kernels are imported), compiled on CUDA with
+TRITON_INTERPRET=0 on a GPU machine (the kernels run on DEV, the references on the CPU: kernel_device.py)."""
 
 import pytest
 import torch
+from kernel_device import on_device
 
 from moecompile.runtime import reference
 from moecompile.runtime.kernels import pft
@@ -16,7 +18,7 @@ def topk_ids(T, K, E, gen):
 
 
 def check_exact(ids, w, E):
-    got = pft.build_pft(ids, w, E)
+    got = on_device(pft.build_pft, ids, w, E)
     want = reference.build_pft_ref(ids, w, E, -1)
     for name, g, r in zip(NAMES, got, want):
         assert g.is_contiguous(), name
@@ -90,7 +92,7 @@ def test_int32_ids_and_noncontiguous():
     gen = torch.Generator().manual_seed(5)
     ids = topk_ids(40, 6, 32, gen)
     w = torch.randn(6, 40, generator=gen).t()  # non-contiguous (T, K)
-    got = pft.build_pft(ids.to(torch.int32), w, 32)
+    got = on_device(pft.build_pft, ids.to(torch.int32), w, 32)
     want = reference.build_pft_ref(ids, w, 32, -1)
     for name, g, r in zip(NAMES, got, want):
         assert torch.equal(g, r), name
@@ -98,7 +100,7 @@ def test_int32_ids_and_noncontiguous():
 
 def test_empty_input():
     ids = torch.zeros(0, 2, dtype=torch.int64)
-    got = pft.build_pft(ids, torch.zeros(0, 2), 4)
+    got = on_device(pft.build_pft, ids, torch.zeros(0, 2), 4)
     assert [t.numel() for t in got] == [0, 0, 4, 0, 0] and not got[2].any()
 
 
@@ -125,8 +127,8 @@ def test_ref_matches_reference():
     ],
 )
 def test_bad_input(ids, w, E):
-    with pytest.raises(ValueError):
-        pft.build_pft(ids, w, E)
+    with pytest.raises(ValueError, match="build_pft: "):  # the input check's own error, not the device check's
+        on_device(pft.build_pft, ids, w, E)
 
 
 def test_compile_targets_cover_launcher():

@@ -1,7 +1,9 @@
-"""The fused Triton router (forward and backward) against the plain-torch reference, under the interpreter."""
+"""The fused Triton router (forward and backward) against the plain-torch reference: under the interpreter on CPU,
+compiled on CUDA with TRITON_INTERPRET=0 on a GPU machine (the kernels on DEV, the references on the CPU)."""
 
 import pytest
 import torch
+from kernel_device import on_device
 
 from moecompile.runtime import reference
 from moecompile.runtime.kernels import router
@@ -43,7 +45,7 @@ def test_route_forward_backward(name, T, dtype):
     logits = _logits(T, E, dtype, seed=T * E)
     bias = _bias(E, T) if has_bias else None
 
-    w, ids = router.route(logits, bias, **kw)
+    w, ids = on_device(router.route, logits, bias, **kw)
     w_ref, ids_ref = reference.route_ref(logits, bias, **kw)
     assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.is_contiguous() and ids.is_contiguous()
     assert torch.equal(ids, ids_ref)
@@ -52,7 +54,7 @@ def test_route_forward_backward(name, T, dtype):
     grad_w = torch.randn(T, kw["top_k"], generator=torch.Generator().manual_seed(7))
     x = logits.clone().requires_grad_(True)
     (reference.route_ref(x, bias, **kw)[0] * grad_w).sum().backward()
-    grad = router.route_backward(grad_w, logits, ids, bias, **kw)
+    grad = on_device(router.route_backward, grad_w, logits, ids, bias, **kw)
     assert grad.dtype == dtype and grad.shape == logits.shape and grad.is_contiguous()
     torch.testing.assert_close(grad, x.grad, **GRAD_TOL[dtype])
     torch.testing.assert_close(router.route_backward_ref(grad_w, logits, ids, bias, **kw), x.grad, **GRAD_TOL[dtype])
@@ -63,7 +65,7 @@ def test_group_limit_changes_choice():
     E, kw, _ = CASES["grouped_max"]
     logits = _logits(42, E, torch.float32, seed=3)
     ungrouped = {k: v for k, v in kw.items() if k not in ("n_group", "topk_group", "group_score")}
-    ids_g = router.route(logits, **kw)[1]
+    ids_g = on_device(router.route, logits, **kw)[1]
     assert not torch.equal(ids_g, reference.route_ref(logits, **ungrouped)[1])
     assert torch.equal(ids_g, reference.route_ref(logits, **kw)[1])
 
@@ -71,40 +73,40 @@ def test_group_limit_changes_choice():
 def test_bf16_and_noncontiguous_logits():
     logits = _logits(8, 32, torch.float32, seed=5).t().contiguous().t()  # [8, 32] with transposed strides
     kw = dict(top_k=2, score_fn="softmax", renormalize=True)
-    w, ids = router.route(logits, **kw)
+    w, ids = on_device(router.route, logits, **kw)
     w_ref, ids_ref = reference.route_ref(logits, **kw)
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
     lb = _logits(8, 16, torch.bfloat16, seed=6)
-    w, ids = router.route(lb, top_k=2, score_fn="sigmoid")
+    w, ids = on_device(router.route, lb, top_k=2, score_fn="sigmoid")
     w_ref, ids_ref = reference.route_ref(lb, top_k=2, score_fn="sigmoid")
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
 
 
 def test_empty_tokens():
-    w, ids = router.route(torch.zeros(0, 8), top_k=2)
+    w, ids = on_device(router.route, torch.zeros(0, 8), top_k=2)
     assert w.shape == ids.shape == (0, 2)
 
 
 def test_bad_inputs():
     logits = torch.randn(4, 8)
     with pytest.raises(ValueError, match="correction_bias_E"):
-        router.route(logits, torch.zeros(7), top_k=2)
+        on_device(router.route, logits, torch.zeros(7), top_k=2)
     with pytest.raises(ValueError, match="top_k"):
-        router.route(logits, top_k=9)
+        on_device(router.route, logits, top_k=9)
     with pytest.raises(ValueError, match="2-D"):
-        router.route(torch.randn(8), top_k=2)
+        on_device(router.route, torch.randn(8), top_k=2)
     with pytest.raises(ValueError, match="n_group"):
-        router.route(logits, top_k=2, score_fn="sigmoid", n_group=3, topk_group=1)
+        on_device(router.route, logits, top_k=2, score_fn="sigmoid", n_group=3, topk_group=1)
     with pytest.raises(ValueError, match="dtype"):
-        router.route(logits.double(), top_k=2)
+        on_device(router.route, logits.double(), top_k=2)
     with pytest.raises(ValueError, match="score_fn"):
-        router.route(logits, top_k=2, score_fn="relu")
+        on_device(router.route, logits, top_k=2, score_fn="relu")
     with pytest.raises(NotImplementedError, match="reference"):
-        router.route(logits, top_k=2, score_fn="sparsemixer")
+        on_device(router.route, logits, top_k=2, score_fn="sparsemixer")
     with pytest.raises(ValueError, match="ids_TK"):
-        router.route_backward(torch.ones(4, 2), logits, torch.zeros(4, 3, dtype=torch.long), top_k=2)
+        on_device(router.route_backward, torch.ones(4, 2), logits, torch.zeros(4, 3, dtype=torch.long), top_k=2)
 
 
 def test_compile_targets_cover_launcher_choices():
