@@ -60,6 +60,20 @@ def example(n) -> object:
     return n.meta.get("example_value") if isinstance(n, fx.Node) else n
 
 
+def example_above(node: fx.Node) -> torch.Tensor:
+    """The first example tensor found walking up from ``node`` (the nodes that canonicalize traced carry none;
+    the graph's own nodes do)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        v = example(n)
+        if isinstance(v, torch.Tensor):
+            return v
+        seen.add(n)
+        todo += [a for a in n.all_input_nodes if a not in seen]
+    raise AssertionError("an MoE layer with no example value above its expert op")
+
+
 def shape_of(n) -> tuple | None:
     v = example(n)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None

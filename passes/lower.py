@@ -9,15 +9,16 @@
 
 The forms: "original" (the model's code as traced, put back from the copy canonicalize kept), "torch" (the canonical
 ops as they are), "grouped" (expert_mlp -> expert_mlp_keep: torch._grouped_mm GEMMs keeping the projections for
-backward, ``_keep_projections``), "triton" (the swaps above). ``lowering="auto"`` times every form that can run on
+backward, ``grouped_form.py``), "triton" (the swaps above). ``lowering="auto"`` times every form that can run on
 the layer's device and keeps the fastest (``forms.py``: the measurement, the rule, the disk cache); any other value
 forces that form. A compressed expert domain's experts (``moe.expert_mlp_sr``) have one form, timed against none.
 A layer sharded by moecompile.parallelize is never "original": its local expert MLP alone is
 timed, torch against grouped (timing the exchange would run collectives; the fused Triton kernel needs the combine
 its experts feed, and a sharded layer's feed moe.ep_combine). On a machine without CUDA, "triton" runs the kernels
 in Triton's interpreter (for tests). An op without a kernel for the layer's form (sparsemixer or sqrtsoftplus
-routing, capacity-limited buffers, an expert output used elsewhere than its combine) stays on torch, and the layer
-record says which and why (``explain()``).
+routing, capacity-limited buffers) stays on torch; under "triton" an expert MLP whose output feeds something other
+than one combine (a sharded layer's) runs on grouped GEMMs where they take it. The layer record says which and why
+(``explain()``).
 
 Before a layer's kernels are used they are proved against the references on probe inputs, forward and (with
 ``verify_backward``) gradients (``lowering_proof.py``); a layer whose kernels disagree, or raise, keeps the
@@ -26,12 +27,15 @@ references and says so. ``verify_lowering=False`` skips the proof.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 import torch.fx as fx
 
-from .graph_utils import example, hint, moe_op_name, placeholder_values
+from . import grouped_form
+from .graph_utils import example_above as _example_above
+from .graph_utils import hint, moe_op_name, placeholder_values
 from .lowering_proof import prove_lowered
 from .report import PassReport
 
@@ -66,8 +70,8 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
         forms, notes = _candidates(nodes, config, original, spec)
         error, tiles, timings = None, "", {}
         if "triton" in forms and config.verify_lowering:
-            ok, error, why = prove_lowered(nodes, values, _lower_layer, seed=config.probe_seed,
-                                           backward=config.verify_backward)
+            ok, error, why = prove_lowered(nodes, values, functools.partial(_lower_layer, spec=spec),
+                                           seed=config.probe_seed, backward=config.verify_backward)
             report.counters["lower.proved" if ok else "lower.fallback"] += 1
             if not ok:
                 forms = [f for f in forms if f != "triton"] or ["torch"]
@@ -82,11 +86,11 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
             _restore_original(gm.graph, nodes, original)
         elif choice == "triton":
             tiles = _kernel_tiles(nodes, spec) if spec is not None else ""
-            swapped, kept = _lower_layer(gm.graph, nodes)
+            swapped, kept = _lower_layer(gm.graph, nodes, spec)
             notes += kept
             report.counters.update(f"lower.ops.{op}" for op in swapped)
         elif choice == "grouped":
-            form, note = _keep_projections(gm.graph, nodes, spec)
+            form, note = grouped_form.keep_projections(gm.graph, _mlps(nodes), spec)
             notes.append(note)
             if form:
                 report.counters[f"lower.ops.{form}"] += 1
@@ -122,11 +126,12 @@ def _candidates(nodes: list[fx.Node], config, original, spec) -> tuple[list[str]
             return ["triton"], notes
     if _sharded(nodes):  # its local experts alone are timed (timing the exchange would run collectives); no
         # "triton": the fused expert kernel takes the combine into its epilogue, and a sharded layer's experts feed
-        # moe.ep_combine, so under "triton" they ran the torch references (Qwen3 on an H100: 276 ms, grouped 8 ms)
-        return ["torch", "grouped"] if _grouped_usable(nodes, spec) else ["torch"], notes
+        # moe.ep_combine: forced, "triton" runs them grouped (_lower_layer; on the references they took 276 ms
+        # against grouped's 8 ms for Qwen3 on an H100)
+        return ["torch", "grouped"] if grouped_form.usable(nodes, spec) else ["torch"], notes
     forms = ["original"] if original is not None else []
     forms += ["torch"]
-    if _grouped_usable(nodes, spec):
+    if grouped_form.usable(nodes, spec):
         forms.append("grouped")
     if device.type == "cuda":
         forms.append("triton")
@@ -151,15 +156,15 @@ def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, di
     x = _example_above((dispatch if sharded and dispatch is not None else mlp).args[0])  # this rank's tokens
     tokens = (hint(x.numel()) or 0) // spec.experts.hidden
     code = forms_mod.code_signature(original[0]) if original else (
-        f"local {mlp.meta.get('moe_local_experts')} I {_intermediate(mlp, spec)}")
+        f"local {mlp.meta.get('moe_local_experts')} I {grouped_form.intermediate(mlp, spec)}")
     compiled = config.inner == "inductor" and device.type in forms_mod.COMPILE_ORIGINAL_ON and "original" in forms
     key = forms_mod.layer_key(spec, tokens, dtype, backward, forms, code + ("\ninductor" if compiled else ""))
     cache = forms_mod.cache()
     timings = cache.get(device, key)
     source = "cached"
     if timings is None or set(timings) != set(forms):
-        transforms = {"torch": None, "grouped": lambda g, ns: _keep_projections(g, ns, spec),
-                      "triton": _lower_layer}
+        transforms = {"torch": None, "grouped": lambda g, ns: grouped_form.keep_projections(g, _mlps(ns), spec),
+                      "triton": functools.partial(_lower_layer, spec=spec)}
         try:
             candidates = {form: forms_mod.Candidate(*original) if form == "original"
                           else forms_mod.expert_candidate(mlp, transforms[form], _example_above) if sharded
@@ -204,55 +209,6 @@ def _sharded(nodes: list[fx.Node]) -> bool:
     return any((moe_op_name(n) or "").startswith("ep_") for n in nodes)
 
 
-def _grouped_usable(nodes: list[fx.Node], spec) -> bool:
-    from ..runtime import grouped_cpu
-
-    mlps = [n for n in nodes if moe_op_name(n) == "expert_mlp"]
-    return bool(mlps) and grouped_cpu.usable_sizes(_example_above(mlps[0].args[4]).dtype, spec.experts.hidden,
-                                                   _intermediate(mlps[0], spec))
-
-
-def _intermediate(mlp: fx.Node, spec) -> int:
-    """The intermediate size the layer's GEMMs run at: its slice of I where TED cut it (``distribute``)."""
-    return mlp.meta.get("moe_local_intermediate", spec.experts.intermediate)
-
-
-def _keep_projections(graph: fx.Graph, nodes: list[fx.Node], spec) -> tuple[str, str]:
-    """The "grouped" form: ``expert_mlp`` -> ``expert_mlp_keep`` (grouped GEMMs; the gate/up projections kept for
-    backward, which then runs no forward again) where ``torch._grouped_mm`` takes the layer's dtype and sizes. (The
-    form the experts run in, "" if none is in the graph; the note.)"""
-    mlps = [n for n in nodes if moe_op_name(n) == "expert_mlp"]
-    if not mlps:
-        return "", "expert_mlp: none in this layer's graph (its experts run inside another op)"
-    dtype, e = _example_above(mlps[0].args[4]).dtype, spec.experts
-    if not _grouped_usable(nodes, spec):
-        return "expert_mlp_loop", (f"expert_mlp: torch loop over experts (grouped_mm takes neither {dtype} nor sizes "
-                                   f"H={e.hidden}, I={_intermediate(mlps[0], spec)} unless float32/bfloat16/float16 "
-                                   "and multiples of 16 bytes)")
-    fused = ""
-    for mlp in mlps:
-        x, tok, counts, wg, wu, *rest = mlp.args
-        gate_up, layout = _gate_up_source(wg, wu)
-        args = (x, tok, counts, wg, wu, *rest) if gate_up is None else (x, tok, counts, None, None, *rest, gate_up,
-                                                                          layout)
-        fused = f", the fused gate/up weight whole ({layout})" if gate_up is not None else fused
-        with graph.inserting_after(mlp):
-            keep = graph.call_function(_ops.expert_mlp_keep.default, args)
-        with graph.inserting_after(keep):
-            y = graph.call_function(operator.getitem, (keep, 0))
-        for n in (keep, y):
-            n.meta["moe_layer"] = mlp.meta.get("moe_layer")
-        mlp.replace_all_uses_with(y)
-        graph.erase_node(mlp)
-        for view in (wg, wu) if gate_up is not None else ():
-            if not view.users:
-                graph.erase_node(view)
-    kept = "gate/up" if e.gated else "up"
-    return "expert_mlp_keep", (f"expert_mlp: grouped GEMMs{fused}; the {kept} projections kept for backward "
-                               f"([rows, {(2 if e.gated else 1) * _intermediate(mlps[0], spec)}] {dtype}), so it "
-                               "runs no forward again")
-
-
 def _triton_available(device: torch.device) -> None:
     """Load the Triton kernels for ``device``'s tensors; on CPU only in Triton's interpreter, else raise."""
     if device.type == "cpu":
@@ -274,20 +230,6 @@ def _layer_device(nodes: list[fx.Node]) -> torch.device:
     return _example_above(next(n for n in nodes if moe_op_name(n) == "expert_mlp")).device
 
 
-def _example_above(node: fx.Node) -> torch.Tensor:
-    """The first example tensor found walking up from ``node`` (the nodes that canonicalize traced carry none;
-    the graph's own nodes do)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        v = example(n)
-        if isinstance(v, torch.Tensor):
-            return v
-        seen.add(n)
-        todo += [a for a in n.all_input_nodes if a not in seen]
-    raise AssertionError("an MoE layer with no example value above its expert op")
-
-
 def _kernel_tiles(nodes: list[fx.Node], spec) -> str:
     """One line naming the tile configuration each grouped GEMM kernel of the layer will use at the traced
     token count, and where it comes from (runtime/kernels/tuning.py)."""
@@ -299,8 +241,8 @@ def _kernel_tiles(nodes: list[fx.Node], spec) -> str:
     T = (hint(x.numel()) or 0) // e.hidden
     dtype = _example_above(mlp.args[4]).dtype  # the expert weights' (the kernels compute in it)
     E = mlp.meta.get("moe_local_experts", e.num_experts)  # a sharded layer's: its local experts, slice of I
-    configs = tiles.layer_configs(dtype, x.device, T * spec.routing.top_k, E, e.hidden, _intermediate(mlp, spec),
-                                  e.gated)
+    configs = tiles.layer_configs(dtype, x.device, T * spec.routing.top_k, E, e.hidden,
+                                  grouped_form.intermediate(mlp, spec), e.gated)
     tunes = tuning.tuner().enabled and x.device.type == "cuda"
     line = ", ".join(f"{role} {tuning.describe(cfg)} ({source}"
                      f"{'; tuned at first run' if tunes and source in ('rule', 'shipped table') else ''})"
@@ -308,8 +250,13 @@ def _kernel_tiles(nodes: list[fx.Node], spec) -> str:
     return f"at {T} tokens: {line}"
 
 
-def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> tuple[list[str], list[str]]:
-    """Swap the layer's ops for their Triton forms: (the new ops' names, notes on the ops kept on torch)."""
+def _mlps(nodes: list[fx.Node]) -> list[fx.Node]:
+    return [n for n in nodes if moe_op_name(n) == "expert_mlp"]
+
+
+def _lower_layer(graph: fx.Graph, nodes: list[fx.Node], spec=None) -> tuple[list[str], list[str]]:
+    """Swap the layer's ops for their Triton forms: (the new ops' names, notes on the ops kept on torch). An expert
+    MLP the fused kernel cannot take (it takes the combine) runs on grouped GEMMs where they take it (``spec``)."""
     swapped, notes = [], []
     for n in nodes:
         name = moe_op_name(n)
@@ -334,8 +281,14 @@ def _lower_layer(graph: fx.Graph, nodes: list[fx.Node]) -> tuple[list[str], list
         elif name == "expert_mlp":
             if _fuse_with_combine(graph, n):
                 swapped.append("fused_experts")
+                continue
+            why = "its output is used other than by one combine, which the fused kernel takes"
+            if spec is not None and grouped_form.usable([n], spec):
+                grouped_form.keep_projections(graph, [n], spec)
+                swapped.append("expert_mlp_keep")
+                notes.append(f"expert_mlp: grouped GEMMs, not the fused kernel ({why})")
             else:
-                notes.append("expert_mlp: torch (its output is used other than by one combine)")
+                notes.append(f"expert_mlp: torch ({why})")
     return swapped, notes
 
 
@@ -354,7 +307,7 @@ def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
     combine = users[0]
     x, tok, counts, wg, wu, wd, bg, bu, bd, s, act, alpha, limit = mlp.args
     _y, _tok, cw, num_tokens = combine.args
-    gate_up, layout = _gate_up_source(wg, wu)
+    gate_up, layout = grouped_form.gate_up_source(wg, wu)
     with graph.inserting_before(combine):
         src = _pft_output(graph, tok, 4)  # the flat assignment of each row: the combine sums tokens' rows in k order
         weights = (None, None) if gate_up is not None else (wg, wu)
@@ -372,24 +325,3 @@ def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
     return True
 
 
-def _gate_up_source(wg, wu) -> tuple[fx.Node | None, str]:
-    """(W, layout) when gate and up are the two halves of one fused [E, 2I, H] weight (``W[:, :I]`` and
-    ``W[:, I:]``, or rows interleaved: the views ``canonical.expert_tensors`` makes), so that the fused op takes
-    W itself and writes its gradient whole, in its own layout; else (None, "")."""
-    views = []
-    for n in (wg, wu):
-        if not (isinstance(n, fx.Node) and n.target is operator.getitem and isinstance(n.args[1], tuple)
-                and len(n.args[1]) == 2 and n.args[1][0] == slice(None)):
-            return None, ""
-        views.append(n.args[1][1])
-    if wg.args[0] is not wu.args[0]:
-        return None, ""
-    g, u = views
-    if g.step is None and u.step is None:
-        if g.start is None and g.stop is not None and u.start == g.stop and u.stop is None:
-            return wg.args[0], "chunk"
-        if u.start is None and u.stop is not None and g.start == u.stop and g.stop is None:
-            return wg.args[0], "chunk_up_first"
-    elif g.step == u.step == 2 and g.start in (None, 0) and u.start == 1 and g.stop is None and u.stop is None:
-        return wg.args[0], "interleave"
-    return None, ""

@@ -205,6 +205,7 @@ def _sharded_rank(rank, world, tmp):
     try:
         for kind in ("loop", "modulelist"):  # modulelist: every expert on every token, the remote ones traced last
             _sharded_kind(kind, world)
+        _sharded_triton(world)
     finally:
         dist.destroy_process_group()
 
@@ -228,6 +229,36 @@ def _sharded_kind(kind, world):
                for r in recs), [r.lowering_notes for r in recs]
     assert all(r.lowering == pick(r.forms, "memory")[0] for r in recs)
     got.loss.backward()  # the gradients of sharded training against one process: tests/test_parallelize.py
+
+
+def _sharded_triton(world):
+    """lowering="triton" forced on a sharded layer: its routing runs the kernels (in the interpreter here) and its
+    experts, which feed moe.ep_combine and not a combine the fused kernel could take, run on grouped GEMMs rather
+    than the references' loop over experts; logits and the replicated parameters' gradients equal one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    ref = handwritten.TinyMoELM("loop")
+    torch.manual_seed(0)
+    model = handwritten.TinyMoELM("loop")
+    moecompile.parallelize(model, init_device_mesh("cpu", (world,)), IDS)
+    backend = RecordingBackend(inner="aot_eager", lowering="triton")
+    got = torch.compile(model, backend=backend)(IDS, labels=IDS)
+    want = ref(IDS, labels=IDS)
+    assert not backend.errors and normwise(got.logits, want.logits) <= 1e-5
+    recs = backend.report.layers
+    assert len(recs) == 2 and all(r.lowering == "triton" and r.lowering_error is not None for r in recs)
+    assert all("expert_mlp: grouped GEMMs, not the fused kernel (its output is used other than by one combine, "
+               "which the fused kernel takes)" in r.lowering_notes for r in recs), [r.lowering_notes for r in recs]
+    assert backend.report.counters["lower.ops.expert_mlp_keep"] == 2
+    assert backend.report.counters["lower.ops.route_triton"] == 2
+    got.loss.backward()
+    want.loss.backward()
+    whole = dict(ref.named_parameters())
+    replicated = [(n, p) for n, p in model.named_parameters() if p.shape == whole[n].shape]
+    assert len(replicated) >= 6, [n for n, _ in model.named_parameters()]
+    for name, p in replicated:  # the experts are this rank's shard: tests/test_parallelize.py checks them
+        assert normwise(p.grad, whole[name].grad) <= 1e-5, name
 
 
 def test_a_sharded_layer_times_its_local_experts(tmp_path):

@@ -236,13 +236,13 @@ def test_grouped_gemms_judged_at_the_sizes_this_rank_runs():
 
     import torch.fx as fx
 
-    from moecompile.passes import lower
+    from moecompile.passes import grouped_form
 
     graph = fx.Graph()
     args = [graph.placeholder(f"a{i}") for i in range(5)]
     args[4].meta["example_value"] = torch.empty(2, 20, 32)
     mlp = graph.call_function(torch.ops.moe.expert_mlp.default, tuple(args))
     spec = SimpleNamespace(experts=SimpleNamespace(hidden=32, intermediate=20))
-    assert lower._grouped_usable([mlp], spec)
+    assert grouped_form.usable([mlp], spec)
     mlp.meta["moe_local_intermediate"] = 10
-    assert not lower._grouped_usable([mlp], spec)
+    assert not grouped_form.usable([mlp], spec)
