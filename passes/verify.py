@@ -65,7 +65,7 @@ def _probe_inputs(outside: list[fx.Node], x_node: fx.Node, values, gen: torch.Ge
         if n is ids_node or n is weights_node:
             v = example(n)
             shape = [hint(s) for s in v.shape]  # weights may be [T, K, 1]
-            device = next(t for t in values.values() if isinstance(t, torch.Tensor)).device
+            device = v.device  # the routing's own (the first input may be a CPU buffer of a CUDA model)
             if n is ids_node:
                 probe = random_expert_ids(shape[0], shape[1], E, gen)
             else:

@@ -121,7 +121,7 @@ def build_pft(
         routed = ids_TK.numel()
         DROPS.add(layer, routed, routed - int(out[2].sum()))
     if stats.ROUTING is not None and layer:
-        stats.ROUTING[layer] = ids_TK.detach().clone()
+        stats.ROUTING[layer] = ids_TK.detach().to("cpu", copy=True)  # on the host: gathered, saved, planned
     return tuple(t.contiguous() for t in out)
 
 

@@ -117,21 +117,23 @@ def main(args) -> int:
 
 
 def time_dispatch(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts: int, mesh, hidden: int,
-                  dedup: str, repeats: int = 3, layer: str = "calibrate") -> float:
+                  dedup: str, repeats: int = 3, layer: str = "calibrate", device="cpu") -> float:
     """Seconds of one dispatch and combine of this routing (the tokens of every rank; this rank runs its own,
     ``source_rank_T == rank``) through the expert-parallel ops, experts passing their rows through: the median
     over ``repeats`` of the slowest rank. The result is checked (each token gets back its routing weights' sum
-    times itself), so a timing is never of a wrong exchange."""
+    times itself), so a timing is never of a wrong exchange. ``device``: where the rows are (a CUDA model's GPU;
+    NCCL exchanges no CPU tensor)."""
     import moecompile.runtime.comm.ops  # noqa: F401  (registers the ops)
     from moecompile.runtime.comm.dedup import hierarchical_experts
 
     group = setup_mesh(mesh)
     rank, E = dist.get_rank(group), num_experts
-    ids = ids_TK[source_rank_T == rank]
+    device = torch.device(device)
+    ids = ids_TK[source_rank_T == rank].to(device)
     T, K = ids.shape
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(T, hidden, generator=gen)
-    weights_TK = torch.rand(T, K, generator=gen)
+    x = torch.randn(T, hidden, generator=gen).to(device)
+    weights_TK = torch.rand(T, K, generator=gen).to(device)
     order = torch.argsort(ids.reshape(-1), stable=True)
     tok_B, counts_E, w_B = order // K, torch.bincount(ids.reshape(-1), minlength=E), weights_TK.reshape(-1)[order]
     ops = torch.ops.moe
@@ -147,6 +149,6 @@ def time_dispatch(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts
                            layer)
         return torch.zeros_like(x).index_add_(0, tok_B, y * w_B[:, None])
 
-    seconds, out = _slowest_median(once, repeats, group, torch.device("cpu"))
+    seconds, out = _slowest_median(once, repeats, group, device)
     torch.testing.assert_close(out, x * weights_TK.sum(-1, keepdim=True), msg=lambda m: f"{dedup} exchange: {m}")
     return seconds

@@ -32,7 +32,7 @@ def comm_rows(model, stats: dict | None = None) -> list[dict]:
         s = stats.get(rec.path, {})
         calls = s.get("calls.combine", 0) // (2 if rec.dedup != "off" else 1)  # forwards run (dedup: 2 per forward)
         row = {"layer": rec.path, "dedup": rec.dedup, "why": rec.dedup_reason,
-               "predicted_s": rec.predicted_s.get(rec.dedup), "measured_s": s["seconds"] / calls if calls else None,
+               "predicted_s": rec.predicted_s.get(rec.dedup), "measured_s": s["seconds"] / calls if calls and "seconds" in s else None,
                "forwards": calls, "removed_rows": s.get("dedup.remote_assignments", 0) - s.get("dedup.remote_pairs", 0)}
         for link in COMM.links():
             row[f"{link}_bytes"] = s.get(f"dispatch.{link}", 0) + s.get(f"combine.{link}", 0)

@@ -46,7 +46,7 @@ class Domains:
     domain_sizes: tuple[int, ...]
     compress: float | None = None  # the fraction of residual entries sent (SR compression), or None: exact
 
-    def slots(self, num_experts: int) -> torch.Tensor:
+    def slots(self, num_experts: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Expert -> its slot in the exchange group's gathered order (every rank's the same)."""
         world = len(self.gather_ranks) * len(self.exchange_ranks)
         per_rank = num_experts // world
@@ -55,7 +55,8 @@ class Domains:
             order += hybrid.groups(member, self.mesh_shape, self.domain_sizes)[0]
         slot_of_rank = {owner: i for i, owner in enumerate(order)}
         expert = torch.arange(num_experts)
-        return torch.tensor([slot_of_rank[int(e) // per_rank] for e in expert]) * per_rank + expert % per_rank
+        slots = torch.tensor([slot_of_rank[int(e) // per_rank] for e in expert]) * per_rank + expert % per_rank
+        return slots.to(device)  # beside the weights the ops read them with
 
     def describe(self) -> str:
         text = (f"expert domains {self.sizes}: the experts of ranks {self.gather_ranks} gathered here, tokens for "
@@ -161,7 +162,8 @@ def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | No
         expert_bytes = mats * e.hidden * e.intermediate * (e.num_experts // W) * elem
         source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
         every_ids = torch.cat(ids)
-        rate = compute_rate(e.hidden, e.intermediate, max(1, every_ids.numel() // W), weight.dtype, group)
+        rate = compute_rate(e.hidden, e.intermediate, max(1, every_ids.numel() // W), weight.dtype, group,
+                            device=weight.device)
         pe = pre.get(rec.path, 0.0)
         predicted = [stream.predict(every_ids, source, shape, names, c, e.num_experts, e.hidden * elem,
                                     expert_bytes, link, mats * e.hidden * e.intermediate, rate, pre_s=pe,
@@ -169,7 +171,8 @@ def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | No
                      for c in stream.candidates(shape)]
         best = stream.choose(predicted)
         rec.domain_sizes = dict(zip(names, best.domain_sizes))
-        measured = time_hybrid(every_ids, source, e.num_experts, mesh, e.hidden, rec.domain_sizes, expert_bytes)
+        measured = time_hybrid(every_ids, source, e.num_experts, mesh, e.hidden, rec.domain_sizes, expert_bytes,
+                               device=weight.device)
         rec.domain_reason = (
             f"expert domains auto -> {rec.domain_sizes}: least predicted time of one forward's expert "
             f"communication and compute (hybridep.md Eq. 8; pre-expert time PE {pe * 1e3:.3g} ms, measured eagerly "
@@ -217,30 +220,38 @@ def pre_expert_seconds(model, paths: list[str], example_args, group, repeats: in
         start = marks.get(path, [math.nan])[0]
         before = [end for end, p in ends if end <= start and p != path]
         pe.append(start - before[-1] if before else 0.0)
-    seconds = torch.tensor([x if x == x else 0.0 for x in pe], dtype=torch.float64)
+    seconds = torch.tensor([x if x == x else 0.0 for x in pe], dtype=torch.float64,
+                           device="cuda" if cuda else "cpu")  # NCCL reduces no CPU tensor
     dist.all_reduce(seconds, op=dist.ReduceOp.MIN, group=group)
     return dict(zip(paths, seconds.tolist()))
 
 
-def compute_rate(hidden: int, intermediate: int, rows: int, dtype, group, repeats: int = 3) -> float:
-    """Eq. 1's C: multiply-adds per second of a [rows, H] x [H, I] GEMM here, the slowest rank's."""
-    a, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(hidden, intermediate, dtype=dtype)
+def compute_rate(hidden: int, intermediate: int, rows: int, dtype, group, repeats: int = 3, device="cpu") -> float:
+    """Eq. 1's C: multiply-adds per second of a [rows, H] x [H, I] GEMM on ``device`` (the experts'), the
+    slowest rank's."""
+    device = torch.device(device)
+    a = torch.randn(rows, hidden, dtype=dtype, device=device)
+    b = torch.randn(hidden, intermediate, dtype=dtype, device=device)
     samples = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         samples.append(time.perf_counter() - start)
-    seconds = torch.tensor([max(statistics.median(samples[1:]), 1e-9)], dtype=torch.float64)
+    seconds = torch.tensor([max(statistics.median(samples[1:]), 1e-9)], dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
     return rows * hidden * intermediate / float(seconds)
 
 
 def time_hybrid(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts: int, mesh, hidden: int,
-                sizes: dict[str, int], expert_bytes: int, repeats: int = 3, layer: str = "calibrate") -> float:
+                sizes: dict[str, int], expert_bytes: int, repeats: int = 3, layer: str = "calibrate",
+                device="cpu") -> float:
     """Seconds of one forward's expert communication with these domain sizes (the domain's all-gather of
     ``expert_bytes`` per rank, the exchange of this routing's rows for other domains' experts and their outputs
     back, experts passing rows through): the median over ``repeats`` of the slowest rank. The result is checked
-    (each token gets back its routing weights' sum times itself)."""
+    (each token gets back its routing weights' sum times itself). ``device``: where the rows and the stand-in
+    experts are (a CUDA model's GPU)."""
     import moecompile.runtime.comm.ops  # noqa: F401  (registers the ops)
     import moecompile.runtime.comm.domains  # noqa: F401
 
@@ -248,13 +259,14 @@ def time_hybrid(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts: 
 
     d = setup(mesh, sizes)
     rank, E, ops = dist.get_rank(), num_experts, torch.ops.moe
-    ids = d.slots(E)[ids_TK[source_rank_T == rank]]  # by slot: the exchange group's members hold them in order
-    T, K = ids.shape
+    device = torch.device(device)
+    ids = d.slots(E)[ids_TK[source_rank_T == rank].cpu()].to(device)  # by slot: the exchange group's members
+    T, K = ids.shape  # hold them in order
     gen = torch.Generator().manual_seed(rank)
-    x, weights_TK = torch.randn(T, hidden, generator=gen), torch.rand(T, K, generator=gen)
+    x, weights_TK = torch.randn(T, hidden, generator=gen).to(device), torch.rand(T, K, generator=gen).to(device)
     order = torch.argsort(ids.reshape(-1), stable=True)
     tok_B, counts_E, w_B = order // K, torch.bincount(ids.reshape(-1), minlength=E), weights_TK.reshape(-1)[order]
-    mine = torch.zeros(max(1, expert_bytes // 4))  # fp32 stand-in for this rank's experts
+    mine = torch.zeros(max(1, expert_bytes // 4), device=device)  # fp32 stand-in for this rank's experts
 
     def once():
         if len(d.gather_ranks) > 1:
@@ -267,6 +279,6 @@ def time_hybrid(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts: 
             y = x[tok_B]
         return torch.zeros_like(x).index_add_(0, tok_B, y * w_B[:, None])
 
-    seconds, out = _slowest_median(once, repeats, dist.group.WORLD, torch.device("cpu"))
+    seconds, out = _slowest_median(once, repeats, dist.group.WORLD, device)
     torch.testing.assert_close(out, x * weights_TK.sum(-1, keepdim=True), msg=lambda m: f"{sizes} exchange: {m}")
     return seconds

@@ -136,10 +136,13 @@ class ExpertOptimizer(torch.optim.Optimizer):
                   if p.grad is not None and id(p) not in local_ids]
         own = [p.grad for p in self._local if p.grad is not None] + [layer.part.master.grad for layer in self.layers]
 
+        # on the model's GPU if it has one (NCCL reduces no CPU tensor; the host parts' norms are moved there)
+        device = next((g.device for g in shared + own if g.is_cuda), torch.device("cpu"))
+
         def norm(grads):
             if not grads:
-                return torch.zeros((), dtype=torch.float64)
-            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).cpu()
+                return torch.zeros((), dtype=torch.float64, device=device)
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device)
                                                          for g in grads]).double(), norm_type)
 
         if norm_type == float("inf"):

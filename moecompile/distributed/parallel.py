@@ -135,8 +135,9 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             if tp is not None:
                 rec.sharding += "; " + moe_tp_mod.describe(rec.moe_tp, tp)
             continue
-        slots = torch.arange(rec.spec.experts.num_experts) if swap_every and world > 1 else None
         first = next(iter(params.values()))
+        slots = torch.arange(rec.spec.experts.num_experts, device=model.get_parameter(
+            first[0] if isinstance(first, list) else first).device) if swap_every and world > 1 else None
         if slots is not None and isinstance(first, list) and list_prefix(first) is None:
             slots, rec.shard_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
         if rec.moe_tp == "ted":
@@ -286,7 +287,7 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
         if hasattr(p, "full_tensor"):  # a DTensor (tensor parallelism): the whole weight, not this rank's shard
             p = p.full_tensor()
         if p.is_floating_point():
-            digest.update(repr(float(p.detach().double().sum())).encode())
+            digest.update(repr(float(p.detach().sum(dtype=torch.float64))).encode())  # no float64 copy of p
     mine = digest.hexdigest()
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
@@ -356,8 +357,8 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
         shard._moe_sharded = True
         module._parameters[attr] = shard
         attrs.setdefault(module, {})[attr] = full.shape[0]
-    order = domains.slots(num_experts) if domains is not None else None  # the layer's, once
-    if order is not None and torch.equal(order, torch.arange(num_experts)):
+    order = domains.slots(num_experts, shard.device) if domains is not None else None  # the layer's, once
+    if order is not None and torch.equal(order, torch.arange(num_experts, device=order.device)):
         order = None  # the gathered order is expert order: nothing to sort
     for module, rows in attrs.items():
         if slots is not None:  # the placement, a graph input read by the ops (not saved: state_dict un-swaps)

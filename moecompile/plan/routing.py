@@ -107,7 +107,7 @@ class Routing:
 def read_routing(path: str, num_experts: int) -> Routing:
     """A file ``record_routing`` wrote (``torch.save`` of ``{"layers": {path: [T, K] ids}}``)."""
     try:
-        data = torch.load(path, weights_only=True)
+        data = torch.load(path, weights_only=True, map_location="cpu")  # recorded on a GPU, planned anywhere
     except FileNotFoundError:
         raise ValueError(f"routing file {path!r} not found: write it with moecompile.record_routing(model, "
                          "example, path=...)") from None

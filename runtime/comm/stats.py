@@ -9,12 +9,15 @@ nodes). ``moecompile.parallelize`` tells the counter each global rank's coordina
 dedup also counts, per layer, the rows that would have crossed into other groups of its level without it
 (``dedup.remote_assignments``: routed (token, expert) pairs on another node, for dedup at "node") and the rows
 that did (``dedup.remote_pairs``: distinct (token, remote node) pairs). ``seconds``: the wall time of the layer's
-forward exchanges (dispatch, routing and combine; backward is not timed).
+forward exchanges (dispatch, routing and combine; backward is not timed). On CUDA only with
+``MOECOMPILE_COMM_TIMING=1``: the exchanges run on the device's streams, so timing one waits for the device after
+it, and the compute after it could no longer overlap it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import defaultdict
@@ -63,7 +66,11 @@ class CommCounter:
 
     @contextlib.contextmanager
     def timed(self, layer: str, device):
-        """Adds the seconds the block takes (the forward exchanges of a layer) to ``seconds``."""
+        """Adds the seconds the block takes (the forward exchanges of a layer) to ``seconds`` (on CUDA only with
+        MOECOMPILE_COMM_TIMING=1: it waits for the device)."""
+        if device.type == "cuda" and os.environ.get("MOECOMPILE_COMM_TIMING") != "1":
+            yield
+            return
         start = time.perf_counter()
         yield
         if device.type == "cuda":
