@@ -31,8 +31,9 @@ def comm_rows(model, stats: dict | None = None) -> list[dict]:
     for rec in _layers(model):
         s = stats.get(rec.path, {})
         calls = s.get("calls.combine", 0) // (2 if rec.dedup != "off" else 1)  # forwards run (dedup: 2 per forward)
+        timed = calls and "seconds" in s  # none on CUDA unless MOECOMPILE_COMM_TIMING=1 (runtime/comm/stats.py)
         row = {"layer": rec.path, "dedup": rec.dedup, "why": rec.dedup_reason,
-               "predicted_s": rec.predicted_s.get(rec.dedup), "measured_s": s["seconds"] / calls if calls and "seconds" in s else None,
+               "predicted_s": rec.predicted_s.get(rec.dedup), "measured_s": s["seconds"] / calls if timed else None,
                "forwards": calls, "removed_rows": s.get("dedup.remote_assignments", 0) - s.get("dedup.remote_pairs", 0)}
         for link in COMM.links():
             row[f"{link}_bytes"] = s.get(f"dispatch.{link}", 0) + s.get(f"combine.{link}", 0)
