@@ -222,4 +222,5 @@ def _placed(rows, slots, group, to_slots: bool):
     if slots is None or torch.equal(slots.cpu(), torch.arange(slots.numel())):
         return rows
     identity = torch.arange(slots.numel())
+    rows = rows.to(slots.device)  # a checkpoint read to the host, exchanged beside the weights (NCCL sends no CPU rows)
     return move_rows(rows, identity, slots, group) if to_slots else move_rows(rows, slots, identity, group)

@@ -230,6 +230,20 @@ def distribute(part: ExpertPartition, placement_N: Tensor, group, device) -> Ten
 
 
 def _run(ops) -> None:
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    """Run the point-to-point ``ops``. Over gloo, CUDA rows go through host copies: gloo's send and receive read
+    and write host memory (several ranks sharing one GPU are checked with gloo, benchmarks/gpu_ep.py)."""
+    if not ops:
+        return
+    staged = []  # (a CUDA tensor to receive into, its host buffer)
+    if any(op.tensor.is_cuda for op in ops) and dist.get_backend(ops[0].group) == "gloo":
+        hosted = []
+        for op in ops:
+            host = op.tensor.cpu() if op.op is dist.isend else torch.empty(op.tensor.shape, dtype=op.tensor.dtype)
+            if op.op is not dist.isend:
+                staged.append((op.tensor, host))
+            hosted.append(dist.P2POp(op.op, host, op.peer, op.group, op.tag))
+        ops = hosted
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    for tensor, host in staged:
+        tensor.copy_(host)
