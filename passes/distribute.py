@@ -169,11 +169,12 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
 
         replicas, capacity_factor = view_arg(views[0], "replicas"), view_arg(views[0], "capacity_factor", 0.0)
         slots = view_arg(views[0], "slots")  # the placement of a layer that swaps experts (each view carries it)
+        recent = x.size(0) if slots is not None else 0  # its routing kept for the swap (expert domains: never read)
         if slots is None:  # expert domains: the experts in the exchange group's gathered order
             slots = view_arg(views[0], "domain_slots")
         order = None
         if slots is not None:  # the layer swaps experts: its rows go by slot, not by expert id
-            s = torch.ops.moe.ep_to_slots(tok, counts, proxy(slots), x.size(0), layer)
+            s = torch.ops.moe.ep_to_slots(tok, counts, proxy(slots), recent, layer)
             tok, counts, order, inverse = s[0], s[1], s[2], s[3]
         if scale is not None:  # each routed row scaled here, as one device does, and sent as it is
             dtype = (first[0] if isinstance(first, list) else first).meta["example_value"].dtype  # the experts'

@@ -23,6 +23,7 @@ import moecompile
 from moecompile.runtime.comm import hybrid, stream
 from moecompile.runtime.comm.cost_model import LinkModel, messages
 from moecompile.runtime.comm.plan import Placement
+from moecompile.runtime.placement.swap import RECENT
 
 # hybridep.md Table VII: EP size -> {domain size: (A2A, AG)}
 TABLE_VII = {
@@ -229,6 +230,7 @@ def _train(family, mesh, expert_domains, **options):
                                    msg=lambda m: f"{family} {expert_domains} step {step}: {m}")
         out.loss.backward(), ref_out.loss.backward()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    assert not RECENT, list(RECENT)  # kept for expert swap only: a domain layer's sort by slot keeps no routing
     state = model.state_dict()
     for name, value in ref.state_dict().items():
         got = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
