@@ -8,12 +8,14 @@ implementations launch the kernels of ``runtime/kernels``. The ``lower`` pass sw
 
 Like the torch ops they are opaque to the compiler (``triton_op`` cannot be traced without a GPU), carry fake
 functions whose shapes and strides match the real outputs, and save only their inputs for backward (the router
-also its chosen ids): the expert MLP is recomputed inside the backward kernels. The kernels are imported on first use (``kernels.load()``), so
-importing moecompile never switches Triton into interpreter mode by itself.
+also its chosen ids): the expert MLP is recomputed inside the backward kernels. The kernels are imported on first
+use (``kernels.load()``), so importing moecompile never switches Triton into interpreter mode by itself. Each op
+launches on its inputs' GPU, whatever the current device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -32,6 +34,11 @@ def _kernels():
     return kernels.load()
 
 
+def _on(t: Tensor):
+    """Launches on ``t``'s GPU whatever the current device (Triton launches on the current one)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 # ---- route ---------------------------------------------------------------------------------------------------
 
 
@@ -40,10 +47,11 @@ def route_triton(
     logits_TE: Tensor, correction_bias_E: Tensor | None, top_k: int, score_fn: str, renormalize: bool,
     renorm_eps: float, scaling: float, n_group: int, topk_group: int, group_score: str, jitter_eps: float,
 ) -> tuple[Tensor, Tensor]:
-    return _kernels()["router"].route(
-        logits_TE, correction_bias_E, top_k=top_k, score_fn=score_fn, renormalize=renormalize,
-        renorm_eps=renorm_eps, scaling=scaling, n_group=n_group, topk_group=topk_group, group_score=group_score,
-    )
+    with _on(logits_TE):
+        return _kernels()["router"].route(
+            logits_TE, correction_bias_E, top_k=top_k, score_fn=score_fn, renormalize=renormalize,
+            renorm_eps=renorm_eps, scaling=scaling, n_group=n_group, topk_group=topk_group, group_score=group_score,
+        )
 
 
 register_fake("moe::route_triton", _route_fake)
@@ -55,11 +63,12 @@ def route_triton_backward(
     score_fn: str, renormalize: bool, renorm_eps: float, scaling: float, n_group: int, topk_group: int,
     group_score: str,
 ) -> Tensor:
-    return _kernels()["router"].route_backward(
-        grad_weights_TK.contiguous(), logits_TE, ids_TK, correction_bias_E, top_k=top_k, score_fn=score_fn,
-        renormalize=renormalize, renorm_eps=renorm_eps, scaling=scaling, n_group=n_group, topk_group=topk_group,
-        group_score=group_score,
-    )
+    with _on(logits_TE):
+        return _kernels()["router"].route_backward(
+            grad_weights_TK.contiguous(), logits_TE, ids_TK, correction_bias_E, top_k=top_k, score_fn=score_fn,
+            renormalize=renormalize, renorm_eps=renorm_eps, scaling=scaling, n_group=n_group,
+            topk_group=topk_group, group_score=group_score,
+        )
 
 
 @register_fake("moe::route_triton_backward")
@@ -89,7 +98,8 @@ def build_pft_triton(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     if capacity >= 0:
         raise ValueError("moe::build_pft_triton builds capacity-free buffers; capacity layers keep moe::build_pft")
-    return _kernels()["pft"].build_pft(ids_TK, weights_TK, num_experts)
+    with _on(ids_TK):
+        return _kernels()["pft"].build_pft(ids_TK, weights_TK, num_experts)
 
 
 register_fake("moe::build_pft_triton", _build_pft_fake)
@@ -121,11 +131,12 @@ def fused_experts(
     ``w_gate_up`` (one [E, 2I, H] weight, ``gate_up_layout`` saying where its halves are) instead of ``w_gate``
     and ``w_up``, its gradient is written whole, in its own layout."""
     w_gate_EIH, w_up_EIH = _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
-    return _kernels()["grouped_mlp"].fused_experts(
-        x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
-        b_up_EI, b_down_EH, input_scale_B, num_tokens=num_tokens, activation=activation, alpha=alpha, limit=limit,
-        src_B=src_B,
-    )
+    with _on(x_TH):
+        return _kernels()["grouped_mlp"].fused_experts(
+            x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
+            b_up_EI, b_down_EH, input_scale_B, num_tokens=num_tokens, activation=activation, alpha=alpha,
+            limit=limit, src_B=src_B,
+        )
 
 
 @register_fake("moe::fused_experts")
@@ -151,11 +162,12 @@ def fused_experts_backward(
     if w_gate_up is not None:
         d_gate_up = torch.empty_like(w_gate_up)  # the fused parameter's layout; its halves written in place
         out = (*split_gate_up(d_gate_up, gate_up_layout, w_down_EHI.shape[2]), torch.empty_like(w_down_EHI))
-    grads = list(_kernels()["grouped_mlp_bwd"].fused_experts_backward(
-        grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, gate, up, w_down_EHI,
-        b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit, src_B=src_B,
-        weight_grads=out,
-    ))
+    with _on(x_TH):
+        grads = list(_kernels()["grouped_mlp_bwd"].fused_experts_backward(
+            grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, gate, up, w_down_EHI,
+            b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit,
+            src_B=src_B, weight_grads=out,
+        ))
     if w_gate_up is not None:
         grads[2:4] = [None, None]
         grads.append(d_gate_up)
