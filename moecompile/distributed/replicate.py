@@ -110,10 +110,8 @@ def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world:
         rows[attr] = w.shape[0]
     module.register_buffer(REPLICAS, placement, persistent=False)
     _refuse_other_optimizers()
-    from torch.distributed.device_mesh import init_device_mesh
-
     layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0,
-                         init_device_mesh("cpu", (world,)))
+                         host_mesh(world))
     module.register_state_dict_post_hook(_state(layer, group))
     module._register_load_state_dict_pre_hook(_load(layer, group), with_module=True)
     module._moe_rows = {}  # not sharded by rows: the optimizer state is ExpertOptimizer's
@@ -125,6 +123,21 @@ def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world:
     return layer, rows
 
 
+def host_mesh(world: int, backend: str | None = None):
+    """Every rank's host as a 1-D DeviceMesh (the master parts' DTensors): over the default group where it takes
+    CPU tensors (gloo, or "cpu:gloo,cuda:nccl"), else over a gloo group of every rank, made once (NCCL alone
+    moves no CPU tensor)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if "gloo" in (backend or str(dist.get_backend())):
+        return init_device_mesh("cpu", (world,))
+    if _GLOO.get(dist.group.WORLD) is None:  # one per process group (a later init_process_group: another)
+        _GLOO.clear()
+        _GLOO[dist.group.WORLD] = dist.new_group(backend="gloo")  # every rank calls it in the same order
+    return DeviceMesh.from_group(_GLOO[dist.group.WORLD], "cpu")
+
+
+_GLOO: dict = {}  # the default group -> the gloo group of its ranks
 _HOOK = None
 
 
