@@ -97,6 +97,10 @@ def _bad_input(mesh, world):
         torch.optim.SGD(replicated.parameters(), lr=0.1).step()
     with pytest.raises(ValueError, match="place_every must be a whole number of steps >= 1"):
         moecompile.ExpertOptimizer(replicated, torch.optim.AdamW, lr=1e-3, place_every=0)
+    opt = moecompile.ExpertOptimizer(replicated, torch.optim.AdamW, lr=1e-3)
+    replicated._apply(lambda t: t.clone())  # as a move to another device does: each buffer replaced by a copy
+    with pytest.raises(RuntimeError, match="moved after moecompile.parallelize .*'moe_slot_experts'"):
+        opt.step()  # else it would re-place the slots by a placement the graph no longer reads
 
 
 def _replicated(mesh, mine, world, mode, optimizer="adamw", family="mixtral"):

@@ -18,6 +18,7 @@ from moecompile.runtime.placement.expert_state import Groups, collect, distribut
 from moecompile.runtime.placement.replication import schedule, uniform
 
 from .mesh import _timeout
+from .replicate import REPLICAS
 
 
 class ExpertOptimizer(torch.optim.Optimizer):
@@ -75,6 +76,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
         this rank's bytes per phase (``reduce``: its all-reduce inputs; ``collect``, ``distribute``: sent to
         other ranks; ``*.local``: the parts that stayed on the rank; ``distribute.copy``: the weights copied into
         the rank's further instances of an expert)."""
+        from .sharded_state import check_not_moved  # here: imported first, sharded_state meets its cycle via views
+
+        check_not_moved([(layer.module, REPLICAS, layer.placement) for layer in self.layers])
         moved = self._gather()
         self._gathered = None
         self.experts.step()

@@ -163,7 +163,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     if swapping:
         from .swap import ExpertSwap
 
-        model._moe_parallel.swap = ExpertSwap(swapping, swap_every, swap_gamma, link, mesh, group)
+        model._moe_parallel.swap = ExpertSwap(swapping, swap_every, swap_gamma, link, mesh, group, model)
     return model
 
 

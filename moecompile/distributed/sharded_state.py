@@ -224,3 +224,14 @@ def _placed(rows, slots, group, to_slots: bool):
     identity = torch.arange(slots.numel())
     rows = rows.to(slots.device)  # a checkpoint read to the host, exchanged beside the weights (NCCL sends no CPU rows)
     return move_rows(rows, identity, slots, group) if to_slots else move_rows(rows, slots, identity, group)
+
+
+def check_not_moved(holders) -> None:
+    """``holders``: (module, buffer name, the tensor parallelize registered). A model moved after parallelize
+    (``model.to(...)``, ``.cuda()``) holds copies of its placement buffers, which the graph reads while expert swap
+    and replication would update the tensors they kept: refuse rather than route by a stale placement."""
+    for module, name, tensor in holders:
+        if module._buffers.get(name) is not tensor:
+            raise RuntimeError(f"the model was moved after moecompile.parallelize (its {name!r} buffer was replaced, "
+                               f"now on {module._buffers[name].device}): move the model to its device before "
+                               "moecompile.parallelize(model, mesh, ...), as examples/train_ep.py does")

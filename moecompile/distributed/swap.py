@@ -24,6 +24,7 @@ from moecompile.runtime.placement.swap import RECENT, choose_swap, move_rows
 from moecompile.runtime.comm.levels import kinds
 
 from .mesh import level_names
+from .sharded_state import SLOTS, check_not_moved
 
 _ACTIVE: "weakref.WeakSet[ExpertSwap]" = weakref.WeakSet()
 _HOOK = None
@@ -41,13 +42,15 @@ def paused():
 
 
 class ExpertSwap:
-    def __init__(self, layers, every: int, gamma: float, link, mesh, group):
+    def __init__(self, layers, every: int, gamma: float, link, mesh, group, model):
         # [(LayerRecord, [per weight: its shard, or a ModuleList's local experts' weights of one role], slots_E)]
         self.layers = layers
         self.mesh_shape, self.names = tuple(mesh.shape), level_names(mesh)
         bytes_only = LinkModel({kind: (0.0, 1.0) for kind in kinds(self.names)})
         self.every, self.gamma, self.link, self.group = every, gamma, link or bytes_only, group
         self.steps = 0
+        self.holders = [(m, SLOTS, m._buffers[SLOTS]) for m in model.modules()
+                        if SLOTS in m._buffers]  # the slot tables the graph reads (check_not_moved)
         self.history: list[tuple[int, str, int, int, float, float]] = []  # (step, layer, a, b, before, after)
         self._params = {id(p) for _, weights, _ in layers for w in weights for p in _listed(w)}
         _ACTIVE.add(self)
@@ -64,6 +67,7 @@ class ExpertSwap:
 
     def swap(self, optimizer=None) -> None:
         """Choose and apply one swap per layer (every rank calls it at the same point)."""
+        check_not_moved(self.holders)
         mine = {rec.path: RECENT.get(rec.path) for rec, _, _ in self.layers}
         every = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(every, mine, group=self.group)
