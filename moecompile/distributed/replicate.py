@@ -123,13 +123,13 @@ def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world:
     return layer, rows
 
 
-def host_mesh(world: int, backend: str | None = None):
+def host_mesh(world: int):
     """Every rank's host as a 1-D DeviceMesh (the master parts' DTensors): over the default group where it takes
     CPU tensors (gloo, or "cpu:gloo,cuda:nccl"), else over a gloo group of every rank, made once (NCCL alone
     moves no CPU tensor)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    if "gloo" in (backend or str(dist.get_backend())):
+    if "gloo" in str(dist.get_backend()):
         return init_device_mesh("cpu", (world,))
     if _GLOO.get(dist.group.WORLD) is None:  # one per process group (a later init_process_group: another)
         _GLOO.clear()

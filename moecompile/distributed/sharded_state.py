@@ -231,7 +231,8 @@ def check_not_moved(holders) -> None:
     (``model.to(...)``, ``.cuda()``) holds copies of its placement buffers, which the graph reads while expert swap
     and replication would update the tensors they kept: refuse rather than route by a stale placement."""
     for module, name, tensor in holders:
-        if module._buffers.get(name) is not tensor:
+        now = module._buffers.get(name)
+        if now is not tensor:
             raise RuntimeError(f"the model was moved after moecompile.parallelize (its {name!r} buffer was replaced, "
-                               f"now on {module._buffers[name].device}): move the model to its device before "
+                               f"now on {getattr(now, 'device', None)}): move the model to its device before "
                                "moecompile.parallelize(model, mesh, ...), as examples/train_ep.py does")
