@@ -283,9 +283,8 @@ def _lower_layer(graph: fx.Graph, nodes: list[fx.Node], spec=None) -> tuple[list
                 swapped.append("fused_experts")
                 continue
             why = "its output is used other than by one combine, which the fused kernel takes"
-            if spec is not None and grouped_form.usable([n], spec):
-                grouped_form.keep_projections(graph, [n], spec)
-                swapped.append("expert_mlp_keep")
+            if spec is not None and grouped_form.keep_projections(graph, [n], spec)[0] == "expert_mlp_keep":
+                swapped.append("expert_mlp_keep")  # (it left the graph as it was where grouped_mm cannot)
                 notes.append(f"expert_mlp: grouped GEMMs, not the fused kernel ({why})")
             else:
                 notes.append(f"expert_mlp: torch ({why})")
