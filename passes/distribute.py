@@ -68,7 +68,7 @@ def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
             raise ValueError(f"MoE layer {layer!r} has its experts sharded by moecompile.parallelize but was not "
                              f"rewritten ({why}): it cannot run sharded")
         gm.graph.erase_node(ph)
-        ph.meta.pop("ep_standin")  # a full-size random copy: whatever still refers to the node must not keep it
+        ph.meta.pop("ep_standin")
         if not view.users:
             gm.graph.erase_node(view)
     return gm

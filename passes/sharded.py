@@ -4,11 +4,11 @@ parameters they stand for on one device.
 A sharded parameter reaches the graph as ``moe.ep_global_view(local_shard, E, group, layer)`` (the model's own
 experts code reads its global ``[E, ...]`` shape; it has no value); a weight of an ``nn.ModuleList`` expert held by
 another rank as ``moe.ep_remote_expert(shape, expert, group, layer, ...)``. This pass gives each such view a
-placeholder of its own (views of the same weight share one, the repeats erased), holding a random stand-in of the
-global shape (``meta["ep_standin"]``, seen by
-``graph_utils.placeholder_values``), so detect reads the layer and verify proves it exactly as on one device (on
-random weights: the proof is about what the code computes, not about the values). ``distribute`` puts the local
-shards back and removes these placeholders.
+placeholder of its own (views of the same weight share one, the repeats erased), standing for a random tensor of the
+global shape (``meta["ep_standin"]``, a meta-device parameter seen by ``graph_utils.placeholder_values``; verify
+``materialize``s it for the one layer it proves), so detect reads the layer and verify proves it exactly as on one
+device (on random weights: the proof is about what the code computes, not about the values). ``distribute``
+puts the local shards back and removes these placeholders.
 
     before: w = moe.ep_global_view(l_gate_up_proj_, 8, "1", "model.layers.0.mlp"); ... w[ids] ...
     after:  placeholder ep_global_view_standin (meta["ep_view"] = the view node);    ... ep_global_view_standin[ids] ...
@@ -39,7 +39,6 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
     if not views:
         return gm
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    gen = torch.Generator().manual_seed(config.probe_seed)
     seen: dict[tuple, fx.Node] = {}
     for view in views:
         key = _key(view)
@@ -54,14 +53,27 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
         ph.meta["ep_view"] = view
         if "nn_module_stack" in view.meta:  # as a local parameter's input carries its module: detect groups a
             ph.meta["nn_module_stack"] = dict(view.meta["nn_module_stack"])  # block's nodes and weights by it
-        shape = [hint(s) for s in fake.shape]
-        std = 1.0 / max(1, shape[-1]) ** 0.5  # a layer's usual scale: probes neither vanish nor saturate
-        standin = (torch.randn(shape, generator=gen) * std).to(device=fake.device, dtype=fake.dtype)  # the
-        ph.meta["ep_standin"] = torch.nn.Parameter(standin, requires_grad=False)  # layer's device: verify runs there
+        shape = [hint(s) for s in fake.shape]  # only its shape until verify proves this layer (materialize)
+        ph.meta["ep_standin"] = torch.nn.Parameter(torch.empty(shape, dtype=fake.dtype, device="meta"),
+                                                   requires_grad=False)
+        ph.meta["ep_standin_at"] = (fake.device, config.probe_seed + len(seen))
         view.replace_all_uses_with(ph)
         seen[key] = last = ph
         report.counters["expose_sharded.views"] += 1
     return gm
+
+
+def materialize(ph: fx.Node) -> torch.nn.Parameter:
+    """The random weights a stand-in placeholder holds while verify proves its layer: made here, on the layer's
+    device, from the placeholder's own seed (the same each time), and dropped with the proof. Made for every layer
+    at once, the stand-ins of a large model sharded over many ranks would be its whole global expert weights on
+    each rank."""
+    shape, dtype = ph.meta["ep_standin"].shape, ph.meta["ep_standin"].dtype
+    device, seed = ph.meta["ep_standin_at"]
+    std = 1.0 / max(1, shape[-1]) ** 0.5  # a layer's usual scale: probes neither vanish nor saturate
+    gen = torch.Generator().manual_seed(seed)
+    value = (torch.randn(shape, generator=gen) * std).to(device=device, dtype=dtype)
+    return torch.nn.Parameter(value, requires_grad=False)
 
 
 def view_arg(view: fx.Node, name: str, default=None):
@@ -119,4 +131,4 @@ def remove_standins(graph: fx.Graph) -> None:
                 view = graph.node_copy(view)
         ph.replace_all_uses_with(view)
         graph.erase_node(ph)
-        ph.meta.pop("ep_standin", None)  # a full-size random copy: nothing that still refers to the node keeps it
+        ph.meta.pop("ep_standin", None)

@@ -23,6 +23,7 @@ from .canonical import canonical_moe, expert_tensors, routed_like_input
 from .compare import grad_error, rel_error
 from .graph_utils import draws_random, example, extract, hint, op_name, placeholder_values
 from .report import LayerRecord, PassReport, block
+from .sharded import materialize
 
 # Normwise relative error allowed between the original block and its canonical form, per dtype. fp32: the
 # reordering of a top-k sum; half types: what eager itself shows when two reductions are reordered.
@@ -114,7 +115,8 @@ def _saturating_round(cand, inputs, outside, x_node):
 
 def _random_like(x: torch.Tensor, values, gen: torch.Generator) -> torch.Tensor:
     """Random normal tokens of ``x``'s shape and dtype, on the parameters' device."""
-    param = next(v for v in values.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    param = next(v for v in values.values() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                 and v.device.type != "meta")  # not a stand-in for a sharded weight before it is made
     shape = [hint(s) for s in x.shape]
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(x.dtype).to(param.device)
 
@@ -144,6 +146,7 @@ def _prove(cand, values, config):
         elif not {x_node, b0.topk_weights, b0.topk_ids} <= set(outside):
             raise ValueError("the experts do not read the kept router's top-k weights and ids")
         topk = (b0.topk_weights, b0.topk_ids, cand.specs[0].experts.num_experts) if kept else None
+        values = {**values, **{n: materialize(n) for n in outside if "ep_standin" in n.meta}}  # this layer's only
         gen = torch.Generator().manual_seed(config.probe_seed)
         inputs = _probe_inputs(outside, x_node, values, gen, topk)
         tokens = max(1, inputs[outside.index(x_node)].numel() // inputs[outside.index(x_node)].shape[-1])

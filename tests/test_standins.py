@@ -1,0 +1,53 @@
+"""The stand-ins for sharded expert weights (passes/sharded.py) cost nothing until verify proves their layer: each
+graph holds a meta-device parameter of the global shape, and verify makes the random weights of one layer at a
+time, dropping them before the next. Made for every layer at once, they were the whole model's global expert
+weights on each rank. A one-rank mesh (gloo, in this process) runs the sharded path; the compiled model still
+equals the model it was sharded from."""
+
+import gc
+import weakref
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import moecompile
+from moecompile.models.hf import tiny_model
+from moecompile.passes import sharded, verify
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_standins_are_made_one_layer_at_a_time(tmp_path, monkeypatch):
+    made, held = [], []  # (layer, weak reference to the random weights); the meta values the graphs held
+
+    def spy(ph):
+        layer = ph.meta["ep_view"].args[3]
+        gc.collect()
+        alive = {other for other, ref in made if ref() is not None and other != layer}
+        assert not alive, f"proving {layer} while the stand-ins of {alive} are still held"
+        held.append(ph.meta["ep_standin"])
+        value = real(ph)
+        made.append((layer, weakref.ref(value)))
+        return value
+
+    real = sharded.materialize
+    monkeypatch.setattr(verify, "materialize", spy)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        ref, model = tiny_model("mixtral"), tiny_model("mixtral")
+        ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(7))
+        moecompile.parallelize(model, init_device_mesh("cpu", (1,)), ids)
+        compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
+        torch.testing.assert_close(compiled(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+    layers = [r.path for r in model._moe_parallel.report.layers]  # the layers parallelize sharded
+    assert len(layers) == model.config.num_hidden_layers == 2
+    assert sorted({layer for layer, _ in made}) == sorted(layers)  # every sharded layer proved on its own weights
+    assert held and all(v.device.type == "meta" for v in held)
+    first = made[0][1]
+    assert first() is None  # dropped once its proof was done
