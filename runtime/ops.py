@@ -119,7 +119,7 @@ def build_pft(
     out = ref.build_pft_ref(ids_TK, weights_TK, num_experts, capacity, drop_order)
     if capacity >= 0 and layer:  # layer "": not counted (verify's probes)
         routed = ids_TK.numel()
-        DROPS.add(layer, routed, routed - int(out[2].sum()))
+        DROPS.add(layer, routed, routed - out[2].sum())  # a device tensor: read when token_drops() is called
     if stats.ROUTING is not None and layer:
         stats.ROUTING[layer] = ids_TK.detach().to("cpu", copy=True)  # on the host: gathered, saved, planned
     return tuple(t.contiguous() for t in out)

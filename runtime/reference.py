@@ -177,14 +177,20 @@ def build_pft_ref(
         by_prio = torch.argsort(prio)
         order = by_prio[torch.argsort(flat_ids[by_prio], stable=True)]  # by expert, then by priority
         sorted_e = flat_ids[order]
-        counts = torch.bincount(flat_ids, minlength=num_experts)
-        rank = pos - (torch.cumsum(counts, 0) - counts)[sorted_e]
+        rank = pos - _starts(sorted_e, num_experts)[sorted_e]
         keep = rank < capacity
-        src_B = torch.cat([order[keep], order[~keep]])
-        expert_ids_B = torch.cat([sorted_e[keep], torch.full_like(sorted_e[~keep], num_experts)])
+        kept_first = torch.argsort((~keep).to(torch.int8), stable=True)  # no boolean mask: sizes stay static
+        src_B = order[kept_first]
+        expert_ids_B = torch.where(keep, sorted_e, num_experts)[kept_first]
         combine_weights_B = weights_TK.reshape(-1)[src_B] * (expert_ids_B < num_experts)
-    tokens_per_expert_E = torch.bincount(expert_ids_B, minlength=num_experts + 1)[:num_experts]
+    tokens_per_expert_E = _starts(expert_ids_B, num_experts + 1).diff()  # the dropped (id E) not counted
     return src_B // K, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B
+
+
+def _starts(sorted_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Where each id 0..n-1 starts among ``sorted_ids`` (ascending): n offsets. From the sorted ids, not
+    ``bincount``, which on CUDA waits for the device to size its output."""
+    return torch.searchsorted(sorted_ids, torch.arange(n, device=sorted_ids.device, dtype=sorted_ids.dtype))
 
 
 def expert_mlp_ref(

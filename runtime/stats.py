@@ -31,17 +31,18 @@ class DropCounter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._dropped: dict[str, int] = {}
+        self._dropped: dict[str, int | torch.Tensor] = {}  # summed where the op ran: read only by snapshot()
         self._routed: dict[str, int] = {}
 
-    def add(self, layer: str, routed: int, dropped: int) -> None:
+    def add(self, layer: str, routed: int, dropped: int | torch.Tensor) -> None:
+        """``dropped`` may be a tensor on the op's device: added there, so a forward never waits for the GPU."""
         with self._lock:
             self._routed[layer] = self._routed.get(layer, 0) + routed
             self._dropped[layer] = self._dropped.get(layer, 0) + dropped
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:
-            return {k: {"routed": self._routed[k], "dropped": self._dropped[k]} for k in self._routed}
+            return {k: {"routed": self._routed[k], "dropped": int(self._dropped[k])} for k in self._routed}
 
     def reset(self) -> None:
         with self._lock:

@@ -132,6 +132,16 @@ def test_capacity_drops_match_brute_force_and_are_counted(order):
     assert DROPS.snapshot()["layer.x"] == {"routed": T * K, "dropped": T * K - len(kept)}
 
 
+@pytest.mark.parametrize("capacity", [-1, 3])
+@pytest.mark.parametrize("order", ["slot_major", "token_major", "priority"])
+def test_build_pft_reads_nothing_back_from_the_device(capacity, order):
+    """On meta tensors, which have no values, any read of the data (bincount sizing its output, a boolean mask)
+    raises: on CUDA each such read waits for the GPU in every forward."""
+    ids, w = torch.empty(10, 2, dtype=torch.int64, device="meta"), torch.empty(10, 2, device="meta")
+    out = ref.build_pft_ref(ids, w, 4, capacity, order)
+    assert [tuple(t.shape) for t in out] == [(20,), (20,), (4,), (20,), (20,)]
+
+
 def test_build_pft_gradient_scatters_back():
     ids = torch.tensor([[0, 1], [1, 0], [0, 1]])
     w = torch.rand(3, 2, requires_grad=True)
