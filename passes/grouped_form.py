@@ -50,7 +50,8 @@ def keep_projections(graph: fx.Graph, mlps: list[fx.Node], spec) -> tuple[str, s
                                                                           layout)
         fused = f", the fused gate/up weight whole ({layout})" if gate_up is not None else fused
         with graph.inserting_after(mlp):
-            keep = graph.call_function(_ops.expert_mlp_keep.default, args)
+            keep = graph.call_function(_ops.expert_mlp_keep.default, args,
+                                       {"all_rows": True} if all_rows(tok, counts) else {})
         with graph.inserting_after(keep):
             y = graph.call_function(operator.getitem, (keep, 0))
         for n in (keep, y):
@@ -64,6 +65,16 @@ def keep_projections(graph: fx.Graph, mlps: list[fx.Node], spec) -> tuple[str, s
     return "expert_mlp_keep", (f"expert_mlp: grouped GEMMs{fused}; the {kept} projections kept for backward "
                                f"([rows, {(2 if e.gated else 1) * intermediate(mlps[0], spec)}] {dtype}), so it "
                                "runs no forward again")
+
+
+def all_rows(tok: fx.Node, counts: fx.Node) -> bool:
+    """Whether the tokens per expert ``counts`` count every row of ``tok``: both are outputs of one ``build_pft``
+    without a capacity, which drops nothing (then the op need not read the row count back from the device)."""
+    def output(n, i):
+        return n.args[0] if isinstance(n, fx.Node) and n.target is operator.getitem and n.args[1] == i else None
+    pft = output(counts, 2)
+    return (isinstance(pft, fx.Node) and pft is output(tok, 0) and moe_op_name(pft) in ("build_pft", "build_pft_triton")
+            and len(pft.args) > 3 and isinstance(pft.args[3], int) and pft.args[3] < 0)
 
 
 def gate_up_source(wg, wu) -> tuple[fx.Node | None, str]:

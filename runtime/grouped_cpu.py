@@ -42,13 +42,13 @@ def expert_mlp_grouped(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_
 
 class Segments:
     """Rows grouped by expert, in order: their offsets for ``grouped_mm``, the count n of rows computed (rows
-    dropped by a capacity sit after them; reading n waits for the device), and each row's expert where a bias
-    needs it. The GEMMs over such rows (``kernels/vendor.py`` uses them too)."""
+    dropped by a capacity sit after them; reading n waits for the device, unless the caller knows it: ``rows``),
+    and each row's expert where a bias needs it. The GEMMs over such rows (``kernels/vendor.py`` uses them too)."""
 
-    def __init__(self, counts_E, biased):
+    def __init__(self, counts_E, biased, rows: int | None = None):
         counts = counts_E.to(torch.int64)
         self.offs = counts.cumsum(0).to(torch.int32)
-        self.n = n = int(self.offs[-1]) if self.offs.numel() else 0
+        self.n = n = rows if rows is not None else int(self.offs[-1]) if self.offs.numel() else 0
         self.expert_B = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
                                                 output_size=n) if biased else None
 
@@ -77,8 +77,8 @@ class Segments:
 class Rows(Segments):
     """``Segments`` with the routed input rows: gathered from x_TH, and scaled."""
 
-    def __init__(self, x_TH, token_ids_B, counts_E, dtype, input_scale_B, biased):
-        super().__init__(counts_E, biased)
+    def __init__(self, x_TH, token_ids_B, counts_E, dtype, input_scale_B, biased, all_rows=False):
+        super().__init__(counts_E, biased, token_ids_B.shape[0] if all_rows else None)
         self.tok = token_ids_B[:self.n]
         self.x_BH = x_TH[self.tok].to(dtype)  # before the scale (the scale's gradient needs it)
         self.scale = None if input_scale_B is None else input_scale_B[:self.n].to(dtype).unsqueeze(-1)
@@ -101,15 +101,17 @@ def _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, layout):
 
 def expert_mlp_keep(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI=None,
                     b_up_EI=None, b_down_EH=None, input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0,
-                    w_gate_up=None, gate_up_layout=""):
+                    w_gate_up=None, gate_up_layout="", all_rows=False):
     """(y_BH, pre_BJ): the rows, and the projections before the activation which ``expert_mlp_keep_backward``
     takes instead of computing them again: [B, 2I] gate and up (``_columns``), or [B, I] up when ungated. With
-    ``w_gate_up`` (one [E, 2I, H] weight, its layout as ``runtime/layouts.py`` names it) one GEMM makes both."""
+    ``w_gate_up`` (one [E, 2I, H] weight, its layout as ``runtime/layouts.py`` names it) one GEMM makes both.
+    ``all_rows``: the caller knows every row is counted (no capacity drops: the tokens per expert sum to B), so
+    the row count is not read from the device (on CUDA that read waits for the GPU)."""
     wg, wu = _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
     check_activation(activation, gated=wg is not None)
     dtype, B, I = wu.dtype, token_ids_B.shape[0], wu.shape[1]
     r = Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
-              any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)))
+             any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)), all_rows)
     gs, us = _columns(gate_up_layout, I)
     if w_gate_up is not None:
         pre = r.mm(r.xs_BH, w_gate_up, t=True)
@@ -128,15 +130,15 @@ def expert_mlp_keep(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH
 
 def expert_mlp_keep_backward(grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH,
                              w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
-                             activation="silu", alpha=1.702, limit=7.0, w_gate_up=None,
-                             gate_up_layout="") -> list[torch.Tensor]:
+                             activation="silu", alpha=1.702, limit=7.0, w_gate_up=None, gate_up_layout="",
+                             all_rows=False) -> list[torch.Tensor]:
     """Gradients of the present tensors among (x, w_gate, w_up, w_down, b_gate, b_up, b_down, input_scale,
     w_gate_up), from the kept projections: grouped GEMMs and the activation's elementwise derivative, no forward
     again. ``w_gate_up``'s gradient is one tensor in its own layout."""
     wg, wu = _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
     gated, E, I, dtype = wg is not None, wu.shape[0], wu.shape[1], wu.dtype
     r = Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
-              any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)))
+             any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)), all_rows)
     n = r.n
     gy = grad_y_BH[:n].to(dtype).contiguous()  # an expanded gradient has zero strides grouped_mm refuses
     gs, us = _columns(gate_up_layout, I)

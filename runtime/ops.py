@@ -262,15 +262,16 @@ def expert_mlp_keep(
     x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None,
     w_down_EHI: Tensor, b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None,
     input_scale_B: Tensor | None, activation: str, alpha: float, limit: float, w_gate_up: Tensor | None = None,
-    gate_up_layout: str = "",
+    gate_up_layout: str = "", all_rows: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(y_BH, pre_BJ): ``expert_mlp``'s rows by grouped GEMMs (``grouped_cpu.expert_mlp_keep``) and the
     projections before the activation, which its backward takes instead of running the forward again. Put in
-    place of ``expert_mlp`` by the lower pass on CPU; ``w_gate_up``/``gate_up_layout`` as ``moe::fused_experts``."""
+    place of ``expert_mlp`` by the lower pass; ``w_gate_up``/``gate_up_layout`` as ``moe::fused_experts``;
+    ``all_rows``: no row is dropped (the lower pass sets it where the rows come from a capacity-free build_pft)."""
     return grouped_cpu.expert_mlp_keep(
         x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH,
         input_scale_B, activation=activation, alpha=alpha, limit=limit, w_gate_up=w_gate_up,
-        gate_up_layout=gate_up_layout,
+        gate_up_layout=gate_up_layout, all_rows=all_rows,
     )
 
 
@@ -286,14 +287,14 @@ def expert_mlp_keep_backward(
     grad_y_BH: Tensor, pre_BJ: Tensor, x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor,
     w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
     b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None, activation: str, alpha: float,
-    limit: float, w_gate_up: Tensor | None = None, gate_up_layout: str = "",
+    limit: float, w_gate_up: Tensor | None = None, gate_up_layout: str = "", all_rows: bool = False,
 ) -> list[Tensor]:
     """Gradients of the present tensors among (x, w_gate, w_up, w_down, b_gate, b_up, b_down, input_scale,
     w_gate_up), from the kept projections."""
     return grouped_cpu.expert_mlp_keep_backward(
         grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
         b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit, w_gate_up=w_gate_up,
-        gate_up_layout=gate_up_layout,
+        gate_up_layout=gate_up_layout, all_rows=all_rows,
     )
 
 
@@ -302,25 +303,25 @@ _KEEP_GRADS = (0, 3, 4, 5, 6, 7, 8, 9, 13)  # x, w_gate, w_up, w_down, b_gate, b
 
 @register_fake("moe::expert_mlp_keep_backward")
 def _expert_mlp_keep_backward_fake(grad_y_BH, pre_BJ, *inputs):
-    inputs = list(inputs) + [None] * (15 - len(inputs))
+    inputs = list(inputs) + [None] * (16 - len(inputs))
     return [inputs[i].new_empty(inputs[i].shape) for i in _KEEP_GRADS if inputs[i] is not None]
 
 
 def _expert_mlp_keep_setup(ctx, inputs, output):
-    inputs = list(inputs) + [None, ""][len(inputs) - 13:]
+    inputs = list(inputs) + [None, "", False][len(inputs) - 13:]
     ctx.save_for_backward(output[1], *[t for t in inputs[:10] + [inputs[13]] if t is not None])
     ctx.present = [t is not None for t in inputs[:10] + [inputs[13]]]
-    ctx.attrs = (*inputs[10:13], inputs[14])
+    ctx.attrs = (*inputs[10:13], inputs[14], inputs[15])
 
 
 def _expert_mlp_keep_bwd(ctx, grad_y_BH, _grad_pre):  # the projections are read by this backward alone
     pre, *saved = ctx.saved_tensors
     saved = iter(saved)
     full = [next(saved) if p else None for p in ctx.present]  # the 10 first inputs, then w_gate_up
-    act, alpha, limit, layout = ctx.attrs
+    act, alpha, limit, layout, all_rows = ctx.attrs
     grads = iter(torch.ops.moe.expert_mlp_keep_backward(grad_y_BH, pre, *full[:10], act, alpha, limit, full[10],
-                                                        layout))
-    inputs = full[:10] + [None, None, None, full[10], None]
+                                                        layout, all_rows))
+    inputs = full[:10] + [None, None, None, full[10], None, None]
     return tuple(next(grads) if i in _KEEP_GRADS and t is not None else None for i, t in enumerate(inputs))
 
 

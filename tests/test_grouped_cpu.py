@@ -62,6 +62,24 @@ def _run_keep(x, tok, counts, params, activation):
     return [y, *expert_mlp_keep_backward(grad, pre, x, tok, counts, *params, activation=activation)]
 
 
+@pytest.mark.parametrize("all_rows", [True, False])
+def test_all_rows_reads_no_row_count_back(all_rows):
+    """With ``all_rows`` (no row dropped) the forward and backward read nothing back from the device: on meta
+    tensors, which have no values, they run; without it the row count is read, which raises there. On real rows
+    both give the same tensors."""
+    x, tok, counts, params = _case(torch.bfloat16, biases=True, scale=True)  # grouped_mm's meta kernel: bf16 only
+    real = [expert_mlp_keep(x, tok, counts, *params, activation="silu", all_rows=a)[0] for a in (True, False)]
+    assert torch.equal(*real)
+    meta = [t.to("meta") if t is not None else None for t in (x, tok, counts, *params)]
+    try:
+        y, pre = expert_mlp_keep(*meta, activation="silu", all_rows=all_rows)
+        grads = expert_mlp_keep_backward(y, pre, *meta, activation="silu", all_rows=all_rows)
+    except (RuntimeError, NotImplementedError) as err:
+        assert not all_rows, err
+    else:
+        assert all_rows and y.shape == (tok.shape[0], H) and len(grads) == 8
+
+
 def test_bf16_as_close_as_the_loop_to_fp32():
     x, tok, counts, params = _case(torch.bfloat16)
     exact = _run(ref.expert_mlp_ref, x.float(), tok, counts, [p.float() for p in params if p is not None] + [None] * 4,
