@@ -2,8 +2,8 @@
 silently. Two signs, each reported in ``report.skipped`` with what was recognised and what stopped detection:
 
 * a router-shaped ``linear`` (an [E, H] weight parameter) whose scores feed a selection op (``topk``, ``argmax``,
-  ``max``, ``sort``, ``argsort``) or are gathered at integer ids (hash routing), steering expert weights or the
-  tokens;
+  ``max``, ``sort``, ``argsort``: over the experts, or over the tokens for each expert, expert-choice routing) or
+  are gathered at integer ids (hash routing), steering expert weights or the tokens;
 * stacked [E, ...] weights applied per token: indexed by ids that a selection op produced (``w[ids]``), or taken
   by a batched matmul with an [E, C, ...] buffer of token data (``bmm``, ``einsum``).
 
@@ -45,13 +45,15 @@ def _unexplained_routers(graph, values, handled):
         w = router_weight(lin)
         if not is_param(w, values) or values[w].dim() != 2 or values[w].shape[0] < 2:
             continue
-        for pick in (n for n in nearest(lin, "users", 60) if _picks_from(n, lin, values)):
+        picks = (n for n in nearest(lin, "users", 60) if _picks_from(n, lin, values) or _picks_tokens(n, lin, values))
+        for pick in picks:
             # a gather's result leaving the graph is a model's output (log-probs), not a router's
             steered = steered_by(pick, lin, values, leaving=op_name(pick) != "gather")
             if steered is not None:
                 seen = f"a router-like linear {lin.name} (weight {list(values[w].shape)}) feeds {op_name(pick)} " \
                        f"over scores {list(shape_of(pick.args[0]))}, which steers {steered.name}"
-                yield _block_path([lin, steered]), f"{seen}, but {_why_not_router(pick, values)}; left as it was"
+                why = _EXPERT_CHOICE if _picks_tokens(pick, lin, values) else _why_not_router(pick, values)
+                yield _block_path([lin, steered]), f"{seen}, but {why}; left as it was"
                 break
 
 
@@ -64,6 +66,25 @@ def _picks_from(n: fx.Node, lin: fx.Node, values) -> bool:
         return False
     experts = shape_of(n.args[0])[-1]  # symbolic: a token count, never the experts (comparing it would guard)
     return isinstance(experts, int) and 2 <= experts <= values[router_weight(lin)].shape[0] and \
+        scores_linear(n, values) is lin
+
+
+_EXPERT_CHOICE = ("it picks tokens for each expert (expert-choice routing: the selection runs over the tokens, "
+                  "not over the experts), and the canonical form routes each token to its experts (token choice)")
+
+
+def _picks_tokens(n: fx.Node, lin: fx.Node, values) -> bool:
+    """Whether ``n`` picks tokens for each expert from ``lin``'s scores: a selection op over [E, T] or [T, E]
+    scores along the dim that is not the E experts' (expert choice: ``scores.t().topk(C)``, ``topk(C, dim=0)``)."""
+    shape = shape_of(n.args[0]) if op_name(n) in SELECTION_OPS and n.args else None
+    if not shape or len(shape) != 2:
+        return False
+    at = 2 if op_name(n) == "topk" else 1
+    dim = n.args[at] if len(n.args) > at else n.kwargs.get("dim", -1)
+    if not isinstance(dim, int) or not -2 <= dim < 2:
+        return False
+    E, along, other = values[router_weight(lin)].shape[0], shape[dim], shape[1 - dim % 2]
+    return isinstance(other, int) and other == E and not (isinstance(along, int) and along == E) and \
         scores_linear(n, values) is lin
 
 

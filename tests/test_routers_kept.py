@@ -7,6 +7,7 @@ Legend: T tokens, K experts per token, E experts, H hidden, I expert intermediat
 
 import copy
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -179,7 +180,33 @@ class MatmulRouter(_GatheredExperts):
         return (self.experts(h, ids) * weights[..., None]).sum(1).view_as(x)
 
 
+class ExpertChoice(nn.Module):
+    """Expert-choice routing (each expert picks its C tokens: a top-k over the tokens, Zhou et al. 2022), scores
+    transposed to [E, T] (``by_dim``: top-k over dim 0 of [T, E] instead). Not token choice: reported, left."""
+
+    def __init__(self, by_dim=False):
+        super().__init__()
+        self.by_dim = by_dim
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(H, H, bias=False) for _ in range(E))
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        s = self.gate(h).softmax(-1)                                                     # [T, E]
+        g, idx = s.topk(h.shape[0] // 4, dim=0) if self.by_dim else s.t().topk(h.shape[0] // 4, dim=-1)
+        g, idx = (g.t(), idx.t()) if self.by_dim else (g, idx)                           # [E, C]
+        out = torch.zeros_like(h)
+        for e in range(E):
+            out = out.index_add(0, idx[e], self.experts[e](h[idx[e]]) * g[e, :, None])
+        return out.view_as(x)
+
+
+_EXPERT_CHOICE = r"feeds topk over scores \[.*\], which steers .* but it picks tokens for each expert \(expert-choice"
+
+
 @pytest.mark.parametrize("block, reason, unexplained", [
+    (ExpertChoice, _EXPERT_CHOICE, 1),
+    (functools.partial(ExpertChoice, by_dim=True), _EXPERT_CHOICE, 1),
     (TokenGridExperts, r"its router's scores \(\[2, 5, 8\], from .*\) are not moe.route's over the 8 experts, and no "
                        r"\[T, K\] weights and ids that the experts alone read could be cut out of it", 0),
     (MatmulRouter, r"stacked expert weights .*\[8, 16, 32\] are indexed per token .* no router was detected for "
