@@ -9,6 +9,12 @@ copy taken before the first pass), the report is rolled back to where it stood b
 With ``strict=True`` it raises ``MoECompileError`` instead, naming the pass and the passes that ran before it; so
 it does for a whole graph with no MoE layer at all (``_no_moe_found``).
 
+An activation-checkpointed region (``torch.utils.checkpoint``) reaches the backend as a ``tag_activation_checkpoint``
+call of a body graph: after the graph's own passes, the passes run on each body as on a graph of their own
+(``checkpointed_regions``), so the MoE layers inside are rewritten there and AOT autograd still recomputes the
+region in backward. A body whose pass fails is restored alone; the graph's copy holds its bodies' too, for a
+failure of the whole graph (the inner compiler, the first run).
+
 Progress, pass by pass and layer by layer, goes to the ``logging`` logger "moecompile" at INFO: the CLI shows it on
 stderr; a library user sees nothing unless they turn that logger on.
 """
@@ -23,11 +29,13 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
 import torch._dynamo.utils as dynamo_utils
 import torch.fx as fx
 
 from moecompile.passes.canonicalize import canonicalize_moe_pass
 from moecompile.passes.detect import detect_moe_pass
+from moecompile.passes.graph_utils import hint, placeholder_values
 from moecompile.passes.distribute import distribute_moe_pass
 from moecompile.passes.kept import looked_up
 from moecompile.passes.lower import LoweringUnavailable, lower_moe_pass
@@ -61,6 +69,57 @@ class MoEFallbackWarning(UserWarning):
 def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport,
                checkpoint: Checkpoint | None = None) -> fx.GraphModule:
     checkpoint = checkpoint or Checkpoint.take(gm, report)
+    gm, ok = _apply(gm, example_inputs, config, report, checkpoint)
+    if not ok:
+        return gm
+    for name, inputs in checkpointed_regions(gm, example_inputs):  # their MoE layers are rewritten inside them
+        body = getattr(gm, name)
+        _apply(body, inputs, config, report, Checkpoint.take(body, report, checkpoint.index, name))
+    complete_missing_experts(report)
+    if config.strict and report.skipped:
+        lines = "\n".join(f"  {s.region}: {s.reason}" for s in report.skipped)
+        raise MoECompileError(f"strict=True and some MoE blocks were not rewritten:\n{lines}")
+    if config.strict and _no_moe_found(gm, config, report, checkpoint):
+        raise MoECompileError(
+            f"strict=True and no MoE layer found in the graph ({_which(gm, checkpoint)}): no router selects experts "
+            "in it (no top-k, argmax or sort over a router's scores, nothing detect could take for an MoE block). "
+            "Check that the model is an MoE model whose MoE layers run in this forward, or drop strict=True to "
+            "compile it as it is.")
+    return gm
+
+
+def checkpointed_regions(gm: fx.GraphModule, example_inputs) -> list[tuple[str, list]]:
+    """(attribute, example inputs) of each activation-checkpointed region of ``gm``: Dynamo traces
+    ``torch.utils.checkpoint.checkpoint(fn, ...)`` (transformers' gradient checkpointing) into a
+    ``tag_activation_checkpoint`` call of a body graph, a submodule of ``gm``, that AOT autograd recomputes in
+    backward. The passes run on each body as on a graph of its own, its signature kept: the inputs are the
+    outer graph's values where they are its inputs (the parameters, real), else random tensors of the traced
+    shapes (activations: the passes read only their shapes, and probe the tokens with their own)."""
+    values = placeholder_values(gm, example_inputs)
+    return [(name, [values[a] if a in values else _stand_in(a) for a in hop.args[1:]]) for name, hop in _bodies(gm)]
+
+
+def _bodies(gm: fx.GraphModule) -> list[tuple[str, fx.Node]]:
+    """(attribute of the body, the call) for each ``tag_activation_checkpoint`` call in ``gm``."""
+    calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.tag_activation_checkpoint)
+    return [(hop.args[0].target, hop) for hop in calls if hop.args[0].op == "get_attr"
+            and isinstance(getattr(gm, hop.args[0].target, None), fx.GraphModule)]
+
+
+def _stand_in(a):
+    """A real value shaped as the traced value of ``a`` (a node of the outer graph), or ``a`` when it is none."""
+    v = a.meta.get("example_value") if isinstance(a, fx.Node) else a
+    if isinstance(v, torch.Tensor):
+        shape = [hint(s) for s in v.shape]
+        if v.is_floating_point():
+            return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(v.dtype).to(v.device)
+        return torch.zeros(shape, dtype=v.dtype, device=v.device)
+    return hint(v) if isinstance(v, torch.SymInt) else v
+
+
+def _apply(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport,
+           checkpoint: Checkpoint) -> tuple[fx.GraphModule, bool]:
+    """The passes in order on one graph: (the graph, True), or (the graph as it came in, False) after a failure."""
     if config.record_graphs:
         report.graphs.append(("input", gm.print_readable(print_output=False)))
     done: list[str] = []
@@ -79,23 +138,13 @@ def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: P
         except Exception as exc:
             if config.strict:
                 raise MoECompileError(f"moecompile pass {name!r} failed (after {done or 'no passes'}): {exc}") from exc
-            return checkpoint.restore(report, name, exc, config)
+            return checkpoint.restore(report, name, exc, config), False
         done.append(name)
         log.info("graph %d: %s: %s (%.1f s)", checkpoint.index, name, _counted(name, before, report.counters),
                  time.perf_counter() - start)
         if config.record_graphs:
             report.graphs.append((name, gm.print_readable(print_output=False)))
-    complete_missing_experts(report)
-    if config.strict and report.skipped:
-        lines = "\n".join(f"  {s.region}: {s.reason}" for s in report.skipped)
-        raise MoECompileError(f"strict=True and some MoE blocks were not rewritten:\n{lines}")
-    if config.strict and _no_moe_found(gm, config, report, checkpoint):
-        raise MoECompileError(
-            f"strict=True and no MoE layer found in the graph ({_which(gm, checkpoint)}): no router selects experts "
-            "in it (no top-k, argmax or sort over a router's scores, nothing detect could take for an MoE block). "
-            "Check that the model is an MoE model whose MoE layers run in this forward, or drop strict=True to "
-            "compile it as it is.")
-    return gm
+    return gm, True
 
 
 @dataclass
@@ -108,14 +157,18 @@ class Checkpoint:
     layers: int
     skipped: int
     counters: Counter
+    bodies: dict[str, fx.Graph]  # copies of the graphs of its activation-checkpointed regions (submodules)
+    region: str = ""  # the body's attribute, for an activation-checkpointed region's body
 
     @classmethod
-    def take(cls, gm: fx.GraphModule, report: PassReport) -> Checkpoint:
-        report.graphs_seen += 1
-        graph = copy.deepcopy(gm.graph)
-        for old, new in zip(gm.graph.nodes, graph.nodes):  # what Dynamo sets on nodes (placeholders' sources)
-            new.__dict__.update(old.__dict__)
-        return cls(gm, graph, report.graphs_seen - 1, len(report.layers), len(report.skipped), Counter(report.counters))
+    def take(cls, gm: fx.GraphModule, report: PassReport, index: int | None = None, region: str = "") -> Checkpoint:
+        """``index``, ``region``: the body ``region`` of a checkpointed region of graph ``index`` (no graph of its
+        own)."""
+        if index is None:
+            report.graphs_seen += 1
+        bodies = {name: _copy(getattr(gm, name).graph) for name, _ in _bodies(gm)}
+        return cls(gm, _copy(gm.graph), report.graphs_seen - 1 if index is None else index, len(report.layers),
+                   len(report.skipped), Counter(report.counters), bodies, region)
 
     def rewrote(self, report: PassReport) -> bool:
         """Whether the passes changed the graph (only proved layers are rewritten)."""
@@ -127,7 +180,8 @@ class Checkpoint:
         proved = report.layers[self.layers:]
         del report.layers[self.layers:]
         new_skips = len(report.skipped) - self.skipped
-        region = getattr(exc, "moe_region", None) or f"graph {self.index}" + (
+        where = f"graph {self.index}" + (f", its checkpointed region {self.region}" if self.region else "")
+        region = getattr(exc, "moe_region", None) or where + (
             f" (MoE blocks {', '.join(r.path for r in proved)})" if proved else "")
         failure = FailureRecord(stage, region, _short(f"{type(exc).__name__}: {exc}"))
         report.counters.clear()
@@ -142,12 +196,22 @@ class Checkpoint:
         remove_standins(self.gm.graph)  # Dynamo reads the placeholders of the graph object it made
         self.gm.graph = self.graph
         self.gm.recompile()
+        for name, graph in self.bodies.items():
+            getattr(self.gm, name).graph = graph
+            getattr(self.gm, name).recompile()
         if config.record_graphs:
             report.graphs.append(("fallback", self.gm.print_readable(print_output=False)))
         warnings.warn(f"moecompile: {failure.what} failed on {region} ({failure.error}); that graph runs as it "
                       "came in, its MoE blocks not rewritten. moecompile.explain() reports it; "
                       "options={'strict': True} raises instead.", MoEFallbackWarning, stacklevel=2)
         return self.gm
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    out = copy.deepcopy(graph)
+    for old, new in zip(graph.nodes, out.nodes):  # what Dynamo sets on nodes (placeholders' sources)
+        new.__dict__.update(old.__dict__)
+    return out
 
 
 def _short(text: str, n: int = 300) -> str:

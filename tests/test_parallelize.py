@@ -80,11 +80,14 @@ def _batches(model, world):
 
 
 def _train_against_one_process(family, mesh, rank, world, dedup="off", link_model=None, level=None, swap_every=0,
-                               tmp=None):
+                               tmp=None, checkpointing=False):
     """Three steps sharded and in one process; returns (sharded model, one-process model). ``level``: the dedup
     level ``dedup="auto"`` must choose. With ``swap_every``, experts swap ranks:
-    ``ep_checkpoints.check_after_swaps``."""
+    ``ep_checkpoints.check_after_swaps``. ``checkpointing``: both models with transformers' gradient checkpointing
+    (the MoE layers in activation-checkpointed regions, recomputed in backward: their exchanges run again)."""
     ref, model = _build(family).train(), _build(family).train()
+    for m in (ref, model) if checkpointing else ():
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     moecompile.comm_stats(reset=True)
     batches = _batches(model, world)
     mine, together = batches[rank], batches.flatten(0, 1)
@@ -98,7 +101,8 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
         dedup = "off"
     routed = []  # the one-process routing of layer 0, [world * T, K] per step (Mixtral's router returns it)
     if family == "mixtral":
-        router = ref.get_submodule(info.report.layers[0].path + ".gate")
+        # the path as the traced frame names it: under gradient checkpointing that is the inner model's frame
+        router = next(m for n, m in ref.named_modules() if f".{n}".endswith(f".{info.report.layers[0].path}.gate"))
         router.register_forward_hook(lambda module, args, out: routed.append(out[2]))
     assert not info.left and all(r.sharding for r in info.report.layers), str(info)
     expert_names = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}
@@ -139,9 +143,10 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
     stats = moecompile.comm_stats()[info.report.layers[0].path]
     row = spec.experts.hidden * 4
     if dedup == "off":
-        assert stats["calls.dispatch"] == STEPS and stats["calls.combine"] == STEPS, stats
-        sent = sum(stats.get(f"dispatch.{link}", 0) for link in COMM.links())  # each routed row once
-        assert sent == STEPS * mine.numel() * spec.routing.top_k * row, (stats, spec)
+        runs = STEPS * (2 if checkpointing else 1)  # a checkpointed region's forward runs again in backward
+        assert stats["calls.dispatch"] == runs and stats["calls.combine"] == runs, stats
+        sent = sum(stats.get(f"dispatch.{link}", 0) for link in COMM.links())  # each routed row once a run
+        assert sent == runs * mine.numel() * spec.routing.top_k * row, (stats, spec)
     else:
         _check_dedup(stats, routed, spec, rank, mine.numel(), row, dedup)
     if mesh.ndim > 1:  # the rows of the step went over the innermost and outermost links (summed over the ranks)
@@ -336,6 +341,7 @@ def _world2(rank, world, tmp):
         with pytest.raises(ValueError, match="dedup='node' needs a mesh of several levels"):
             moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
         _train_against_one_process("dbrx", mesh, rank, world, swap_every=1, tmp=tmp)  # flat [E * ffn, H] weights
+        _train_against_one_process("mixtral", mesh, rank, world, checkpointing=True)
         model = _load_checkpoints_on_world2(mesh, rank, world, tmp)
         compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
         ids = _batches(model, world)[rank]

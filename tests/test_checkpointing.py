@@ -1,0 +1,124 @@
+"""MoE layers inside activation-checkpointed regions (``torch.utils.checkpoint``, transformers' gradient
+checkpointing) are found, proved and rewritten inside the region, which AOT autograd still recomputes in backward.
+Dynamo traces each region into a ``tag_activation_checkpoint`` call of a body graph; before this, the passes never
+looked into the body, and such a model compiled with its MoE layers neither rewritten nor reported. A pass that
+fails in a body leaves that body as it came in; a rewritten graph that raises at its first run runs its bodies as
+they came in too."""
+
+import copy
+
+import pytest
+import torch
+from conftest import RecordingBackend, normwise
+from test_fallback_run import expert_mlp_runs  # noqa: F401  (a fixture)
+
+from moecompile import pipeline
+from moecompile.models import hf
+from moecompile.passes import lower
+from moecompile.pipeline import MoEFallbackWarning
+from moecompile.runtime import grouped_cpu
+
+IDS = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+class Keeping(RecordingBackend):
+    """The recording backend, keeping each graph it was given (the passes edit it, and its bodies, in place)."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.graphs.append(gm)
+        return super().__call__(gm, example_inputs, **kwargs)
+
+
+def _model():
+    model = hf.tiny_model("mixtral").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _step(model):
+    out = model(IDS, labels=IDS)
+    out.loss.backward()
+    return out.logits
+
+
+def _bodies(backend):
+    """The moe ops in the bodies of the checkpointed regions of every graph the backend compiled, and the count of
+    regions."""
+    ops, regions = set(), 0
+    for gm in backend.graphs:
+        for hop in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.tag_activation_checkpoint):
+            regions += 1
+            body = getattr(gm, hop.args[0].target)
+            ops |= {str(n.target).removesuffix(".default") for n in body.graph.nodes
+                    if str(n.target).startswith("moe.")}
+    return ops, regions
+
+
+def _equal_to_eager(model, compiled):
+    eager = copy.deepcopy(model)
+    assert normwise(_step(compiled), _step(eager)) <= 1e-5
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert normwise(p.grad, q.grad) <= 1e-5, name
+
+
+def test_moe_layers_in_checkpointed_regions_are_rewritten_and_train_as_eager(monkeypatch):
+    """Both layers rewritten inside their regions, equal to eager, and still recomputed in backward: the experts'
+    forward runs twice per layer and step (once more than without checkpointing)."""
+    runs, real = [], grouped_cpu.expert_mlp_keep
+
+    def counted(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            runs.append(1)
+        return real(*args, **kwargs)
+
+    model = _model()
+    backend = Keeping(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    _step(copy.deepcopy(model))  # eager, before counting
+    _equal_to_eager(model, compiled)  # compiles (the passes run the experts: not counted), then one step
+    monkeypatch.setattr(grouped_cpu, "expert_mlp_keep", counted)
+    _step(compiled)
+    assert len(runs) == 4
+    ops, regions = _bodies(backend)
+    assert regions == 2 and {"moe.route", "moe.build_pft", "moe.expert_mlp_keep", "moe.combine"} <= ops, ops
+    assert [r.path.split("layers.")[-1] for r in backend.report.layers] == ["0.mlp", "1.mlp"]
+    assert not backend.report.skipped and not backend.report.failures and not backend.errors
+
+
+def test_a_pass_failing_in_a_region_leaves_that_region_as_it_came_in(monkeypatch):
+    """lower raises on the second region only: the first is rewritten, the second runs as written and is reported;
+    the model trains as eager."""
+    real, calls = lower.lower_moe_pass, []
+
+    def second_raises(gm, example_inputs, *, config, report):
+        calls.append(gm)
+        if len(calls) == 3:  # the outer graph, then the two regions' bodies
+            raise RuntimeError("lower broke")
+        return real(gm, example_inputs, config=config, report=report)
+
+    monkeypatch.setattr(pipeline, "PASSES", tuple((n, second_raises if n == "lower" else fn)
+                                                  for n, fn in pipeline.PASSES))
+    model = _model()
+    backend = Keeping(inner="aot_eager")
+    with pytest.warns(MoEFallbackWarning, match=r"pass 'lower' failed on graph 0, its checkpointed region wrap_body_1 "
+                                                r"\(MoE blocks .*layers.1.mlp\) \(RuntimeError: lower broke\)"):
+        _equal_to_eager(model, torch.compile(model, backend=backend))
+    rep = backend.report
+    assert len(rep.layers) == 1 and [f.stage for f in rep.failures] == ["lower"]
+    assert len(rep.skipped) == 1 and rep.skipped[0].reason.startswith("proved, but not rewritten")
+    ops, regions = _bodies(backend)
+    assert regions == 2 and "moe.combine" in ops
+
+
+def test_a_first_run_failure_runs_the_regions_as_they_came_in(expert_mlp_runs):  # noqa: F811
+    model = _model()
+    backend = Keeping(inner="aot_eager")
+    with pytest.warns(MoEFallbackWarning, match="expert_mlp failed at run time"):
+        _equal_to_eager(model, torch.compile(model, backend=backend))
+    assert expert_mlp_runs == [0] and not backend.report.layers
+    ops, regions = _bodies(backend)
+    assert regions == 2 and not ops  # the bodies as Dynamo made them
