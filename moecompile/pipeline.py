@@ -72,9 +72,7 @@ def run_passes(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: P
     gm, ok = _apply(gm, example_inputs, config, report, checkpoint)
     if not ok:
         return gm
-    for name, inputs in checkpointed_regions(gm, example_inputs):  # their MoE layers are rewritten inside them
-        body = getattr(gm, name)
-        _apply(body, inputs, config, report, Checkpoint.take(body, report, checkpoint.index, name))
+    _rewrite_regions(gm, example_inputs, config, report, checkpoint.index)
     complete_missing_experts(report)
     if config.strict and report.skipped:
         lines = "\n".join(f"  {s.region}: {s.reason}" for s in report.skipped)
@@ -97,6 +95,16 @@ def checkpointed_regions(gm: fx.GraphModule, example_inputs) -> list[tuple[str, 
     shapes (activations: the passes read only their shapes, and probe the tokens with their own)."""
     values = placeholder_values(gm, example_inputs)
     return [(name, [values[a] if a in values else _stand_in(a) for a in hop.args[1:]]) for name, hop in _bodies(gm)]
+
+
+def _rewrite_regions(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport, index: int) -> None:
+    """The passes on the body of each activation-checkpointed region of ``gm`` (graph ``index``), their MoE layers
+    rewritten inside them, and so on into regions nested in a body."""
+    for name, inputs in checkpointed_regions(gm, example_inputs):
+        body = getattr(gm, name)
+        body, ok = _apply(body, inputs, config, report, Checkpoint.take(body, report, index, name))
+        if ok:
+            _rewrite_regions(body, inputs, config, report, index)
 
 
 def _bodies(gm: fx.GraphModule) -> list[tuple[str, fx.Node]]:
@@ -201,9 +209,10 @@ class Checkpoint:
             getattr(self.gm, name).recompile()
         if config.record_graphs:
             report.graphs.append(("fallback", self.gm.print_readable(print_output=False)))
-        warnings.warn(f"moecompile: {failure.what} failed on {region} ({failure.error}); that graph runs as it "
-                      "came in, its MoE blocks not rewritten. moecompile.explain() reports it; "
-                      "options={'strict': True} raises instead.", MoEFallbackWarning, stacklevel=2)
+        warnings.warn(f"moecompile: {failure.what} failed on {region} ({failure.error}); that "
+                      f"{'region' if self.region else 'graph'} runs as it came in, its MoE blocks not rewritten. "
+                      "moecompile.explain() reports it; options={'strict': True} raises instead.",
+                      MoEFallbackWarning, stacklevel=2)
         return self.gm
 
 
