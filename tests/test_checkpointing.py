@@ -122,3 +122,34 @@ def test_a_first_run_failure_runs_the_regions_as_they_came_in(expert_mlp_runs): 
     assert expert_mlp_runs == [0] and not backend.report.layers
     ops, regions = _bodies(backend)
     assert regions == 2 and not ops  # the bodies as Dynamo made them
+
+
+class Nested(torch.nn.Module):
+    """A checkpointed region calling another: the MoE block sits in the inner region's body."""
+
+    def __init__(self):
+        super().__init__()
+        from moecompile.models import handwritten
+
+        self.block, self.lin = handwritten.TinyMoELM("modulelist").blocks[0], torch.nn.Linear(32, 32)
+
+    def inner(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False) + x
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(lambda y: self.lin(self.inner(y)), x, use_reentrant=False)
+
+
+def test_a_region_nested_in_a_region_is_rewritten():
+    torch.manual_seed(0)
+    model = Nested()
+    eager, x = copy.deepcopy(model), torch.randn(2, 5, 32)
+    backend = Keeping(inner="aot_eager")
+    got = torch.compile(model, backend=backend)(x)
+    want = eager(x)
+    assert normwise(got, want) <= 1e-5
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert normwise(p.grad, q.grad) <= 1e-5, name
+    assert len(backend.report.layers) == 1 and not backend.report.skipped
