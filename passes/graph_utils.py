@@ -209,3 +209,12 @@ def mutated_input(n: fx.Node) -> fx.Node | None:
 
 
 GETITEM = operator.getitem
+
+
+def autocast_dtypes(device: torch.device) -> list[torch.dtype]:
+    """The autocast dtype for ``device`` where the program runs under autocast (the backend compiles inside the
+    user's ``torch.autocast``, and so does the proof): the original block's linears and matmuls then compute in it
+    (bf16: about 1e-3 apart from float32), whatever its inputs' dtypes."""
+    if not torch.is_autocast_enabled(device.type):
+        return []
+    return [torch.get_autocast_dtype(device.type)]

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from .canonical import canonical_moe, expert_tensors, routed_like_input
 from .compare import grad_error, rel_error
-from .graph_utils import draws_random, example, extract, hint, op_name, placeholder_values
+from .graph_utils import autocast_dtypes, draws_random, example, extract, hint, op_name, placeholder_values
 from .report import LayerRecord, PassReport, block
 from .sharded import materialize
 
@@ -157,6 +157,7 @@ def _prove(cand, values, config):
     except ValueError as err:
         return False, {"reason": str(err)}
     float_dtypes = [t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    float_dtypes += autocast_dtypes(inputs[outside.index(x_node)].device)  # what the original's matmuls run in
     tol = max(TOLERANCE.get(d, 2e-2) for d in float_dtypes + [out_val.dtype])  # the least precise one decides
 
     def router_logits(env):
