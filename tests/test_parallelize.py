@@ -87,7 +87,7 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
     (the MoE layers in activation-checkpointed regions, recomputed in backward: their exchanges run again)."""
     ref, model = _build(family).train(), _build(family).train()
     for m in (ref, model) if checkpointing else ():
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.activation_checkpointing_enable()
     moecompile.comm_stats(reset=True)
     batches = _batches(model, world)
     mine, together = batches[rank], batches.flatten(0, 1)
