@@ -94,7 +94,8 @@ def checkpointed_regions(gm: fx.GraphModule, example_inputs) -> list[tuple[str, 
     outer graph's values where they are its inputs (the parameters, real), else random tensors of the traced
     shapes (activations: the passes read only their shapes, and probe the tokens with their own)."""
     values = placeholder_values(gm, example_inputs)
-    return [(name, [values[a] if a in values else _stand_in(a) for a in hop.args[1:]]) for name, hop in _bodies(gm)]
+    return [(name, [values[a] if isinstance(a, fx.Node) and a in values else _stand_in(a) for a in hop.args[1:]])
+            for name, hop in _bodies(gm)]
 
 
 def _rewrite_regions(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport, index: int) -> None:
