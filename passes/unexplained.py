@@ -45,14 +45,16 @@ def _unexplained_routers(graph, values, handled):
         w = router_weight(lin)
         if not is_param(w, values) or values[w].dim() != 2 or values[w].shape[0] < 2:
             continue
-        picks = (n for n in nearest(lin, "users", 60) if _picks_from(n, lin, values) or _picks_tokens(n, lin, values))
-        for pick in picks:
+        for pick in nearest(lin, "users", 60):
+            by_tokens = _picks_tokens(pick, lin, values)
+            if not (by_tokens or _picks_from(pick, lin, values)):
+                continue
             # a gather's result leaving the graph is a model's output (log-probs), not a router's
             steered = steered_by(pick, lin, values, leaving=op_name(pick) != "gather")
             if steered is not None:
                 seen = f"a router-like linear {lin.name} (weight {list(values[w].shape)}) feeds {op_name(pick)} " \
                        f"over scores {list(shape_of(pick.args[0]))}, which steers {steered.name}"
-                why = _EXPERT_CHOICE if _picks_tokens(pick, lin, values) else _why_not_router(pick, values)
+                why = _EXPERT_CHOICE if by_tokens else _why_not_router(pick, values)
                 yield _block_path([lin, steered]), f"{seen}, but {why}; left as it was"
                 break
 
