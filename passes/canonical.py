@@ -43,6 +43,8 @@ def expert_tensors(spec: MoESpec, weights: dict):
     """(w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH) in canonical layout."""
     e = spec.experts
     w = {k: _stacked(v, e) for k, v in weights.items()}
+    if spec.compute_dtype:  # the fused weight cast whole: gate and up stay views of one tensor (the lower pass)
+        w = {k: v.to(getattr(torch, spec.compute_dtype)) for k, v in w.items()}
     if e.gate_up != "separate":
         gu = w["gate_up"].transpose(1, 2) if e.up_transposed else w["gate_up"]
         gate, up = split_gate_up(gu, e.gate_up, e.intermediate)
@@ -86,8 +88,12 @@ def canonical_moe(
         tokens_per_expert_E = tokens_per_expert_E[: e.num_experts]
     gate, up, down, b_gate, b_up, b_down = expert_tensors(spec, weights)
     input_scale_B = combine_weights_B if r.weights_on_input else None
+    x_in = x_TH
+    if spec.compute_dtype:  # as autocast casts a linear's input (the combine weights keep theirs)
+        x_in = x_TH.to(getattr(torch, spec.compute_dtype))
+        input_scale_B = None if input_scale_B is None else input_scale_B.to(x_in.dtype)
     y_BH = torch.ops.moe.expert_mlp(
-        x_TH, token_ids_B, tokens_per_expert_E, gate if e.gated else None, up, down,
+        x_in, token_ids_B, tokens_per_expert_E, gate if e.gated else None, up, down,
         b_gate if e.gated else None, b_up, b_down, input_scale_B, e.activation, e.alpha, e.limit,
     )
     out_TH = torch.ops.moe.combine(y_BH, token_ids_B, None if r.weights_on_input else combine_weights_B, x_TH.size(0))

@@ -31,7 +31,7 @@ import torch.fx as fx
 from . import aliases
 from .graph_utils import ancestors, descendants, draws_random, example, hint, is_param, module_stack, \
     mutated_input, nodes_by_module, op_name, placeholder_values, shape_of
-from .experts import Skip, expert_options, expert_params
+from .experts import Skip, compute_dtype, expert_options, expert_params
 from .kept import gather_ids, kept_router, looked_up, low_precision_picks, per_expert_scale, router_side, \
     unread_router
 from .report import PassReport, block
@@ -211,6 +211,7 @@ def _describe(path, block_type, region, router, values, order, config, unread=No
     block = dict(  # the same for every candidate
         path=path, block_type=block_type, shared_experts=_shared_paths(region, slice_nodes, values, path),
         shared_gate=_shared_gated(region, slice_nodes, values), dtype=str(w_router.dtype).replace("torch.", ""),
+        compute_dtype=compute_dtype(slice_nodes - logits_nodes - router_nodes, expert_params(slice_nodes, values, E)),
     )
     specs, bindings = [], []
     for (r_kwargs, (e_kwargs, weights)) in itertools.product(_product(routing), zip(experts, binds)):

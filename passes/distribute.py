@@ -177,7 +177,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             s = torch.ops.moe.ep_to_slots(tok, counts, proxy(slots), recent, layer)
             tok, counts, order, inverse = s[0], s[1], s[2], s[3]
         if scale is not None:  # each routed row scaled here, as one device does, and sent as it is
-            dtype = (first[0] if isinstance(first, list) else first).meta["example_value"].dtype  # the experts'
+            dtype = getattr(torch, spec.compute_dtype) if spec.compute_dtype else (  # the experts' GEMMs'
+                first[0] if isinstance(first, list) else first).meta["example_value"].dtype
             weights = proxy(scale) if order is None else proxy(scale)[order]
             x = x[tok].to(dtype) * weights.to(dtype).unsqueeze(-1)
             tok = torch.cumsum(torch.ones_like(tok), 0) - 1  # row b is row b

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.fx as fx
 
 from moecompile.runtime.activations import GATED_ONLY
 
-from .graph_utils import float_consts, is_param, op_name, shape_of
+from .graph_utils import example, float_consts, is_param, op_name, shape_of
 
 
 class Skip(Exception):
@@ -28,6 +29,22 @@ def modulelist_indices(params, E: int) -> dict[fx.Node, tuple[int, str]]:
         if len({i for i, _ in members.values()}) == E:
             return members
     return {}
+
+
+# the GEMMs autocast runs in its dtype (torch._grouped_mm, transformers' default experts, is not one of them)
+_AUTOCAST_GEMMS = {"linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "einsum"}
+
+
+def compute_dtype(nodes, params) -> str:
+    """The dtype the experts' GEMMs ran in where it is less precise than their weights' (under ``torch.autocast``
+    an ``nn.Linear`` expert computes in bfloat16 over float32 weights), else "". ``nodes``: the experts'
+    computation (without the router's); ``params``: their weights."""
+    weights = {example(p).dtype for p in params}
+    ran = {example(n).dtype for n in nodes if op_name(n) in _AUTOCAST_GEMMS and isinstance(example(n), torch.Tensor)}
+    if len(weights) != 1 or len(ran) != 1:
+        return ""
+    (w,), (d,) = weights, ran
+    return str(d).removeprefix("torch.") if d.is_floating_point and d.itemsize < w.itemsize else ""
 
 
 def flat_stacked(p: fx.Node, values, E: int) -> bool:

@@ -62,16 +62,25 @@ def example(n) -> object:
 
 def example_above(node: fx.Node) -> torch.Tensor:
     """The first example tensor found walking up from ``node`` (the nodes that canonicalize traced carry none;
-    the graph's own nodes do)."""
-    todo, seen = [node], set()
+    the graph's own nodes do), in the dtype of the nearest ``.to(dtype)`` cast on the way (``canonical`` casts the
+    experts' operands to their compute dtype)."""
+    todo, seen = [(node, None)], set()
     while todo:
-        n = todo.pop()
+        n, dtype = todo.pop()
         v = example(n)
         if isinstance(v, torch.Tensor):
-            return v
+            return v if dtype is None or v.dtype == dtype else v.to(dtype)
         seen.add(n)
-        todo += [a for a in n.all_input_nodes if a not in seen]
+        dtype = dtype or cast_dtype(n)
+        todo += [(a, dtype) for a in n.all_input_nodes if a not in seen]
     raise AssertionError("an MoE layer with no example value above its expert op")
+
+
+def cast_dtype(n: fx.Node) -> torch.dtype | None:
+    """The dtype of a ``tensor.to(dtype)`` call, else None."""
+    if n.op == "call_method" and n.target == "to":
+        return next((a for a in (*n.args[1:], *n.kwargs.values()) if isinstance(a, torch.dtype)), None)
+    return None
 
 
 def shape_of(n) -> tuple | None:

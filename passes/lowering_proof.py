@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from .compare import grad_error, rel_error
-from .graph_utils import example, extract, hint, is_param, moe_op_name
+from .graph_utils import cast_dtype, example, extract, hint, is_param, moe_op_name
 from .verify import TOLERANCE, random_expert_ids  # the kernels round where the references do
 
 
@@ -43,7 +43,8 @@ def prove_lowered(
     except ValueError as exc:  # nothing to prove the kernels on: the references stay
         return False, float("inf"), str(exc)
     diff = [(n.name, t) for n, t in zip(outside, inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-    tol = max(TOLERANCE.get(t.dtype, 2e-2) for _, t in diff) if diff else 1e-5
+    casts = [d for d in map(cast_dtype, nodes) if d is not None]  # the experts' compute dtype (MoESpec)
+    tol = max([TOLERANCE.get(d, 2e-2) for d in [t.dtype for _, t in diff] + casts], default=1e-5)
     with torch.enable_grad():
         want = reference(*inputs)
         try:

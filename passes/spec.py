@@ -71,6 +71,8 @@ class MoESpec:
     shared_experts: tuple[str, ...] = ()  # module paths left as they are, beside the rewrite
     shared_gate: bool = False  # shared output scaled by sigmoid(linear(x)) (Qwen2-MoE)
     dtype: str = "float32"
+    compute_dtype: str = ""  # the dtype the original's expert GEMMs ran in where it is not the weights' (its
+    # nn.Linear experts under torch.autocast: bfloat16 with float32 weights); the canonical experts cast to it
 
     def replace(self, **changes) -> "MoESpec":
         return dataclasses.replace(self, **changes)
@@ -99,7 +101,8 @@ class MoESpec:
             shared += " (sigmoid-gated)"
         return (
             f"E={e.num_experts}{f'+{e.identity_experts} identity' if e.identity_experts else ''} k={r.top_k} "
-            f"H={e.hidden} I={e.intermediate} {self.dtype}; route: {route}; "
+            f"H={e.hidden} I={e.intermediate} {self.dtype}"
+            f"{f' (experts compute in {self.compute_dtype})' if self.compute_dtype else ''}; route: {route}; "
             f"experts: {act} [{layout}]{shared}"
         )
 
