@@ -73,8 +73,11 @@ def all_rows(tok: fx.Node, counts: fx.Node) -> bool:
     def output(n, i):
         return n.args[0] if isinstance(n, fx.Node) and n.target is operator.getitem and n.args[1] == i else None
     pft = output(counts, 2)
-    return (isinstance(pft, fx.Node) and pft is output(tok, 0) and moe_op_name(pft) in ("build_pft", "build_pft_triton")
-            and len(pft.args) > 3 and isinstance(pft.args[3], int) and pft.args[3] < 0)
+    if not isinstance(pft, fx.Node) or pft is not output(tok, 0):
+        return False
+    if moe_op_name(pft) == "build_pft_triton":  # it builds capacity-free buffers only
+        return True
+    return moe_op_name(pft) == "build_pft" and len(pft.args) > 3 and isinstance(pft.args[3], int) and pft.args[3] < 0
 
 
 def gate_up_source(wg, wu) -> tuple[fx.Node | None, str]:

@@ -313,6 +313,7 @@ def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
         fused = graph.call_function(
             _ops.fused_experts.default,
             (x, tok, counts, cw, *weights, wd, bg, bu, bd, s, act, alpha, limit, num_tokens, src, gate_up, layout),
+            {"all_rows": True} if grouped_form.all_rows(tok, counts) else {},
         )
     fused.meta.update(combine.meta)
     combine.replace_all_uses_with(fused)

@@ -124,18 +124,19 @@ def fused_experts(
     w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
     b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None, activation: str, alpha: float,
     limit: float, num_tokens: int, src_B: Tensor | None = None, w_gate_up: Tensor | None = None,
-    gate_up_layout: str = "",
+    gate_up_layout: str = "", all_rows: bool = False,
 ) -> Tensor:
     """``combine(expert_mlp(x, ...), token_ids, combine_weights, num_tokens)``: grouped GEMM kernels, then each
     token's rows summed in k order (``src_B``: the PFT's flat assignment of each row) without atomics. With
     ``w_gate_up`` (one [E, 2I, H] weight, ``gate_up_layout`` saying where its halves are) instead of ``w_gate``
-    and ``w_up``, its gradient is written whole, in its own layout."""
+    and ``w_up``, its gradient is written whole, in its own layout. ``all_rows``: the counts count every row (the
+    lower pass sets it where the rows come from a capacity-free PFT): no role reads the count back."""
     w_gate_EIH, w_up_EIH = _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
     with _on(x_TH):
         return _kernels()["grouped_mlp"].fused_experts(
             x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
             b_up_EI, b_down_EH, input_scale_B, num_tokens=num_tokens, activation=activation, alpha=alpha,
-            limit=limit, src_B=src_B,
+            limit=limit, src_B=src_B, all_rows=all_rows,
         )
 
 
@@ -153,7 +154,7 @@ def fused_experts_backward(
     combine_weights_B: Tensor | None, w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor,
     b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None,
     activation: str, alpha: float, limit: float, src_B: Tensor | None = None, w_gate_up: Tensor | None = None,
-    gate_up_layout: str = "",
+    gate_up_layout: str = "", all_rows: bool = False,
 ) -> list[Tensor]:
     """Gradients of the present inputs among ``_GRAD_INPUTS``, in that order: weights' in the weights' own
     layout (each written once by its kernel), the rest contiguous."""
@@ -166,7 +167,7 @@ def fused_experts_backward(
         grads = list(_kernels()["grouped_mlp_bwd"].fused_experts_backward(
             grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, gate, up, w_down_EHI,
             b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit,
-            src_B=src_B, weight_grads=out,
+            src_B=src_B, weight_grads=out, all_rows=all_rows,
         ))
     if w_gate_up is not None:
         grads[2:4] = [None, None]
@@ -180,7 +181,7 @@ def _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu):
 
 @register_fake("moe::fused_experts_backward")
 def _fused_experts_backward_fake(grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, cw, wg, wu, wd, bg, bu, bd,
-                                 s, activation, alpha, limit, src=None, gu=None, layout=""):
+                                 s, activation, alpha, limit, src=None, gu=None, layout="", all_rows=False):
     like = (wg, wu, wd, gu)  # weights: their own strides, as the kernels write them
     return [torch.empty_like(t) if any(t is w for w in like) else t.new_empty(t.shape)
             for t in _grad_inputs(x_TH, cw, wg, wu, wd, bg, bu, bd, s, gu) if t is not None]
@@ -195,17 +196,18 @@ def _fused_setup(ctx, inputs, output):
     ctx.present = [t is not None for t in tensors]
     ctx.attrs = inputs[11:14]
     ctx.layout = inputs[17] if len(inputs) > 17 else ""
+    ctx.all_rows = inputs[18] if len(inputs) > 18 else False
 
 
 def _fused_bwd(ctx, grad_out):
     saved = iter(ctx.saved_tensors)
     x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, src, gu = [next(saved) if p else None for p in ctx.present]
     grads = iter(torch.ops.moe.fused_experts_backward(grad_out, x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s,
-                                                      *ctx.attrs, src, gu, ctx.layout))
+                                                      *ctx.attrs, src, gu, ctx.layout, ctx.all_rows))
     g = {name: (next(grads) if t is not None else None)
          for name, t in zip(_GRAD_INPUTS, _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu))}
     return (g["x"], None, None, g["combine_weights"], g["w_gate"], g["w_up"], g["w_down"], g["b_gate"], g["b_up"],
-            g["b_down"], g["input_scale"], None, None, None, None, None, g["w_gate_up"], None)
+            g["b_down"], g["input_scale"], None, None, None, None, None, g["w_gate_up"], None, None)
 
 
 register_autograd("moe::fused_experts", _fused_bwd, setup_context=_fused_setup)

@@ -137,3 +137,31 @@ def test_forcing_the_vendor_gemm_where_it_cannot_run_is_named():
     with pytest.raises(ValueError, match="single_launch=True runs the persistent Triton kernel"):
         on_device(gm.fused_experts, t["x"], tok, counts, t["cw"], *_args(t), num_tokens=6, config=V,
                   single_launch=True, **kw)
+
+
+@pytest.mark.parametrize("layout", ["mixtral", "gpt_oss", "llama4"])
+def test_vendor_roles_told_every_row_counts_read_no_count_and_give_the_same(layout, monkeypatch):
+    """``all_rows`` (the lower pass sets it for capacity-free layers): every vendor role takes the buffer's length
+    as its row count instead of reading the counts' sum back from the device (on CUDA, a wait for the GPU in each
+    role, forward and backward); the output and every gradient are the same, bit for bit."""
+    from moecompile.runtime import grouped_cpu
+
+    told = []  # per Segments made: whether the row count was given (else it is read from the device)
+    real = grouped_cpu.Segments.__init__
+    monkeypatch.setattr(grouped_cpu.Segments, "__init__",
+                        lambda self, counts, biased, rows=None: (told.append(rows is not None),
+                                                                 real(self, counts, biased, rows))[1])
+    T = 42
+    t, tok, counts, kw = make_problem(T, layout, torch.float32, "skewed")
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for all_rows in (False, True):
+        told.clear()
+        out = on_device(gm.fused_experts, t["x"], tok, counts, t["cw"], *_args(t), num_tokens=T, config=V,
+                        all_rows=all_rows, **kw)
+        grads = on_device(gb.fused_experts_backward, grad_out, t["x"], tok, counts, t["cw"], *_args(t),
+                          config={"gemm": V, "wgrad": V}, all_rows=all_rows, **kw)
+        assert len(told) == 6 and set(told) == {all_rows}, told  # up_act, down, dh, dx, wgrad_up, wgrad_down
+        runs[all_rows] = [out, *grads]
+    for name, a, b in zip(["out", *NAMES], runs[False], runs[True]):
+        assert (a is None and b is None) or torch.equal(a, b), name

@@ -216,11 +216,13 @@ def test_capacity_by_cumsum_in_sequence_order_is_rewritten_with_its_drops():
     assert (r.top_k, r.score_fn, r.capacity) == (1, "softmax", 2)  # ceil(10 / 8): some tokens are dropped
 
 
+@pytest.mark.parametrize("lowering", ["grouped", "triton"])
 @pytest.mark.parametrize("capacity", [False, True])
-def test_grouped_experts_read_the_row_count_back_only_where_a_capacity_drops_rows(capacity):
+def test_grouped_experts_read_the_row_count_back_only_where_a_capacity_drops_rows(capacity, lowering):
     """lowering="grouped": moe.expert_mlp_keep takes all_rows=True where its rows come from a build_pft without a
     capacity (it then reads no row count back from the device: on CUDA, a wait for the GPU in forward and again
-    in backward), never where a capacity drops rows; both train like the block."""
+    in backward), never where a capacity drops rows; "triton": so does moe.fused_experts (for the roles the
+    tuner gives the vendor GEMM). Both train like the block."""
     import dataclasses
 
     from test_passes import CONFIG
@@ -233,11 +235,12 @@ def test_grouped_experts_read_the_row_count_back_only_where_a_capacity_drops_row
     block = SwitchCumsumCapacity(capacity_factor=1.0) if capacity else handwritten.TinyMoELM("modulelist").blocks[0]
     x = torch.randn(2, 5, H, requires_grad=True)
     gm, ex = capture(block, x)
-    report, config = PassReport(), dataclasses.replace(CONFIG, lowering="grouped")
+    report, config = PassReport(), dataclasses.replace(CONFIG, lowering=lowering)
     for p in (detect.detect_moe_pass, verify.verify_moe_pass, canonicalize.canonicalize_moe_pass, lower.lower_moe_pass):
         gm = p(gm, ex, config=config, report=report)
     gm.recompile()
-    keeps = [n for n in gm.graph.nodes if moe_op_name(n) == "expert_mlp_keep"]
+    keeps = [n for n in gm.graph.nodes if moe_op_name(n) == ("expert_mlp_keep" if lowering == "grouped"
+                                                              else "fused_experts")]
     assert keeps and all(n.kwargs.get("all_rows", False) is not capacity for n in keeps), [n.kwargs for n in keeps]
     (out,) = gm(*ex)
     want = block(x)

@@ -166,9 +166,11 @@ def _fused_experts_kernel(
 
 
 def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI=None, b_up_EI=None,
-           input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0, config=None, zero_tail=True):
+           input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0, config=None, zero_tail=True,
+           all_rows=False):
     """h_BI: gathered rows through each expert's up (and gate) projection and activation. Rows past the counted
-    ones (dropped by a capacity) are 0, or left unwritten with ``zero_tail=False`` (no memset)."""
+    ones (dropped by a capacity) are 0, or left unwritten with ``zero_tail=False`` (no memset). ``all_rows``: the
+    counts count every row (the vendor GEMM then reads no count from the device, ``vendor.py``)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, None, b_gate_EI,
                                    b_up_EI, None, input_scale_B, activation)
     token_ids_B, input_scale_B = rows_contiguous(token_ids_B, input_scale_B)
@@ -191,7 +193,8 @@ def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_
         )
 
     vendor = vd.candidate(w_up_EIH.dtype, H, I, vd.up_act, h_BI, x_TH, token_ids_B, counts, w_gate_EIH, w_up_EIH,
-                          b_gate_EI, b_up_EI, input_scale_B, activation=activation, alpha=alpha, limit=limit)
+                          b_gate_EI, b_up_EI, input_scale_B, activation=activation, alpha=alpha, limit=limit,
+                          all_rows=all_rows)
     run_role("up_act", config, launch, vendor, dtype=w_up_EIH.dtype, device=x_TH.device, B=B, E=E, H=H, I=I,
              gated=w_gate_EIH is not None)
     return h_BI
@@ -202,10 +205,10 @@ def _combine_dtype(w_dtype, combine_weights_B):
 
 
 def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=None, combine_weights_B=None,
-                 num_tokens=None, *, combine=True, config=None, src_B=None):
+                 num_tokens=None, *, combine=True, config=None, src_B=None, all_rows=False):
     """``combine``: out_TH = sum over each token's rows of cw * (h @ w_down[e]^T + b_down), summed in k order
     (``src_B``: the PFT's flat assignment of each row, which gives that order; without it, buffer order); else
-    y_BH (dropped tail rows 0)."""
+    y_BH (dropped tail rows 0). ``all_rows`` as ``up_act``."""
     E, H, I = w_down_EHI.shape
     B = token_ids_B.shape[0]
     check_device(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B, src_B)
@@ -229,7 +232,8 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
             num_stages=cfg["num_stages"],
         )
 
-    vendor = vd.candidate(w_down_EHI.dtype, H, I, vd.down, y_BH, h_BI, counts, w_down_EHI, b_down_EH)
+    vendor = vd.candidate(w_down_EHI.dtype, H, I, vd.down, y_BH, h_BI, counts, w_down_EHI, b_down_EH,
+                          all_rows=all_rows)
     run_role("down", config, launch, vendor, dtype=w_down_EHI.dtype, device=h_BI.device, B=B, E=E, H=H, I=I,
              gated=False)
     if not combine:
@@ -248,7 +252,8 @@ def _programs_available(device) -> int:
 
 def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
                   b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *, num_tokens, activation="silu",
-                  alpha=1.702, limit=7.0, config=None, num_programs=None, single_launch=None, src_B=None):
+                  alpha=1.702, limit=7.0, config=None, num_programs=None, single_launch=None, src_B=None,
+                  all_rows=False):
     """The whole routed MLP + combine of one layer: out_TH (fp32 sums in a fixed order, returned in the dtype the
     torch reference's combine would have: weights' dtype promoted with combine weights'). Deterministic: no
     float atomics anywhere (``combine.py``); ``src_B`` (the PFT's flat assignment of each row) sums each token's
@@ -258,7 +263,8 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
     (``single_launch``) the persistent kernel, one program per SM walking whole row tiles (all of I, then all of
     H) with h in a per-program scratch slot instead of an h_BI buffer. On an H100 the persistent form was slower
     than the two launches at every shape measured (``../shared/measurements/h100-2026-11-23.md``), so
-    ``single_launch=None`` takes it only in the interpreter, where fewer programs run faster."""
+    ``single_launch=None`` takes it only in the interpreter, where fewer programs run faster. ``all_rows``: the
+    counts count every row (no capacity): a role on the vendor GEMM reads no count from the device."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     check_shape("combine_weights_B", combine_weights_B, (B,))
@@ -271,9 +277,10 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
                          "tuning.VENDOR")
     if not single_launch:
         h_BI = up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI,
-                      input_scale_B, activation=activation, alpha=alpha, limit=limit, config=config, zero_tail=False)
+                      input_scale_B, activation=activation, alpha=alpha, limit=limit, config=config, zero_tail=False,
+                      all_rows=all_rows)
         return down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B,
-                            num_tokens, config=config, src_B=src_B)
+                            num_tokens, config=config, src_B=src_B, all_rows=all_rows)
     # the persistent kernel holds both GEMMs: the up projection's configuration, untuned (never timed here)
     cfg = config or tuning.tuner().lookup("up_act", tuning.key("up_act", w_up_EIH.dtype, H, I, E, B, True),
                                           w_up_EIH.dtype, x_TH.device,

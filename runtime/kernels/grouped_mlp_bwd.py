@@ -202,7 +202,8 @@ def _wgrad_kernel(
 # ---- host launcher -------------------------------------------------------------------------------------------
 
 
-def _wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype, config, split=None, out=None):
+def _wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype, config, split=None, out=None,
+           all_rows=False):
     """dW [E, N1, N2] (and db [E, N1]); with ``split`` the two [E, split, N2] halves of A's columns instead. ``out``:
     the views to write dW into (one, or two with ``split``, sharing strides), else new contiguous tensors. The
     tile configuration is ``config`` or the tuner's for ``role``."""
@@ -227,7 +228,7 @@ def _wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype
 
     rows = a.shape[0] if a_tok is None else c.shape[0]  # the buffer's routed rows (the other may be [T, ...])
     vendor = vd.candidate(dtype, N1, N2, vd.wgrad, a, a_tok, a_scale, c, c_tok, c_scale, counts, dws,
-                          dbs if want_db else None, split=split, dtype=dtype)
+                          dbs if want_db else None, split=split, dtype=dtype, all_rows=all_rows)
     run_role(role, config, launch, vendor, dtype=dtype, device=a.device, B=rows, E=E, H=N2, I=N1,
              gated=split is not None, rule=lambda: wgrad_gpu_config(dtype))
     return dws, (dbs if want_db else [None] * len(dws))
@@ -235,7 +236,8 @@ def _wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype
 
 def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
                            w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
-                           activation="silu", alpha=1.702, limit=7.0, config=None, src_B=None, weight_grads=None):
+                           activation="silu", alpha=1.702, limit=7.0, config=None, src_B=None, weight_grads=None,
+                           all_rows=False):
     """Gradients of ``fused_experts`` for (x, combine_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
     input_scale), None where that input is None. Deterministic: no float atomics (``src_B`` as in
     ``fused_experts``). Weight gradients are written once, where ``weight_grads`` (views for dWg, dWu, dWd)
@@ -243,7 +245,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     (``empty_like``: a transposed weight gets a transposed gradient, no copy to its layout afterwards). Bias
     gradients are contiguous. ``config``: one tile configuration for every kernel
     (``{"gemm": {...}, "wgrad": {...}}``, or one GEMM configuration for dh and dx; ``tuning.VENDOR`` for the
-    vendor GEMM, ``vendor.py``); None lets each kernel take the tuner's (``tuning.py``)."""
+    vendor GEMM, ``vendor.py``); None lets each kernel take the tuner's (``tuning.py``). ``all_rows``: as there."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
@@ -287,7 +289,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     def vendor_dh():
         partial["cw"] = vd.dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts, dout, w_gate_EIH, w_up_EIH,
                               w_down_EHI, b_gate_EI, b_up_EI, activation=activation, alpha=alpha, limit=limit,
-                              h_out=h_BI, dgu_out=dgu)
+                              h_out=h_BI, dgu_out=dgu, all_rows=all_rows)
 
     run_role("dh", config.get("gemm"), launch_dh, vd.candidate(dt, H, I, vendor_dh), **shape)
     dxs_BH = torch.empty(B, H, dtype=dt, device=dev)  # dropped tail rows: never written, never read
@@ -306,12 +308,12 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
 
     def vendor_dx():
         partial["s"], partial["bd"] = vd.dx(x_TH, token_ids_B, counts, dgu, dout, w_gate_EIH, w_up_EIH, b_down_EH,
-                                            dxs_out=dxs_BH, scale=has_s, bd_dcw=bd_dcw)
+                                            dxs_out=dxs_BH, scale=has_s, bd_dcw=bd_dcw, all_rows=all_rows)
 
     run_role("dx", config.get("gemm"), launch_dx, vd.candidate(dt, H, I, vendor_dx), **shape)
     xs = dict(c=x_TH.contiguous(), c_tok=token_ids_B, c_scale=input_scale_B)
     want_db = b_gate_EI is not None or b_up_EI is not None
-    wargs = dict(counts=counts, E=E, dtype=dt, config=config.get("wgrad"))
+    wargs = dict(counts=counts, E=E, dtype=dt, config=config.get("wgrad"), all_rows=all_rows)
     out_g, out_u, out_d = weight_grads or (None if w is None else torch.empty_like(w)
                                            for w in (w_gate_EIH, w_up_EIH, w_down_EHI))
     dwg = dbg = None
@@ -323,8 +325,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
             dwg, dwu = out_g.copy_(dwg), out_u.copy_(dwu)
     else:
         (dwu,), (dbu,) = _wgrad("wgrad_up", dgu, None, None, **xs, want_db=want_db, out=[out_u], **wargs)
-    dbg = dbg if b_gate_EI is not None else None
-    dbu = dbu if b_up_EI is not None else None
+    dbg, dbu = (dbg if b_gate_EI is not None else None), (dbu if b_up_EI is not None else None)
     (dwd,), (dbd,) = _wgrad("wgrad_down", dout, token_ids_B, combine_weights_B, h_BI, None, None,
                             want_db=b_down_EH is not None, out=[out_d], **wargs)
     dcw = None

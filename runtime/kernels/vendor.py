@@ -6,7 +6,8 @@ Each function writes the buffers the role's kernel writes (rows past the counted
 leaves them), rounding as the torch reference does: gathered rows in the weights' dtype, GEMM outputs in it.
 The fused epilogues of the kernels (gather, bias, activation, the partial sums for the combine weights' and the
 row scales' gradients) run as torch ops around the GEMMs. Unlike the kernels, each reads the number of counted
-rows (one wait for the device): that cost is in what the tuner times.
+rows (one wait for the device: that cost is in what the tuner times), except with ``all_rows``: every row is
+counted (no capacity drops a row, the lower pass knows it), so the count is the buffer's length.
 
     role        kernel (grouped_mlp*.py)                         here
     up_act      gather, [gate,] up GEMM, bias, activation -> h    Rows, grouped_mm x2, apply_activation
@@ -61,29 +62,30 @@ def _split(wg, I):
 
 
 def up_act(h_out, x_TH, token_ids_B, counts_E, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI, input_scale_B, *,
-           activation, alpha, limit):
+           activation, alpha, limit, all_rows=False):
     """h rows: the activated projections of the gathered (and scaled) rows."""
     biased = b_gate_EI is not None or b_up_EI is not None
-    r = Rows(x_TH, token_ids_B, counts_E, w_up_EIH.dtype, input_scale_B, biased)
+    r = Rows(x_TH, token_ids_B, counts_E, w_up_EIH.dtype, input_scale_B, biased, all_rows)
     pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
     gs, us = _split(w_gate_EIH, w_up_EIH.shape[1])
     h_out[:r.n] = apply_activation(activation, None if gs is None else pre[:, gs], pre[:, us], alpha=alpha,
                                    limit=limit)
 
 
-def down(y_out, h_BI, counts_E, w_down_EHI, b_down_EH):
+def down(y_out, h_BI, counts_E, w_down_EHI, b_down_EH, *, all_rows=False):
     """y rows: h @ Wd[e]^T + bd[e]."""
-    s = Segments(counts_E, b_down_EH is not None)
+    s = Segments(counts_E, b_down_EH is not None, h_BI.shape[0] if all_rows else None)
     y_out[:s.n] = s.bias(s.mm(h_BI[:s.n], w_down_EHI, t=True), b_down_EH)
 
 
 def dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts_E, dout_TH, w_gate_EIH, w_up_EIH, w_down_EHI,
-       b_gate_EI, b_up_EI, *, activation, alpha, limit, h_out, dgu_out):
+       b_gate_EI, b_up_EI, *, activation, alpha, limit, h_out, dgu_out, all_rows=False):
     """h rows again, [dg | du] (or du) rows; returns <h, dout[tok] @ Wd> per row as [B, 1] fp32 partial sums (the
     combine weights' gradient) when there are combine weights, else None."""
     dt, I = w_up_EIH.dtype, w_up_EIH.shape[1]
     pcw_out = None if combine_weights_B is None else torch.zeros(token_ids_B.shape[0], 1, device=x_TH.device)
-    r = Rows(x_TH, token_ids_B, counts_E, dt, input_scale_B, b_gate_EI is not None or b_up_EI is not None)
+    r = Rows(x_TH, token_ids_B, counts_E, dt, input_scale_B, b_gate_EI is not None or b_up_EI is not None,
+             all_rows)
     pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
     G = r.mm(dout_TH[r.tok].to(dt), w_down_EHI)
 
@@ -102,13 +104,14 @@ def dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts_E, dout_TH, w
     return pcw_out
 
 
-def dx(x_TH, token_ids_B, counts_E, dgu, dout_TH, w_gate_EIH, w_up_EIH, b_down_EH, *, dxs_out, scale, bd_dcw):
+def dx(x_TH, token_ids_B, counts_E, dgu, dout_TH, w_gate_EIH, w_up_EIH, b_down_EH, *, dxs_out, scale, bd_dcw,
+       all_rows=False):
     """dxs rows = dg @ Wg[e] + du @ Wu[e] (summed in fp32, then rounded); returns [B, 1] fp32 partial sums
     <dxs, x[tok]> (with a row ``scale``) and <bd[e], dout[tok]> (``bd_dcw``), each None when not asked."""
     dt, I = w_up_EIH.dtype, w_up_EIH.shape[1]
     ps_out, pbd_out = (torch.zeros(token_ids_B.shape[0], 1, device=x_TH.device) if want else None
                        for want in (scale, bd_dcw))
-    s = Segments(counts_E, pbd_out is not None)
+    s = Segments(counts_E, pbd_out is not None, token_ids_B.shape[0] if all_rows else None)
     n = s.n
     up = s.mm(dgu[:n, I:] if w_gate_EIH is not None else dgu[:n], w_up_EIH)
     gate = None if w_gate_EIH is None else s.mm(dgu[:n, :I], w_gate_EIH)
@@ -125,11 +128,12 @@ def dx(x_TH, token_ids_B, counts_E, dgu, dout_TH, w_gate_EIH, w_up_EIH, b_down_E
     return ps_out, pbd_out
 
 
-def wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts_E, dws, dbs, *, split, dtype):
+def wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts_E, dws, dbs, *, split, dtype, all_rows=False):
     """dW[e] = A_e^T C_e over expert e's rows into ``dws`` (its halves of A's columns with ``split``), the column
     sums of A_e into ``dbs`` when given; A row r is a[a_tok[r]] * a_scale[r] (rounded once), C likewise with the
     scale rounded to the dtype first (the reference's gather)."""
-    s = Segments(counts_E, dbs is not None)
+    rows = (a_tok if a_tok is not None else a).shape[0] if all_rows else None
+    s = Segments(counts_E, dbs is not None, rows)
     n = s.n
     A = a[a_tok[:n]] if a_tok is not None else a[:n]
     A = A.to(dtype) if a_scale is None else (A.float() * a_scale[:n].float()[:, None]).to(dtype)
