@@ -16,9 +16,11 @@ import torch
 import torch.fx as fx
 
 from moecompile.passes import forms
+from moecompile.passes.graph_utils import FRAME_PREFIX
 from moecompile.passes.report import PassReport
 
 from .tracing.capture import MARK, RETRACE, install
+from .tracing.frames import frame_prefix
 from .config import MoEOptions, parse_options
 from .pipeline import Checkpoint, MoECompileError, MoEFallbackWarning, run_passes
 
@@ -70,7 +72,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
     inner = inner or compile_inner
     install()  # torch._dynamo.reset() drops Dynamo's compile callbacks: the next compile captures again
     checkpoint = Checkpoint.take(gm, report)
-    gm = rewrite(gm, example_inputs, config, report, checkpoint)
+    prefix = FRAME_PREFIX.set(frame_prefix())  # layers named by their path in the model, not in the traced frame
+    try:
+        gm = rewrite(gm, example_inputs, config, report, checkpoint)
+    finally:
+        FRAME_PREFIX.reset(prefix)
     if not checkpoint.rewrote(report):
         return inner(gm, example_inputs, config)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import operator
 import re
 from collections import defaultdict
@@ -35,9 +36,17 @@ def moe_op_name(n: fx.Node) -> str | None:
     return None
 
 
+# the path of the traced frame's ``self`` in the model being run, while the passes run on its graph
+# (``moecompile/tracing/frames.py``; "" when the frame is the model's own forward)
+FRAME_PREFIX: contextvars.ContextVar[str] = contextvars.ContextVar("moe_frame_prefix", default="")
+
+
 def clean_path(path: str) -> str:
-    """``L['self'].model.layers.0.mlp`` -> ``model.layers.0.mlp``."""
-    return re.sub(r"^L\['self'\]\.?", "", path).replace("L['self']", "")
+    """``L['self'].model.layers.0.mlp`` -> ``model.layers.0.mlp``; with ``FRAME_PREFIX`` (``model``) set,
+    ``L['self'].layers.0.mlp`` -> ``model.layers.0.mlp`` too."""
+    prefix = FRAME_PREFIX.get() if path.startswith("L['self']") else ""
+    path = re.sub(r"^L\['self'\]\.?", "", path).replace("L['self']", "")
+    return f"{prefix}.{path}" if prefix and path else prefix or path
 
 
 def module_stack(n: fx.Node) -> list[tuple[str, str, str]]:

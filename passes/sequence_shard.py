@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import example
+from .graph_utils import example, module_stack
 
 EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
 COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)
@@ -141,8 +140,7 @@ class Cut:
     def _in_block(self, n: fx.Node) -> bool:
         if self.key in ("<root>", "") or n.meta.get("moe_layer") == self.key:
             return n.op != "output"
-        paths = [re.sub(r"^L\['[^']*'\]\.?", "", str(v[0])) for v in (n.meta.get("nn_module_stack") or {}).values()]
-        return self.key in paths
+        return self.key in [path for _, path, _ in module_stack(n)]
 
     def _whole(self, a):
         """``a`` as the rest of the graph expects it: its rows gathered over tp and reshaped (the root: itself)."""

@@ -85,7 +85,8 @@ def test_moe_layers_in_checkpointed_regions_are_rewritten_and_train_as_eager(mon
     assert len(runs) == 4
     ops, regions = _bodies(backend)
     assert regions == 2 and {"moe.route", "moe.build_pft", "moe.expert_mlp_keep", "moe.combine"} <= ops, ops
-    assert [r.path.split("layers.")[-1] for r in backend.report.layers] == ["0.mlp", "1.mlp"]
+    # by their paths in the model, though Dynamo traced the inner model's frame (the top-level forward breaks)
+    assert [r.path for r in backend.report.layers] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert not backend.report.skipped and not backend.report.failures and not backend.errors
 
 

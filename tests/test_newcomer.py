@@ -12,7 +12,7 @@ from transformers import DeepseekV3Config, LlamaConfig, LlamaForCausalLM, Qwen2M
 import moecompile
 from moecompile import pipeline
 from moecompile.__main__ import _model_for, families, main
-from moecompile.models import hf
+from moecompile.models import handwritten, hf
 
 ROOT = Path(__file__).resolve().parent.parent
 IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -128,3 +128,36 @@ def test_readme_recipe_for_generate():
     got = model.generate(prompt, max_new_tokens=3, do_sample=False)
     assert torch.equal(got, want) and not backend.errors
     assert backend.report.counters["canonicalize.rewritten"] >= 1
+
+
+class _Wrapper(torch.nn.Module):
+    """A model whose own forward Dynamo does not trace (as one that breaks the graph at once): the hand-written MoE
+    model inside is traced in its own frame, where the module paths start at ``trunk``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = handwritten.TinyMoELM("modulelist")
+
+    @torch._dynamo.disable(recursive=False)
+    def forward(self, ids):
+        return self.trunk(ids).logits
+
+
+def test_layers_are_named_by_their_path_in_the_model_when_an_inner_frame_is_traced():
+    """explain(), the backend's report and the rewritten nodes name a layer ``trunk.blocks.0``, its path in the
+    model compiled, not ``blocks.0``, its path in the frame Dynamo traced (which named layers under transformers'
+    gradient checkpointing so: ``layers.0.mlp`` for ``model.layers.0.mlp``)."""
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    want = ["trunk.blocks.0", "trunk.blocks.1"]
+    model = _Wrapper()
+    assert [r.path for r in moecompile.explain(model, ids).layers] == want
+    backend = RecordingBackend(inner="aot_eager")
+    torch.compile(model, backend=backend)(ids)
+    assert [r.path for r in backend.report.layers] == want
+    for path in want:
+        model.get_submodule(path)  # a real module of the model
+    torch._dynamo.reset()
+    backend = RecordingBackend(inner="aot_eager")  # the inner model compiled alone: its own paths
+    torch.compile(model.trunk, backend=backend)(ids)
+    assert [r.path for r in backend.report.layers] == ["blocks.0", "blocks.1"]

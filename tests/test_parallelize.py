@@ -101,8 +101,7 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
         dedup = "off"
     routed = []  # the one-process routing of layer 0, [world * T, K] per step (Mixtral's router returns it)
     if family == "mixtral":
-        # the path as the traced frame names it: under gradient checkpointing that is the inner model's frame
-        router = next(m for n, m in ref.named_modules() if f".{n}".endswith(f".{info.report.layers[0].path}.gate"))
+        router = ref.get_submodule(f"{info.report.layers[0].path}.gate")  # its path in the model, checkpointed too
         router.register_forward_hook(lambda module, args, out: routed.append(out[2]))
     assert not info.left and all(r.sharding for r in info.report.layers), str(info)
     expert_names = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}

@@ -6,6 +6,7 @@
     loops.py      prove that a loop over the experts that received tokens equals the loop over every expert, and
                   swap the module's code for that loop while Dynamo traces for moe (put back after)
     loop_ast.py   the source-level (``ast``) reading and rewriting that ``loops.py`` proves with
+    frames.py     where the traced frame's module sits in the model being run (layer paths in the model's terms)
 
 May import: ``moecompile.passes`` (alias tables, reasons). Never the rest of the front end, never ``runtime``.
 Why apart from the front end: it acts on Dynamo, before any graph exists; the passes act on the graph after.
