@@ -10,6 +10,8 @@ shapes are captured each leave that graph (or frame) as Dynamo's defaults give i
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 
 import torch
@@ -17,6 +19,7 @@ import torch.fx as fx
 
 from moecompile.passes import forms
 from moecompile.passes.graph_utils import FRAME_PREFIX
+from moecompile.passes.recompute import saves_exchanges
 from moecompile.passes.report import PassReport
 
 from .tracing.capture import MARK, RETRACE, install
@@ -80,7 +83,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
     if not checkpoint.rewrote(report):
         return inner(gm, example_inputs, config)
     try:
-        compiled = inner(gm, example_inputs, config)
+        with _quiet_context_fn_note(saves_exchanges(gm)):
+            compiled = inner(gm, example_inputs, config)
     except torch._dynamo.exc.RestartAnalysis:
         raise  # Dynamo's own control flow: it traces again
     except Exception as exc:
@@ -156,6 +160,23 @@ def rewrite(gm, example_inputs, config: MoEOptions, report: PassReport,
     finally:
         if token is not None:
             forms.TRAINING.reset(token)
+
+
+@contextlib.contextmanager
+def _quiet_context_fn_note(active: bool):
+    """Drop torch's note that a checkpoint's context_fn was passed (meant for the user's own: it asks them to keep
+    in-place ops out of the region) while the regions compile whose policy ``checkpoint_exchanges="save"`` set:
+    plain checkpointing takes the same path in torch 2.13, with every op recomputed."""
+    def drop(record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+    log = logging.getLogger("torch._higher_order_ops.wrap")
+    if active:
+        log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs, config: MoEOptions):

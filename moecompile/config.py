@@ -51,6 +51,9 @@ class MoEOptions:
                       the block's own token count).
     max_candidates:   most candidate specs verify may try per block.
     record_graphs:    keep the readable graph before and after each pass (explain() turns it on).
+    checkpoint_exchanges: for a sharded layer inside an activation-checkpointed region: "recompute" (default) runs
+                      its exchanges again when backward recomputes the region; "save" keeps their outputs for
+                      backward instead (less traffic, about 2 K x the layer's input more memory): passes/recompute.py.
     capture:          Dynamo captures data-dependent shapes (nonzero(), where(mask), .tolist()) while it traces for
                       this backend, so expert loops stay in the graph and are rewritten; the two Dynamo settings
                       are on only during the moe backend's own compiles (moecompile/tracing/capture.py). False: Dynamo's
@@ -69,9 +72,11 @@ class MoEOptions:
     max_candidates: int = 64
     record_graphs: bool = False
     capture: bool = True
+    checkpoint_exchanges: str = "recompute"
 
 
-_CHOICES = {"inner": INNER_BACKENDS, "lowering": LOWERINGS, "choose": CHOOSE}
+_CHOICES = {"inner": INNER_BACKENDS, "lowering": LOWERINGS, "choose": CHOOSE,
+            "checkpoint_exchanges": ("recompute", "save")}
 
 
 def parse_options(options: dict | MoEOptions | None) -> MoEOptions:

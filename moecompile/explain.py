@@ -71,6 +71,8 @@ class ExplainReport:
                 out.append(f"      kernels checked against the references on probes: error {rec.lowering_error:.2g}")
             if rec.kernel_tiles:
                 out.append(f"      kernel tiles: {rec.kernel_tiles}")
+            if rec.checkpointed:
+                out.append(f"      {rec.checkpointed}")
         for name, where in self.loops.items():
             out.append(f"  traced {name}'s loop over nonzero() rows as a loop over every expert ({where})")
         for s in self.skipped:

@@ -39,6 +39,8 @@ from moecompile.passes.graph_utils import hint, placeholder_values
 from moecompile.passes.distribute import distribute_moe_pass
 from moecompile.passes.kept import looked_up
 from moecompile.passes.lower import LoweringUnavailable, lower_moe_pass
+from moecompile.passes.recompute import forget as forget_exchanges
+from moecompile.passes.recompute import region_exchanges
 from moecompile.passes.report import FailureRecord, PassReport
 from moecompile.passes.routing import selections_in
 from moecompile.passes.sharded import expose_sharded_pass, remove_standins
@@ -105,6 +107,7 @@ def _rewrite_regions(gm: fx.GraphModule, example_inputs, config: MoEOptions, rep
         body = getattr(gm, name)
         body, ok = _apply(body, inputs, config, report, Checkpoint.take(body, report, index, name))
         if ok:
+            region_exchanges(body, config, report)
             _rewrite_regions(body, inputs, config, report, index)
 
 
@@ -208,6 +211,7 @@ class Checkpoint:
         for name, graph in self.bodies.items():
             getattr(self.gm, name).graph = graph
             getattr(self.gm, name).recompile()
+        forget_exchanges(self.gm)  # no exchange is left to keep
         if config.record_graphs:
             report.graphs.append(("fallback", self.gm.print_readable(print_output=False)))
         warnings.warn(f"moecompile: {failure.what} failed on {region} ({failure.error}); that "

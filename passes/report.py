@@ -26,6 +26,7 @@ class LayerRecord:
     dedup: str = ""  # how its rows cross the mesh when sharded: "off" or the level it dedups at ("node"...)
     dedup_reason: str = ""  # why that level (dedup="auto": the predicted times)
     predicted_s: dict = field(default_factory=dict)  # dedup="auto": predicted seconds per level, example routing
+    checkpointed: str = ""  # in an activation-checkpointed region: what backward runs again (passes/recompute.py)
 
 
 @dataclass

@@ -87,6 +87,9 @@ def test_moe_layers_in_checkpointed_regions_are_rewritten_and_train_as_eager(mon
     assert regions == 2 and {"moe.route", "moe.build_pft", "moe.expert_mlp_keep", "moe.combine"} <= ops, ops
     # by their paths in the model, though Dynamo traced the inner model's frame (the top-level forward breaks)
     assert [r.path for r in backend.report.layers] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    # what explain() prints for each: no exchange to keep here (a sharded layer's: tests/test_parallelize.py)
+    assert {r.checkpointed for r in backend.report.layers} == {"in an activation-checkpointed region: recomputed "
+                                                               "in backward"}
     assert not backend.report.skipped and not backend.report.failures and not backend.errors
 
 

@@ -15,8 +15,9 @@ model (after swaps: each expert under its own name), and refuses bad input (expe
 unknown mesh dimension names or dedup levels, a mesh of some ranks, ranks holding different models) with
 ValueError.
 
-One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, loads both
-world-4 checkpoints and finds exactly the parameters saved, then one rank dies: the other raises within the
+One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, Mixtral
+under gradient checkpointing (checkpoint_exchanges "recompute": the exchanges run twice a step; "save": once), loads
+both world-4 checkpoints and finds exactly the parameters saved, then one rank dies: the other raises within the
 process group's timeout. The test process itself trains Mixtral on a one-rank mesh against one process, then loads
 the checkpoints (the one saved after expert swaps too) without any process group. A failing rank fails the test.
 """
@@ -80,11 +81,12 @@ def _batches(model, world):
 
 
 def _train_against_one_process(family, mesh, rank, world, dedup="off", link_model=None, level=None, swap_every=0,
-                               tmp=None, checkpointing=False):
+                               tmp=None, checkpointing=""):
     """Three steps sharded and in one process; returns (sharded model, one-process model). ``level``: the dedup
     level ``dedup="auto"`` must choose. With ``swap_every``, experts swap ranks:
     ``ep_checkpoints.check_after_swaps``. ``checkpointing``: both models with transformers' gradient checkpointing
-    (the MoE layers in activation-checkpointed regions, recomputed in backward: their exchanges run again)."""
+    (the MoE layers in activation-checkpointed regions, recomputed in backward), compiled with that
+    ``checkpoint_exchanges``: "recompute" runs their exchanges again, "save" does not."""
     ref, model = _build(family).train(), _build(family).train()
     for m in (ref, model) if checkpointing else ():
         m.activation_checkpointing_enable()
@@ -122,7 +124,10 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
         assert expert_names, "no expert parameter was sharded"
     kept, whole = sum(p.numel() for p in held.values()), sum(p.numel() for p in every.values())
     assert kept < whole if world > 1 else kept == whole  # one rank holds every expert
-    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    options = {"inner": "aot_eager", "strict": True}
+    if checkpointing:
+        options["checkpoint_exchanges"] = checkpointing
+    compiled = torch.compile(model, backend="moe", options=options)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
     rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
     for step in range(STEPS):
@@ -142,7 +147,7 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
     stats = moecompile.comm_stats()[info.report.layers[0].path]
     row = spec.experts.hidden * 4
     if dedup == "off":
-        runs = STEPS * (2 if checkpointing else 1)  # a checkpointed region's forward runs again in backward
+        runs = STEPS * (2 if checkpointing == "recompute" else 1)  # a recomputed region's exchanges run again
         assert stats["calls.dispatch"] == runs and stats["calls.combine"] == runs, stats
         sent = sum(stats.get(f"dispatch.{link}", 0) for link in COMM.links())  # each routed row once a run
         assert sent == runs * mine.numel() * spec.routing.top_k * row, (stats, spec)
@@ -340,7 +345,13 @@ def _world2(rank, world, tmp):
         with pytest.raises(ValueError, match="dedup='node' needs a mesh of several levels"):
             moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
         _train_against_one_process("dbrx", mesh, rank, world, swap_every=1, tmp=tmp)  # flat [E * ffn, H] weights
-        _train_against_one_process("mixtral", mesh, rank, world, checkpointing=True)
+        for how in ("recompute", "save"):
+            model = _train_against_one_process("mixtral", mesh, rank, world, checkpointing=how)[0]
+            report = moecompile.explain(model, _batches(model, world)[rank], inner="aot_eager",
+                                        checkpoint_exchanges=how)  # what it says of each layer
+            saved = "whose outputs are saved" if how == "save" else "exchange(s) too (checkpoint_exchanges='save'"
+            assert report.layers and all(saved in r.checkpointed for r in report.layers), str(report)
+            del model, report  # the next run checks that no full-size expert tensor is alive
         model = _load_checkpoints_on_world2(mesh, rank, world, tmp)
         compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
         ids = _batches(model, world)[rank]
