@@ -12,6 +12,8 @@ started) with its own time limit; the whole run starts no step past ``--budget-m
                    each failure written as it happens (tests/conftest.py, MOECOMPILE_FAILURE_LOG)
     parity         every family of the walk on CUDA, fp32 and bf16, the Triton form forced, against eager
                    (benchmarks/gpu_parity.py, the families split over 8 processes)
+    parity-autocast  five families with float32 weights under bf16 autocast, eager experts (computed in bf16 by
+                   the rewrite too), the Triton form forced, against eager under autocast (gpu_parity.py)
     ep             expert parallelism, dedup="node" and replication="adaptive" on 4 gloo ranks sharing the GPU, two
                    training steps against one process (benchmarks/gpu_ep.py)
     layer          one MoE layer at real widths, T = 4096 and 16384: eager, Inductor, moe (benchmarks/bench_gpu.py)
@@ -68,6 +70,10 @@ STEPS = [
          [PY, "benchmarks/gpu_parity.py", "--device", "cuda", "--moe-option", "lowering=triton", "--jobs", "8",
           "--timeout", "{limit}", "--out", "{dir}/parity.md"], 420,
          out="parity.md", timed=False),
+    Step("parity-autocast", "five families, float32 weights under bf16 autocast, the Triton form, against eager",
+         [PY, "benchmarks/gpu_parity.py", "--device", "cuda", "--moe-option", "lowering=triton", "--dtypes",
+          "autocast", "--families", "mixtral,qwen2_moe,gpt_oss,deepseek_v3,llama4_text", "--jobs", "5",
+          "--timeout", "{limit}", "--out", "{dir}/parity_autocast.md"], 180, out="parity_autocast.md", timed=False),
     Step("ep", "expert parallelism, dedup and replication on 4 gloo ranks sharing the GPU, against one process",
          [PY, "benchmarks/gpu_ep.py", "--device", "cuda", "--out", "{dir}/ep.md"], 300, out="ep.md", timed=False),
     Step("layer", "one layer at real widths, T = 4096, 16384",

@@ -14,6 +14,9 @@ eagerly in the same dtype, and in float32 as the reference:
   if it is no further from it than twice eager float32's own distance plus 1e-4 (an ill-conditioned gradient, as
   hy_v4's hyper-connection head, where eager float32 itself is 1.8e-3 from float64);
 - bfloat16: the compiled error to the float32 reference is at most twice eager bfloat16's own, plus 1e-2.
+- autocast (``--dtypes autocast``): float32 weights under ``torch.autocast(dtype=torch.bfloat16)``, transformers'
+  eager experts (nn.Linear-like, which autocast computes in bf16, so the rewritten experts compute in bf16 too:
+  ``MoESpec.compute_dtype``), both runs under autocast; bounds as bfloat16's.
 
 A family whose MoE layers are not all rewritten is reported as such, with ``explain``'s skip reasons and failures (a
 graph whose pass or first run failed ran as written); one that raises is an error row. The exit status is 1 if any
@@ -61,15 +64,21 @@ def _worst(got: dict, want: dict) -> tuple[float, str]:
     return max(errs) if errs else (float("nan"), "")
 
 
-def check_family(family: str, device: torch.device, dtype: torch.dtype, options: dict) -> dict:
-    """One row: the family in ``dtype`` on ``device``, compiled against eager (and float32 eager for bf16)."""
+def check_family(family: str, device: torch.device, dtype: torch.dtype, options: dict, amp: bool = False) -> dict:
+    """One row: the family in ``dtype`` on ``device``, compiled against eager (and float32 eager for bf16);
+    ``amp``: float32 weights, both runs under bf16 autocast (eager experts)."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+        return _check_family(family, device, dtype, options, amp)
+
+
+def _check_family(family, device, dtype, options, amp):
     import moecompile
     from moecompile.models import hf
 
     config = hf.walk_config(family)
     if config is None:
         return dict(family=family, status="skipped", note="no config builds for it")
-    base = hf.build_model(config, dtype=torch.float32).train()
+    base = hf.build_model(config, dtype=torch.float32, experts_implementation="eager" if amp else None).train()
     ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
     model = copy.deepcopy(base).to(device=device, dtype=dtype)
     try:  # the model itself first: one that cannot run in this dtype has nothing to compare against
@@ -91,13 +100,14 @@ def check_family(family: str, device: torch.device, dtype: torch.dtype, options:
                    + [f"{f.region}: {f.what} failed, ran as written: {f.error}" for f in report.failures]))
     if not want_g or set(got_g) != set(want_g):
         return {**row, "status": "FAIL", "note": f"gradients of {len(got_g)} parameters, eager has {len(want_g)}"}
-    if dtype == torch.float32:
+    if dtype == torch.float32 and not amp:
         ok = out_err <= FP32_TOL and grad_err <= FP32_TOL
         row["bound"] = FP32_TOL
         if not ok:  # ill-conditioned, or wrong: the float64 model decides
             ok, row["note"] = _against_float64(config, base, ids, device, (got, got_g), (want, want_g))
-    else:  # bf16: as accurate as eager bf16, to the float32 model
-        ref, ref_g = _step(copy.deepcopy(base).to(device), ids)
+    else:  # bf16 (or autocast): as accurate as eager in it, to the float32 model (outside autocast)
+        with torch.autocast(device.type, enabled=False):
+            ref, ref_g = _step(copy.deepcopy(base).to(device), ids)
         bound = 2 * normwise(want, ref) + 1e-2
         gbound = 2 * _worst({n: g.float() for n, g in want_g.items()}, ref_g)[0] + 1e-2
         out_err = normwise(got.float(), ref)
@@ -152,11 +162,12 @@ def summary(rows: list[dict], device: torch.device) -> tuple[str, bool]:
 def check_all(names: list[str], dtypes: list[str], device: torch.device, options: dict, emit) -> None:
     """Every (dtype, family) row, each given to ``emit`` as soon as it is known (a run cut short keeps them)."""
     for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
+        amp = dtype_name == "autocast"
+        dtype = torch.float32 if amp else getattr(torch, dtype_name)
         for family in names:
             print(f"... {family} {dtype_name}", file=sys.stderr, flush=True)
             try:
-                row = check_family(family, device, dtype, options)
+                row = check_family(family, device, dtype, options, amp)
             except Exception as exc:  # noqa: BLE001 - a row, not the end of the run
                 traceback.print_exc()
                 row = dict(family=family, error=" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
@@ -183,7 +194,8 @@ def fan_out(argv: list[str], jobs: int, timeout_s: float | None) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; 'autocast': float32 weights "
+                   "under bf16 autocast")
     p.add_argument("--families", default="", help="comma-separated (default: every family of the walk)")
     p.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", help="also write the table (markdown) here, rewritten after every row")

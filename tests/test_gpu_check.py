@@ -22,7 +22,7 @@ def test_dry_run_lists_every_step_and_its_command():
     for step in gpu_check.STEPS:
         assert f"{step.name} ({step.timeout_s} s" in out.stdout
     assert "TRITON_INTERPRET=0" in out.stdout and "benchmarks/gpu_parity.py --device cuda" in out.stdout
-    assert "kernels (360 s, at once with 2 more)" in out.stdout  # the three untimed steps run together
+    assert "kernels (360 s, at once with 3 more)" in out.stdout  # the four untimed steps run together
     ordered = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--steps", "gemms,ep,layer",
                               "--limit", "layer=60"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert [line.split(" (")[0] for line in ordered.stdout.splitlines()] == ["gemms", "ep", "layer"]
@@ -85,6 +85,17 @@ def test_parity_of_one_family_on_cpu():
     assert row["status"] == "ok" and row["layers"] == 2 and row["out_err"] <= gpu_parity.FP32_TOL, row
     assert row["grad_err"] <= gpu_parity.FP32_TOL and row["worst"], row
     assert "| mixtral |" in gpu_parity.table([{**row, "dtype": "float32"}])
+
+
+def test_parity_under_autocast_of_one_family_on_cpu():
+    """``--dtypes autocast``: float32 weights, eager experts, both runs under bf16 autocast: the rewritten experts
+    compute in bf16 (the spec says so) and the step is as accurate as eager's to the float32 model."""
+    pytest.importorskip("transformers")
+    import torch
+
+    row = gpu_parity.check_family("mixtral", torch.device("cpu"), torch.float32,
+                                  {"inner": "aot_eager", "lowering": "grouped"}, amp=True)
+    assert row["status"] == "ok" and row["layers"] == 2 and row["lowering"] == "grouped", row
 
 
 def test_parity_names_a_graph_that_failed_at_its_first_run(monkeypatch):
