@@ -78,11 +78,20 @@ def example_above(node: fx.Node) -> torch.Tensor:
         n, dtype = todo.pop()
         v = example(n)
         if isinstance(v, torch.Tensor):
-            return v if dtype is None or v.dtype == dtype else v.to(dtype)
+            return v if dtype is None or v.dtype == dtype else _as_dtype(v, dtype)
         seen.add(n)
         dtype = dtype or cast_dtype(n)
         todo += [(a, dtype) for a in n.all_input_nodes if a not in seen]
     raise AssertionError("an MoE layer with no example value above its expert op")
+
+
+def _as_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``v`` as an example of ``dtype`` (shape, device): a fake or meta tensor cast, a real one never copied."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(v, FakeTensor) or v.is_meta:
+        return v.to(dtype)
+    return torch.empty((), dtype=dtype, device=v.device).expand(v.shape)
 
 
 def cast_dtype(n: fx.Node) -> torch.dtype | None:
