@@ -57,3 +57,21 @@ def _free_port():
 @pytest.mark.parametrize("world", [2, 4])
 def test_rows_reach_their_ranks_and_come_back_with_gradients(world):
     mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+
+
+def test_counts_added_as_tensors_are_summed_where_they_live_and_read_at_a_snapshot():
+    """dedup's pair counts are device tensors: COMM sums them without reading them back (on CUDA a wait for the
+    GPU at every layer), and a snapshot gives ints."""
+    import torch
+
+    from moecompile.runtime.comm.stats import CommCounter
+
+    counter = CommCounter()
+    counter.add("layer", "dedup.remote_pairs", torch.tensor(3))
+    counter.add("layer", "dedup.remote_pairs", torch.tensor(4))
+    counter.add("layer", "calls.dispatch", 1)
+    assert counter.snapshot()["layer"] == {"dedup.remote_pairs": 7, "calls.dispatch": 1}
+    unread = CommCounter()  # a meta tensor raises when read: adding it twice reads nothing
+    for _ in range(2):
+        unread.add("layer", "dedup.remote_pairs", torch.empty((), dtype=torch.int64, device="meta"))
+    assert all(type(v) is int for v in counter.snapshot()["layer"].values())

@@ -74,8 +74,8 @@ def ep_node_plan(token_ids_B: Tensor, counts_E: Tensor, num_tokens: int, node_gr
     assign_N = counts_E.view(nodes, -1).sum(1)
     first_pair_N = torch.cumsum(pairs_N, 0) - pairs_N
     meta_B2 = torch.stack([expert_B, pair_B - first_pair_N[node_B]], 1)
-    COMM.add(layer, "dedup.remote_assignments", int(assign_N.sum() - assign_N[me]))
-    COMM.add(layer, "dedup.remote_pairs", int(pairs_N.sum() - pairs_N[me]))
+    COMM.add(layer, "dedup.remote_assignments", assign_N.sum() - assign_N[me])  # summed on the device
+    COMM.add(layer, "dedup.remote_pairs", pairs_N.sum() - pairs_N[me])
     return keys % num_tokens, meta_B2, torch.stack([pairs_N, assign_N], 1)
 
 

@@ -60,7 +60,9 @@ class CommCounter:
             for peer, rows in enumerate(rows_per_rank):
                 stats[f"{phase}.{self.link(me, dist.get_global_rank(group, peer))}"] += rows * row_bytes
 
-    def add(self, layer: str, key: str, value: int) -> None:
+    def add(self, layer: str, key: str, value) -> None:
+        """``value``: an int, or a one-element tensor summed where it lives until a snapshot reads it (a count the
+        device computed is not waited for)."""
         with self._lock:
             self._bytes[layer][key] += value
 
@@ -82,7 +84,8 @@ class CommCounter:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:
-            return {layer: dict(stats) for layer, stats in self._bytes.items()}
+            return {layer: {k: int(v) if hasattr(v, "item") else v for k, v in stats.items()}
+                    for layer, stats in self._bytes.items()}
 
     def reset(self) -> None:
         with self._lock:
