@@ -163,8 +163,8 @@ def test_a_region_nested_in_a_region_is_rewritten():
 def _saved_with_dedup(rank, world, tmp):
     """One step of a checkpointed Mixtral sharded on a 2x2 mesh with dedup="node" (the relayed, deduplicated
     exchanges: plans, counts, rows) and checkpoint_exchanges="save": backward runs none of the forward's exchanges
-    again (the recompute takes their saved outputs; with "recompute" they run twice a step), and the logits and every gradient equal one process's on all the
-    batches (fp32, 1e-5; a sharded weight: this rank's experts of it)."""
+    again (the recompute takes their saved outputs; with "recompute" they run twice a step), and the logits and
+    every gradient equal one process's on all the batches (fp32, 1e-5; a sharded weight: this rank's experts)."""
     from datetime import timedelta
 
     import torch.distributed as dist
