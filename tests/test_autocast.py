@@ -40,7 +40,7 @@ def test_mixtral_under_bf16_autocast_is_rewritten_and_trains_as_eager():
 
 def test_linear_experts_under_bf16_autocast_are_rewritten_and_as_accurate_as_eager():
     """The rewritten experts compute in bf16, as the model's nn.Linear experts do under autocast: logits and
-    gradients as close to the float32 model as eager under autocast is (measured: 1.0x and 0.97x of its error)."""
+    gradients as close to the float32 model as eager under autocast is (measured: 1.0x and 0.88x of its error)."""
     torch.manual_seed(0)
     model = handwritten.TinyMoELM("modulelist").train()
     eager, exact = copy.deepcopy(model), copy.deepcopy(model)
