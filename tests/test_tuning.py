@@ -121,7 +121,9 @@ def test_a_candidate_that_fails_to_launch_is_skipped(tmp_path, fake_gpu):
     assert tuner.choose("down", k, BF16, GPU, False, launch, lambda: cfg(128, 128, 64, 8, 3))["BLOCK_M"] == 64
 
 
-def test_interpreter_keeps_its_small_fixed_tiles(tmp_path):
+def test_interpreter_keeps_its_small_fixed_tiles(tmp_path, monkeypatch):
+    """Under the interpreter (pretended, so that the GPU check's TRITON_INTERPRET=0 run means the same)."""
+    monkeypatch.setattr(tuning, "interpreting", lambda: True)
     tuner = tuning.Tuner(cache_dir=tmp_path, enabled=True)
     k = tuning.key("up_act", torch.float32, 40, 24, 8, 84, True)
     assert tuner.choose("up_act", k, torch.float32, torch.device("cpu"), True, lambda c: None,
