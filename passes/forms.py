@@ -133,16 +133,21 @@ def local_expert_probes(mlp: fx.Node, rows: int, hidden: int, dtype: torch.dtype
 
 
 def inductor_compiled(gm: fx.GraphModule, args: list, leaves: list[torch.Tensor]) -> Callable:
-    """A copy of ``gm`` compiled by Inductor for ``args``, as the inner compiler would compile it, and called once
-    (forward, and backward through ``leaves``: that compiles the backward), in compile state of its own: this runs
-    inside the compile of the user's graph, whose tracing context and metrics must not see it."""
+    """A copy of ``gm`` compiled by Inductor for ``args``, as the inner compiler would compile it, forward and
+    (when ``leaves`` need gradients) backward, in compile state of its own: this runs inside the compile of the
+    user's graph, whose tracing context and metrics must not see it.
+
+    The backward is compiled here, on this thread, not at its first call as AOTAutograd does by default. This
+    thread holds Dynamo's ``compile_lock`` (the user's graph is being compiled), and on CUDA autograd runs backward
+    on a device thread of its own: a backward compiled at its first call waits there for that lock, and this
+    thread waits for the backward. On an H200 (2026-11-27) every training compile with ``lowering="auto"`` hung so.
+    """
+    from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
-    with _compile_state_of_its_own():
+    with _compile_state_of_its_own(), functorch_config.patch(force_non_lazy_backward_lowering=bool(leaves)):
         compiled = compile_fx(copy.deepcopy(gm), args)  # it may rewrite the graph it is given
-        fn = lambda *a: compiled(*a)  # noqa: E731
-        _call(fn, args, leaves)
-    return fn
+    return lambda *a: compiled(*a)
 
 
 @contextlib.contextmanager
@@ -190,8 +195,9 @@ def measure(candidates: dict[str, Candidate], values: dict, backward: bool, devi
                 if compile_original and form == "original":
                     try:
                         fn = inductor_compiled(c.gm, args, leaves)
+                        _call(fn, args, leaves)
                     except Exception as exc:  # noqa: BLE001 - timed op by op then, an upper bound, and said so
-                        note = f"op by op: Inductor failed on it, {type(exc).__name__}: {str(exc)[:120]}"
+                        fn, note = c.gm, f"op by op: Inductor failed on it, {type(exc).__name__}: {str(exc)[:120]}"
                 call = functools.partial(_call, fn, args, leaves)
                 call()  # the warm-up: Triton compiles, tiles are tuned
                 results[form] = Timing(None, _saved_bytes(fn, args, keep) if backward else 0, note=note)

@@ -281,3 +281,43 @@ def test_forms_that_cannot_be_timed_leave_the_rule_and_say_why(cache, monkeypatc
     assert [r.lowering for r in report.layers] == ["grouped"] * 2 and not report.layers[0].forms
     assert "auto: the forms could not be timed (RuntimeError: no timer here); grouped by rule" in \
         report.layers[0].lowering_notes
+
+
+def test_the_compiled_original_runs_backward_on_another_thread_while_the_compile_holds_its_lock(monkeypatch):
+    """On CUDA autograd runs backward on a device thread of its own, while the thread compiling the user's graph
+    holds Dynamo's compile_lock. A backward compiled at its first call waits for that lock there, and the compile
+    waits for the backward: every training compile with lowering="auto" hung so on an H200. The backward is
+    compiled with the forward. Here every call of a candidate runs its backward on a thread, as CUDA's autograd
+    does (on CPU autograd runs on the caller's)."""
+    import threading
+
+    import torch.fx as fx
+    from torch._dynamo.convert_frame import compile_lock
+
+    real_call, stuck = forms._call, []
+
+    def on_a_device_thread(fn, args, leaves):
+        worker = threading.Thread(target=real_call, args=(fn, args, leaves), daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+        if worker.is_alive():
+            stuck.append(worker)
+            raise TimeoutError("the backward waited for the lock the compile holds")
+
+    monkeypatch.setattr(forms, "_call", on_a_device_thread)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return torch.relu(x @ self.w).sum(-1)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        with compile_lock:
+            forms._call(forms.inductor_compiled(fx.symbolic_trace(Layer()), [x], [x]), [x], [x])
+    finally:
+        for worker in stuck:  # the lock is free now: a waiting backward finishes, nothing is left running
+            worker.join(timeout=120)
