@@ -14,6 +14,7 @@ from moecompile.passes.forms import FormCache, Timing, pick
 from moecompile.passes.graph_utils import moe_op_name
 
 from conftest import compile_and_compare, RecordingBackend, normwise
+from device_thread import backward_on_a_device_thread
 
 IDS = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
 
@@ -104,7 +105,8 @@ def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch, tmp_p
         return real(gm, args, leaves)
 
     monkeypatch.setattr(forms, "inductor_compiled", counting)
-    report = _compiled("modulelist", inner="inductor")
+    with backward_on_a_device_thread():  # as on CUDA: a backward waiting for the compile's lock is timed out
+        report = _compiled("modulelist", inner="inductor")
     rec = report.layers[0]
     assert len(compiled_calls) == 1  # the original only, once for the two layers of one signature
     assert all(t.ms > 0 and t.saved_bytes > 0 for t in rec.forms.values()), rec.forms
@@ -283,28 +285,13 @@ def test_forms_that_cannot_be_timed_leave_the_rule_and_say_why(cache, monkeypatc
         report.layers[0].lowering_notes
 
 
-def test_the_compiled_original_runs_backward_on_another_thread_while_the_compile_holds_its_lock(monkeypatch):
+def test_the_compiled_original_runs_backward_on_a_device_thread_while_the_compile_holds_its_lock():
     """On CUDA autograd runs backward on a device thread of its own, while the thread compiling the user's graph
-    holds Dynamo's compile_lock. A backward compiled at its first call waits for that lock there, and the compile
-    waits for the backward: every training compile with lowering="auto" hung so on an H200. The backward is
-    compiled with the forward. Here every call of a candidate runs its backward on a thread, as CUDA's autograd
-    does (on CPU autograd runs on the caller's)."""
-    import threading
-
+    holds Dynamo's compile_lock. A backward compiled at its first call waited for that lock there, and the compile
+    waited for the backward: every training compile with lowering="auto" hung so on an H200. The backward is
+    compiled with the forward now (tests/device_thread.py runs backward on a thread as CUDA does)."""
     import torch.fx as fx
     from torch._dynamo.convert_frame import compile_lock
-
-    real_call, stuck = forms._call, []
-
-    def on_a_device_thread(fn, args, leaves):
-        worker = threading.Thread(target=real_call, args=(fn, args, leaves), daemon=True)
-        worker.start()
-        worker.join(timeout=60)
-        if worker.is_alive():
-            stuck.append(worker)
-            raise TimeoutError("the backward waited for the lock the compile holds")
-
-    monkeypatch.setattr(forms, "_call", on_a_device_thread)
 
     class Layer(torch.nn.Module):
         def __init__(self):
@@ -315,9 +302,5 @@ def test_the_compiled_original_runs_backward_on_another_thread_while_the_compile
             return torch.relu(x @ self.w).sum(-1)
 
     x = torch.randn(4, 8, requires_grad=True)
-    try:
-        with compile_lock:
-            forms._call(forms.inductor_compiled(fx.symbolic_trace(Layer()), [x], [x]), [x], [x])
-    finally:
-        for worker in stuck:  # the lock is free now: a waiting backward finishes, nothing is left running
-            worker.join(timeout=120)
+    with backward_on_a_device_thread(timeout_s=60), compile_lock:
+        forms._call(forms.inductor_compiled(fx.symbolic_trace(Layer()), [x], [x]), [x], [x])
