@@ -159,3 +159,21 @@ def test_the_vendor_gemm_is_a_candidate_of_each_role(tmp_path, fake_gpu):
 
     assert "BLOCK_M" in tuner(slow_tiles, "b").choose("dx", k, BF16, GPU, True, lambda c: None, rule, refused)
     assert "BLOCK_M" in tuner(vendor_fast, "c").choose("dx", k, BF16, GPU, True, lambda c: None, rule, None)
+
+
+def test_a_launch_too_short_for_its_tiles_to_matter_is_not_tuned(tmp_path, fake_gpu, monkeypatch):
+    """Tuning compiles and times up to 22 configurations per role (about a minute for a layer on an H200): a
+    launch estimated under TUNE_MIN_US at the GPU's ceilings (a test model's) takes the rule untimed, and explain
+    says why; a real layer's, and a decode step's (bound by reading every expert's weights), are tuned."""
+    tuner = tuning.Tuner(cache_dir=tmp_path, shipped=tmp_path / "none.json", bench=lambda fn: (fn(), 1.0)[1],
+                         enabled=True)
+    monkeypatch.setattr(tuning, "tuner", lambda: tuner)
+    timed = []
+    shape = dict(dtype=BF16, device=GPU, gated=True)
+    tiny = tiles.tile_config("up_act", None, timed.append, B=28, E=8, H=64, I=96, **shape)
+    assert tiny == tiles.rule_config("up_act", 28 / 8, BF16) and not timed
+    assert tiles.layer_configs(BF16, GPU, 28, 8, 64, 96, True)["dx"][1] == "rule (too small to tune)"
+    tiles.tile_config("up_act", None, timed.append, B=8192, E=8, H=4096, I=14336, **shape)  # Mixtral, 4096 tokens
+    assert timed
+    assert tiles.worth_tuning("down", BF16, 32, 8, 4096, 14336, False)  # 16 tokens: 0.9 GB of weights to read
+    assert not tiles.worth_tuning("wgrad_down", BF16, 28, 8, 96, 64, False)

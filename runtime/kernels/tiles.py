@@ -1,8 +1,9 @@
 """Tile sizes of the grouped GEMM kernels: the untuned rule each role starts from, and how a launch picks its tiles.
 
     tile_config(role, config, launch, ...)   the caller's config, else the tuner's (tuning.py): the interpreter's
-                                             fixed tiles, a tuning on disk, one made now (the vendor GEMM among
-                                             the candidates: run_role runs the pick), the shipped table, or
+                                             fixed tiles, a tuning on disk, one made now where the launch is long
+                                             enough to matter (worth_tuning; the vendor GEMM among the
+                                             candidates: run_role runs the pick), the shipped table, or
     rule_config(role, rows/expert, dtype)    this rule (gpu_config; dh halves N; wgrad_gpu_config for wgrad_*)
     layer_configs(...)                       every role's choice for a layer's shape, without tuning (explain())
 
@@ -52,15 +53,36 @@ def wgrad_gpu_config(dtype) -> dict:
     return dict(BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
+# A launch estimated (at the GPU's ceilings) to run under TUNE_MIN_US is bound by its latency, not its tiles: tuning
+# it (compiling and timing up to 22 configurations per role, about a minute for a layer's roles on an H200) cannot
+# pay back, so it takes the tuned, shipped or rule configuration without tuning. The ceilings are the larger of
+# the H100's and H200's (dense 16-bit tensor-core FLOP/s, HBM bytes/s; vendor datasheets), so the estimate is a
+# lower bound and a launch that may run longer is tuned.
+TUNE_MIN_US = 10.0
+CEILING_FLOPS, CEILING_BYTES = 990e12, 4.8e12
+
+
+def worth_tuning(role: str, dtype, B: int, E: int, H: int, I: int, gated: bool) -> bool:
+    """Whether ``role`` at this shape may run long enough for its tiles to matter (``TUNE_MIN_US``): its FLOPs,
+    and the bytes of all ``E`` experts' weights and the rows it reads and writes, at the ceilings."""
+    width = 2 * I if gated and role in ("up_act", "dh", "dx") else I  # wgrad_* get their gradient's full width
+    flops = 2 * B * H * width * (2 if role == "dh" else 1)  # dh recomputes the projections beside dout @ Wd
+    nbytes = (E * H * width + B * (H + width)) * torch.empty((), dtype=dtype).element_size()
+    return max(flops / CEILING_FLOPS, nbytes / CEILING_BYTES) * 1e6 >= TUNE_MIN_US
+
+
 def tile_config(role: str, config: dict | None, launch, *, dtype, device, B: int, E: int, H: int, I: int,
                 gated: bool, rule=None, vendor=None) -> dict:
     """``config`` when the caller gives one; else the tuner's for this role and shape (``tuning.py``: the
     interpreter's fixed tiles, a tuning cached on disk, a tuning made now by timing ``launch(cfg)`` and
-    ``vendor()``, the shipped table, or ``rule()``, by default ``rule_config``)."""
+    ``vendor()`` where the launch is ``worth_tuning``, the shipped table, or ``rule()``, by default
+    ``rule_config``)."""
     if config is not None:
         return config
     k = tuning.key(role, dtype, H, I, E, B, gated)
     rule = rule or (lambda: rule_config(role, B / max(E, 1), dtype))
+    if not worth_tuning(role, dtype, B, E, H, I, gated):
+        return tuning.tuner().lookup(role, k, dtype, device, rule)[0]
     return tuning.tuner().choose(role, k, dtype, device, gated, launch, rule, vendor)
 
 
@@ -89,7 +111,9 @@ def layer_configs(dtype, device, B: int, E: int, H: int, I: int, gated: bool) ->
     for role, (h, i, g) in shapes.items():
         rule = (lambda: wgrad_gpu_config(dtype)) if role.startswith("wgrad") else (
             lambda role=role: rule_config(role, rows, dtype))
-        out[role] = tuning.tuner().lookup(role, tuning.key(role, dtype, h, i, E, B, g), dtype, device, rule)
+        cfg, source = tuning.tuner().lookup(role, tuning.key(role, dtype, h, i, E, B, g), dtype, device, rule)
+        small = source == "rule" and not worth_tuning(role, dtype, B, E, h, i, g)
+        out[role] = (cfg, "rule (too small to tune)" if small else source)
     return out
 
 
