@@ -17,6 +17,8 @@ started) with its own time limit; the whole run starts no step past ``--budget-m
     ep             expert parallelism, dedup="node" and replication="adaptive" on 4 gloo ranks sharing the GPU, two
                    training steps against one process (benchmarks/gpu_ep.py)
     layer          one MoE layer at real widths, T = 4096 and 16384: eager, Inductor, moe (benchmarks/bench_gpu.py)
+    layer-auto     the same without the Triton kernels forced: eager, Inductor and what lowering="auto" chose
+                   (issue 23's measure; for a short lease, in place of layer)
     layer-decode   the same at T = 16 and 256
     gemms          each grouped GEMM of the kernels against torch._grouped_mm (benchmarks/bench_kernels.py)
     gemms-decode   the same, forward only, at decode token counts
@@ -78,6 +80,9 @@ STEPS = [
          [PY, "benchmarks/gpu_ep.py", "--device", "cuda", "--out", "{dir}/ep.md"], 300, out="ep.md", timed=False),
     Step("layer", "one layer at real widths, T = 4096, 16384",
          [PY, "benchmarks/bench_gpu.py", "--tokens", "4096,16384", "--out", "{dir}/layer.md"], 300, out="layer.md"),
+    Step("layer-auto", "one layer at real widths, T = 4096, 16384, what a user gets (lowering=\"auto\") only",
+         [PY, "benchmarks/bench_gpu.py", "--tokens", "4096,16384", "--variants", "eager,inductor,moe-auto", "--out",
+          "{dir}/layer_auto.md"], 240, out="layer_auto.md"),
     Step("layer-decode", "one layer, T = 16, 256",
          [PY, "benchmarks/bench_gpu.py", "--tokens", "16,256", "--out", "{dir}/decode.md"], 120, out="decode.md"),
     Step("gemms", "each grouped GEMM against torch._grouped_mm",
