@@ -28,7 +28,8 @@ others time the GPU and run alone, in the order of ``--steps``. The report is re
 cut short keeps what finished); ``--files DIR`` keeps each step's log and tables.
 
 The report has the date, the device, the versions and the commit, a table of the steps (passed, failed, timed
-out, not run) and each step's tables or the end of its output.
+out, not run) and each step's tables or the end of its output; for a step stopped at its limit, where each of its
+threads was (Python's faulthandler dumps them on SIGABRT before the step is killed; our frames are kept).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import platform
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -100,6 +102,7 @@ class Result:
     seconds: float = 0.0
     tail: str = ""
     tables: str = ""
+    stopped: str = ""  # where its threads were when it was stopped at its limit (stopped_at)
 
 
 def run_steps(steps: list[Step], folder: Path, limit_s: float) -> list[Result]:
@@ -112,8 +115,8 @@ def run_steps(steps: list[Step], folder: Path, limit_s: float) -> list[Result]:
         fill = lambda a: a.replace("{dir}", str(folder)).replace("{limit}", f"{max(limit - 30, 10):.0f}")  # noqa: E731
         argv, env = [fill(a) for a in step.argv], {k: fill(v) for k, v in step.env.items()}
         log = open(folder / f"{step.name}.log", "w")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1", **env}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         running.append((step, proc, log, time.perf_counter(), limit))
     results = []
     for step, proc, log, t0, limit in running:
@@ -122,6 +125,7 @@ def run_steps(steps: list[Step], folder: Path, limit_s: float) -> list[Result]:
             status = "passed" if code == 0 else f"failed (exit {code})"
         except subprocess.TimeoutExpired:
             status = f"timed out ({limit:.0f} s)"
+            _dump_stacks(proc)
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever it left running, timed out or not
         except ProcessLookupError:
@@ -131,8 +135,30 @@ def run_steps(steps: list[Step], folder: Path, limit_s: float) -> list[Result]:
         output = (folder / f"{step.name}.log").read_text(errors="replace")
         tables = (folder / step.out).read_text() if step.out and (folder / step.out).exists() else ""
         results.append(Result(step, status, time.perf_counter() - t0, "\n".join(output.strip().splitlines()[-40:]),
-                              tables))
+                              tables, stopped_at(output) if status.startswith("timed out") else ""))
     return results
+
+
+def _dump_stacks(proc: subprocess.Popen) -> None:
+    """Every Python process of a step past its limit prints where each of its threads is (faulthandler, switched
+    on by PYTHONFAULTHANDLER, dumps the stacks on SIGABRT) before it is killed: a hung step says where it hung
+    (on the H200 the layer step's only clue was its silence)."""
+    try:
+        os.killpg(proc.pid, signal.SIGABRT)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+
+
+def stopped_at(output: str, keep: int = 60) -> str:
+    """From the stack dumps of a step stopped at its limit: each thread's header and the frames of our own code,
+    not of installed packages or the standard library (innermost first, as faulthandler prints them), the last
+    ``keep`` lines."""
+    libraries = ("site-packages", "dist-packages", "<frozen", sysconfig.get_paths()["stdlib"])
+    lines = [line for line in output.splitlines()
+             if line.startswith(("Thread 0x", "Current thread 0x"))
+             or (line.lstrip().startswith("File ") and not any(lib in line for lib in libraries))]
+    return "\n".join(lines[-keep:])
 
 
 def run_step(step: Step, folder: Path, limit_s: float) -> Result:
@@ -175,6 +201,9 @@ def report(results: list[Result], device: str, total_s: float) -> str:
             continue
         lines += ["", f"## {r.step.name}: {r.status}", ""]
         lines += [r.tables.strip()] if r.tables else ["```", r.tail, "```"]
+        if r.stopped:
+            lines += ["", f"Where {r.step.name} was when it was stopped (its threads, frames of our code):", "",
+                      "```", r.stopped, "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -45,6 +45,7 @@ def test_steps_report_their_tables_failures_and_time_limits(tmp_path):
     slow = gpu_check.Step("slow", "sleeps", [sys.executable, "-c", "import time; time.sleep(30)"], 1)
     results = [gpu_check.run_step(s, tmp_path, 60) for s in (writes, fails, slow)]
     assert [r.status for r in results] == ["passed", "failed (exit 3)", "timed out (1 s)"]
+    assert not results[0].stopped and not results[1].stopped
     results.append(gpu_check.Result(writes, "not run"))
     text = gpu_check.report(results, "a test device", 12.0)
     assert "- device: a test device" in text and "- versions: torch " in text and "- commit: " in text
@@ -133,3 +134,20 @@ def test_expert_parallel_step_on_cpu():
     assert broken["status"] == "error" and "dedup" in broken["detail"], broken
     text = gpu_ep.table([result, broken], "cpu")
     assert "| node | 4 on (2, 2) | cpu |" in text and "| no such dedup level |" in text
+
+
+def test_a_step_stopped_at_its_limit_says_where_each_thread_was(tmp_path):
+    """On the H200 (2026-11-27) a hung step said nothing; now its processes dump their threads' stacks before they
+    are killed, and the report keeps the frames of our code (here a helper thread and the main one)."""
+    script = tmp_path / "hangs.py"
+    script.write_text("import threading, time\n"
+                      "def waits_for_the_lock(lock):\n    lock.acquire()\n"
+                      "def compiles(lock):\n    t = threading.Thread(target=waits_for_the_lock, args=(lock,))\n"
+                      "    t.start(); t.join()\n"
+                      "lock = threading.Lock(); lock.acquire(); print('started', flush=True); compiles(lock)\n")
+    hung = gpu_check.run_step(gpu_check.Step("hung", "deadlocks", [sys.executable, str(script)], 3), tmp_path, 60)
+    assert hung.status == "timed out (3 s)"
+    assert "in waits_for_the_lock" in hung.stopped and "in compiles" in hung.stopped, hung.stopped
+    assert "threading.py" not in hung.stopped  # the standard library's frames are left out
+    text = gpu_check.report([hung], "a test device", 3.0)
+    assert "Where hung was when it was stopped" in text and "in waits_for_the_lock" in text
