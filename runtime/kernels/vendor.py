@@ -37,6 +37,19 @@ def _row_slices(n: int, width: int):
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
+WGRAD_CHUNK = 1 << 27  # elements of one weight-gradient temporary [E, m, N] (256 MiB in bf16): grouped_mm has
+# no out=, so each slice of A's columns is computed and copied into the gradient. Computed whole, the [E, 2I, H]
+# temporary of the gate/up gradient was 1.75 GiB beside the gradient itself at Mixtral's widths (the H200's
+# 5.25 GiB forward+backward peak at 4096 tokens, against Inductor's 3.19, is about that much more).
+
+
+def _column_slices(M: int, per_column: int):
+    """(m0, m1) covering columns 0..M, each at most WGRAD_CHUNK // per_column columns (one slice when all fit),
+    cut at multiples of 8 columns (a slice of A then starts a multiple of 16 bytes in, as grouped_mm wants)."""
+    step = max(8, WGRAD_CHUNK // max(1, per_column) // 8 * 8)
+    return [(m0, min(m0 + step, M)) for m0 in range(0, M, step)]
+
+
 def candidate(dtype: torch.dtype, n1: int, n2: int, role_fn, /, *args, **kwargs):
     """``role_fn(*args, **kwargs)`` as a zero-argument call, or None where ``torch._grouped_mm`` does not take
     the role's dtype and operand widths (rows of 16 bytes)."""
@@ -140,11 +153,15 @@ def wgrad(a, a_tok, a_scale, c, c_tok, c_scale, counts_E, dws, dbs, *, split, dt
     C = (c[c_tok[:n]] if c_tok is not None else c[:n]).to(dtype)
     if c_scale is not None:
         C = (C.float() * c_scale[:n].to(dtype).float()[:, None]).to(dtype)
-    halves = (slice(0, split), slice(split, None)) if split else (slice(None),)
-    dw = s.outer(A, C)
-    for out, cols in zip(dws, halves):
-        out.copy_(dw[:, cols])
-    if dbs is not None:
-        db = s.per_expert(A.float(), counts_E.shape[0])
-        for out, cols in zip(dbs, halves):
-            out.copy_(db[:, cols])
+    E, M, N = counts_E.shape[0], A.shape[1], C.shape[1]
+    halves = ((0, split), (split, M)) if split else ((0, M),)
+    for m0, m1 in _column_slices(M, E * N):
+        dw = s.outer(A[:, m0:m1], C)
+        db = s.per_expert(A[:, m0:m1].float(), E) if dbs is not None else None
+        for i, (lo, hi) in enumerate(halves):  # the parts of this slice in each gradient
+            a, b = max(m0, lo), min(m1, hi)
+            if a < b:
+                dws[i][:, a - lo:b - lo] = dw[:, a - m0:b - m0]
+                if db is not None:
+                    dbs[i][:, a - lo:b - lo] = db[:, a - m0:b - m0]
+        del dw, db
