@@ -45,8 +45,9 @@ def region_exchanges(body: fx.GraphModule, config, report: PassReport) -> None:
     its layers' records what backward runs again."""
     exchanges: dict[str, int] = {}  # layer -> its exchange ops in the body
     for n in body.graph.nodes:
-        if moe_op_name(n) and n.meta.get("moe_layer") is not None:
-            exchanges[n.meta["moe_layer"]] = exchanges.get(n.meta["moe_layer"], 0) + (moe_op_name(n) in EXCHANGES)
+        name, layer = moe_op_name(n), n.meta.get("moe_layer")
+        if name and layer is not None:
+            exchanges[layer] = exchanges.get(layer, 0) + (name in EXCHANGES)
     users = CONTEXT_FN in body.meta and not body.meta.get(SAVES)  # the user's own context_fn
     save = config.checkpoint_exchanges == "save" and any(exchanges.values()) and not users
     if save:

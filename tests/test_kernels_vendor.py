@@ -184,7 +184,15 @@ def test_weight_gradients_are_made_a_slice_of_columns_at_a_time(monkeypatch):
     whole = run()
     monkeypatch.setattr(vd, "WGRAD_CHUNK", 8 * E * N)
     assert vd._column_slices(M, E * N) == [(0, 8), (8, 16), (16, 24)]
+    made, outer = [], vd.Segments.outer
+
+    def recorded(self, a_nM, b_nN):
+        made.append(outer(self, a_nM, b_nN))
+        return made[-1]
+
+    monkeypatch.setattr(vd.Segments, "outer", recorded)
     for got, want in zip(run(), whole):
         assert torch.equal(got, want)
+    assert [tuple(t.shape) for t in made] == [(E, 8, N)] * 3  # no temporary wider than a slice
     want_dw = torch.stack([a[r].t() @ c[r] for r in (slice(0, 7), slice(7, 7), slice(7, 20))])
     torch.testing.assert_close(torch.cat(whole[:2], 1), want_dw)

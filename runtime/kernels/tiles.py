@@ -67,7 +67,7 @@ def worth_tuning(role: str, dtype, B: int, E: int, H: int, I: int, gated: bool) 
     and the bytes of all ``E`` experts' weights and the rows it reads and writes, at the ceilings."""
     width = 2 * I if gated and role in ("up_act", "dh", "dx") else I  # wgrad_* get their gradient's full width
     flops = 2 * B * H * width * (2 if role == "dh" else 1)  # dh recomputes the projections beside dout @ Wd
-    nbytes = (E * H * width + B * (H + width)) * torch.empty((), dtype=dtype).element_size()
+    nbytes = (E * H * width + B * (H + width)) * dtype.itemsize
     return max(flops / CEILING_FLOPS, nbytes / CEILING_BYTES) * 1e6 >= TUNE_MIN_US
 
 
@@ -81,9 +81,8 @@ def tile_config(role: str, config: dict | None, launch, *, dtype, device, B: int
         return config
     k = tuning.key(role, dtype, H, I, E, B, gated)
     rule = rule or (lambda: rule_config(role, B / max(E, 1), dtype))
-    if not worth_tuning(role, dtype, B, E, H, I, gated):
-        return tuning.tuner().lookup(role, k, dtype, device, rule)[0]
-    return tuning.tuner().choose(role, k, dtype, device, gated, launch, rule, vendor)
+    return tuning.tuner().choose(role, k, dtype, device, gated, launch, rule, vendor,
+                                 tune=worth_tuning(role, dtype, B, E, H, I, gated))
 
 
 def run_role(role: str, config: dict | None, launch, vendor, **shape) -> dict:

@@ -170,12 +170,12 @@ class Tuner:
 
     def choose(self, role: str, k: str, dtype: torch.dtype, device: torch.device, gated: bool,
                launch: Callable[[dict], None], rule: Callable[[], dict],
-               vendor: Callable[[], None] | None = None) -> dict:
+               vendor: Callable[[], None] | None = None, tune: bool = True) -> dict:
         """The configuration for this launch; tunes (times every kept candidate with ``launch``, and ``vendor``,
-        the role on the vendor's GEMM, where given: ``VENDOR`` when it wins) when the key is new on this GPU and
-        tuning is enabled."""
+        the role on the vendor's GEMM, where given: ``VENDOR`` when it wins) when the key is new on this GPU,
+        tuning is enabled and the launch is worth it (``tune``: ``tiles.worth_tuning``)."""
         cfg, source = self.lookup(role, k, dtype, device, rule)
-        if source in ("tuned", "interpreter") or not self.enabled or device.type != "cuda":
+        if source in ("tuned", "interpreter") or not (self.enabled and tune) or device.type != "cuda":
             return cfg
         kept = prune_configs(role, candidates(role, dtype), dtype, gated, _smem(device))
         runs = [(c, lambda c=c: launch(c)) for c in kept] + ([(VENDOR, vendor)] if vendor is not None else [])
