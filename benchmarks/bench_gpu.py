@@ -35,8 +35,10 @@ from measure import (HF_MOE, count_ops, event_names, fmt, free, hf_moe_block, in
 VARIANTS = ("eager", "inductor", "moe", "moe-auto", "moe-torch")
 # moe: the Triton kernels forced; moe-auto: what a user gets (lowering="auto": the fastest form timed on this device)
 LOWERING = {"moe": "triton", "moe-auto": "auto", "moe-torch": "torch"}
-EXPECTED_OP = {"moe": "moe::fused_experts", "moe-torch": "moe::expert_mlp"}  # proof that the rewrite ran
-FORM_OF_OP = {"moe::fused_experts": "triton", "moe::expert_mlp_keep": "grouped", "moe::expert_mlp": "torch"}
+# proof that the rewrite ran (fwd_bwd trains: the Triton form keeps its projections, moe::fused_experts_keep)
+EXPECTED_OP = {"moe": "moe::fused_experts_keep", "moe-torch": "moe::expert_mlp"}
+FORM_OF_OP = {"moe::fused_experts_keep": "triton", "moe::fused_experts": "triton", "moe::expert_mlp_keep": "grouped",
+              "moe::expert_mlp": "torch"}
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ layer's roofline measured in the same run.
 
 Per (shape, T), bf16 on a GPU: the time and TFLOP/s of each GEMM ours and CUTLASS's for the same work
 
-    up      x[tok] @ [Wg | Wu]^T      ours: gather + both projections + activation (up_act)
+    up      x[tok] @ [Wg | Wu]^T      ours: gather + both projections + activation (up_act), the projections
+                                      also stored (kept for backward, as training runs it)
     down    h @ Wd^T                  ours: the down GEMM storing y rows (down)
-    dh      dout[tok] @ Wd            ours: the dh kernel, which also recomputes up (CUTLASS: both GEMMs)
+    dh      dout[tok] @ Wd            ours: the dh kernel reading the kept projections (dh_kept: act' fused)
     dx      [dg | du] @ [Wg | Wu]     ours: the dx kernel (its rows; the combine into dx is listed apart)
     dWgu    [dg | du]^T @ x[tok]      ours: wgrad_up, into the fused parameter's layout
     dWd     (cw dout[tok])^T @ h      ours: wgrad_down
@@ -93,7 +94,7 @@ def problem(H, I, E, K, T, dtype, device, seed=0):
 
 
 def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows):
-    from moecompile.runtime import triton_ops  # noqa: F401  (registers moe::fused_experts)
+    from moecompile.runtime import triton_ops  # noqa: F401  (registers moe::fused_experts and _keep)
     from moecompile.runtime.kernels import grouped_mlp as gm
 
     dev, dt = args.device, args.dtype
@@ -122,21 +123,23 @@ def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows):
     base = {
         "up": bench_ms(lambda: gmm(xg, gate_up.transpose(1, 2), offs=offs), dev),
         "down": bench_ms(lambda: gmm(h, wd.transpose(1, 2), offs=offs), dev),
-        "dh": bench_ms(lambda: (gmm(dout[tok], wd, offs=offs), gmm(xg, gate_up.transpose(1, 2), offs=offs)), dev),
+        "dh": bench_ms(lambda: gmm(dout[tok], wd, offs=offs), dev),  # the projections kept by the forward
         "dx": bench_ms(lambda: gmm(dgu, gate_up, offs=offs), dev),
         "dWgu": bench_ms(lambda: gmm(dgu.t(), xg, offs=offs), dev),
         "dWd": bench_ms(lambda: gmm((dout[tok] * cw[:, None].to(dt)).t(), h, offs=offs), dev),
     }
-    flops = {"up": fl_up, "down": fl_dn, "dh": fl_dn + fl_up, "dx": fl_up, "dWgu": fl_up, "dWd": fl_dn}
-    # ours: the forward kernels called alone, the backward's through the profiler
-    ours = {"up": bench_ms(lambda: gm.up_act(x, tok, counts, wg, wu, zero_tail=False), dev)}
+    flops = {"up": fl_up, "down": fl_dn, "dh": fl_dn, "dx": fl_up, "dWgu": fl_up, "dWd": fl_dn}
+    # ours: the forward kernels called alone (up keeping its projections, as training runs it), the backward's
+    # through the profiler
+    pre = torch.empty(B, 2 * I, device=dev, dtype=dt)
+    ours = {"up": bench_ms(lambda: gm.up_act(x, tok, counts, wg, wu, zero_tail=False, pre_out=pre), dev)}
     h_ours = gm.up_act(x, tok, counts, wg, wu)
     ours["down"] = bench_ms(lambda: gm.down_combine(h_ours, tok, counts, wd, combine=False), dev)
     leaves = [t.detach().requires_grad_() for t in (x, gate_up, wd)]
 
     def fwd_bwd():
-        out = torch.ops.moe.fused_experts(leaves[0], tok, counts, cw, None, None, leaves[2], None, None, None, None,
-                                          "silu", 1.702, 7.0, T, src, leaves[1], "chunk")
+        out, _pre = torch.ops.moe.fused_experts_keep(leaves[0], tok, counts, cw, None, None, leaves[2], None, None,
+                                                     None, None, "silu", 1.702, 7.0, T, src, leaves[1], "chunk")
         torch.autograd.grad(out, leaves, dout.to(out.dtype))  # returned and dropped: DeepSeek-V3's 22 GB of
         # weight gradients accumulated in .grad beside the weights and the backward's buffers ran an H100 out of memory
 

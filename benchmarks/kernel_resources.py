@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of every Triton kernel configuration on the H100, without a GPU.
 
-    python benchmarks/kernel_resources.py [router pft grouped_mlp grouped_mlp_bwd combine]  (TRITON_INTERPRET unset)
+    python benchmarks/kernel_resources.py [router pft grouped_mlp grouped_mlp_bwd grouped_wgrad combine]
+                                                                            (TRITON_INTERPRET unset)
 
 Compiles each compile target of ``moecompile.runtime.kernels`` (the configurations the launchers pick, with the
 argument specialisations of a launch at real sizes) for sm_90 and runs Triton's bundled ``ptxas -v`` on the PTX:
@@ -22,7 +23,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_N1", "BLOCK_N2", "BLOCK_T", "BLOCK_E", "CHUNK", "GATED", "ACT")
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_N1", "BLOCK_N2", "BLOCK_T", "BLOCK_E", "CHUNK", "GATED", "ACT", "KEPT",
+        "STORE_PRE")
 
 
 def resources(t) -> dict:

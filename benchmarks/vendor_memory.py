@@ -1,5 +1,5 @@
-"""Peak memory the vendor GEMM's backward roles allocate (runtime/kernels/vendor.py ``dh``, ``dx`` and ``wgrad``
-for the gate/up and down weight gradients), on CPU.
+"""Peak memory the vendor GEMM's backward roles allocate (runtime/kernels/vendor.py ``dh``, ``dh_kept`` reading
+the projections the forward kept, ``dx`` and ``wgrad`` for the gate/up and down weight gradients), on CPU.
 
     python benchmarks/vendor_memory.py [--rows 4096] [--hidden 512] [--inter 2048] [--slices-as 32768x14336]
                                        [--wgrad-slices-as 4096x14336]
@@ -64,10 +64,13 @@ def main(argv=None) -> int:
     wd = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dt)
     B = tok.shape[0]
     h, dgu, dxs = torch.empty(B, I, dtype=dt), torch.empty(B, 2 * I, dtype=dt), torch.empty(B, H, dtype=dt)
+    pre = torch.randn(B, 2 * I, generator=gen).to(dt)  # the projections fused_experts_keep keeps
     unit = B * I * dt.itemsize
     roles = {
         "dh": lambda: vd.dh(x, tok, None, cw, counts, dout, wg, wu, wd, None, None, activation="silu", alpha=1.702,
                             limit=7.0, h_out=h, dgu_out=dgu),
+        "dh_kept": lambda: vd.dh(x, tok, None, cw, counts, dout, wg, wu, wd, None, None, activation="silu",
+                                 alpha=1.702, limit=7.0, h_out=h, dgu_out=dgu, pre=pre),  # as training runs it
         "dx": lambda: vd.dx(x, tok, counts, dgu, dout, wg, wu, None, dxs_out=dxs, scale=False, bd_dcw=False),
     }
     d_gate_up, d_down = torch.empty(E, 2 * I, H, dtype=dt), torch.empty(E, H, I, dtype=dt)  # as triton_ops hands in

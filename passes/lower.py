@@ -5,7 +5,8 @@
     p = moe.build_pft(r[1], r[0], E, -1, ...)           p = moe.build_pft_triton(r[1], r[0], E, -1, ...)
     y = moe.expert_mlp(x, p[0], p[2], w..., act)        out = moe.fused_experts(x, p[0], p[2], p[3], w..., act, T,
                                                                             p[4], W_gate_up, layout)
-    out = moe.combine(y, p[0], p[3], T)
+    out = moe.combine(y, p[0], p[3], T)                 (training: moe.fused_experts_keep(...)[0], its projections
+                                                         kept for backward)
 
 The forms: "original" (the model's code as traced, put back from the copy canonicalize kept), "torch" (the canonical
 ops as they are), "grouped" (expert_mlp -> expert_mlp_keep: torch._grouped_mm GEMMs keeping the projections for
@@ -58,6 +59,7 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
         if n.meta.get("moe_layer") is not None:
             layers.setdefault(n.meta["moe_layer"], []).append(n)
     values = placeholder_values(gm, example_inputs)
+    keep = _trains(values)  # the Triton form keeps its projections for backward where there is one
     specs = {rec.path: rec.spec for rec in report.layers}
     choices = {}
     for path, nodes in layers.items():
@@ -70,7 +72,7 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
         forms, notes = _candidates(nodes, config, original, spec)
         error, tiles, timings = None, "", {}
         if "triton" in forms and config.verify_lowering:
-            ok, error, why = prove_lowered(nodes, values, functools.partial(_lower_layer, spec=spec),
+            ok, error, why = prove_lowered(nodes, values, functools.partial(_lower_layer, spec=spec, keep=keep),
                                            seed=config.probe_seed, backward=config.verify_backward)
             report.counters["lower.proved" if ok else "lower.fallback"] += 1
             if not ok:
@@ -79,14 +81,14 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
                              "this layer keeps the references")
         choice = forms[0]
         if len(forms) > 1:
-            choice, timings, why = _measured(gm, nodes, forms, original, values, spec, config)
+            choice, timings, why = _measured(gm, nodes, forms, original, values, spec, config, keep)
             notes.append(why)
             report.counters["lower.measured" if why.startswith("measured") else "lower.cached"] += 1
         if choice == "original":
             _restore_original(gm.graph, nodes, original)
         elif choice == "triton":
-            tiles = _kernel_tiles(nodes, spec) if spec is not None else ""
-            swapped, kept = _lower_layer(gm.graph, nodes, spec)
+            tiles = _kernel_tiles(nodes, spec, keep) if spec is not None else ""
+            swapped, kept = _lower_layer(gm.graph, nodes, spec, keep)
             notes += kept
             report.counters.update(f"lower.ops.{op}" for op in swapped)
         elif choice == "grouped":
@@ -142,13 +144,20 @@ def _candidates(nodes: list[fx.Node], config, original, spec) -> tuple[list[str]
     return forms, notes
 
 
-def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, dict, str]:
-    """Time the candidate forms (or read their timings from the cache) and pick one: (form, timings, note)."""
+def _trains(values) -> bool:
+    """Whether the graph computes gradients: the caller's grad mode was on (``forms.TRAINING``; unknown counts as
+    on) and a value it takes requires grad."""
+    from . import forms as forms_mod
+
+    return forms_mod.TRAINING.get() is not False and any(getattr(v, "requires_grad", False) for v in values.values())
+
+
+def _measured(gm, nodes, forms, original, values, spec, config, backward) -> tuple[str, dict, str]:
+    """Time the candidate forms (or read their timings from the cache) and pick one: (form, timings, note);
+    ``backward``: forward+backward (the graph trains), else forward alone."""
     from . import forms as forms_mod
 
     device = _layer_device(nodes)
-    backward = forms_mod.TRAINING.get() is not False and any(getattr(v, "requires_grad", False)
-                                                             for v in values.values())
     mlp = next(n for n in nodes if moe_op_name(n) == "expert_mlp")
     dtype = _example_above(mlp.args[4]).dtype
     sharded = _sharded(nodes)  # its local experts alone are timed, on T*K rows (the exchange is not run)
@@ -164,7 +173,7 @@ def _measured(gm, nodes, forms, original, values, spec, config) -> tuple[str, di
     source = "cached"
     if timings is None or set(timings) != set(forms):
         transforms = {"torch": None, "grouped": lambda g, ns: grouped_form.keep_projections(g, _mlps(ns), spec),
-                      "triton": functools.partial(_lower_layer, spec=spec)}
+                      "triton": functools.partial(_lower_layer, spec=spec, keep=backward)}
         try:
             candidates = {form: forms_mod.Candidate(*original) if form == "original"
                           else forms_mod.expert_candidate(mlp, transforms[form], _example_above) if sharded
@@ -230,9 +239,10 @@ def _layer_device(nodes: list[fx.Node]) -> torch.device:
     return _example_above(next(n for n in nodes if moe_op_name(n) == "expert_mlp")).device
 
 
-def _kernel_tiles(nodes: list[fx.Node], spec) -> str:
+def _kernel_tiles(nodes: list[fx.Node], spec, keep: bool) -> str:
     """One line naming the tile configuration each grouped GEMM kernel of the layer will use at the traced
-    token count, and where it comes from (runtime/kernels/tuning.py)."""
+    token count, and where it comes from (runtime/kernels/tuning.py); ``keep``: training, dh reads the kept
+    projections (dh_kept)."""
     from ..runtime.kernels import tiles, tuning
 
     e = spec.experts
@@ -242,7 +252,7 @@ def _kernel_tiles(nodes: list[fx.Node], spec) -> str:
     dtype = _example_above(mlp.args[4]).dtype  # the expert weights' (the kernels compute in it)
     E = mlp.meta.get("moe_local_experts", e.num_experts)  # a sharded layer's: its local experts, slice of I
     configs = tiles.layer_configs(dtype, x.device, T * spec.routing.top_k, E, e.hidden,
-                                  grouped_form.intermediate(mlp, spec), e.gated)
+                                  grouped_form.intermediate(mlp, spec), e.gated, kept=keep)
     tunes = tuning.tuner().enabled and x.device.type == "cuda"
     line = ", ".join(f"{role} {tuning.describe(cfg)} ({source}"
                      f"{'; tuned at first run' if tunes and source in ('rule', 'shipped table') else ''})"
@@ -254,9 +264,10 @@ def _mlps(nodes: list[fx.Node]) -> list[fx.Node]:
     return [n for n in nodes if moe_op_name(n) == "expert_mlp"]
 
 
-def _lower_layer(graph: fx.Graph, nodes: list[fx.Node], spec=None) -> tuple[list[str], list[str]]:
+def _lower_layer(graph: fx.Graph, nodes: list[fx.Node], spec=None, keep=False) -> tuple[list[str], list[str]]:
     """Swap the layer's ops for their Triton forms: (the new ops' names, notes on the ops kept on torch). An expert
-    MLP the fused kernel cannot take (it takes the combine) runs on grouped GEMMs where they take it (``spec``)."""
+    MLP the fused kernel cannot take (it takes the combine) runs on grouped GEMMs where they take it (``spec``).
+    ``keep`` (the program trains): moe.fused_experts_keep, which keeps the projections for its backward."""
     swapped, notes = [], []
     for n in nodes:
         name = moe_op_name(n)
@@ -279,8 +290,8 @@ def _lower_layer(graph: fx.Graph, nodes: list[fx.Node], spec=None) -> tuple[list
                 n.target = getattr(_ops, _SWAPS[name]).default
                 swapped.append(_SWAPS[name])
         elif name == "expert_mlp":
-            if _fuse_with_combine(graph, n):
-                swapped.append("fused_experts")
+            if _fuse_with_combine(graph, n, keep):
+                swapped.append("fused_experts_keep" if keep else "fused_experts")
                 continue
             why = "its output is used other than by one combine, which the fused kernel takes"
             if spec is not None and grouped_form.keep_projections(graph, [n], spec)[0] == "expert_mlp_keep":
@@ -299,7 +310,7 @@ def _pft_output(graph: fx.Graph, token_ids: fx.Node, index: int) -> fx.Node | No
     return graph.call_function(operator.getitem, (pft, index))
 
 
-def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
+def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node, keep: bool) -> bool:
     users = list(mlp.users)
     if len(users) != 1 or moe_op_name(users[0]) != "combine" or users[0].args[1] is not mlp.args[1]:
         return False
@@ -311,12 +322,15 @@ def _fuse_with_combine(graph: fx.Graph, mlp: fx.Node) -> bool:
         src = _pft_output(graph, tok, 4)  # the flat assignment of each row: the combine sums tokens' rows in k order
         weights = (None, None) if gate_up is not None else (wg, wu)
         fused = graph.call_function(
-            _ops.fused_experts.default,
+            (_ops.fused_experts_keep if keep else _ops.fused_experts).default,
             (x, tok, counts, cw, *weights, wd, bg, bu, bd, s, act, alpha, limit, num_tokens, src, gate_up, layout),
             {"all_rows": True} if grouped_form.all_rows(tok, counts) else {},
         )
-    fused.meta.update(combine.meta)
-    combine.replace_all_uses_with(fused)
+        out = graph.call_function(operator.getitem, (fused, 0)) if keep else fused
+    out.meta.update(combine.meta)
+    if keep:  # the pair's node: the layer's marks, not the combine's value
+        fused.meta.update({k: v for k, v in combine.meta.items() if k not in ("val", "tensor_meta")})
+    combine.replace_all_uses_with(out)
     graph.erase_node(combine)
     graph.erase_node(mlp)
     for view in (wg, wu) if gate_up is not None else ():

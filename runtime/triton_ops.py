@@ -5,10 +5,13 @@ implementations launch the kernels of ``runtime/kernels``. The ``lower`` pass sw
     moe.build_pft       -> moe.build_pft_triton      (same arguments; counts/ranks/scatter kernels, no capacity)
     moe.expert_mlp + moe.combine -> moe.fused_experts (grouped GEMM kernels + a deterministic combine; backward
                                                        kernels, no float atomics anywhere)
+                                    moe.fused_experts_keep (the same, where the program trains: its projections
+                                                       before the activation kept for backward)
 
 Like the torch ops they are opaque to the compiler (``triton_op`` cannot be traced without a GPU), carry fake
-functions whose shapes and strides match the real outputs, and save only their inputs for backward (the router
-also its chosen ids): the expert MLP is recomputed inside the backward kernels. The kernels are imported on first
+functions whose shapes and strides match the real outputs, and save their inputs for backward (the router also
+its chosen ids; fused_experts_keep also the [B, 2I] projections, so its backward runs one GEMM fewer per
+projection: fused_experts recomputes them inside the backward kernels). The kernels are imported on first
 use (``kernels.load()``), so importing moecompile never switches Triton into interpreter mode by itself. Each op
 launches on its inputs' GPU, whatever the current device.
 """
@@ -148,16 +151,45 @@ def _fused_experts_fake(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_
     return x_TH.new_empty(num_tokens, w_down.shape[1], dtype=dtype)
 
 
+@custom_op("moe::fused_experts_keep", mutates_args=())
+def fused_experts_keep(
+    x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, combine_weights_B: Tensor | None,
+    w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
+    b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None, activation: str, alpha: float,
+    limit: float, num_tokens: int, src_B: Tensor | None = None, w_gate_up: Tensor | None = None,
+    gate_up_layout: str = "", all_rows: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """(out_TH, pre_BJ): ``moe::fused_experts``, also keeping the projections before the activation ([B, 2I]
+    gate then up, [B, I] ungated) for its backward, whose dh then reads them instead of running the gate/up GEMM
+    again (one GEMM in place of three; the same gradients). What the lower pass puts in where the program trains."""
+    w_gate_EIH, w_up_EIH = _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
+    with _on(x_TH):
+        return _kernels()["grouped_mlp"].fused_experts(
+            x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
+            b_up_EI, b_down_EH, input_scale_B, num_tokens=num_tokens, activation=activation, alpha=alpha,
+            limit=limit, src_B=src_B, all_rows=all_rows, keep=True,
+        )
+
+
+@register_fake("moe::fused_experts_keep")
+def _fused_experts_keep_fake(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate, w_up, w_down, *rest):
+    out = _fused_experts_fake(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate, w_up, w_down, *rest)
+    gated = w_gate is not None or (len(rest) > 9 and rest[9] is not None)  # w_gate_up: gated
+    I = w_down.shape[2]
+    return out, x_TH.new_empty(token_ids_B.shape[0], 2 * I if gated else I, dtype=w_down.dtype)
+
+
 @custom_op("moe::fused_experts_backward", mutates_args=())
 def fused_experts_backward(
     grad_out_TH: Tensor, x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor,
     combine_weights_B: Tensor | None, w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor,
     b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None,
     activation: str, alpha: float, limit: float, src_B: Tensor | None = None, w_gate_up: Tensor | None = None,
-    gate_up_layout: str = "", all_rows: bool = False,
+    gate_up_layout: str = "", all_rows: bool = False, pre_B: Tensor | None = None,
 ) -> list[Tensor]:
     """Gradients of the present inputs among ``_GRAD_INPUTS``, in that order: weights' in the weights' own
-    layout (each written once by its kernel), the rest contiguous."""
+    layout (each written once by its kernel), the rest contiguous. ``pre_B``: the projections
+    ``moe::fused_experts_keep`` kept."""
     gate, up = _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
     out = None
     if w_gate_up is not None:
@@ -167,7 +199,7 @@ def fused_experts_backward(
         grads = list(_kernels()["grouped_mlp_bwd"].fused_experts_backward(
             grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, gate, up, w_down_EHI,
             b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit,
-            src_B=src_B, weight_grads=out, all_rows=all_rows,
+            src_B=src_B, weight_grads=out, all_rows=all_rows, pre_B=pre_B,
         ))
     if w_gate_up is not None:
         grads[2:4] = [None, None]
@@ -181,7 +213,8 @@ def _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu):
 
 @register_fake("moe::fused_experts_backward")
 def _fused_experts_backward_fake(grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, cw, wg, wu, wd, bg, bu, bd,
-                                 s, activation, alpha, limit, src=None, gu=None, layout="", all_rows=False):
+                                 s, activation, alpha, limit, src=None, gu=None, layout="", all_rows=False,
+                                 pre=None):
     like = (wg, wu, wd, gu)  # weights: their own strides, as the kernels write them
     return [torch.empty_like(t) if any(t is w for w in like) else t.new_empty(t.shape)
             for t in _grad_inputs(x_TH, cw, wg, wu, wd, bg, bu, bd, s, gu) if t is not None]
@@ -192,6 +225,7 @@ _TENSOR_ARGS = list(range(11)) + [15, 16]  # x .. input_scale, src, w_gate_up
 
 def _fused_setup(ctx, inputs, output):
     tensors = [inputs[i] if i < len(inputs) else None for i in _TENSOR_ARGS]
+    tensors.append(output[1] if isinstance(output, (tuple, list)) else None)  # fused_experts_keep's projections
     ctx.save_for_backward(*[t for t in tensors if t is not None])
     ctx.present = [t is not None for t in tensors]
     ctx.attrs = inputs[11:14]
@@ -199,11 +233,11 @@ def _fused_setup(ctx, inputs, output):
     ctx.all_rows = inputs[18] if len(inputs) > 18 else False
 
 
-def _fused_bwd(ctx, grad_out):
+def _fused_bwd(ctx, grad_out, _grad_pre=None):  # the kept projections are read by this backward alone
     saved = iter(ctx.saved_tensors)
-    x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, src, gu = [next(saved) if p else None for p in ctx.present]
+    x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, src, gu, pre = [next(saved) if p else None for p in ctx.present]
     grads = iter(torch.ops.moe.fused_experts_backward(grad_out, x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s,
-                                                      *ctx.attrs, src, gu, ctx.layout, ctx.all_rows))
+                                                      *ctx.attrs, src, gu, ctx.layout, ctx.all_rows, pre))
     g = {name: (next(grads) if t is not None else None)
          for name, t in zip(_GRAD_INPUTS, _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu))}
     return (g["x"], None, None, g["combine_weights"], g["w_gate"], g["w_up"], g["w_down"], g["b_gate"], g["b_up"],
@@ -211,3 +245,4 @@ def _fused_bwd(ctx, grad_out):
 
 
 register_autograd("moe::fused_experts", _fused_bwd, setup_context=_fused_setup)
+register_autograd("moe::fused_experts_keep", _fused_bwd, setup_context=_fused_setup)

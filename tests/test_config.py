@@ -105,7 +105,7 @@ def test_cli_inspect_family_and_config_json(tmp_path):
     kernels = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "mixtral", "--lowering", "triton"],
                              capture_output=True, text=True, timeout=300)  # TRITON_INTERPRET=1 from conftest
     assert kernels.returncode == 0, kernels.stderr[-2000:]
-    assert kernels.stdout.count("lowering=triton") == 2 and "lower.ops.fused_experts=2" in kernels.stdout
+    assert kernels.stdout.count("lowering=triton") == 2 and "lower.ops.fused_experts_keep=2" in kernels.stdout
     bad = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "nope"], capture_output=True, text=True)
     assert bad.returncode != 0 and "give a path to a config.json" in bad.stderr
 

@@ -141,6 +141,43 @@ def test_backward(T, layout, routing, dtype):
         check(g, truth[name], lowp[name], dtype, f"grad {name}")
 
 
+@pytest.mark.parametrize("T,layout,routing", CASES)
+def test_kept_projections_give_the_recomputed_gradients_bit_for_bit(T, layout, routing):
+    """fused_experts(keep=True) returns the output it returns without keeping, and the projections before the
+    activation ([gate | up], up alone ungated: the reference's to its rounding); the backward given them
+    (dh_kept: no up GEMM again) returns what it returns recomputing them, bit for bit."""
+    t, tok, counts, kw = make_problem(T, layout, torch.float32, routing)
+    args = (t["x"], tok, counts, t["cw"], *_args(t))
+    plain = on_device(gm.fused_experts, *args, num_tokens=T, single_launch=False, **kw)
+    out, pre = on_device(gm.fused_experts, *args, num_tokens=T, keep=True, **kw)
+    assert torch.equal(out, plain)
+    xs = t["x"][tok] * (t["s"][:, None] if t["s"] is not None else 1)
+    expert = torch.repeat_interleave(torch.arange(E), counts)
+    halves = [("wg", "bg"), ("wu", "bu")] if t["wg"] is not None else [("wu", "bu")]
+    want = torch.cat([torch.einsum("bh,bih->bi", xs, t[w][expert]) + (t[b][expert] if t[b] is not None else 0)
+                      for w, b in halves], 1)
+    assert pre.shape == want.shape and relerr(pre, want) < 1e-5
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
+    again = on_device(gb.fused_experts_backward, grad_out, *args, src_B=t["src"], **kw)
+    kept = on_device(gb.fused_experts_backward, grad_out, *args, src_B=t["src"], pre_B=pre, **kw)
+    for name, a, b in zip(NAMES, again, kept):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    moved = on_device(gb.fused_experts_backward, grad_out, *args, src_B=t["src"], pre_B=pre + 0.5, **kw)
+    assert not torch.equal(moved[NAMES.index("wd")], kept[NAMES.index("wd")])  # the backward read them
+
+
+def test_kept_projections_are_checked():
+    t, tok, counts, kw = make_problem(6, "mixtral", torch.float32)
+    args = (t["x"], tok, counts, t["cw"], *_args(t))
+    grad_out = torch.zeros(6, H)
+    with pytest.raises(ValueError, match="pre_B has shape"):
+        on_device(gb.fused_experts_backward, grad_out, *args, pre_B=torch.zeros(tok.shape[0], I), **kw)
+    with pytest.raises(ValueError, match="pre_B must be torch.float32"):
+        on_device(gb.fused_experts_backward, grad_out, *args, pre_B=torch.zeros(tok.shape[0], 2 * I).half(), **kw)
+    with pytest.raises(ValueError, match="keep=False"):
+        on_device(gm.fused_experts, *args, num_tokens=6, single_launch=True, keep=True, **kw)
+
+
 def test_two_launch_split_equals_the_single_launch():
     """With fewer row tiles than SMs the layer runs as up_act + down_combine: same result."""
     t, tok, counts, kw = make_problem(42, "gpt_oss", torch.float32, "skewed")

@@ -53,6 +53,31 @@ def test_vendor_roles_equal_the_reference_beside_kernels(T, layout, routing, dty
             check(g, gtruth[name], glowp[name], dtype, f"grad {name} with {config}")
 
 
+@pytest.mark.parametrize("T,layout,routing", CASES)
+def test_vendor_roles_keep_and_read_the_projections(T, layout, routing):
+    """On the vendor GEMM too: up_act keeps the projections it makes (the output unchanged) and dh_kept reads them
+    (the gradients its recomputation gives, bit for bit; changed projections change them); the projections kept
+    by the kernel, read by the vendor's dh, give the reference's gradients."""
+    t, tok, counts, kw = make_problem(T, layout, torch.float32, routing)
+    args = (t["x"], tok, counts, t["cw"], *_args(t))
+    plain = on_device(gm.fused_experts, *args, num_tokens=T, config=V, **kw)
+    out, pre = on_device(gm.fused_experts, *args, num_tokens=T, config=V, keep=True, **kw)
+    assert torch.equal(out, plain)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
+    again = _grads(t, tok, counts, kw, grad_out, {"gemm": V})
+    kept = on_device(gb.fused_experts_backward, grad_out, *args, config={"gemm": V}, pre_B=pre, **kw)
+    for name, a, b in zip(NAMES, again, kept):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    moved = on_device(gb.fused_experts_backward, grad_out, *args, config={"gemm": V}, pre_B=pre + 0.5, **kw)
+    assert not torch.equal(moved[NAMES.index("wd")], kept[NAMES.index("wd")])
+    _, pre_kernel = on_device(gm.fused_experts, *args, num_tokens=T, keep=True, **kw)
+    _, truth = _reference(t, tok, counts, kw, torch.float32, grad_out)
+    mixed = on_device(gb.fused_experts_backward, grad_out, *args, config={"gemm": V}, pre_B=pre_kernel, **kw)
+    for name, g in zip(NAMES, mixed):
+        if g is not None:
+            check(g, truth[name], None, torch.float32, f"grad {name}, kernel's projections read by the vendor dh")
+
+
 @pytest.mark.parametrize("layout", ["mixtral", "llama4"])
 def test_vendor_epilogues_in_slices_of_rows_equal_whole(layout, monkeypatch):
     """The float32 epilogues of the vendor roles (the combine weights' and the row scales' partial sums, the summed

@@ -28,7 +28,9 @@ def test_triton_lowering_matches_eager(family):
     assert report.layers and all(r.lowering == "triton" and not r.lowering_notes for r in report.layers)
     n = len(report.layers)
     assert report.counters["lower.triton"] == n
-    assert all(report.counters[f"lower.ops.{op}"] == n for op in ("route_triton", "build_pft_triton", "fused_experts"))
+    # it trains: the fused expert op keeps its projections for backward
+    ops = ("route_triton", "build_pft_triton", "fused_experts_keep")
+    assert all(report.counters[f"lower.ops.{op}"] == n for op in ops) and not report.counters["lower.ops.fused_experts"]
     # the kernels were proved on probe inputs beside the references before they were used
     assert report.counters["lower.proved"] == n and all(r.lowering_error <= 1e-5 for r in report.layers)
 
@@ -40,7 +42,11 @@ def test_kernels_that_disagree_with_the_references_are_not_used(monkeypatch):
 
     grouped = kernels.load()["grouped_mlp"]
     right = grouped.fused_experts
-    monkeypatch.setattr(grouped, "fused_experts", lambda *a, **k: right(*a, **k) * 1.01)
+    def off(*a, **k):  # (with keep=True, as training runs it: the output and the kept projections)
+        r = right(*a, **k)
+        return (r[0] * 1.01, r[1]) if isinstance(r, tuple) else r * 1.01
+
+    monkeypatch.setattr(grouped, "fused_experts", off)
     report = _check_against_eager(hf.tiny_model("mixtral"), lowering="triton")
     assert report.counters["lower.fallback"] == len(report.layers) == 2 and not report.counters["lower.triton"]
     assert all(r.lowering == "torch" and "forward normwise error" in r.lowering_notes[0] for r in report.layers)
@@ -98,12 +104,21 @@ def test_auto_on_cpu_times_the_torch_forms_and_explain_shows_the_choice(tmp_path
     lowered = moecompile.explain(model, IDS, lowering="triton")
     assert all(r.lowering == "triton" for r in lowered.layers) and "lowering=triton" in str(lowered)
     # which tiles each kernel uses, and from where (the interpreter's fixed ones here); the probe check's error
-    assert "kernel tiles: at 14 tokens: up_act 16x16x16 w4 s1 (interpreter)" in str(lowered)
+    assert "kernel tiles: at 14 tokens: up_act_kept 16x16x16 w4 s1 (interpreter)" in str(lowered)  # (training)
     assert "wgrad_down 16x16x16 w4 s1 (interpreter)" in str(lowered)
     assert "kernels checked against the references on probes" in str(lowered)
     code = lowered.graph("lower")
     assert all(op in code for op in LOWERED_OPS)
     assert "moe.expert_mlp" not in code and "moe.combine" not in code  # fused into one op per layer
+    # training keeps the projections for backward (dh reads them); inference keeps nothing, and runs as eager
+    assert "moe.fused_experts_keep" in code and "dh_kept 16x16x16" in str(lowered)
+    with torch.no_grad():
+        inference = moecompile.explain(model, IDS, lowering="triton")
+        compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "lowering": "triton"})
+        torch.testing.assert_close(compiled(IDS).logits, model(IDS).logits, rtol=1e-5, atol=1e-5)
+    code = inference.graph("lower")
+    assert "moe.fused_experts.default(" in code and "fused_experts_keep" not in code
+    assert "up_act 16x16x16" in str(inference) and "dh 16x16x16" in str(inference)
 
 
 def test_triton_lowering_under_inductor_with_changing_shapes():
@@ -151,9 +166,9 @@ def test_more_experts_than_the_pft_kernel_takes_keep_torch_pft():
     gm = run_passes(*graphs[0], config, report)
     assert all(r.lowering_notes == ["build_pft: torch (the Triton kernel takes at most 512 experts)"]
                for r in report.layers)
-    assert report.counters["lower.ops.fused_experts"] == len(report.layers) == 1
+    assert report.counters["lower.ops.fused_experts_keep"] == len(report.layers) == 1  # (parameters want grads)
     ops = {moe_op_name(n) for n in gm.graph.nodes}
-    assert {"build_pft", "fused_experts", "route_triton"} <= ops and "build_pft_triton" not in ops
+    assert {"build_pft", "fused_experts_keep", "route_triton"} <= ops and "build_pft_triton" not in ops
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
@@ -165,7 +180,7 @@ def test_triton_lowering_fp16_as_accurate_as_eager(family):
     eager_err = normwise(low(IDS).logits, want)
     backend = RecordingBackend(inner="aot_eager", lowering="triton")
     got = torch.compile(low, backend=backend)(IDS).logits
-    assert not backend.errors and backend.report.counters["lower.ops.fused_experts"] == 2
+    assert not backend.errors and backend.report.counters["lower.ops.fused_experts_keep"] == 2
     assert normwise(got, want) <= 2 * eager_err + 1e-3
 
 

@@ -221,7 +221,7 @@ def test_capacity_by_cumsum_in_sequence_order_is_rewritten_with_its_drops():
 def test_grouped_experts_read_the_row_count_back_only_where_a_capacity_drops_rows(capacity, lowering):
     """lowering="grouped": moe.expert_mlp_keep takes all_rows=True where its rows come from a build_pft without a
     capacity (it then reads no row count back from the device: on CUDA, a wait for the GPU in forward and again
-    in backward), never where a capacity drops rows; "triton": so does moe.fused_experts (for the roles the
+    in backward), never where a capacity drops rows; "triton": so does moe.fused_experts_keep (for the roles the
     tuner gives the vendor GEMM). Both train like the block."""
     import dataclasses
 
@@ -240,7 +240,7 @@ def test_grouped_experts_read_the_row_count_back_only_where_a_capacity_drops_row
         gm = p(gm, ex, config=config, report=report)
     gm.recompile()
     keeps = [n for n in gm.graph.nodes if moe_op_name(n) == ("expert_mlp_keep" if lowering == "grouped"
-                                                              else "fused_experts")]
+                                                              else "fused_experts_keep")]  # (it trains)
     assert keeps and all(n.kwargs.get("all_rows", False) is not capacity for n in keeps), [n.kwargs for n in keeps]
     (out,) = gm(*ex)
     want = block(x)

@@ -5,7 +5,8 @@
     pft.py           padding-free token buffer on device: per-expert counts, prefix sums, stable permutation
     grouped_mlp.py   gather + grouped up GEMM + gated activation; down GEMM + weighted scatter-combine;
                      the persistent whole-layer forward kernel
-    grouped_mlp_bwd.py  backward grouped GEMMs (input and weight gradients) and the gather/scatter adjoints
+    grouped_mlp_bwd.py  backward grouped GEMMs (input gradients) and the gather/scatter adjoints
+    grouped_wgrad.py    the backward's weight-gradient kernel (dW[e] = A_e^T C_e over each expert's rows)
     combine.py       the deterministic combine (each token's k rows in k order) and its row inversion
 beside them, not kernels in threes: ``grouped_common.py`` (the tile schedule over expert segments and the host
 checks both grouped modules share), ``tiles.py`` (the tile-size rule and how a launch picks its tiles),
@@ -29,7 +30,7 @@ from __future__ import annotations
 import importlib
 import os
 
-KERNEL_MODULES = ("router", "pft", "grouped_mlp", "grouped_mlp_bwd", "combine")
+KERNEL_MODULES = ("router", "pft", "grouped_mlp", "grouped_mlp_bwd", "grouped_wgrad", "combine")
 
 
 def load():

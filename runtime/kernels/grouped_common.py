@@ -127,6 +127,16 @@ def check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_E
     return B, E, H, I
 
 
+def check_pre(name: str, pre, B: int, I: int, gated: bool, dtype) -> None:
+    """The kept projections before the activation: [B, 2I] ([gate | up]) or [B, I] (ungated), the weights'
+    dtype, unit column stride (the kernels read and write them by row)."""
+    if pre is None:
+        return
+    check_shape(name, pre, (B, 2 * I if gated else I))
+    if pre.dtype != dtype or pre.stride(1) != 1:
+        raise ValueError(f"{name} must be {dtype} with unit column stride, got {pre.dtype} strides {pre.stride()}")
+
+
 def opt_bias(t, dummy):
     """(tensor or a dummy pointer, its leading stride) for an optional bias: the kernels read a bias row with
     unit stride (GPT-OSS's interleaved biases are strided views: copied here, they are small)."""

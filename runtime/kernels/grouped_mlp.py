@@ -30,7 +30,7 @@ from . import combine as cb
 from . import tuning
 from . import vendor as vd
 from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, target
-from .grouped_common import (check_expert_args, load_scale, locate, max_tiles, opt_bias, proj_tile,
+from .grouped_common import (check_expert_args, check_pre, load_scale, locate, max_tiles, opt_bias, proj_tile,
                              rows_contiguous)
 from .tiles import gpu_config, gpu_configs, rule_config, run_role, tuner_configs
 
@@ -89,24 +89,38 @@ def _store_rows(acc, rows, rows_ok, n0, H, y_ptr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _up_act_kernel(
-    x_ptr, sxt, sxh, tok_ptr, s_ptr, counts_ptr, h_ptr,
+    x_ptr, sxt, sxh, tok_ptr, s_ptr, counts_ptr, h_ptr, pre_ptr, spr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
     E, H, I, alpha, limit,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr, ACT: tl.constexpr,
+    STORE_PRE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (row tiles, I tiles): gather + up (+gate) GEMM + activation, h_BI stored in the weights' dtype."""
+    """Grid (row tiles, I tiles): gather + up (+gate) GEMM + activation, h_BI stored in the weights' dtype; with
+    STORE_PRE also the projections before the activation, [g | u] (u alone ungated) rows of pre, for backward."""
     e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         n0 = tl.program_id(1) * BLOCK_N
         tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0)
         scale = load_scale(s_ptr, rows, rows_ok, HAS_SCALE, wu_ptr.dtype.element_ty)
-        h = _up_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e.to(tl.int64), n0, H, I,
-                     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue, alpha, limit,
-                     GATED, HAS_BG, HAS_BU, HAS_SCALE, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        g, u = proj_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e.to(tl.int64), n0, H, I,
+                         wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
+                         GATED, HAS_BG, HAS_BU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        if GATED:
+            h = act_fwd(g, u, ACT, alpha, limit)
+        else:
+            h = act_fwd(u, 1.0, ACT, alpha, limit)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        tl.store(h_ptr + rows.to(tl.int64)[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=rows_ok[:, None] & (offs_n[None, :] < I))
+        rows64 = rows.to(tl.int64)
+        mask = rows_ok[:, None] & (offs_n[None, :] < I)
+        tl.store(h_ptr + rows64[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+        if STORE_PRE:  # g and u are already rounded to the dtype (proj_tile): stored exactly as used above
+            DT = pre_ptr.dtype.element_ty
+            if GATED:
+                tl.store(pre_ptr + rows64[:, None] * spr + offs_n[None, :], g.to(DT), mask=mask)
+                tl.store(pre_ptr + rows64[:, None] * spr + I + offs_n[None, :], u.to(DT), mask=mask)
+            else:
+                tl.store(pre_ptr + rows64[:, None] * spr + offs_n[None, :], u.to(DT), mask=mask)
 
 
 @triton.jit
@@ -167,35 +181,39 @@ def _fused_experts_kernel(
 
 def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI=None, b_up_EI=None,
            input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0, config=None, zero_tail=True,
-           all_rows=False):
+           all_rows=False, pre_out=None):
     """h_BI: gathered rows through each expert's up (and gate) projection and activation. Rows past the counted
     ones (dropped by a capacity) are 0, or left unwritten with ``zero_tail=False`` (no memset). ``all_rows``: the
-    counts count every row (the vendor GEMM then reads no count from the device, ``vendor.py``)."""
+    counts count every row (the vendor GEMM then reads no count from the device, ``vendor.py``). ``pre_out``: a
+    contiguous [B, 2I] ([B, I] ungated) buffer that also gets the counted rows' projections before the
+    activation, [gate | up], in the weights' dtype (what ``fused_experts_backward`` takes as ``pre_B``)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, None, b_gate_EI,
                                    b_up_EI, None, input_scale_B, activation)
     token_ids_B, input_scale_B = rows_contiguous(token_ids_B, input_scale_B)
     counts = tokens_per_expert_E.contiguous()
     h_BI = (torch.zeros if zero_tail else torch.empty)(B, I, dtype=w_up_EIH.dtype, device=x_TH.device)
+    check_pre("pre_out", pre_out, B, I, w_gate_EIH is not None, w_up_EIH.dtype)
     wg = w_up_EIH if w_gate_EIH is None else w_gate_EIH
     bg, sbg = opt_bias(b_gate_EI, wg)
     bu, sbu = opt_bias(b_up_EI, wg)
     s = input_scale_B if input_scale_B is not None else token_ids_B
+    pre, spr = (pre_out, pre_out.stride(0)) if pre_out is not None else (h_BI, 0)
 
     def launch(cfg):
         grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(I, cfg["BLOCK_N"]))
         _up_act_kernel[grid](
-            x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, h_BI,
+            x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, h_BI, pre, spr,
             wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
             GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
-            HAS_SCALE=input_scale_B is not None, ACT=ACT_CODES[activation], BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
+            HAS_SCALE=input_scale_B is not None, ACT=ACT_CODES[activation], STORE_PRE=pre_out is not None,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
             PREC=dot_precision(w_up_EIH.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
 
     vendor = vd.candidate(w_up_EIH.dtype, H, I, vd.up_act, h_BI, x_TH, token_ids_B, counts, w_gate_EIH, w_up_EIH,
                           b_gate_EI, b_up_EI, input_scale_B, activation=activation, alpha=alpha, limit=limit,
-                          all_rows=all_rows)
-    run_role("up_act", config, launch, vendor, dtype=w_up_EIH.dtype, device=x_TH.device, B=B, E=E, H=H, I=I,
+                          all_rows=all_rows, pre_out=pre_out)
+    run_role("up_act" if pre_out is None else "up_act_kept", config, launch, vendor, dtype=w_up_EIH.dtype, device=x_TH.device, B=B, E=E, H=H, I=I,
              gated=w_gate_EIH is not None)
     return h_BI
 
@@ -253,7 +271,7 @@ def _programs_available(device) -> int:
 def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI,
                   b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *, num_tokens, activation="silu",
                   alpha=1.702, limit=7.0, config=None, num_programs=None, single_launch=None, src_B=None,
-                  all_rows=False):
+                  all_rows=False, keep=False):
     """The whole routed MLP + combine of one layer: out_TH (fp32 sums in a fixed order, returned in the dtype the
     torch reference's combine would have: weights' dtype promoted with combine weights'). Deterministic: no
     float atomics anywhere (``combine.py``); ``src_B`` (the PFT's flat assignment of each row) sums each token's
@@ -264,23 +282,30 @@ def fused_experts(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_g
     H) with h in a per-program scratch slot instead of an h_BI buffer. On an H100 the persistent form was slower
     than the two launches at every shape measured (``../shared/measurements/h100-2026-11-23.md``), so
     ``single_launch=None`` takes it only in the interpreter, where fewer programs run faster. ``all_rows``: the
-    counts count every row (no capacity): a role on the vendor GEMM reads no count from the device."""
+    counts count every row (no capacity): a role on the vendor GEMM reads no count from the device.
+
+    ``keep``: returns (out_TH, pre_BJ), the projections before the activation kept for backward (``up_act``'s
+    ``pre_out``; J = 2I gated, I ungated; rows past the counted ones unwritten), so that the backward's dh
+    reads them instead of running the up GEMM again; always the two launches."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     check_shape("combine_weights_B", combine_weights_B, (B,))
     check_shape("x_TH", x_TH, (num_tokens, H))
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
     if single_launch is None:  # (a configuration naming the vendor GEMM runs the two launches' roles on it)
-        single_launch = interpreting() and not tuning.is_vendor(config)
-    if single_launch and tuning.is_vendor(config):
-        raise ValueError("single_launch=True runs the persistent Triton kernel: pass a tile configuration, not "
-                         "tuning.VENDOR")
+        single_launch = interpreting() and not tuning.is_vendor(config) and not keep
+    if single_launch and (tuning.is_vendor(config) or keep):
+        raise ValueError("single_launch=True runs the persistent Triton kernel, which keeps no [B, I] rows: pass a "
+                         "tile configuration, not tuning.VENDOR, and keep=False")
     if not single_launch:
+        pre = torch.empty(B, 2 * I if w_gate_EIH is not None else I, dtype=w_up_EIH.dtype,
+                          device=x_TH.device) if keep else None
         h_BI = up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI,
                       input_scale_B, activation=activation, alpha=alpha, limit=limit, config=config, zero_tail=False,
-                      all_rows=all_rows)
-        return down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B,
-                            num_tokens, config=config, src_B=src_B, all_rows=all_rows)
+                      all_rows=all_rows, pre_out=pre)
+        out = down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH, combine_weights_B,
+                           num_tokens, config=config, src_B=src_B, all_rows=all_rows)
+        return (out, pre) if keep else out
     # the persistent kernel holds both GEMMs: the up projection's configuration, untuned (never timed here)
     cfg = config or tuning.tuner().lookup("up_act", tuning.key("up_act", w_up_EIH.dtype, H, I, E, B, True),
                                           w_up_EIH.dtype, x_TH.device,
@@ -334,22 +359,24 @@ REAL_LAUNCH = dict(unit=("sxh", "sgh", "suh", "sdi"),
 
 
 def _ptrs(dt, **extra):
-    names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "scratch_ptr", "y_ptr")
+    names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "pre_ptr", "scratch_ptr",
+             "y_ptr")
     return {**{n: dt for n in names}, "tok_ptr": torch.int64, "counts_ptr": torch.int64, **extra}
 
 
 def compile_targets():
     """Each forward kernel: every GPU tile configuration (Mixtral-like flags), every flag set (one
-    configuration), every activation (fused kernel), with a few expert counts (BLOCK_E)."""
+    configuration), every activation (fused kernel), with a few expert counts (BLOCK_E); up_act also keeping
+    its projections (STORE_PRE, as training runs it)."""
 
-    def three(dt, cfg, flag_set, block_e, launch=REAL_LAUNCH):
+    def three(dt, cfg, flag_set, block_e, launch=REAL_LAUNCH, store_pre=False):
         gated, bg, bu, bd, sc, cw, act = flag_set
         consts = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=block_e,
                       PREC=dot_precision(dt))
         flags = dict(GATED=gated, HAS_BG=bg, HAS_BU=bu, HAS_SCALE=sc, ACT=act)
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return [
-            target(_up_act_kernel, _ptrs(dt), dict(consts, **flags), **opts, **launch),
+            target(_up_act_kernel, _ptrs(dt), dict(consts, **flags, STORE_PRE=store_pre), **opts, **launch),
             target(_down_kernel, _ptrs(dt), dict(consts, HAS_BD=bd), **opts, **launch),
             target(_fused_experts_kernel, _ptrs(dt), dict(consts, **flags, HAS_BD=bd), **opts, **launch),
         ]
@@ -357,12 +384,15 @@ def compile_targets():
     out = []
     for i, (dt, cfg) in enumerate(gpu_configs()):
         out += three(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])
-    for i, (role, dt, cfg) in enumerate(tuner_configs(("up_act", "down"))):  # every configuration it may time
-        out.append(three(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])[0 if role == "up_act" else 1])
+        out.append(three(dt, dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2)), FLAG_SETS[0], (8, 128, 256)[i % 3],
+                         store_pre=True)[0])  # up_act_kept's rule: N halved
+    for i, (role, dt, cfg) in enumerate(tuner_configs(("up_act", "up_act_kept", "down"))):  # all it may time
+        out.append(three(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3], store_pre=role == "up_act_kept")[role == "down"])
     dt, cfg = torch.bfloat16, gpu_config(1024, torch.bfloat16)
     out += three(dt, cfg, FLAG_SETS[0], 8, launch={})  # odd widths and strided views: nothing specialised
     for flag_set in FLAG_SETS[1:]:
         out += three(dt, cfg, flag_set, 32)
+        out.append(three(dt, dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2), flag_set, 32, store_pre=True)[0])
     for name, act in ACT_CODES.items():
         if act not in (f[-1] for f in FLAG_SETS):
             out.append(three(dt, cfg, (name != "relu2", False, False, False, False, True, act), 64)[2])

@@ -7,14 +7,15 @@ Forward, per row b of expert e and token t = tok[b]:
     xs_b = x[t] * s_b;  g_b, u_b = xs_b @ Wg[e]^T + bg, xs_b @ Wu[e]^T + bu;  h_b = act(g_b, u_b)
     out[t] += cw_b * (h_b @ Wd[e]^T + bd)
 Backward, given dout_TH (four kernel kinds, five launches and the row inversion):
-    dh_kernel    G_b = dout[t] @ Wd[e] (recomputing g, u, h: nothing [B, I] is kept from the forward)
+    dh_kernel    G_b = dout[t] @ Wd[e], with g, u read from the forward's kept projections (``pre_B``, role
+                 "dh_kept": one GEMM) or recomputed (role "dh": nothing [B, I] kept from the forward, two GEMMs more)
                  dcw_b = <h_b, G_b> (+ <bd, dout[t]>),  dh_b = cw_b G_b,  (dg_b, du_b) = act'(g_b, u_b) dh_b
     dx_kernel    dxs_b = dg_b @ Wg[e] + du_b @ Wu[e] stored;  ds_b = <dxs_b, x[t]>
     combine      dx[t] = sum over k of s_b dxs_b (the gather's adjoint: each token's rows in k order, no atomics,
                  combine.py)
     wgrad_kernel dW[e] = A_e^T @ C_e over expert e's rows, A and C optionally gathered by token and scaled by
                  row: [dWg | dWu] = [dg | du]^T xs (one launch), dWd = (cw dout[tok])^T h; bias gradients =
-                 column sums of A
+                 column sums of A (``grouped_wgrad.py``)
 Partial dot products ([B, P], one column per tile of the reduced axis) are summed on the device by torch.
 """
 
@@ -25,25 +26,27 @@ import triton
 import triton.language as tl
 
 from . import combine as cb
+from . import grouped_wgrad as gw
 from . import tuning
 from . import vendor as vd
 from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, target
-from .grouped_common import (check_expert_args, load_scale, locate, max_tiles, opt_bias, proj_tile,
-                             rows_contiguous, segments)
+from .grouped_common import (check_expert_args, check_pre, load_scale, locate, max_tiles, opt_bias, proj_tile,
+                             rows_contiguous)
 from .grouped_mlp import FLAG_SETS, REAL_LAUNCH
-from .tiles import gpu_config, gpu_configs, run_role, tuner_configs, wgrad_gpu_config
+from .tiles import gpu_config, gpu_configs, run_role, tuner_configs
 
 
 @triton.jit
 def _dh_kernel(
     x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, counts_ptr, dout_ptr, h_ptr, dg_ptr, du_ptr, sdr, pcw_ptr,
-    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, wd_ptr, sde, sdh, sdi, bg_ptr, sbge, bu_ptr, sbue,
+    pre_ptr, spr, wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, wd_ptr, sde, sdh, sdi, bg_ptr, sbge, bu_ptr, sbue,
     E, H, I, alpha, limit,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_CW: tl.constexpr, ACT: tl.constexpr,
+    HAS_CW: tl.constexpr, ACT: tl.constexpr, KEPT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (row tiles, I tiles): recompute the projections, G = dout[tok] @ Wd[e], then dh and act'."""
+    """Grid (row tiles, I tiles): the projections (KEPT: read from the forward's pre rows; else recomputed),
+    G = dout[tok] @ Wd[e], then dh and act'."""
     e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         DT = wu_ptr.dtype.element_ty
@@ -54,10 +57,6 @@ def _dh_kernel(
         n_ok = offs_n < I
         rows64 = rows.to(tl.int64)
         tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0).to(tl.int64)
-        scale = load_scale(s_ptr, rows, rows_ok, HAS_SCALE, DT)
-        g, u = proj_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
-                         wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
-                         GATED, HAS_BG, HAS_BU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
         G = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -67,6 +66,21 @@ def _dh_kernel(
             w = tl.load(wd_ptr + e64 * sde + offs_k[:, None] * sdh + offs_n[None, :] * sdi,
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             G += tl.dot(a.to(DT), w, input_precision=PREC)
+        # after the GEMM, so that kept projections hold no registers during it
+        if KEPT:  # stored in the dtype as proj_tile rounds them: the same g and u as recomputed
+            pre = pre_ptr + rows64[:, None] * spr + offs_n[None, :]
+            pm = rows_ok[:, None] & n_ok[None, :]
+            if GATED:
+                g = tl.load(pre, mask=pm, other=0.0).to(tl.float32)
+                u = tl.load(pre + I, mask=pm, other=0.0).to(tl.float32)
+            else:
+                u = tl.load(pre, mask=pm, other=0.0).to(tl.float32)
+                g = u
+        else:
+            scale = load_scale(s_ptr, rows, rows_ok, HAS_SCALE, DT)
+            g, u = proj_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e64, n0, H, I,
+                             wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
+                             GATED, HAS_BG, HAS_BU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
         if GATED:
             h = act_fwd(g, u, ACT, alpha, limit).to(DT)
         else:
@@ -133,111 +147,10 @@ def _dx_kernel(
             tl.store(pbd_ptr + rows64 * tl.num_programs(1) + pid_n, tl.sum(d * bd[None, :], axis=1), mask=rows_ok)
 
 
-@triton.jit
-def _wgrad_kernel(
-    a_ptr, sa, a_tok_ptr, a_scale_ptr, c_ptr, sc, c_tok_ptr, c_scale_ptr, counts_ptr, dw_ptr, db_ptr,
-    dw2_ptr, db2_ptr, E, N1, N2, N_SPLIT, swe, swr, swc,
-    A_GATHER: tl.constexpr, A_SCALE: tl.constexpr, C_GATHER: tl.constexpr, C_SCALE: tl.constexpr,
-    HAS_DB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
-):
-    """Grid (E, N1 tiles x N2 tiles): dW[e] = A_e^T @ C_e, reducing over expert e's rows (a variable-length
-    segment, masked in BLOCK_K steps); A row r is a[tok[r]] * scale[r] when gathered and scaled, C likewise.
-    db[e] = column sums of A_e (only the N2-tile-0 programs write it). SPLIT: A holds two operands side by side
-    ([dg | du], N1 = 2 N_SPLIT) and output rows from N_SPLIT on go to dw2/db2: both gradients in one launch.
-    dW is written through strides (swe, swr, swc): into the parameter's own layout (a transposed view, or the
-    gate and up halves of one fused [E, 2I, H] parameter), so the gradient exists once."""
-    DT = dw_ptr.dtype.element_ty
-    e = tl.program_id(0)
-    n2_tiles = tl.cdiv(N2, BLOCK_N2)
-    pid_n1 = tl.program_id(1) // n2_tiles
-    pid_n2 = tl.program_id(1) % n2_tiles
-    offs_1 = pid_n1 * BLOCK_N1 + tl.arange(0, BLOCK_N1)
-    offs_2 = pid_n2 * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-    offs_e, counts, first_row = segments(counts_ptr, E, BLOCK_E)
-    row0 = tl.sum(tl.where(offs_e == e, first_row, 0), axis=0)
-    nrows = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
-    acc = tl.zeros((BLOCK_N1, BLOCK_N2), tl.float32)
-    colsum = tl.zeros((BLOCK_N1,), tl.float32)
-    for k0 in range(0, nrows, BLOCK_K):
-        rows = row0 + k0 + tl.arange(0, BLOCK_K)
-        r_ok = (k0 + tl.arange(0, BLOCK_K)) < nrows
-        ra = rows.to(tl.int64)
-        if A_GATHER:
-            ra = tl.load(a_tok_ptr + rows, mask=r_ok, other=0).to(tl.int64)
-        rc = rows.to(tl.int64)
-        if C_GATHER:
-            rc = tl.load(c_tok_ptr + rows, mask=r_ok, other=0).to(tl.int64)
-        a = tl.load(a_ptr + ra[:, None] * sa + offs_1[None, :], mask=r_ok[:, None] & (offs_1[None, :] < N1),
-                    other=0.0)
-        if A_SCALE:  # (dout[tok] * cw) rounded once, as the reference's combine adjoint
-            a = a.to(tl.float32) * tl.load(a_scale_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
-        a = a.to(DT)
-        c = tl.load(c_ptr + rc[:, None] * sc + offs_2[None, :], mask=r_ok[:, None] & (offs_2[None, :] < N2),
-                    other=0.0).to(DT)
-        if C_SCALE:  # x[tok].to(dtype) * s.to(dtype), as the reference's gather
-            c = (c.to(tl.float32) * load_scale(c_scale_ptr, rows, r_ok, True, DT)[:, None]).to(DT)
-        acc += tl.dot(tl.trans(a), c, input_precision=PREC)
-        if HAS_DB:
-            colsum += tl.sum(a.to(tl.float32), axis=0)
-    e64 = e.to(tl.int64)
-    mask_1 = offs_1 < N1
-    if SPLIT:  # rows past N_SPLIT belong to the second gradient (a [E, N_SPLIT, N2] view of its own)
-        second = offs_1 >= N_SPLIT
-        row = tl.where(second, offs_1 - N_SPLIT, offs_1).to(tl.int64)
-        at = e64 * swe + row * swr
-        dw_rows = tl.where(second, dw2_ptr + at, dw_ptr + at)  # [N1] row pointers
-        db_rows = tl.where(second, db2_ptr + row + e64 * N_SPLIT, db_ptr + row + e64 * N_SPLIT)
-    else:
-        row = offs_1.to(tl.int64)
-        dw_rows = dw_ptr + e64 * swe + row * swr
-        db_rows = db_ptr + row + e64 * N1
-    tl.store(dw_rows[:, None] + offs_2[None, :].to(tl.int64) * swc, acc.to(DT),
-             mask=mask_1[:, None] & (offs_2[None, :] < N2))
-    if HAS_DB:
-        if pid_n2 == 0:
-            tl.store(db_rows, colsum.to(db_ptr.dtype.element_ty), mask=mask_1)
-
-
-# ---- host launcher -------------------------------------------------------------------------------------------
-
-
-def _wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype, config, split=None, out=None,
-           all_rows=False):
-    """dW [E, N1, N2] (and db [E, N1]); with ``split`` the two [E, split, N2] halves of A's columns instead. ``out``:
-    the views to write dW into (one, or two with ``split``, sharing strides), else new contiguous tensors. The
-    tile configuration is ``config`` or the tuner's for ``role``."""
-    N1, N2 = a.shape[1], c.shape[1]
-    n_out = split or N1
-    new = lambda *shape: torch.empty(*shape, dtype=dtype, device=a.device)  # noqa: E731 (all written)
-    dws = list(out) if out is not None else [new(E, n_out, N2) for _ in range(2 if split else 1)]
-    assert all(dw.shape == (E, n_out, N2) and dw.stride() == dws[0].stride() for dw in dws)
-    dbs = [new(E, n_out) for _ in dws] if want_db else dws
-
-    def launch(cfg):
-        grid = (E, triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]))
-        _wgrad_kernel[grid](
-            a, a.stride(0), a_tok if a_tok is not None else counts, a_scale if a_scale is not None else a,
-            c, c.stride(0), c_tok if c_tok is not None else counts, c_scale if c_scale is not None else c,
-            counts, dws[0], dbs[0], dws[-1], dbs[-1], E, N1, N2, n_out, *dws[0].stride(),
-            A_GATHER=a_tok is not None, A_SCALE=a_scale is not None, C_GATHER=c_tok is not None,
-            C_SCALE=c_scale is not None, HAS_DB=want_db, SPLIT=split is not None, BLOCK_N1=cfg["BLOCK_N1"],
-            BLOCK_N2=cfg["BLOCK_N2"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
-            PREC=dot_precision(dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-
-    rows = a.shape[0] if a_tok is None else c.shape[0]  # the buffer's routed rows (the other may be [T, ...])
-    vendor = vd.candidate(dtype, N1, N2, vd.wgrad, a, a_tok, a_scale, c, c_tok, c_scale, counts, dws,
-                          dbs if want_db else None, split=split, dtype=dtype, all_rows=all_rows)
-    run_role(role, config, launch, vendor, dtype=dtype, device=a.device, B=rows, E=E, H=N2, I=N1,
-             gated=split is not None, rule=lambda: wgrad_gpu_config(dtype))
-    return dws, (dbs if want_db else [None] * len(dws))
-
-
 def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
                            w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
                            activation="silu", alpha=1.702, limit=7.0, config=None, src_B=None, weight_grads=None,
-                           all_rows=False):
+                           all_rows=False, pre_B=None):
     """Gradients of ``fused_experts`` for (x, combine_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
     input_scale), None where that input is None. Deterministic: no float atomics (``src_B`` as in
     ``fused_experts``). Weight gradients are written once, where ``weight_grads`` (views for dWg, dWu, dWd)
@@ -245,9 +158,12 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     (``empty_like``: a transposed weight gets a transposed gradient, no copy to its layout afterwards). Bias
     gradients are contiguous. ``config``: one tile configuration for every kernel
     (``{"gemm": {...}, "wgrad": {...}}``, or one GEMM configuration for dh and dx; ``tuning.VENDOR`` for the
-    vendor GEMM, ``vendor.py``); None lets each kernel take the tuner's (``tuning.py``). ``all_rows``: as there."""
+    vendor GEMM, ``vendor.py``); None lets each kernel take the tuner's (``tuning.py``). ``all_rows``: as there.
+    ``pre_B``: the projections ``fused_experts(keep=True)`` kept; dh reads them instead of recomputing them (the
+    same values, so the same gradients bit for bit)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
+    check_pre("pre_B", pre_B, B, I, w_gate_EIH is not None, w_up_EIH.dtype)
     token_ids_B, combine_weights_B, input_scale_B = rows_contiguous(token_ids_B, combine_weights_B, input_scale_B)
     one = config is not None and ("BLOCK_M" in config or tuning.is_vendor(config))
     config = {"gemm": config} if one else (config or {})
@@ -280,18 +196,21 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         partial["cw"] = pcw = torch.zeros(B, n_i, dtype=torch.float32, device=dev) if has_cw else dout
         _dh_kernel[(max_tiles(B, E, cfg["BLOCK_M"]), n_i)](
             x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, dout, h_BI, dg_BI, du_BI,
-            dgu.stride(0), pcw, wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI, *w_down_EHI.stride(),
-            bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
+            dgu.stride(0), pcw, pre, spr, wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI,
+            *w_down_EHI.stride(), bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
             GATED=gated, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
-            HAS_SCALE=input_scale_B is not None, HAS_CW=has_cw, ACT=ACT_CODES[activation], **common(cfg),
+            HAS_SCALE=input_scale_B is not None, HAS_CW=has_cw, ACT=ACT_CODES[activation], KEPT=pre_B is not None,
+            **common(cfg),
         )
 
     def vendor_dh():
         partial["cw"] = vd.dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts, dout, w_gate_EIH, w_up_EIH,
                               w_down_EHI, b_gate_EI, b_up_EI, activation=activation, alpha=alpha, limit=limit,
-                              h_out=h_BI, dgu_out=dgu, all_rows=all_rows)
+                              h_out=h_BI, dgu_out=dgu, all_rows=all_rows, pre=pre_B)
 
-    run_role("dh", config.get("gemm"), launch_dh, vd.candidate(dt, H, I, vendor_dh), **shape)
+    pre, spr = (pre_B, pre_B.stride(0)) if pre_B is not None else (dgu, 0)
+    run_role("dh" if pre_B is None else "dh_kept", config.get("gemm"), launch_dh, vd.candidate(dt, H, I, vendor_dh),
+             **shape)
     dxs_BH = torch.empty(B, H, dtype=dt, device=dev)  # dropped tail rows: never written, never read
     has_s = input_scale_B is not None
     bd_dcw = has_cw and b_down_EH is not None
@@ -319,14 +238,14 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     dwg = dbg = None
     if gated:  # dWg and dWu in one launch, from [dg | du]
         both = [out_g, out_u] if out_g.stride() == out_u.stride() else None  # else new, then copied in
-        (dwg, dwu), (dbg, dbu) = _wgrad("wgrad_up", dgu, None, None, **xs, want_db=want_db, split=I, out=both,
+        (dwg, dwu), (dbg, dbu) = gw.wgrad("wgrad_up", dgu, None, None, **xs, want_db=want_db, split=I, out=both,
                                         **wargs)
         if both is None:
             dwg, dwu = out_g.copy_(dwg), out_u.copy_(dwu)
     else:
-        (dwu,), (dbu,) = _wgrad("wgrad_up", dgu, None, None, **xs, want_db=want_db, out=[out_u], **wargs)
+        (dwu,), (dbu,) = gw.wgrad("wgrad_up", dgu, None, None, **xs, want_db=want_db, out=[out_u], **wargs)
     dbg, dbu = (dbg if b_gate_EI is not None else None), (dbu if b_up_EI is not None else None)
-    (dwd,), (dbd,) = _wgrad("wgrad_down", dout, token_ids_B, combine_weights_B, h_BI, None, None,
+    (dwd,), (dbd,) = gw.wgrad("wgrad_down", dout, token_ids_B, combine_weights_B, h_BI, None, None,
                             want_db=b_down_EH is not None, out=[out_d], **wargs)
     dcw = None
     if has_cw:
@@ -343,21 +262,22 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
 
 def compile_targets():
     """dh and dx kernels: every GPU tile configuration (Mixtral-like flags), every flag set and activation on one
-    configuration; the weight-gradient kernel in each of its three uses, per dtype."""
-
-    f32 = torch.float32
+    configuration, dh both recomputing and reading the kept projections (the weight-gradient kernel's:
+    ``grouped_wgrad.py``)."""
 
     def ptrs(dt):
         names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "dg_ptr", "du_ptr",
-                 "dxs_ptr")
+                 "dxs_ptr", "pre_ptr")
         return {**{n: dt for n in names}, "tok_ptr": torch.int64, "counts_ptr": torch.int64}
 
-    def pair(dt, cfg, flag_set, block_e, with_dx=True, launch=REAL_LAUNCH):
+    def pair(dt, cfg, flag_set, block_e, with_dx=True, launch=REAL_LAUNCH, kept=False):
+        """dh (N halved as the rule halves it; ``kept``: reading the kept projections) and dx."""
         gated, bg, bu, bd, sc, cw, act = flag_set
         consts = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=block_e,
                       PREC=dot_precision(dt), GATED=gated, HAS_SCALE=sc)
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
-        dh_consts = dict(consts, BLOCK_N=max(16, cfg["BLOCK_N"] // 2), HAS_BG=bg, HAS_BU=bu, HAS_CW=cw, ACT=act)
+        dh_consts = dict(consts, BLOCK_N=max(16, cfg["BLOCK_N"] // 2), HAS_BG=bg, HAS_BU=bu, HAS_CW=cw, ACT=act,
+                         KEPT=kept)
         out = [target(_dh_kernel, ptrs(dt), dh_consts, **opts)]
         if with_dx:
             out.append(target(_dx_kernel, ptrs(dt), dict(consts, BD_DCW=bool(bd and cw)), **opts))
@@ -366,35 +286,18 @@ def compile_targets():
     out = []
     for i, (dt, cfg) in enumerate(gpu_configs()):
         out += pair(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])
-    for i, (role, dt, cfg) in enumerate(tuner_configs(("dh", "dx"))):  # every configuration the tuner may time
-        if role == "dh":  # pair() halves N for dh as the rule does; the tuner's N is the dh kernel's own
+        out += pair(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3], with_dx=False, kept=True)
+    for i, (role, dt, cfg) in enumerate(tuner_configs(("dh", "dh_kept", "dx"))):  # every one the tuner may time
+        if role != "dx":  # pair() halves N for dh as the rule does; the tuner's N is the dh kernel's own
             cfg = dict(cfg, BLOCK_N=2 * cfg["BLOCK_N"])
-        out.append(pair(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])[0 if role == "dh" else 1])
+        out.append(pair(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3], kept=role == "dh_kept")[role == "dx"])
     cfg = gpu_config(1024, torch.bfloat16)
     out += pair(torch.bfloat16, cfg, FLAG_SETS[0], 8, launch={})  # nothing specialised
     for flag_set in FLAG_SETS[1:]:
         out += pair(torch.bfloat16, cfg, flag_set, 32)
+        out += pair(torch.bfloat16, cfg, flag_set, 32, with_dx=False, kept=True)
     for name, act in ACT_CODES.items():
         if act not in (f[-1] for f in FLAG_SETS):
-            out += pair(torch.bfloat16, cfg, (name != "relu2", False, False, False, False, True, act), 64, False)
-    # (role, dtype, config, uses); a use is (A dtype, A_GATHER, A_SCALE, C_GATHER, C_SCALE, HAS_DB, SPLIT)
-    up, down, ungated = (True, False, False, True, True, True, True), (f32, True, True, False, False, True, False), \
-        (True, False, False, True, False, False, False)
-    real = dict(aligned=("sa", "sc", "N1", "N2", "N_SPLIT", "swe", "swr"), unit=("swc",))
-    wgrad = [("rule", dt, wgrad_gpu_config(dt), (up, down, ungated), real)
-             for dt in (f32, torch.float16, torch.bfloat16)]
-    wgrad += [(role, dt, cfg, (up,) if role == "wgrad_up" else (down,), real)
-              for role, dt, cfg in tuner_configs(("wgrad_up", "wgrad_down"))]
-    # a transposed weight's gradient (GPT-OSS) is written with a column stride: nothing specialised
-    wgrad.append(("rule", torch.bfloat16, wgrad_gpu_config(torch.bfloat16), (up, down), {}))
-    for _role, dt, w, uses, launch in wgrad:
-        w = dict(w)
-        opts = dict(num_warps=w.pop("num_warps"), num_stages=w.pop("num_stages"), **launch)
-        w.update(PREC=dot_precision(dt), BLOCK_E=(8, 128, 256)[len(out) % 3])
-        for a_dt, ag, asc, cg, csc, db, split in uses:
-            a_dt = dt if a_dt is True else a_dt
-            p = {"a_ptr": a_dt, "c_ptr": dt, "dw_ptr": dt, "db_ptr": dt, "dw2_ptr": dt, "db2_ptr": dt,
-                 "a_tok_ptr": torch.int64, "c_tok_ptr": torch.int64, "counts_ptr": torch.int64}
-            out.append(target(_wgrad_kernel, p, dict(w, A_GATHER=ag, A_SCALE=asc, C_GATHER=cg, C_SCALE=csc,
-                                                      HAS_DB=db, SPLIT=split), **opts))
+            flags = (name != "relu2", False, False, False, False, True, act)
+            out += pair(torch.bfloat16, cfg, flags, 64, False) + pair(torch.bfloat16, cfg, flags, 64, False, kept=True)
     return out

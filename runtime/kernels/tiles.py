@@ -39,7 +39,9 @@ def rule_config(role: str, rows_per_expert: float, dtype: torch.dtype) -> dict:
     accumulators (gate, up, dout @ Wd), so it takes half the N (at N=128 ptxas spills 300-600 bytes a thread,
     benchmarks/kernel_resources.py); the weight gradients have their own (``wgrad_gpu_config``)."""
     cfg = gpu_config(rows_per_expert, dtype)
-    if role == "dh":
+    # dh_kept holds G, then the kept g and u beside it; up_act_kept its g and u beside h as it stores all three
+    # (128 x 128 in 8 warps spilled 476 bytes, 128 x 64 none: benchmarks/kernel_resources.py)
+    if role in ("dh", "dh_kept", "up_act_kept"):
         cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
     return cfg
 
@@ -65,8 +67,9 @@ CEILING_FLOPS, CEILING_BYTES = 990e12, 4.8e12
 def worth_tuning(role: str, dtype, B: int, E: int, H: int, I: int, gated: bool) -> bool:
     """Whether ``role`` at this shape may run long enough for its tiles to matter (``TUNE_MIN_US``): its FLOPs,
     and the bytes of all ``E`` experts' weights and the rows it reads and writes, at the ceilings."""
-    width = 2 * I if gated and role in ("up_act", "dh", "dx") else I  # wgrad_* get their gradient's full width
-    flops = 2 * B * H * width * (2 if role == "dh" else 1)  # dh recomputes the projections beside dout @ Wd
+    width = 2 * I if gated and role in ("up_act", "up_act_kept", "dh", "dh_kept", "dx") else I  # wgrad_*: its width
+    # dh recomputes the projections beside dout @ Wd; dh_kept reads them (dout @ Wd alone)
+    flops = 2 * B * H * {"dh": 2 * width, "dh_kept": I}.get(role, width)
     nbytes = (E * H * width + B * (H + width)) * dtype.itemsize
     return max(flops / CEILING_FLOPS, nbytes / CEILING_BYTES) * 1e6 >= TUNE_MIN_US
 
@@ -100,12 +103,15 @@ def run_role(role: str, config: dict | None, launch, vendor, **shape) -> dict:
     return cfg
 
 
-def layer_configs(dtype, device, B: int, E: int, H: int, I: int, gated: bool) -> dict[str, tuple[dict, str]]:
+def layer_configs(dtype, device, B: int, E: int, H: int, I: int, gated: bool,
+                  kept: bool = False) -> dict[str, tuple[dict, str]]:
     """role -> (tile configuration, where it comes from) for every grouped GEMM kernel of a layer of this shape,
-    as the launchers will pick it, without tuning (``explain()``): interpreter, tuned, shipped table or rule."""
+    as the launchers will pick it, without tuning (``explain()``): interpreter, tuned, shipped table or rule.
+    ``kept``: the forward keeps its projections (training): up_act_kept and dh_kept in place of up_act and dh."""
     rows = B / max(E, 1)
-    shapes = {"up_act": (H, I, gated), "down": (H, I, False), "dh": (H, I, gated), "dx": (H, I, gated),
-              "wgrad_up": (H, 2 * I if gated else I, gated), "wgrad_down": (I, H, False)}
+    shapes = {"up_act_kept" if kept else "up_act": (H, I, gated), "down": (H, I, False),
+              "dh_kept" if kept else "dh": (H, I, gated),
+              "dx": (H, I, gated), "wgrad_up": (H, 2 * I if gated else I, gated), "wgrad_down": (I, H, False)}
     out = {}
     for role, (h, i, g) in shapes.items():
         rule = (lambda: wgrad_gpu_config(dtype)) if role.startswith("wgrad") else (

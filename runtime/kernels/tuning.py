@@ -1,7 +1,8 @@
 """Tile configurations of the grouped GEMM kernels: tuned on the user's GPU, cached on disk, a shipped table
 until then.
 
-Each kernel role (``up_act``, ``down``, ``dh``, ``dx``, ``wgrad_up`` for [dWg | dWu], ``wgrad_down``) picks its
+Each kernel role (``up_act``, ``down``, ``dh``, ``dx``, ``wgrad_up`` for [dWg | dWu], ``wgrad_down``; in training
+``up_act_kept`` also storing the projections and ``dh_kept`` reading them: one GEMM, not three) picks its
 configuration by key: (role, dtype, H, I, E, gated, rows-per-expert bucket), the things that move the best tile.
 In order:
 
@@ -41,7 +42,7 @@ import triton
 from .. import disk_cache
 from .common import interpreting
 
-ROLES = ("up_act", "down", "dh", "dx", "wgrad_up", "wgrad_down")
+ROLES = ("up_act", "up_act_kept", "down", "dh", "dh_kept", "dx", "wgrad_up", "wgrad_down")
 SHIPPED = Path(__file__).with_name("h100_table.json")
 SMEM_DEFAULT = 232448  # an H100's shared memory per block (opt-in), when the device cannot be asked
 # fp32 accumulator registers a thread may hold (of 255) before ptxas spills, from benchmarks/kernel_resources.py
@@ -92,8 +93,10 @@ def _footprint(role: str, cfg: dict, gated: bool) -> tuple[int, int]:
     b_tiles = 2 if gated else 1
     return {
         "up_act": (m * k + b_tiles * k * n, b_tiles * m * n),  # x rows; gate and up weights
+        "up_act_kept": (m * k + b_tiles * k * n, (b_tiles + 1) * m * n),  # g and u stored beside h
         "down": (m * k + k * n, m * n),
         "dh": (m * k + b_tiles * k * n, (b_tiles + 1) * m * n),  # recomputed projections, then dout @ Wd
+        "dh_kept": (m * k + k * n, (b_tiles + 1) * m * n),  # dout @ Wd, then the kept projections beside it
         "dx": (b_tiles * (m * k + k * n), m * n),  # dg and du rows; gate and up weights
     }[role]
 

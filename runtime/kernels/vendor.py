@@ -13,6 +13,7 @@ counted (no capacity drops a row, the lower pass knows it), so the count is the 
     up_act      gather, [gate,] up GEMM, bias, activation -> h    Rows, grouped_mm x2, apply_activation
     down        h @ Wd^T + bd -> y rows                          grouped_mm
     dh          recompute g, u, h; G = dout[tok] @ Wd; dcw; act'  grouped_mm x3, activation_backward
+    dh_kept     dh reading the forward's kept g, u (pre rows)     grouped_mm x1, activation_backward
     dx          dxs = dg @ Wg + du @ Wu; partial sums for ds, dcw grouped_mm x2
     wgrad_*     dW[e] = A_e^T C_e, db[e] = column sums of A_e    grouped_mm over the rows (K = rows)
 """
@@ -56,14 +57,17 @@ def candidate(dtype: torch.dtype, n1: int, n2: int, role_fn, /, *args, **kwargs)
     return functools.partial(role_fn, *args, **kwargs) if usable_sizes(dtype, n1, n2) else None
 
 
-def _projections(r: Rows, wg, wu, bg, bu):
+def _projections(r: Rows, wg, wu, bg, bu, out=None):
     """[g | u] (gated) or u: the projections before the activation, with their biases (each written into its
-    half as it is made: no concatenation holding both twice)."""
+    half as it is made: no concatenation holding both twice), in the counted rows of ``out`` where given."""
     u = r.bias(r.mm(r.xs_BH, wu, t=True), bu)
     if wg is None:
-        return u
+        if out is None:
+            return u
+        out[:r.n] = u
+        return out[:r.n]
     I = u.shape[1]
-    pre = u.new_empty(u.shape[0], 2 * I)
+    pre = u.new_empty(u.shape[0], 2 * I) if out is None else out[:r.n]
     pre[:, I:] = u
     del u
     pre[:, :I] = r.bias(r.mm(r.xs_BH, wg, t=True), bg)
@@ -75,11 +79,12 @@ def _split(wg, I):
 
 
 def up_act(h_out, x_TH, token_ids_B, counts_E, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI, input_scale_B, *,
-           activation, alpha, limit, all_rows=False):
-    """h rows: the activated projections of the gathered (and scaled) rows."""
+           activation, alpha, limit, all_rows=False, pre_out=None):
+    """h rows: the activated projections of the gathered (and scaled) rows; the projections themselves into
+    ``pre_out``'s rows where given (kept for backward)."""
     biased = b_gate_EI is not None or b_up_EI is not None
     r = Rows(x_TH, token_ids_B, counts_E, w_up_EIH.dtype, input_scale_B, biased, all_rows)
-    pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
+    pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI, out=pre_out)
     gs, us = _split(w_gate_EIH, w_up_EIH.shape[1])
     h_out[:r.n] = apply_activation(activation, None if gs is None else pre[:, gs], pre[:, us], alpha=alpha,
                                    limit=limit)
@@ -92,15 +97,21 @@ def down(y_out, h_BI, counts_E, w_down_EHI, b_down_EH, *, all_rows=False):
 
 
 def dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts_E, dout_TH, w_gate_EIH, w_up_EIH, w_down_EHI,
-       b_gate_EI, b_up_EI, *, activation, alpha, limit, h_out, dgu_out, all_rows=False):
+       b_gate_EI, b_up_EI, *, activation, alpha, limit, h_out, dgu_out, all_rows=False, pre=None):
     """h rows again, [dg | du] (or du) rows; returns <h, dout[tok] @ Wd> per row as [B, 1] fp32 partial sums (the
-    combine weights' gradient) when there are combine weights, else None."""
+    combine weights' gradient) when there are combine weights, else None. ``pre``: the projections the forward
+    kept (read, not recomputed: no gathered x, one GEMM)."""
     dt, I = w_up_EIH.dtype, w_up_EIH.shape[1]
     pcw_out = None if combine_weights_B is None else torch.zeros(token_ids_B.shape[0], 1, device=x_TH.device)
-    r = Rows(x_TH, token_ids_B, counts_E, dt, input_scale_B, b_gate_EI is not None or b_up_EI is not None,
-             all_rows)
-    pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
-    G = r.mm(dout_TH[r.tok].to(dt), w_down_EHI)
+    if pre is None:
+        r = Rows(x_TH, token_ids_B, counts_E, dt, input_scale_B, b_gate_EI is not None or b_up_EI is not None,
+                 all_rows)
+        pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
+        tok = r.tok
+    else:
+        r = Segments(counts_E, False, token_ids_B.shape[0] if all_rows else None)
+        pre, tok = pre[:r.n], token_ids_B[:r.n]
+    G = r.mm(dout_TH[tok].to(dt), w_down_EHI)
 
     def grad_h(h):
         if combine_weights_B is None:
