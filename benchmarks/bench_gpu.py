@@ -192,7 +192,20 @@ def run_variant(row: Row, block: nn.Module, x, g, ref, moe_options: dict, args) 
         form = next((f for op, f in FORM_OF_OP.items() if op in seen), "original" if not seen else "?")
         row.status = f"(form: {form})"
         row.note = "moe ops seen: " + (", ".join(sorted(seen)) or "none (the layer kept as written)")
+        row.note += chooser_timings(x.device, x.shape[-1], row.tokens)
     return out
+
+
+def chooser_timings(device, hidden: int, tokens: int) -> str:
+    """What lowering="auto" timed for this layer, every form (from the chooser's cache on disk: the same whether
+    this run timed them or an earlier one did), or "" when nothing was timed (a CPU run without Triton's forms)."""
+    from moecompile.passes import forms
+
+    picked = [k for k in forms.cache().keys(device) if f" H{hidden} " in k and f" T{tokens} " in k and "fwd+bwd" in k]
+    timed = forms.cache().get(device, picked[-1]) if picked else None
+    if not timed:
+        return ""
+    return "; chooser's timings: " + "; ".join(f"{f} {t.describe()}" for f, t in timed.items())
 
 
 def run_dense(row: Row, shape: Shape, args) -> Row:

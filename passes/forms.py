@@ -366,6 +366,10 @@ class FormCache:
         except (KeyError, TypeError, ValueError):
             return None
 
+    def keys(self, device: torch.device) -> list[str]:
+        """The layer keys timed on this device model (with these versions), oldest first."""
+        return list(self._table(self.path(device)))
+
     def put(self, device: torch.device, key: str, results: dict[str, Timing]) -> None:
         path = self.path(device)
         entry = {f: {"ms": t.ms, "saved_bytes": t.saved_bytes, "error": t.error, "note": t.note}
