@@ -99,6 +99,23 @@ def _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, layout):
     return gate_up_weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, layout, "expert_mlp_keep")
 
 
+def projections(r: Rows, wg, wu, bg, bu, out=None):
+    """[g | u] (gated) or u: the projections before the activation, with their biases (each written into its
+    half as it is made: no concatenation holding both twice), in the counted rows of ``out`` where given."""
+    u = r.bias(r.mm(r.xs_BH, wu, t=True), bu)
+    if wg is None:
+        if out is None:
+            return u
+        out[:r.n] = u
+        return out[:r.n]
+    I = u.shape[1]
+    pre = u.new_empty(u.shape[0], 2 * I) if out is None else out[:r.n]
+    pre[:, I:] = u
+    del u
+    pre[:, :I] = r.bias(r.mm(r.xs_BH, wg, t=True), bg)
+    return pre
+
+
 def expert_mlp_keep(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI=None,
                     b_up_EI=None, b_down_EH=None, input_scale_B=None, *, activation="silu", alpha=1.702, limit=7.0,
                     w_gate_up=None, gate_up_layout="", all_rows=False):
@@ -113,15 +130,13 @@ def expert_mlp_keep(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH
     r = Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
              any(b is not None for b in (b_gate_EI, b_up_EI, b_down_EH)), all_rows)
     gs, us = _columns(gate_up_layout, I)
-    if w_gate_up is not None:
-        pre = r.mm(r.xs_BH, w_gate_up, t=True)
-    elif wg is not None:
-        pre = torch.cat([r.mm(r.xs_BH, wg, t=True), r.mm(r.xs_BH, wu, t=True)], dim=1)
+    if w_gate_up is None:
+        pre = projections(r, wg, wu, b_gate_EI, b_up_EI)
     else:
-        pre = r.bias(r.mm(r.xs_BH, wu, t=True), b_up_EI)
-    if wg is not None and (b_gate_EI is not None or b_up_EI is not None):
-        pre[:, gs] = r.bias(pre[:, gs], b_gate_EI)
-        pre[:, us] = r.bias(pre[:, us], b_up_EI)
+        pre = r.mm(r.xs_BH, w_gate_up, t=True)
+        if b_gate_EI is not None or b_up_EI is not None:
+            pre[:, gs] = r.bias(pre[:, gs], b_gate_EI)
+            pre[:, us] = r.bias(pre[:, us], b_up_EI)
     gate, up = (pre[:, gs], pre[:, us]) if wg is not None else (None, pre)
     h = apply_activation(activation, gate, up, alpha=alpha, limit=limit)
     y = r.bias(r.mm(h, w_down_EHI, t=True), b_down_EH)

@@ -25,7 +25,7 @@ import functools
 import torch
 
 from ..activations import apply_activation
-from ..grouped_cpu import Rows, Segments, activation_backward, usable_sizes
+from ..grouped_cpu import Rows, Segments, activation_backward, projections, usable_sizes
 
 
 CHUNK = 1 << 24  # elements of one float32 temporary (64 MiB) in the row-wise epilogues, which run a slice of rows
@@ -57,23 +57,6 @@ def candidate(dtype: torch.dtype, n1: int, n2: int, role_fn, /, *args, **kwargs)
     return functools.partial(role_fn, *args, **kwargs) if usable_sizes(dtype, n1, n2) else None
 
 
-def _projections(r: Rows, wg, wu, bg, bu, out=None):
-    """[g | u] (gated) or u: the projections before the activation, with their biases (each written into its
-    half as it is made: no concatenation holding both twice), in the counted rows of ``out`` where given."""
-    u = r.bias(r.mm(r.xs_BH, wu, t=True), bu)
-    if wg is None:
-        if out is None:
-            return u
-        out[:r.n] = u
-        return out[:r.n]
-    I = u.shape[1]
-    pre = u.new_empty(u.shape[0], 2 * I) if out is None else out[:r.n]
-    pre[:, I:] = u
-    del u
-    pre[:, :I] = r.bias(r.mm(r.xs_BH, wg, t=True), bg)
-    return pre
-
-
 def _split(wg, I):
     return (slice(0, I), slice(I, 2 * I)) if wg is not None else (None, slice(None))
 
@@ -84,7 +67,7 @@ def up_act(h_out, x_TH, token_ids_B, counts_E, w_gate_EIH, w_up_EIH, b_gate_EI, 
     ``pre_out``'s rows where given (kept for backward)."""
     biased = b_gate_EI is not None or b_up_EI is not None
     r = Rows(x_TH, token_ids_B, counts_E, w_up_EIH.dtype, input_scale_B, biased, all_rows)
-    pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI, out=pre_out)
+    pre = projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI, out=pre_out)
     gs, us = _split(w_gate_EIH, w_up_EIH.shape[1])
     h_out[:r.n] = apply_activation(activation, None if gs is None else pre[:, gs], pre[:, us], alpha=alpha,
                                    limit=limit)
@@ -106,7 +89,7 @@ def dh(x_TH, token_ids_B, input_scale_B, combine_weights_B, counts_E, dout_TH, w
     if pre is None:
         r = Rows(x_TH, token_ids_B, counts_E, dt, input_scale_B, b_gate_EI is not None or b_up_EI is not None,
                  all_rows)
-        pre = _projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
+        pre = projections(r, w_gate_EIH, w_up_EIH, b_gate_EI, b_up_EI)
         tok = r.tok
     else:
         r = Segments(counts_E, False, token_ids_B.shape[0] if all_rows else None)
