@@ -3,8 +3,8 @@ checkpointing) are found, proved and rewritten inside the region, which AOT auto
 Dynamo traces each region into a ``tag_activation_checkpoint`` call of a body graph; before this, the passes never
 looked into the body, and such a model compiled with its MoE layers neither rewritten nor reported. A pass that
 fails in a body leaves that body as it came in; a rewritten graph that raises at its first run runs its bodies as
-they came in too. Sharded on 4 ranks with dedup="node", checkpoint_exchanges="save" keeps the exchanges' outputs
-for backward, which then runs none of them again."""
+they came in too. Sharded on 4 ranks (dedup="node", expert domains, TED), checkpoint_exchanges="save" keeps the
+exchanges' outputs for backward, which then runs none of them again."""
 
 import copy
 
@@ -160,15 +160,25 @@ def test_a_region_nested_in_a_region_is_rewritten():
     assert len(backend.report.layers) == 1 and not backend.report.skipped
 
 
-def _saved_with_dedup(rank, world, tmp):
-    """One step of a checkpointed Mixtral sharded on a 2x2 mesh with dedup="node" (the relayed, deduplicated
-    exchanges: plans, counts, rows) and checkpoint_exchanges="save": backward runs none of the forward's exchanges
-    again (the recompute takes their saved outputs; with "recompute" they run twice a step), and the logits and
-    every gradient equal one process's on all the batches (fp32, 1e-5; a sharded weight: this rank's experts)."""
+SAVED_CASES = (  # (mesh dims, their names, parallelize's options, whether tp ranks share a batch)
+    ((2, 2), ("node", "local"), {"dedup": "node"}, False),
+    ((2, 2), ("node", "local"), {"expert_domains": {"local": 2}}, False),
+    ((2, 2), ("dp", "tp"), {"moe_tp": "ted"}, True),
+)
+
+
+def _saved_exchanges(rank, world, tmp):
+    """One SGD step of a checkpointed Mixtral sharded on a 2x2 mesh with checkpoint_exchanges="save", three ways:
+    dedup="node" (the relayed, deduplicated exchanges: plans, counts, rows), expert domains over "local" (the
+    domain's experts gathered, only other domains' rows exchanged) and TED over "tp" (experts over "dp", their
+    intermediate size over "tp"). Backward runs none of the forward's exchanges again (the recompute takes their
+    saved outputs; with "recompute" they run twice a step), and the logits and every weight after the step equal
+    one process's on all the batches (fp32, 1e-5; sharded weights gathered whole)."""
     from datetime import timedelta
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     import moecompile
 
@@ -176,33 +186,41 @@ def _saved_with_dedup(rank, world, tmp):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        model = _model()
-        one = copy.deepcopy(model)
-        batches = torch.randint(0, 128, (world, 2, 6), generator=torch.Generator().manual_seed(7))
-        mine, every = batches[rank], batches.flatten(0, 1)
-        moecompile.comm_stats(reset=True)
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
-        moecompile.parallelize(model, mesh, mine, dedup="node")
-        options = {"inner": "aot_eager", "strict": True, "checkpoint_exchanges": "save"}
-        out = torch.compile(model, backend="moe", options=options)(mine, labels=mine)
-        forward = {layer: dict(stats) for layer, stats in moecompile.comm_stats().items()}
-        want = one(every, labels=every)
-        out.loss.backward()
-        want.loss.backward()
-        torch.testing.assert_close(out.logits, want.logits[rank * 2:(rank + 1) * 2], rtol=1e-5, atol=1e-5)
-        for name, p in model.named_parameters():
-            full = one.get_parameter(name).grad
-            if getattr(p, "_moe_sharded", False):
-                full = full[rank * p.shape[0]:(rank + 1) * p.shape[0]]
-            torch.testing.assert_close(p.grad, full, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-        for layer, stats in moecompile.comm_stats().items():  # backward ran no exchange of the forward again
-            calls = {k: v for k, v in stats.items() if k.startswith("calls.")}
-            assert calls and calls == {k: v for k, v in forward[layer].items() if k.startswith("calls.")}, layer
+        for shape, names, parallel, shared in SAVED_CASES:
+            torch._dynamo.reset()
+            model = _model()
+            one = copy.deepcopy(model)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            index = mesh.get_coordinate()[0] if shared else rank  # tp ranks see the same batch
+            batches = torch.randint(0, 128, (shape[0] if shared else world, 2, 6),
+                                    generator=torch.Generator().manual_seed(7))
+            mine, every = batches[index], batches.flatten(0, 1)
+            moecompile.parallelize(model, mesh, mine, **parallel)
+            options = {"inner": "aot_eager", "strict": True, "checkpoint_exchanges": "save"}
+            moecompile.comm_stats(reset=True)
+            out = torch.compile(model, backend="moe", options=options)(mine, labels=mine)
+            forward = {layer: dict(stats) for layer, stats in moecompile.comm_stats().items()}
+            want = one(every, labels=every)
+            out.loss.backward()
+            want.loss.backward()
+            torch.testing.assert_close(out.logits, want.logits[index * 2:(index + 1) * 2], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{parallel}: {m}")
+            for layer, stats in moecompile.comm_stats().items():  # backward ran no exchange of the forward again
+                calls = {k: v for k, v in forward[layer].items() if k.startswith("calls.")}  # (and its own: a
+                # domain's gathered experts' gradients reduced, domain_reduce)
+                assert calls and calls == {k: stats[k] for k in calls}, (parallel, layer, stats, forward[layer])
+            for m in (model, one):
+                torch.optim.SGD(m.parameters(), lr=0.1).step()
+            state = model.state_dict()
+            for name, value in one.state_dict().items():
+                got = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
+                torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{parallel} {name}: {m}")
     finally:
         dist.destroy_process_group()
 
 
-def test_saved_exchanges_with_dedup_run_once_a_step_and_train_as_one_process(tmp_path):
+def test_saved_exchanges_run_once_a_step_and_train_as_one_process(tmp_path):
+    """dedup, expert domains and TED, each with checkpoint_exchanges="save" (one spawn for the three)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_saved_with_dedup, args=(4, str(tmp_path)), nprocs=4, join=True)
+    mp.spawn(_saved_exchanges, args=(4, str(tmp_path)), nprocs=4, join=True)
