@@ -93,7 +93,28 @@ def problem(H, I, E, K, T, dtype, device, seed=0):
     return x, gate_up, wd, tok, counts, cw, src
 
 
-def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows):
+def _kernel_config(role, dt, dev, B, E, H, I, gated):
+    """The tiles the launcher takes for ``role`` without tuning now (tuned before, shipped or the rule), the rule's
+    where that is the vendor GEMM: a configuration our kernel runs."""
+    from moecompile.runtime.kernels import tiles, tuning
+
+    rule = lambda: tiles.rule_config(role, B / E, dt)  # noqa: E731
+    cfg = tuning.tuner().lookup(role, tuning.key(role, dt, H, I, E, B, gated), dt, dev, rule)[0]
+    return rule() if tuning.is_vendor(cfg) else cfg
+
+
+def tile_order(label, T, up, down, dims, dev, order_rows):
+    """Our up and down kernels in the grouped tile order (``grouped_common.tile_of``) against the 2-D grid's order
+    (GROUP_M = 0), each on the same tiles: ``up(cfg)`` / ``down(cfg)`` launch them."""
+    from moecompile.runtime.kernels import tiles, tuning
+
+    for kind, role, call, gated in (("up", "up_act_kept", up, True), ("down", "down", down, False)):
+        cfg = _kernel_config(role, *dims, gated)
+        ms = {g: bench_ms(lambda g=g: call(dict(cfg, GROUP_M=g)), dev) for g in (tiles.GROUP_M, 0)}
+        order_rows.append((label, T, kind, tuning.describe(cfg), ms[tiles.GROUP_M], ms[0], ms[0] / ms[tiles.GROUP_M]))
+
+
+def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows, order_rows):
     from moecompile.runtime import triton_ops  # noqa: F401  (registers moe::fused_experts and _keep)
     from moecompile.runtime.kernels import grouped_mlp as gm
 
@@ -135,6 +156,9 @@ def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows):
     ours = {"up": bench_ms(lambda: gm.up_act(x, tok, counts, wg, wu, zero_tail=False, pre_out=pre), dev)}
     h_ours = gm.up_act(x, tok, counts, wg, wu)
     ours["down"] = bench_ms(lambda: gm.down_combine(h_ours, tok, counts, wd, combine=False), dev)
+    tile_order(label, T, lambda cfg: gm.up_act(x, tok, counts, wg, wu, zero_tail=False, pre_out=pre, config=cfg),
+               lambda cfg: gm.down_combine(h_ours, tok, counts, wd, combine=False, config=cfg),
+               (dt, dev, B, E, H, I), dev, order_rows)
     leaves = [t.detach().requires_grad_() for t in (x, gate_up, wd)]
 
     def fwd_bwd():
@@ -170,7 +194,7 @@ def _copy_rate(t, dev) -> float:
     return 2 * t.numel() * t.element_size() / bench_ms(lambda: dst.copy_(t), dev)
 
 
-def report(args, rows, decode_rows, failed=()) -> str:
+def report(args, rows, decode_rows, order_rows=(), failed=()) -> str:
     import triton
 
     dev = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu (Triton interpreter)"
@@ -186,6 +210,12 @@ def report(args, rows, decode_rows, failed=()) -> str:
         out += ["", "The layer row: ours against the roofline (its columns: roofline ms and TFLOP/s; the last, the "
                 "fraction of it reached). `vendor`: the tuner gave that GEMM to torch._grouped_mm on this device "
                 "(it timed faster than our tiles), so no kernel of ours ran for it."]
+    if order_rows:
+        out += ["", "Tile order: our up (keeping its projections) and down kernels on the same tiles, programs in the "
+                "grouped order (GROUP_M row tiles walk the columns together) against the 2-D grid's (row tile by row "
+                "tile for each column).", "",
+                "| shape | T | kernel | tiles | grouped ms | 2-D ms | 2-D / grouped |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {a} | {b} | {c} | {d} | {e:.3f} | {f:.3f} | {g:.2f}x |" for a, b, c, d, e, f, g in order_rows]
     if decode_rows:
         out += ["", "| shape | T | experts touched | fwd ms | weight-read bound ms | fraction of bound |",
                 "|---|---|---|---|---|---|"]
@@ -211,13 +241,13 @@ def main(argv=None) -> int:
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     default = "32" if args.tiny else ("16,256" if args.decode else "4096,16384")
     tokens = [int(t) for t in (args.tokens or default).split(",")]
-    rows, decode_rows = [], []
+    rows, decode_rows, order_rows = [], [], []
     failed: list[str] = []
     for name in args.models.split(","):
         label, H, I, E, K = (TINY if args.tiny else SHAPES)[name]
         for T in tokens:
             try:
-                run_shape(name, label, H, I, E, K, T, args, rows, decode_rows)
+                run_shape(name, label, H, I, E, K, T, args, rows, decode_rows, order_rows)
                 print(f"{label} T={T} done", file=sys.stderr, flush=True)
             except Exception as exc:  # noqa: BLE001 - an out-of-memory shape is a line of the report, not its end
                 failed.append(f"{label} T={T}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
@@ -225,8 +255,8 @@ def main(argv=None) -> int:
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
             if args.out:  # rewritten after every shape: a run stopped at a time limit keeps what it measured
-                Path(args.out).write_text(report(args, rows, decode_rows, failed))
-    text = report(args, rows, decode_rows, failed)
+                Path(args.out).write_text(report(args, rows, decode_rows, order_rows, failed))
+    text = report(args, rows, decode_rows, order_rows, failed)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

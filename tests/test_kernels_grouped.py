@@ -8,10 +8,13 @@ CUDA with the compiled kernels, bf16 included (the interpreter's bf16 arithmetic
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moecompile.runtime import reference as ref
 from moecompile.runtime.kernels import grouped_mlp as gm
 from moecompile.runtime.kernels import grouped_mlp_bwd as gb
+from moecompile.runtime.kernels.grouped_common import tile_of
 from kernel_device import DEV, on_device
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -176,6 +179,28 @@ def test_kept_projections_are_checked():
         on_device(gb.fused_experts_backward, grad_out, *args, pre_B=torch.zeros(tok.shape[0], 2 * I).half(), **kw)
     with pytest.raises(ValueError, match="keep=False"):
         on_device(gm.fused_experts, *args, num_tokens=6, single_launch=True, keep=True, **kw)
+
+
+@triton.jit
+def _visits(out_ptr, order_ptr, num_tiles, num_n, GROUP_M: tl.constexpr):
+    t, n = tile_of(tl.program_id(0), num_tiles, num_n, GROUP_M)
+    tl.atomic_add(out_ptr + t * num_n + n, 1)
+    tl.store(order_ptr + tl.program_id(0), t)
+
+
+@pytest.mark.parametrize("num_tiles,num_n,group", [(13, 3, 8), (8, 5, 8), (1, 7, 8), (20, 1, 4), (5, 4, 1), (6, 3, 0)])
+def test_tile_order_visits_every_tile_once_a_group_at_a_time(num_tiles, num_n, group):
+    """grouped_common.tile_of: the 1-D grid visits every (row tile, column tile) exactly once, and the first
+    group x num_n programs take the first ``group`` row tiles only (they walk the columns together); group 0,
+    the 2-D grid's order, takes every row tile for the first column first."""
+    visits = torch.zeros(num_tiles * num_n, dtype=torch.int32)
+    order = torch.zeros(num_tiles * num_n, dtype=torch.int32)
+    visits, order = on_device(lambda v, o: (_visits[(num_tiles * num_n,)](v, o, num_tiles, num_n, GROUP_M=group),
+                                            (v, o))[1], visits, order)
+    assert torch.equal(visits, torch.ones_like(visits))
+    rows = min(group, num_tiles) if group else num_tiles
+    first = order[:rows * num_n] if group else order[:num_tiles]
+    assert set(first.tolist()) == set(range(rows)) and first.numel() == (rows * num_n if group else rows)
 
 
 def test_two_launch_split_equals_the_single_launch():

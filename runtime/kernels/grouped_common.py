@@ -1,9 +1,11 @@
 """What the forward and backward grouped kernels share: the tile schedule over variable-size expert segments (on
-the device) and the checks of an expert MLP call (on the host).
+the device), the checks of an expert MLP call (on the host) and what their compile targets specialise.
 
     segments(counts)   rows per expert and each expert's first row (exclusive prefix sum), in the kernel
     locate(t, counts)  row tile t -> (expert e, its rows, mask): tiles numbered expert by expert,
                        ceil(rows_e / BLOCK_M) each; a tile past the last does nothing
+    tile_of(pid)       program pid -> (row tile, column tile), GROUP_M row tiles walking the column tiles
+                       together (their rows stay in L2 while the weights stream past)
     max_tiles(B, E, M) the static grid bound ceil(B / M) + E: no tile count travels to the host
     proj_tile          the [M, N] gate/up projection tile of gathered rows (rounded as the reference rounds)
 
@@ -52,6 +54,23 @@ def locate(t, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def tile_of(pid, num_tiles, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid`` of a 1-D grid of num_tiles x num_n programs. Programs run about
+    in pid order; taken row tile by row tile for each column (the 2-D grid's order), every wave read the rows of
+    every tile again, e.g. up_act's x rows (64 MB at Mixtral's 4096 tokens, more than an H100's 50 MB L2) once per
+    two column tiles. Here GROUP_M consecutive row tiles (mostly one expert's) take every column tile before the
+    next GROUP_M start: their rows are read from memory about once, each expert's weights about once per group
+    (the grouped ordering of Triton's matmul tutorial). GROUP_M = 0: the 2-D grid's order."""
+    if GROUP_M == 0:
+        return pid % num_tiles, pid // num_tiles
+    per_group = GROUP_M * num_n
+    first = (pid // per_group) * GROUP_M
+    height = tl.minimum(num_tiles - first, GROUP_M)
+    local = pid % per_group
+    return first + local % height, local // height
+
+
+@triton.jit
 def load_scale(s_ptr, rows, rows_ok, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
     if HAS_SCALE:
         return tl.load(s_ptr + rows, mask=rows_ok, other=0.0).to(DT).to(tl.float32)
@@ -95,6 +114,21 @@ def proj_tile(
         return acc_g.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32)
     else:
         return acc_u.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32)
+
+
+# ---- compile targets: what both grouped modules compile for sm_90 (tests/test_kernels_compile.py) ------------
+
+# (GATED, HAS_BG, HAS_BU, HAS_BD, HAS_SCALE, HAS_CW, ACT): Mixtral-like, GPT-OSS-like, Llama4-like, ungated
+FLAG_SETS = (
+    (True, False, False, False, False, True, 0), (True, True, True, True, False, True, 5),
+    (True, False, False, False, True, False, 0), (False, False, True, True, False, True, 1),
+)
+
+
+# what a launch at real sizes specialises: unit inner strides (contiguous x and weights), 16-divisible widths
+REAL_LAUNCH = dict(unit=("sxh", "sgh", "suh", "sdi"),
+                   aligned=("sxt", "sge", "sgi", "sue", "sui", "sde", "sdh", "sbge", "sbue", "sbde", "sdr", "H", "I",
+                            "spr"))
 
 
 # ---- host checks ---------------------------------------------------------------------------------------------

@@ -30,9 +30,9 @@ from . import combine as cb
 from . import tuning
 from . import vendor as vd
 from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, target
-from .grouped_common import (check_expert_args, check_pre, load_scale, locate, max_tiles, opt_bias, proj_tile,
-                             rows_contiguous)
-from .tiles import gpu_config, gpu_configs, rule_config, run_role, tuner_configs
+from .grouped_common import (FLAG_SETS, REAL_LAUNCH, check_expert_args, check_pre, load_scale, locate, max_tiles,
+                             opt_bias, proj_tile, rows_contiguous, tile_of)
+from .tiles import gpu_config, gpu_configs, group_m, rule_config, run_role, tuner_configs
 
 # ---- tile bodies (shared by the separate kernels and the fused one) ------------------------------------------
 
@@ -91,16 +91,18 @@ def _store_rows(acc, rows, rows_ok, n0, H, y_ptr, BLOCK_N: tl.constexpr):
 def _up_act_kernel(
     x_ptr, sxt, sxh, tok_ptr, s_ptr, counts_ptr, h_ptr, pre_ptr, spr,
     wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, bg_ptr, sbge, bu_ptr, sbue,
-    E, H, I, alpha, limit,
+    E, H, I, num_tiles, alpha, limit,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr, ACT: tl.constexpr,
-    STORE_PRE: tl.constexpr,
+    STORE_PRE: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (row tiles, I tiles): gather + up (+gate) GEMM + activation, h_BI stored in the weights' dtype; with
-    STORE_PRE also the projections before the activation, [g | u] (u alone ungated) rows of pre, for backward."""
-    e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
+    """Grid (row tiles x I tiles, in tile_of's order): gather + up (+gate) GEMM + activation, h_BI stored in the
+    weights' dtype; with STORE_PRE also the projections before the activation, [g | u] (u alone ungated) rows of
+    pre, for backward."""
+    t, pid_n = tile_of(tl.program_id(0), num_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
+    e, rows, rows_ok, valid = locate(t, counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
-        n0 = tl.program_id(1) * BLOCK_N
+        n0 = pid_n * BLOCK_N
         tok = tl.load(tok_ptr + rows, mask=rows_ok, other=0)
         scale = load_scale(s_ptr, rows, rows_ok, HAS_SCALE, wu_ptr.dtype.element_ty)
         g, u = proj_tile(x_ptr, sxt, sxh, tok, scale, rows_ok, e.to(tl.int64), n0, H, I,
@@ -125,14 +127,15 @@ def _up_act_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, counts_ptr, y_ptr, wd_ptr, sde, sdh, sdi, bd_ptr, sbde, E, H, I,
-    HAS_BD: tl.constexpr,
+    h_ptr, counts_ptr, y_ptr, wd_ptr, sde, sdh, sdi, bd_ptr, sbde, E, H, I, num_tiles,
+    HAS_BD: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (row tiles, H tiles): down GEMM and bias, y_BH rows stored."""
-    e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
+    """Grid (row tiles x H tiles, in tile_of's order): down GEMM and bias, y_BH rows stored."""
+    t, pid_n = tile_of(tl.program_id(0), num_tiles, tl.cdiv(H, BLOCK_N), GROUP_M)
+    e, rows, rows_ok, valid = locate(t, counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
-        n0 = tl.program_id(1) * BLOCK_N
+        n0 = pid_n * BLOCK_N
         acc = _down_tile(h_ptr, I, rows.to(tl.int64), rows_ok, e.to(tl.int64), n0, H, I, wd_ptr, sde, sdh, sdi,
                          bd_ptr, sbde, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
         _store_rows(acc, rows.to(tl.int64), rows_ok, n0, H, y_ptr, BLOCK_N)
@@ -200,12 +203,13 @@ def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_
     pre, spr = (pre_out, pre_out.stride(0)) if pre_out is not None else (h_BI, 0)
 
     def launch(cfg):
-        grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(I, cfg["BLOCK_N"]))
-        _up_act_kernel[grid](
+        tiles = max_tiles(B, E, cfg["BLOCK_M"])
+        _up_act_kernel[(tiles * triton.cdiv(I, cfg["BLOCK_N"]),)](
             x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, h_BI, pre, spr,
-            wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
-            GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
+            wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), bg, sbg, bu, sbu, E, H, I, tiles, float(alpha),
+            float(limit), GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
             HAS_SCALE=input_scale_B is not None, ACT=ACT_CODES[activation], STORE_PRE=pre_out is not None,
+            GROUP_M=group_m(cfg),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
             PREC=dot_precision(w_up_EIH.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
@@ -242,12 +246,12 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
     h_BI = h_BI.contiguous()
 
     def launch(cfg):
-        grid = (max_tiles(B, E, cfg["BLOCK_M"]), triton.cdiv(H, cfg["BLOCK_N"]))
-        _down_kernel[grid](
-            h_BI, counts, y_BH, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I,
-            HAS_BD=b_down_EH is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(w_down_EHI.dtype), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+        tiles = max_tiles(B, E, cfg["BLOCK_M"])
+        _down_kernel[(tiles * triton.cdiv(H, cfg["BLOCK_N"]),)](
+            h_BI, counts, y_BH, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I, tiles,
+            HAS_BD=b_down_EH is not None, GROUP_M=group_m(cfg), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(w_down_EHI.dtype),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
 
     vendor = vd.candidate(w_down_EHI.dtype, H, I, vd.down, y_BH, h_BI, counts, w_down_EHI, b_down_EH,
@@ -346,18 +350,6 @@ def fused_experts_ref(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B,
 # ---- compile targets (CI compiles each for sm_90) ------------------------------------------------------------
 
 
-# (GATED, HAS_BG, HAS_BU, HAS_BD, HAS_SCALE, HAS_CW, ACT): Mixtral-like, GPT-OSS-like, Llama4-like, ungated
-FLAG_SETS = (
-    (True, False, False, False, False, True, 0), (True, True, True, True, False, True, 5),
-    (True, False, False, False, True, False, 0), (False, False, True, True, False, True, 1),
-)
-
-
-# what a launch at real sizes specialises: unit inner strides (contiguous x and weights), 16-divisible widths
-REAL_LAUNCH = dict(unit=("sxh", "sgh", "suh", "sdi"),
-                   aligned=("sxt", "sge", "sgi", "sue", "sui", "sde", "sdh", "sbge", "sbue", "sbde", "sdr", "H", "I"))
-
-
 def _ptrs(dt, **extra):
     names = ("x_ptr", "wg_ptr", "wu_ptr", "wd_ptr", "bg_ptr", "bu_ptr", "bd_ptr", "h_ptr", "pre_ptr", "scratch_ptr",
              "y_ptr")
@@ -376,8 +368,9 @@ def compile_targets():
         flags = dict(GATED=gated, HAS_BG=bg, HAS_BU=bu, HAS_SCALE=sc, ACT=act)
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return [
-            target(_up_act_kernel, _ptrs(dt), dict(consts, **flags, STORE_PRE=store_pre), **opts, **launch),
-            target(_down_kernel, _ptrs(dt), dict(consts, HAS_BD=bd), **opts, **launch),
+            target(_up_act_kernel, _ptrs(dt), dict(consts, **flags, STORE_PRE=store_pre, GROUP_M=group_m(cfg)),
+                   **opts, **launch),
+            target(_down_kernel, _ptrs(dt), dict(consts, HAS_BD=bd, GROUP_M=group_m(cfg)), **opts, **launch),
             target(_fused_experts_kernel, _ptrs(dt), dict(consts, **flags, HAS_BD=bd), **opts, **launch),
         ]
 

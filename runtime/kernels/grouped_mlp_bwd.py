@@ -30,28 +30,28 @@ from . import grouped_wgrad as gw
 from . import tuning
 from . import vendor as vd
 from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, target
-from .grouped_common import (check_expert_args, check_pre, load_scale, locate, max_tiles, opt_bias, proj_tile,
-                             rows_contiguous)
-from .grouped_mlp import FLAG_SETS, REAL_LAUNCH
-from .tiles import gpu_config, gpu_configs, run_role, tuner_configs
+from .grouped_common import (FLAG_SETS, REAL_LAUNCH, check_expert_args, check_pre, load_scale, locate, max_tiles,
+                             opt_bias, proj_tile, rows_contiguous, tile_of)
+from .tiles import gpu_config, gpu_configs, group_m, run_role, tuner_configs
 
 
 @triton.jit
 def _dh_kernel(
     x_ptr, sxt, sxh, tok_ptr, s_ptr, cw_ptr, counts_ptr, dout_ptr, h_ptr, dg_ptr, du_ptr, sdr, pcw_ptr,
     pre_ptr, spr, wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, wd_ptr, sde, sdh, sdi, bg_ptr, sbge, bu_ptr, sbue,
-    E, H, I, alpha, limit,
+    E, H, I, num_tiles, alpha, limit,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_CW: tl.constexpr, ACT: tl.constexpr, KEPT: tl.constexpr,
+    HAS_CW: tl.constexpr, ACT: tl.constexpr, KEPT: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (row tiles, I tiles): the projections (KEPT: read from the forward's pre rows; else recomputed),
-    G = dout[tok] @ Wd[e], then dh and act'."""
-    e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
+    """Grid (row tiles x I tiles, in tile_of's order): the projections (KEPT: read from the forward's pre rows;
+    else recomputed), G = dout[tok] @ Wd[e], then dh and act'."""
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    t, pid_n = tile_of(tl.program_id(0), num_tiles, n_tiles, GROUP_M)
+    e, rows, rows_ok, valid = locate(t, counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         DT = wu_ptr.dtype.element_ty
         e64 = e.to(tl.int64)
-        pid_n = tl.program_id(1)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
@@ -89,7 +89,7 @@ def _dh_kernel(
         tl.store(h_ptr + rows64[:, None] * I + offs_n[None, :], h, mask=mask)
         if HAS_CW:
             cw = tl.load(cw_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
-            tl.store(pcw_ptr + rows64 * tl.num_programs(1) + pid_n, tl.sum(h.to(tl.float32) * G, axis=1),
+            tl.store(pcw_ptr + rows64 * n_tiles + pid_n, tl.sum(h.to(tl.float32) * G, axis=1),
                      mask=rows_ok)
             G = G * cw[:, None]
         dh = G.to(DT).to(tl.float32)  # the reference's grad of h is in the weights' dtype
@@ -104,18 +104,19 @@ def _dh_kernel(
 @triton.jit
 def _dx_kernel(
     x_ptr, sxt, sxh, tok_ptr, counts_ptr, dg_ptr, du_ptr, sdr, dxs_ptr, ps_ptr, dout_ptr, bd_ptr, sbde, pbd_ptr,
-    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, E, H, I,
-    GATED: tl.constexpr, HAS_SCALE: tl.constexpr, BD_DCW: tl.constexpr,
+    wg_ptr, sge, sgi, sgh, wu_ptr, sue, sui, suh, E, H, I, num_tiles,
+    GATED: tl.constexpr, HAS_SCALE: tl.constexpr, BD_DCW: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (row tiles, H tiles): dxs = dg @ Wg[e] + du @ Wu[e] stored by row (the combine kernel sums each
-    token's rows times the row scale into dx); partial <dxs, x[tok]> for the scale's gradient and
-    <bd, dout[tok]> for the combine weights'."""
-    e, rows, rows_ok, valid = locate(tl.program_id(0), counts_ptr, E, BLOCK_M, BLOCK_E)
+    """Grid (row tiles x H tiles, in tile_of's order): dxs = dg @ Wg[e] + du @ Wu[e] stored by row (the combine
+    kernel sums each token's rows times the row scale into dx); partial <dxs, x[tok]> for the scale's gradient
+    and <bd, dout[tok]> for the combine weights'."""
+    n_tiles = tl.cdiv(H, BLOCK_N)
+    t, pid_n = tile_of(tl.program_id(0), num_tiles, n_tiles, GROUP_M)
+    e, rows, rows_ok, valid = locate(t, counts_ptr, E, BLOCK_M, BLOCK_E)
     if valid:
         DT = wu_ptr.dtype.element_ty
         e64 = e.to(tl.int64)
-        pid_n = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < H
         rows64 = rows.to(tl.int64)
@@ -139,12 +140,12 @@ def _dx_kernel(
         if HAS_SCALE:
             x = tl.load(x_ptr + tok[:, None] * sxt + offs_n[None, :] * sxh, mask=mask, other=0.0)
             x = x.to(DT).to(tl.float32)
-            tl.store(ps_ptr + rows64 * tl.num_programs(1) + pid_n, tl.sum(acc * x, axis=1), mask=rows_ok)
+            tl.store(ps_ptr + rows64 * n_tiles + pid_n, tl.sum(acc * x, axis=1), mask=rows_ok)
         tl.store(dxs_ptr + rows64[:, None] * H + offs_n[None, :], acc.to(DT), mask=mask)
         if BD_DCW:
             d = tl.load(dout_ptr + tok[:, None] * H + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
             bd = tl.load(bd_ptr + e64 * sbde + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(pbd_ptr + rows64 * tl.num_programs(1) + pid_n, tl.sum(d * bd[None, :], axis=1), mask=rows_ok)
+            tl.store(pbd_ptr + rows64 * n_tiles + pid_n, tl.sum(d * bd[None, :], axis=1), mask=rows_ok)
 
 
 def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
@@ -189,15 +190,16 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     def common(cfg):
         return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                     BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(dt), num_warps=cfg["num_warps"],
-                    num_stages=cfg["num_stages"])
+                    num_stages=cfg["num_stages"], GROUP_M=group_m(cfg))
 
     def launch_dh(cfg):
         n_i = triton.cdiv(I, cfg["BLOCK_N"])
         partial["cw"] = pcw = torch.zeros(B, n_i, dtype=torch.float32, device=dev) if has_cw else dout
-        _dh_kernel[(max_tiles(B, E, cfg["BLOCK_M"]), n_i)](
+        tiles = max_tiles(B, E, cfg["BLOCK_M"])
+        _dh_kernel[(tiles * n_i,)](
             x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, dout, h_BI, dg_BI, du_BI,
             dgu.stride(0), pcw, pre, spr, wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI,
-            *w_down_EHI.stride(), bg, sbg, bu, sbu, E, H, I, float(alpha), float(limit),
+            *w_down_EHI.stride(), bg, sbg, bu, sbu, E, H, I, tiles, float(alpha), float(limit),
             GATED=gated, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
             HAS_SCALE=input_scale_B is not None, HAS_CW=has_cw, ACT=ACT_CODES[activation], KEPT=pre_B is not None,
             **common(cfg),
@@ -219,9 +221,10 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         n_h = triton.cdiv(H, cfg["BLOCK_N"])
         partial["s"] = ps = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if has_s else dxs_BH
         partial["bd"] = pbd = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if bd_dcw else dxs_BH
-        _dx_kernel[(max_tiles(B, E, cfg["BLOCK_M"]), n_h)](
+        tiles = max_tiles(B, E, cfg["BLOCK_M"])
+        _dx_kernel[(tiles * n_h,)](
             x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, counts, dg_BI, du_BI, dgu.stride(0), dxs_BH, ps,
-            dout, bd, sbd, pbd, wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), E, H, I,
+            dout, bd, sbd, pbd, wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), E, H, I, tiles,
             GATED=gated, HAS_SCALE=has_s, BD_DCW=bd_dcw, **common(cfg),
         )
 
@@ -274,7 +277,7 @@ def compile_targets():
         """dh (N halved as the rule halves it; ``kept``: reading the kept projections) and dx."""
         gated, bg, bu, bd, sc, cw, act = flag_set
         consts = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=block_e,
-                      PREC=dot_precision(dt), GATED=gated, HAS_SCALE=sc)
+                      PREC=dot_precision(dt), GATED=gated, HAS_SCALE=sc, GROUP_M=group_m(cfg))
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
         dh_consts = dict(consts, BLOCK_N=max(16, cfg["BLOCK_N"] // 2), HAS_BG=bg, HAS_BU=bu, HAS_CW=cw, ACT=act,
                          KEPT=kept)
