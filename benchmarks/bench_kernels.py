@@ -98,18 +98,21 @@ def _kernel_config(role, dt, dev, B, E, H, I, gated):
     where that is the vendor GEMM: a configuration our kernel runs."""
     from moecompile.runtime.kernels import tiles, tuning
 
-    rule = lambda: tiles.rule_config(role, B / E, dt)  # noqa: E731
+    rule = (lambda: tiles.wgrad_gpu_config(dt)) if role.startswith("wgrad") else (
+        lambda: tiles.rule_config(role, B / E, dt))
     cfg = tuning.tuner().lookup(role, tuning.key(role, dt, H, I, E, B, gated), dt, dev, rule)[0]
     return rule() if tuning.is_vendor(cfg) else cfg
 
 
-def tile_order(label, T, up, down, dims, dev, order_rows):
-    """Our up and down kernels in the grouped tile order (``grouped_common.tile_of``) against the 2-D grid's order
-    (GROUP_M = 0), each on the same tiles: ``up(cfg)`` / ``down(cfg)`` launch them."""
+def tile_order(label, T, calls, dims, dev, order_rows):
+    """Our kernels in their program order (the GEMMs' grouped tiles, ``grouped_common.tile_of``; the weight
+    gradients expert by expert) against the order before (GROUP_M = 0), each on the same tiles: ``calls`` are
+    (kind, role, launch(cfg), gated, (h, i) as the role's tuning key has them)."""
     from moecompile.runtime.kernels import tiles, tuning
 
-    for kind, role, call, gated in (("up", "up_act_kept", up, True), ("down", "down", down, False)):
-        cfg = _kernel_config(role, *dims, gated)
+    dt, dev, B, E, H, I = dims
+    for kind, role, call, gated, (h, i) in calls:
+        cfg = _kernel_config(role, dt, dev, B, E, h, i, gated)
         ms = {g: bench_ms(lambda g=g: call(dict(cfg, GROUP_M=g)), dev) for g in (tiles.GROUP_M, 0)}
         order_rows.append((label, T, kind, tuning.describe(cfg), ms[tiles.GROUP_M], ms[0], ms[0] / ms[tiles.GROUP_M]))
 
@@ -117,6 +120,7 @@ def tile_order(label, T, up, down, dims, dev, order_rows):
 def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows, order_rows):
     from moecompile.runtime import triton_ops  # noqa: F401  (registers moe::fused_experts and _keep)
     from moecompile.runtime.kernels import grouped_mlp as gm
+    from moecompile.runtime.kernels import grouped_wgrad as gw
 
     dev, dt = args.device, args.dtype
     elt = torch.finfo(dt).bits // 8
@@ -156,9 +160,16 @@ def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows, order_rows):
     ours = {"up": bench_ms(lambda: gm.up_act(x, tok, counts, wg, wu, zero_tail=False, pre_out=pre), dev)}
     h_ours = gm.up_act(x, tok, counts, wg, wu)
     ours["down"] = bench_ms(lambda: gm.down_combine(h_ours, tok, counts, wd, combine=False), dev)
-    tile_order(label, T, lambda cfg: gm.up_act(x, tok, counts, wg, wu, zero_tail=False, pre_out=pre, config=cfg),
-               lambda cfg: gm.down_combine(h_ours, tok, counts, wd, combine=False, config=cfg),
-               (dt, dev, B, E, H, I), dev, order_rows)
+    dgu_out = torch.empty(E, 2 * I, H, device=dev, dtype=dt)
+    tile_order(label, T, [
+        ("up", "up_act_kept", lambda cfg: gm.up_act(x, tok, counts, wg, wu, zero_tail=False, pre_out=pre, config=cfg),
+         True, (H, I)),
+        ("down", "down", lambda cfg: gm.down_combine(h_ours, tok, counts, wd, combine=False, config=cfg), False,
+         (H, I)),
+        ("dWgu", "wgrad_up", lambda cfg: gw.wgrad("wgrad_up", dgu, None, None, x, tok, None, counts, E, False, dt,
+                                                  cfg, split=I, out=[dgu_out[:, :I], dgu_out[:, I:]]),
+         True, (H, 2 * I)),
+    ], (dt, dev, B, E, H, I), dev, order_rows)
     leaves = [t.detach().requires_grad_() for t in (x, gate_up, wd)]
 
     def fwd_bwd():
@@ -211,10 +222,11 @@ def report(args, rows, decode_rows, order_rows=(), failed=()) -> str:
                 "fraction of it reached). `vendor`: the tuner gave that GEMM to torch._grouped_mm on this device "
                 "(it timed faster than our tiles), so no kernel of ours ran for it."]
     if order_rows:
-        out += ["", "Tile order: our up (keeping its projections) and down kernels on the same tiles, programs in the "
-                "grouped order (GROUP_M row tiles walk the columns together) against the 2-D grid's (row tile by row "
-                "tile for each column).", "",
-                "| shape | T | kernel | tiles | grouped ms | 2-D ms | 2-D / grouped |", "|---|---|---|---|---|---|---|"]
+        out += ["", "Program order: our up (keeping its projections), down and gate/up weight-gradient kernels on "
+                "the same tiles, in their order (the GEMMs: GROUP_M row tiles walk the columns together; the weight "
+                "gradient: expert by expert) against the order before (the GEMMs: row tile by row tile for each "
+                "column; the weight gradient: every expert for each tile).", "",
+                "| shape | T | kernel | tiles | now ms | before ms | before / now |", "|---|---|---|---|---|---|---|"]
         out += [f"| {a} | {b} | {c} | {d} | {e:.3f} | {f:.3f} | {g:.2f}x |" for a, b, c, d, e, f, g in order_rows]
     if decode_rows:
         out += ["", "| shape | T | experts touched | fwd ms | weight-read bound ms | fraction of bound |",

@@ -203,6 +203,25 @@ def test_tile_order_visits_every_tile_once_a_group_at_a_time(num_tiles, num_n, g
     assert set(first.tolist()) == set(range(rows)) and first.numel() == (rows * num_n if group else rows)
 
 
+def test_program_order_changes_no_bit():
+    """The kernels in the order before (GROUP_M = 0: the GEMMs row tile by row tile for each column, the weight
+    gradient every expert for each tile) give the same output and gradients, bit for bit: each output element
+    is still computed by one program, in the same way."""
+    from moecompile.runtime.kernels import tuning
+
+    T = 123
+    t, tok, counts, kw = make_problem(T, "gpt_oss", torch.float32, "skewed")
+    args = (t["x"], tok, counts, t["cw"], *_args(t))
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for order in ({}, {"GROUP_M": 0}):
+        gemm, wgrad = dict(tuning.INTERPRETER, **order), dict(tuning.WGRAD_INTERPRETER, **order)
+        out = on_device(gm.fused_experts, *args, num_tokens=T, single_launch=False, config=gemm, **kw)
+        grads = on_device(gb.fused_experts_backward, grad_out, *args, config={"gemm": gemm, "wgrad": wgrad}, **kw)
+        runs.append([out] + [g for g in grads if g is not None])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_two_launch_split_equals_the_single_launch():
     """With fewer row tiles than SMs the layer runs as up_act + down_combine: same result."""
     t, tok, counts, kw = make_problem(42, "gpt_oss", torch.float32, "skewed")

@@ -14,7 +14,7 @@ import triton.language as tl
 from . import vendor as vd
 from .common import dot_precision, target
 from .grouped_common import load_scale, segments
-from .tiles import run_role, tuner_configs, wgrad_gpu_config
+from .tiles import group_m, run_role, tuner_configs, wgrad_gpu_config
 
 
 @triton.jit
@@ -22,20 +22,29 @@ def _wgrad_kernel(
     a_ptr, sa, a_tok_ptr, a_scale_ptr, c_ptr, sc, c_tok_ptr, c_scale_ptr, counts_ptr, dw_ptr, db_ptr,
     dw2_ptr, db2_ptr, E, N1, N2, N_SPLIT, swe, swr, swc,
     A_GATHER: tl.constexpr, A_SCALE: tl.constexpr, C_GATHER: tl.constexpr, C_SCALE: tl.constexpr,
-    HAS_DB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
+    HAS_DB: tl.constexpr, SPLIT: tl.constexpr, EXPERT_MAJOR: tl.constexpr, BLOCK_N1: tl.constexpr,
+    BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (E, N1 tiles x N2 tiles): dW[e] = A_e^T @ C_e, reducing over expert e's rows (a variable-length
+    """Grid E x (N1 tiles x N2 tiles), 1-D: dW[e] = A_e^T @ C_e, reducing over expert e's rows (a variable-length
     segment, masked in BLOCK_K steps); A row r is a[tok[r]] * scale[r] when gathered and scaled, C likewise.
+    EXPERT_MAJOR: programs run expert by expert, N2 tiles fastest, so one expert's C rows (gathered x, a few MB)
+    and an A column strip stay in L2 while its tiles run; else (the order before) every expert for one tile, then
+    the next tile: a wave then touched all experts' rows, more than the L2 at Mixtral's widths, read again
+    wave after wave.
     db[e] = column sums of A_e (only the N2-tile-0 programs write it). SPLIT: A holds two operands side by side
     ([dg | du], N1 = 2 N_SPLIT) and output rows from N_SPLIT on go to dw2/db2: both gradients in one launch.
     dW is written through strides (swe, swr, swc): into the parameter's own layout (a transposed view, or the
     gate and up halves of one fused [E, 2I, H] parameter), so the gradient exists once."""
     DT = dw_ptr.dtype.element_ty
-    e = tl.program_id(0)
     n2_tiles = tl.cdiv(N2, BLOCK_N2)
-    pid_n1 = tl.program_id(1) // n2_tiles
-    pid_n2 = tl.program_id(1) % n2_tiles
+    tiles = tl.cdiv(N1, BLOCK_N1) * n2_tiles
+    pid = tl.program_id(0)
+    if EXPERT_MAJOR:
+        e, t = pid // tiles, pid % tiles
+    else:
+        e, t = pid % E, pid // E
+    pid_n1 = t // n2_tiles
+    pid_n2 = t % n2_tiles
     offs_1 = pid_n1 * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     offs_2 = pid_n2 * BLOCK_N2 + tl.arange(0, BLOCK_N2)
     offs_e, counts, first_row = segments(counts_ptr, E, BLOCK_E)
@@ -90,7 +99,8 @@ def wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype,
            all_rows=False):
     """dW [E, N1, N2] (and db [E, N1]); with ``split`` the two [E, split, N2] halves of A's columns instead. ``out``:
     the views to write dW into (one, or two with ``split``, sharing strides), else new contiguous tensors. The
-    tile configuration is ``config`` or the tuner's for ``role``."""
+    tile configuration is ``config`` or the tuner's for ``role`` (``"GROUP_M": 0`` in it: the old program order,
+    every expert for one tile, then the next)."""
     N1, N2 = a.shape[1], c.shape[1]
     n_out = split or N1
     new = lambda *shape: torch.empty(*shape, dtype=dtype, device=a.device)  # noqa: E731 (all written)
@@ -99,13 +109,14 @@ def wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype,
     dbs = [new(E, n_out) for _ in dws] if want_db else dws
 
     def launch(cfg):
-        grid = (E, triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]))
+        grid = (E * triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]),)
         _wgrad_kernel[grid](
             a, a.stride(0), a_tok if a_tok is not None else counts, a_scale if a_scale is not None else a,
             c, c.stride(0), c_tok if c_tok is not None else counts, c_scale if c_scale is not None else c,
             counts, dws[0], dbs[0], dws[-1], dbs[-1], E, N1, N2, n_out, *dws[0].stride(),
             A_GATHER=a_tok is not None, A_SCALE=a_scale is not None, C_GATHER=c_tok is not None,
-            C_SCALE=c_scale is not None, HAS_DB=want_db, SPLIT=split is not None, BLOCK_N1=cfg["BLOCK_N1"],
+            C_SCALE=c_scale is not None, HAS_DB=want_db, SPLIT=split is not None,
+            EXPERT_MAJOR=group_m(cfg) != 0, BLOCK_N1=cfg["BLOCK_N1"],
             BLOCK_N2=cfg["BLOCK_N2"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
             PREC=dot_precision(dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
@@ -145,5 +156,6 @@ def compile_targets():
             p = {"a_ptr": a_dt, "c_ptr": dt, "dw_ptr": dt, "db_ptr": dt, "dw2_ptr": dt, "db2_ptr": dt,
                  "a_tok_ptr": torch.int64, "c_tok_ptr": torch.int64, "counts_ptr": torch.int64}
             out.append(target(_wgrad_kernel, p, dict(w, A_GATHER=ag, A_SCALE=asc, C_GATHER=cg, C_SCALE=csc,
-                                                      HAS_DB=db, SPLIT=split), **opts))
+                                                      HAS_DB=db, SPLIT=split, EXPERT_MAJOR=True), **opts))
+    out.append(out[-1][:2] + ({**out[-1][2], "EXPERT_MAJOR": False},) + out[-1][3:])  # the old order ("GROUP_M": 0)
     return out
