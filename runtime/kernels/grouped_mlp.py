@@ -209,16 +209,16 @@ def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_
             wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), bg, sbg, bu, sbu, E, H, I, tiles, float(alpha),
             float(limit), GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
             HAS_SCALE=input_scale_B is not None, ACT=ACT_CODES[activation], STORE_PRE=pre_out is not None,
-            GROUP_M=group_m(cfg),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E),
-            PREC=dot_precision(w_up_EIH.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            GROUP_M=group_m(cfg), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(w_up_EIH.dtype), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
 
     vendor = vd.candidate(w_up_EIH.dtype, H, I, vd.up_act, h_BI, x_TH, token_ids_B, counts, w_gate_EIH, w_up_EIH,
                           b_gate_EI, b_up_EI, input_scale_B, activation=activation, alpha=alpha, limit=limit,
                           all_rows=all_rows, pre_out=pre_out)
-    run_role("up_act" if pre_out is None else "up_act_kept", config, launch, vendor, dtype=w_up_EIH.dtype, device=x_TH.device, B=B, E=E, H=H, I=I,
-             gated=w_gate_EIH is not None)
+    run_role("up_act" if pre_out is None else "up_act_kept", config, launch, vendor, dtype=w_up_EIH.dtype,
+             device=x_TH.device, B=B, E=E, H=H, I=I, gated=w_gate_EIH is not None)
     return h_BI
 
 
