@@ -25,7 +25,10 @@ started) with its own time limit; the whole run starts no step past ``--budget-m
 
 kernels, parity and ep time nothing: adjacent ones run at the same time (their compiles are CPU-bound). The
 others time the GPU and run alone, in the order of ``--steps``. The report is rewritten after every step (a run
-cut short keeps what finished); ``--files DIR`` keeps each step's log and tables.
+cut short keeps what finished); ``--files DIR`` keeps each step's log and tables, and ``DIR/cache``: the steps share
+it as ``MOECOMPILE_CACHE_DIR`` (unless that is set), so the tile tunings made on this GPU come back with the files,
+and the report says how to add them to the shipped table (``benchmarks/ship_tiles.py``): what users of this GPU
+model get where tuning is off or a launch is too short to tune.
 
 The report has the date, the device, the versions and the commit, a table of the steps (passed, failed, timed
 out, not run) and each step's tables or the end of its output; for a step stopped at its limit, where each of its
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import signal
@@ -192,10 +196,25 @@ def header(device: str) -> list[str]:
             f"- commit: {commit.stdout.strip() or 'unknown'}", "- command: `python benchmarks/gpu_check.py`"]
 
 
-def report(results: list[Result], device: str, total_s: float) -> str:
+def tunings(cache: Path | None, device: str) -> list[str]:
+    """Report lines for the tile tunings the steps made (``tuning-*.json`` in the shared cache), with the command
+    that adds them to the shipped table."""
+    files = sorted(cache.glob("tuning-*.json")) if cache is not None and cache.is_dir() else []
+    counts = [(f, len(json.loads(f.read_text() or "{}"))) for f in files]
+    if not any(n for _, n in counts):
+        return []
+    name = device.rsplit(" (", 1)[0]
+    return ["", "Tile tunings made: " + ", ".join(f"{n} in `{f.name}`" for f, n in counts) + ". To ship them "
+            "(what users of this GPU model get untuned), with the files copied back:", "",
+            f"    python benchmarks/ship_tiles.py --device \"{name}\" --source \"gpu_check "
+            f"{datetime.date.today().isoformat()}\" FILES/cache/tuning-*.json"]
+
+
+def report(results: list[Result], device: str, total_s: float, cache: Path | None = None) -> str:
     lines = header(device) + [f"- wall time: {total_s / 60:.1f} min", "", "| step | what | status | s |",
                               "|---|---|---|---|"]
     lines += [f"| {r.step.name} | {r.step.what} | {r.status} | {r.seconds:.0f} |" for r in results]
+    lines += tunings(cache, device)
     for r in results:
         if r.status == "not run":
             continue
@@ -247,6 +266,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.files or tmp)
         folder.mkdir(parents=True, exist_ok=True)
+        cache = Path(os.environ.setdefault("MOECOMPILE_CACHE_DIR", str(folder / "cache")))  # the steps inherit it
         for group in groups(steps):
             left = budget - (time.perf_counter() - start)
             if left < 30:
@@ -257,8 +277,8 @@ def main(argv=None) -> int:
             for r in run_steps(group, folder, left):
                 results.append(r)
                 print(f"    {r.step.name}: {r.status} in {r.seconds:.0f} s", file=sys.stderr, flush=True)
-            Path(args.out).write_text(report(results, device, time.perf_counter() - start))
-    text = report(results, device, time.perf_counter() - start)
+            Path(args.out).write_text(report(results, device, time.perf_counter() - start, cache))
+        text = report(results, device, time.perf_counter() - start, cache)
     Path(args.out).write_text(text)
     print(text)
     return 0 if all(r.status == "passed" for r in results) else 1

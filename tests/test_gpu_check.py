@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_ep  # noqa: E402
 import gpu_parity  # noqa: E402
+import ship_tiles  # noqa: E402
 
 
 def test_dry_run_lists_every_step_and_its_command():
@@ -151,3 +152,41 @@ def test_a_step_stopped_at_its_limit_says_where_each_thread_was(tmp_path):
     assert "threading.py" not in hung.stopped  # the standard library's frames are left out
     text = gpu_check.report([hung], "a test device", 3.0)
     assert "Where hung was when it was stopped" in text and "in waits_for_the_lock" in text
+
+
+def test_tunings_come_back_with_the_files_and_ship_into_the_table(tmp_path, monkeypatch):
+    """The report names the tile tunings the steps made (the shared cache under --files) with the command that
+    ships them; ship_tiles merges them into the table for that GPU, which the tuner then reads as the shipped
+    table; an entry that is not a tuner's is refused and nothing is written."""
+    import json
+
+    import torch
+
+    from moecompile.runtime.kernels import tuning
+
+    cache = tmp_path / "cache"
+    assert gpu_check.tunings(cache, "NVIDIA H200 (140 GiB)") == []  # none made: nothing said
+    cache.mkdir()
+    k = tuning.key("up_act_kept", torch.bfloat16, 4096, 14336, 8, 8192, True)
+    mine = {k: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+            k.replace("up_act_kept", "dh_kept"): tuning.VENDOR}
+    (cache / "tuning-NVIDIA_H200-triton3.6.0-abc.json").write_text(json.dumps(mine))
+    lines = "\n".join(gpu_check.tunings(cache, "NVIDIA H200 (140 GiB)"))
+    assert "2 in `tuning-NVIDIA_H200-triton3.6.0-abc.json`" in lines
+    assert 'ship_tiles.py --device "NVIDIA H200" --source "gpu_check ' in lines
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"_about": "test", "Other GPU": {"x": 1}}))
+    assert ship_tiles.ship(list(cache.glob("*.json")), "Test GPU", "gpu_check test", table) == 2
+    shipped = json.loads(table.read_text())
+    assert shipped["Test GPU"] == mine and shipped["Other GPU"] == {"x": 1}
+    assert shipped["_sources"] == {"Test GPU": "gpu_check test"}
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Test GPU")
+    tuner = tuning.Tuner(cache_dir=tmp_path / "none", shipped=table, enabled=False)
+    assert tuner.lookup("up_act_kept", k, torch.bfloat16, torch.device("cuda"), dict) == (mine[k], "shipped table")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"up_act|bfloat16|H1|I1|E1|gated|r1": {"BLOCK_M": 64}, "nonsense": {}}))
+    before = table.read_text()
+    with pytest.raises(ValueError, match="neither a tile configuration") as err:
+        ship_tiles.ship([bad], "Test GPU", "bad", table)
+    assert "'nonsense': not a tuner key" in str(err.value) and table.read_text() == before

@@ -31,7 +31,7 @@ def test_pruning_drops_what_overflowed_on_the_h100_and_keeps_the_rules():
     overflowed = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 128, 8, 3), cfg(256, 128, 64, 8, 3)]
     assert not tuning.prune_configs("up_act", overflowed, BF16, True, tuning.SMEM_DEFAULT)
     assert not tuning.prune_configs("dx", [cfg(128, 128, 64, 4, 4)], BF16, True, tuning.SMEM_DEFAULT)
-    for role in ("up_act", "down", "dh", "dx"):
+    for role in ("up_act", "up_act_kept", "down", "dh", "dh_kept", "dx"):
         for rows in (1, 1024):
             rule = tiles.rule_config(role, rows, BF16)
             assert tuning.prune_configs(role, [rule], BF16, True, tuning.SMEM_DEFAULT) == [rule], (role, rule)
@@ -177,3 +177,13 @@ def test_a_launch_too_short_for_its_tiles_to_matter_is_not_tuned(tmp_path, fake_
     assert timed
     assert tiles.worth_tuning("down", BF16, 32, 8, 4096, 14336, False)  # 16 tokens: 0.9 GB of weights to read
     assert not tiles.worth_tuning("wgrad_down", BF16, 28, 8, 96, 64, False)
+
+
+def test_a_tuning_file_belongs_to_one_version_of_the_kernels(tmp_path, monkeypatch):
+    """Tunings timed kernels whose code has since changed (their program order, what they store) are not read:
+    the file's name carries a digest of the kernels' source."""
+    tuner = tuning.Tuner(cache_dir=tmp_path, shipped=tmp_path / "none.json", enabled=False)
+    now = tuner.cache_file("Test GPU")
+    assert tuning.kernels_digest() in now.name and now.name.startswith("tuning-Test_GPU-triton")
+    monkeypatch.setattr(tuning, "kernels_digest", lambda: "0123456789")
+    assert tuner.cache_file("Test GPU") != now

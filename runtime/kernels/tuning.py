@@ -7,13 +7,16 @@ configuration by key: (role, dtype, H, I, E, gated, rows-per-expert bucket), the
 In order:
 
 1. the interpreter: small fixed tiles (it runs each program in Python; fewer masked rows is what counts);
-2. a configuration tuned before, on this GPU model with this Triton, from the in-process table or the JSON file
-   on disk (``$MOECOMPILE_CACHE_DIR``, default ``~/.cache/moecompile``), shared by every process;
+2. a configuration tuned before, on this GPU model with this Triton and these kernels (a digest of their source),
+   from the in-process table or the JSON file on disk (``$MOECOMPILE_CACHE_DIR``, default ``~/.cache/moecompile``),
+   shared by every process;
 3. tuning now, when allowed (``MOECOMPILE_AUTOTUNE`` is not ``0``): every candidate that ``prune_configs``
    keeps inside shared memory and registers is timed on the real arguments (``triton.testing.do_bench``), the
    fastest is stored on disk. Kernels here write their outputs without accumulating (no atomics), so running a
    candidate on the real buffers changes nothing;
-4. the shipped table (``h100_table.json``, from measurements on an H100) for that GPU model and key;
+4. the shipped table (``h100_table.json``: measured on an H100 by hand, and tunings of GPU checks added with
+   ``benchmarks/ship_tiles.py``) for that GPU model and key: what a launch takes where tuning is off or the
+   launch is too short to tune;
 5. the rule of ``tiles.gpu_config`` (what was used before tuning existed).
 
 Beside the tiles, the tuner times the vendor's grouped GEMM for the role (``vendor.py``: ``torch._grouped_mm``
@@ -29,6 +32,7 @@ multi-config autotuner. The pruning is ``prune_configs_by``'s idea: drop what ca
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -148,7 +152,7 @@ class Tuner:
 
     def cache_file(self, device_name: str) -> Path:
         safe = "".join(c if c.isalnum() else "_" for c in device_name)
-        return self.cache_dir / f"tuning-{safe}-triton{triton.__version__}.json"
+        return self.cache_dir / f"tuning-{safe}-triton{triton.__version__}-{kernels_digest()}.json"
 
     def _load(self, device_name: str) -> dict[str, dict]:
         if device_name not in self.tuned:
@@ -193,6 +197,16 @@ class Tuner:
         best = min(timings, key=lambda t: t[0])[1]
         self._store(_device_name(device), k, best)
         return dict(best)
+
+
+@functools.cache
+def kernels_digest() -> str:
+    """A digest of the kernels' source (this folder): a tuning timed other kernels than the ones a changed file
+    launches (their program order, what they store), so each version of them has its own tuning file."""
+    digest = hashlib.sha1()
+    for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 @functools.cache
