@@ -349,8 +349,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device.type == "cpu":
         torch.set_num_threads(1)  # stable timings on a shared 2-core machine (see bench_layer.py --threads)
-        if "moe" in args.variants:  # Triton kernels on CPU tensors: the interpreter, chosen before Triton loads
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+        if "moe" in args.variants and os.environ.get("TRITON_INTERPRET") != "1":
+            # Triton kernels on CPU tensors run in its interpreter, which is chosen when Triton is first imported,
+            # and this module's imports (transformers) have imported it: start again with it chosen (before,
+            # the moe row silently ran the torch ops)
+            if argv is not None:
+                raise SystemExit("bench_gpu: --variants moe on CPU needs TRITON_INTERPRET=1 in the environment")
+            os.environ["TRITON_INTERPRET"] = "1"
+            os.execv(sys.executable, [sys.executable, *sys.argv])
     shapes, rows, t_start = {m: selected_shape(m, args) for m in args.models}, [], time.perf_counter()
 
     def emit(row: Row) -> None:
