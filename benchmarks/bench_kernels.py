@@ -193,6 +193,15 @@ def run_shape(name, label, H, I, E, K, T, args, rows, decode_rows, order_rows):
     rows.append((label, T, "layer fwd+bwd (all launches)", total, 3 * (fl_up + fl_dn) / total / 1e9, roof,
                  3 * (fl_up + fl_dn) / roof / 1e9, roof / total))
 
+    def fwd_bwd_again():  # moe::fused_experts, whose backward runs the gate/up GEMM again (inference's op)
+        out = torch.ops.moe.fused_experts(leaves[0], tok, counts, cw, None, None, leaves[2], None, None, None, None,
+                                          "silu", 1.702, 7.0, T, src, leaves[1], "chunk")
+        torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+    again = bench_ms(fwd_bwd_again, dev)
+    rows.append((label, T, "layer fwd+bwd, projections recomputed", again, 3 * (fl_up + fl_dn) / again / 1e9, roof,
+                 3 * (fl_up + fl_dn) / roof / 1e9, roof / again))
+
 
 def _matmul_ms(M, K, N, dt, dev) -> float:
     a, b = torch.randn(M, K, device=dev).to(dt), torch.randn(K, N, device=dev).to(dt)
@@ -218,8 +227,9 @@ def report(args, rows, decode_rows, order_rows=(), failed=()) -> str:
         num = lambda v, spec, unit="": v if isinstance(v, str) else f"{v:{spec}}{unit}"  # noqa: E731
         out += [f"| {a} | {b} | {c} | {num(d, '.3f')} | {num(e, '.0f')} | {f:.3f} | {g:.0f} | {num(h, '.2f', 'x')} |"
                 for a, b, c, d, e, f, g, h in rows]
-        out += ["", "The layer row: ours against the roofline (its columns: roofline ms and TFLOP/s; the last, the "
-                "fraction of it reached). `vendor`: the tuner gave that GEMM to torch._grouped_mm on this device "
+        out += ["", "The layer rows: ours against the roofline (its columns: roofline ms and TFLOP/s; the last, the "
+                "fraction of it reached), as training runs it (the projections kept for backward) and with its "
+                "backward running the gate/up GEMM again (the op before). `vendor`: the tuner gave that GEMM to torch._grouped_mm on this device "
                 "(it timed faster than our tiles), so no kernel of ours ran for it."]
     if order_rows:
         out += ["", "Program order: our up (keeping its projections), down and gate/up weight-gradient kernels on "
