@@ -229,8 +229,8 @@ def report(args, rows, decode_rows, order_rows=(), failed=()) -> str:
                 for a, b, c, d, e, f, g, h in rows]
         out += ["", "The layer rows: ours against the roofline (its columns: roofline ms and TFLOP/s; the last, the "
                 "fraction of it reached), as training runs it (the projections kept for backward) and with its "
-                "backward running the gate/up GEMM again (the op before). `vendor`: the tuner gave that GEMM to torch._grouped_mm on this device "
-                "(it timed faster than our tiles), so no kernel of ours ran for it."]
+                "backward running the gate/up GEMM again (the op before). `vendor`: the tuner gave that GEMM to "
+                "torch._grouped_mm on this device (it timed faster than our tiles), so no kernel of ours ran for it."]
     if order_rows:
         out += ["", "Program order: our up (keeping its projections), down and gate/up weight-gradient kernels on "
                 "the same tiles, in their order (the GEMMs: GROUP_M row tiles walk the columns together; the weight "

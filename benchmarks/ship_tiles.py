@@ -4,11 +4,11 @@ GPU model takes where tuning is off (``MOECOMPILE_AUTOTUNE=0``) or the launch is
 
     python benchmarks/ship_tiles.py --device "NVIDIA H200" --source "gpu_check 2026-11-28" FILES/cache/tuning-*.json
 
-Each input is a tuner's cache file (``tuning-<GPU>-triton<version>-<kernels>.json`` in ``$MOECOMPILE_CACHE_DIR``;
-a GPU check keeps its steps' in ``--files DIR/cache`` and prints this command). Its entries replace the table's
-for ``--device`` (the name ``torch.cuda.get_device_name`` gives, which the tuner looks up), key by key;
-``--source`` is recorded under ``_sources``. An entry whose role the tuner does not know, or whose configuration is neither tiles nor the
-vendor GEMM, is refused with its key. The file is rewritten sorted, so a diff shows what changed.
+Each input is a tuner's cache file (``tuning-<GPU>-triton<version>-<kernels>.json`` in ``$MOECOMPILE_CACHE_DIR``; a
+GPU check keeps its steps' in ``--files DIR/cache`` and prints this command). Its entries replace the table's for
+``--device`` (the name ``torch.cuda.get_device_name`` gives, which the tuner looks up), key by key; ``--source`` is
+recorded under ``_sources``. An entry whose role the tuner does not know, or whose configuration is neither tiles
+nor the vendor GEMM, is refused with its key. The file is rewritten sorted, so a diff shows what changed.
 """
 
 from __future__ import annotations

@@ -241,8 +241,8 @@ def _layer_device(nodes: list[fx.Node]) -> torch.device:
 
 def _kernel_tiles(nodes: list[fx.Node], spec, keep: bool) -> str:
     """One line naming the tile configuration each grouped GEMM kernel of the layer will use at the traced
-    token count, and where it comes from (runtime/kernels/tuning.py); ``keep``: training, dh reads the kept
-    projections (dh_kept)."""
+    token count, and where it comes from (runtime/kernels/tuning.py); ``keep``: training, up_act_kept stores the
+    projections and dh_kept reads them."""
     from ..runtime.kernels import tiles, tuning
 
     e = spec.experts
