@@ -196,9 +196,9 @@ def header(device: str) -> list[str]:
             f"- commit: {commit.stdout.strip() or 'unknown'}", "- command: `python benchmarks/gpu_check.py`"]
 
 
-def tunings(cache: Path | None, device: str) -> list[str]:
+def tunings(cache: Path | None, device: str, where: str = "FILES/cache") -> list[str]:
     """Report lines for the tile tunings the steps made (``tuning-*.json`` in the shared cache), with the command
-    that adds them to the shipped table."""
+    that adds them to the shipped table (``where``: the cache as the reader will find it)."""
     files = sorted(cache.glob("tuning-*.json")) if cache is not None and cache.is_dir() else []
     counts = [(f, len(json.loads(f.read_text() or "{}"))) for f in files]
     if not any(n for _, n in counts):
@@ -207,14 +207,15 @@ def tunings(cache: Path | None, device: str) -> list[str]:
     return ["", "Tile tunings made: " + ", ".join(f"{n} in `{f.name}`" for f, n in counts) + ". To ship them "
             "(what users of this GPU model get untuned), with the files copied back:", "",
             f"    python benchmarks/ship_tiles.py --device \"{name}\" --source \"gpu_check "
-            f"{datetime.date.today().isoformat()}\" FILES/cache/tuning-*.json"]
+            f"{datetime.date.today().isoformat()}\" {where}/tuning-*.json"]
 
 
-def report(results: list[Result], device: str, total_s: float, cache: Path | None = None) -> str:
+def report(results: list[Result], device: str, total_s: float, cache: Path | None = None,
+           where: str = "FILES/cache") -> str:
     lines = header(device) + [f"- wall time: {total_s / 60:.1f} min", "", "| step | what | status | s |",
                               "|---|---|---|---|"]
     lines += [f"| {r.step.name} | {r.step.what} | {r.status} | {r.seconds:.0f} |" for r in results]
-    lines += tunings(cache, device)
+    lines += tunings(cache, device, where)
     for r in results:
         if r.status == "not run":
             continue
@@ -267,6 +268,9 @@ def main(argv=None) -> int:
         folder = Path(args.files or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         cache = Path(os.environ.setdefault("MOECOMPILE_CACHE_DIR", str(folder / "cache")))  # the steps inherit it
+        # a temporary folder is gone after the run: its tunings are not reported (kept only with --files)
+        kept = cache if args.files or cache != folder / "cache" else None
+        where = "FILES/cache" if cache == folder / "cache" else str(cache)
         for group in groups(steps):
             left = budget - (time.perf_counter() - start)
             if left < 30:
@@ -277,8 +281,8 @@ def main(argv=None) -> int:
             for r in run_steps(group, folder, left):
                 results.append(r)
                 print(f"    {r.step.name}: {r.status} in {r.seconds:.0f} s", file=sys.stderr, flush=True)
-            Path(args.out).write_text(report(results, device, time.perf_counter() - start, cache))
-        text = report(results, device, time.perf_counter() - start, cache)
+            Path(args.out).write_text(report(results, device, time.perf_counter() - start, kept, where))
+        text = report(results, device, time.perf_counter() - start, kept, where)
     Path(args.out).write_text(text)
     print(text)
     return 0 if all(r.status == "passed" for r in results) else 1
