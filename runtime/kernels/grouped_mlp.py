@@ -32,7 +32,7 @@ from . import vendor as vd
 from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, target
 from .grouped_common import (FLAG_SETS, REAL_LAUNCH, check_expert_args, check_pre, load_scale, locate, max_tiles,
                              opt_bias, proj_tile, rows_contiguous, tile_of)
-from .tiles import gpu_config, gpu_configs, group_m, rule_config, run_role, tuner_configs
+from .tiles import gpu_config, gpu_configs, group_m, halved_n, rule_config, run_role, tuner_configs
 
 # ---- tile bodies (shared by the separate kernels and the fused one) ------------------------------------------
 
@@ -377,15 +377,14 @@ def compile_targets():
     out = []
     for i, (dt, cfg) in enumerate(gpu_configs()):
         out += three(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3])
-        out.append(three(dt, dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2)), FLAG_SETS[0], (8, 128, 256)[i % 3],
-                         store_pre=True)[0])  # up_act_kept's rule: N halved
+        out.append(three(dt, halved_n(cfg), FLAG_SETS[0], (8, 128, 256)[i % 3], store_pre=True)[0])  # its rule
     for i, (role, dt, cfg) in enumerate(tuner_configs(("up_act", "up_act_kept", "down"))):  # all it may time
         out.append(three(dt, cfg, FLAG_SETS[0], (8, 128, 256)[i % 3], store_pre=role == "up_act_kept")[role == "down"])
     dt, cfg = torch.bfloat16, gpu_config(1024, torch.bfloat16)
     out += three(dt, cfg, FLAG_SETS[0], 8, launch={})  # odd widths and strided views: nothing specialised
     for flag_set in FLAG_SETS[1:]:
         out += three(dt, cfg, flag_set, 32)
-        out.append(three(dt, dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2), flag_set, 32, store_pre=True)[0])
+        out.append(three(dt, halved_n(cfg), flag_set, 32, store_pre=True)[0])
     for name, act in ACT_CODES.items():
         if act not in (f[-1] for f in FLAG_SETS):
             out.append(three(dt, cfg, (name != "relu2", False, False, False, False, True, act), 64)[2])

@@ -32,7 +32,7 @@ from . import vendor as vd
 from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, target
 from .grouped_common import (FLAG_SETS, REAL_LAUNCH, check_expert_args, check_pre, load_scale, locate, max_tiles,
                              opt_bias, proj_tile, rows_contiguous, tile_of)
-from .tiles import gpu_config, gpu_configs, group_m, run_role, tuner_configs
+from .tiles import gpu_config, gpu_configs, group_m, halved_n, run_role, tuner_configs
 
 
 @triton.jit
@@ -279,7 +279,7 @@ def compile_targets():
         consts = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=block_e,
                       PREC=dot_precision(dt), GATED=gated, HAS_SCALE=sc, GROUP_M=group_m(cfg))
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
-        dh_consts = dict(consts, BLOCK_N=max(16, cfg["BLOCK_N"] // 2), HAS_BG=bg, HAS_BU=bu, HAS_CW=cw, ACT=act,
+        dh_consts = dict(consts, BLOCK_N=halved_n(cfg)["BLOCK_N"], HAS_BG=bg, HAS_BU=bu, HAS_CW=cw, ACT=act,
                          KEPT=kept)
         out = [target(_dh_kernel, ptrs(dt), dh_consts, **opts)]
         if with_dx:

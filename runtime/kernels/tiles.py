@@ -51,9 +51,12 @@ def rule_config(role: str, rows_per_expert: float, dtype: torch.dtype) -> dict:
     cfg = gpu_config(rows_per_expert, dtype)
     # dh_kept holds G, then the kept g and u beside it; up_act_kept its g and u beside h as it stores all three
     # (128 x 128 in 8 warps spilled 476 bytes, 128 x 64 none: benchmarks/kernel_resources.py)
-    if role in ("dh", "dh_kept", "up_act_kept"):
-        cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
-    return cfg
+    return halved_n(cfg) if role in ("dh", "dh_kept", "up_act_kept") else cfg
+
+
+def halved_n(cfg: dict) -> dict:
+    """``cfg`` with half the N (at least 16): the rule for the kernels holding three [M, N] tiles at once."""
+    return dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2))
 
 
 def wgrad_gpu_config(dtype) -> dict:
