@@ -3,6 +3,7 @@
     python benchmarks/bench_gpu.py --out benchmarks/gpu_results.md          # GPU: every model, T=4096,16384
     python benchmarks/bench_gpu.py --models dsv3 --tokens 16384 --variants eager,moe
     python benchmarks/bench_gpu.py --tiny --device cpu --variants eager,inductor,moe-torch   # CPU smoke test
+    python benchmarks/bench_gpu.py --tokens 16,256 --variants eager,inductor,inductor-graphs,moe-auto,moe-graphs
 
 The layer is the sparse MoE block of an HF model (``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
 ``DeepseekV3MoE``) built from its transformers config with the real widths and random weights (nothing is
@@ -32,9 +33,11 @@ import torch.nn as nn
 from measure import (HF_MOE, count_ops, event_names, fmt, free, hf_moe_block, init_weights_, markdown_table,
                      median_ms, normwise_error, option_value, peak_gib, timed_call)
 
-VARIANTS = ("eager", "inductor", "moe", "moe-auto", "moe-torch")
-# moe: the Triton kernels forced; moe-auto: what a user gets (lowering="auto": the fastest form timed on this device)
-LOWERING = {"moe": "triton", "moe-auto": "auto", "moe-torch": "torch"}
+VARIANTS = ("eager", "inductor", "moe", "moe-auto", "moe-torch", "inductor-graphs", "moe-graphs")
+# moe: the Triton kernels forced; moe-auto: what a user gets (lowering="auto": the fastest form timed on this device);
+# -graphs: the same under CUDA graphs (mode="reduce-overhead"; each call starts a step, as a loop under them does)
+LOWERING = {"moe": "triton", "moe-auto": "auto", "moe-torch": "torch", "moe-graphs": "auto"}
+GRAPHED = ("inductor-graphs", "moe-graphs")
 # proof that the rewrite ran (fwd_bwd trains: the Triton form keeps its projections, moe::fused_experts_keep)
 EXPECTED_OP = {"moe": "moe::fused_experts_keep", "moe-torch": "moe::expert_mlp"}
 FORM_OF_OP = {"moe::fused_experts_keep": "triton", "moe::fused_experts": "triton", "moe::expert_mlp_keep": "grouped",
@@ -118,10 +121,19 @@ def moe_backend():
 def make_module(variant: str, block: nn.Module, moe_options: dict):
     if variant == "eager":
         return block
-    if variant == "inductor":
-        return torch.compile(block, dynamic=False)
-    return torch.compile(block, backend=moe_backend(), dynamic=False,
-                         options={**moe_options, "lowering": LOWERING[variant]})
+    if variant in ("inductor", "inductor-graphs"):
+        module = torch.compile(block, dynamic=False, mode="reduce-overhead" if variant in GRAPHED else None)
+    else:  # torch.compile takes mode= or options=, not both: the moe backend's mode is also an option
+        mode = {"mode": "reduce-overhead"} if variant in GRAPHED else {}
+        module = torch.compile(block, backend=moe_backend(), dynamic=False,
+                               options={**moe_options, "lowering": LOWERING[variant], **mode})
+    if variant not in GRAPHED:
+        return module
+
+    def step(x):
+        torch.compiler.cudagraph_mark_step_begin()  # outputs of the step before may be overwritten from here on
+        return module(x)
+    return step
 
 
 @dataclass
@@ -177,7 +189,7 @@ def run_variant(row: Row, block: nn.Module, x, g, ref, moe_options: dict, args) 
 
     zero()
     out, row.first_s = timed_call(first_call, x.device)
-    out = out.detach()
+    out = out.detach().clone()  # under CUDA graphs the next call writes over its outputs
     row.err = math.nan if ref is None else normwise_error(out, ref)
     measure(row, lambda: module(x), fwd_bwd, zero, args)
     if row.variant in EXPECTED_OP:
@@ -186,7 +198,7 @@ def run_variant(row: Row, block: nn.Module, x, g, ref, moe_options: dict, args) 
         row.note = "moe ops seen: " + (", ".join(seen) or "none")
         if EXPECTED_OP[row.variant] not in seen:
             row.status = f"(no {EXPECTED_OP[row.variant]}: not rewritten/lowered, see notes)"
-    elif row.variant == "moe-auto":
+    elif row.variant in ("moe-auto", "moe-graphs"):
         seen = {n for n in event_names(fwd_bwd, x.device) if n.startswith("moe::")}
         zero()
         form = next((f for op, f in FORM_OF_OP.items() if op in seen), "original" if not seen else "?")
@@ -289,7 +301,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", help="comma-separated T values (default 4096,16384; 64 with --tiny)")
     p.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} (the error column needs "
                    "eager); default eager,inductor,moe,moe-auto on cuda, eager,inductor,moe-torch on cpu, where "
-                   "moe's kernels run in Triton's interpreter, seconds per call")
+                   "moe's kernels run in Triton's interpreter, seconds per call; -graphs: under CUDA graphs")
     p.add_argument("--reps", type=int, help="timed repetitions (default 20 on cuda, 5 on cpu)")
     p.add_argument("--warmup", type=int, help="fwd+bwd warm-ups after the first call (default 3 on cuda, 1 on cpu)")
     p.add_argument("--tiny", action="store_true", help="H=64, I=96, E=8/16, k=2 (smoke test, runs on CPU)")

@@ -14,16 +14,19 @@ started) with its own time limit; the whole run starts no step past ``--budget-m
                    (benchmarks/gpu_parity.py, the families split over 8 processes)
     parity-autocast  five families with float32 weights under bf16 autocast, eager experts (computed in bf16 by
                    the rewrite too), the Triton form forced, against eager under autocast (gpu_parity.py)
+    parity-graphs  four families under CUDA graphs (mode="reduce-overhead"), float32, the Triton form forced, three
+                   training steps each on fresh tokens against eager (the second records, the third replays)
     ep             expert parallelism, dedup="node" and replication="adaptive" on 4 gloo ranks sharing the GPU, two
                    training steps against one process (benchmarks/gpu_ep.py)
     layer          one MoE layer at real widths, T = 4096 and 16384: eager, Inductor, moe (benchmarks/bench_gpu.py)
     layer-auto     the same without the Triton kernels forced: eager, Inductor and what lowering="auto" chose
                    (issue 23's measure; for a short lease, in place of layer)
     layer-decode   the same at T = 16 and 256
+    layer-graphs   T = 16 and 256: eager, Inductor, lowering="auto", and Inductor's and moe's under CUDA graphs
     gemms          each grouped GEMM of the kernels against torch._grouped_mm (benchmarks/bench_kernels.py)
     gemms-decode   the same, forward only, at decode token counts
 
-kernels, parity and ep time nothing: adjacent ones run at the same time (their compiles are CPU-bound). The
+kernels, the parity steps and ep time nothing: adjacent ones run at the same time (their compiles are CPU-bound). The
 others time the GPU and run alone, in the order of ``--steps``. The report is rewritten after every step (a run
 cut short keeps what finished); ``--files DIR`` keeps each step's log and tables, and ``DIR/cache``: the steps share
 it as ``MOECOMPILE_CACHE_DIR`` (unless that is set), so the tile tunings made on this GPU come back with the files,
@@ -82,6 +85,12 @@ STEPS = [
          [PY, "benchmarks/gpu_parity.py", "--device", "cuda", "--moe-option", "lowering=triton", "--dtypes",
           "autocast", "--families", "mixtral,qwen2_moe,gpt_oss,deepseek_v3,llama4_text", "--jobs", "5",
           "--timeout", "{limit}", "--out", "{dir}/parity_autocast.md"], 180, out="parity_autocast.md", timed=False),
+    Step("parity-graphs", "four families under CUDA graphs (mode=\"reduce-overhead\"), float32, 3 steps each, "
+         "against eager",
+         [PY, "benchmarks/gpu_parity.py", "--device", "cuda", "--moe-option", "mode=reduce-overhead", "--moe-option",
+          "lowering=triton", "--dtypes", "float32", "--steps", "3", "--families",
+          "mixtral,qwen3_moe,deepseek_v3,gpt_oss", "--jobs", "2", "--timeout", "{limit}", "--out",
+          "{dir}/parity_graphs.md"], 180, out="parity_graphs.md", timed=False),
     Step("ep", "expert parallelism, dedup and replication on 4 gloo ranks sharing the GPU, against one process",
          [PY, "benchmarks/gpu_ep.py", "--device", "cuda", "--out", "{dir}/ep.md"], 300, out="ep.md", timed=False),
     Step("layer", "one layer at real widths, T = 4096, 16384",
@@ -91,6 +100,9 @@ STEPS = [
           "{dir}/layer_auto.md"], 240, out="layer_auto.md"),
     Step("layer-decode", "one layer, T = 16, 256",
          [PY, "benchmarks/bench_gpu.py", "--tokens", "16,256", "--out", "{dir}/decode.md"], 120, out="decode.md"),
+    Step("layer-graphs", "one layer, T = 16, 256, also under CUDA graphs (mode=\"reduce-overhead\": Inductor, moe)",
+         [PY, "benchmarks/bench_gpu.py", "--tokens", "16,256", "--variants",
+          "eager,inductor,inductor-graphs,moe-auto,moe-graphs", "--out", "{dir}/graphs.md"], 150, out="graphs.md"),
     Step("gemms", "each grouped GEMM against torch._grouped_mm",
          [PY, "benchmarks/bench_kernels.py", "--out", "{dir}/gemms.md"], 180, out="gemms.md"),
     Step("gemms-decode", "the grouped GEMMs at decode token counts",

@@ -3,6 +3,7 @@
     python benchmarks/gpu_parity.py --device cuda --out parity.md                  # every family, fp32 and bf16
     python benchmarks/gpu_parity.py --device cpu --families mixtral,qwen3_moe --dtypes float32   # (CPU smoke test)
     python benchmarks/gpu_parity.py --device cuda --jobs 8 --out parity.md     # the families split over 8 processes
+    python benchmarks/gpu_parity.py --device cuda --moe-option mode=reduce-overhead --steps 3   # under CUDA graphs
 
 Each family is built as the walk builds it (``moecompile.models.hf.walk_config``: the tiny config, else the written
 or shrunk one), with random weights, on ``--device`` in each dtype, and trained one step (logits, then the loss's
@@ -14,6 +15,9 @@ eagerly in the same dtype, and in float32 as the reference:
   if it is no further from it than twice eager float32's own distance plus 1e-4 (an ill-conditioned gradient, as
   hy_v4's hyper-connection head, where eager float32 itself is 1.8e-3 from float64);
 - bfloat16: the compiled error to the float32 reference is at most twice eager bfloat16's own, plus 1e-2.
+- ``--steps N``: N training steps, each on fresh tokens of the same shape and compared as above (the row shows the
+  worst, or the first that fails): with ``--moe-option mode=reduce-overhead`` the second step records the CUDA
+  graphs and the third replays them.
 - autocast (``--dtypes autocast``): float32 weights under ``torch.autocast(dtype=torch.bfloat16)``, transformers'
   eager experts (nn.Linear-like, which autocast computes in bf16, so the rewritten experts compute in bf16 too:
   ``MoESpec.compute_dtype``), both runs under autocast; bounds as bfloat16's.
@@ -50,12 +54,16 @@ def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
 def _step(model, ids, params=None):
     """(logits, {name: grad}) of one forward and backward of the LM loss; ``params``: the module whose parameters
     are named (the model a compiled wrapper runs). The random stream is reset first: a router that samples
-    (PhiMoE's in training) draws the same numbers in every model compared."""
+    (PhiMoE's in training) draws the same numbers in every model compared. The gradients are copies, the
+    parameters' own set to None (as ``zero_grad`` does before the next step)."""
     torch.manual_seed(0)
     out = model(ids, labels=ids)
     out.loss.backward()
-    grads = {n: p.grad for n, p in (params or model).named_parameters() if p.grad is not None}
-    return out.logits.detach(), grads
+    grads = {}
+    for n, p in (params or model).named_parameters():
+        if p.grad is not None:
+            grads[n], p.grad = p.grad.clone(), None
+    return out.logits.detach().clone(), grads
 
 
 def _worst(got: dict, want: dict) -> tuple[float, str]:
@@ -64,14 +72,17 @@ def _worst(got: dict, want: dict) -> tuple[float, str]:
     return max(errs) if errs else (float("nan"), "")
 
 
-def check_family(family: str, device: torch.device, dtype: torch.dtype, options: dict, amp: bool = False) -> dict:
+def check_family(family: str, device: torch.device, dtype: torch.dtype, options: dict, amp: bool = False,
+                 steps: int = 1) -> dict:
     """One row: the family in ``dtype`` on ``device``, compiled against eager (and float32 eager for bf16);
-    ``amp``: float32 weights, both runs under bf16 autocast (eager experts)."""
+    ``amp``: float32 weights, both runs under bf16 autocast (eager experts). ``steps``: forward+backward steps on
+    fresh tokens of the same shape, each compared (under CUDA graphs the second records, the third replays); the
+    row reports the worst."""
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-        return _check_family(family, device, dtype, options, amp)
+        return _check_family(family, device, dtype, options, amp, steps)
 
 
-def _check_family(family, device, dtype, options, amp):
+def _check_family(family, device, dtype, options, amp, steps):
     import moecompile
     from moecompile.models import hf
 
@@ -79,44 +90,64 @@ def _check_family(family, device, dtype, options, amp):
     if config is None:
         return dict(family=family, status="skipped", note="no config builds for it")
     base = hf.build_model(config, dtype=torch.float32, experts_implementation="eager" if amp else None).train()
-    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
+    batches = [torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(i)).to(device)
+               for i in range(steps)]
     model = copy.deepcopy(base).to(device=device, dtype=dtype)
+    eager = copy.deepcopy(model)
     try:  # the model itself first: one that cannot run in this dtype has nothing to compare against
-        want, want_g = _step(copy.deepcopy(model), ids)
+        wants = [_step(eager, ids) for ids in batches]
     except Exception as exc:  # noqa: BLE001 - a row, not the end of the run
         why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
         return dict(family=family, status="skipped", note=f"eager fails in {str(dtype)[6:]}: {why}")
-    report = moecompile.explain(copy.deepcopy(model), ids, **options)
+    report = moecompile.explain(copy.deepcopy(model), batches[0], **options)
     torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options=options)
     t0 = time.perf_counter()
-    got, got_g = _step(torch.compile(model, backend="moe", options=options), ids, params=model)
-    seconds = time.perf_counter() - t0
-    out_err, (grad_err, worst) = normwise(got, want), _worst(got_g, want_g)
     row = dict(family=family, layers=len(report.layers), skipped=len(report.skipped) + len(report.failures),
-               seconds=seconds,
-               lowering=",".join(sorted({r.lowering for r in report.layers})) or "-", out_err=out_err,
-               grad_err=grad_err, worst=worst, note="; ".join(
+               lowering=",".join(sorted({r.lowering for r in report.layers})) or "-", note="; ".join(
                    [f"{s.region}: {s.reason}" for s in report.skipped]
                    + [f"{f.region}: {f.what} failed, ran as written: {f.error}" for f in report.failures]))
-    if not want_g or set(got_g) != set(want_g):
-        return {**row, "status": "FAIL", "note": f"gradients of {len(got_g)} parameters, eager has {len(want_g)}"}
-    if dtype == torch.float32 and not amp:
-        ok = out_err <= FP32_TOL and grad_err <= FP32_TOL
-        row["bound"] = FP32_TOL
-        if not ok:  # ill-conditioned, or wrong: the float64 model decides
-            ok, row["note"] = _against_float64(config, base, ids, device, (got, got_g), (want, want_g))
-    else:  # bf16 (or autocast): as accurate as eager in it, to the float32 model (outside autocast)
-        with torch.autocast(device.type, enabled=False):
-            ref, ref_g = _step(copy.deepcopy(base).to(device), ids)
-        bound = 2 * normwise(want, ref) + 1e-2
-        gbound = 2 * _worst({n: g.float() for n, g in want_g.items()}, ref_g)[0] + 1e-2
-        out_err = normwise(got.float(), ref)
-        grad_err = _worst({n: g.float() for n, g in got_g.items()}, ref_g)[0]
-        row.update(out_err=out_err, grad_err=grad_err, bound=bound)
-        ok = out_err <= bound and grad_err <= gbound
+    ok, worst = True, None
+    for i, (ids, want) in enumerate(zip(batches, wants)):
+        torch.compiler.cudagraph_mark_step_begin()  # a training step (what a loop under CUDA graphs calls)
+        got = _step(compiled, ids, params=model)
+        if i == 0:
+            row["seconds"] = time.perf_counter() - t0
+        if not want[1] or set(got[1]) != set(want[1]):
+            return {**row, "status": "FAIL", "note": f"gradients of {len(got[1])} parameters, eager has "
+                                                     f"{len(want[1])}" + (f" (step {i + 1})" if i else "")}
+        step_ok, errs = _compare(config, base, ids, device, dtype, amp, got, want)
+        first_failure = ok and not step_ok
+        if worst is None or first_failure or (ok and step_ok and errs["grad_err"] > worst["grad_err"]):
+            worst = {**errs, "note": "; ".join(x for x in (row["note"], errs.get("note", ""),
+                                                            f"worst at step {i + 1} of {steps}" if steps > 1 else "")
+                                               if x)}
+        ok = ok and step_ok
+    row.update(worst)
     row["status"] = "ok" if ok and row["layers"] and not row["skipped"] else (
         "FAIL" if not ok else "not rewritten")
     return row
+
+
+def _compare(config, base, ids, device, dtype, amp, got, want) -> tuple[bool, dict]:
+    """Whether one compiled step (``got``: logits, grads) passes against eager's (``want``), and its errors: within
+    1e-4 in float32 (else as close to float64 as eager), as accurate as eager to float32 in bf16 or autocast."""
+    out_err, (grad_err, worst) = normwise(got[0], want[0]), _worst(got[1], want[1])
+    errs = dict(out_err=out_err, grad_err=grad_err, worst=worst)
+    if dtype == torch.float32 and not amp:
+        ok = out_err <= FP32_TOL and grad_err <= FP32_TOL
+        errs["bound"] = FP32_TOL
+        if not ok:  # ill-conditioned, or wrong: the float64 model decides
+            ok, errs["note"] = _against_float64(config, base, ids, device, got, want)
+        return ok, errs
+    # bf16 (or autocast): as accurate as eager in it, to the float32 model (outside autocast)
+    with torch.autocast(device.type, enabled=False):
+        ref, ref_g = _step(copy.deepcopy(base).to(device), ids)
+    bound = 2 * normwise(want[0], ref) + 1e-2
+    gbound = 2 * _worst({n: g.float() for n, g in want[1].items()}, ref_g)[0] + 1e-2
+    grad_err, worst = _worst({n: g.float() for n, g in got[1].items()}, ref_g)
+    errs.update(out_err=normwise(got[0].float(), ref), grad_err=grad_err, worst=worst, bound=bound)
+    return errs["out_err"] <= bound and grad_err <= gbound, errs
 
 
 def _against_float64(config, base, ids, device, got, want) -> tuple[bool, str]:
@@ -159,7 +190,8 @@ def summary(rows: list[dict], device: torch.device) -> tuple[str, bool]:
     return f"Parity on {device} ({name}): {text}\n\n{table(rows)}\n", not (counts["FAIL"] or counts["ERROR"])
 
 
-def check_all(names: list[str], dtypes: list[str], device: torch.device, options: dict, emit) -> None:
+def check_all(names: list[str], dtypes: list[str], device: torch.device, options: dict, emit, steps: int = 1
+              ) -> None:
     """Every (dtype, family) row, each given to ``emit`` as soon as it is known (a run cut short keeps them)."""
     for dtype_name in dtypes:
         amp = dtype_name == "autocast"
@@ -167,7 +199,7 @@ def check_all(names: list[str], dtypes: list[str], device: torch.device, options
         for family in names:
             print(f"... {family} {dtype_name}", file=sys.stderr, flush=True)
             try:
-                row = check_family(family, device, dtype, options, amp)
+                row = check_family(family, device, dtype, options, amp, steps)
             except Exception as exc:  # noqa: BLE001 - a row, not the end of the run
                 traceback.print_exc()
                 row = dict(family=family, error=" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
@@ -198,6 +230,8 @@ def main(argv=None) -> int:
                    "under bf16 autocast")
     p.add_argument("--families", default="", help="comma-separated (default: every family of the walk)")
     p.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--steps", type=int, default=1, help="training steps per row, each on fresh tokens and compared "
+                   "(3 or more with --moe-option mode=reduce-overhead: CUDA graphs record at the second, replay after)")
     p.add_argument("--out", help="also write the table (markdown) here, rewritten after every row")
     p.add_argument("--jobs", type=int, default=1, help="processes checking families at once (default 1)")
     p.add_argument("--timeout", type=float, help="with --jobs: stop the processes after this many seconds")
@@ -222,6 +256,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--families: unknown {unknown}")
     index, _, count = args.shard.partition("/")
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: at least 1")
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)) or args.jobs < 1:
         p.error(f"--shard {args.shard!r} / --jobs {args.jobs}: expected I/N with 0 <= I < N, and --jobs >= 1")
     names = names[int(index)::int(count)]
@@ -243,7 +279,7 @@ def main(argv=None) -> int:
         order = {(d, f): i for i, (d, f) in enumerate((d, f) for d in args.dtypes.split(",") for f in names)}
         rows.sort(key=lambda r: order.get((r["dtype"], r["family"]), len(order)))
     else:
-        check_all(names, args.dtypes.split(","), device, options, emit)
+        check_all(names, args.dtypes.split(","), device, options, emit, args.steps)
     text, ok = summary(rows, device)
     if args.out:
         Path(args.out).write_text(text)

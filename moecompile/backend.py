@@ -24,13 +24,18 @@ from moecompile.passes.report import PassReport
 
 from .tracing.capture import MARK, RETRACE, install
 from .tracing.frames import frame_prefix
-from .config import MoEOptions, parse_options
+from .config import MoEOptions, parse_options, with_mode
 from .pipeline import Checkpoint, MoECompileError, MoEFallbackWarning, run_passes
 
 
-def moe_backend(gm: fx.GraphModule, example_inputs, options: dict | MoEOptions | None = None, **_ignored):
-    """torch.compile backend entry: rewrite the MoE blocks of ``gm``, then hand it to the inner compiler."""
-    return compile_graph(gm, example_inputs, parse_options(options), PassReport())
+def moe_backend(gm: fx.GraphModule, example_inputs, options: dict | MoEOptions | None = None, mode: str | None = None,
+                **unknown):
+    """torch.compile backend entry: rewrite the MoE blocks of ``gm``, then hand it to the inner compiler.
+    ``mode``: torch.compile's, for the inner Inductor (the option ``mode``)."""
+    if unknown:  # torch.compile passes only mode and options today: a newer torch's argument is said, not dropped
+        warnings.warn(f"moecompile: the moe backend does not know the argument(s) {sorted(unknown)} it was given; "
+                      "they are ignored", stacklevel=2)
+    return compile_graph(gm, example_inputs, parse_options(with_mode(options, mode)), PassReport())
 
 
 def _wants_capture(options) -> bool:
@@ -180,10 +185,13 @@ def _quiet_context_fn_note(active: bool):
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs, config: MoEOptions):
+    """The graph after the passes, compiled by the inner compiler; Inductor in the option ``mode`` (its settings as
+    torch.compile's own mode gives them: ``torch._inductor.list_mode_options``)."""
     if config.inner == "inductor":
+        from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=list_mode_options(config.mode))
     from torch._dynamo.backends.registry import lookup_backend
 
     return lookup_backend("aot_eager")(gm, example_inputs)

@@ -10,6 +10,7 @@ PASS_NAMES = ("detect", "verify", "canonicalize", "lower")  # what disable_passe
 # distribute always run: they do nothing unless moecompile.parallelize sharded the model, and then a sharded
 # layer cannot run without them)
 INNER_BACKENDS = ("inductor", "aot_eager")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's, for Inductor
 LOWERINGS = ("auto", "original", "torch", "grouped", "triton")
 CHOOSE = ("memory", "speed")
 LOWERING_ENV = "MOECOMPILE_LOWERING"  # the default of ``lowering`` when options do not give it
@@ -27,6 +28,10 @@ class MoEOptions:
     """Options of ``torch.compile(model, backend="moe", options={...})``.
 
     inner:            what compiles the graph after the MoE passes: "inductor" (default) or "aot_eager".
+    mode:             the inner Inductor's mode, as torch.compile's ``mode`` (which the backend also takes:
+                      ``torch.compile(model, backend="moe", mode="max-autotune")``): "default", "reduce-overhead"
+                      (CUDA graphs; the moe ops run between the graphed parts), "max-autotune",
+                      "max-autotune-no-cudagraphs". Not with inner="aot_eager".
     lowering:         the form each proved layer runs in. "auto" (default; ``$MOECOMPILE_LOWERING`` changes the
                       default): every form that can run on the layer's device is timed on the traced shapes with
                       the layer's parameters (forward+backward when training) and the fastest kept (``choose``),
@@ -61,6 +66,7 @@ class MoEOptions:
     """
 
     inner: str = "inductor"
+    mode: str = "default"
     lowering: str = field(default_factory=_default_lowering)
     choose: str = "memory"
     disable_passes: tuple[str, ...] = ()
@@ -75,7 +81,7 @@ class MoEOptions:
     checkpoint_exchanges: str = "recompute"
 
 
-_CHOICES = {"inner": INNER_BACKENDS, "lowering": LOWERINGS, "choose": CHOOSE,
+_CHOICES = {"inner": INNER_BACKENDS, "mode": MODES, "lowering": LOWERINGS, "choose": CHOOSE,
             "checkpoint_exchanges": ("recompute", "save")}
 
 
@@ -107,6 +113,24 @@ def parse_options(options: dict | MoEOptions | None) -> MoEOptions:
             not isinstance(value, int) or isinstance(value, bool) or value < 0
         ):
             raise ValueError(f"option {key} must be a non-negative int, got {value!r}")
+    if options.get("mode", "default") != "default" and options.get("inner", "inductor") != "inductor":
+        raise ValueError(f"option mode={options['mode']!r} is a mode of the inner Inductor, and inner="
+                         f"{options['inner']!r} has none: leave mode out, or use inner='inductor'")
     if "disable_passes" in options:
         options = {**options, "disable_passes": tuple(options["disable_passes"])}
     return MoEOptions(**options)
+
+
+def with_mode(options: dict | MoEOptions | None, mode: str | None) -> dict | MoEOptions | None:
+    """``options`` with torch.compile's ``mode`` argument in them (torch.compile passes it to the backend beside
+    the options, and refuses both at once); a different ``mode`` in the options raises ValueError."""
+    if mode is None or not (options is None or isinstance(options, (dict, MoEOptions))):
+        return options  # no mode given; or options parse_options refuses with its own error
+    if isinstance(options, MoEOptions):  # checked again by parse_options, as a dict
+        given = {f.name: getattr(options, f.name) for f in dataclasses.fields(MoEOptions)}
+        options = {**given, "mode": given["mode"] if given["mode"] != "default" else mode}
+    options = dict(options or {})
+    if options.setdefault("mode", mode) != mode:
+        raise ValueError(f"mode={mode!r} given to torch.compile, and mode={options['mode']!r} in the moe options: "
+                         "give it once")
+    return options

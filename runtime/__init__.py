@@ -5,6 +5,7 @@
     reference.py      their plain-torch references (what the proof compares with)
     triton_ops.py     the same ops launching the Triton kernels (``moe::*_triton``, ``moe::fused_experts``)
     activations.py    the expert activations, by name;  layouts.py  gate/up layouts, DTensor strides
+    library.py        ``moe_op``: how every ``moe::`` op is defined (tagged cudagraph-unsafe)
     stats.py          token drops and routing counts, recorded where they happen
     kernels/          Triton kernels in threes (kernel, host launcher, torch reference)
     comm/             expert-parallel dispatch/combine ops, their plans, dedup, link and cost models, counters

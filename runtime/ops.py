@@ -16,11 +16,12 @@ compiler sees and fuses.
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op, register_autograd, register_fake
+from torch.library import register_autograd, register_fake
 
 from . import grouped_cpu
 from . import reference as ref
 from . import stats
+from .library import moe_op
 from .stats import DROPS
 
 Tensor = torch.Tensor
@@ -29,7 +30,7 @@ Tensor = torch.Tensor
 # ---- route ---------------------------------------------------------------------------------------------------
 
 
-@custom_op("moe::route", mutates_args=())
+@moe_op("moe::route", mutates_args=())
 def route(
     logits_TE: Tensor,
     correction_bias_E: Tensor | None,
@@ -58,7 +59,7 @@ def _route_fake(logits_TE, correction_bias_E, top_k, *args):
     return logits_TE.new_empty(T, top_k, dtype=w_dtype), logits_TE.new_empty(T, top_k, dtype=torch.int64)
 
 
-@custom_op("moe::route_backward", mutates_args=())
+@moe_op("moe::route_backward", mutates_args=())
 def route_backward(
     grad_weights_TK: Tensor,
     logits_TE: Tensor,
@@ -112,7 +113,7 @@ register_autograd("moe::route", _route_bwd, setup_context=_route_setup)
 # ---- build_pft -----------------------------------------------------------------------------------------------
 
 
-@custom_op("moe::build_pft", mutates_args=())
+@moe_op("moe::build_pft", mutates_args=())
 def build_pft(
     ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_order: str, layer: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -157,7 +158,7 @@ register_autograd("moe::build_pft", _build_pft_bwd, setup_context=_build_pft_set
 # ---- expert_mlp ----------------------------------------------------------------------------------------------
 
 
-@custom_op("moe::expert_mlp", mutates_args=())
+@moe_op("moe::expert_mlp", mutates_args=())
 def expert_mlp(
     x_TH: Tensor,
     token_ids_B: Tensor,
@@ -192,7 +193,7 @@ def _expert_mlp_fake(x_TH, token_ids_B, tokens_per_expert_E, w_gate, w_up, w_dow
     return x_TH.new_empty(token_ids_B.shape[0], w_down.shape[1], dtype=w_up.dtype)
 
 
-@custom_op("moe::expert_mlp_backward", mutates_args=())
+@moe_op("moe::expert_mlp_backward", mutates_args=())
 def expert_mlp_backward(
     grad_y_BH: Tensor,
     x_TH: Tensor,
@@ -257,7 +258,7 @@ register_autograd("moe::expert_mlp", _expert_mlp_bwd, setup_context=_expert_mlp_
 # ---- expert_mlp_keep: expert_mlp on CPU keeping its projections for backward --------------------------------
 
 
-@custom_op("moe::expert_mlp_keep", mutates_args=())
+@moe_op("moe::expert_mlp_keep", mutates_args=())
 def expert_mlp_keep(
     x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None,
     w_down_EHI: Tensor, b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None,
@@ -282,7 +283,7 @@ def _expert_mlp_keep_fake(x_TH, token_ids_B, tokens_per_expert_E, w_gate, w_up, 
     return y, y.new_empty(B, I if w_gate is None and (len(rest) < 8 or rest[7] is None) else 2 * I)
 
 
-@custom_op("moe::expert_mlp_keep_backward", mutates_args=())
+@moe_op("moe::expert_mlp_keep_backward", mutates_args=())
 def expert_mlp_keep_backward(
     grad_y_BH: Tensor, pre_BJ: Tensor, x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor,
     w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
@@ -331,7 +332,7 @@ register_autograd("moe::expert_mlp_keep", _expert_mlp_keep_bwd, setup_context=_e
 # ---- combine -------------------------------------------------------------------------------------------------
 
 
-@custom_op("moe::combine", mutates_args=())
+@moe_op("moe::combine", mutates_args=())
 def combine(y_BH: Tensor, token_ids_B: Tensor, combine_weights_B: Tensor | None, num_tokens: int) -> Tensor:
     return ref.combine_ref(y_BH, token_ids_B, combine_weights_B, num_tokens)
 

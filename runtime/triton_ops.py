@@ -22,9 +22,10 @@ import contextlib
 import functools
 
 import torch
-from torch.library import custom_op, register_autograd, register_fake
+from torch.library import register_autograd, register_fake
 
 from .layouts import gate_up_weights, split_gate_up
+from .library import moe_op
 from .ops import _build_pft_bwd, _build_pft_fake, _build_pft_setup, _route_fake  # moe::build_pft's formulas
 
 Tensor = torch.Tensor
@@ -45,7 +46,7 @@ def _on(t: Tensor):
 # ---- route ---------------------------------------------------------------------------------------------------
 
 
-@custom_op("moe::route_triton", mutates_args=())
+@moe_op("moe::route_triton", mutates_args=())
 def route_triton(
     logits_TE: Tensor, correction_bias_E: Tensor | None, top_k: int, score_fn: str, renormalize: bool,
     renorm_eps: float, scaling: float, n_group: int, topk_group: int, group_score: str, jitter_eps: float,
@@ -60,7 +61,7 @@ def route_triton(
 register_fake("moe::route_triton", _route_fake)
 
 
-@custom_op("moe::route_triton_backward", mutates_args=())
+@moe_op("moe::route_triton_backward", mutates_args=())
 def route_triton_backward(
     grad_weights_TK: Tensor, logits_TE: Tensor, ids_TK: Tensor, correction_bias_E: Tensor | None, top_k: int,
     score_fn: str, renormalize: bool, renorm_eps: float, scaling: float, n_group: int, topk_group: int,
@@ -95,7 +96,7 @@ register_autograd("moe::route_triton", _route_bwd, setup_context=_route_setup)
 # ---- build_pft -----------------------------------------------------------------------------------------------
 
 
-@custom_op("moe::build_pft_triton", mutates_args=())
+@moe_op("moe::build_pft_triton", mutates_args=())
 def build_pft_triton(
     ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_order: str, layer: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -121,7 +122,7 @@ def _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout):
     return gate_up_weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout, "fused_experts")
 
 
-@custom_op("moe::fused_experts", mutates_args=())
+@moe_op("moe::fused_experts", mutates_args=())
 def fused_experts(
     x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, combine_weights_B: Tensor | None,
     w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
@@ -151,7 +152,7 @@ def _fused_experts_fake(x_TH, token_ids_B, tokens_per_expert_E, combine_weights_
     return x_TH.new_empty(num_tokens, w_down.shape[1], dtype=dtype)
 
 
-@custom_op("moe::fused_experts_keep", mutates_args=())
+@moe_op("moe::fused_experts_keep", mutates_args=())
 def fused_experts_keep(
     x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, combine_weights_B: Tensor | None,
     w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
@@ -179,7 +180,7 @@ def _fused_experts_keep_fake(x_TH, token_ids_B, tokens_per_expert_E, combine_wei
     return out, x_TH.new_empty(token_ids_B.shape[0], 2 * I if gated else I, dtype=w_down.dtype)
 
 
-@custom_op("moe::fused_experts_backward", mutates_args=())
+@moe_op("moe::fused_experts_backward", mutates_args=())
 def fused_experts_backward(
     grad_out_TH: Tensor, x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor,
     combine_weights_B: Tensor | None, w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor,

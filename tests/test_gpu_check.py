@@ -23,7 +23,7 @@ def test_dry_run_lists_every_step_and_its_command():
     for step in gpu_check.STEPS:
         assert f"{step.name} ({step.timeout_s} s" in out.stdout
     assert "TRITON_INTERPRET=0" in out.stdout and "benchmarks/gpu_parity.py --device cuda" in out.stdout
-    assert "kernels (360 s, at once with 3 more)" in out.stdout  # the four untimed steps run together
+    assert "kernels (360 s, at once with 4 more)" in out.stdout  # the five untimed steps run together
     ordered = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--steps", "gemms,ep,layer",
                               "--limit", "layer=60"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert [line.split(" (")[0] for line in ordered.stdout.splitlines()] == ["gemms", "ep", "layer"]
@@ -87,6 +87,28 @@ def test_parity_of_one_family_on_cpu():
     assert row["status"] == "ok" and row["layers"] == 2 and row["out_err"] <= gpu_parity.FP32_TOL, row
     assert row["grad_err"] <= gpu_parity.FP32_TOL and row["worst"], row
     assert "| mixtral |" in gpu_parity.table([{**row, "dtype": "float32"}])
+
+
+def test_parity_over_several_steps_compares_each(monkeypatch):
+    """``--steps 3`` (the CUDA-graph step: the second call records, the third replays) compares every step on its
+    own tokens: under mode="reduce-overhead" through Inductor all three pass; a compiled step 2 off by a little
+    fails the row and names the step."""
+    pytest.importorskip("transformers")
+    import torch
+
+    options = {"inner": "inductor", "mode": "reduce-overhead", "lowering": "grouped"}
+    row = gpu_parity.check_family("mixtral", torch.device("cpu"), torch.float32, options, steps=3)
+    assert row["status"] == "ok" and row["layers"] == 2 and "of 3" in row["note"], row
+    real, calls = gpu_parity._step, []
+
+    def off_at_second_compiled_step(model, ids, params=None):
+        logits, grads = real(model, ids, params)
+        calls.append(params is not None)
+        return (logits * 1.001 if sum(calls) == 2 and calls[-1] else logits), grads
+
+    monkeypatch.setattr(gpu_parity, "_step", off_at_second_compiled_step)
+    row = gpu_parity.check_family("mixtral", torch.device("cpu"), torch.float32, {"inner": "aot_eager"}, steps=3)
+    assert row["status"] == "FAIL" and "step 2 of 3" in row["note"] and row["out_err"] > 5e-4, row
 
 
 def test_parity_under_autocast_of_one_family_on_cpu():

@@ -32,8 +32,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.library import custom_op, register_autograd, register_fake
+from torch.library import register_autograd, register_fake
 
+from ..library import moe_op
 from .domains import domain_reduce  # noqa: F401  (registers moe::domain_reduce, the backward)
 from .domains import in_flight, new_key
 from .exchange import resolve_group, wait_as_link
@@ -85,7 +86,7 @@ def _mean(w: Tensor, num_experts: int, group_name: str, layer: str) -> Tensor:
     return total / num_experts
 
 
-@custom_op("moe::expert_mean", mutates_args=())
+@moe_op("moe::expert_mean", mutates_args=())
 def expert_mean(w: Tensor, num_experts: int, group_name: str, layer: str = "") -> Tensor:
     """The shared expert: the mean of the layer's ``num_experts`` experts, every rank's ``w`` [E_l, ...] summed over
     ``group`` (all the layer's ranks). Not differentiated: the residuals carry the gradient. Counted as a ring
@@ -129,7 +130,7 @@ def _decode_domain(values: Tensor, indices: Tensor, shared: Tensor, w: Tensor, r
     return out
 
 
-@custom_op("moe::domain_gather_compressed", mutates_args=())
+@moe_op("moe::domain_gather_compressed", mutates_args=())
 def domain_gather_compressed(w: Tensor, shared: Tensor, q: float, group_name: str, layer: str = "") -> Tensor:
     """``moe.domain_gather`` with SR compression: each rank sends its experts' residual top-``q`` entries; the
     other ranks' experts come back as shared + residual, this rank's own exactly."""
@@ -153,7 +154,7 @@ def _compressed_bwd(ctx, grad):  # straight through: each copy's gradient summed
 register_autograd("moe::domain_gather_compressed", _compressed_bwd, setup_context=_compressed_setup)
 
 
-@custom_op("moe::domain_gather_compressed_start", mutates_args=())
+@moe_op("moe::domain_gather_compressed_start", mutates_args=())
 def domain_gather_compressed_start(w: Tensor, num_experts: int, q: float, group_name: str, mean_group: str,
                                    layer: str = "") -> Tensor:
     """The shared expert (``expert_mean`` over ``mean_group``), this rank's residual pairs, and their all-gather
@@ -169,7 +170,7 @@ def _compressed_start_fake(w, num_experts, q, group_name, mean_group, layer=""):
     return torch.empty(1, dtype=torch.int64)
 
 
-@custom_op("moe::domain_gather_compressed_wait", mutates_args=())
+@moe_op("moe::domain_gather_compressed_wait", mutates_args=())
 def domain_gather_compressed_wait(key: Tensor, w: Tensor, q: float, group_name: str,
                                   layer: str = "") -> tuple[Tensor, Tensor, Tensor]:
     """What ``domain_gather_compressed_start`` started (its ``key``), waited for: every rank's residual pairs in
@@ -187,7 +188,7 @@ register_autograd("moe::domain_gather_compressed_wait", lambda ctx, *grads: (Non
                   setup_context=lambda ctx, inputs, output: None)  # pairs and the shared expert: no gradient
 
 
-@custom_op("moe::sr_decode", mutates_args=())
+@moe_op("moe::sr_decode", mutates_args=())
 def sr_decode(values: Tensor, indices: Tensor, shared: Tensor, w: Tensor, group_name: str,
               layer: str = "") -> Tensor:
     """The domain's experts decoded from ``domain_gather_compressed_wait``'s pairs: shared + residual for the other

@@ -30,8 +30,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.library import custom_op, register_autograd, register_fake
+from torch.library import register_autograd, register_fake
 
+from ..library import moe_op
 from .exchange import exchange, exchange_counts
 from .ops import _group
 from .stats import COMM
@@ -59,7 +60,7 @@ def layout(group_name: str, level: str) -> tuple[str, str]:
 # ---- plans (integer, not differentiable) -----------------------------------------------------------------------
 
 
-@custom_op("moe::ep_node_plan", mutates_args=())
+@moe_op("moe::ep_node_plan", mutates_args=())
 def ep_node_plan(token_ids_B: Tensor, counts_E: Tensor, num_tokens: int, node_group_name: str, layer: str
                  ) -> tuple[Tensor, Tensor, Tensor]:
     """(pair_tok_P: the token of each distinct (token, node) pair, grouped by node; meta_B2: each assignment's
@@ -87,7 +88,7 @@ def _ep_node_plan_fake(token_ids_B, counts_E, num_tokens, node_group_name, layer
             counts_E.new_empty(nodes, 2))
 
 
-@custom_op("moe::ep_relay_plan", mutates_args=())
+@moe_op("moe::ep_relay_plan", mutates_args=())
 def ep_relay_plan(meta_A2: Tensor, recv_N2: Tensor, num_experts: int, node_group_name: str
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """On the relay: (pair_A: the received pair row of each received assignment, sorted by this node's experts;
@@ -109,7 +110,7 @@ def _ep_relay_plan_fake(meta_A2, recv_N2, num_experts, node_group_name):
     return meta_A2.new_empty(A), meta_A2.new_empty(per_node), meta_A2.new_empty(A)
 
 
-@custom_op("moe::ep_counts", mutates_args=())
+@moe_op("moe::ep_counts", mutates_args=())
 def ep_counts(send_WC: Tensor, group_name: str) -> Tensor:
     """Every rank's counts for me ([W, C]), given mine for every rank: one all_to_all_single."""
     return exchange_counts(send_WC, _group(group_name))
@@ -123,7 +124,7 @@ def _ep_counts_fake(send_WC, group_name):
 # ---- the row exchange (differentiable) -------------------------------------------------------------------------
 
 
-@custom_op("moe::ep_exchange", mutates_args=())
+@moe_op("moe::ep_exchange", mutates_args=())
 def ep_exchange(rows: Tensor, send_W: Tensor, recv_W: Tensor, num_rows: int, group_name: str, layer: str,
                 phase: str) -> Tensor:
     """``send_W[r]`` of ``rows`` (in order) to rank r of the group, ``recv_W[r]`` rows from it; ``num_rows`` is

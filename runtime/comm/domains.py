@@ -24,8 +24,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.library import custom_op, register_autograd, register_fake
+from torch.library import register_autograd, register_fake
 
+from ..library import moe_op
 from .exchange import resolve_group, wait_as_link
 from .stats import COMM
 
@@ -50,7 +51,7 @@ def _finish(work, parts, started: float, w: Tensor, group, layer: str) -> Tensor
     return torch.cat(parts)
 
 
-@custom_op("moe::domain_gather", mutates_args=())
+@moe_op("moe::domain_gather", mutates_args=())
 def domain_gather(w: Tensor, group_name: str, layer: str = "") -> Tensor:
     group = resolve_group(group_name)
     return _finish(*_launch(w, group), w, group, layer)
@@ -65,7 +66,7 @@ in_flight: dict[int, tuple] = {}  # key -> what a gather started ahead needs at 
 new_key = itertools.count().__next__
 
 
-@custom_op("moe::domain_gather_start", mutates_args=())
+@moe_op("moe::domain_gather_start", mutates_args=())
 def domain_gather_start(w: Tensor, group_name: str) -> Tensor:
     """Starts ``domain_gather(w)`` (asynchronously); returns the key ``domain_gather_wait`` takes."""
     key = new_key()
@@ -78,7 +79,7 @@ def _domain_gather_start_fake(w, group_name):
     return torch.empty(1, dtype=torch.int64)
 
 
-@custom_op("moe::domain_gather_wait", mutates_args=())
+@moe_op("moe::domain_gather_wait", mutates_args=())
 def domain_gather_wait(key: Tensor, w: Tensor, group_name: str, layer: str = "") -> Tensor:
     """``domain_gather(w)``, started by ``domain_gather_start`` (its ``key``): waits for it here."""
     return _finish(*in_flight.pop(int(key[0])), w, resolve_group(group_name), layer)
@@ -89,7 +90,7 @@ def _domain_gather_wait_fake(key, w, group_name, layer=""):
     return w.new_empty((w.shape[0] * _size(group_name), *w.shape[1:]))
 
 
-@custom_op("moe::domain_reduce", mutates_args=())
+@moe_op("moe::domain_reduce", mutates_args=())
 def domain_reduce(grad: Tensor, group_name: str, layer: str = "") -> Tensor:
     """This rank's rows of the sum over the domain of ``grad`` ([S x E_l, ...] -> [E_l, ...])."""
     group = resolve_group(group_name)

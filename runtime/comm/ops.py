@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.library import custom_op, register_autograd, register_fake
+from torch.library import register_autograd, register_fake
 
+from ..library import moe_op
 from . import domains, tp  # noqa: F401  (register moe::domain_gather, moe::tp_slice, moe::tp_gather...)
 from .exchange import exchange, exchange_counts
 from .exchange import resolve_group as _group
@@ -42,7 +43,7 @@ def _splits(counts_E: Tensor, recv_WL: Tensor, world: int) -> tuple[list[int], l
 # ---- ep_global_view --------------------------------------------------------------------------------------------
 
 
-@custom_op("moe::ep_global_view", mutates_args=())
+@moe_op("moe::ep_global_view", mutates_args=())
 def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str, dedup: str = "off",
                    slots: Tensor | None = None, replicas: Tensor | None = None, capacity_factor: float = 0.0,
                    moe_tp: str = "off", tp_group: str = "", full_shape: list[int] | None = None,
@@ -61,7 +62,7 @@ def _ep_global_view_fake(local, num_experts, group_name, layer, dedup="off", slo
     return local.new_empty(full_shape if full_shape is not None else (num_experts, *local.shape[1:]))
 
 
-@custom_op("moe::ep_remote_expert", mutates_args=())
+@moe_op("moe::ep_remote_expert", mutates_args=())
 def ep_remote_expert(shape: list[int], expert: int, group_name: str, layer: str, dedup: str, like_name: str,
                      name: str, dtype: torch.dtype, device: torch.device, slots: Tensor | None = None,
                      moe_tp: str = "off", tp_group: str = "", full_shape: list[int] | None = None,
@@ -83,7 +84,7 @@ def _ep_remote_expert_fake(shape, expert, group_name, layer, dedup, like_name, n
 # ---- ep_dispatch -----------------------------------------------------------------------------------------------
 
 
-@custom_op("moe::ep_dispatch", mutates_args=())
+@moe_op("moe::ep_dispatch", mutates_args=())
 def ep_dispatch(x_TH: Tensor, token_ids_B: Tensor, counts_E: Tensor, group_name: str, layer: str
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     with COMM.timed(layer, x_TH.device):
@@ -108,7 +109,7 @@ def _ep_dispatch_fake(x_TH, token_ids_B, counts_E, group_name, layer):
             counts_E.new_empty(counts_E.shape[0] // world, **i64), counts_E.new_empty(counts_E.shape, **i64))
 
 
-@custom_op("moe::ep_dispatch_backward", mutates_args=())
+@moe_op("moe::ep_dispatch_backward", mutates_args=())
 def ep_dispatch_backward(grad_x_RH: Tensor, token_ids_B: Tensor, counts_E: Tensor, recv_WL: Tensor,
                          num_tokens: int, group_name: str) -> Tensor:
     group = _group(group_name)
@@ -141,7 +142,7 @@ register_autograd("moe::ep_dispatch", _ep_dispatch_bwd, setup_context=_ep_dispat
 # ---- ep_combine ------------------------------------------------------------------------------------------------
 
 
-@custom_op("moe::ep_combine", mutates_args=())
+@moe_op("moe::ep_combine", mutates_args=())
 def ep_combine(y_RH: Tensor, perm_R: Tensor, counts_E: Tensor, recv_WL: Tensor, num_rows: int, group_name: str,
                layer: str) -> Tensor:
     with COMM.timed(layer, y_RH.device):
@@ -158,7 +159,7 @@ def _ep_combine_fake(y_RH, perm_R, counts_E, recv_WL, num_rows, group_name, laye
     return y_RH.new_empty(num_rows, y_RH.shape[-1])
 
 
-@custom_op("moe::ep_combine_backward", mutates_args=())
+@moe_op("moe::ep_combine_backward", mutates_args=())
 def ep_combine_backward(grad_y_BH: Tensor, perm_R: Tensor, counts_E: Tensor, recv_WL: Tensor, group_name: str
                         ) -> Tensor:
     group = _group(group_name)

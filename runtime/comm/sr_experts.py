@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.library import custom_op, register_autograd, register_fake
+from torch.library import register_autograd, register_fake
 
 from .. import grouped_cpu
+from ..library import moe_op
 from ..ops import _expert_mlp
 from .compress import decode
 from .exchange import resolve_group
@@ -125,7 +126,7 @@ def _rank(group_name: str) -> int:
     return dist.get_rank(resolve_group(group_name))
 
 
-@custom_op("moe::expert_mlp_sr", mutates_args=())
+@moe_op("moe::expert_mlp_sr", mutates_args=())
 def expert_mlp_sr(x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor, values: list[Tensor],
                   indices: list[Tensor], shared: list[Tensor], own: list[Tensor], gated: bool,
                   b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None,
@@ -140,7 +141,7 @@ def _expert_mlp_sr_fake(x_TH, token_ids_B, tokens_per_expert_E, values, indices,
     return x_TH.new_empty(token_ids_B.shape[0], own[-1].shape[1], dtype=own[-2].dtype)
 
 
-@custom_op("moe::expert_mlp_sr_backward", mutates_args=())
+@moe_op("moe::expert_mlp_sr_backward", mutates_args=())
 def expert_mlp_sr_backward(grad_y_BH: Tensor, x_TH: Tensor, token_ids_B: Tensor, tokens_per_expert_E: Tensor,
                            values: list[Tensor], indices: list[Tensor], shared: list[Tensor], own: list[Tensor],
                            gated: bool, b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None,

@@ -32,8 +32,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.library import custom_op, register_autograd, register_fake
+from torch.library import register_autograd, register_fake
 
+from ..library import moe_op
 from .exchange import resolve_group as _group
 from .stats import COMM
 
@@ -50,7 +51,7 @@ def _me(group_name: str) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-@custom_op("moe::tp_slice", mutates_args=())
+@moe_op("moe::tp_slice", mutates_args=())
 def tp_slice(x: Tensor, group_name: str) -> Tensor:
     G, r = _me(group_name)
     start, rows = bounds(x.shape[0], G, r)
@@ -63,7 +64,7 @@ def _tp_slice_fake(x, group_name):
     return x.new_empty(((x.shape[0] + G - 1 - r) // G, *x.shape[1:]))
 
 
-@custom_op("moe::tp_gather", mutates_args=())
+@moe_op("moe::tp_gather", mutates_args=())
 def tp_gather(x: Tensor, num_tokens: int, group_name: str, layer: str = "") -> Tensor:
     group = _group(group_name)
     G = dist.get_world_size(group)
@@ -98,7 +99,7 @@ def _gather_bwd(ctx, grad):
     return torch.ops.moe.tp_slice(grad, ctx.group_name), None, None, None
 
 
-@custom_op("moe::tp_copy", mutates_args=())
+@moe_op("moe::tp_copy", mutates_args=())
 def tp_copy(x: Tensor, group_name: str) -> Tensor:
     return x.clone()
 
@@ -108,7 +109,7 @@ def _tp_copy_fake(x, group_name):
     return torch.empty_like(x)
 
 
-@custom_op("moe::tp_reduce", mutates_args=())
+@moe_op("moe::tp_reduce", mutates_args=())
 def tp_reduce(x: Tensor, group_name: str, layer: str = "") -> Tensor:
     group = _group(group_name)
     out = x.clone()
@@ -136,7 +137,7 @@ def _reduce_bwd(ctx, grad):
     return grad, None, None
 
 
-@custom_op("moe::tp_linear", mutates_args=())
+@moe_op("moe::tp_linear", mutates_args=())
 def tp_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group_name: str) -> Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 

@@ -25,8 +25,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.library import custom_op, register_fake
+from torch.library import register_fake
 
+from ..library import moe_op
 from ..comm.ops import _group
 from .replication import route_to_instances
 
@@ -45,7 +46,7 @@ def forget(layers) -> None:
             store.pop(layer, None)
 
 
-@custom_op("moe::ep_to_instances", mutates_args=())
+@moe_op("moe::ep_to_instances", mutates_args=())
 def ep_to_instances(token_ids_B: Tensor, counts_E: Tensor, slot_expert_N: Tensor, capacity_factor: float,
                     group_name: str, layer: str) -> tuple[Tensor, Tensor, Tensor]:
     """``capacity_factor`` <= 0: dropless."""

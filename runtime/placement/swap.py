@@ -17,8 +17,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.library import custom_op, register_fake
+from torch.library import register_fake
 
+from ..library import moe_op
 from ..comm.cost_model import TWO_LEVELS, LinkModel, dispatch_times
 from ..comm.plan import Placement
 from ..comm.exchange import exchange
@@ -28,7 +29,7 @@ Tensor = torch.Tensor
 RECENT: dict[str, Tensor] = {}  # layer -> [T, K] expert ids of its last forward here (layers that swap)
 
 
-@custom_op("moe::ep_to_slots", mutates_args=())
+@moe_op("moe::ep_to_slots", mutates_args=())
 def ep_to_slots(token_ids_B: Tensor, counts_E: Tensor, slots_E: Tensor, num_tokens: int, layer: str
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The routed rows (sorted by expert) sorted by slot: (token_ids_S, counts per slot, order_S: the row of
