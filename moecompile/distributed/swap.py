@@ -68,7 +68,7 @@ class ExpertSwap:
     def swap(self, optimizer=None) -> None:
         """Choose and apply one swap per layer (every rank calls it at the same point)."""
         check_not_moved(self.holders)
-        mine = {rec.path: RECENT.get(rec.path) for rec, _, _ in self.layers}
+        mine = {rec.path: _on_host(RECENT.get(rec.path)) for rec, _, _ in self.layers}
         every = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(every, mine, group=self.group)
         for rec, params, slots in self.layers:
@@ -91,6 +91,10 @@ class ExpertSwap:
             self.history.append((self.steps, rec.path, a, b, before, after))
         for rec, _, _ in self.layers:
             RECENT.pop(rec.path, None)
+
+
+def _on_host(ids):
+    return None if ids is None else ids.cpu()
 
 
 def _listed(weight) -> list:

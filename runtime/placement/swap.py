@@ -26,7 +26,8 @@ from ..comm.exchange import exchange
 
 Tensor = torch.Tensor
 
-RECENT: dict[str, Tensor] = {}  # layer -> [T, K] expert ids of its last forward here (layers that swap)
+RECENT: dict[str, Tensor] = {}  # layer -> [T, K] expert ids of its last forward here (layers that swap), on
+# the layer's device: a copy to the host at every forward would wait for the GPU
 
 
 @moe_op("moe::ep_to_slots", mutates_args=())
@@ -43,7 +44,7 @@ def ep_to_slots(token_ids_B: Tensor, counts_E: Tensor, slots_E: Tensor, num_toke
     counts_S[slots_E] = counts_E
     if num_tokens and expert_B.numel():
         by_token = torch.argsort(token_ids_B, stable=True)
-        RECENT[layer] = expert_B[by_token].view(num_tokens, -1).cpu()
+        RECENT[layer] = expert_B[by_token].view(num_tokens, -1)  # to the host when a swap reads it, not here
     return token_ids_B[order_S], counts_S, order_S, inverse_B
 
 
