@@ -5,18 +5,21 @@ Under CUDA graphs (``torch.compile(..., mode="reduce-overhead")``, the option ``
 between the graphed parts of a graph, never inside a captured graph. Ours may read sizes back to the host (row
 counts of the routing, an exchange's split sizes), launch kernels sized by the routing, exchange over gloo or
 tune tiles at a first launch, none of which a captured graph replays; so all of them are tagged, and the rest of
-the model (attention, norms, the MoE layer's own elementwise work) is graphed around them. A torch without the tag
-(older than Inductor's graph partitions) gets the ops untagged.
+the model (attention, norms, the MoE layer's own elementwise work) is graphed around them. A torch without the
+tag, or whose ``custom_op`` takes no tags (older than 2.8), gets the ops untagged.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch.library import custom_op
 
 CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+_TAGS = {"tags": CUDAGRAPH_UNSAFE} if CUDAGRAPH_UNSAFE and "tags" in inspect.signature(custom_op).parameters else {}
 
 
 def moe_op(name: str, *, mutates_args, **kwargs):
     """``torch.library.custom_op(name, mutates_args=..., ...)`` (a decorator), the op tagged cudagraph-unsafe."""
-    return custom_op(name, mutates_args=mutates_args, tags=CUDAGRAPH_UNSAFE, **kwargs)
+    return custom_op(name, mutates_args=mutates_args, **_TAGS, **kwargs)
