@@ -100,9 +100,9 @@ def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch, tmp_p
     compiled_calls = []
     real = forms.inductor_compiled
 
-    def counting(gm, args, leaves):
+    def counting(gm, args, leaves, mode="default"):
         compiled_calls.append(gm)
-        return real(gm, args, leaves)
+        return real(gm, args, leaves, mode)
 
     monkeypatch.setattr(forms, "inductor_compiled", counting)
     with backward_on_a_device_thread():  # as on CUDA: a backward waiting for the compile's lock is timed out
@@ -113,13 +113,35 @@ def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch, tmp_p
     assert any("forward+backward at 12 tokens, the original under Inductor, cpu" in n for n in rec.lowering_notes)
     assert "op by op" not in rec.forms["original"].describe()
 
-    def broken(gm, args, leaves):
+    def broken(gm, args, leaves, mode="default"):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(forms, "inductor_compiled", broken)  # the original is timed op by op then, and says so
     monkeypatch.setattr(forms, "cache", lambda: FormCache(tmp_path / "second"))
     rec = _compiled("modulelist", inner="inductor").layers[0]
     assert rec.forms["original"].ms > 0 and "op by op: Inductor failed on it" in rec.forms["original"].describe()
+
+
+def test_the_original_is_timed_in_the_users_max_autotune(cache, monkeypatch):
+    """Under mode="max-autotune-no-cudagraphs" the original is timed as that mode compiles it (its cache entry
+    apart, the note naming the mode); under "reduce-overhead" as in the default mode: CUDA graphs are not a way the
+    layer computes, and the layer is timed alone. (Compiled here in the default mode: max-autotune's GEMM tuning
+    on this CPU is what the test need not wait for.)"""
+    monkeypatch.setattr(forms, "COMPILE_ORIGINAL_ON", ("cpu",))
+    real, modes = forms.inductor_compiled, []
+
+    def recording(gm, args, leaves, mode="default"):
+        modes.append(mode)
+        return real(gm, args, leaves)
+
+    monkeypatch.setattr(forms, "inductor_compiled", recording)
+    rec = _compiled("modulelist", inner="inductor", mode="max-autotune-no-cudagraphs").layers[0]
+    assert modes == ["max-autotune-no-cudagraphs"], modes
+    assert any("the original under Inductor (max-autotune-no-cudagraphs), cpu" in n for n in rec.lowering_notes)
+    torch._dynamo.reset()
+    rec = _compiled("modulelist", inner="inductor", mode="reduce-overhead").layers[0]
+    assert modes[1:] == ["default"] and any("the original under Inductor, cpu" in n for n in rec.lowering_notes)
+    assert forms.timed_mode("max-autotune") == {"max_autotune": True, "coordinate_descent_tuning": True}
 
 
 def test_inference_times_the_forward_only(cache):
