@@ -187,3 +187,61 @@ def test_a_tuning_file_belongs_to_one_version_of_the_kernels(tmp_path, monkeypat
     assert tuning.kernels_digest() in now.name and now.name.startswith("tuning-Test_GPU-triton")
     monkeypatch.setattr(tuning, "kernels_digest", lambda: "0123456789")
     assert tuner.cache_file("Test GPU") != now
+
+
+def test_precompile_compiles_every_candidate_at_once_and_runs_nothing():
+    """The tuner's first tuning compiles its candidates on threads (the first on the caller's), each launch in
+    compile-only mode; one that fails to compile is left to the timing, the rest still compile."""
+    import threading
+
+    from moecompile.runtime.kernels import common
+
+    configs = [cfg(m, n, 64, 8, 3) for m in (64, 128) for n in (64, 128, 256)]
+    both_at_once = threading.Barrier(2, timeout=30)  # two compiles in flight together, or this times out
+    seen, lock = [], threading.Lock()
+
+    def launch(c):
+        assert common._COMPILE_ONLY.on  # noqa: SLF001 - launch_kernel would compile and run nothing
+        with lock:
+            seen.append((tuning.describe(c), threading.current_thread() is threading.main_thread()))
+        if c["BLOCK_N"] == 64 and c["BLOCK_M"] == 128:
+            raise RuntimeError("out of resources")
+        if c["BLOCK_M"] == 64 and c["BLOCK_N"] in (128, 256):
+            both_at_once.wait()
+
+    assert tuning.precompile(configs, launch, torch.device("cpu"), threads=4) == len(configs) - 1
+    assert sorted(d for d, _ in seen) == sorted(tuning.describe(c) for c in configs)
+    assert seen[0] == (tuning.describe(configs[0]), True) and not any(main for _, main in seen[1:])
+    assert not getattr(common._COMPILE_ONLY, "on", False)  # noqa: SLF001 - off again on this thread
+
+
+def test_the_tuner_compiles_its_candidates_before_timing_them(tmp_path, fake_gpu):
+    events = []
+
+    def compile_all(configs, launch, device):
+        events.append(("compile", len(configs)))
+
+    tuner = tuning.Tuner(cache_dir=tmp_path, shipped=tmp_path / "none.json", enabled=True,
+                         bench=lambda fn: (events.append(("time", None)), 1.0)[1], compile_all=compile_all)
+    k = tuning.key("down", BF16, 2048, 768, 128, 32768, False)
+    tuner.choose("down", k, BF16, GPU, False, lambda c: None, lambda: cfg(128, 128, 64, 8, 3))
+    kept = tuning.prune_configs("down", tuning.candidates("down", BF16), BF16, False, tuning.SMEM_DEFAULT)
+    assert events == [("compile", len(kept))] + [("time", None)] * len(kept)
+
+
+def test_launch_kernel_compiles_only_when_asked():
+    from moecompile.runtime.kernels.common import compiling_only, launch_kernel
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(("run", grid, a, k))
+
+        def warmup(self, *a, grid, **k):
+            calls.append(("compile", grid, a, k))
+
+    launch_kernel(Kernel(), (4,), 1, BLOCK=16)
+    with compiling_only():
+        launch_kernel(Kernel(), (4,), 1, BLOCK=16)
+    assert calls == [("run", (4,), (1,), {"BLOCK": 16}), ("compile", (4,), (1,), {"BLOCK": 16})]

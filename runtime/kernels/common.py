@@ -7,7 +7,9 @@ on CPU, not to be fast.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 import triton
@@ -20,6 +22,28 @@ ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "swigl
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_COMPILE_ONLY = threading.local()  # .on: this thread's launches compile their kernel and run nothing
+
+
+def launch_kernel(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``; on a thread inside ``compiling_only()``, the kernel's compile alone
+    (Triton's ``warmup``: nothing runs)."""
+    if getattr(_COMPILE_ONLY, "on", False):
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def compiling_only():
+    """On this thread, ``launch_kernel`` compiles and launches nothing (the tuner compiles its candidates at once
+    before it times them one after the other: ``tuning.precompile``)."""
+    _COMPILE_ONLY.on = True
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.on = False
 
 
 def check_device(*tensors: torch.Tensor | None) -> None:

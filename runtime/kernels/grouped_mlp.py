@@ -29,7 +29,8 @@ from .. import reference as ref
 from . import combine as cb
 from . import tuning
 from . import vendor as vd
-from .common import ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, target
+from .common import (ACT_CODES, act_fwd, check_device, check_shape, dot_precision, interpreting, launch_kernel,
+                     target)
 from .grouped_common import (FLAG_SETS, REAL_LAUNCH, check_expert_args, check_pre, load_scale, locate, max_tiles,
                              opt_bias, proj_tile, rows_contiguous, tile_of)
 from .tiles import gpu_config, gpu_configs, group_m, halved_n, rule_config, run_role, tuner_configs
@@ -204,7 +205,8 @@ def up_act(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, b_gate_
 
     def launch(cfg):
         tiles = max_tiles(B, E, cfg["BLOCK_M"])
-        _up_act_kernel[(tiles * triton.cdiv(I, cfg["BLOCK_N"]),)](
+        launch_kernel(
+            _up_act_kernel, (tiles * triton.cdiv(I, cfg["BLOCK_N"]),),
             x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, counts, h_BI, pre, spr,
             wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), bg, sbg, bu, sbu, E, H, I, tiles, float(alpha),
             float(limit), GATED=w_gate_EIH is not None, HAS_BG=b_gate_EI is not None, HAS_BU=b_up_EI is not None,
@@ -247,7 +249,8 @@ def down_combine(h_BI, token_ids_B, tokens_per_expert_E, w_down_EHI, b_down_EH=N
 
     def launch(cfg):
         tiles = max_tiles(B, E, cfg["BLOCK_M"])
-        _down_kernel[(tiles * triton.cdiv(H, cfg["BLOCK_N"]),)](
+        launch_kernel(
+            _down_kernel, (tiles * triton.cdiv(H, cfg["BLOCK_N"]),),
             h_BI, counts, y_BH, w_down_EHI, *w_down_EHI.stride(), bd, sbd, E, H, I, tiles,
             HAS_BD=b_down_EH is not None, GROUP_M=group_m(cfg), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], BLOCK_E=triton.next_power_of_2(E), PREC=dot_precision(w_down_EHI.dtype),

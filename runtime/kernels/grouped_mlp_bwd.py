@@ -29,7 +29,7 @@ from . import combine as cb
 from . import grouped_wgrad as gw
 from . import tuning
 from . import vendor as vd
-from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, target
+from .common import ACT_CODES, act_bwd, act_fwd, dot_precision, launch_kernel, target
 from .grouped_common import (FLAG_SETS, REAL_LAUNCH, check_expert_args, check_pre, load_scale, locate, max_tiles,
                              opt_bias, proj_tile, rows_contiguous, tile_of)
 from .tiles import gpu_config, gpu_configs, group_m, halved_n, run_role, tuner_configs
@@ -196,7 +196,8 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         n_i = triton.cdiv(I, cfg["BLOCK_N"])
         partial["cw"] = pcw = torch.zeros(B, n_i, dtype=torch.float32, device=dev) if has_cw else dout
         tiles = max_tiles(B, E, cfg["BLOCK_M"])
-        _dh_kernel[(tiles * n_i,)](
+        launch_kernel(
+            _dh_kernel, (tiles * n_i,),
             x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, s, cw, counts, dout, h_BI, dg_BI, du_BI,
             dgu.stride(0), pcw, pre, spr, wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), w_down_EHI,
             *w_down_EHI.stride(), bg, sbg, bu, sbu, E, H, I, tiles, float(alpha), float(limit),
@@ -222,7 +223,8 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         partial["s"] = ps = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if has_s else dxs_BH
         partial["bd"] = pbd = torch.zeros(B, n_h, dtype=torch.float32, device=dev) if bd_dcw else dxs_BH
         tiles = max_tiles(B, E, cfg["BLOCK_M"])
-        _dx_kernel[(tiles * n_h,)](
+        launch_kernel(
+            _dx_kernel, (tiles * n_h,),
             x_TH, x_TH.stride(0), x_TH.stride(1), token_ids_B, counts, dg_BI, du_BI, dgu.stride(0), dxs_BH, ps,
             dout, bd, sbd, pbd, wg, *wg.stride(), w_up_EIH, *w_up_EIH.stride(), E, H, I, tiles,
             GATED=gated, HAS_SCALE=has_s, BD_DCW=bd_dcw, **common(cfg),

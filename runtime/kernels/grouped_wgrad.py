@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import vendor as vd
-from .common import dot_precision, target
+from .common import dot_precision, launch_kernel, target
 from .grouped_common import load_scale, segments
 from .tiles import group_m, run_role, tuner_configs, wgrad_gpu_config
 
@@ -110,7 +110,8 @@ def wgrad(role, a, a_tok, a_scale, c, c_tok, c_scale, counts, E, want_db, dtype,
 
     def launch(cfg):
         grid = (E * triton.cdiv(N1, cfg["BLOCK_N1"]) * triton.cdiv(N2, cfg["BLOCK_N2"]),)
-        _wgrad_kernel[grid](
+        launch_kernel(
+            _wgrad_kernel, grid,
             a, a.stride(0), a_tok if a_tok is not None else counts, a_scale if a_scale is not None else a,
             c, c.stride(0), c_tok if c_tok is not None else counts, c_scale if c_scale is not None else c,
             counts, dws[0], dbs[0], dws[-1], dbs[-1], E, N1, N2, n_out, *dws[0].stride(),
