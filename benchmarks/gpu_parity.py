@@ -14,10 +14,13 @@ eagerly in the same dtype, and in float32 as the reference:
   they are not, the model in float64 (experts run by transformers' eager loop) decides: the compiled model passes
   if it is no further from it than twice eager float32's own distance plus 1e-4 (an ill-conditioned gradient, as
   hy_v4's hyper-connection head, where eager float32 itself is 1.8e-3 from float64);
-- bfloat16: the compiled error to the float32 reference is at most twice eager bfloat16's own, plus 1e-2.
+- bfloat16: the compiled error to the float32 reference is at most twice eager bfloat16's own, plus 1e-2; else
+  at most twice plain Inductor's (``torch.compile(model)`` in bfloat16) plus 1e-2, and the note says so: router
+  scores nearly tied in bf16 pick other experts in any compiled program (a tiny Mixtral on CPU, 2026-11-27: eager
+  and plain Inductor each 0.3-0.9 from float32 at one of three token draws, the other close);
 - ``--steps N``: N training steps, each on fresh tokens of the same shape and compared as above (the row shows the
   worst, or the first that fails): with ``--moe-option mode=reduce-overhead`` the second step records the CUDA
-  graphs and the third replays them.
+  graphs and the third replays them;
 - autocast (``--dtypes autocast``): float32 weights under ``torch.autocast(dtype=torch.bfloat16)``, transformers'
   eager experts (nn.Linear-like, which autocast computes in bf16, so the rewritten experts compute in bf16 too:
   ``MoESpec.compute_dtype``), both runs under autocast; bounds as bfloat16's.
@@ -107,7 +110,14 @@ def _check_family(family, device, dtype, options, amp, steps):
                lowering=",".join(sorted({r.lowering for r in report.layers})) or "-", note="; ".join(
                    [f"{s.region}: {s.reason}" for s in report.skipped]
                    + [f"{f.region}: {f.what} failed, ran as written: {f.error}" for f in report.failures]))
-    ok, worst = True, None
+    ok, worst, plain = True, None, {}
+
+    def inductor_step(ids):  # plain torch.compile of the same model: made when a 16-bit step is first judged by it
+        if not plain:
+            plain["model"] = copy.deepcopy(eager)
+            plain["fn"] = torch.compile(plain["model"], backend="inductor")
+        return _step(plain["fn"], ids, params=plain["model"])
+
     for i, (ids, want) in enumerate(zip(batches, wants)):
         torch.compiler.cudagraph_mark_step_begin()  # a training step (what a loop under CUDA graphs calls)
         got = _step(compiled, ids, params=model)
@@ -116,7 +126,7 @@ def _check_family(family, device, dtype, options, amp, steps):
         if not want[1] or set(got[1]) != set(want[1]):
             return {**row, "status": "FAIL", "note": f"gradients of {len(got[1])} parameters, eager has "
                                                      f"{len(want[1])}" + (f" (step {i + 1})" if i else "")}
-        step_ok, errs = _compare(config, base, ids, device, dtype, amp, got, want)
+        step_ok, errs = _compare(config, base, ids, device, dtype, amp, got, want, inductor_step)
         first_failure = ok and not step_ok
         if worst is None or first_failure or (ok and step_ok and errs["grad_err"] > worst["grad_err"]):
             worst = {**errs, "note": "; ".join(x for x in (row["note"], errs.get("note", ""),
@@ -129,9 +139,11 @@ def _check_family(family, device, dtype, options, amp, steps):
     return row
 
 
-def _compare(config, base, ids, device, dtype, amp, got, want) -> tuple[bool, dict]:
+def _compare(config, base, ids, device, dtype, amp, got, want, inductor_step=None) -> tuple[bool, dict]:
     """Whether one compiled step (``got``: logits, grads) passes against eager's (``want``), and its errors: within
-    1e-4 in float32 (else as close to float64 as eager), as accurate as eager to float32 in bf16 or autocast."""
+    1e-4 in float32 (else as close to float64 as eager), as accurate as eager to float32 in bf16 or autocast (else
+    as accurate as plain Inductor's step, ``inductor_step(ids)``: near-tied router scores in bf16 pick other
+    experts in any compiled program, plain torch.compile's too)."""
     out_err, (grad_err, worst) = normwise(got[0], want[0]), _worst(got[1], want[1])
     errs = dict(out_err=out_err, grad_err=grad_err, worst=worst)
     if dtype == torch.float32 and not amp:
@@ -147,7 +159,15 @@ def _compare(config, base, ids, device, dtype, amp, got, want) -> tuple[bool, di
     gbound = 2 * _worst({n: g.float() for n, g in want[1].items()}, ref_g)[0] + 1e-2
     grad_err, worst = _worst({n: g.float() for n, g in got[1].items()}, ref_g)
     errs.update(out_err=normwise(got[0].float(), ref), grad_err=grad_err, worst=worst, bound=bound)
-    return errs["out_err"] <= bound and grad_err <= gbound, errs
+    ok = errs["out_err"] <= bound and grad_err <= gbound
+    if not ok and inductor_step is not None:
+        plain_logits, plain_grads = inductor_step(ids)
+        p_out = normwise(plain_logits.float(), ref)
+        p_grad = _worst({n: g.float() for n, g in plain_grads.items()}, ref_g)[0]
+        ok = errs["out_err"] <= 2 * p_out + 1e-2 and grad_err <= 2 * p_grad + 1e-2
+        errs["note"] = (f"beyond eager's bound; plain Inductor is {p_out:.1e} / {p_grad:.1e} (logits / grads) from "
+                        f"float32: {'within' if ok else 'beyond'} twice it + 1e-2")
+    return ok, errs
 
 
 def _against_float64(config, base, ids, device, got, want) -> tuple[bool, str]:

@@ -111,6 +111,30 @@ def test_parity_over_several_steps_compares_each(monkeypatch):
     assert row["status"] == "FAIL" and "step 2 of 3" in row["note"] and row["out_err"] > 5e-4, row
 
 
+def test_a_bf16_step_beyond_eagers_bound_is_judged_against_plain_inductor():
+    """bf16: a compiled step further from float32 than twice eager's distance passes if plain Inductor's step is as
+    far (router scores nearly tied in bf16 pick other experts in any compiled program), and says so; it fails if
+    plain Inductor's step is close."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import torch
+
+    from moecompile.models import hf
+
+    config = hf.walk_config("mixtral")
+    base = hf.build_model(config, dtype=torch.float32).train()
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    want = gpu_parity._step(copy.deepcopy(base).to(torch.bfloat16), ids)
+    off = (want[0] + 0.5 * want[0].abs().max(), {n: g * 3 for n, g in want[1].items()})
+    args = (config, base, ids, torch.device("cpu"), torch.bfloat16, False, off, want)
+    assert not gpu_parity._compare(*args)[0]
+    ok, errs = gpu_parity._compare(*args, inductor_step=lambda i: off)  # plain Inductor as far: it passes
+    assert ok and "plain Inductor is" in errs["note"] and "within twice it" in errs["note"], errs
+    ok, errs = gpu_parity._compare(*args, inductor_step=lambda i: want)  # plain Inductor close: it fails
+    assert not ok and "beyond twice it" in errs["note"], errs
+
+
 def test_parity_under_autocast_of_one_family_on_cpu():
     """``--dtypes autocast``: float32 weights, eager experts, both runs under bf16 autocast: the rewritten experts
     compute in bf16 (the spec says so) and the step is as accurate as eager's to the float32 model."""
