@@ -185,13 +185,12 @@ def _quiet_context_fn_note(active: bool):
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs, config: MoEOptions):
-    """The graph after the passes, compiled by the inner compiler; Inductor in the option ``mode`` (its settings as
-    torch.compile's own mode gives them: ``torch._inductor.list_mode_options``)."""
+    """The graph after the passes, compiled by the inner compiler; Inductor with the settings of the option ``mode``
+    (as torch.compile's own mode gives them: ``torch._inductor.list_mode_options``), then the option ``inductor``'s."""
     if config.inner == "inductor":
-        from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=list_mode_options(config.mode))
+        return compile_fx(gm, example_inputs, config_patches=forms.inductor_settings(config))
     from torch._dynamo.backends.registry import lookup_backend
 
     return lookup_backend("aot_eager")(gm, example_inputs)

@@ -32,6 +32,9 @@ class MoEOptions:
                       ``torch.compile(model, backend="moe", mode="max-autotune")``): "default", "reduce-overhead"
                       (CUDA graphs; the moe ops run between the graphed parts), "max-autotune",
                       "max-autotune-no-cudagraphs". Not with inner="aot_eager".
+    inductor:         more settings of the inner Inductor, as torch.compile(options=...) gives them to Inductor
+                      ({"max_autotune_gemm_backends": "TRITON", "shape_padding": True}); each must name a setting
+                      of ``torch._inductor.config``. Applied after the mode's. Not with inner="aot_eager".
     lowering:         the form each proved layer runs in. "auto" (default; ``$MOECOMPILE_LOWERING`` changes the
                       default): every form that can run on the layer's device is timed on the traced shapes with
                       the layer's parameters (forward+backward when training) and the fastest kept (``choose``),
@@ -67,6 +70,7 @@ class MoEOptions:
 
     inner: str = "inductor"
     mode: str = "default"
+    inductor: tuple[tuple[str, object], ...] = ()  # (setting, value) pairs, sorted: the options' dict, frozen
     lowering: str = field(default_factory=_default_lowering)
     choose: str = "memory"
     disable_passes: tuple[str, ...] = ()
@@ -101,7 +105,9 @@ def parse_options(options: dict | MoEOptions | None) -> MoEOptions:
         default = fields[key].default if key != "lowering" else "auto"
         if key in _CHOICES and value not in _CHOICES[key]:
             raise ValueError(f"option {key}={value!r} is not valid; choose one of {list(_CHOICES[key])}")
-        if key == "disable_passes":
+        if key == "inductor":
+            _check_inductor_settings(value)
+        elif key == "disable_passes":
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ValueError("option disable_passes must be a list of pass names")
             bad = sorted(set(value) - set(PASS_NAMES))
@@ -113,12 +119,38 @@ def parse_options(options: dict | MoEOptions | None) -> MoEOptions:
             not isinstance(value, int) or isinstance(value, bool) or value < 0
         ):
             raise ValueError(f"option {key} must be a non-negative int, got {value!r}")
-    if options.get("mode", "default") != "default" and options.get("inner", "inductor") != "inductor":
-        raise ValueError(f"option mode={options['mode']!r} is a mode of the inner Inductor, and inner="
-                         f"{options['inner']!r} has none: leave mode out, or use inner='inductor'")
+    for key, unset in (("mode", "default"), ("inductor", ())):
+        if options.get(key, unset) not in (unset, {}) and options.get("inner", "inductor") != "inductor":
+            raise ValueError(f"option {key}={options[key]!r} is for the inner Inductor, and inner="
+                             f"{options['inner']!r} has none: leave {key} out, or use inner='inductor'")
     if "disable_passes" in options:
         options = {**options, "disable_passes": tuple(options["disable_passes"])}
+    if isinstance(options.get("inductor"), dict):
+        options = {**options, "inductor": tuple(sorted((str(k).replace("-", "_"), v)
+                                                        for k, v in options["inductor"].items()))}
     return MoEOptions(**options)
+
+
+def _check_inductor_settings(value) -> None:
+    """The option ``inductor``: a dict of settings ``torch._inductor.config`` has, each of its type (as
+    torch.compile checks the options it gives Inductor)."""
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)  # MoEOptions' own frozen form
+    if not isinstance(value, dict):
+        raise ValueError(f"option inductor must be a dict of Inductor settings, got {type(value).__name__}")
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for name, setting in value.items():
+        attr = str(name).replace("-", "_")
+        if attr not in known:
+            near = sorted(k for k in known if attr.split(".")[-1] in k)[:5]
+            raise ValueError(f"option inductor names {name!r}, which is no setting of torch._inductor.config"
+                             + (f" (similar: {near})" if near else ""))
+        kind = inductor_config.get_type(attr)
+        if isinstance(kind, type) and not isinstance(setting, kind) and not (kind is float and
+                                                                            isinstance(setting, int)):
+            raise ValueError(f"option inductor: {name} takes {kind.__name__}, got {type(setting).__name__}")
 
 
 def with_mode(options: dict | MoEOptions | None, mode: str | None) -> dict | MoEOptions | None:

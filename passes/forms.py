@@ -132,12 +132,11 @@ def local_expert_probes(mlp: fx.Node, rows: int, hidden: int, dtype: torch.dtype
             tok: torch.arange(rows, device=device), counts: split.to(device)}
 
 
-def inductor_compiled(gm: fx.GraphModule, args: list, leaves: list[torch.Tensor], mode: str = "default"
+def inductor_compiled(gm: fx.GraphModule, args: list, leaves: list[torch.Tensor], settings: dict | None = None
                       ) -> Callable:
-    """A copy of ``gm`` compiled by Inductor for ``args``, as the inner compiler would compile it (in the option
-    ``mode``'s settings, CUDA graphs left out: the layer is timed alone), forward and (when ``leaves`` need
-    gradients) backward, in compile state of its own: this runs inside the compile of the user's graph, whose
-    tracing context and metrics must not see it.
+    """A copy of ``gm`` compiled by Inductor for ``args``, as the inner compiler would compile it (with
+    ``settings``: ``timed_settings``), forward and (when ``leaves`` need gradients) backward, in compile state of
+    its own: this runs inside the compile of the user's graph, whose tracing context and metrics must not see it.
 
     The backward is compiled here, on this thread, not at its first call as AOTAutograd does by default. This
     thread holds Dynamo's ``compile_lock`` (the user's graph is being compiled), and on CUDA autograd runs backward
@@ -148,15 +147,21 @@ def inductor_compiled(gm: fx.GraphModule, args: list, leaves: list[torch.Tensor]
     from torch._inductor.compile_fx import compile_fx
 
     with _compile_state_of_its_own(), functorch_config.patch(force_non_lazy_backward_lowering=bool(leaves)):
-        compiled = compile_fx(copy.deepcopy(gm), args, config_patches=timed_mode(mode))  # it may rewrite the graph
+        compiled = compile_fx(copy.deepcopy(gm), args, config_patches=settings or {})  # it may rewrite the graph
     return lambda *a: compiled(*a)
 
 
-def timed_mode(mode: str) -> dict:
-    """Inductor's settings of ``mode`` that change how the original computes (max-autotune's), not CUDA graphs."""
+def inductor_settings(config) -> dict:
+    """What the inner Inductor is given: the settings of the option ``mode`` (``list_mode_options``), then those of
+    the option ``inductor``."""
     from torch._inductor import list_mode_options
 
-    return {k: v for k, v in list_mode_options(mode).items() if k != "triton.cudagraphs"}
+    return {**list_mode_options(config.mode), **dict(config.inductor)}
+
+
+def timed_settings(config) -> dict:
+    """``inductor_settings`` less CUDA graphs (the layer is timed alone): what changes how the original computes."""
+    return {k: v for k, v in inductor_settings(config).items() if k != "triton.cudagraphs"}
 
 
 @contextlib.contextmanager
@@ -181,10 +186,10 @@ def _compile_state_of_its_own():
 
 def measure(candidates: dict[str, Candidate], values: dict, backward: bool, device: torch.device, *,
             seed: int = 0, num_experts: int, probes: dict | None = None,
-            compile_original: bool = False, mode: str = "default") -> dict[str, Timing]:
+            compile_original: bool = False, settings: dict | None = None) -> dict[str, Timing]:
     """Time every candidate on the same probe inputs (``probes`` where given, else
-    ``lowering_proof.probe_value``), round-robin. ``compile_original``: the original as Inductor runs it in
-    ``mode`` (the other forms' time is their moe ops', which Inductor cannot look into), not op by op."""
+    ``lowering_proof.probe_value``), round-robin. ``compile_original``: the original as Inductor runs it, with
+    ``settings`` (the other forms' time is their moe ops', which Inductor cannot look into), not op by op."""
     gen = torch.Generator().manual_seed(seed)
     probes = dict(probes or {})
     for c in candidates.values():
@@ -203,7 +208,7 @@ def measure(candidates: dict[str, Candidate], values: dict, backward: bool, devi
                 fn, note = c.gm, ""
                 if compile_original and form == "original":
                     try:
-                        fn = inductor_compiled(c.gm, args, leaves, mode)
+                        fn = inductor_compiled(c.gm, args, leaves, settings)
                         _call(fn, args, leaves)
                     except Exception as exc:  # noqa: BLE001 - timed op by op then, an upper bound, and said so
                         fn, note = c.gm, f"op by op: Inductor failed on it, {type(exc).__name__}: {str(exc)[:120]}"

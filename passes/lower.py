@@ -167,9 +167,9 @@ def _measured(gm, nodes, forms, original, values, spec, config, backward) -> tup
     code = forms_mod.code_signature(original[0]) if original else (
         f"local {mlp.meta.get('moe_local_experts')} I {grouped_form.intermediate(mlp, spec)}")
     compiled = config.inner == "inductor" and device.type in forms_mod.COMPILE_ORIGINAL_ON and "original" in forms
-    mode = config.mode if compiled and forms_mod.timed_mode(config.mode) else ""  # max-autotune's original
-    key = forms_mod.layer_key(spec, tokens, dtype, backward, forms,
-                              code + ("\ninductor" if compiled else "") + (f" {mode}" if mode else ""))
+    settings = forms_mod.timed_settings(config) if compiled else {}  # the user's max-autotune, Inductor settings
+    key = forms_mod.layer_key(spec, tokens, dtype, backward, forms, code + ("\ninductor" if compiled else "")
+                              + (f" {sorted(settings.items())}" if settings else ""))
     cache = forms_mod.cache()
     timings = cache.get(device, key)
     source = "cached"
@@ -185,7 +185,7 @@ def _measured(gm, nodes, forms, original, values, spec, config, backward) -> tup
                 torch.Generator().manual_seed(config.probe_seed)) if sharded else None
             timings = forms_mod.measure(candidates, values, backward, device, seed=config.probe_seed,
                                         num_experts=spec.experts.num_experts, probes=probes,
-                                        compile_original=compiled, mode=mode or "default")
+                                        compile_original=compiled, settings=settings)
         except Exception as exc:  # noqa: BLE001 - the layer still runs: in the form of the rule
             rule = next(f for f in ("triton", "grouped", "torch") if f in forms or f == "torch")
             return rule, {}, (f"auto: the forms could not be timed ({type(exc).__name__}: "
@@ -197,7 +197,8 @@ def _measured(gm, nodes, forms, original, values, spec, config, backward) -> tup
         choice = "torch"
     what = ("forward+backward" if backward else "forward") + (" of the local experts" if sharded else "")
     listed = "; ".join(f"{f} {t.describe()}" for f, t in timings.items())
-    inductor = (", the original under Inductor" + (f" ({mode})" if mode else "")) if compiled else ""
+    inductor = (", the original under Inductor" + (f" with {', '.join(sorted(settings))}" if settings else "")
+                ) if compiled else ""
     return choice, timings, (f"{source} ({what} at {tokens} tokens{inductor}, {device.type}): {listed}; "
                              f"{choice}: {why}, choose={config.choose!r}")
 

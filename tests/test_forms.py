@@ -100,9 +100,9 @@ def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch, tmp_p
     compiled_calls = []
     real = forms.inductor_compiled
 
-    def counting(gm, args, leaves, mode="default"):
+    def counting(gm, args, leaves, settings=None):
         compiled_calls.append(gm)
-        return real(gm, args, leaves, mode)
+        return real(gm, args, leaves, settings)
 
     monkeypatch.setattr(forms, "inductor_compiled", counting)
     with backward_on_a_device_thread():  # as on CUDA: a backward waiting for the compile's lock is timed out
@@ -113,7 +113,7 @@ def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch, tmp_p
     assert any("forward+backward at 12 tokens, the original under Inductor, cpu" in n for n in rec.lowering_notes)
     assert "op by op" not in rec.forms["original"].describe()
 
-    def broken(gm, args, leaves, mode="default"):
+    def broken(gm, args, leaves, settings=None):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(forms, "inductor_compiled", broken)  # the original is timed op by op then, and says so
@@ -122,26 +122,27 @@ def test_under_inductor_the_original_is_timed_compiled(cache, monkeypatch, tmp_p
     assert rec.forms["original"].ms > 0 and "op by op: Inductor failed on it" in rec.forms["original"].describe()
 
 
-def test_the_original_is_timed_in_the_users_max_autotune(cache, monkeypatch):
-    """Under mode="max-autotune-no-cudagraphs" the original is timed as that mode compiles it (its cache entry
-    apart, the note naming the mode); under "reduce-overhead" as in the default mode: CUDA graphs are not a way the
-    layer computes, and the layer is timed alone. (Compiled here in the default mode: max-autotune's GEMM tuning
-    on this CPU is what the test need not wait for.)"""
+def test_the_original_is_timed_with_the_users_inductor_settings(cache, monkeypatch):
+    """Under mode="max-autotune-no-cudagraphs" (and the option ``inductor``'s settings) the original is timed as
+    Inductor compiles it with them (its cache entry apart, the note naming them); under "reduce-overhead" as in the
+    default mode: CUDA graphs are not a way the layer computes, and the layer is timed alone. (Compiled here with
+    none: max-autotune's GEMM tuning on this CPU is what the test need not wait for.)"""
     monkeypatch.setattr(forms, "COMPILE_ORIGINAL_ON", ("cpu",))
-    real, modes = forms.inductor_compiled, []
+    real, seen = forms.inductor_compiled, []
 
-    def recording(gm, args, leaves, mode="default"):
-        modes.append(mode)
+    def recording(gm, args, leaves, settings=None):
+        seen.append(settings)
         return real(gm, args, leaves)
 
     monkeypatch.setattr(forms, "inductor_compiled", recording)
-    rec = _compiled("modulelist", inner="inductor", mode="max-autotune-no-cudagraphs").layers[0]
-    assert modes == ["max-autotune-no-cudagraphs"], modes
-    assert any("the original under Inductor (max-autotune-no-cudagraphs), cpu" in n for n in rec.lowering_notes)
+    rec = _compiled("modulelist", inner="inductor", mode="max-autotune-no-cudagraphs",
+                    inductor={"shape_padding": True}).layers[0]
+    assert seen == [{"max_autotune": True, "coordinate_descent_tuning": True, "shape_padding": True}], seen
+    note = "the original under Inductor with coordinate_descent_tuning, max_autotune, shape_padding, cpu"
+    assert any(note in n for n in rec.lowering_notes), rec.lowering_notes
     torch._dynamo.reset()
     rec = _compiled("modulelist", inner="inductor", mode="reduce-overhead").layers[0]
-    assert modes[1:] == ["default"] and any("the original under Inductor, cpu" in n for n in rec.lowering_notes)
-    assert forms.timed_mode("max-autotune") == {"max_autotune": True, "coordinate_descent_tuning": True}
+    assert seen[1:] == [{}] and any("the original under Inductor, cpu" in n for n in rec.lowering_notes)
 
 
 def test_inference_times_the_forward_only(cache):

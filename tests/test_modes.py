@@ -1,5 +1,6 @@
 """torch.compile's ``mode`` with the moe backend: given to the inner Inductor as torch.compile gives it to its own
-(``torch._inductor.list_mode_options``), through ``mode=`` or the option ``mode``; checked like any option. Every
+(``torch._inductor.list_mode_options``), through ``mode=`` or the option ``mode``, and more Inductor settings
+through the option ``inductor``; checked like any option. Every
 ``moe::`` op is tagged cudagraph-unsafe, so under CUDA graphs Inductor runs them between the graphed parts."""
 
 import warnings
@@ -21,7 +22,12 @@ IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
 
 @pytest.mark.parametrize("bad,match", [
     ({"mode": "fast"}, r"mode='fast' is not valid; choose one of \['default', 'reduce-overhead', 'max-autotune'"),
-    ({"mode": "max-autotune", "inner": "aot_eager"}, r"mode='max-autotune' is a mode of the inner Inductor"),
+    ({"mode": "max-autotune", "inner": "aot_eager"}, r"mode='max-autotune' is for the inner Inductor"),
+    ({"inductor": {"shape_padding": True}, "inner": "aot_eager"}, r"option inductor=.* is for the inner Inductor"),
+    ({"inductor": ["shape_padding"]}, r"option inductor must be a dict of Inductor settings, got list"),
+    ({"inductor": {"max_autotune_gem_backends": "TRITON"}}, r"names 'max_autotune_gem_backends', which is no "
+                                                             r"setting of torch._inductor.config"),
+    ({"inductor": {"shape_padding": "yes"}}, r"shape_padding takes bool, got str"),
 ])
 def test_bad_mode_names_the_fix(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -36,8 +42,11 @@ def test_mode_argument_joins_the_options():
     assert with_mode({"inner": "aot_eager"}, None) == {"inner": "aot_eager"}
     with pytest.raises(ValueError, match="give it once"):
         with_mode({"mode": "max-autotune"}, "reduce-overhead")
-    with pytest.raises(ValueError, match="mode of the inner Inductor"):
+    with pytest.raises(ValueError, match="is for the inner Inductor"):
         parse_options(with_mode({"inner": "aot_eager"}, "max-autotune"))
+    settings = parse_options({"inductor": {"shape-padding": True, "triton.cudagraphs": False}})
+    assert settings.inductor == (("shape_padding", True), ("triton.cudagraphs", False))
+    assert parse_options(with_mode(settings, "max-autotune")).inductor == settings.inductor
 
 
 @pytest.mark.parametrize("how", ["argument", "option"])
@@ -58,10 +67,11 @@ def test_mode_reaches_inductor(monkeypatch, how):
     torch._dynamo.reset()
     model = hf.tiny_model("mixtral")
     mode = "max-autotune-no-cudagraphs"
-    kwargs = {"mode": mode} if how == "argument" else {"options": {"mode": mode}}
+    kwargs = {"mode": mode} if how == "argument" else {"options": {"mode": mode, "inductor": {"shape_padding": True}}}
     out = torch.compile(model, backend="moe", **kwargs)(IDS, labels=IDS)
     out.loss.backward()
-    assert patches and all(p == list_mode_options(mode) for p in patches)
+    settings = {} if how == "argument" else {"shape_padding": True}
+    assert patches and all(p == {**list_mode_options(mode), **settings} for p in patches), patches
     assert patches[0]["max_autotune"] is True
     ref = hf.tiny_model("mixtral")
     ref.load_state_dict(model.state_dict())
