@@ -26,8 +26,8 @@ started) with its own time limit; the whole run starts no step past ``--budget-m
     gemms          each grouped GEMM of the kernels against torch._grouped_mm (benchmarks/bench_kernels.py)
     gemms-decode   the same, forward only, at decode token counts
 
-kernels, the parity steps and ep time nothing: adjacent ones run at the same time (their compiles are CPU-bound). The
-others time the GPU and run alone, in the order of ``--steps``. The report is rewritten after every step (a run
+kernels, the parity steps and ep time nothing: adjacent ones run at the same time (their compiles are CPU-bound).
+The others time the GPU and run alone, in the order of ``--steps``. The report is rewritten after every step (a run
 cut short keeps what finished); ``--files DIR`` keeps each step's log and tables, and ``DIR/cache``: the steps share
 it as ``MOECOMPILE_CACHE_DIR`` (unless that is set), so the tile tunings made on this GPU come back with the files,
 and the report says how to add them to the shipped table (``benchmarks/ship_tiles.py``): what users of this GPU

@@ -1,7 +1,7 @@
 """torch.compile's ``mode`` with the moe backend: given to the inner Inductor as torch.compile gives it to its own
 (``torch._inductor.list_mode_options``), through ``mode=`` or the option ``mode``, and more Inductor settings
-through the option ``inductor``; checked like any option. Every
-``moe::`` op is tagged cudagraph-unsafe, so under CUDA graphs Inductor runs them between the graphed parts."""
+through the option ``inductor``; checked like any option. Every ``moe::`` op is tagged cudagraph-unsafe, so under
+CUDA graphs Inductor runs them between the graphed parts."""
 
 import warnings
 
@@ -51,8 +51,8 @@ def test_mode_argument_joins_the_options():
 
 @pytest.mark.parametrize("how", ["argument", "option"])
 def test_mode_reaches_inductor(monkeypatch, how):
-    """Every graph the backend hands to Inductor gets the mode's settings (compiled here by aot_eager instead,
-    so that max-autotune tunes nothing on this machine), and the rewrite still runs."""
+    """Every graph the backend hands to Inductor gets the mode's settings, then the option ``inductor``'s (compiled
+    here by aot_eager instead, so that max-autotune tunes nothing on this machine), and the model runs as eager."""
     from torch._dynamo.backends.registry import lookup_backend
     from torch._inductor import compile_fx as compile_fx_module
     from torch._inductor import list_mode_options
