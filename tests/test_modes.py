@@ -52,15 +52,17 @@ def test_mode_argument_joins_the_options():
 @pytest.mark.parametrize("how", ["argument", "option"])
 def test_mode_reaches_inductor(monkeypatch, how):
     """Every graph the backend hands to Inductor gets the mode's settings, then the option ``inductor``'s (compiled
-    here by aot_eager instead, so that max-autotune tunes nothing on this machine), and the model runs as eager."""
+    here by aot_eager instead, so that max-autotune tunes nothing on this machine): the rewritten graphs, which
+    run as eager."""
     from torch._dynamo.backends.registry import lookup_backend
     from torch._inductor import compile_fx as compile_fx_module
     from torch._inductor import list_mode_options
 
-    patches = []
+    patches, rewritten = [], []
 
     def spy(gm, example_inputs, config_patches=None, **kwargs):
         patches.append(config_patches)
+        rewritten.extend(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("moe."))
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
@@ -73,6 +75,7 @@ def test_mode_reaches_inductor(monkeypatch, how):
     settings = {} if how == "argument" else {"shape_padding": True}
     assert patches and all(p == {**list_mode_options(mode), **settings} for p in patches), patches
     assert patches[0]["max_autotune"] is True
+    assert "moe.expert_mlp_keep.default" in rewritten, rewritten  # the graphs Inductor got were rewritten
     ref = hf.tiny_model("mixtral")
     ref.load_state_dict(model.state_dict())
     torch.testing.assert_close(out.logits, ref(IDS).logits)
