@@ -51,3 +51,27 @@ def test_standins_are_made_one_layer_at_a_time(tmp_path, monkeypatch):
     assert held and all(v.device.type == "meta" for v in held)
     first = made[0][1]
     assert first() is None  # dropped once its proof was done
+
+
+def test_a_standin_is_made_on_its_device_in_its_dtype(monkeypatch):
+    """No float32 copy on the host first: drawn by the layer's device's generator, in the weights' dtype, the same
+    for the same seed, scaled to a layer's usual size."""
+    import torch.fx as fx
+
+    drawn = []
+    real_randn = torch.randn
+
+    def randn(*args, **kwargs):
+        drawn.append((kwargs.get("device"), kwargs.get("dtype"), kwargs["generator"].device))
+        return real_randn(*args, **kwargs)
+
+    graph = fx.Graph()
+    ph = graph.placeholder("w")
+    ph.meta["ep_standin"] = torch.nn.Parameter(torch.empty(4, 64, 256, dtype=torch.bfloat16, device="meta"),
+                                               requires_grad=False)
+    ph.meta["ep_standin_at"] = (torch.device("cpu"), 3)
+    monkeypatch.setattr(torch, "randn", randn)
+    a, b = sharded.materialize(ph), sharded.materialize(ph)
+    assert drawn == [(torch.device("cpu"), torch.bfloat16, torch.device("cpu"))] * 2
+    assert a.dtype == torch.bfloat16 and a.shape == (4, 64, 256) and torch.equal(a, b)
+    assert 0.5 < float(a.float().std() * 256 ** 0.5) < 2
