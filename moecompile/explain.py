@@ -62,7 +62,8 @@ class ExplainReport:
         for rec in self.layers:
             verb = "proved, left as written:" if rec.lowering == "original" else "rewritten"
             out.append(f"  {verb} {rec.path} ({rec.spec.block_type}) lowering={rec.lowering} "
-                       f"proof error={rec.max_error:.2g} after {rec.candidates_tried} candidate(s)")
+                       f"proof error={rec.max_error:.2g} after {rec.candidates_tried} candidate(s)"
+                       + (f" (proved as {rec.proved_as}: the same code and shapes)" if rec.proved_as else ""))
             out.append(f"      {rec.spec.summary()}")
             out += [f"      lowering: {note}" for note in rec.lowering_notes]
             out += [f"      form {form}: {t.describe()}{'  <- runs' if form == rec.lowering else ''}"

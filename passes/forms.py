@@ -295,15 +295,6 @@ def pick(results: dict[str, Timing], choose: str) -> tuple[str | None, str]:
     return best, why
 
 
-def code_signature(gm: fx.GraphModule) -> str:
-    """What the graph computes, without its node names (two layers of one model run the same ops on different
-    parameters): each node's op, target and arguments, nodes named by their position."""
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    named = lambda a: f"%{index[a]}"  # noqa: E731
-    return "\n".join(f"{n.op} {getattr(n.target, '__name__', n.target) if n.op != 'placeholder' else ''} "
-                     f"{fx.node.map_arg(n.args, named)} {fx.node.map_arg(n.kwargs, named)}" for n in gm.graph.nodes)
-
-
 # ---- the cache ------------------------------------------------------------------------------------------------
 
 

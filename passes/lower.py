@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from . import grouped_form
 from .graph_utils import example_above as _example_above
-from .graph_utils import hint, moe_op_name, placeholder_values
+from .graph_utils import code_signature, hint, moe_op_name, placeholder_values
 from .lowering_proof import prove_lowered
 from .report import PassReport
 
@@ -164,7 +164,7 @@ def _measured(gm, nodes, forms, original, values, spec, config, backward) -> tup
     dispatch = next((n for n in nodes if moe_op_name(n) == "ep_dispatch"), None)
     x = _example_above((dispatch if sharded and dispatch is not None else mlp).args[0])  # this rank's tokens
     tokens = (hint(x.numel()) or 0) // spec.experts.hidden
-    code = forms_mod.code_signature(original[0]) if original else (
+    code = code_signature(original[0]) if original else (
         f"local {mlp.meta.get('moe_local_experts')} I {grouped_form.intermediate(mlp, spec)}")
     compiled = config.inner == "inductor" and device.type in forms_mod.COMPILE_ORIGINAL_ON and "original" in forms
     settings = forms_mod.timed_settings(config) if compiled else {}  # the user's max-autotune, Inductor settings

@@ -27,6 +27,7 @@ class LayerRecord:
     dedup_reason: str = ""  # why that level (dedup="auto": the predicted times)
     predicted_s: dict = field(default_factory=dict)  # dedup="auto": predicted seconds per level, example routing
     checkpointed: str = ""  # in an activation-checkpointed region: what backward runs again (passes/recompute.py)
+    proved_as: str = ""  # proved by the proof of this earlier layer of the graph: the same code and shapes (verify)
 
 
 @dataclass

@@ -13,6 +13,8 @@ top-k weights and ids probed with random routings (K distinct experts per token)
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import time
 
@@ -21,7 +23,8 @@ import torch.fx as fx
 
 from .canonical import canonical_moe, expert_tensors, routed_like_input
 from .compare import grad_error, rel_error
-from .graph_utils import autocast_dtypes, draws_random, example, extract, hint, op_name, placeholder_values
+from .graph_utils import (autocast_dtypes, code_signature, draws_random, example, extract, hint, op_name,
+                          placeholder_values)
 from .report import LayerRecord, PassReport, block
 from .sharded import materialize
 
@@ -33,22 +36,24 @@ log = logging.getLogger(__name__)  # a line per block, at INFO: the CLI's progre
 
 def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
     values = placeholder_values(gm, example_inputs)
+    proved: dict[str, dict] = {}  # proof key -> the proof of a layer before it in this graph (``_proof_key``)
     for node in list(gm.graph.nodes):
         cand = node.meta.get("moe")
         if cand is None:
             continue
         start = time.perf_counter()
         with block(cand.path):
-            ok, detail = _prove(cand, values, config)
+            ok, detail = _prove(cand, values, config, proved)
         log.info("verify %s: %s (%.1f s)", cand.path, "proved" if ok else f"not proved: {detail['reason'][:100]}",
                  time.perf_counter() - start)
         if ok:
             report.counters["verify.proved"] += 1
+            report.counters["verify.reused"] += bool(detail.get("as"))
             real = lambda n: None if "ep_standin" in n.meta else values.get(n)  # noqa: E731  (not a stand-in)
             weights = {role: [real(p) for p in w] if isinstance(w, list) else real(w)
                        for role, w in cand.bindings[0].weights.items()}
             report.layers.append(LayerRecord(cand.path, cand.specs[0], detail["tried"], detail["error"],
-                                             expert_weights=weights))
+                                             expert_weights=weights, proved_as=detail.get("as", "")))
         else:
             del node.meta["moe"]
             report.counters["verify.rejected"] += 1
@@ -121,7 +126,40 @@ def _random_like(x: torch.Tensor, values, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(x.dtype).to(param.device)
 
 
-def _prove(cand, values, config):
+def _proof_key(cand, orig_gm, outside, logits_gm, kept) -> str:
+    """What a proof depends on besides parameter values: the block's code cut out of the graph (and its router's),
+    the shape, dtype and device of every input, the candidate specs and where each binding reads. Two layers with
+    one key compute the same function of their inputs, so one proof serves both, as it serves the same layer
+    after its weights changed in training: its probes take the parameters as sample points, not as part of what is
+    proved."""
+    order = {n: f"o{i}" for i, n in enumerate(outside)}
+    region = cand.slice_nodes | cand.logits_nodes
+    inner = [n for n in next(iter(region)).graph.nodes if n in region]  # in graph order
+    order.update({n: f"r{i}" for i, n in enumerate(inner) if n not in order})
+
+    def where(v):
+        if isinstance(v, fx.Node):
+            return order.get(v, "?")
+        if isinstance(v, (list, tuple)):
+            return [where(x) for x in v]
+        if isinstance(v, dict):
+            return {k: where(x) for k, x in v.items()}
+        return repr(v)
+
+    def meta(n):
+        v = example(n)
+        if isinstance(v, torch.Tensor):
+            return (tuple(hint(d) for d in v.shape), str(v.dtype), v.device.type)
+        return repr(hint(v))
+
+    parts = [code_signature(orig_gm), code_signature(logits_gm) if logits_gm is not None else "kept" if kept else "",
+             repr([meta(n) for n in outside]),
+             repr([dataclasses.replace(spec, path="") for spec in cand.specs]),
+             repr([{f.name: where(getattr(b, f.name)) for f in dataclasses.fields(b)} for b in cand.bindings])]
+    return hashlib.sha1("\n\n".join(parts).encode()).hexdigest()
+
+
+def _prove(cand, values, config, proved: dict | None = None):
     routed = cand.bindings[0].routed
     out_val = example(routed)
     x_node = cand.bindings[0].x
@@ -146,6 +184,11 @@ def _prove(cand, values, config):
         elif not {x_node, b0.topk_weights, b0.topk_ids} <= set(outside):
             raise ValueError("the experts do not read the kept router's top-k weights and ids")
         topk = (b0.topk_weights, b0.topk_ids, cand.specs[0].experts.num_experts) if kept else None
+        key = _proof_key(cand, orig_gm, outside, None if kept else logits_gm, kept)
+        if proved is not None and key in proved:  # a layer before it with the same code and shapes: its proof
+            i = proved[key]["index"]
+            cand.specs, cand.bindings = [cand.specs[i]], [cand.bindings[i]]
+            return True, {k: v for k, v in proved[key].items() if k != "index"}
         values = {**values, **{n: materialize(n) for n in outside if "ep_standin" in n.meta}}  # this layer's only
         gen = torch.Generator().manual_seed(config.probe_seed)
         inputs = _probe_inputs(outside, x_node, values, gen, topk)
@@ -202,6 +245,8 @@ def _prove(cand, values, config):
                                      "left as it was"}
         err = max(err, grad_err)
     cand.specs, cand.bindings = [spec], [binding]
+    if proved is not None:
+        proved[key] = {"index": i, "tried": i + 1, "error": err, "as": cand.path}
     return True, {"tried": i + 1, "error": err}
 
 

@@ -59,11 +59,11 @@ def test_a_failing_pass_leaves_the_graph_as_it_came_in(monkeypatch, failing):
 def test_a_failure_inside_a_block_names_the_block_and_later_graphs_still_rewrite(monkeypatch):
     calls = []
 
-    def prove_once_failing(cand, values, config):
+    def prove_once_failing(cand, values, config, *rest):
         calls.append(cand.path)
         if len(calls) == 1:
             raise IndexError("index 9 is out of bounds")
-        return real_prove(cand, values, config)
+        return real_prove(cand, values, config, *rest)
 
     real_prove = verify._prove
     monkeypatch.setattr(verify, "_prove", prove_once_failing)

@@ -273,3 +273,44 @@ def test_a_kept_router_still_proves_its_experts_and_random_experts_are_refused()
     verify_moe_pass(gm, ex, config=CONFIG, report=report)
     assert not annotated(gm) and not report.counters["detect.router_kept"]
     assert report.skipped[0].reason.startswith("the block draws random numbers (exponential_, rand_like)")
+
+
+def test_layers_of_one_code_and_shapes_share_one_proof():
+    """A layer whose cut-out code, input shapes and candidate specs equal an earlier layer's in the graph is proved
+    by that layer's proof (and says so), as the same layer is after training changed its weights; another width or
+    another top-k is proved on its own. The compiled stack equals eager, forward and backward."""
+    import copy
+
+    from conftest import RecordingBackend, normwise
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    def block(inter, k):
+        cfg = MixtralConfig(hidden_size=32, intermediate_size=inter, num_local_experts=4, num_experts_per_tok=k)
+        cfg._experts_implementation = "grouped_mm"  # a model's default; a bare block has no model to set it
+        return MixtralSparseMoeBlock(cfg)
+
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(block(16, 2), block(16, 2), block(24, 2), block(16, 1))
+    with torch.no_grad():
+        for p in stack.parameters():  # a bare block's weights are left as allocated
+            p.normal_(0, 0.2)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    eager = copy.deepcopy(stack)
+    backend = RecordingBackend(inner="aot_eager")
+    got = torch.compile(stack, backend=backend)(x)
+    want = eager(x)
+    assert not backend.errors, backend.errors
+    layers = backend.report.layers
+    names = [r.path for r in layers]
+    assert [n.rsplit(".", 1)[-1] for n in names] == ["0", "1", "2", "3"], names
+    assert [r.proved_as for r in layers] == ["", names[0], "", ""]
+    assert backend.report.counters["verify.proved"] == 4 and backend.report.counters["verify.reused"] == 1
+    assert normwise(got, want) <= 1e-5
+    g = torch.randn_like(want)
+    got.backward(g)
+    x_grad, x.grad = x.grad, None
+    want.backward(g)
+    assert normwise(x_grad, x.grad) <= 1e-5
+    for (name, p), q in zip(stack.named_parameters(), eager.parameters()):
+        assert normwise(p.grad, q.grad) <= 1e-5, name

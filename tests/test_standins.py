@@ -1,8 +1,8 @@
 """The stand-ins for sharded expert weights (passes/sharded.py) cost nothing until verify proves their layer: each
-graph holds a meta-device parameter of the global shape, and verify makes the random weights of one layer at a
-time, dropping them before the next. Made for every layer at once, they were the whole model's global expert
-weights on each rank. A one-rank mesh (gloo, in this process) runs the sharded path; the compiled model still
-equals the model it was sharded from."""
+graph holds a meta-device parameter of the global shape, and verify makes the random weights of one layer at a time,
+dropping them before the next (and none for a layer another layer's proof serves: the same code and shapes). Made
+for every layer at once, they were the whole model's global expert weights on each rank. A one-rank mesh (gloo, in
+this process) runs the sharded path; the compiled model still equals the model it was sharded from."""
 
 import gc
 import weakref
@@ -20,8 +20,15 @@ from moecompile.passes import sharded, verify
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def test_standins_are_made_one_layer_at_a_time(tmp_path, monkeypatch):
+@pytest.mark.parametrize("shared_proofs", [False, True])
+def test_standins_are_made_one_layer_at_a_time(tmp_path, monkeypatch, shared_proofs):
+    """Each layer proved on its own (its proof key made unique) makes its stand-ins while no other layer's are
+    held; with the layers' one proof shared (the same code and shapes: verify's ``_proof_key``), only the first
+    layer's are ever made."""
     made, held = [], []  # (layer, weak reference to the random weights); the meta values the graphs held
+    if not shared_proofs:
+        key = verify._proof_key
+        monkeypatch.setattr(verify, "_proof_key", lambda cand, *args: key(cand, *args) + cand.path)
 
     def spy(ph):
         layer = ph.meta["ep_view"].args[3]
@@ -47,7 +54,8 @@ def test_standins_are_made_one_layer_at_a_time(tmp_path, monkeypatch):
         dist.destroy_process_group()
     layers = [r.path for r in model._moe_parallel.report.layers]  # the layers parallelize sharded
     assert len(layers) == model.config.num_hidden_layers == 2
-    assert sorted({layer for layer, _ in made}) == sorted(layers)  # every sharded layer proved on its own weights
+    proved = sorted({layer for layer, _ in made})  # the layers whose stand-ins were made
+    assert proved == (sorted(layers)[:1] if shared_proofs else sorted(layers))
     assert held and all(v.device.type == "meta" for v in held)
     first = made[0][1]
     assert first() is None  # dropped once its proof was done
