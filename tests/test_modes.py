@@ -81,9 +81,19 @@ def test_mode_reaches_inductor(monkeypatch, how):
     torch.testing.assert_close(out.logits, ref(IDS).logits)
 
 
-def test_reduce_overhead_trains_as_eager():
+def test_reduce_overhead_trains_as_eager(monkeypatch):
     """mode="reduce-overhead" through Inductor itself: CUDA graphs are asked for (on CPU Inductor graphs nothing),
     and the rewritten model trains as eager does."""
+    from torch._inductor import compile_fx as compile_fx_module
+
+    real, asked = compile_fx_module.compile_fx, []
+
+    def recording(gm, example_inputs, config_patches=None, **kwargs):
+        if config_patches is not None:  # the backend's call (compile_fx calls itself again, with none)
+            asked.append(config_patches.get("triton.cudagraphs"))
+        return real(gm, example_inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
     torch._dynamo.reset()
     model, ref = hf.tiny_model("mixtral"), hf.tiny_model("mixtral")
     ref.load_state_dict(model.state_dict())
@@ -95,6 +105,7 @@ def test_reduce_overhead_trains_as_eager():
         torch.testing.assert_close(out.loss, expected.loss)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert asked and all(asked), asked  # every graph the backend handed to Inductor asked for CUDA graphs
 
 
 def test_every_moe_op_is_cudagraph_unsafe():
