@@ -18,6 +18,9 @@ are found in the wild, so the compiler has to recognise each idiom:
   ``[E, C, H]`` buffer, stacked SwiGLU experts run with ``torch.bmm``, rows gathered back.
 * ``InputGatedTop1MoE`` -- Switch-style top-1 by ``argmax``; the gate scales the token
   before its expert (weights on the input).
+* ``BatchedDenseMoE`` -- routing over ``[B, S, E]`` scores, the tokens never flattened; every
+  stacked SwiGLU expert runs on every token (``einsum``), weighted by a ``[B, S, E]`` gate that is
+  zero for the experts a token did not choose.
 
 ``TinyMoELM(kind)`` stacks ``num_layers`` (LayerNorm -> block, residual) between
 an embedding and an LM head; ``kind`` is one of ``HANDWRITTEN``.
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HANDWRITTEN = ("modulelist", "gshard", "gather", "loop", "bmm", "top1_input", "hit_loop")
+HANDWRITTEN = ("modulelist", "gshard", "gather", "loop", "bmm", "top1_input", "hit_loop", "batched")
 INIT_STD = 0.1
 
 
@@ -195,11 +198,7 @@ class BmmCapacityMoE(nn.Module):
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int = 2, capacity_factor: float = 1.0):
         super().__init__()
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.w2 = nn.Parameter(torch.empty(num_experts, inter, hidden))
-        _init(self)
+        _stacked_swiglu(self, hidden, inter, num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
@@ -240,6 +239,35 @@ class InputGatedTop1MoE(nn.Module):
         return torch.einsum("ti,thi->th", hidden, self.w_out[expert]).view_as(x)
 
 
+class BatchedDenseMoE(nn.Module):
+    """Top-k MoE that keeps the tokens as ``[B, S, H]``: softmax -> top-k -> renormalise over ``[B, S, E]``
+    scores, the chosen weights scattered into a dense ``[B, S, E]`` gate, and stacked SwiGLU experts
+    ``w1, w3 [E, H, I]``, ``w2 [E, I, H]`` run on every token by ``einsum``, summed by that gate (E / K times the
+    FLOPs of running each token's experts alone)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        _stacked_swiglu(self, hidden, inter, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).float().softmax(dim=-1)                                        # [B, S, E]
+        weights, ids = probs.topk(self.top_k, dim=-1)                                       # [B, S, K]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        gates = torch.zeros_like(probs).scatter(-1, ids, weights).to(x.dtype)               # [B, S, E]
+        hidden = F.silu(torch.einsum("bsh,ehi->bsei", x, self.w1)) * torch.einsum("bsh,ehi->bsei", x, self.w3)
+        return torch.einsum("bsei,eih,bse->bsh", hidden, self.w2, gates)
+
+
+def _stacked_swiglu(module: nn.Module, hidden: int, inter: int, num_experts: int) -> None:
+    """Give ``module`` a router ``gate`` and stacked SwiGLU experts ``w1, w3 [E, H, I]``, ``w2 [E, I, H]``, drawn."""
+    module.gate = nn.Linear(hidden, num_experts, bias=False)
+    module.w1 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+    module.w3 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+    module.w2 = nn.Parameter(torch.empty(num_experts, inter, hidden))
+    _init(module)
+
+
 @torch.no_grad()
 def _init(module: nn.Module) -> None:
     for p in module.parameters():
@@ -247,7 +275,7 @@ def _init(module: nn.Module) -> None:
 
 
 _BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE, "loop": LoopMoE, "hit_loop": HitLoopMoE,
-           "bmm": BmmCapacityMoE, "top1_input": InputGatedTop1MoE}
+           "bmm": BmmCapacityMoE, "top1_input": InputGatedTop1MoE, "batched": BatchedDenseMoE}
 
 
 class LMOutput(NamedTuple):
@@ -283,4 +311,4 @@ class TinyMoELM(nn.Module):
 
 
 __all__ = ["HANDWRITTEN", "ModuleListMoE", "LoopMoE", "HitLoopMoE", "GShardMoE", "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert",
-           "BmmCapacityMoE", "InputGatedTop1MoE", "TinyMoELM", "LMOutput"]
+           "BmmCapacityMoE", "InputGatedTop1MoE", "BatchedDenseMoE", "TinyMoELM", "LMOutput"]

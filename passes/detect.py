@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from . import aliases
 from .graph_utils import ancestors, descendants, draws_random, example, hint, is_param, module_stack, \
     mutated_input, nodes_by_module, op_name, placeholder_values, shape_of
+from .blocks import block_of, module_block, path_of
 from .experts import Skip, compute_dtype, expert_options, expert_params
 from .kept import gather_ids, kept_router, looked_up, low_precision_picks, per_expert_scale, router_side, \
     unread_router
@@ -62,34 +62,26 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
     handled: set[fx.Node] = set()  # the nodes of every block looked at, annotated or skipped
     paths: set[str] = set()
     picks = _picks(gm.graph.nodes)
-    # the selections of routers moe.route reads first; then, of the rest, those a kept router may make (kept.py)
+    # the selections of routers moe.route reads first; then, of the rest, those a kept router may make (kept.py).
+    # Scores over unflattened tokens ([B, S, E]) are tried kept first, then (where no [T, K] pair could be kept)
+    # as moe.route's, which flattens them.
     for sel, kept in [(s, False) for s in picks] + [(s, True) for s in picks]:
         router, unread = router_linear(sel, values), None
+        grid = router is not None and len(shape_of(sel.args[0])) > 2
+        if grid and not kept:
+            continue
         if kept:
-            unread = unread_router(sel, values, by_key) if router is None else None
-            router = unread[0] if unread else None
+            unread = unread_router(sel, values, by_key) if router is None or grid else None
+            router = unread[0] if unread else router if grid else None
         if router is None or router in seen \
                 or steered_by(sel, router, values, num_experts=unread and unread[2]) is None:
             continue
         seen.add(router)
         handled.add(router)
-        path = _path_of(router)
-        with block(path):  # a failure names the router's module
-            try:
-                if unread:
-                    region, path, block_type = _module_block(unread[1], by_key, gm)
-                else:
-                    region, path, block_type = _block_of(router, gm, by_key, values)
-                handled |= region
-                if path in paths:
-                    continue
-                paths.add(path)
-                cand = _describe(path, block_type, region, router, values, order, config,
-                                 unread=unread and (sel, unread[2]))
-            except Skip as why:
-                report.skip(path, str(why))
-                paths.add(path)
-                continue
+        with block(path_of(router)):  # a failure names the router's module
+            cand = _candidate(sel, router, unread, grid, gm, by_key, values, order, config, report, handled, paths)
+        if cand is None:
+            continue
         cand.bindings[0].routed.meta["moe"] = cand
         report.counters["detect.blocks"] += 1
         if cand.specs[0].routing.kept:
@@ -102,13 +94,30 @@ def detect_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassR
     return gm
 
 
-def _block_of(router: fx.Node, gm: fx.GraphModule, by_key, values) -> tuple[set[fx.Node], str, str]:
-    """(nodes, path, type) of the block around ``router``: the innermost module that also uses expert weights,
-    or the whole graph when the compiled module is the block itself."""
-    key = _block_key(router, by_key, values)
-    if key is not None or expert_params(gm.graph.nodes, values, values[router_weight(router)].shape[0]):
-        return _module_block(key, by_key, gm)
-    raise Skip(aliases.EAGER_EXPERTS_REASON)
+def _candidate(sel, router, unread, grid, gm, by_key, values, order, config, report, handled, paths):
+    """The block around ``router`` described (None where it was skipped, with its reason, or taken already).
+    ``unread``: kept as written (``kept.unread_router``); with ``grid`` ([B, S, E] scores), as moe.route's where it
+    cannot be kept."""
+    attempts = [unread, None] if grid and unread else [unread]
+    for attempt in attempts:
+        path = path_of(router)
+        try:
+            if attempt:
+                region, path, block_type = module_block(attempt[1], by_key, gm)
+            else:
+                region, path, block_type = block_of(router, gm, by_key, values)
+            handled |= region
+            if path in paths:
+                return None
+            cand = _describe(path, block_type, region, router, values, order, config,
+                             unread=attempt and (sel, attempt[2]))
+            paths.add(path)
+            return cand
+        except Skip as why:
+            if attempt is attempts[-1]:
+                report.skip(path, str(why))
+                paths.add(path)
+    return None
 
 
 def _picks(nodes) -> list[fx.Node]:
@@ -116,26 +125,6 @@ def _picks(nodes) -> list[fx.Node]:
     kept as written)."""
     nodes = list(nodes)
     return selections_in(nodes) + [n for n in nodes if looked_up(n)]
-
-
-def _module_block(key, by_key, gm) -> tuple[set[fx.Node], str, str]:
-    if key is None:
-        return {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}, ROOT, "<compiled module>"
-    path, block_type = next((p, t) for k, p, t in module_stack(by_key[key][0]) if k == key)
-    return set(by_key[key]), path, block_type
-
-
-def _path_of(n: fx.Node) -> str:
-    st = module_stack(n)
-    return st[-1][1] if st else n.name
-
-
-def _block_key(router: fx.Node, by_key, values) -> str | None:
-    E = values[router_weight(router)].shape[0]
-    for key, _, _ in reversed(module_stack(router)):
-        if expert_params(by_key[key], values, E):
-            return key
-    return None
 
 
 # ---- the block ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Router reading for detect: which selection picks each token's experts, how many, and how their weights are
 scored, renormalised, scaled, applied (to the expert output or to its input) and dropped past a capacity.
 
-A selection picks experts along the last dim of [T, E] router scores, in any of the spellings routers use:
+A selection picks experts along the last dim of [T, E] (or [B, S, E]) router scores, in any spelling:
 
     topk(scores, K)                                         K experts
     max(scores, dim=-1).indices, argmax(scores, dim=-1)     1 expert (Switch, GShard top-1)
@@ -117,10 +117,10 @@ def router_weight(linear: fx.Node) -> fx.Node:
 
 
 def router_linear(sel: fx.Node, values) -> fx.Node | None:
-    """The ``linear`` producing the [T, E] scores a selection picks from, if its weight is an [E, H] parameter."""
+    """The ``linear`` giving the [T, E] or [B, S, E] scores ``sel`` picks from, if its weight is an [E, H] param."""
     shape = shape_of(sel.args[0])
     linear = scores_linear(sel, values)
-    if linear is None or shape is None or len(shape) != 2:
+    if linear is None or shape is None or len(shape) < 2:
         return None
     w = values[router_weight(linear)]
     return linear if w.dim() == 2 and w.shape[0] == hint(shape[-1]) else None

@@ -77,17 +77,20 @@ _EXPERT_CHOICE = ("it picks tokens for each expert (expert-choice routing: the s
 
 def _picks_tokens(n: fx.Node, lin: fx.Node, values) -> bool:
     """Whether ``n`` picks tokens for each expert from ``lin``'s scores: a selection op over [E, T] or [T, E]
-    scores along the dim that is not the E experts' (expert choice: ``scores.t().topk(C)``, ``topk(C, dim=0)``)."""
+    scores along the dim that is not the E experts' (expert choice: ``scores.t().topk(C)``, ``topk(C, dim=0)``),
+    or over the tokens of [B, S, E] scores (``topk(C, dim=1)``)."""
     shape = shape_of(n.args[0]) if op_name(n) in SELECTION_OPS and n.args else None
-    if not shape or len(shape) != 2:
+    if not shape or len(shape) < 2:
         return False
     at = 2 if op_name(n) == "topk" else 1
     dim = n.args[at] if len(n.args) > at else n.kwargs.get("dim", -1)
-    if not isinstance(dim, int) or not -2 <= dim < 2:
+    if not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
         return False
-    E, along, other = values[router_weight(lin)].shape[0], shape[dim], shape[1 - dim % 2]
-    return isinstance(other, int) and other == E and not (isinstance(along, int) and along == E) and \
-        scores_linear(n, values) is lin
+    dim %= len(shape)
+    E, along = values[router_weight(lin)].shape[0], shape[dim]
+    experts_at = (0, 1) if len(shape) == 2 else (len(shape) - 1,)  # the dims the experts may be along
+    return any(i != dim and isinstance(shape[i], int) and shape[i] == E for i in experts_at) and \
+        not (isinstance(along, int) and along == E) and scores_linear(n, values) is lin
 
 
 def _why_not_router(sel: fx.Node, values) -> str:
@@ -100,8 +103,8 @@ def _why_not_router(sel: fx.Node, values) -> str:
     if problem:
         return problem
     shape = shape_of(sel.args[0])
-    if len(shape) != 2:
-        return f"detect reads routers over [T, E] scores only (these are {list(shape)}: flatten the tokens first)"
+    if len(shape) < 2:
+        return f"detect reads routers over [T, E] or [B, S, E] scores (these are {list(shape)}: one token's)"
     linear = scores_linear(sel, values)
     if linear is None:
         return "its scores do not come (through elementwise ops) from a linear whose [E, H] weight is a parameter"

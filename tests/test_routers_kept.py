@@ -160,17 +160,6 @@ def test_single_neuron_experts_retrieved_by_product_keys_are_rewritten():
     assert layer.spec.routing.kept.startswith("scores 16 classes from 8 logits per token")
 
 
-class TokenGridExperts(_GatheredExperts):
-    """Top-k over [B, S, E] scores, and the experts read the [B, S, K] ids and weights as they are: no [T, K]
-    pair to keep the router by."""
-
-    def forward(self, x):
-        weights, ids = self.gate(x).softmax(dim=-1).topk(2, dim=-1)                     # [B, S, 2]
-        x1 = F.silu(torch.einsum("bsh,bskih->bski", x, self.w1[ids]))
-        y = torch.einsum("bski,bskhi->bskh", x1 * torch.einsum("bsh,bskih->bski", x, self.w3[ids]), self.w2[ids])
-        return (y * weights[..., None]).sum(2)
-
-
 class MatmulRouter(_GatheredExperts):
     """The router scores come from a matmul with the transposed weight, not from a linear."""
 
@@ -182,15 +171,23 @@ class MatmulRouter(_GatheredExperts):
 
 class ExpertChoice(nn.Module):
     """Expert-choice routing (each expert picks its C tokens: a top-k over the tokens, Zhou et al. 2022), scores
-    transposed to [E, T] (``by_dim``: top-k over dim 0 of [T, E] instead). Not token choice: reported, left."""
+    transposed to [E, T] (``by_dim``: top-k over dim 0 of [T, E] instead; ``batched``: over the tokens of each
+    sequence's [B, S, E] scores). Not token choice: reported, left."""
 
-    def __init__(self, by_dim=False):
+    def __init__(self, by_dim=False, batched=False):
         super().__init__()
-        self.by_dim = by_dim
+        self.by_dim, self.batched = by_dim, batched
         self.gate = nn.Linear(H, E, bias=False)
         self.experts = nn.ModuleList(nn.Linear(H, H, bias=False) for _ in range(E))
 
     def forward(self, x):
+        if self.batched:
+            g, idx = self.gate(x).softmax(-1).topk(x.shape[1] // 2, dim=1)              # [B, C, E]
+            out = torch.zeros_like(x)
+            for e in range(E):
+                at = idx[..., e, None].expand(-1, -1, H)
+                out = out.scatter_add(1, at, self.experts[e](x.gather(1, at)) * g[..., e, None])
+            return out
         h = x.reshape(-1, H)
         s = self.gate(h).softmax(-1)                                                     # [T, E]
         g, idx = s.topk(h.shape[0] // 4, dim=0) if self.by_dim else s.t().topk(h.shape[0] // 4, dim=-1)
@@ -207,8 +204,7 @@ _EXPERT_CHOICE = r"feeds topk over scores \[.*\], which steers .* but it picks t
 @pytest.mark.parametrize("block, reason, unexplained", [
     (ExpertChoice, _EXPERT_CHOICE, 1),
     (functools.partial(ExpertChoice, by_dim=True), _EXPERT_CHOICE, 1),
-    (TokenGridExperts, r"its router's scores \(\[2, 5, 8\], from .*\) are not moe.route's over the 8 experts, and no "
-                       r"\[T, K\] weights and ids that the experts alone read could be cut out of it", 0),
+    (functools.partial(ExpertChoice, batched=True), _EXPERT_CHOICE, 1),
     (MatmulRouter, r"stacked expert weights .*\[8, 16, 32\] are indexed per token .* no router was detected for "
                    r"them: its scores do not come .* from a linear", 1),
 ])
