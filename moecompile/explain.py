@@ -25,11 +25,14 @@ class ExplainReport:
     the graph before and after each pass; ``counters``: per-pass counts; ``num_graphs``: graphs Dynamo made;
     ``config_mismatches``: where the detected experts or top-k disagree with ``model.config`` (alias table);
     ``failures``: (stage, region, error) for every pass, inner compile or first run that raised: that graph ran as
-    it came in; ``loops``: the forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert
+    it came in; ``loops``: the forwards whose loop over ``nonzero()`` rows Dynamo traced as a loop over every expert,
+    or whose loop over the experts it traced without the skip of experts that received no tokens
     (moecompile/tracing/loops.py); ``lost_to_recompiles``: frames that hit Dynamo's recompile limit under a moe
     backend since the last explain() (which resets Dynamo), so ran eagerly, unrewritten (moecompile/recompiles.py);
     ``retraced``: where Dynamo's trace failed with data-dependent shapes captured -> its error: that frame was
-    traced again with Dynamo's defaults (moecompile/tracing/capture.py)."""
+    traced again with Dynamo's defaults (moecompile/tracing/capture.py); ``graph_breaks``: Dynamo's graph breaks
+    (its reason, first lines -> how many) other than those the capture settings would avoid (``skipped`` says
+    those): a block a graph break cuts is in no one graph, so it cannot be found."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
@@ -42,6 +45,7 @@ class ExplainReport:
     parallel: str = ""  # a parallelized model: its sharding, each layer's dedup and why, and what it has sent
     lost_to_recompiles: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> the limit it hit
     retraced: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> its capture-on trace's error
+    graph_breaks: dict[str, int] = dataclasses.field(default_factory=dict)  # Dynamo's reason -> how many
 
     def __str__(self) -> str:
         kept = sum(rec.lowering == "original" for rec in self.layers)  # proved, and measured faster as written
@@ -56,6 +60,12 @@ class ExplainReport:
         for where, error in self.retraced.items():
             out.append(f"  {where}: traced again with Dynamo's defaults: {error} (raised with data-dependent "
                        "shapes captured; strict=True raises instead)")
+        for why, n in self.graph_breaks.items():
+            out.append(f"  graph break ({n}x): {why}. An MoE block it cuts is in no one graph and is not found "
+                       "(TORCH_LOGS=graph_breaks shows where it happened)")
+        if not self.num_graphs:
+            out.append("  Dynamo made no graph: the model ran as written (a graph break inside a loop, say, makes "
+                       "Dynamo run the whole function eagerly)")
         for f in self.failures:
             out.append(f"  failed: {f.what} raised on {f.region}: {f.error}; that graph runs as it came in "
                        "(strict=True raises)")
@@ -75,7 +85,8 @@ class ExplainReport:
             if rec.checkpointed:
                 out.append(f"      {rec.checkpointed}")
         for name, where in self.loops.items():
-            out.append(f"  traced {name}'s loop over nonzero() rows as a loop over every expert ({where})")
+            out.append(f"  traced {name}'s expert loop as one over every expert, without data-dependent control "
+                       f"flow ({where})")
         for s in self.skipped:
             out.append(f"  skipped {s.region}: {s.reason}")
         if self.counters:
@@ -114,7 +125,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     torch._dynamo.reset()
     capture.install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
     compiled = torch.compile(model, backend=backend)
-    breaks_before = _data_dependent_breaks()
+    breaks_before, other_before = _data_dependent_breaks(), _other_breaks()
     capture.retraced.clear()
     training = forms.TRAINING.set(torch.is_grad_enabled())  # the forms chosen as the caller would run the model
     try:
@@ -126,6 +137,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     torch._dynamo.reset()
     capture.install()
     breaks = _data_dependent_breaks() - breaks_before
+    other = {why: n - other_before.get(why, 0) for why, n in _other_breaks().items() if n > other_before.get(why, 0)}
     retraced = dict(capture.retraced)
     if breaks:
         report.skipped.append(SkipRecord("<graph breaks>", DATA_DEPENDENT_BREAKS.format(n=breaks)))
@@ -140,7 +152,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
 
             parallel += f"\n{replication_report(model)}"
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
-                         report.failures, dict(report.loops), parallel, lost, retraced)
+                         report.failures, dict(report.loops), parallel, lost, retraced, other)
 
 
 DATA_DEPENDENT_BREAKS = (
@@ -156,6 +168,26 @@ def _data_dependent_breaks() -> int:
 
     return sum(n for why, n in counters["unimplemented"].items()
                if "capture_dynamic_output_shape_ops" in why or "capture_scalar_outputs" in why)
+
+
+def _other_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks so far, by reason (its first line and explanation), those the capture settings would
+    have avoided left out (``_data_dependent_breaks``). A break is counted under ``graph_break`` where Dynamo went
+    on after it and under ``unimplemented`` where it traced the frame again or ran it eagerly, under both in
+    some cases: the larger count per reason."""
+    from torch._dynamo.utils import counters
+
+    out: dict[str, int] = {}
+    reasons = {why: max(counters["graph_break"].get(why, 0), counters["unimplemented"].get(why, 0))
+               for why in {*counters["graph_break"], *counters["unimplemented"]}}
+    for why, n in sorted(reasons.items()):
+        if "capture_dynamic_output_shape_ops" in why or "capture_scalar_outputs" in why:
+            continue
+        lines = [line.strip() for line in str(why).splitlines() if line.strip()]
+        short = ": ".join([lines[0].rstrip(".")] + [line.removeprefix("Explanation: ").rstrip(".")
+                                                   for line in lines[1:2] if line.startswith("Explanation:")])
+        out[short] = out.get(short, 0) + n
+    return out
 
 
 def _check_against_config(config, layers: list[LayerRecord]) -> list[str]:

@@ -43,9 +43,10 @@ FRAME_PREFIX: contextvars.ContextVar[str] = contextvars.ContextVar("moe_frame_pr
 
 def clean_path(path: str) -> str:
     """``L['self'].model.layers.0.mlp`` -> ``model.layers.0.mlp``; with ``FRAME_PREFIX`` (``model``) set,
-    ``L['self'].layers.0.mlp`` -> ``model.layers.0.mlp`` too."""
-    prefix = FRAME_PREFIX.get() if path.startswith("L['self']") else ""
-    path = re.sub(r"^L\['self'\]\.?", "", path).replace("L['self']", "")
+    ``L['self'].layers.0.mlp`` -> ``model.layers.0.mlp`` too. ``L['fn']`` is the compiled module too, where Dynamo
+    calls it through a wrapper (a ``torch.nn`` container such as ``nn.Sequential``: ``L['fn'].1`` -> ``1``)."""
+    prefix = FRAME_PREFIX.get() if path.startswith(("L['self']", "L['fn']")) else ""
+    path = re.sub(r"^L\['(self|fn)'\]\.?", "", path).replace("L['self']", "")
     return f"{prefix}.{path}" if prefix and path else prefix or path
 
 

@@ -207,4 +207,84 @@ def test_explain_names_the_rewritten_loop():
     report = moecompile.explain(handwritten.TinyMoELM("hit_loop"), IDS)
     assert len(report.layers) == 2 and report.num_graphs == 1, report.skipped
     assert list(report.loops) == ["moecompile.models.handwritten.HitLoopMoE.forward"]
-    assert "traced moecompile.models.handwritten.HitLoopMoE.forward's loop over nonzero() rows" in str(report)
+    assert "traced moecompile.models.handwritten.HitLoopMoE.forward's expert loop as one over every expert" \
+        in str(report)
+
+
+# ---- loops over every expert that skip the experts with no tokens -------------------------------------------
+
+
+class _SkipEmptyMoE(handwritten.ModuleListMoE):
+    """transformers' Mixtral as many copies of it still read: a loop over ``range(E)`` that skips an expert whose
+    ``torch.where`` found no rows (``if top_x.shape[0] == 0: continue``), which Dynamo cannot branch on; with
+    ``enumerate``, the ids compared with the expert's number and the skip spelled with ``numel()``."""
+
+    def __init__(self, *args, enumerated=False):
+        super().__init__(*args)
+        self.enumerated = enumerated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, ids = handwritten._route(self.router(h), self.top_k)
+        out = torch.zeros_like(h)
+        if self.enumerated:
+            for e, expert in enumerate(self.experts):
+                token, slot = torch.where(ids == e)
+                if token.numel() == 0:
+                    continue
+                out.index_add_(0, token, expert(h[token]) * weights[token, slot, None])
+            return out.view_as(x)
+        expert_mask = F.one_hot(ids, num_classes=len(self.experts)).permute(2, 1, 0)
+        for expert_idx in range(len(self.experts)):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.shape[0] == 0:
+                continue
+            current = expert_layer(h[None, top_x].reshape(-1, h.shape[-1])) * weights[top_x, idx, None]
+            out.index_add_(0, top_x, current.to(h.dtype))
+        return out.view_as(x)
+
+
+@pytest.mark.parametrize("enumerated", [False, True])
+def test_a_loop_that_skips_experts_with_no_tokens_is_traced_without_the_skip(enumerated):
+    """The skip goes (an expert with no rows adds nothing: its index_add_ adds no rows); the block is then in one
+    graph, rewritten, logits and every gradient as eager. Eagerly the rewritten forward gives the original's output
+    bit for bit where experts get no tokens; without the rewrite the block is in no graph (it was not found)."""
+    torch.manual_seed(0)
+    block = _SkipEmptyMoE(32, 16, 8, 2, enumerated=enumerated)
+    result = loops.rewrite(_SkipEmptyMoE.forward)
+    assert result.code is not None and "== 0:" not in result.source and "continue" not in result.source
+    new = types.FunctionType(result.code, _SkipEmptyMoE.forward.__globals__)
+    x = torch.randn(2, 3, 32)  # 6 tokens x 2 picks: some of the 8 experts get none
+    assert torch.equal(new(block, x), block(x))
+    model = handwritten.TinyMoELM("loop")
+    model.blocks = nn.ModuleList(_SkipEmptyMoE(32, 16, 8, 2, enumerated=enumerated) for _ in range(2))
+    report = compile_and_compare(model, IDS)
+    assert report.graphs_seen == 1 and len(report.layers) == 2, report.skipped
+    assert list(report.loops) == [f"{__name__}._SkipEmptyMoE.forward"]
+    plain = moecompile.explain(model, IDS, capture=False)  # Dynamo's defaults: the skip breaks the graph
+    assert not plain.layers
+
+
+SKIPPING = """        tok, slot = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])"""
+
+
+@pytest.mark.parametrize("body, why", [
+    (SKIPPING.replace("out.index_add_(0, tok,", "out.index_add_(0, ids[:, 0],"), "are not the `torch.where"),
+    (SKIPPING.replace("tok.numel()", "ids.numel()"), "the rows it skips on are not those of a `torch.where`"),
+    ("        y = x if e == 0 else y * 2\n" + SKIPPING.replace("x[tok]", "y[tok]"),
+     "`y` is read before the body binds it"),
+    (SKIPPING.replace("out.index_add_", "print(e)\n        out.index_add_"), "runs `print(e)` for an effect"),
+])
+def test_skipping_loops_that_cannot_be_proved_are_refused_with_the_reason(tmp_path, body, why):
+    path = tmp_path / "user_skips.py"
+    path.write_text(f"import torch\n\n\ndef forward(self, x, ids, w):\n    out = torch.zeros_like(x)\n"
+                    f"    for e in range(4):\n{body}\n    return out\n")
+    namespace = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - a test builds source to rewrite
+    result = loops.rewrite(namespace["forward"])
+    assert result.code is None and result.found and "skips the experts that received no tokens" in result.reason
+    assert why in result.reason, result.reason

@@ -161,3 +161,45 @@ def test_layers_are_named_by_their_path_in_the_model_when_an_inner_frame_is_trac
     backend = RecordingBackend(inner="aot_eager")  # the inner model compiled alone: its own paths
     torch.compile(model.trunk, backend=backend)(ids)
     assert [r.path for r in backend.report.layers] == ["blocks.0", "blocks.1"]
+
+
+def test_a_module_called_through_dynamos_wrapper_is_named_by_its_path():
+    """``nn.Sequential`` (a ``torch.nn`` container) compiled: Dynamo calls it through a wrapper and names it
+    ``L['fn']``; its layer is ``1``, the path ``model.get_submodule`` takes, not ``L['fn'].1``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), handwritten.GatherMoE(32, 16, 8, 2))
+    assert [r.path for r in moecompile.explain(model, torch.randn(2, 6, 32)).layers] == ["1"]
+
+
+class _BranchingMoE(torch.nn.Module):
+    """Runs an expert only where it got tokens, with a Python ``if`` on a tensor: a graph break in a loop. Inside
+    ``nn.Sequential`` Dynamo then runs the whole model eagerly: no graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(32, 8, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(8))
+
+    def forward(self, x):
+        weights, ids = self.router(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            hit = (ids == e).any(-1)
+            if hit.any():
+                out[hit] += expert(x[hit]) * (weights * (ids == e)).sum(-1)[hit, None]
+        return out
+
+
+def test_explain_reports_graph_breaks_and_no_graph():
+    """A block a graph break cuts cannot be found: explain() says which break, and that Dynamo made no graph (it
+    was silent: "0 MoE layer(s) rewritten, 0 skipped, 0 graph(s)")."""
+    torch.manual_seed(0)
+    report = moecompile.explain(torch.nn.Sequential(_BranchingMoE()), torch.randn(12, 32))
+    text = str(report)
+    assert report.num_graphs == 0 and not report.layers
+    assert list(report.graph_breaks) == ["Data-dependent branching: Detected data-dependent branching (e.g. `if "
+                                         "my_tensor.sum() > 0:`). Dynamo does not support tracing dynamic control "
+                                         "flow"], report.graph_breaks
+    assert "x): Data-dependent branching" in text and "Dynamo made no graph" in text, text
+    again = moecompile.explain(handwritten.TinyMoELM("gather"), IDS)  # counted from each explain() on
+    assert not again.graph_breaks and "graph break" not in str(again) and len(again.layers) == 2

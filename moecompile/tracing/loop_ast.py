@@ -19,7 +19,7 @@ class Refuse(Exception):
     pass
 
 
-def _call_name(node) -> str | None:
+def call_name(node) -> str | None:
     """``f`` for ``f(...)``, ``torch.nn.functional.f(...)`` or ``x.f(...)``."""
     if isinstance(node, ast.Call):
         f = node.func
@@ -71,7 +71,7 @@ def _targets(node) -> list:
 
 def _reduction(node, name: str):
     """``(M, dims)`` for ``M.name(dims)`` / ``M.name(dim=dims)`` / ``torch.name(M, dims)``, else None."""
-    if not isinstance(node, ast.Call) or _call_name(node) != name:
+    if not isinstance(node, ast.Call) or call_name(node) != name:
         return None
     operands = _operands(node)
     if not operands or not isinstance(operands[0], ast.Name):
@@ -96,7 +96,7 @@ def hit_condition(cond):
             total = left
         elif isinstance(op, ast.Lt) and isinstance(left, ast.Constant) and left.value == 0:
             total = right
-    elif _call_name(cond) in ("greater", "gt"):
+    elif call_name(cond) in ("greater", "gt"):
         args = _operands(cond)
         if len(args) == 2 and isinstance(args[1], ast.Constant) and args[1].value == 0:
             total = args[0]
@@ -107,7 +107,7 @@ def hit_condition(cond):
 
 def nonzero_arg(node):
     """``C`` for ``C.nonzero()`` / ``C.nonzero(as_tuple=False)`` / ``torch.nonzero(C)``."""
-    if not isinstance(node, ast.Call) or _call_name(node) != "nonzero":
+    if not isinstance(node, ast.Call) or call_name(node) != "nonzero":
         return None
     kw = {k.arg: k.value for k in node.keywords}
     if set(kw) - {"as_tuple"} or ("as_tuple" in kw and not (isinstance(kw["as_tuple"], ast.Constant)
@@ -124,9 +124,9 @@ def assignments(fdef, name: str) -> list[ast.Assign]:
 
 def is_one_hot_view(value, name: str) -> bool:
     """``value`` is ``one_hot(...)`` or ``name`` itself, followed by view-like methods only."""
-    while _call_name(value) in _VIEWS and isinstance(value.func, ast.Attribute):
+    while call_name(value) in _VIEWS and isinstance(value.func, ast.Attribute):
         value = value.func.value
-    return _call_name(value) == "one_hot" or (isinstance(value, ast.Name) and value.id == name)
+    return call_name(value) == "one_hot" or (isinstance(value, ast.Name) and value.id == name)
 
 
 def _pure(node) -> bool:
@@ -136,7 +136,7 @@ def _pure(node) -> bool:
             return True
         if isinstance(node, ast.Attribute):
             node = node.value
-        elif _call_name(node) in _VIEWS and isinstance(node.func, ast.Attribute):
+        elif call_name(node) in _VIEWS and isinstance(node.func, ast.Attribute):
             if not all(_pure(a) or isinstance(a, ast.Constant) for a in node.args) or node.keywords:
                 return False
             node = node.func.value
@@ -164,6 +164,27 @@ def names_bound(stmts) -> set[str]:
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 out.add(node.id)
     return out
+
+
+def empty_skip(stmt) -> str | None:
+    """``x`` for ``if x.numel() == 0: continue`` (or ``x.shape[0] == 0``, ``len(x) == 0``), else None."""
+    t = getattr(stmt, "test", None)
+    if not (isinstance(stmt, ast.If) and [type(s) for s in stmt.body] == [ast.Continue] and not stmt.orelse):
+        return None
+    if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)
+            and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value == 0):
+        return None
+    x = t.left
+    if _is_method(x, "numel") and not x.args:
+        x = x.func.value
+    elif call_name(x) == "len" and isinstance(x.func, ast.Name) and len(x.args) == 1:
+        x = x.args[0]
+    elif (isinstance(x, ast.Subscript) and isinstance(x.value, ast.Attribute) and x.value.attr == "shape"
+          and isinstance(x.slice, ast.Constant) and x.slice.value == 0):
+        x = x.value.value
+    else:
+        return None
+    return x.id if isinstance(x, ast.Name) else None
 
 
 class _RowUses(ast.NodeTransformer):
@@ -209,8 +230,12 @@ class _RowUses(ast.NodeTransformer):
 class LoopBody:
     """Check and rewrite the loop body; see the module docstring, point 2."""
 
-    def __init__(self, target: str, mask: str, outside_loop: set[str]):
-        self.rows, self.ints = {target}, set()
+    def __init__(self, target: str, mask: str, outside_loop: set[str], number: bool = False):
+        """``target``: the loop row, or with ``number`` the expert's number itself (a loop over ``range(E)``,
+        which runs over the same experts with or without its skips: any ``torch.where`` selects its rows, and no
+        index by the number needs a guard)."""
+        self.rows, self.ints = ({target}, set()) if not number else (set(), {target})
+        self.number = number
         self.mask, self.outside = mask, outside_loop
         self.selections: set[str] = set()  # names bound by torch.where(mask[row])
         self.effect = None
@@ -221,7 +246,7 @@ class LoopBody:
         for sub in ast.walk(node):
             if isinstance(sub, (ast.Lambda, ast.NamedExpr, ast.Yield, ast.YieldFrom, ast.Await)):
                 raise Refuse(f"its body holds a {type(sub).__name__.lower()}")
-            name = _call_name(sub)
+            name = call_name(sub)
             if name and isinstance(sub.func, ast.Attribute):
                 if _in_place(name) or name in _MUTATING:
                     raise Refuse(f"its body calls `.{name}(...)`, which changes a tensor or container in place")
@@ -234,6 +259,9 @@ class LoopBody:
         """For each ``x[e]`` by the expert's number, the guard ``e < len(x)``: an expert past the end of ``x`` would
         raise in the original loop, so it never received tokens in a run that works, and the new loop skips it
         (dbrx's one_hot has a class more than its experts)."""
+        if self.number:
+            return
+
         def int_row(n):
             return isinstance(n, ast.Name) and (n.id == ROW or n.id in self.ints)
 
@@ -266,8 +294,10 @@ class LoopBody:
 
     def _selection(self, value) -> bool:
         """``torch.where(mask[e])`` / ``torch.where(mask[e:e+1].squeeze(0))`` on the loop's mask."""
-        if not (_call_name(value) == "where" and len(value.args) == 1 and not value.keywords):
+        if not (call_name(value) == "where" and len(value.args) == 1 and not value.keywords):
             return False
+        if self.number:
+            return True
         sel = value.args[0]
         if _is_method(sel, "squeeze") and [getattr(a, "value", None) for a in sel.args] == [0]:
             sel = sel.func.value
@@ -294,7 +324,7 @@ class LoopBody:
         self.selections -= bound
         if top and isinstance(target, ast.Name) and (
             (isinstance(stmt.value, ast.Name) and (stmt.value.id == ROW or stmt.value.id in self.ints))
-            or (_call_name(stmt.value) == "int" and len(stmt.value.args) == 1
+            or (call_name(stmt.value) == "int" and len(stmt.value.args) == 1
                 and isinstance(stmt.value.args[0], ast.Name) and stmt.value.args[0].id == ROW)
         ):
             self.ints.add(target.id)
@@ -303,24 +333,8 @@ class LoopBody:
         return stmt
 
     def _empty_skip(self, stmt) -> bool:
-        """``if rows.numel() == 0: continue`` (or ``rows.shape[0] == 0``, ``len(rows) == 0``) on a selection."""
-        t = stmt.test
-        if not (isinstance(stmt, ast.If) and [type(s) for s in stmt.body] == [ast.Continue] and not stmt.orelse):
-            return False
-        if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)
-                and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value == 0):
-            return False
-        x = t.left
-        if _is_method(x, "numel") and not x.args:
-            x = x.func.value
-        elif _call_name(x) == "len" and isinstance(x.func, ast.Name) and len(x.args) == 1:
-            x = x.args[0]
-        elif (isinstance(x, ast.Subscript) and isinstance(x.value, ast.Attribute) and x.value.attr == "shape"
-              and isinstance(x.slice, ast.Constant) and x.slice.value == 0):
-            x = x.value.value
-        else:
-            return False
-        return isinstance(x, ast.Name) and x.id in self.selections
+        """``if rows.numel() == 0: continue`` (``empty_skip``) on a selection."""
+        return empty_skip(stmt) in self.selections
 
     def block(self, stmts, top: bool) -> list:
         out = []
@@ -337,7 +351,7 @@ class LoopBody:
                 out += self._take() + [stmt]
             elif isinstance(stmt, ast.With):
                 for item in stmt.items:
-                    grad_mode = _call_name(item.context_expr) in ("no_grad", "enable_grad")
+                    grad_mode = call_name(item.context_expr) in ("no_grad", "enable_grad")
                     if item.optional_vars is not None or not grad_mode:
                         raise Refuse("its body opens a `with` other than `torch.no_grad()`")
                 stmt.body = self.block(stmt.body, top)

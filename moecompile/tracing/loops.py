@@ -29,7 +29,8 @@ from typing import NamedTuple
 from torch import nn
 
 from .loop_ast import (
-    ROW, LoopBody, Refuse, assignments, changed_in_place, hit_condition, is_one_hot_view, names_bound, nonzero_arg,
+    ROW, LoopBody, Refuse, assignments, call_name, changed_in_place, empty_skip, hit_condition, is_one_hot_view,
+    names_bound, nonzero_arg,
 )
 
 
@@ -63,18 +64,24 @@ def rewrite(fn) -> Rewrite:
     reasons, done = [], 0
     for loop in loops:
         line = f"{code.co_filename}:{first + loop.lineno - 1}"
-        try:
-            replaced = _rewrite_loop(fdef, loop)
-        except Refuse as why:
-            reasons.append(f"the loop at {line} looks like one over the experts that received tokens, but {why}")
-            continue
+        replaced = None
+        for rewrite_one, looks in ((_rewrite_loop, "looks like one over the experts that received tokens"),
+                                   (_drop_empty_skips, "skips the experts that received no tokens")):
+            try:
+                replaced = rewrite_one(fdef, loop)
+            except Refuse as why:
+                reasons.append(f"the loop at {line} {looks}, but {why}")
+                break
+            if replaced is not None:
+                break
         if replaced is None:
             continue
         _replace(fdef, loop, replaced)
         done += 1
         where = line
     if not done:
-        return Rewrite(None, "; ".join(reasons) or "it holds no loop over nonzero() rows", where, found=bool(reasons))
+        return Rewrite(None, "; ".join(reasons) or "it holds no loop over nonzero() rows and no loop that skips "
+                       "the experts that received no tokens", where, found=bool(reasons))
     ast.fix_missing_locations(tree)
     source = ast.unparse(fdef)
     new = _compile(tree, fdef, fn, first)
@@ -111,7 +118,21 @@ def _rewrite_loop(fdef, loop):
     changed = changed_in_place(fdef, {mask, loop.iter.id})
     if changed:
         raise Refuse(f"`{changed}` is changed in place")
-    body_names = names_bound(loop.body) | {loop.target.id}
+    body = _checked_body(fdef, loop, LoopBody(loop.target.id, mask, _bound_outside(fdef, loop)))
+    every = ast.For(
+        target=ast.Name(ROW, ast.Store()),
+        iter=ast.Call(ast.Name("range", ast.Load()), [ast.parse(f"{mask}.shape[0]", mode="eval").body], []),
+        body=body, orelse=[],
+    )
+    guard = ast.parse(f"{mask}.dim() == {n}", mode="eval").body
+    return ast.copy_location(ast.If(test=guard, body=[ast.copy_location(every, loop)], orelse=[copy.deepcopy(loop)]),
+                             loop)
+
+
+def _bound_outside(fdef, loop) -> set[str]:
+    """The names the function binds outside ``loop`` (its arguments included) and not in it. Raises ``Refuse``
+    where a name bound in the loop is read after it (the last expert's value would differ)."""
+    body_names = names_bound(loop.body) | names_bound([loop.target])
     loop_nodes = {id(n) for n in ast.walk(loop)}
     read_after = sorted({n.id for n in ast.walk(fdef) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
                          and n.id in body_names and id(n) not in loop_nodes})
@@ -121,19 +142,52 @@ def _rewrite_loop(fdef, loop):
     outside = {n.id for n in ast.walk(fdef) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
                and id(n) not in loop_nodes} | {
         a.arg for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg] if a is not None}
-    outside -= body_names
-    checker = LoopBody(loop.target.id, mask, outside)
+    return outside - body_names
+
+
+def _checked_body(fdef, loop, checker: LoopBody) -> list:
+    """The loop's body, checked and rewritten by ``checker``; it must add at the selected rows."""
     body = checker.block(copy.deepcopy(loop.body), top=True)
     if checker.effect is None:
         raise Refuse("its body has no `out.index_add_(0, rows, values)`")
-    every = ast.For(
-        target=ast.Name(ROW, ast.Store()),
-        iter=ast.Call(ast.Name("range", ast.Load()), [ast.parse(f"{mask}.shape[0]", mode="eval").body], []),
-        body=body, orelse=[],
-    )
-    guard = ast.parse(f"{mask}.dim() == {n}", mode="eval").body
-    return ast.copy_location(ast.If(test=guard, body=[ast.copy_location(every, loop)], orelse=[copy.deepcopy(loop)]),
-                             loop)
+    return body
+
+
+def _drop_empty_skips(fdef, loop):
+    """``loop`` without its ``if rows.numel() == 0: continue`` (or ``rows.shape[0] == 0``, ``len(rows) == 0``)
+    after ``_, rows = torch.where(...)``, which Dynamo cannot branch on; None when it has no such skip; raises
+    ``Refuse`` where the body is not provably unchanged by it: its one effect adds at those rows
+    (``out.index_add_(0, rows, values)``), so an iteration with no rows adds nothing, and every other statement
+    binds local names (the checks of a loop over ``nonzero()`` rows), none read before it is bound (a value carried
+    to the next iteration would change)."""
+    if not any(empty_skip(s) for s in loop.body):
+        return None
+    if loop.orelse:
+        raise Refuse("it has an `else:`")
+    target = loop.target
+    if isinstance(target, ast.Tuple) and call_name(loop.iter) == "enumerate" and target.elts:
+        target = target.elts[0]
+    if not isinstance(target, ast.Name):
+        raise Refuse("its variable is not one name (or `i, x` of an `enumerate`)")
+    carried = _carried(loop)
+    if carried:
+        raise Refuse(f"`{carried}` is read before the body binds it: a value carried between iterations")
+    body = _checked_body(fdef, loop, LoopBody(target.id, "", _bound_outside(fdef, loop), number=True))
+    if any(empty_skip(s) for s in body):
+        raise Refuse("the rows it skips on are not those of a `torch.where` bound unconditionally before")
+    return ast.copy_location(ast.For(target=loop.target, iter=loop.iter, body=body, orelse=[]), loop)
+
+
+def _carried(loop) -> str | None:
+    """A name the body binds that one of its statements reads before any earlier statement bound it, or None."""
+    bound, body_names = names_bound([loop.target]), names_bound(loop.body)
+    for stmt in loop.body:
+        read = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        early = sorted((read & body_names) - bound)
+        if early:
+            return early[0]
+        bound |= names_bound([stmt])
+    return None
 
 
 def _replace(fdef, old, new) -> None:
@@ -187,7 +241,7 @@ seen: dict[str, Rewrite] = {}  # "module.Class.forward" -> its rewrite or why no
 
 def _candidates(roots):
     """The forward functions (unwrapped) of the module classes reachable from ``roots`` whose code calls
-    ``nonzero``."""
+    ``nonzero`` or ``where``."""
     classes, out = set(), []
     for root in roots:
         for module in root.modules():
@@ -200,7 +254,7 @@ def _candidates(roots):
             except ValueError:  # a cycle of __wrapped__
                 continue
             code = getattr(fn, "__code__", None)
-            if isinstance(code, types.CodeType) and "nonzero" in code.co_names:
+            if isinstance(code, types.CodeType) and {"nonzero", "where"} & set(code.co_names):
                 out.append((f"{cls.__module__}.{cls.__qualname__}.forward", fn))
     return out
 
