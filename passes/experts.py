@@ -18,16 +18,27 @@ class Skip(Exception):
 
 
 def modulelist_indices(params, E: int) -> dict[fx.Node, tuple[int, str]]:
-    """{parameter: expert number} for the parameters of a ModuleList with E entries, read from placeholder names
-    (``..._experts_modules_3_modules_w1_...``): the list is the name prefix under which E indices occur.
-    Each parameter maps to (expert number, its name within the expert)."""
-    by_prefix: dict[str, dict[fx.Node, tuple[int, str]]] = {}
+    """{parameter: (expert number, its name within the expert)} for the parameters of a ModuleList with E entries,
+    read from placeholder names (``..._experts_modules_3_modules_w1_...``), or of a ModuleDict whose E keys differ
+    by a number only (``..._experts_modules_expert_3_modules_wi_...``, Switch Transformers): the container is the
+    name prefix under which E such keys occur, the experts in the order of their numbers (verify proves it)."""
+    by_prefix: dict[str, dict[fx.Node, tuple[tuple[str, int, str], str]]] = {}
     for p in params:
-        for m in re.finditer(r"_modules_(\d+)_", p.name):
-            by_prefix.setdefault(p.name[: m.start()], {})[p] = (int(m.group(1)), p.name[m.end():])
+        parts = p.name.split("_modules_")
+        for j in range(1, len(parts)):
+            key, rest = parts[j], "_modules_".join(parts[j + 1:])
+            if j == len(parts) - 1:  # the expert's own parameter: "<key>_parameters_<name>"
+                key, sep, tail = key.partition("_parameters_")
+                if not sep:
+                    continue
+                rest = f"parameters_{tail}"
+            if (m := re.fullmatch(r"(\D*?)(\d+)(\D*)", key)) is not None:
+                by_prefix.setdefault("_modules_".join(parts[:j]), {})[p] = ((m[1], int(m[2]), m[3]), rest)
     for members in by_prefix.values():
-        if len({i for i, _ in members.values()}) == E:
-            return members
+        keys = {k for k, _ in members.values()}
+        if len(keys) == E and len({(stem, end) for stem, _, end in keys}) == 1:
+            number = {k: i for i, k in enumerate(sorted(keys, key=lambda k: k[1]))}
+            return {p: (number[k], rest) for p, (k, rest) in members.items()}
     return {}
 
 

@@ -226,7 +226,8 @@ def draws_random(n: fx.Node) -> bool:
 
 
 INPLACE = {"setitem", "iadd", "isub", "imul", "itruediv", "add_", "mul_", "div_", "sub_", "index_add_", "scatter_",
-           "masked_fill_", "copy_", "zero_", "fill_", "clamp_", "uniform_", "exponential_", "normal_"}
+           "scatter_add_", "scatter_reduce_", "index_copy_", "index_put_", "masked_scatter_", "masked_fill_", "copy_",
+           "zero_", "fill_", "clamp_", "uniform_", "exponential_", "normal_"}
 
 
 def mutated_input(n: fx.Node) -> fx.Node | None:

@@ -139,42 +139,6 @@ def test_router_spelling_is_rewritten_and_matches_eager(block, routing):
     assert {k: getattr(r, k) for k in routing} == routing and r.capacity == -1
 
 
-class UnflattenedTopk(_GatheredExperts):
-    """Top-2 over [B, S, E] scores, the tokens never flattened: the experts read the [B, S, K] ids and weights."""
-
-    def forward(self, x):
-        weights, ids = self.gate(x).softmax(dim=-1).topk(2, dim=-1)                     # [B, S, 2]
-        x1 = F.silu(torch.einsum("bsh,bskih->bski", x, self.w1[ids]))
-        y = torch.einsum("bski,bskhi->bskh", x1 * torch.einsum("bsh,bskih->bski", x, self.w3[ids]), self.w2[ids])
-        return (y * weights[..., None]).sum(2)
-
-
-class UnflattenedSortSigmoid(_GatheredExperts):
-    """Top-2 by a descending sort of sigmoid scores over [B, S, E], sliced, each token's experts run in a loop over
-    the experts on every token (masked by the weight each gave it)."""
-
-    def forward(self, x):
-        vals, ids = torch.sigmoid(self.gate(x)).sort(dim=-1, descending=True)
-        weights, ids = vals[..., :2], ids[..., :2]                                       # [B, S, 2]
-        out = torch.zeros_like(x)
-        for e in range(E):
-            gate = (weights * (ids == e)).sum(-1, keepdim=True)                          # [B, S, 1]
-            h = F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())
-            out = out + gate * (h @ self.w2[e].t())
-        return out
-
-
-@pytest.mark.parametrize("block, routing", [
-    (UnflattenedTopk, dict(top_k=2, score_fn="softmax", renormalize=False)),
-    (UnflattenedSortSigmoid, dict(top_k=2, score_fn="sigmoid", renormalize=False)),
-])
-def test_routing_over_unflattened_tokens_is_rewritten_and_matches_eager(block, routing):
-    """[B, S, E] scores (a block that never flattens its tokens): the canonical form flattens them."""
-    torch.manual_seed(0)
-    r = _rewritten_spec(block())
-    assert {k: getattr(r, k) for k in routing} == routing
-
-
 class _EinsumDispatch(nn.Module):
     """GShard-style dispatch: ``[T, E, C]`` one-hot masks, einsums into an ``[E, C, H]`` buffer, GELU experts."""
 
