@@ -278,6 +278,9 @@ SKIPPING = """        tok, slot = torch.where(ids == e)
     ("        y = x if e == 0 else y * 2\n" + SKIPPING.replace("x[tok]", "y[tok]"),
      "`y` is read before the body binds it"),
     (SKIPPING.replace("out.index_add_", "print(e)\n        out.index_add_"), "runs `print(e)` for an effect"),
+    (SKIPPING.replace("        out.index_add_", "        tok, slot = torch.where(ids == e + 1)\n"
+                                                 "        out.index_add_"),
+     "the rows it skips on and those it adds at are not of one `torch.where`"),
 ])
 def test_skipping_loops_that_cannot_be_proved_are_refused_with_the_reason(tmp_path, body, why):
     path = tmp_path / "user_skips.py"

@@ -172,9 +172,15 @@ def _drop_empty_skips(fdef, loop):
     carried = _carried(loop)
     if carried:
         raise Refuse(f"`{carried}` is read before the body binds it: a value carried between iterations")
-    body = _checked_body(fdef, loop, LoopBody(target.id, "", _bound_outside(fdef, loop), number=True))
+    checker = LoopBody(target.id, "", _bound_outside(fdef, loop), number=True)
+    body = _checked_body(fdef, loop, checker)
     if any(empty_skip(s) for s in body):
         raise Refuse("the rows it skips on are not those of a `torch.where` bound unconditionally before")
+    # the rows it skips on and those it adds at: one `torch.where`'s (a second could be empty where the first is not)
+    wheres = [n for s in loop.body for n in ast.walk(s) if isinstance(n, ast.Assign) and call_name(n.value) == "where"]
+    tested = {empty_skip(s) for s in loop.body} - {None} | {checker.effect.value.args[1].id}
+    if len(wheres) != 1 or not tested <= names_bound(wheres):
+        raise Refuse("the rows it skips on and those it adds at are not of one `torch.where`")
     return ast.copy_location(ast.For(target=loop.target, iter=loop.iter, body=body, orelse=[]), loop)
 
 
