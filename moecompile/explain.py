@@ -166,8 +166,12 @@ def _data_dependent_breaks() -> int:
     """Graph breaks so far that Dynamo's capture settings (option capture, moecompile.capture()) would have avoided."""
     from torch._dynamo.utils import counters
 
-    return sum(n for why, n in counters["unimplemented"].items()
-               if "capture_dynamic_output_shape_ops" in why or "capture_scalar_outputs" in why)
+    return sum(n for why, n in counters["unimplemented"].items() if _capture_avoids(why))
+
+
+def _capture_avoids(why: str) -> bool:
+    """Whether Dynamo's reason for a graph break names a setting of the capture scope (``tracing/capture.py``)."""
+    return "capture_dynamic_output_shape_ops" in why or "capture_scalar_outputs" in why
 
 
 def _other_breaks() -> dict[str, int]:
@@ -181,7 +185,7 @@ def _other_breaks() -> dict[str, int]:
     reasons = {why: max(counters["graph_break"].get(why, 0), counters["unimplemented"].get(why, 0))
                for why in {*counters["graph_break"], *counters["unimplemented"]}}
     for why, n in sorted(reasons.items()):
-        if "capture_dynamic_output_shape_ops" in why or "capture_scalar_outputs" in why:
+        if _capture_avoids(why):
             continue
         lines = [line.strip() for line in str(why).splitlines() if line.strip()]
         short = ": ".join([lines[0].rstrip(".")] + [line.removeprefix("Explanation: ").rstrip(".")
