@@ -6,7 +6,7 @@
     x_TH      = x.reshape(-1, H)
     w_TK, ids = moe.route(logits.reshape(-1, E), correction_bias.reshape(E), ...)   (a kept router: its own
                                                                                        [T, K] weights and ids)
-    tok, exp, counts, cw, src = moe.build_pft(ids, w_TK, E, capacity, drop_order, layer)
+    tok, exp, counts, cw, src = moe.build_pft(ids, w_TK, E, capacity, drop_order, layer, group)
     y_BH      = moe.expert_mlp(x_TH, tok, counts, w_gate, w_up, w_down, biases..., activation)
     out_TH    = moe.combine(y_BH, tok, cw, T)
     out_TH   += x_TH * (w_TK * (ids >= E_w)).sum(-1)             (identity experts: ids E_w..E-1 compute nothing;
@@ -82,7 +82,8 @@ def canonical_moe(
             correction_bias = correction_bias.reshape(E)
         routed = torch.ops.moe.route(logits.reshape(-1, E), correction_bias, *r.route_args())
         weights_TK, ids_TK = routed[0], routed[1]
-    pft = torch.ops.moe.build_pft(ids_TK, weights_TK, E, r.capacity, r.drop_order, layer)
+    group = logits.shape[-2] if r.capacity_per_sequence else 0  # tokens per sequence: logits [B, S, E] (detect)
+    pft = torch.ops.moe.build_pft(ids_TK, weights_TK, E, r.capacity, r.drop_order, layer, group)
     token_ids_B, tokens_per_expert_E, combine_weights_B = pft[0], pft[2], pft[3]
     if e.identity_experts:  # their rows sort after every computed one: the MLP leaves them 0, combine adds nothing
         tokens_per_expert_E = tokens_per_expert_E[: e.num_experts]

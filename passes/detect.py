@@ -31,6 +31,7 @@ import torch.fx as fx
 from .graph_utils import ancestors, descendants, draws_random, example, hint, is_param, module_stack, \
     mutated_input, nodes_by_module, op_name, placeholder_values, shape_of
 from .blocks import block_of, module_block, path_of
+from .capacity import capacity_options
 from .experts import Skip, compute_dtype, expert_options, expert_params
 from .kept import gather_ids, kept_router, looked_up, low_precision_picks, per_expert_scale, router_side, \
     unread_router
@@ -167,6 +168,7 @@ def _describe(path, block_type, region, router, values, order, config, unread=No
         router_params = router_side(slice_nodes, sels, values, E)
     else:
         routing = routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in)
+        routing.update(capacity_options(slice_nodes, values, order, E, x_in, logits))
         router_params = {router_weight(router)} | {a for a in router.args[2:3] if isinstance(a, fx.Node)}
     experts, binds = expert_options(slice_nodes, values, order, E, H, router_params)
     corr = routing.pop("correction_bias_node")
@@ -217,10 +219,10 @@ def _describe(path, block_type, region, router, values, order, config, unread=No
 
 def _token_inputs(slice_nodes, values) -> list[fx.Node]:
     """The floating tensors the slice reads from outside it that are not parameters (integer ones, a hash
-    router's token ids, are not tokens)."""
+    router's token ids, are not tokens; nor are 0-d ones: a float Dynamo made an input, a dropout's ``p``)."""
     externals = {a for n in slice_nodes for a in n.all_input_nodes if a not in slice_nodes}
     return [a for a in externals if not is_param(a, values) and isinstance(example(a), torch.Tensor)
-            and example(a).is_floating_point()]
+            and example(a).is_floating_point() and example(a).dim() > 0]
 
 
 def _sibling_cut(region, router, values, E):
@@ -372,7 +374,9 @@ def _product(options: dict) -> list[dict]:
 def _shared_paths(region, slice_nodes, values, block_path) -> tuple[str, ...]:
     paths = set()
     for n in region - slice_nodes:
-        if n.users and any(is_param(a, values) for a in n.all_input_nodes):  # dead views (a loop guard's) aside
+        if op_name(n) == "set_" or all(op_name(u) == "set_" for u in n.users):
+            continue  # dead views (a loop guard's) and a module's ``.to()`` in forward (Switch's router) aside
+        if any(is_param(a, values) for a in n.all_input_nodes):
             st = [p for _, p, _ in module_stack(n)]
             inner = st if block_path == ROOT else [p for p in st if p.startswith(block_path + ".")]
             if inner:

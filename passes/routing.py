@@ -1,5 +1,6 @@
 """Router reading for detect: which selection picks each token's experts, how many, and how their weights are
-scored, renormalised, scaled, applied (to the expert output or to its input) and dropped past a capacity.
+scored, renormalised, scaled and applied (to the expert output or to its input); ``capacity.py`` reads what is
+dropped past a capacity.
 
 A selection picks experts along the last dim of [T, E] (or [B, S, E]) router scores, in any spelling:
 
@@ -31,7 +32,7 @@ BATCHED_MATMULS = ("bmm", "einsum", "matmul", "baddbmm")
 # ---- selections ---------------------------------------------------------------------------------------------
 
 
-def _arg(n: fx.Node, pos: int, name: str, default):
+def node_arg(n: fx.Node, pos: int, name: str, default):
     return n.args[pos] if len(n.args) > pos else n.kwargs.get(name, default)
 
 
@@ -51,16 +52,16 @@ def _read_selection(n: fx.Node) -> tuple[int | None, str]:
     if name not in SELECTION_OPS or not n.args or shape_of(n.args[0]) is None:
         return None, f"{name} is not a selection over a tensor"
     ndim = len(shape_of(n.args[0]))
-    dim = _arg(n, 2 if name == "topk" else 1, "dim", None if name in ("max", "argmax") else -1)
+    dim = node_arg(n, 2 if name == "topk" else 1, "dim", None if name in ("max", "argmax") else -1)
     if not isinstance(dim, int) or dim not in (-1, ndim - 1):
         return None, f"{name} is not taken along the last dim of its input (dim={dim})"
     if name == "topk":
-        if _arg(n, 3, "largest", True) is not True:
+        if node_arg(n, 3, "largest", True) is not True:
             return None, "topk takes the smallest scores (largest=False)"
-        return hint(_arg(n, 1, "k", None)), ""
+        return hint(node_arg(n, 1, "k", None)), ""
     if name in ("max", "argmax"):
         return 1, ""
-    if _arg(n, 2, "descending", False) is not True:
+    if node_arg(n, 2, "descending", False) is not True:
         return None, f"{name} is not descending"
     K = _leading_slice_width(n)
     return K, "" if K is not None else f"no slice [..., :K] keeps the first K of the {name}"
@@ -81,7 +82,7 @@ def _is_leading_slice(n: fx.Node) -> bool:
     """``t[:, :K]``, ``t[..., :K]`` or ``t.narrow(-1, 0, K)``: the first K along the last dim, all of the others."""
     ndim = len(shape_of(n.args[0]) or ()) if n.args and isinstance(n.args[0], fx.Node) else 0
     if op_name(n) == "narrow":
-        return _arg(n, 1, "dim", None) in (-1, ndim - 1) and _arg(n, 2, "start", None) == 0
+        return node_arg(n, 1, "dim", None) in (-1, ndim - 1) and node_arg(n, 2, "start", None) == 0
     if n.target is not GETITEM or len(n.args) < 2:
         return False
     index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
@@ -239,7 +240,6 @@ def routing_options(slice_nodes, dep, sels, logits, values, order, E, x_in) -> d
     opts.update(_weight_options(weight_only))
     on_input = opts["score_fn"][0] == "topk_sigmoid" or _gate_on_input(slice_nodes, logits, x_in, expert_nodes, values)
     opts["weights_on_input"] = [True, False] if on_input else [False]
-    opts.update(_capacity_options(slice_nodes, values, order, E, x_in))
     return opts
 
 
@@ -346,51 +346,6 @@ def _weight_uses(expert_nodes, values) -> set[fx.Node]:
                 and isinstance(example(a), torch.Tensor) and example(a).is_floating_point()]
         uses |= set(n.users) if not data else {n}
     return uses
-
-
-def _capacity_options(slice_nodes, values, order, E, x_in) -> dict:
-    """A capacity C per expert, read from the batched matmuls (in graph order) that dispatch the tokens: one taking
-    a [T, E, C] dispatch mask (GShard's einsum), or an [E, C, ...] buffer of token data with stacked expert
-    weights (``bmm``); and the orders in which an over-full expert keeps tokens, by priority first when the tokens
-    are sorted by their gates (batch prioritized routing)."""
-    H = hint(shape_of(x_in)[-1])
-    T = hint(numel(shape_of(x_in)) // H)
-    tokens = descendants([x_in], slice_nodes | {x_in})
-    matmuls = sorted((n for n in slice_nodes if op_name(n) in BATCHED_MATMULS), key=order.get)
-    operands = [(n, a, [hint(d) for d in shape_of(a)]) for n in matmuls for a in n.all_input_nodes
-                if shape_of(a) and len(shape_of(a)) == 3]
-    masks = [shape[2] for _, _, shape in operands if shape[:2] == [T, E] and shape[2] not in (None, H)]
-    buffers = [shape[1] for n, a, shape in operands if a in tokens and shape[0] == E and shape[1] is not None
-               and shape[1] < T and any(_stacked_param(b, values, E) for b in n.all_input_nodes)]
-    # a buffer of C >= T rows drops nothing (Llama4 runs every expert on every token)
-    if not (caps := (masks or buffers)[:1] or _position_limits(slice_nodes, order, T)):
-        return {}
-    orders = ["slot_major", "token_major"]
-    if any(_sorts_tokens_by_gate(n, T) for n in slice_nodes):
-        orders.insert(0, "priority")
-    return {"capacity": caps, "drop_order": orders}
-
-
-def _position_limits(slice_nodes, order, T: int) -> list[int]:
-    """A capacity as a comparison of positions counted by a cumsum (Switch's ``one_hot(expert).cumsum(0)``) with a
-    constant: ``< C`` or ``<= C``, from 0 or 1, keeps C, C + 1 or C - 1 tokens; the proof picks (T or more: none)."""
-    counted = sorted(descendants([n for n in slice_nodes if op_name(n) == "cumsum"], slice_nodes), key=order.get)
-    limits = [a for n in counted if op_name(n) in ("lt", "le", "gt", "ge") for a in n.args if type(a) is int]
-    return [c for c in dict.fromkeys(c + d for c in limits for d in (0, 1, -1)) if 0 < c < T]
-
-
-def _stacked_param(n: fx.Node, values, E) -> bool:
-    """Whether ``n`` is an [E, ...] parameter, or a view of one (a transpose, a cast)."""
-    n = view_chain(n, PARAM_VIEWS)[-1]
-    return is_param(n, values) and values[n].dim() >= 2 and values[n].shape[0] == E
-
-
-def _sorts_tokens_by_gate(n: fx.Node, T: int) -> bool:
-    """A descending sort (or argsort) of one floating-point value per token: the tokens' priority order."""
-    if op_name(n) not in ("sort", "argsort") or _arg(n, 2, "descending", False) is not True:
-        return False
-    v = example(n.args[0])
-    return isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 1 and hint(v.shape[0]) == T
 
 
 def numel(shape) -> int:

@@ -32,6 +32,8 @@ class RoutingSpec:
     weights_on_input: bool = False  # Llama4 scales the expert input, not its output
     capacity: int = -1  # max tokens per expert (-1: no capacity, nothing dropped)
     drop_order: str = "slot_major"  # which assignments an over-full expert keeps: slot_major | token_major | priority
+    capacity_per_sequence: bool = False  # the capacity holds in each sequence (the [B, S, E] logits' S tokens;
+    # Switch Transformers counts positions by a cumsum over S), not over all B * S tokens
     kept: str = ""  # why the model's own router stays (its top-k weights and ids feed build_pft); "": moe.route
 
     def route_args(self) -> tuple:
@@ -91,7 +93,7 @@ class MoESpec:
         if r.weights_on_input:
             route += ", weights on input"
         if r.capacity >= 0:
-            route += f", capacity {r.capacity} ({r.drop_order})"
+            route += f", capacity {r.capacity}{' per sequence' if r.capacity_per_sequence else ''} ({r.drop_order})"
         act = ("gated " if e.gated else "") + e.activation + (" +bias" if e.biases else "")
         layout = e.storage if e.gate_up == "separate" else f"{e.storage}, gate_up {e.gate_up}"
         if e.up_transposed or e.down_transposed:

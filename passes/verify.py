@@ -119,6 +119,19 @@ def _saturating_round(cand, inputs, outside, x_node):
     return [t * scale if n is x_node else t for n, t in zip(outside, inputs)] if scale > 1 else None
 
 
+def _crowded_round(cand, inputs, outside, x_node):
+    """The first round again with every token close to the first one (1% of its own added: no two gates tie, as
+    sorts by gate may break ties in any order), or None when no candidate has a capacity. The tokens then pick
+    the same experts, which receive nearly all of them: a capacity drops the most it can, so that C - 1, C and
+    C + 1, or a capacity per sequence and one over all tokens, give different outputs (random tokens spread over
+    the experts may fill none of them)."""
+    if all(s.routing.capacity < 0 for s in cand.specs):
+        return None
+    x = inputs[outside.index(x_node)]
+    first = x.reshape(-1, x.shape[-1])[:1]
+    return [first + 0.01 * t if n is x_node else t for n, t in zip(outside, inputs)]
+
+
 def _random_like(x: torch.Tensor, values, gen: torch.Generator) -> torch.Tensor:
     """Random normal tokens of ``x``'s shape and dtype, on the parameters' device."""
     param = next(v for v in values.values() if isinstance(v, torch.Tensor) and v.is_floating_point()
@@ -197,7 +210,8 @@ def _prove(cand, values, config, proved: dict | None = None):
         # several rounds of fresh tokens: a routing detail (a bias, a tie rule) must show on enough tokens
         rounds = [inputs] + [_probe_inputs(outside, x_node, values, gen, topk)
                              for _ in range(-(-config.probe_tokens // tokens) - 1)]
-        rounds += [r for r in [_saturating_round(cand, inputs, outside, x_node)] if r is not None]
+        rounds += [r for r in [_saturating_round(cand, inputs, outside, x_node),
+                               _crowded_round(cand, inputs, outside, x_node)] if r is not None]
     except ValueError as err:
         return False, {"reason": str(err)}
     float_dtypes = [t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]

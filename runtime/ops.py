@@ -115,9 +115,10 @@ register_autograd("moe::route", _route_bwd, setup_context=_route_setup)
 
 @moe_op("moe::build_pft", mutates_args=())
 def build_pft(
-    ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_order: str, layer: str
+    ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_order: str, layer: str,
+    group_tokens: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out = ref.build_pft_ref(ids_TK, weights_TK, num_experts, capacity, drop_order)
+    out = ref.build_pft_ref(ids_TK, weights_TK, num_experts, capacity, drop_order, group_tokens)
     if capacity >= 0 and layer:  # layer "": not counted (verify's probes)
         routed = ids_TK.numel()
         DROPS.add(layer, routed, routed - out[2].sum())  # a device tensor: read when token_drops() is called
@@ -127,7 +128,7 @@ def build_pft(
 
 
 @register_fake("moe::build_pft")
-def _build_pft_fake(ids_TK, weights_TK, num_experts, capacity, drop_order, layer):
+def _build_pft_fake(ids_TK, weights_TK, num_experts, capacity, drop_order, layer, group_tokens=0):
     B = ids_TK.numel()
     i64 = dict(dtype=torch.int64)
     return (
@@ -149,7 +150,7 @@ def _build_pft_bwd(ctx, g_tok, g_exp, g_cnt, grad_cw_B, g_src):
     expert_ids_B, src_B = ctx.saved_tensors
     kept = grad_cw_B * (expert_ids_B < ctx.num_experts)  # dropped assignments get no gradient
     grad_flat = grad_cw_B.new_zeros(ctx.shape).view(-1).index_put((src_B,), kept)  # Size.numel() would guard
-    return None, grad_flat.view(ctx.shape), None, None, None, None
+    return None, grad_flat.view(ctx.shape), None, None, None, None, None
 
 
 register_autograd("moe::build_pft", _build_pft_bwd, setup_context=_build_pft_setup)

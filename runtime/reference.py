@@ -152,14 +152,17 @@ def _assignment_priority(weights_TK: torch.Tensor, drop_order: str) -> torch.Ten
 
 
 def build_pft_ref(
-    ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int = -1, drop_order: str = "slot_major"
+    ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int = -1,
+    drop_order: str = "slot_major", group_tokens: int = 0,
 ):
     """Sort the T*K assignments by expert, dropping those past ``capacity`` per expert (none when -1).
 
     ``drop_order`` says which assignments an expert keeps when it is over capacity: ``slot_major`` ranks every
     token's first choice before any second choice (GShard, DeepSpeed top-2), ``token_major`` ranks by token,
     ``priority`` is slot-major over the tokens sorted by their highest weight, highest first (V-MoE's batch
-    prioritized routing; ties keep token order).
+    prioritized routing; ties keep token order). With ``group_tokens`` G > 0 the capacity holds in each group of G
+    consecutive tokens (a sequence: Switch Transformers counts positions per sequence), ranked within the group in
+    the same order; 0: one group of all T tokens.
     Dropped assignments go to the tail of the buffer with expert id ``num_experts`` and combine weight 0; they
     are not counted in ``tokens_per_expert`` and no expert computes them (so every size stays T*K, static).
     Returns (token_ids_B, expert_ids_B, tokens_per_expert_E, combine_weights_B, src_B).
@@ -177,8 +180,16 @@ def build_pft_ref(
         by_prio = torch.argsort(prio)
         order = by_prio[torch.argsort(flat_ids[by_prio], stable=True)]  # by expert, then by priority
         sorted_e = flat_ids[order]
-        rank = pos - _starts(sorted_e, num_experts)[sorted_e]
-        keep = rank < capacity
+        if group_tokens > 0:  # ranked within (group, expert): kept where that rank is under the capacity
+            groups = -(-T // group_tokens)
+            key = (pos // K) // group_tokens * num_experts + flat_ids
+            by_key = by_prio[torch.argsort(key[by_prio], stable=True)]
+            sorted_key = key[by_key]
+            kept = torch.empty_like(pos, dtype=torch.bool).index_put_(
+                (by_key,), pos - _starts(sorted_key, groups * num_experts)[sorted_key] < capacity)
+            keep = kept[order]
+        else:
+            keep = pos - _starts(sorted_e, num_experts)[sorted_e] < capacity
         kept_first = torch.argsort((~keep).to(torch.int8), stable=True)  # no boolean mask: sizes stay static
         src_B = order[kept_first]
         expert_ids_B = torch.where(keep, sorted_e, num_experts)[kept_first]

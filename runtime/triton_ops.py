@@ -98,7 +98,8 @@ register_autograd("moe::route_triton", _route_bwd, setup_context=_route_setup)
 
 @moe_op("moe::build_pft_triton", mutates_args=())
 def build_pft_triton(
-    ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_order: str, layer: str
+    ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_order: str, layer: str,
+    group_tokens: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     if capacity >= 0:
         raise ValueError("moe::build_pft_triton builds capacity-free buffers; capacity layers keep moe::build_pft")

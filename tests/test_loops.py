@@ -108,8 +108,43 @@ def test_a_loop_of_the_proved_form_is_rewritten(tmp_path):
     assert loops.rewrite(_module_with(tmp_path, GOOD, ONE_HOT)).code is not None
 
 
+SIGNED = "F.one_hot(ids, 4).permute(2, 0, 1) * torch.where(w > 0.5, 1, -1)"  # a row can sum to 0, nonzero
+
+
+@pytest.mark.parametrize("body, mask, key", [
+    (GOOD, SIGNED, ""),  # not a one_hot: the new loop reads it gated
+    (GOOD.replace("self.experts[row[0]]", 'self.experts[f"expert_{row[0]}"]'), ONE_HOT, "expert_"),
+])
+def test_masks_of_any_sign_and_modules_keyed_by_the_number(tmp_path, body, mask, key):
+    """A mask that is not a one_hot: an expert whose row sums to 0 with nonzero entries is skipped by the original
+    and must add nothing in the loop over every expert (the rewrite zeroes the rows of the experts the original
+    skips). A ModuleDict keyed by f"expert_{e}" (Switch Transformers): guarded by the key being there."""
+    fn = _module_with(tmp_path, body, mask)
+    result = loops.rewrite(fn)
+    assert result.code is not None, result.reason
+    assert (loops.GATED in result.source) == (mask == SIGNED)
+    if key:
+        assert "if not f'expert_{_moecompile_expert}' in self.experts:" in result.source
+    new = types.FunctionType(result.code, fn.__globals__)
+    torch.manual_seed(0)
+    experts = [nn.Linear(8, 8) for _ in range(3)]  # the one_hot's 4th class: no expert, no tokens
+    owner = types.SimpleNamespace(experts=nn.ModuleDict({f"expert_{i}": e for i, e in enumerate(experts)})
+                                  if key else nn.ModuleList(experts))
+    ids = torch.tensor([[0, 1], [0, 2], [1, 2]])
+    w = torch.tensor([[0.9, 0.2], [0.1, 0.7], [0.6, 0.8]])  # expert 0: +1 and -1, its row sums to 0
+    x = torch.randn(3, 8)
+    want = fn(owner, x, ids, w)
+    assert torch.equal(new(owner, x, ids, w), want)
+    if not key:  # the same rewrite without the gate adds expert 0's two rows: the check above can fail
+        mask = F.one_hot(ids, 4).permute(2, 0, 1) * torch.where(w > 0.5, 1, -1)
+        assert mask[0].sum() == 0 and mask[0].any()
+        lines = [line for line in result.source.splitlines() if not line.strip().startswith(loops.GATED)]
+        namespace = {"torch": torch, "F": F}
+        exec("\n".join(lines).replace(loops.GATED, "mask"), namespace)  # noqa: S102
+        assert not torch.equal(namespace["forward"](owner, x, ids, w), want)
+
+
 @pytest.mark.parametrize("body, mask, after, why", [
-    (GOOD, "ids", "", "`mask` is not a one_hot"),
     (GOOD.replace("out.index_add_", "print(row)\n        out.index_add_"), ONE_HOT, "",
      "runs `print(row)` for an effect"),
     (GOOD + "\n        self.counts.append(tok)", ONE_HOT, "", "runs `self.counts.append(tok)`"),

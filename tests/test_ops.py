@@ -132,14 +132,40 @@ def test_capacity_drops_match_brute_force_and_are_counted(order):
     assert DROPS.snapshot()["layer.x"] == {"routed": T * K, "dropped": T * K - len(kept)}
 
 
+@pytest.mark.parametrize("order", ["slot_major", "token_major", "priority"])
+def test_capacity_per_sequence_keeps_what_each_sequence_alone_keeps(order):
+    """group_tokens=S (Switch Transformers' capacity per sequence): an assignment is kept exactly when it is kept
+    building the buffer of its own sequence alone; its gradient reaches the kept weights only."""
+    B, S, K, E, C = 3, 10, 2, 4, 3
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(B * S)])
+    ids[:S, 0] = 2  # the first sequence overloads expert 2, the others do not
+    w = torch.rand(B * S, K, generator=gen, requires_grad=True)
+    tok, exp, cnt, cw, src = torch.ops.moe.build_pft(ids, w, E, C, order, "", S)
+    kept = set(src[: int(cnt.sum())].tolist())
+    want, counts = set(), torch.zeros(E, dtype=torch.int64)
+    for b in range(B):
+        one = ref.build_pft_ref(ids[b * S:(b + 1) * S], w[b * S:(b + 1) * S], E, C, order)
+        want |= {b * S * K + i for i in one[4][: int(one[2].sum())].tolist()}
+        counts += one[2]
+    assert kept == want and cnt.tolist() == counts.tolist() and len(kept) < B * S * K
+    assert (exp[:-1] <= exp[1:]).all() and torch.equal(tok, src // K)
+    assert torch.equal(cw, w.flatten()[src] * (exp < E))
+    (g,) = torch.autograd.grad(cw.sum(), w)
+    assert sorted(g.flatten().nonzero().flatten().tolist()) == sorted(kept)
+    grouped_once = ref.build_pft_ref(ids, w, E, C, order, B * S)  # one group of every token: as without groups
+    assert all(torch.equal(a, b) for a, b in zip(grouped_once, ref.build_pft_ref(ids, w, E, C, order)))
+
+
 @pytest.mark.parametrize("capacity", [-1, 3])
 @pytest.mark.parametrize("order", ["slot_major", "token_major", "priority"])
 def test_build_pft_reads_nothing_back_from_the_device(capacity, order):
     """On meta tensors, which have no values, any read of the data (bincount sizing its output, a boolean mask)
     raises: on CUDA each such read waits for the GPU in every forward."""
     ids, w = torch.empty(10, 2, dtype=torch.int64, device="meta"), torch.empty(10, 2, device="meta")
-    out = ref.build_pft_ref(ids, w, 4, capacity, order)
-    assert [tuple(t.shape) for t in out] == [(20,), (20,), (4,), (20,), (20,)]
+    for group_tokens in (0, 5):
+        out = ref.build_pft_ref(ids, w, 4, capacity, order, group_tokens)
+        assert [tuple(t.shape) for t in out] == [(20,), (20,), (4,), (20,), (20,)]
 
 
 def test_build_pft_gradient_scatters_back():

@@ -227,6 +227,13 @@ class _RowUses(ast.NodeTransformer):
         return node
 
 
+def _number_key(node, is_number):
+    """A copy of ``f"expert_{e}"`` (an f-string whose only fields are the expert's number, as written), else None."""
+    fields = [v for v in node.values if isinstance(v, ast.FormattedValue)] if isinstance(node, ast.JoinedStr) else []
+    keyed = fields and all(is_number(v.value) and v.conversion == -1 and v.format_spec is None for v in fields)
+    return copy.deepcopy(node) if keyed else None
+
+
 class LoopBody:
     """Check and rewrite the loop body; see the module docstring, point 2."""
 
@@ -256,9 +263,9 @@ class LoopBody:
         return node
 
     def _guard_indexing(self, node) -> None:
-        """For each ``x[e]`` by the expert's number, the guard ``e < len(x)``: an expert past the end of ``x`` would
-        raise in the original loop, so it never received tokens in a run that works, and the new loop skips it
-        (dbrx's one_hot has a class more than its experts)."""
+        """For each ``x[e]`` by the expert's number, the guard ``e < len(x)`` (``f"expert_{e}" in x`` for a
+        ModuleDict's key): an expert past the end of ``x`` would raise in the original loop, so it never received
+        tokens in a run that works, and the new loop skips it (dbrx's one_hot has a class more than its experts)."""
         if self.number:
             return
 
@@ -273,7 +280,8 @@ class LoopBody:
             uses = [n for n in ast.walk(sub.slice) if int_row(n)]
             if not uses:
                 continue
-            if not int_row(sub.slice):
+            key = _number_key(sub.slice, int_row)
+            if not int_row(sub.slice) and key is None:
                 raise Refuse("it indexes by the expert's number in a form whose range cannot be checked "
                               f"(`{ast.unparse(sub)}`)")
             if any(sub in list(ast.walk(s)) for s in short):
@@ -282,7 +290,8 @@ class LoopBody:
                 raise Refuse(f"it indexes by the expert's number into `{ast.unparse(sub.value)}`, which is not "
                               "an attribute or a view of one")
             length = ast.Call(ast.Name("len", ast.Load()), [copy.deepcopy(sub.value)], [])
-            self.pending.append(ast.Compare(ast.Name(sub.slice.id, ast.Load()), [ast.Lt()], [length]))
+            self.pending.append(ast.Compare(key, [ast.In()], [copy.deepcopy(sub.value)]) if key is not None
+                                else ast.Compare(ast.Name(sub.slice.id, ast.Load()), [ast.Lt()], [length]))
 
     def _take(self) -> list:
         """``if not (e < len(x) and ...): continue`` for the guards of the statement just read, or nothing."""

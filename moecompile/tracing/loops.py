@@ -109,9 +109,10 @@ def _rewrite_loop(fdef, loop):
     sources = assignments(fdef, mask)
     if any(s.lineno >= bound[0].lineno for s in sources):
         raise Refuse(f"`{mask}` is bound again after the nonzero() the loop runs over")
-    if needs_nonnegative:
-        if not sources or not all(isinstance(s, ast.Assign) and is_one_hot_view(s.value, mask) for s in sources):
-            raise Refuse(f"`{mask}` is not a one_hot (a positive sum of it need not mean a nonzero entry)")
+    # a positive sum of a one_hot's row means a nonzero entry; of any other mask (negative entries) it need not,
+    # so the new loop reads the mask with the rows of the experts the original skips set to 0 (``gated``)
+    gated = needs_nonnegative and not (sources and all(isinstance(s, ast.Assign) and is_one_hot_view(s.value, mask)
+                                                       for s in sources))
     n = len(dims) + 1
     if len(set(dims)) != len(dims) or set(dims) not in (set(range(-len(dims), 0)), set(range(1, n))):
         raise Refuse(f"the dims {dims} it reduces over are not every dimension but the first")
@@ -119,14 +120,34 @@ def _rewrite_loop(fdef, loop):
     if changed:
         raise Refuse(f"`{changed}` is changed in place")
     body = _checked_body(fdef, loop, LoopBody(loop.target.id, mask, _bound_outside(fdef, loop)))
+    first = []
+    if gated:
+        hit_rows = f"({ast.unparse(cond)}).reshape(-1{', 1' * len(dims)})"
+        first = [ast.parse(f"{GATED} = {mask}.where({hit_rows}, 0)").body[0]]
+        body = [_Rename(mask, GATED).visit(stmt) for stmt in body]
     every = ast.For(
         target=ast.Name(ROW, ast.Store()),
         iter=ast.Call(ast.Name("range", ast.Load()), [ast.parse(f"{mask}.shape[0]", mode="eval").body], []),
         body=body, orelse=[],
     )
     guard = ast.parse(f"{mask}.dim() == {n}", mode="eval").body
-    return ast.copy_location(ast.If(test=guard, body=[ast.copy_location(every, loop)], orelse=[copy.deepcopy(loop)]),
-                             loop)
+    return ast.copy_location(ast.If(test=guard, body=[*first, ast.copy_location(every, loop)],
+                                    orelse=[copy.deepcopy(loop)]), loop)
+
+
+GATED = "_moecompile_mask"  # the loop's mask with the rows of the experts the original loop skips set to 0
+
+
+class _Rename(ast.NodeTransformer):
+    """Reads of one name made reads of another."""
+
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def visit_Name(self, node):
+        if node.id == self.old and isinstance(node.ctx, ast.Load):
+            return ast.copy_location(ast.Name(self.new, ast.Load()), node)
+        return node
 
 
 def _bound_outside(fdef, loop) -> set[str]:
