@@ -33,8 +33,10 @@ def capacity_options(slice_nodes, values, order, E, x_in, logits) -> dict:
     masks = [shape[2] for _, _, shape in operands if [hint(d) for d in shape[:2]] == [T, E]
              and hint(shape[2]) not in (None, H)]
     buffers = [shape[1] for n, a, shape in operands if a in tokens and hint(shape[0]) == E
-               and hint(shape[1]) is not None and hint(shape[1]) < T
-               and any(_stacked_param(b, values, E) for b in n.all_input_nodes)]
+               and hint(shape[1]) is not None and any(_stacked_param(b, values, E) for b in n.all_input_nodes)]
+    # a buffer of C >= T rows drops nothing at the traced count (Llama4 runs every expert on every token: C = T)
+    roomy = [c for c in buffers if hint(c) >= T and not _symbolic(c)]  # ... but a constant C may at another count
+    buffers = [c for c in buffers if hint(c) < T]
     sized = (masks or buffers)[:1]
     if sized and _symbolic(sized[0]):
         raise Skip(f"its expert capacity ({hint(sized[0])} tokens at the traced {T}) changes with the token count, and "
@@ -44,15 +46,15 @@ def capacity_options(slice_nodes, values, order, E, x_in, logits) -> dict:
         op_name(n) == "cumsum" and len(shape_of(n.args[0]) or ()) == 3 and _dim(n, 3) == 1 for n in slice_nodes)
     counted = hint(shape_of(logits)[-2]) if per_sequence else T  # the tokens one capacity holds for
     dynamic = any(_symbolic(d) for d in shape_of(x_in))
-    limits = _position_limits(slice_nodes, order)
-    if dynamic and limits and max(limits) + 1 > counted:
-        raise Skip(f"its expert capacity (about {max(limits) - 1} tokens{' per sequence' if per_sequence else ''}) "
-                   f"is not exceeded by the traced {counted} tokens, so no probe shows which tokens it drops, and "
-                   "the graph serves other token counts (dynamic shapes); left as it was (traced with more tokens, "
-                   "or with dynamic=False, it is proved)")
+    limits = [] if sized or roomy else _position_limits(slice_nodes, order)
+    reach = max([hint(c) for c in sized + roomy] + limits + [0])  # the largest capacity a candidate could have
+    if dynamic and reach and reach >= counted:  # an expert of `counted` rows never passes it: no probe drops
+        raise Skip(f"its expert capacity (up to {reach} tokens{' per sequence' if per_sequence else ''}) is not "
+                   f"exceeded by the traced {counted} tokens, so no probe shows which tokens it drops, and the graph "
+                   "serves other token counts (dynamic shapes); left as it was (traced with more tokens, or with "
+                   "dynamic=False, it is proved)")
     if not (caps := [hint(c) for c in sized] or [c for c in limits if c < counted]):
-        return {}  # a buffer of C >= T rows drops nothing (Llama4 runs every expert on every token); nor does a
-        # limit of T or more on the positions, at a token count that cannot change
+        return {}  # nothing is dropped at a token count that cannot change
     orders = ["slot_major", "token_major"]
     if any(_sorts_tokens_by_gate(n, T) for n in slice_nodes):
         orders.insert(0, "priority")
