@@ -186,6 +186,6 @@ def _sharded_under_autocast(rank, world, tmp):
 
 
 def test_sharded_experts_exchange_and_compute_bf16_rows_under_autocast(tmp_path):
-    import torch.multiprocessing as mp
+    from ranks import spawn
 
-    mp.spawn(_sharded_under_autocast, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_sharded_under_autocast, args=(2, str(tmp_path)), nprocs=2)

@@ -221,6 +221,6 @@ def _saved_exchanges(rank, world, tmp):
 
 def test_saved_exchanges_run_once_a_step_and_train_as_one_process(tmp_path):
     """dedup, expert domains and TED, each with checkpoint_exchanges="save" (one spawn for the three)."""
-    import torch.multiprocessing as mp
+    from ranks import spawn
 
-    mp.spawn(_saved_exchanges, args=(4, str(tmp_path)), nprocs=4, join=True)
+    spawn(_saved_exchanges, args=(4, str(tmp_path)), nprocs=4)

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn
 from ep_checkpoints import TOL, loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -157,6 +157,6 @@ def _world4(rank, world, tmp):
 
 def test_experts_replicated_over_dp_replicate_train_as_one_process(tmp_path):
     tmp = str(tmp_path)
-    mp.spawn(_world4, args=(4, tmp), nprocs=4, join=True)
+    spawn(_world4, args=(4, tmp), nprocs=4)
     for family in ("mixtral", "loop"):  # the 4 ranks' checkpoint, in one process with no group
         loads_in_one_process(_build(family), tmp, f"ckpt_{family}", f"saved_{family}.pt")

@@ -1,7 +1,7 @@
 """The padding-free row exchange (runtime/comm/exchange.py) on gloo, world 2 and 4: each rank's rows reach the ranks
 they name with exact uneven splits (a rank with no rows, a rank that receives none), come back in their order,
 and gradients flow back through both exchanges; every rank checks against what one process computes from all
-ranks' inputs. A failing rank fails the test (mp.spawn stops the others; the group has a timeout)."""
+ranks' inputs. A failing rank fails the test (the others are stopped; the group has a timeout)."""
 
 import socket
 from datetime import timedelta
@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn
 
 from moecompile.runtime.comm.exchange import combine_rows, dispatch_rows
 
@@ -56,7 +56,7 @@ def _free_port():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_rows_reach_their_ranks_and_come_back_with_gradients(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    spawn(_worker, args=(world, _free_port()), nprocs=world)
 
 
 def test_counts_added_as_tensors_are_summed_where_they_live_and_read_at_a_snapshot():

@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 from moecompile.distributed.calibrate import calibrate, time_dispatch
@@ -141,4 +141,4 @@ def _levels(rank, world, tmp):
 
 
 def test_dedup_at_every_level_of_a_three_level_mesh(tmp_path):
-    mp.spawn(_levels, args=(WORLD, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_levels, args=(WORLD, str(tmp_path)), nprocs=WORLD)

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn
 
 import moecompile.runtime.comm.ops  # noqa: F401  (registers moe::ep_dispatch, moe::ep_combine)
 from moecompile.runtime.placement.replicas import DROPPED, POPULARITY, forget
@@ -114,4 +114,4 @@ def _worker(rank, world, tmp):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_rows_reach_instances_and_train_as_one_process(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world)

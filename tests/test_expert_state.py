@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn
 
 from moecompile.runtime.placement import expert_state
 from moecompile.runtime.placement.expert_state import ExpertPartition, Groups, collect, distribute, reduce_instances
@@ -150,4 +150,4 @@ def _check_bytes(world, S, now, after, bounds):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_host_optimizer_equals_one_process(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world)

@@ -292,9 +292,9 @@ def test_a_sharded_layer_times_its_local_experts(tmp_path):
     while timing), and the logits equal the model's unsharded. For the loop form and the dense ModuleList form
     (every expert on every token): rank 0 holds experts 0-3, so the remote ones come last in its graph, and their
     stand-in weights must carry their module (passes/sharded.py) for detect to see the whole block there."""
-    import torch.multiprocessing as mp
+    from ranks import spawn
 
-    mp.spawn(_sharded_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_sharded_rank, args=(2, str(tmp_path)), nprocs=2)
 
 
 def test_forms_that_cannot_be_timed_leave_the_rule_and_say_why(cache, monkeypatch):

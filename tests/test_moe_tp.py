@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from ranks import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -287,11 +287,11 @@ def _levels(rank, world, tmp):
 
 
 def test_expert_parallel_levels_beside_tp_equal_one_process(tmp_path):
-    mp.spawn(_levels, args=(4, str(tmp_path)), nprocs=4, join=True)
+    spawn(_levels, args=(4, str(tmp_path)), nprocs=4)
 
 
 def test_moe_blocks_beside_tensor_parallelism_equal_one_process(tmp_path):
-    mp.spawn(_world4, args=(4, str(tmp_path)), nprocs=4, join=True)
+    spawn(_world4, args=(4, str(tmp_path)), nprocs=4)
     # the (2, 2) SSMB checkpoint into one process, without a process group: the same weights
     model = _build("mixtral")
     state = model.state_dict()

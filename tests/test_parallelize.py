@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from ranks import spawn
 from ep_checkpoints import TOL, check_after_swaps, loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -370,8 +370,8 @@ def _world2(rank, world, tmp):
 
 def test_expert_parallel_training_equals_one_process(tmp_path):
     tmp = str(tmp_path)
-    mp.spawn(_world4, args=(4, tmp), nprocs=4, join=True)
-    mp.spawn(_world2, args=(2, tmp), nprocs=2, join=True)
+    spawn(_world4, args=(4, tmp), nprocs=4)
+    spawn(_world2, args=(2, tmp), nprocs=2)
     _init(0, 1, tmp)  # a one-rank mesh runs the same path (what one GPU can check)
     try:
         _train_against_one_process("mixtral", init_device_mesh("cpu", (1,)), 0, 1)

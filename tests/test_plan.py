@@ -279,6 +279,6 @@ def _against_links(rank, world, tmp):
 def test_predictions_meet_emulated_links(tmp_path):
     """Item 3: the planner's dispatch + combine (dedup off, at "node", expert domains over "local", "node", both)
     from a calibration of emulated links, within the band the dedup model meets (tests/test_ep_levels.py)."""
-    import torch.multiprocessing as mp
+    from ranks import spawn
 
-    mp.spawn(_against_links, args=(4, str(tmp_path)), nprocs=4, join=True)
+    spawn(_against_links, args=(4, str(tmp_path)), nprocs=4)

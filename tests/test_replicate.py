@@ -1,14 +1,14 @@
 """Adaptive expert replication end to end (moecompile.parallelize(..., replication=...) + ExpertOptimizer) on gloo,
 against one process.
 
-World 4 on a 2x2 ("node", "local") mesh, world 2 on a 1-D one and one rank (in the test process): Mixtral with S =
-E/W + 1 slots per rank trains three steps with replication="adaptive" (torch's AdamW, lr 1e-3, eps 1e-6, weight
-decay 0.01; and SGD, lr 0.1, momentum 0.9, with the gradient norm clipped to 1 and a LambdaLR warm-up) and with
-"static" (AdamW), each rank on its own batch, beside one process training the same model on all the batches
-together with the same torch optimizer (and torch's clip_grad_norm_ and LambdaLR): each step's logits of each rank
-equal the one-process logits of its batch, ExpertOptimizer.clip_grad_norm_ returns the one-process norm, every
-parameter group follows the schedule, the state_dict after the steps (the replicated experts from the host master
-weights, made whole) equals the one-process parameters, and adaptive's equals static's (fp32, 1e-5).
+World 4 on a 2x2 ("node", "local") mesh and one rank (in the test process, a 1-D mesh): Mixtral with S = E/W + 1 slots
+per rank trains three steps with replication="adaptive" (torch's AdamW, lr 1e-3, eps 1e-6, weight decay 0.01; and SGD,
+lr 0.1, momentum 0.9, with the gradient norm clipped to 1 and a LambdaLR warm-up) and, on world 4, with "static"
+(AdamW), each rank on its own batch, beside one process training the same model on all the batches together with the
+same torch optimizer (and torch's clip_grad_norm_ and LambdaLR): each step's logits of each rank equal the one-process
+logits of its batch, ExpertOptimizer.clip_grad_norm_ returns the one-process norm, every parameter group follows the
+schedule, the state_dict after the steps (the replicated experts from the host master weights, made whole) equals the
+one-process parameters, and adaptive's equals static's (fp32, 1e-5).
 
 AdamW's eps: AdamW divides each element's update by that element's own gradient magnitude, so an element whose
 gradient is near eps turns fp32 rounding differences into update differences of up to lr. Any change of summation
@@ -17,23 +17,22 @@ AdamW steps on both sides) ends 3.2e-5 from the one-process run's. eps 1e-6 (com
 that effect below 1e-6 here; the host optimizer is checked against torch's AdamW at its default eps, on the same
 gradients, in test_expert_state.py.
 
-Adaptive placements follow the routing (they differ from static's; with SGD, whose steps move the router, they
-change from step to step, and a static one does not); each slot holds the expert its placement names. A state_dict
-round trip leaves the slots as they are. Bad input (too few slots, options that do not go with replication, an
-ExpertOptimizer for a model without replicated experts or with an optimizer that cannot step on the host) raises
-ValueError naming the fix. With "adaptive" and SGD, a torch.distributed.checkpoint saved after step 1 and loaded
-into a fresh model, optimizer and schedule continues bit for bit across the placement changes of steps 2 and 3 (the
-experts' lr as scheduled); world 2 loads world 4's. World 2 and one rank also train dbrx (flat [E x ffn, H] expert
-weights: its state_dict entries whole, Mixtral's stacked ones DTensors over the ranks' hosts) adaptive with SGD,
-checkpoint and resume included. One rank: a step after two micro-batches (gradient accumulation) places by both's
-routing.
+Adaptive placements follow the routing (they differ from static's; with SGD, whose steps move the router, they change
+from step to step, and a static one does not); each slot holds the expert its placement names. A state_dict round trip
+leaves the slots as they are. Bad input (too few slots, options that do not go with replication, an ExpertOptimizer for
+a model without replicated experts or with an optimizer that cannot step on the host) raises ValueError naming the fix.
+With "adaptive" and SGD, a torch.distributed.checkpoint saved after step 1 and loaded into a fresh model, optimizer and
+schedule continues bit for bit across the placement changes of steps 2 and 3 (the experts' lr as scheduled); world 2 (a
+1-D mesh) loads world 4's. World 2 and one rank also train dbrx (flat [E x ffn, H] expert weights: its state_dict
+entries whole, Mixtral's stacked ones DTensors over the ranks' hosts) adaptive with SGD, checkpoint and resume included.
+One rank: a step after two micro-batches (gradient accumulation) places by both's routing.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -224,13 +223,13 @@ def _worker(rank, world, tmp):
                 else init_device_mesh("cpu", (world,)))
         if world == 4:
             _bad_input(mesh, world)
-        adaptive = _train(mesh, rank, world, "adaptive", tmp)
-        static = _train(mesh, rank, world, "static", tmp)
-        for name, value in adaptive.items():  # adaptive against static, directly
-            torch.testing.assert_close(_whole(value), _whole(static[name]), rtol=TOL, atol=TOL,
-                                       msg=lambda m: f"{name}: {m}")
-        _train(mesh, rank, world, "adaptive", tmp, "sgd")
-        if world == 2:
+            adaptive = _train(mesh, rank, world, "adaptive", tmp)
+            static = _train(mesh, rank, world, "static", tmp)
+            for name, value in adaptive.items():  # adaptive against static, directly
+                torch.testing.assert_close(_whole(value), _whole(static[name]), rtol=TOL, atol=TOL,
+                                           msg=lambda m: f"{name}: {m}")
+            _train(mesh, rank, world, "adaptive", tmp, "sgd")
+        else:  # (Mixtral's runs above on a 1-D mesh: test_one_rank_replication)
             _load_saved_on_4(mesh, rank, world, tmp)
             _train(mesh, rank, world, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights
         dist.barrier()
@@ -264,7 +263,7 @@ def _load_saved_on_4(mesh, rank, world, tmp):
 
 def test_replicated_training_equals_one_process(tmp_path):
     for world in (4, 2):  # world 2 loads world 4's checkpoint
-        mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+        spawn(_worker, args=(world, str(tmp_path)), nprocs=world)
 
 
 def test_one_rank_replication(tmp_path):
