@@ -60,9 +60,13 @@ def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
     # in-place writes too (DeepSeek-style group masks, ``mask.scatter_(1, group_idx, 1)``), which nothing "uses"
     report.counters["canonicalize.rewritten"] += 1
     r = spec.routing
-    if r.capacity >= 0:  # the source's [E, C, H] expert buffers against our T*K rows, at the traced size
-        numel = hint(example(b.x).numel())
-        delta = spec.experts.num_experts * r.capacity - (numel // spec.experts.hidden) * r.top_k if numel else 0
+    if r.capacity >= 0:  # the source's [E, C, H] expert buffers (per sequence: [B, E, C, H]) against our T*K rows,
+        # at the traced size
+        tokens = hint(example(b.x).numel()) // spec.experts.hidden
+        slots = spec.experts.num_experts * r.capacity
+        if r.capacity_per_sequence:  # logits [B, S, E]: C rows per expert in each of the B sequences
+            slots *= tokens // max(1, hint(example(b.logits).shape[-2]))
+        delta = slots - tokens * r.top_k if tokens else 0
         report.counters["canonicalize.padding_rows_removed"] += max(0, delta)
         # a tight capacity (C * E < T * K): our buffer keeps the dropped rows at its tail, never computed
         report.counters["canonicalize.dropped_rows_kept"] += max(0, -delta)

@@ -26,8 +26,8 @@ def _switch(capacity: int, **kw):
 
 def test_switch_transformers_rewritten_with_its_capacity_per_sequence():
     """Two sequences of 6 tokens, a capacity of 2 per expert and sequence: tokens are dropped (which ones, per
-    sequence or over all 12 tokens, tests/test_ops.py checks). Every sparse layer (2 encoder, 2 decoder) is rewritten; logits and every
-    gradient as eager."""
+    sequence or over all 12 tokens, tests/test_ops.py checks). Every sparse layer (2 encoder, 2 decoder) is
+    rewritten; logits and every gradient as eager. The source's buffers hold 2 x 4 x 2 rows a layer, ours 12."""
     model = _switch(capacity=2).train()
     ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(1))
     DROPS.reset()  # the counts below are this run's
@@ -39,6 +39,8 @@ def test_switch_transformers_rewritten_with_its_capacity_per_sequence():
         assert "capacity 2 per sequence" in layer.spec.summary()
     drops = moecompile.token_drops()
     assert sum(d["dropped"] for d in drops.values()) > 0, drops  # the capacity is exercised
+    counts = report.counters
+    assert (counts["canonicalize.padding_rows_removed"], counts["canonicalize.dropped_rows_kept"]) == (4 * 4, 0)
     assert set(report.loops) == {"transformers.models.switch_transformers.modeling_switch_transformers."
                                  "SwitchTransformersExperts.forward"}
 
