@@ -68,7 +68,7 @@ def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
             slots *= tokens // max(1, hint(example(b.logits).shape[-2]))
         delta = slots - tokens * r.top_k if tokens else 0
         report.counters["canonicalize.padding_rows_removed"] += max(0, delta)
-        # a tight capacity (C * E < T * K): our buffer keeps the dropped rows at its tail, never computed
+        # a tight capacity (fewer slots than T * K): our buffer keeps the dropped rows at its tail, never computed
         report.counters["canonicalize.dropped_rows_kept"] += max(0, -delta)
     report.counters["canonicalize.nodes_removed"] += removed
 

@@ -220,7 +220,7 @@ def test_every_family_runs_as_eager_when_a_pass_fails(monkeypatch):
 
     monkeypatch.setattr(pipeline, "PASSES", (("detect", dict(pipeline.PASSES)["detect"]),
                                              ("canonicalize", canonicalize_then_raise)))
-    for family, model, ids, rep, warned in _walk_as_eager():
+    for family, model, rep, warned in _walk_as_eager():
         assert rep.graphs_seen and len(rep.failures) == rep.graphs_seen, family
         assert all((f.stage, f.error) == ("canonicalize", "RuntimeError: forced failure after rewriting")
                    for f in rep.failures), family
@@ -254,7 +254,7 @@ def test_every_family_runs_as_eager_when_an_op_raises_at_its_first_run(monkeypat
     for module, name in ((reference, "expert_mlp_ref"), (grouped_cpu, "expert_mlp_keep")):
         monkeypatch.setattr(module, name, raising(getattr(module, name)))
     quick = dict(probe_tokens=16, verify_backward=False)
-    for family, model, ids, rep, warned in _walk_as_eager(**quick):
+    for family, model, rep, warned in _walk_as_eager(**quick):
         assert not rep.layers and all((f.stage, f.error) == ("first_run", "RuntimeError: forced failure at run time")
                                       for f in rep.failures), family
         assert rep.counters["pipeline.failed.first_run"] == len(rep.failures), family
@@ -274,8 +274,8 @@ STRICT_FAMILY = "mixtral"
 
 def _walk_as_eager(**options):
     """Every family of the walk that builds, compiled with ``_PassesOnly(**options)`` and run once: the backend must
-    not raise and the logits must be eager's. Yields (family, model, ids, the report, whether a
-    ``MoEFallbackWarning`` was raised)."""
+    not raise and the logits must be eager's. Yields (family, model, the report, whether a ``MoEFallbackWarning``
+    was raised)."""
     families = sorted(set(hf.moe_families_in_transformers()) | set(hf.FAMILIES))
     ran = 0
     for family in families:
@@ -290,8 +290,7 @@ def _walk_as_eager(**options):
             got = torch.compile(model, backend=backend)(ids)
         assert not backend.errors, f"{family}: backend raised {backend.errors[0]!r}"
         assert normwise(got.logits, eager(ids).logits) <= 1e-5, f"{family}: outputs changed"
-        yield family, model, ids, backend.report, any(issubclass(w.category, pipeline.MoEFallbackWarning)
-                                                      for w in caught)
+        yield family, model, backend.report, any(issubclass(w.category, pipeline.MoEFallbackWarning) for w in caught)
         ran += 1
     assert ran >= len(hf.FAMILIES)
 
