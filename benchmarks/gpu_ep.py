@@ -82,12 +82,13 @@ def _rank(rank: int, case: str, device: str, inner: str, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def run_case(case: str, device: str, inner: str = "inductor") -> dict:
-    """One case in its own 4 processes: {"case", "logits", "params", "seconds", "status", "detail"}."""
+def run_case(case: str, device: str, inner: str = "inductor", spawn=mp.spawn) -> dict:
+    """One case in its own 4 processes: {"case", "logits", "params", "seconds", "status", "detail"}. ``spawn``:
+    ``mp.spawn`` or a function of its arguments (the tests start ranks from a fork server, tests/ranks.py)."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(_rank, args=(case, device, inner, tmp), nprocs=WORLD, join=True)
+            spawn(_rank, args=(case, device, inner, tmp), nprocs=WORLD)
             logits, params = eval(Path(f"{tmp}/result").read_text())  # noqa: S307 - our own repr of two floats
         except Exception as exc:  # noqa: BLE001 - reported in the table
             lines = [line for line in str(exc).strip().splitlines() if line.strip()]

@@ -146,6 +146,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked weights
         if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
             mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
+            for gathered in mine.values():  # reshard_after_forward: gathered again in backward (_start_gathers_early)
+                gathered.node.meta["moe_reshard"] = view_arg(views[0], "reshard", False)
         tensors = expert_tensors(local_spec, mine)
         if domain_size > 1 and q:  # in canonical layout, so that the experts can decode with use (_decode_with_use)
             world = view_arg(views[0], "compress_group")
@@ -260,7 +262,9 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
     """Expert domains' all-gathers started ahead (hybridep.md §IV-B): each ``moe.domain_gather`` becomes
     ``moe.domain_gather_start`` right after the previous layer's experts (the first layer's: as soon as its weights
     are there), so the gather runs while this layer's pre-expert part computes, and ``moe.domain_gather_wait`` where
-    the experts need it. One layer's gathered copies in flight beside the running one's, at most. A compressed
+    the experts need it. One layer's gathered copies in flight beside the running one's, at most. With
+    ``reshard_after_forward`` both are marked for AOT autograd's partitioner to compute again in backward, as the
+    decode below: the copies are not kept from forward to backward, and backward gathers them again. A compressed
     gather (``compress=q``) moves the same way, its shared expert and encode with its start; its wait gives the
     pairs, which ``moe.sr_decode`` decodes right before the experts, marked for AOT autograd's partitioner to
     compute again in backward (as activation checkpointing marks what it recomputes), so that the decoded copies
@@ -293,6 +297,10 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
                 new += [graph.call_function(operator.getitem, (new[0], i)) for i in range(3)]
                 new.append(graph.call_function(ops.sr_decode.default, (*new[1:], w, group, layer)))
                 new[-1].meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
+        if node.meta.get("moe_reshard"):  # (the wait reads the start's key: both computed again)
+            for n in (start, *new):
+                n.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
+            report.counters["distribute.gathers_again_in_backward"] += 1
         for n in (start, *new):
             n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "moe_layer") if k in node.meta})
         node.replace_all_uses_with(new[-1])

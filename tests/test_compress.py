@@ -2,7 +2,8 @@
 q < 1 keeps the residual entries largest in magnitude and costs k x (value + int32 index) bytes per expert;
 bad q is refused; the experts decode one owner's experts at a time (moe.expert_mlp_sr) and equal the whole domain
 decoded. ``decoded_in_backward_again`` is run by tests/test_hybrid.py's world-4 training with compress=q: the
-decoded copies are computed again in backward, not kept from forward, and never whole."""
+decoded copies are computed again in backward, not kept from forward, and never whole; ``gathered_copies_saved``
+by its exact domains (kept for backward, or gathered again there with reshard_after_forward=True)."""
 
 import pytest
 import torch
@@ -60,6 +61,18 @@ def decoded_in_backward_again(compiled, ids, experts, world):
     assert saved and not copies & set(saved), (copies, saved)
     assert forward == 3 * (world - 1) * len(compiled.model.layers) and len(decodes) == 2 * forward, decodes
     assert {rows for _, rows in decodes} == {E_l}, decodes
+
+
+def gathered_copies_saved(compiled, ids, model, world: int) -> tuple[int, int]:
+    """(how many, all) bytes one training step of ``compiled`` saves for backward: those with a whole domain's rows
+    of expert weights ([world x E_l, ...], the copies one domain of every rank gathers, or views of them), and all."""
+    rows = {world * p.shape[0] for p in model.parameters() if getattr(p, "_moe_sharded", False) and p.dim() == 3}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    nbytes = [t.numel() * t.element_size() for t in saved]
+    return sum(b for t, b in zip(saved, nbytes) if t.dim() == 3 and t.shape[0] in rows), sum(nbytes)
 
 
 @pytest.mark.parametrize("gated, H", [(True, 8), (False, 8), (True, 6)])  # H = 6: no grouped_mm (16-byte rows)

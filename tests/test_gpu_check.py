@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ranks import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -175,9 +176,9 @@ def test_expert_parallel_step_on_cpu():
     """gpu_ep.py's dedup case on 4 gloo ranks with CPU tensors (what the GPU step runs with CUDA tensors): trained
     against one process within 1e-5; a case that fails is reported as such, not raised."""
     pytest.importorskip("transformers")
-    result = gpu_ep.run_case("node", "cpu", inner="aot_eager")
+    result = gpu_ep.run_case("node", "cpu", inner="aot_eager", spawn=spawn)
     assert result["status"] == "passed" and result["logits"] <= gpu_ep.TOL and result["params"] <= gpu_ep.TOL, result
-    broken = gpu_ep.run_case("no such dedup level", "cpu", inner="aot_eager")
+    broken = gpu_ep.run_case("no such dedup level", "cpu", inner="aot_eager", spawn=spawn)
     assert broken["status"] == "error" and "dedup" in broken["detail"], broken
     text = gpu_ep.table([result, broken], "cpu")
     assert "| node | 4 on (2, 2) | cpu |" in text and "| no such dedup level |" in text

@@ -4,11 +4,12 @@ workers at every domain size), Fig. 8(b)'s two-level example, and bad input. On 
 experts and its gradient (runtime/comm/domains.py); training with expert domains (parallelize(..., expert_domains=...))
 against one process on world 4 ((2, 2) mesh: domains over "node", "local", both; 1-D: sizes 1 and 4) and world 8 (1-D,
 one expert per rank: domain sizes 2 and 8); the bytes with one domain and with domain size 1; bad input. The stream
-model (runtime/comm/stream.py): its choice in both of §III's regimes and against Eqs. 11-12's closed form (pure); under
-emulated links, every candidate's predicted communication against the measured one, and expert_domains="auto" training
-as one process (world 4); where the distribute pass starts each layer's all-gather and waits for it; compress=q (q = 1
-as one process; the bytes at q = 0.25; the decoded copies not kept for backward). Every collective has a timeout; a
-failing rank fails the test."""
+model (runtime/comm/stream.py; pure: tests/test_hybrid_stream.py) under emulated links: every candidate's predicted
+communication against the measured one, and expert_domains="auto" training as one process (world 4); where the
+distribute pass starts each layer's all-gather and waits for it; the gathered copies kept for backward, or with
+reshard_after_forward=True gathered again there (training as one process, the bytes, nothing whole-domain saved);
+compress=q (q = 1 as one process; the bytes at q = 0.25; the decoded copies not kept for backward). Every collective
+has a timeout; a failing rank fails the test."""
 
 import itertools
 import re
@@ -17,12 +18,11 @@ from datetime import timedelta
 import pytest
 import torch
 from ranks import spawn
-from test_compress import decoded_in_backward_again
+from test_compress import decoded_in_backward_again, gathered_copies_saved
 
 import moecompile
 from moecompile.runtime.comm import hybrid, stream
-from moecompile.runtime.comm.cost_model import LinkModel, messages
-from moecompile.runtime.comm.plan import Placement
+from moecompile.runtime.comm.cost_model import LinkModel
 from moecompile.runtime.placement.swap import RECENT
 
 # hybridep.md Table VII: EP size -> {domain size: (A2A, AG)}
@@ -84,56 +84,13 @@ def test_bad_input_names_the_fix():
         moecompile.hybrid_topology([0], [1])
 
 
-def _uniform(W, T, E):
-    """Every rank's T tokens, one expert each, spread evenly over the E experts (hybridep.md §III's even gate)."""
-    ids = (torch.arange(W * T) % E).view(-1, 1)
-    return ids, torch.arange(W).repeat_interleave(T)
-
-
-def test_stream_model_moves_as_section_iii_says():
-    """One level of 4 workers, no start-up cost, even routing: the model picks one domain of every worker (all-
-    gather only) when a rank's data D is large against its experts' bytes P_E (2 D > G P_E), and domain size 1
-    (plain expert parallelism) when the experts are large (hybridep.md Eqs. 11-12 without overlap); its bytes are
-    the runtime's (domain size 1: plain expert parallelism's rows; one domain: (G - 1) P_E, no row)."""
-    link = LinkModel({"flat": (0.0, 1e-9)})
-    W, T, E, row = 4, 64, 8, 256
-    ids, source = _uniform(W, T, E)
-    D = T * row  # a rank's routed rows
-    for P_E, want in ((D // 8, (4,)), (D, (1,))):  # 2 D = 16 P_E > 4 P_E; 2 D = 2 P_E < 4 P_E
-        got = [stream.predict(ids, source, [W], ["ep"], c, E, row, P_E, link) for c in stream.candidates([W])]
-        print({p.domain_sizes: f"{p.total * 1e6:.1f} us" for p in got})
-        assert stream.choose(got).domain_sizes == want, (P_E, got)
-    one, every = (stream.predict(ids, source, [W], ["ep"], (d,), E, row, 1000, link) for d in (1, W))
-    plain = messages(ids, Placement.contiguous(E, (W,)), source, row, names=("ep",))["off"]
-    assert one.a2a_bytes == plain[1][1] and one.ag_bytes == 0
-    assert every.a2a_bytes == 0 and every.ag_bytes == (W - 1) * 1000 and every.a2a == 0
-
-
-def test_stream_model_agrees_with_the_closed_form():
-    """With Eq. 7's overlap and a pre-expert time PE, Eqs. 11-12 give p = 1 - B PE / (P_E (G - 1)) when
-    2 D < G P_E: on one level of 8, PE = 3 P_E / B gives p = 4 / 7, a domain of 8 - 4 = 4 workers; the search
-    over every candidate (1, 2, 4, 8) picks the same. When 2 D >= G P_E both give p = 0 (one domain of 8)."""
-    B = 1e9
-    link = LinkModel({"flat": (0.0, 1 / B)})
-    W, T, E, row = 8, 64, 8, 1024
-    ids, source = _uniform(W, T, E)
-    D = T * row
-    for P_E, pre in ((D / 2, 3 * (D / 2) / B), (D / 8, 3 * (D / 8) / B)):
-        p = stream.closed_form(W, D, P_E, B, pre)
-        domain = round(W - p * (W - 1))
-        got = [stream.predict(ids, source, [W], ["ep"], c, E, row, P_E, link, pre_s=pre, overlap=True)
-               for c in stream.candidates([W])]
-        print(f"P_E {P_E:.0f}: closed form p {p:.3f} (domain {domain}), search {stream.choose(got).domain_sizes}")
-        assert stream.choose(got).domain_sizes == (domain,)
-    assert stream.closed_form(W, D, D / 2, B, 3 * (D / 2) / B) == pytest.approx(4 / 7)
-
-
 def test_gathers_start_after_the_previous_layers_experts():
     """The distribute pass's placement (hybridep.md §IV-B): layer 0's all-gather starts as soon as the graph's
     inputs are there, layer 1's right after layer 0's experts, so each runs while its layer's pre-expert part
     computes; each is waited for just before its own experts. A compressed gather (layer 1 here) moves the same
     way, its shared expert (expert_mean) and encode done by its start; its pairs are decoded (moe.sr_decode) right
-    before the experts, marked to be computed again in backward."""
+    before the experts, marked to be computed again in backward. With reshard_after_forward (layer 0 here) the
+    start and the wait are marked so too."""
     import torch.fx as fx
 
     from torch.utils.checkpoint import CheckpointPolicy
@@ -154,6 +111,7 @@ def test_gathers_start_after_the_previous_layers_experts():
     graph.output(experts1)
     for n in (experts0, experts1):
         n.meta["moe_local_experts"] = 2
+    experts0.args[1].meta["moe_reshard"] = True  # reshard_after_forward: layer 0's gather computed again
     report = PassReport()
     _start_gathers_early(graph, report)
     order = [str(n.target).split(".")[-2] if n.op == "call_function" and "moe" in str(n.target) else
@@ -166,6 +124,9 @@ def test_gathers_start_after_the_previous_layers_experts():
     decode = next(n for n in graph.nodes if n.target is ops.sr_decode.default)
     assert decode.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE and decode.users == {experts1: None}
     assert report.counters["distribute.gathers_started_early"] == 2
+    again = [n.target.__name__ for n in graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE]
+    assert again == ["domain_gather_start.default", "domain_gather_wait.default", "sr_decode.default"], again
+    assert report.counters["distribute.gathers_again_in_backward"] == 1
 
 
 def _gather_ranks(rank, world, tmp):
@@ -201,10 +162,11 @@ def test_domain_gather_and_its_gradient(tmp_path):
 TOL, STEPS, LR = 1e-5, 3, 0.1
 
 
-def _train(family, mesh, expert_domains, **options):
+def _train(family, mesh, expert_domains, check=None, **options):
     """Three SGD steps, each rank on its own batch, against one process on all of them (the mean loss): each
     step's logits and every weight after (sharded ones gathered whole) equal; each rank holds 1 / W of the
-    expert weights; returns the bytes this rank sent per phase and link in the last step."""
+    expert weights; returns the bytes this rank sent per phase and link in the last step. ``check(compiled, ids,
+    model)`` runs last."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -240,6 +202,8 @@ def _train(family, mesh, expert_domains, **options):
         for k, v in layer.items():
             if not k.startswith(("calls", "seconds")):
                 sent[k] = sent.get(k, 0) + v
+    if check is not None:
+        check(compiled, mine, model)
     return sent, held * 4  # (fp32)
 
 
@@ -266,6 +230,7 @@ def _domains_world4(rank, world, tmp):
         _check_bytes(rank, world, init_device_mesh("cpu", (4,)))
         _stream_measured(two)
         _compressed(world, init_device_mesh("cpu", (4,)))
+        _resharded(world, init_device_mesh("cpu", (4,)))
         _bad_input(two)
     finally:
         dist.destroy_process_group()
@@ -336,13 +301,34 @@ def _compressed(world, flat):
     decoded_in_backward_again(compiled, ids, experts, world)
 
 
+def _copies_saved(kept: bool, world: int):
+    """A ``_train`` check: one more step saves whole-domain copies of the gathered experts for backward (``kept``),
+    or none (reshard_after_forward=True), and the report says which."""
+    def check(compiled, ids, model):
+        says = "kept for backward" if kept else "freed after forward and gathered again in backward"
+        assert all(says in r.sharding for r in model._moe_parallel.report.layers), str(model._moe_parallel)
+        copies, saved = gathered_copies_saved(compiled, ids, model, world)
+        if torch.distributed.get_rank() == 0:
+            print(f"reshard_after_forward={not kept}: {saved} B saved for backward, {copies} B of them gathered "
+                  f"copies", flush=True)
+        assert bool(copies) == kept, copies
+    return check
+
+
+def _resharded(world, flat):
+    """reshard_after_forward=True trains as one process, keeps no gathered copy for backward, and gathers each
+    layer's experts twice a step (forward, and again in backward), summing their gradients back once."""
+    sent, own = _train("mixtral", flat, {"ep": world}, check=_copies_saved(False, world), reshard_after_forward=True)
+    assert sent["domain_gather.peer"] == 2 * (world - 1) * own and sent["domain_reduce.peer"] == (world - 1) * own
+
+
 def _check_bytes(rank, world, flat):
     """On a 1-D mesh: domain size 1 sends the bytes plain expert parallelism sends; domain size W moves no token
     row and each rank sends its own experts' bytes to each of the W - 1 others (and sums as many gradients back)."""
     plain, _ = _train("deepseek_v3", flat, None)
     one, _ = _train("deepseek_v3", flat, {"ep": 1})
     assert one == plain, (one, plain)
-    every, own = _train("deepseek_v3", flat, {"ep": world})
+    every, own = _train("deepseek_v3", flat, {"ep": world}, check=_copies_saved(True, world))
     assert every["domain_gather.peer"] == (world - 1) * own and every["domain_reduce.peer"] == (world - 1) * own
     assert all(k.endswith(".self") for k in every if k.startswith(("dispatch", "combine"))), every
     if rank == 0:
@@ -361,6 +347,9 @@ def _bad_input(mesh):
              ({"expert_domains": "auto"}, "'auto' sizes each layer's domains .* pass link_model="),
              ({"expert_domains": {"node": 2}, "compress": 1.5}, r"compress=1.5: .* must be in \(0, 1\]"),
              ({"compress": 0.1}, "compress=0.1 compresses the experts an expert domain gathers"),
+             ({"reshard_after_forward": True}, "frees the exact copies an expert domain gathers: give expert_domains"),
+             ({"expert_domains": {"node": 2}, "compress": 0.5, "reshard_after_forward": True}, "with compress is not"),
+             ({"expert_domains": {"node": 2}, "reshard_after_forward": "yes"}, "'yes': give True"),
              ({"expert_domains": {"node": 2}, "dedup": "node"}, "expert_domains with dedup is not built"),
              ({"expert_domains": {"node": 2}, "replication": "adaptive", "slots_per_rank": 3},
               "expert_domains with replication is not built")]

@@ -45,6 +45,7 @@ class Domains:
     mesh_shape: tuple[int, ...]
     domain_sizes: tuple[int, ...]
     compress: float | None = None  # the fraction of residual entries sent (SR compression), or None: exact
+    reshard: bool = False  # reshard_after_forward: the gathered copies freed after forward, gathered again in backward
 
     def slots(self, num_experts: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Expert -> its slot in the exchange group's gathered order (every rank's the same)."""
@@ -64,12 +65,24 @@ class Domains:
         if self.compress is not None:
             text += (f"; compress={self.compress:g}: the gathered experts are the shared (mean) expert plus each "
                      "one's largest residual entries, not exact (this changes the forward)")
+        elif self.reshard:
+            text += "; reshard_after_forward: the gathered experts freed after forward and gathered again in backward"
+        else:
+            text += "; the gathered experts kept for backward (reshard_after_forward=True gathers them again instead)"
         return text
 
 
-def check(expert_domains, compress, mesh, link_model=None, **others) -> dict[str, int] | str | None:
+def check(expert_domains, compress, reshard, mesh, link_model=None, **others) -> dict[str, int] | str | None:
     """The domain size of each mesh level (None: plain expert parallelism; "auto": each layer's, by the stream
     model, ``choose``), or ValueError naming the fix."""
+    if not isinstance(reshard, bool):
+        raise ValueError(f"reshard_after_forward={reshard!r}: give True (free the gathered experts after forward and "
+                         "gather them again in backward) or False (keep them for backward)")
+    if reshard and (expert_domains is None or compress is not None):
+        raise ValueError("reshard_after_forward=True frees the exact copies an expert domain gathers: give "
+                         "expert_domains too" if expert_domains is None else
+                         "reshard_after_forward=True with compress is not built: compressed domains keep only the "
+                         "residual pairs for backward and decode them again there; drop one of them")
     if compress is not None:
         if expert_domains is None:
             raise ValueError(f"compress={compress!r} compresses the experts an expert domain gathers: give "
@@ -114,7 +127,7 @@ def check_layer(rec, params: dict, compress=None) -> None:
 _GROUPS: dict[tuple, tuple] = {}
 
 
-def setup(mesh, sizes: dict[str, int], compress: float | None = None) -> Domains:
+def setup(mesh, sizes: dict[str, int], compress: float | None = None, reshard: bool = False) -> Domains:
     """This rank's domain and exchange groups (every rank makes all of them, in the same order, once per mesh
     and domain sizes)."""
     from .mesh import _timeout
@@ -134,7 +147,7 @@ def setup(mesh, sizes: dict[str, int], compress: float | None = None) -> Domains
     for group, ranks in ((_GROUPS[key][1], gather), (_GROUPS[key][2], exchange)):  # emulate_links's kinds
         if len(ranks) > 1:
             register_group_kind(group.group_name, kind(names, stream.spanned(ranks, shape)))
-    return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes, compress)
+    return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes, compress, reshard)
 
 
 def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | None = None) -> None:

@@ -168,3 +168,16 @@ def _set_layout(mesh, group) -> None:
         register_layout(group.group_name, level, cross_g.group_name, inner_g.group_name)
         register_group_kind(cross_g.group_name, cross_kind)
         register_group_kind(inner_g.group_name, inner_kind)
+
+
+def check_dedup(dedup, mesh) -> None:
+    """ValueError unless ``dedup`` is "off", "auto" or a level of ``mesh`` it can dedup at."""
+    named = levels.dedup_levels(level_names(mesh))
+    if dedup in ("off", "auto", *named):
+        return
+    if not named:
+        raise ValueError(f"dedup={dedup!r} needs a mesh of several levels, e.g. init_device_mesh(device, (nodes, "
+                         f"gpus_per_node), mesh_dim_names=('node', 'local')); got a {mesh.ndim}-D mesh: build one, "
+                         "or use dedup='off'")
+    raise ValueError(f"dedup={dedup!r} is not available on the mesh {tuple(mesh.mesh_dim_names)}: choose one of "
+                     f"{['off', *named, 'auto']}")

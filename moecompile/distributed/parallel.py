@@ -36,14 +36,12 @@ from torch import nn
 import moecompile.runtime.comm.ops  # noqa: F401  (registers moe::ep_global_view)
 from moecompile.runtime.stats import recording_routing
 
-from moecompile.runtime.comm.levels import dedup_levels
-
 from . import domains as domains_mod
 from . import moe_tp as moe_tp_mod
 from . import ted
 from .grads import sync_gradients
 from .hf_tp import take_back_experts
-from .mesh import REPLICATE, ep_shape, expert_copies, level_names, replicate_group, setup_mesh
+from .mesh import REPLICATE, check_dedup, ep_shape, expert_copies, level_names, replicate_group, setup_mesh
 from moecompile.runtime.placement.replication import check_slots
 
 from .replicate import check_options, replicable, replicate_layer
@@ -54,7 +52,7 @@ from .views import guard_owned, leave_out_of_fsdp, read_remote, read_through_vie
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
                 swap_gamma: float = 10.0, replication: str = "off", slots_per_rank: int | None = None,
                 capacity_factor: float | None = None, moe_tp: str = "off", expert_domains=None, compress=None,
-                **options) -> nn.Module:
+                reshard_after_forward: bool = False, **options) -> nn.Module:
     """Shard the experts of every MoE layer of ``model`` over ``mesh`` (in place; returns ``model``).
 
     ``dedup``: ``"off"`` (one row per (token, expert) over the whole mesh), ``"node"`` (one row per distinct
@@ -72,7 +70,9 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     slice) or ``"ted"`` (experts over the other dimensions, their intermediate size over tp;
     ``moecompile/distributed/moe_tp.py``). ``expert_domains={level: size}``: the workers of each level that form
     one domain all-gather their experts, only tokens for other domains' experts travel (HybridEP;
-    ``moecompile/distributed/domains.py``); ``"auto"``: each layer's sizes by the stream model, on ``link_model``.
+    ``moecompile/distributed/domains.py``); ``"auto"``: each layer's sizes by the stream model, on ``link_model``;
+    ``compress=q``: each gathered expert sent as the mean expert's residual, its q largest entries (not exact);
+    ``reshard_after_forward=True``: the gathered copies freed after forward and gathered again in backward.
     ``mesh``: an outermost dimension named ``"dp_replicate"`` keeps copies of the experts, one per index (each
     expert-parallel group over the other dimensions; ``mesh.py``). Other keyword arguments are backend options,
     for detection."""
@@ -83,10 +83,11 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
                            swap_every=bool(swap_every), replication=replication != "off")
     tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
     take_back_experts(model, tp.tp_group if tp is not None else None)  # transformers' tp_plan="auto" experts
-    domains = domains_mod.check(expert_domains, compress, mesh, link_model, dedup=dedup != "off",
+    gathers = (compress, reshard_after_forward)  # how each domain gathers its experts
+    domains = domains_mod.check(expert_domains, *gathers, mesh, link_model, dedup=dedup != "off",
                                 swap_every=bool(swap_every), replication=replication != "off", moe_tp=tp is not None)
-    domains = domains_mod.setup(mesh, domains, compress) if isinstance(domains, dict) else domains  # None, "auto"
-    _check_dedup(dedup, mesh)
+    domains = domains_mod.setup(mesh, domains, *gathers) if isinstance(domains, dict) else domains  # None, "auto"
+    check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     if not isinstance(swap_every, int) or swap_every < 0:
         raise ValueError(f"swap_every must be a whole number of optimizer steps >= 0 (0: never); got {swap_every!r}")
@@ -143,7 +144,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if rec.moe_tp == "ted":
             held = ted.shard(model, rec, params, mesh, tp)
         else:
-            layer_domains = domains_mod.setup(mesh, rec.domain_sizes, compress) if domains == "auto" else domains
+            layer_domains = domains_mod.setup(mesh, rec.domain_sizes, *gathers) if domains == "auto" else domains
             held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, layer_domains)
             if domains == "auto":
                 rec.sharding += "; " + rec.domain_reason
@@ -171,18 +172,6 @@ def _divisor(tp, mode: str, world: int, copies: int = 1) -> int:
     """What a sharded expert weight's gradient is divided by: the ranks of its expert-parallel group whose tokens
     reach it (``world``: the group's size; the tp setup's dp counts every copy's ranks)."""
     return tp.expert_divisor(mode, world * copies) // copies if tp is not None else world
-
-
-def _check_dedup(dedup, mesh) -> None:
-    levels = dedup_levels(level_names(mesh))
-    if dedup in ("off", "auto", *levels):
-        return
-    if not levels:
-        raise ValueError(f"dedup={dedup!r} needs a mesh of several levels, e.g. init_device_mesh(device, (nodes, "
-                         f"gpus_per_node), mesh_dim_names=('node', 'local')); got a {mesh.ndim}-D mesh: build one, "
-                         "or use dedup='off'")
-    raise ValueError(f"dedup={dedup!r} is not available on the mesh {tuple(mesh.mesh_dim_names)}: choose one of "
-                     f"{['off', *levels, 'auto']}")
 
 
 class ParallelInfo:
@@ -347,6 +336,8 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
         exchange, views = domains.exchange_group.group_name, {**views, "domain_group": domains.domain_group.group_name}
         if domains.compress is not None:  # SR compression: the shared expert is the mean over every rank's
             views.update(compress=float(domains.compress), compress_group=group.group_name)
+        if domains.reshard:  # the distribute pass has the gather computed again in backward
+            views.update(reshard=True)
     attrs = {}
     for role, name in params.items():
         module_name, _, attr = name.rpartition(".")
