@@ -198,7 +198,7 @@ def test_cli_writes_plan_json_and_exits_3_when_nothing_fits(tmp_path):
     keys = {"ep", "tp", "dp", "moe_tp", "dedup", "expert_domains", "replication", "layer_s", "step_s",
             "bytes_per_link", "memory_GB", "fits"}
     assert all(keys <= set(p) for p in result["plans"])
-    assert set(result["plans"][0]["layer_s"]) == {"dispatch", "experts", "combine", "allgather", "total"}
+    assert set(result["plans"][0]["layer_s"]) == {"dispatch", "experts", "combine", "allgather", "total", "regather"}
     assert set(result["duplication"]) == {"node"} and set(result["plans"][0]["bytes_per_link"]) == {"node", "local"}
     considered = {(p["ep"], p["tp"], p["moe_tp"], p["dedup"]) for p in result["plans"]}
     for ep in (1, 2, 4, 8, 16, 32, 64, 128, 256):  # every power of two dividing 256 experts and 1024 GPUs
@@ -219,6 +219,33 @@ def test_cli_writes_plan_json_and_exits_3_when_nothing_fits(tmp_path):
     assert run.returncode == NO_FIT, run.stdout + run.stderr
     assert "no plan fits in memory" in run.stdout and "GB more per GPU" in run.stdout
     assert json.loads(out.read_text())["chosen"] is None
+
+
+def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
+    """Each expert-domain plan twice: its gathered copies kept for backward (every MoE layer's at the end of
+    forward) or freed after forward (two layers' at most: the running one's and the next one's, started ahead) and
+    gathered again in backward (one more gather a layer: its bytes, and its time not overlapped); run says which."""
+    cluster = read_cluster({"gpu": {"name": "H100", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 80},
+                            "levels": [{"name": "node", "count": 4, "alpha_s": 1e-5, "GBps": 25},
+                                       {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
+    shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
+    plans = plan(shape, cluster, 4096)["plans"]
+    key = lambda p: (p["ep"], p["tp"], p["moe_tp"], str(p["expert_domains"]))  # noqa: E731
+    kept = {key(p): p for p in plans if p["expert_domains"] and not p["reshard_after_forward"]}
+    again = {key(p): p for p in plans if p["reshard_after_forward"]}
+    assert kept and set(kept) == set(again)
+    for k, a in again.items():
+        b = kept[k]
+        own = shape.num_experts // b["ep"] * shape.expert_params() * 2  # a rank's experts of a layer, bf16 bytes
+        others = own * (math.prod(b["expert_domains"].values()) - 1)  # a layer's gathered copies of the others'
+        saved = b["memory_GB"]["weights"] - a["memory_GB"]["weights"]
+        assert saved == pytest.approx((shape.moe_layers - 2) * others / 1e9, rel=1e-6), (k, saved)
+        assert a["step_s"] - b["step_s"] == pytest.approx(shape.moe_layers * a["layer_s"]["regather"], rel=1e-6)
+        assert a["layer_s"]["regather"] > 0 == b["layer_s"]["regather"]
+        assert sum(a["bytes_per_link"].values()) > sum(b["bytes_per_link"].values())
+        if "not_runnable" not in a["run"]:
+            assert a["run"]["options"]["reshard_after_forward"] is True
+            assert "reshard_after_forward" not in b["run"]["options"]
 
 
 def test_deepseek_v3_on_1000_datacenters_plans_in_seconds():

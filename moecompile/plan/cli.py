@@ -23,7 +23,8 @@ def describe(p: dict) -> str:
     if p["dedup"] != "off":
         parts.append(f"dedup@{p['dedup']}")
     if p["expert_domains"]:
-        parts.append("domains " + ",".join(f"{k}={v}" for k, v in p["expert_domains"].items()))
+        parts.append("domains " + ",".join(f"{k}={v}" for k, v in p["expert_domains"].items())
+                     + (" regather" if p["reshard_after_forward"] else ""))
     if p["replication"]:
         parts.append(f"replicas {p['replication']['slots_per_rank']}/rank")
     return " ".join(parts)
@@ -46,11 +47,11 @@ def table(result: dict, top: int) -> str:
              "memory where tp > 1",
              f"duplication rate ({routing_text(result['routing'])}): " + (", ".join(f"{k} {v:.1%}" for k, v in
                                                                result["duplication"].items()) or "one level"),
-             f"{'#':>3} {'plan':<44} {'step s':>9} {'layer ms':>9} {'disp ms':>8} {'exp ms':>8} {'comb ms':>8} "
+             f"{'#':>3} {'plan':<52} {'step s':>9} {'layer ms':>9} {'disp ms':>8} {'exp ms':>8} {'comb ms':>8} "
              f"{'AG ms':>7} {'mem GB':>8} fits"]
     for i, p in enumerate(result["plans"][:top]):
         s = p["layer_s"]
-        lines.append(f"{i:>3} {describe(p):<44} {p['step_s']:>9.4g} {s['total'] * 1e3:>9.4g} "
+        lines.append(f"{i:>3} {describe(p):<52} {p['step_s']:>9.4g} {s['total'] * 1e3:>9.4g} "
                      f"{s['dispatch'] * 1e3:>8.3g} {s['experts'] * 1e3:>8.3g} {s['combine'] * 1e3:>8.3g} "
                      f"{s['allgather'] * 1e3:>7.3g} {p['memory_GB']['total']:>8.4g} {'yes' if p['fits'] else 'no'}")
     if result["chosen"] is None:
@@ -96,7 +97,7 @@ def draw(result: dict, path: str, top: int) -> None:
     b.legend(fontsize=7)
     fig.suptitle(f"{result['model']['name']} on {result['cluster']['gpus']} GPUs (gray: does not fit)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # (long plan labels kept whole)
 
 
 def main(args) -> int:

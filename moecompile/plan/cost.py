@@ -10,7 +10,10 @@ Per MoE layer and micro-batch (forward; backward counts twice the compute and on
     dispatch, combine   ``runtime/comm/expected.py``'s bytes per level, each phase lasting its slowest level's
                         alpha + bytes / bandwidth (the levels' links run at once)
     experts             roofline of the grouped GEMMs: max(FLOPs / peak, bytes read and written / HBM)
-    allgather           expert domains: the domain's experts gathered, less the pre-expert compute it overlaps
+    allgather           expert domains: the domain's experts gathered, less the pre-expert compute it overlaps;
+                        kept for backward (every MoE layer's copies in memory at the end of forward), or freed
+                        after forward and gathered again in backward (``reshard``: two layers' copies at most, and
+                        one more gather a layer, not overlapped)
 The step: every layer's forward and backward, the language-model head, and the gradient all-reduce (a ring:
 2 (n - 1) / n of the bytes over the slowest level the replicas span). Memory: bf16 weights and gradients, Adam
 (fp32 master, m, v: 12 bytes a parameter) sharded over the data-parallel replicas (ZeRO-1), activations of every
@@ -45,10 +48,12 @@ class Plan:
     dedup: str = "off"
     expert_domains: tuple | None = None  # ((level, size), ...)
     slots_per_rank: int = 0
+    reshard: bool = False  # expert domains: the gathered copies freed after forward, gathered again in backward
 
     def as_dict(self) -> dict:
         return {"ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
                 "expert_domains": dict(self.expert_domains) if self.expert_domains else None,
+                "reshard_after_forward": self.reshard,
                 "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None}
 
 
@@ -104,7 +109,7 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
 
     pre = _roofline(cluster, (2 * T * shape.attention_params() + shape.attention_core_flops(T, seq)) / plan.tp,
                     T * H * ELEM * 4)
-    allgather = 0.0
+    allgather = regather = 0.0  # (regather: the backward's gather again, reshard_after_forward)
     held = expert_bytes
     if plan.expert_domains:
         sizes = dict(plan.expert_domains)
@@ -119,6 +124,7 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         dispatch, combine, allgather = domain_times(levels, ep_counts, domain_counts, rows * row_bytes,
                                                     expert_bytes, pre, E // plan.ep, offrank)
         held = expert_bytes * math.prod(domain_counts)
+        regather = level_seconds(levels, gather) if plan.reshard else 0.0
     else:
         dispatch, combine = exchange_times(levels, ep_counts, rows / K, K, E, row_bytes, plan.dedup, sent,
                                            routing, plan.slots_per_rank)
@@ -144,14 +150,18 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     flops = 2 * rows * busiest * shape.mats * H * inter
     experts = _roofline(cluster, flops, held + rows * busiest * ELEM * (2 * H + shape.mats * inter))
     layer = {"dispatch": dispatch, "experts": experts, "combine": combine, "allgather": allgather,
-             "total": dispatch + experts + combine + allgather}
+             "total": dispatch + experts + combine + allgather, "regather": regather}
     step, grads_level = _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes)
     # per step: each MoE layer's exchange (its dispatch and combine) twice (forward, backward), its gather once
-    # each way (the backward's reduce-scatter), the tp collective each way; the gradient all-reduces
-    bytes_per_link = {lv.name: shape.moe_layers * 2 * (x + g + t) + r for lv, x, g, t, r in
+    # each way (the backward's reduce-scatter; reshard: and the gather again), the tp collective each way; the
+    # gradient all-reduces
+    bytes_per_link = {lv.name: shape.moe_layers * ((2 + plan.reshard) * g + 2 * (x + t)) + r for lv, x, g, t, r in
                       zip(levels, sent["exchange"], sent["gather"], sent["tp"], grads_level)}
+    # layers' gathered copies at once: kept, every layer's at the end of forward; freed, the running layer's and the
+    # next one's, started ahead
+    copies = 2 if plan.reshard else max(2, shape.moe_layers)
     memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter,
-                     0.0 if plan.slots_per_rank else 2 * (held - expert_bytes), busiest)
+                     0.0 if plan.slots_per_rank else copies * (held - expert_bytes), busiest)
     return {**plan.as_dict(), "layer_s": layer, "step_s": step, "bytes_per_link": bytes_per_link,
             "memory_GB": memory, "fits": memory["total"] <= cluster.memory_GB}
 
@@ -265,7 +275,7 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
     moe = layer["dispatch"] + layer["combine"] + layer["allgather"]
     compute = 3 * (shape.layers * pre + (shape.layers - shape.moe_layers) * dense_mlp + shape.moe_layers *
                    (shared + layer["experts"]) + head)
-    step = compute + 2 * shape.moe_layers * moe
+    step = compute + 2 * shape.moe_layers * moe + shape.moe_layers * layer["regather"]
     grads = [0.0] * len(cluster.levels)
     dense_bytes = shape.dense_params() / plan.tp * ELEM
     replicas = (plan.dp if plan.moe_tp == "ted" else cluster.gpus) // plan.ep
@@ -284,8 +294,9 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
 
 
 def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float, busiest: float = 1.0) -> dict:
-    """GB per GPU; ``gathered``: bytes of other ranks' experts held at once (expert domains: two layers' copies,
-    the running one's and the next one's gather started ahead), counted with the weights; ``busiest``: the
+    """GB per GPU; ``gathered``: bytes of other ranks' experts held at once (expert domains: every layer's copies
+    kept for backward, or with reshard two, the running one's and the next one's gather started ahead), counted
+    with the weights; ``busiest``: the
     busiest rank's routed rows over the mean (its MoE activations grow with them)."""
     GB = 1e9
     dense = shape.dense_params() / plan.tp

@@ -52,6 +52,8 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
         options["dedup"] = rename[plan.dedup]
     if plan.expert_domains:
         options["expert_domains"] = {rename[n]: s for n, s in plan.expert_domains}
+        if plan.reshard:
+            options["reshard_after_forward"] = True
     if plan.slots_per_rank:
         options.update(replication="adaptive", slots_per_rank=plan.slots_per_rank)
     return {"mesh_shape": [c for _, c in dims], "mesh_dim_names": [n for n, _ in dims], "options": options}

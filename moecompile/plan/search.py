@@ -1,11 +1,10 @@
-"""Every plan for a model on a cluster, priced by ``cost.py``, ranked by step time among those that fit.
-
-Considered: tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel
-degree dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every
-level its group spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of
-every size its group allows per level; and replication (every rank holds S slots, each an instance of some
-expert: S the least that holds every expert once, and twice that). Dedup and replication are not combined with
-TED (``parallelize`` refuses them).
+"""Every plan for a model on a cluster, priced by ``cost.py``, ranked by step time among those that fit. Considered:
+tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel degree dividing
+the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level its group
+spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size its group
+allows per level (their copies kept for backward, or gathered again there); and replication (every rank holds S
+slots, each an instance of some expert: S the least that holds every expert once, and twice that). Dedup and
+replication are not combined with TED (``parallelize`` refuses them).
 """
 
 from __future__ import annotations
@@ -42,9 +41,9 @@ def candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                     if counts[j] > 1 and math.prod(counts[j + 1:]) > 1:
                         out.append(Plan(ep, tp, dp, moe_tp, dedup=name))
                 for sizes in itertools.product(*[[d for d in range(1, c + 1) if c % d == 0] for c in counts]):
-                    if math.prod(sizes) > 1:
-                        out.append(Plan(ep, tp, dp, moe_tp, expert_domains=tuple(
-                            (n, s) for n, s in zip(names, sizes) if s > 1)))
+                    if math.prod(sizes) > 1:  # the gathered copies kept for backward, or gathered again there
+                        out += [Plan(ep, tp, dp, moe_tp, expert_domains=tuple(
+                            (n, s) for n, s in zip(names, sizes) if s > 1), reshard=r) for r in (False, True)]
 
             if moe_tp != "ted" and N > 1:  # replication: S slots on every rank (each a class's instance)
                 least = max(1, -(-shape.num_experts // N))  # at least one instance a class
