@@ -2,8 +2,8 @@
 q < 1 keeps the residual entries largest in magnitude and costs k x (value + int32 index) bytes per expert;
 bad q is refused; the experts decode one owner's experts at a time (moe.expert_mlp_sr) and equal the whole domain
 decoded. ``decoded_in_backward_again`` is run by tests/test_hybrid.py's world-4 training with compress=q: the
-decoded copies are computed again in backward, not kept from forward, and never whole; ``gathered_copies_saved``
-by its exact domains (kept for backward, or gathered again there with reshard_after_forward=True)."""
+decoded copies are computed again in backward, not kept from forward, and never whole. ``gathered_copies_saved``,
+run there too, measures what exact domains save for backward (their copies, unless reshard_after_forward=True)."""
 
 import pytest
 import torch
@@ -64,8 +64,8 @@ def decoded_in_backward_again(compiled, ids, experts, world):
 
 
 def gathered_copies_saved(compiled, ids, model, world: int) -> tuple[int, int]:
-    """(how many, all) bytes one training step of ``compiled`` saves for backward: those with a whole domain's rows
-    of expert weights ([world x E_l, ...], the copies one domain of every rank gathers, or views of them), and all."""
+    """The bytes one training step of ``compiled`` saves for backward: (those with a whole domain's rows of expert
+    weights, [world x E_l, ...]: the copies one domain of every rank gathers, or views of them; all of them)."""
     rows = {world * p.shape[0] for p in model.parameters() if getattr(p, "_moe_sharded", False) and p.dim() == 3}
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):

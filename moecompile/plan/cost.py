@@ -296,8 +296,8 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
 def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float, busiest: float = 1.0) -> dict:
     """GB per GPU; ``gathered``: bytes of other ranks' experts held at once (expert domains: every layer's copies
     kept for backward, or with reshard two, the running one's and the next one's gather started ahead), counted
-    with the weights; ``busiest``: the
-    busiest rank's routed rows over the mean (its MoE activations grow with them)."""
+    with the weights; ``busiest``: the busiest rank's routed rows over the mean (its MoE activations grow with
+    them)."""
     GB = 1e9
     dense = shape.dense_params() / plan.tp
     replicas = (plan.dp if plan.moe_tp == "ted" else N) // plan.ep
