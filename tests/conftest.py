@@ -89,15 +89,15 @@ def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # The longest tests (minutes each on 2 cores), started first: pytest-xdist (-n auto, pyproject.toml) hands the
 # rest to whichever worker is free, so the suite ends close to its total time divided by the workers.
-LONGEST_FIRST = ("test_walk_families.py::test_every_moe_family_rewritten_or_skipped_with_reason",
-                 "test_dp_replicate.py::", "test_parallelize.py::",
-                 "test_walk_families.py::test_every_family_runs_as_eager",
+LONGEST_FIRST = ("test_moe_tp.py::test_moe_blocks", "test_hybrid.py::test_expert_domains", "test_parallelize.py::",
+                 "test_dp_replicate.py::",
+                 "test_walk_families.py::test_every_moe_family_rewritten_or_skipped_with_reason",
+                 "test_walk_families.py::test_every_family_runs_as_eager", "test_replicate.py::",
+                 "test_moe_tp.py::test_expert_parallel_levels",
                  "test_forms.py::test_a_sharded", "test_gpu_check.py::test_expert_parallel",
                  "test_lowering.py::test_triton_lowering_under_inductor", "test_families.py::test_inductor",
-                 "test_moe_tp.py::test_moe_blocks", "test_ep_levels.py::", "test_replicate.py::",
-                 "test_moe_tp.py::test_expert_parallel_levels", "test_example_ep.py::",
-                 "test_moe_tp.py::test_transformers", "test_hybrid.py::test_expert_domains",
-                 "test_recompiles.py::test_lengths")
+                 "test_ep_levels.py::", "test_example_ep.py::", "test_moe_tp.py::test_transformers",
+                 "test_checkpointing.py::", "test_recompiles.py::test_lengths")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -186,15 +186,17 @@ def test_expert_parallel_step_on_cpu():
 
 def test_a_step_stopped_at_its_limit_says_where_each_thread_was(tmp_path):
     """On the H200 (2026-11-27) a hung step said nothing; now its processes dump their threads' stacks before they
-    are killed, and the report keeps the frames of our code (here a helper thread and the main one)."""
+    are killed, and the report keeps the frames of our code (here a helper thread and the main one). The limit
+    leaves the script time to start: a 3 s limit stopped it before it ran a line, with both cores busy (CI,
+    2026-11-28), and so nothing was dumped."""
     script = tmp_path / "hangs.py"
     script.write_text("import threading, time\n"
                       "def waits_for_the_lock(lock):\n    lock.acquire()\n"
                       "def compiles(lock):\n    t = threading.Thread(target=waits_for_the_lock, args=(lock,))\n"
                       "    t.start(); t.join()\n"
                       "lock = threading.Lock(); lock.acquire(); print('started', flush=True); compiles(lock)\n")
-    hung = gpu_check.run_step(gpu_check.Step("hung", "deadlocks", [sys.executable, str(script)], 3), tmp_path, 60)
-    assert hung.status == "timed out (3 s)"
+    hung = gpu_check.run_step(gpu_check.Step("hung", "deadlocks", [sys.executable, str(script)], 15), tmp_path, 60)
+    assert hung.status == "timed out (15 s)" and "started" in hung.tail, hung
     assert "in waits_for_the_lock" in hung.stopped and "in compiles" in hung.stopped, hung.stopped
     assert "threading.py" not in hung.stopped  # the standard library's frames are left out
     text = gpu_check.report([hung], "a test device", 3.0)
