@@ -146,8 +146,9 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked weights
         if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
             mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
-            for gathered in mine.values():  # reshard_after_forward: gathered again in backward (_start_gathers_early)
-                gathered.node.meta["moe_reshard"] = view_arg(views[0], "reshard", False)
+            reshard = view_arg(views[0], "reshard", False)  # gathered again in backward (_start_gathers_early)
+            for gathered in mine.values():
+                gathered.node.meta["moe_reshard"] = reshard
         tensors = expert_tensors(local_spec, mine)
         if domain_size > 1 and q:  # in canonical layout, so that the experts can decode with use (_decode_with_use)
             world = view_arg(views[0], "compress_group")

@@ -78,10 +78,11 @@ def check(expert_domains, compress, reshard, mesh, link_model=None, **others) ->
     if not isinstance(reshard, bool):
         raise ValueError(f"reshard_after_forward={reshard!r}: give True (free the gathered experts after forward and "
                          "gather them again in backward) or False (keep them for backward)")
-    if reshard and (expert_domains is None or compress is not None):
+    if reshard and expert_domains is None:
         raise ValueError("reshard_after_forward=True frees the exact copies an expert domain gathers: give "
-                         "expert_domains too" if expert_domains is None else
-                         "reshard_after_forward=True with compress is not built: compressed domains keep only the "
+                         "expert_domains too")
+    if reshard and compress is not None:
+        raise ValueError("reshard_after_forward=True with compress is not built: compressed domains keep only the "
                          "residual pairs for backward and decode them again there; drop one of them")
     if compress is not None:
         if expert_domains is None:
