@@ -19,16 +19,17 @@ from .distributed.comm import comm_report, comm_rows, plot_comm
 from .distributed.expert_optimizer import ExpertOptimizer, replication_report
 from .distributed.parallel import parallelize
 from .distributed.views import expert_parameters
+from .distributed.clip import clip_grad_norm_
 from .distributed.sharded_state import get_optimizer_state_dict, set_optimizer_state_dict
 from moecompile.runtime.comm.stats import comm_stats
 from moecompile.runtime.comm.hybrid import hybrid_topology
 from moecompile.runtime.stats import token_drops
 from .plan.routing import record_routing
 
-__all__ = ["moe_backend", "capture", "parallelize", "expert_parameters", "ExpertOptimizer", "replication_report",
-           "MoEOptions", "ExplainReport", "explain", "token_drops", "comm_stats", "comm_report", "comm_rows",
-           "plot_comm", "get_optimizer_state_dict", "set_optimizer_state_dict", "hybrid_topology", "record_routing",
-           "MoECompileError", "MoEFallbackWarning"]
+__all__ = ["moe_backend", "capture", "parallelize", "expert_parameters", "clip_grad_norm_", "ExpertOptimizer",
+           "replication_report", "MoEOptions", "ExplainReport", "explain", "token_drops", "comm_stats", "comm_report",
+           "comm_rows", "plot_comm", "get_optimizer_state_dict", "set_optimizer_state_dict", "hybrid_topology",
+           "record_routing", "MoECompileError", "MoEFallbackWarning"]
 
 from . import recompiles as _recompiles
 

@@ -107,6 +107,7 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     """Run ``model(*args)`` once through the moe passes (graphs run eagerly afterwards) and report. The model runs
     without gradients; the forms are chosen (``lowering="auto"``) as for training when the caller's grad mode is on.
 
+    A model ``moecompile.parallelize`` sharded exchanges rows as it runs: call it on every rank together.
     Keyword arguments are backend options (see ``moecompile.MoEOptions``); the model itself is not changed, but
     Dynamo's caches are reset before and after (so the model is captured afresh; other compiled code recompiles).
     """

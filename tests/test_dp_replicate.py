@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from clipping import clip_as_one_process
 from ranks import spawn
 from ep_checkpoints import TOL, loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
@@ -62,6 +63,7 @@ def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1):
                                    msg=lambda m: f"{family} step {step}: {m}")
         out.loss.backward()
         ref_out.loss.backward()
+        clip_as_one_process(model, ref, step)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     for name, p in model.named_parameters():
         want = every[name].detach()

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from clipping import clip_as_one_process
 from ranks import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -157,6 +158,10 @@ def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per
                                    msg=lambda m: f"{family} {moe_tp} step {step}: {m}")
         out.loss.backward()
         ref_out.loss.backward()
+        if "replication" in options:  # (the instances' gradients are summed by ExpertOptimizer: its clip)
+            with pytest.raises(ValueError, match=r"opt.clip_grad_norm_\(max_norm\) instead"):
+                moecompile.clip_grad_norm_(model, 1.0)
+        clip_as_one_process(model, ref, step, opt if "replication" in options else None)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     state = model.state_dict()  # sharded weights whole (a DTensor, or this rank's ModuleList experts)
     assert {n for n, _ in model.named_parameters()} <= set(state)

@@ -5,15 +5,15 @@ model with dedup="node" (the inter-node bytes are counted against the distinct (
 one-process routing), DeepSeek-V3 (shared experts, group-limited routing) on a 3-level ("rack", "node", "local")
 mesh with dedup="auto" (a link model of slow racks: it must pick "rack"), GPT-OSS (biases, transposed and
 interleaved experts) and Qwen3-MoE with dedup="off", Llama 4 (the routing weight scales the experts' input: dedup
-"node" asked, "off" taken, with swaps), for three SGD steps (momentum 0.9), each rank on its own
-batch, beside one process training the same model on the four batches together (the same mean loss): each step's
-logits of each rank equal the one-process logits of its batch, and the parameters after the steps are equal
-(fp32, 1e-5). It also checks the sharding (each rank holds E/4 experts, the state_dict shows the global tensors),
-calibration and dedup="auto", expert swap (Mixtral's stacked experts; the ModuleList model trains with swaps
-too), the report and plot, saves torch.distributed.checkpoints of Mixtral (stacked experts) and of the ModuleList
-model (after swaps: each expert under its own name), and refuses bad input (experts that do not divide over the mesh,
-unknown mesh dimension names or dedup levels, a mesh of some ranks, ranks holding different models) with
-ValueError.
+"node" asked, "off" taken, with swaps), for three SGD steps (momentum 0.9; moecompile.clip_grad_norm_ by the 2-, 1-
+and inf-norm in turn, tests/clipping.py), each rank on its own batch, beside one process training the same model on
+the four batches together (the same mean loss): each step's logits of each rank equal the one-process logits of its
+batch, the norms equal, and the parameters after the steps are equal (fp32, 1e-5). It also checks the sharding (each
+rank holds E/4 experts, the state_dict shows the global tensors), calibration and dedup="auto", expert swap
+(Mixtral's stacked experts; the ModuleList model trains with swaps too), the report and plot, saves
+torch.distributed.checkpoints of Mixtral (stacked experts) and of the ModuleList model (after swaps: each expert
+under its own name), and refuses bad input (experts that do not divide over the mesh, unknown mesh dimension names
+or dedup levels, a mesh of some ranks, ranks holding different models) with ValueError.
 
 One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, Mixtral
 under gradient checkpointing (checkpoint_exchanges "recompute": the exchanges run twice a step; "save": once), loads
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ranks import spawn
+from clipping import clip_as_one_process
 from ep_checkpoints import TOL, check_after_swaps, loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -48,9 +49,8 @@ from moecompile.runtime.comm.stats import COMM
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 STEPS, LR = 3, 0.1
-# SGD, not Adam: Adam divides each gradient element by its own running size, so an element whose gradient is
-# near zero turns the ~1e-9 difference of summing the same gradient in another order (per rank, then averaged)
-# into an lr-sized step (seen: one o_proj element 1.5e-5 apart after 3 AdamW steps). SGD keeps it ~1e-8.
+# SGD, not Adam: Adam divides each gradient element by its running size, so one whose gradient is near zero turns the
+# ~1e-9 of summing in another order into an lr-sized step (an o_proj element 1.5e-5 off after 3 AdamW steps; SGD ~1e-8)
 # Rows that cross racks cost, inside a rack they are cheap; a collective over racks and nodes at once costs more
 RACKS_SLOW = LinkModel({"flat": (0, 1e-6), "rack": (0, 1e-6), "node+local": (0, 1e-9), "rack+node": (0, 2e-6),
                         "local": (0, 1e-9)})
@@ -137,6 +137,7 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
                                    msg=lambda m: f"{family} step {step}: {m}")
         out.loss.backward()
         ref_out.loss.backward()
+        clip_as_one_process(model, ref, step)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     if swap_every:
         check_after_swaps(model, ref, opt, ref_opt, rank, tmp, family)

@@ -5,6 +5,7 @@
     mesh.py               mesh level names, the process groups of each collective kind (made once, with timeouts)
     views.py              how a module reads the expert weights it no longer holds whole (while Dynamo traces)
     grads.py              data-parallel gradients of the parameters that are not sharded, the experts' divisors
+    clip.py               ``clip_grad_norm_``: the gradients' norm one process would compute, on every rank
     moe_tp.py             ``moe_tp``: how the MoE blocks meet a "tp" mesh dimension (SSMB, TED, "auto")
     ted.py                tensor-expert parallelism: experts over dp, their intermediate size over tp
     sharded_state.py      state_dict / optimizer state of sharded experts as DTensors in expert order

@@ -1,0 +1,85 @@
+"""Gradient clipping of a model ``moecompile.parallelize`` sharded: the norm one process holding the whole model
+would compute, the same on every rank.
+
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on an expert-parallel rank sees the experts this rank
+holds only: each rank computes another norm, scales its replicated gradients by another factor, and the replicas of
+the dense weights drift apart from the first step (a tiny Mixtral on 2 ranks: norms 3.12 and 3.14 where one
+process has 3.16). Here the norm is made of three parts:
+
+    expert weights held here       (``expert_parameters``) summed over the expert-parallel group, each expert
+                                   held once in it (a ``"dp_replicate"`` copy is another group's)
+    tensor-parallel / FSDP2 weights their gradients are DTensors: each group of the same mesh and placements
+                                   reduced by DTensor, as torch's clip does for FSDP2
+    every other weight             replicated, its gradient the same on every rank after backward: counted once
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .views import expert_parameters
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the gradients of ``model``'s parameters so that their total norm is at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does on one process holding the whole model; returns the total norm before
+    clipping (float32, the same on every rank). Call it on every rank together, after backward and before the
+    optimizer's step. A model ``parallelize`` did not shard is passed to ``torch.nn.utils.clip_grad_norm_``."""
+    info = getattr(model, "_moe_parallel", None)
+    if info is None:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type, error_if_nonfinite)
+    if info.replicas:
+        raise ValueError("this model's experts are replicated (parallelize(..., replication=...)): their gradients "
+                         "are summed over the instances by moecompile.ExpertOptimizer; clip with its "
+                         "opt.clip_grad_norm_(max_norm) instead")
+    norm_type = float(norm_type)
+    if not (norm_type > 0 or norm_type == math.inf):  # (nan is neither)
+        raise ValueError(f"norm_type must be a positive number or inf; got {norm_type!r}")
+    experts = {id(p) for p in expert_parameters(model)}
+    own, plain, by_mesh = [], [], {}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if id(p) in experts:
+            own.append(p.grad)
+        elif hasattr(p.grad, "device_mesh"):  # a DTensor
+            by_mesh.setdefault((p.grad.device_mesh, tuple(p.grad.placements)), []).append(p.grad)
+        else:
+            plain.append(p.grad)
+    grads = own + plain + [g for group in by_mesh.values() for g in group]
+    device = next((g.device for g in grads if g.device.type != "cpu"), torch.device("cpu"))
+    # the experts' part on the device of the model (NCCL reduces no CPU tensor), reduced over the group
+    mine = _norm(own, norm_type, device)
+    parts = [_norm(plain, norm_type, device)] + [_norm(group, norm_type, device) for group in by_mesh.values()]
+    if norm_type == math.inf:
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=info.group)
+        total = torch.stack(parts + [mine]).max()
+    else:
+        mine = mine ** norm_type
+        dist.all_reduce(mine, group=info.group)
+        total = (torch.stack(parts).pow(norm_type).sum() + mine) ** (1.0 / norm_type)
+    total = total.float()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "
+                           "so it cannot be clipped; pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = g.to_local() if hasattr(g, "to_local") else g  # (a view of the DTensor's shard)
+        local.mul_(coef.to(local.device, local.dtype))
+    return total
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The norm of ``grads`` together, float64 on ``device`` (0 for none); DTensors' as their whole tensors'."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm.to(device, torch.float64)
