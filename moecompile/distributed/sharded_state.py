@@ -236,3 +236,24 @@ def check_not_moved(holders) -> None:
             raise RuntimeError(f"the model was moved after moecompile.parallelize (its {name!r} buffer was replaced, "
                                f"now on {getattr(now, 'device', None)}): move the model to its device before "
                                "moecompile.parallelize(model, mesh, ...), as examples/train_ep.py does")
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Every weight of ``model`` whole, in expert order, as one process holding the whole model has it: CPU tensors,
+    on every rank (every rank calls it together). For transformers' ``save_pretrained(path, state_dict=...)`` or
+    ``torch.save``, where the model fits in host memory (else ``torch.distributed.checkpoint``). Stacked, flat and
+    tensor-parallel weights are DTensors in ``state_dict()``: each is gathered whole; an ``nn.ModuleList`` layer's
+    experts are each in their own rank's: they are sent to every rank (one ``all_gather_object``)."""
+    from torch.distributed.tensor import DTensor
+
+    state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+             for name, value in model.state_dict().items()}
+    info = getattr(model, "_moe_parallel", None)
+    if info is None or not info.module_list_experts or not dist.is_initialized():
+        return state
+    mine = {name: state[name] for name in info.module_list_experts if name in state}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # (the world: a "dp_replicate" copy sends the same experts again)
+    for theirs in every:
+        state.update(theirs)
+    return state

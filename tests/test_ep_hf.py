@@ -1,0 +1,84 @@
+"""transformers' own entry points on an expert-parallel model (gloo, world 2), against one process.
+
+generate(): the README's recipe (compile ``model.forward``) with transformers' ``synced_gpus=True``, each rank its own
+prompt and its own number of new tokens: every rank's tokens equal one process's greedy generation. Each forward
+exchanges rows with the other rank, so a rank that has finished must keep running forwards until all have; the
+ranks here stop at different lengths.
+
+save_pretrained(): after a training step (SGD, the batches of both ranks: the one-process model steps on both
+together), ``save_pretrained(path, state_dict=moecompile.full_state_dict(model), is_main_process=rank == 0)``
+writes a checkpoint that ``from_pretrained`` loads in the test process with every weight of the one-process model
+(fp32, 1e-5). ``full_state_dict`` of the hand-written ModuleList model (each expert in its own rank's state_dict)
+gives every weight of the unsharded model exactly, on both ranks. A failing rank fails the test; the group has a
+timeout.
+"""
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from ranks import spawn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM
+
+import moecompile
+from moecompile.models.handwritten import TinyMoELM
+from moecompile.models.hf import tiny_model
+
+TOL = 1e-5
+
+
+def _ranks(rank, world, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        _generate(rank, world, mesh)
+        _save_pretrained(rank, world, mesh, tmp)
+        torch.manual_seed(0)
+        model, whole = TinyMoELM("loop"), TinyMoELM("loop")
+        whole.load_state_dict(model.state_dict())
+        moecompile.parallelize(model, mesh, torch.randint(0, 128, (1, 6)))
+        assert set(model.state_dict()) < set(whole.state_dict())  # (this rank's experts only)
+        full = moecompile.full_state_dict(model)
+        assert full.keys() == whole.state_dict().keys()
+        assert all(torch.equal(full[k], v) for k, v in whole.state_dict().items())
+    finally:
+        dist.destroy_process_group()
+
+
+def _generate(rank, world, mesh):
+    ref, model = tiny_model("mixtral"), tiny_model("mixtral")
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 128, (1, 5 + 3 * r), generator=gen) for r in range(world)]
+    mine, new_tokens = prompts[rank], 4 + 3 * rank
+    moecompile.parallelize(model, mesh, mine)
+    model.forward = torch.compile(model.forward, backend="moe", options={"inner": "aot_eager", "strict": True})
+    got = model.generate(mine, max_new_tokens=new_tokens, do_sample=False, synced_gpus=True)
+    want = ref.generate(mine, max_new_tokens=new_tokens, do_sample=False)
+    assert got.shape == (1, mine.shape[1] + new_tokens) and torch.equal(got, want), (rank, got, want)
+
+
+def _save_pretrained(rank, world, mesh, tmp):
+    ref, model = tiny_model("mixtral").train(), tiny_model("mixtral").train()
+    batches = torch.randint(3, 128, (world, 2, 6), generator=torch.Generator().manual_seed(3))
+    moecompile.parallelize(model, mesh, batches[rank])
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    compiled(batches[rank], labels=batches[rank]).loss.backward()
+    together = batches.flatten(0, 1)
+    ref(together, labels=together).loss.backward()
+    for m in (model, ref):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    model.save_pretrained(f"{tmp}/hf", state_dict=moecompile.full_state_dict(model), is_main_process=rank == 0)
+    if rank == 0:
+        torch.save(ref.state_dict(), f"{tmp}/one_process.pt")
+
+
+def test_generate_and_save_pretrained_on_an_expert_parallel_model(tmp_path):
+    spawn(_ranks, args=(2, str(tmp_path)), nprocs=2)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    want = torch.load(tmp_path / "one_process.pt")
+    assert loaded.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(loaded[name], value, rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
