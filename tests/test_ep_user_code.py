@@ -1,4 +1,4 @@
-"""transformers' own entry points on an expert-parallel model (gloo, world 2), against one process.
+"""What a user's own code calls around an expert-parallel model (gloo, world 2), against one process.
 
 generate(): the README's recipe (compile ``model.forward``) with transformers' ``synced_gpus=True``, each rank its own
 prompt and its own number of new tokens: every rank's tokens equal one process's greedy generation. Each forward
@@ -9,8 +9,12 @@ save_pretrained(): after a training step (SGD, the batches of both ranks: the on
 together), ``save_pretrained(path, state_dict=moecompile.full_state_dict(model), is_main_process=rank == 0)``
 writes a checkpoint that ``from_pretrained`` loads in the test process with every weight of the one-process model
 (fp32, 1e-5). ``full_state_dict`` of the hand-written ModuleList model (each expert in its own rank's state_dict)
-gives every weight of the unsharded model exactly, on both ranks. A failing rank fails the test; the group has a
-timeout.
+gives every weight of the unsharded model exactly, on both ranks.
+
+fp16 loss scaling: an overflow in one rank's expert gradient only (an inf written there) makes torch's GradScaler skip
+the step on that rank alone (the other steps: the replicas part), and FSDP's ShardedGradScaler, which all-reduces
+its overflow flag, skip it on both (no weight changes, the scale halves on both). A failing rank fails the test; the
+group has a timeout.
 """
 
 from datetime import timedelta
@@ -36,6 +40,7 @@ def _ranks(rank, world, tmp):
         mesh = init_device_mesh("cpu", (world,))
         _generate(rank, world, mesh)
         _save_pretrained(rank, world, mesh, tmp)
+        _loss_scaling(rank, mesh)
         torch.manual_seed(0)
         model, whole = TinyMoELM("loop"), TinyMoELM("loop")
         whole.load_state_dict(model.state_dict())
@@ -75,7 +80,28 @@ def _save_pretrained(rank, world, mesh, tmp):
         torch.save(ref.state_dict(), f"{tmp}/one_process.pt")
 
 
-def test_generate_and_save_pretrained_on_an_expert_parallel_model(tmp_path):
+def _loss_scaling(rank, mesh):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = tiny_model("mixtral").train()
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(rank))
+    moecompile.parallelize(model, mesh, ids)
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for scaler in (torch.amp.GradScaler("cpu"), ShardedGradScaler(device="cpu")):
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(compiled(ids, labels=ids).loss).backward()
+        if rank == 0:  # an overflow in this rank's expert gradient only
+            next(iter(moecompile.expert_parameters(model))).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        stepped = any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        skipped_here = isinstance(scaler, ShardedGradScaler) or rank == 0
+        assert stepped != skipped_here and (scaler.get_scale() < 65536) == skipped_here, (type(scaler), rank)
+
+
+def test_generate_save_pretrained_and_loss_scaling_on_an_expert_parallel_model(tmp_path):
     spawn(_ranks, args=(2, str(tmp_path)), nprocs=2)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     want = torch.load(tmp_path / "one_process.pt")
