@@ -1,10 +1,11 @@
 """Expert domains as data (HybridEP, hybridep.md §IV-A; runtime/comm/hybrid.py): Algorithm 1's decision for every
-ordered pair of ranks, checked against the paper's Table VII (the communication frequency of one level of 8, 16 and 32
-workers at every domain size), Fig. 8(b)'s two-level example, and bad input. On gloo: the all-gather of a domain's
-experts and its gradient (runtime/comm/domains.py); training with expert domains (parallelize(..., expert_domains=...))
-against one process on world 4 ((2, 2) mesh: domains over "node", "local", both; 1-D: sizes 1 and 4) and world 8 (1-D,
-one expert per rank: domain sizes 2 and 8); the bytes with one domain and with domain size 1; bad input. The stream
-model (runtime/comm/stream.py; pure: tests/test_hybrid_stream.py) under emulated links: every candidate's predicted
+ordered pair of ranks, checked against the paper's Table VII (the communication frequency of one level of 8, 16 and
+32 workers at every domain size), Fig. 8(b)'s two-level example, and bad input. On gloo: the all-gather of a
+domain's experts and its gradient (runtime/comm/domains.py); training with expert domains (parallelize(...,
+expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "node", "local", both; 1-D: sizes 1
+and 4) and world 8 (1-D, one expert per rank: domain sizes 2 and 8), gradients clipped by moecompile.clip_grad_norm_
+to the one-process norm; the bytes with one domain and with domain size 1; bad input. The stream model
+(runtime/comm/stream.py; pure: tests/test_hybrid_stream.py) under emulated links: every candidate's predicted
 communication against the measured one, and expert_domains="auto" training as one process (world 4); where the
 distribute pass starts each layer's all-gather and waits for it; the gathered copies kept for backward, or with
 reshard_after_forward=True gathered again there (training as one process, the bytes, nothing whole-domain saved);
@@ -17,6 +18,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from clipping import clip_as_one_process
 from ranks import spawn
 from test_compress import decoded_in_backward_again, gathered_copies_saved
 
@@ -190,7 +192,7 @@ def _train(family, mesh, expert_domains, check=None, **options):
         out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
         torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL,
                                    msg=lambda m: f"{family} {expert_domains} step {step}: {m}")
-        out.loss.backward(), ref_out.loss.backward()
+        out.loss.backward(), ref_out.loss.backward(), clip_as_one_process(model, ref, step)  # (tests/clipping.py)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     assert not RECENT, list(RECENT)  # kept for expert swap only: a domain layer's sort by slot keeps no routing
     state = model.state_dict()
