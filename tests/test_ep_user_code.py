@@ -13,16 +13,20 @@ gives every weight of the unsharded model exactly, on both ranks.
 
 fp16 loss scaling: an overflow in one rank's expert gradient only (an inf written there) makes torch's GradScaler skip
 the step on that rank alone (the other steps: the replicas part), and FSDP's ShardedGradScaler, which all-reduces
-its overflow flag, skip it on both (no weight changes, the scale halves on both). A failing rank fails the test; the
-group has a timeout.
+its overflow flag, skip it on both (no weight changes, the scale halves on both).
+
+DistributedDataParallel of the model, or of a module above or holding its experts, raises saying why before it
+broadcasts anything (no weight changes). A failing rank fails the test; the group has a timeout.
 """
 
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
 import moecompile
@@ -86,6 +90,11 @@ def _loss_scaling(rank, mesh):
     model = tiny_model("mixtral").train()
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(rank))
     moecompile.parallelize(model, mesh, ids)
+    before = [p.detach().clone() for p in model.parameters()]
+    for wrapped in (model, model.model, model.model.layers[1].mlp):  # (DDP would broadcast rank 0's experts)
+        with pytest.raises(ValueError, match="without DistributedDataParallel"):
+            DistributedDataParallel(wrapped)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for scaler in (torch.amp.GradScaler("cpu"), ShardedGradScaler(device="cpu")):
@@ -101,7 +110,7 @@ def _loss_scaling(rank, mesh):
         assert stepped != skipped_here and (scaler.get_scale() < 65536) == skipped_here, (type(scaler), rank)
 
 
-def test_generate_save_pretrained_and_loss_scaling_on_an_expert_parallel_model(tmp_path):
+def test_generate_save_pretrained_loss_scaling_and_ddp_on_an_expert_parallel_model(tmp_path):
     spawn(_ranks, args=(2, str(tmp_path)), nprocs=2)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     want = torch.load(tmp_path / "one_process.pt")

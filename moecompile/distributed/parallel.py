@@ -46,7 +46,7 @@ from moecompile.runtime.placement.replication import check_slots
 
 from .replicate import check_options, replicable, replicate_layer
 from .sharded_state import DOMAIN_SLOTS, SLOTS, experts_module, global_state, list_prefix, local_state
-from .views import guard_owned, leave_out_of_fsdp, read_remote, read_through_view
+from .views import guard_owned, leave_out_of_fsdp, read_remote, read_through_view, refuse_ddp
 
 
 def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_model=None, swap_every: int = 0,
@@ -161,6 +161,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
                                                if isinstance(names, list) for n in names}
     model._moe_parallel.replicas = replicas
     model._moe_parallel.fsdp_left_out = leave_out_of_fsdp(model)
+    refuse_ddp(model)  # DistributedDataParallel would overwrite every rank's experts with rank 0's
     if swapping:
         from .swap import ExpertSwap
 

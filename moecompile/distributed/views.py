@@ -140,3 +140,29 @@ def leave_out_of_fsdp(model: nn.Module) -> list[str]:
             return marked
         marked.append(name)
     return marked
+
+
+class NotUnderDDP:
+    """``_ddp_params_and_buffers_to_ignore`` of a parallelized model and of each module above its experts, which
+    ``DistributedDataParallel``'s constructor reads (as a list of names) before it broadcasts rank 0's weights:
+    reading it raises instead. Under DDP each rank's experts would be overwritten by rank 0's, and the replicated
+    gradients averaged twice (``grads.py`` already averages them as DDP does)."""
+
+    def __iter__(self):
+        raise ValueError("this model was given to moecompile.parallelize, whose ranks hold different experts and "
+                         "which already averages the other gradients over the ranks as DistributedDataParallel "
+                         "does: DDP would overwrite every rank's experts with rank 0's. Train the model itself, "
+                         "torch.compile(model, backend='moe'), without DistributedDataParallel")
+
+
+def refuse_ddp(model: nn.Module) -> None:
+    """Make ``DistributedDataParallel`` of ``model``, or of any module holding or above its experts, raise
+    (``NotUnderDDP``)."""
+    held = expert_parameters(model)
+    above = {""}
+    for name, p in model.named_parameters():
+        if p in held:
+            parts = name.split(".")[:-1]
+            above.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for name in above:
+        model.get_submodule(name)._ddp_params_and_buffers_to_ignore = NotUnderDDP()
