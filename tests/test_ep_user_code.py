@@ -9,7 +9,7 @@ save_pretrained(): after a training step (SGD, the batches of both ranks: the on
 together), ``save_pretrained(path, state_dict=moecompile.full_state_dict(model), is_main_process=rank == 0)``
 writes a checkpoint that ``from_pretrained`` loads in the test process with every weight of the one-process model
 (fp32, 1e-5). ``full_state_dict`` of the hand-written ModuleList model (each expert in its own rank's state_dict)
-gives every weight of the unsharded model exactly, on both ranks.
+gives every weight of the unsharded model exactly, on both ranks, also given the torch.compile wrapper.
 
 fp16 loss scaling: an overflow in one rank's expert gradient only (an inf written there) makes torch's GradScaler skip
 the step on that rank alone (the other steps: the replicas part), and FSDP's ShardedGradScaler, which all-reduces
@@ -50,9 +50,10 @@ def _ranks(rank, world, tmp):
         whole.load_state_dict(model.state_dict())
         moecompile.parallelize(model, mesh, torch.randint(0, 128, (1, 6)))
         assert set(model.state_dict()) < set(whole.state_dict())  # (this rank's experts only)
-        full = moecompile.full_state_dict(model)
-        assert full.keys() == whole.state_dict().keys()
-        assert all(torch.equal(full[k], v) for k, v in whole.state_dict().items())
+        for given in (model, torch.compile(model)):  # (a compiled model's state_dict says "_orig_mod.<name>")
+            full = moecompile.full_state_dict(given)
+            assert full.keys() == whole.state_dict().keys()
+            assert all(torch.equal(full[k], v) for k, v in whole.state_dict().items())
     finally:
         dist.destroy_process_group()
 
@@ -79,7 +80,7 @@ def _save_pretrained(rank, world, mesh, tmp):
     ref(together, labels=together).loss.backward()
     for m in (model, ref):
         torch.optim.SGD(m.parameters(), lr=0.1).step()
-    model.save_pretrained(f"{tmp}/hf", state_dict=moecompile.full_state_dict(model), is_main_process=rank == 0)
+    model.save_pretrained(f"{tmp}/hf", state_dict=moecompile.full_state_dict(compiled), is_main_process=rank == 0)
     if rank == 0:
         torch.save(ref.state_dict(), f"{tmp}/one_process.pt")
 

@@ -137,7 +137,7 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
                                    msg=lambda m: f"{family} step {step}: {m}")
         out.loss.backward()
         ref_out.loss.backward()
-        clip_as_one_process(model, ref, step)
+        clip_as_one_process(compiled, ref, step)  # (the compiled wrapper: its parameters are named _orig_mod.*)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     if swap_every:
         check_after_swaps(model, ref, opt, ref_opt, rank, tmp, family)

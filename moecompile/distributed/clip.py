@@ -30,7 +30,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     """Scale the gradients of ``model``'s parameters so that their total norm is at most ``max_norm``, as
     ``torch.nn.utils.clip_grad_norm_`` does on one process holding the whole model; returns the total norm before
     clipping (float32, the same on every rank). Call it on every rank together, after backward and before the
-    optimizer's step. A model ``parallelize`` did not shard is passed to ``torch.nn.utils.clip_grad_norm_``."""
+    optimizer's step. ``model``: the model or its ``torch.compile`` wrapper. A model ``parallelize`` did not shard is
+    passed to ``torch.nn.utils.clip_grad_norm_``."""
     info = getattr(model, "_moe_parallel", None)
     if info is None:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type, error_if_nonfinite)

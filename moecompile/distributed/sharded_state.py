@@ -239,13 +239,16 @@ def check_not_moved(holders) -> None:
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """Every weight of ``model`` whole, in expert order, as one process holding the whole model has it: CPU tensors,
+    """Every weight of ``model`` (or of the model its ``torch.compile`` wrapper holds) whole, in expert order, as one process holding the whole model has it: CPU tensors,
     on every rank (every rank calls it together). For transformers' ``save_pretrained(path, state_dict=...)`` or
     ``torch.save``, where the model fits in host memory (else ``torch.distributed.checkpoint``). Stacked, flat and
     tensor-parallel weights are DTensors in ``state_dict()``: each is gathered whole; an ``nn.ModuleList`` layer's
     experts are each in their own rank's: they are sent to every rank (one ``all_gather_object``)."""
     from torch.distributed.tensor import DTensor
 
+    from .views import unwrapped
+
+    model = unwrapped(model)  # (a compiled model's state_dict names its weights "_orig_mod.<name>")
     state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
              for name, value in model.state_dict().items()}
     info = getattr(model, "_moe_parallel", None)

@@ -110,8 +110,14 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
     if info is None:
         raise ValueError("expert_parameters(model) lists what moecompile.parallelize sharded: call it after "
                          "moecompile.parallelize(model, mesh, ...)")
+    model = unwrapped(model)
     return {p for n, p in model.named_parameters()
             if getattr(p, "_moe_sharded", False) or n in info.module_list_experts}
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (whose parameter names ``parallelize`` recorded), else ``model``."""
+    return getattr(model, "_orig_mod", model)
 
 
 def leave_out_of_fsdp(model: nn.Module) -> list[str]:
