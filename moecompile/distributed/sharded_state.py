@@ -239,11 +239,12 @@ def check_not_moved(holders) -> None:
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """Every weight of ``model`` (or of the model its ``torch.compile`` wrapper holds) whole, in expert order, as one process holding the whole model has it: CPU tensors,
-    on every rank (every rank calls it together). For transformers' ``save_pretrained(path, state_dict=...)`` or
-    ``torch.save``, where the model fits in host memory (else ``torch.distributed.checkpoint``). Stacked, flat and
-    tensor-parallel weights are DTensors in ``state_dict()``: each is gathered whole; an ``nn.ModuleList`` layer's
-    experts are each in their own rank's: they are sent to every rank (one ``all_gather_object``)."""
+    """Every weight of ``model`` (or of the model its ``torch.compile`` wrapper holds) whole, in expert order, as one
+    process holding the whole model has it: CPU tensors, on every rank (every rank calls it together). For
+    transformers' ``save_pretrained(path, state_dict=...)`` or ``torch.save``, where the model fits in host memory
+    (else ``torch.distributed.checkpoint``). Stacked, flat and tensor-parallel weights are DTensors in
+    ``state_dict()``: each is gathered whole; an ``nn.ModuleList`` layer's experts are each in their own rank's: they
+    are sent to every rank (one ``all_gather_object``)."""
     from torch.distributed.tensor import DTensor
 
     from .views import unwrapped
