@@ -6,10 +6,11 @@ exchanges rows with the other rank, so a rank that has finished must keep runnin
 ranks here stop at different lengths.
 
 save_pretrained(): after a training step (SGD, the batches of both ranks: the one-process model steps on both
-together), ``save_pretrained(path, state_dict=moecompile.full_state_dict(model), is_main_process=rank == 0)``
-writes a checkpoint that ``from_pretrained`` loads in the test process with every weight of the one-process model
-(fp32, 1e-5). ``full_state_dict`` of the hand-written ModuleList model (each expert in its own rank's state_dict)
-gives every weight of the unsharded model exactly, on both ranks, also given the torch.compile wrapper.
+together), ``save_pretrained(path, state_dict=moecompile.full_state_dict(model), is_main_process=rank == 0)`` writes
+a checkpoint that ``from_pretrained`` loads in the test process with every weight of the one-process model (fp32,
+1e-5); get_optimizer_state_dict of the compiled wrapper names what the model's does. ``full_state_dict`` of the
+hand-written ModuleList model (each expert in its own rank's state_dict) gives every weight of the unsharded model
+exactly, on both ranks, also given the torch.compile wrapper.
 
 fp16 loss scaling: an overflow in one rank's expert gradient only (an inf written there) makes torch's GradScaler skip
 the step on that rank alone (the other steps: the replicas part), and FSDP's ShardedGradScaler, which all-reduces
@@ -78,8 +79,12 @@ def _save_pretrained(rank, world, mesh, tmp):
     compiled(batches[rank], labels=batches[rank]).loss.backward()
     together = batches.flatten(0, 1)
     ref(together, labels=together).loss.backward()
-    for m in (model, ref):
-        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.step()
+    torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9).step()
+    named = moecompile.get_optimizer_state_dict(model, opt)  # the compiled wrapper's: the same names
+    wrapped = moecompile.get_optimizer_state_dict(compiled, opt)
+    assert wrapped["state"].keys() == named["state"].keys() and wrapped["param_groups"] == named["param_groups"]
     model.save_pretrained(f"{tmp}/hf", state_dict=moecompile.full_state_dict(compiled), is_main_process=rank == 0)
     if rank == 0:
         torch.save(ref.state_dict(), f"{tmp}/one_process.pt")

@@ -45,6 +45,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
         if not isinstance(place_every, int) or place_every < 1:
             raise ValueError(f"place_every must be a whole number of steps >= 1; got {place_every!r}")
         self.place_every = place_every
+        from .sharded_state import unwrapped  # (here: see check_not_moved's import below)
+
+        model = unwrapped(model)  # (a compiled model names its parameters "_orig_mod.<name>")
         _check_steps_on_host(optimizer_class, kwargs)
         self._model, self.layers, self.group = model, info.replicas, info.group
         self._mesh = info.replicas[0].host_mesh  # the host parts' mesh: every rank, in order

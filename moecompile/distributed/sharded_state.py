@@ -126,6 +126,11 @@ def sharded_parameters(model) -> dict[str, tuple[int, object]]:
             for attr, total in getattr(module, "_moe_rows", {}).items()}
 
 
+def unwrapped(model):
+    """The module ``torch.compile`` wrapped (whose parameter names ``parallelize`` recorded), else ``model``."""
+    return getattr(model, "_orig_mod", model)
+
+
 def _parallel(model):
     info = getattr(model, "_moe_parallel", None)
     if info is None:
@@ -148,6 +153,7 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
 
     from .swap import paused
 
+    model = unwrapped(model)  # (a compiled model names its parameters "_orig_mod.<name>")
     info = _parallel(model)
     with paused():
         _init_optim_state(optimizer)
@@ -172,6 +178,7 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     """Load a state from ``get_optimizer_state_dict`` (saved on any number of ranks) or torch's own (one process)
     into the optimizer: each sharded expert weight's state becomes this rank's rows, in its placement. Every rank
     calls it together."""
+    model = unwrapped(model)
     info = _parallel(model)
     rank = dist.get_rank(info.group)
     current = optimizer.state_dict()
@@ -246,8 +253,6 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     ``state_dict()``: each is gathered whole; an ``nn.ModuleList`` layer's experts are each in their own rank's: they
     are sent to every rank (one ``all_gather_object``)."""
     from torch.distributed.tensor import DTensor
-
-    from .views import unwrapped
 
     model = unwrapped(model)  # (a compiled model's state_dict names its weights "_orig_mod.<name>")
     state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .replicate import REPLICAS
-from .sharded_state import DOMAIN_SLOTS, SLOTS
+from .sharded_state import DOMAIN_SLOTS, SLOTS, unwrapped
 
 
 def read_remote(module, attr, like, expert, name, group_name, layer, dedup, extra=None) -> None:
@@ -113,11 +113,6 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
     model = unwrapped(model)
     return {p for n, p in model.named_parameters()
             if getattr(p, "_moe_sharded", False) or n in info.module_list_experts}
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The module ``torch.compile`` wrapped (whose parameter names ``parallelize`` recorded), else ``model``."""
-    return getattr(model, "_orig_mod", model)
 
 
 def leave_out_of_fsdp(model: nn.Module) -> list[str]:
