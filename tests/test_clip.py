@@ -1,7 +1,7 @@
-"""moecompile.clip_grad_norm_ without other ranks: a model parallelize did not shard is clipped as torch clips it;
-on a one-rank mesh (gloo, in this process) the norm is torch's over the same gradients, and bad input is refused:
-a norm type that is not positive, a non-finite norm with error_if_nonfinite. The multi-rank checks against one
-process run inside the training tests (tests/clipping.py: test_parallelize, test_moe_tp, test_dp_replicate)."""
+"""moecompile.clip_grad_norm_ without other ranks: a model parallelize did not shard is clipped as torch clips it; on a
+one-rank mesh (gloo, in this process) the norm is torch's over the same gradients, and bad input is refused: a norm
+type that is not positive, a non-finite norm with error_if_nonfinite. The multi-rank checks against one process run
+inside the training tests (tests/clipping.py: test_parallelize, test_moe_tp, test_dp_replicate, test_hybrid)."""
 
 import copy
 from datetime import timedelta

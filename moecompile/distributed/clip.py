@@ -11,6 +11,9 @@ process has 3.16). Here the norm is made of three parts:
     tensor-parallel / FSDP2 weights their gradients are DTensors: each group of the same mesh and placements
                                    reduced by DTensor, as torch's clip does for FSDP2
     every other weight             replicated, its gradient the same on every rank after backward: counted once
+
+``clip_together`` does it for given lists of gradients: ``ExpertOptimizer.clip_grad_norm_`` passes its own (the
+dense optimizer's, and the experts' local shards and master parts).
 """
 
 from __future__ import annotations
@@ -39,31 +42,40 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise ValueError("this model's experts are replicated (parallelize(..., replication=...)): their gradients "
                          "are summed over the instances by moecompile.ExpertOptimizer; clip with its "
                          "opt.clip_grad_norm_(max_norm) instead")
+    experts = {id(p) for p in expert_parameters(model)}
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    return clip_together([p.grad for p in with_grad if id(p) not in experts],
+                         [p.grad for p in with_grad if id(p) in experts], info.group, max_norm, norm_type,
+                         error_if_nonfinite)
+
+
+@torch.no_grad()
+def clip_together(once: list[torch.Tensor], summed: list[torch.Tensor], group, max_norm: float,
+                  norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale ``once`` and ``summed`` so that their total norm is at most ``max_norm``; returns that norm (float32,
+    the same on every rank of ``group``). ``once``: gradients the same on every rank (plain tensors, counted once)
+    or DTensors (whole by DTensor, per mesh and placements); ``summed``: this rank's part of gradients held once over
+    ``group`` (expert shards; ``ExpertOptimizer``'s master parts). Every rank of ``group`` calls it together."""
     norm_type = float(norm_type)
     if not (norm_type > 0 or norm_type == math.inf):  # (nan is neither)
         raise ValueError(f"norm_type must be a positive number or inf; got {norm_type!r}")
-    experts = {id(p) for p in expert_parameters(model)}
-    own, plain, by_mesh = [], [], {}
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        if id(p) in experts:
-            own.append(p.grad)
-        elif hasattr(p.grad, "device_mesh"):  # a DTensor
-            by_mesh.setdefault((p.grad.device_mesh, tuple(p.grad.placements)), []).append(p.grad)
+    plain, by_mesh = [], {}
+    for g in once:
+        if hasattr(g, "device_mesh"):  # a DTensor
+            by_mesh.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
         else:
-            plain.append(p.grad)
-    grads = own + plain + [g for group in by_mesh.values() for g in group]
+            plain.append(g)
+    grads = summed + once
     device = next((g.device for g in grads if g.device.type != "cpu"), torch.device("cpu"))
-    # the experts' part on the device of the model (NCCL reduces no CPU tensor), reduced over the group
-    mine = _norm(own, norm_type, device)
-    parts = [_norm(plain, norm_type, device)] + [_norm(group, norm_type, device) for group in by_mesh.values()]
+    # the summed part on the device of the model (NCCL reduces no CPU tensor; host parts' norms are moved there)
+    mine = _norm(summed, norm_type, device)
+    parts = [_norm(plain, norm_type, device)] + [_norm(same, norm_type, device) for same in by_mesh.values()]
     if norm_type == math.inf:
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=info.group)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
         total = torch.stack(parts + [mine]).max()
     else:
         mine = mine ** norm_type
-        dist.all_reduce(mine, group=info.group)
+        dist.all_reduce(mine, group=group)
         total = (torch.stack(parts).pow(norm_type).sum() + mine) ** (1.0 / norm_type)
     total = total.float()
     if error_if_nonfinite and not torch.isfinite(total):

@@ -134,37 +134,14 @@ class ExpertOptimizer(torch.optim.Optimizer):
         together: it sums the experts' gradients over their instances first (``step`` then does not again). The
         norm: the data-parallel parameters' gradients (the same on every rank) once, the expert shards held here
         and this rank's part of every replicated expert's gradient summed over the ranks."""
-        import torch.distributed as dist
+        from .clip import clip_together
 
         self._gather()
-        norm_type = float(norm_type)
         local_ids = {id(p) for p in self._local}
         shared = [p.grad for g in (self.dense.param_groups if self.dense is not None else []) for p in g["params"]
                   if p.grad is not None and id(p) not in local_ids]
         own = [p.grad for p in self._local if p.grad is not None] + [layer.part.master.grad for layer in self.layers]
-
-        # on the model's GPU if it has one (NCCL reduces no CPU tensor; the host parts' norms are moved there)
-        device = next((g.device for g in shared + own if g.is_cuda), torch.device("cpu"))
-
-        def norm(grads):
-            if not grads:
-                return torch.zeros((), dtype=torch.float64, device=device)
-            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device)
-                                                         for g in grads]).double(), norm_type)
-
-        if norm_type == float("inf"):
-            total = norm(own)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
-            total = torch.maximum(total, norm(shared))
-        else:
-            total = norm(own) ** norm_type
-            dist.all_reduce(total, group=self.group)
-            total = (total + norm(shared) ** norm_type) ** (1.0 / norm_type)
-        total = total.to(torch.float32)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in shared + own:
-            g.mul_(coef.to(g.device, g.dtype))
-        return total
+        return clip_together(shared, own, self.group, max_norm, norm_type)
 
     def _state_bytes(self, layer) -> int:
         """Bytes per expert parameter of its master weight and optimizer state (what a coupled design moves)."""
