@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from moecompile.passes import forms
-from moecompile.passes.graph_utils import FRAME_PREFIX
+from moecompile.passes.graph_utils import FRAME_PREFIX, FRAME_TYPE
 from moecompile.passes.recompute import saves_exchanges
 from moecompile.passes.report import PassReport
 
@@ -80,11 +80,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
     inner = inner or compile_inner
     install()  # torch._dynamo.reset() drops Dynamo's compile callbacks: the next compile captures again
     checkpoint = Checkpoint.take(gm, report)
-    prefix = FRAME_PREFIX.set(frame_prefix())  # layers named by their path in the model, not in the traced frame
+    path, kind = frame_prefix()
+    prefix, typ = FRAME_PREFIX.set(path), FRAME_TYPE.set(kind)  # layers named by their path in the model
     try:
         gm = rewrite(gm, example_inputs, config, report, checkpoint)
     finally:
         FRAME_PREFIX.reset(prefix)
+        FRAME_TYPE.reset(typ)
     if not checkpoint.rewrote(report):
         return inner(gm, example_inputs, config)
     try:

@@ -12,7 +12,7 @@ from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, Ski
 
 from . import recompiles
 from .backend import capture_failed, compile_graph, run_uncompiled
-from .tracing import capture
+from .tracing import capture, frames
 from .config import parse_options
 from .pipeline import MoEFallbackWarning
 
@@ -111,6 +111,13 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     Keyword arguments are backend options (see ``moecompile.MoEOptions``); the model itself is not changed, but
     Dynamo's caches are reset before and after (so the model is captured afresh; other compiled code recompiles).
     """
+    return explain_calls(model, [(model, args, {})], **options)
+
+
+def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
+    """``explain`` of each ``(module, args, kwargs)`` of ``calls`` in turn, modules of ``model`` (the model itself
+    or one of its submodules, traced alone), the layers named by their path in ``model``; one report of them all.
+    Dynamo's caches are reset before each call and after the last."""
     config = dataclasses.replace(parse_options(options), record_graphs=True)
     report = PassReport()
     graphs = []
@@ -123,18 +130,20 @@ def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     setattr(backend, capture.RETRACE, lambda options, where, error: capture_failed(config, where, error))
     lost = dict(recompiles.lost)  # what the program lost so far; the reset below gives those frames a fresh start
     recompiles.lost.clear()
-    torch._dynamo.reset()
-    capture.install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
-    compiled = torch.compile(model, backend=backend)
     breaks_before, other_before = _data_dependent_breaks(), _other_breaks()
     capture.retraced.clear()
     training = forms.TRAINING.set(torch.is_grad_enabled())  # the forms chosen as the caller would run the model
+    running = frames.RUNNING_MODEL.set(model)  # a submodule's layers named by their path in the model
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
-            compiled(*args)
+        for module, args, kwargs in calls:
+            torch._dynamo.reset()
+            capture.install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
+                torch.compile(module, backend=backend)(*args, **kwargs)
     finally:
         forms.TRAINING.reset(training)
+        frames.RUNNING_MODEL.reset(running)
     torch._dynamo.reset()
     capture.install()
     breaks = _data_dependent_breaks() - breaks_before

@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from . import aliases
 from .experts import Skip, expert_params
-from .graph_utils import module_stack
+from .graph_utils import FRAME_PREFIX, FRAME_TYPE, module_stack
 from .routing import router_weight
 from .unexplained import ROOT
 
@@ -23,8 +23,9 @@ def block_of(router: fx.Node, gm: fx.GraphModule, by_key, values) -> tuple[set[f
 
 
 def module_block(key, by_key, gm) -> tuple[set[fx.Node], str, str]:
-    if key is None:
-        return {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}, ROOT, "<compiled module>"
+    if key is None:  # the compiled frame's module: named by its path in the model where that is known
+        return ({n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}, FRAME_PREFIX.get() or ROOT,
+                FRAME_TYPE.get() or "<compiled module>")
     path, block_type = next((p, t) for k, p, t in module_stack(by_key[key][0]) if k == key)
     return set(by_key[key]), path, block_type
 

@@ -39,6 +39,7 @@ def moe_op_name(n: fx.Node) -> str | None:
 # the path of the traced frame's ``self`` in the model being run, while the passes run on its graph
 # (``moecompile/tracing/frames.py``; "" when the frame is the model's own forward)
 FRAME_PREFIX: contextvars.ContextVar[str] = contextvars.ContextVar("moe_frame_prefix", default="")
+FRAME_TYPE: contextvars.ContextVar[str] = contextvars.ContextVar("moe_frame_type", default="")  # its class name
 
 
 def clean_path(path: str) -> str:

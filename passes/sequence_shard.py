@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import example, module_stack
+from .graph_utils import FRAME_PREFIX, example, module_stack
 
 EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
 COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)
@@ -138,7 +138,7 @@ class Cut:
         return n
 
     def _in_block(self, n: fx.Node) -> bool:
-        if self.key in ("<root>", "") or n.meta.get("moe_layer") == self.key:
+        if self.key in ("<root>", "", FRAME_PREFIX.get()) or n.meta.get("moe_layer") == self.key:  # (the frame's)
             return n.op != "output"
         return self.key in [path for _, path, _ in module_stack(n)]
 

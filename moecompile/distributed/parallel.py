@@ -4,7 +4,8 @@
     model = moecompile.parallelize(model, mesh, example_input_ids)   # every rank: the same model and seed
     model = torch.compile(model, backend="moe")
 
-1. Detect with the backend's own passes (``explain``) on the whole model, on every rank.
+1. Detect with the backend's own passes (``explain``) on the MoE blocks traced alone (``find_blocks.py``), on
+   every rank.
 2. Check that every rank found the same layers and holds the same weights (else ``ValueError``).
 3. Keep on each rank its E / W consecutive experts of every layer (W = mesh size). A stacked (or flat
    ``[E * R, ...]``) parameter becomes the local ``[E / W, ...]`` shard, and the module reads, in its place,
@@ -39,6 +40,7 @@ from moecompile.runtime.stats import recording_routing
 from . import domains as domains_mod
 from . import moe_tp as moe_tp_mod
 from . import ted
+from .find_blocks import explain_blocks
 from .grads import sync_gradients
 from .hf_tp import take_back_experts
 from .mesh import REPLICATE, check_dedup, ep_shape, expert_copies, level_names, replicate_group, setup_mesh
@@ -76,8 +78,6 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``mesh``: an outermost dimension named ``"dp_replicate"`` keeps copies of the experts, one per index (each
     expert-parallel group over the other dimensions; ``mesh.py``). Other keyword arguments are backend options,
     for detection."""
-    from ..explain import explain
-
     group = setup_mesh(mesh)
     copies = expert_copies(mesh, moe_tp=moe_tp in ("ted", "auto"), expert_domains=expert_domains is not None,
                            swap_every=bool(swap_every), replication=replication != "off")
@@ -95,7 +95,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     auto = dedup == "auto" or domains == "auto"  # (the choice reads the example's routing)
     with recording_routing() as routing:  # the torch references record it (Triton kernels would not)
-        report = explain(model, *example_args, **({**options, "lowering": "torch"} if auto else options))
+        report = explain_blocks(model, example_args, **({**options, "lowering": "torch"} if auto else options))
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     plans, left = [], []
     for rec in report.layers:

@@ -10,26 +10,34 @@ method is on the stack. ``""`` when the frame is the model itself, is not a modu
 
 from __future__ import annotations
 
+import contextvars
 import sys
 
 import torch
 
+# the model being run, where the caller knows it better than the call stack does: ``explain_calls`` traces a
+# submodule alone (``moecompile/distributed/blocks.py``), with no frame of the model on the stack
+RUNNING_MODEL: contextvars.ContextVar[torch.nn.Module | None] = contextvars.ContextVar("moe_running_model",
+                                                                                     default=None)
 
-def frame_prefix() -> str:
-    """The traced frame's ``self`` as a path in the model being run (see the module docstring), or ""."""
+
+def frame_prefix() -> tuple[str, str]:
+    """The traced frame's ``self`` as a path in the model being run (see the module docstring) and its class name,
+    or ("", "")."""
     try:  # Dynamo's translator of the frame being compiled (the backend runs while it traces)
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
         root = tx.f_locals.get("self") if tx is not None else None
     except Exception:  # a torch without it: the paths stay relative to the frame
-        return ""
+        return "", ""
     if not isinstance(root, torch.nn.Module):
-        return ""
-    model = _running_model()
+        return "", ""
+    model = RUNNING_MODEL.get() or _running_model()
     if model is None or model is root:
-        return ""
-    return next((name for name, m in model.named_modules(remove_duplicate=False) if m is root), "")
+        return "", ""
+    path = next((name for name, m in model.named_modules(remove_duplicate=False) if m is root), "")
+    return path, type(root).__name__ if path else ""
 
 
 def _running_model() -> torch.nn.Module | None:
