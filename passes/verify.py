@@ -13,6 +13,7 @@ top-k weights and ids probed with random routings (K distinct experts per token)
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import hashlib
 import logging
@@ -34,9 +35,15 @@ TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, to
 log = logging.getLogger(__name__)  # a line per block, at INFO: the CLI's progress (moecompile/pipeline.py)
 
 
+# proofs that outlive one graph: a dict set by a caller tracing one model's MoE blocks one graph each
+# (moecompile/distributed/find_blocks.py), so that the layers of one code and shapes are proved once there too
+SHARED_PROOFS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("moe_shared_proofs", default=None)
+
+
 def verify_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassReport) -> fx.GraphModule:
     values = placeholder_values(gm, example_inputs)
-    proved: dict[str, dict] = {}  # proof key -> the proof of a layer before it in this graph (``_proof_key``)
+    proved = SHARED_PROOFS.get()  # proof key -> the proof of a layer before it (``_proof_key``)
+    proved = {} if proved is None else proved  # (in this graph)
     for node in list(gm.graph.nodes):
         cand = node.meta.get("moe")
         if cand is None:

@@ -13,7 +13,8 @@ sharding never reads, cost more than the MoE blocks themselves (a tiny Mixtral: 
    hold the holder's weights, the holder was no expert (an attention's 3-d weight, say).
 
 The whole model is explained instead, as before, where no holder is found (experts stored flat as ``[E * I, H]``,
-as DBRX does), where a climb reaches the model itself, or where a module it needs never ran in the example.
+as DBRX does), where a climb reaches the model itself, where a module it needs never ran in the example, or where
+one raised when run alone.
 """
 
 from __future__ import annotations
@@ -24,30 +25,48 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from moecompile.passes.verify import SHARED_PROOFS
+
 
 def explain_blocks(model: nn.Module, example_args: tuple, **options):
     """The ``ExplainReport`` of the model's MoE blocks, each traced alone (module docstring), or of the whole
     model where the blocks cannot be told from the module tree."""
-    from ..explain import explain, explain_calls
+    from ..explain import explain
 
-    names = {m: name for name, m in model.named_modules(remove_duplicate=False)}
     holders = _holders(model)
     if not holders:
         return explain(model, *example_args, **options)
     inputs = _first_inputs(model, {parent for h in holders for parent in _ancestors(h)}, example_args)
-    explained: dict[str, object] = {}  # path -> its report
+    shared = SHARED_PROOFS.set({})  # a layer of the code and shapes of one proved before: proved (as in one graph)
+    try:
+        explained = _explain_holders(model, holders, inputs, options)
+    finally:
+        SHARED_PROOFS.reset(shared)
+    if explained is None:
+        return explain(model, *example_args, **options)
+    return _merged(list(explained.values()), model)
+
+
+def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options: dict) -> dict | None:
+    """path -> the report of each module explained alone (module docstring, 3.); None: explain the whole model."""
+    from ..explain import explain_calls
+
+    explained: dict[str, object] = {}
     for holder in holders:
         if _covered(model.get_submodule(holder), explained.values()):
             continue
         for path in _ancestors(holder):
             if path == "" or path not in inputs:
-                return explain(model, *example_args, **options)
+                return None
             if path not in explained:
                 args, kwargs = inputs[path]
-                explained[path] = explain_calls(model, [(model.get_submodule(path), args, kwargs)], **options)
+                try:
+                    explained[path] = explain_calls(model, [(model.get_submodule(path), args, kwargs)], **options)
+                except Exception:  # (run again alone, a module may meet state its first run left: a KV cache)
+                    return None
             if explained[path].layers:
                 break
-    return _merged(list(explained.values()), names)
+    return explained
 
 
 def _holders(model: nn.Module) -> list[str]:
@@ -112,9 +131,9 @@ def _covered(holder: nn.Module, reports) -> bool:
     return False
 
 
-def _merged(reports: list, names: dict):
+def _merged(reports: list, model: nn.Module):
     """One report of the blocks' reports: each layer once, in the model's module order."""
-    order = {name: i for i, name in enumerate(names.values())}
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     layers = {}
     for report in reports:
         for rec in report.layers:

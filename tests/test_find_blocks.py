@@ -1,0 +1,105 @@
+"""parallelize's detection on the MoE blocks traced alone (moecompile/distributed/find_blocks.py) finds what
+explain() of the whole model finds: the same layers, paths, specs and expert weights, in the same order; only the
+blocks are traced where the module tree shows them, the whole model where it does not."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from moecompile.distributed.find_blocks import explain_blocks
+from moecompile.explain import explain
+from moecompile.models import hf
+from moecompile.models.handwritten import TinyMoELM
+
+
+def _build(family):
+    if family in ("loop", "modulelist"):
+        torch.manual_seed(0)
+        return TinyMoELM(family)
+    if family == "dbrx":
+        return hf.build_model(hf.walk_config("dbrx"))
+    return hf.tiny_model(family)
+
+
+def _ids(model):
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
+    return torch.randint(0, min(vocab, 64), (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def _layers(report):
+    """What parallelize reads of each layer: its path, spec and the identity of every expert weight; and the layer
+    whose proof it shares (one proof for the layers of one code and shapes, in one graph as across the blocks)."""
+    out = []
+    for rec in report.layers:
+        weights = {role: [id(w) for w in ws] if isinstance(ws, list) else id(ws)
+                   for role, ws in rec.expert_weights.items()}
+        out.append((rec.path, str(rec.spec), weights, rec.proved_as))
+    return out
+
+
+def _traced(report) -> str:
+    return "\n".join(code for stage, code in report.graphs if stage == "input")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss", "qwen3_moe", "llama4_text", "loop",
+                                    "modulelist"])
+def test_blocks_alone_find_what_the_whole_model_finds(family):
+    model = _build(family)
+    whole = explain(model, _ids(model))
+    blocks = explain_blocks(model, (_ids(model),))
+    assert whole.layers and _layers(blocks) == _layers(whole)
+    # only the blocks were traced: one graph each, none with the attention or the embeddings in it
+    assert blocks.num_graphs == len(whole.layers), blocks.num_graphs
+    assert "attn" not in _traced(blocks) and "embed" not in _traced(blocks), _traced(blocks)[:2000]
+    assert "embed" in _traced(whole)
+
+
+def test_experts_stored_flat_are_found_on_the_whole_model():
+    """dbrx keeps its experts as [E * I, H] matrices: nothing in the module tree says experts, so the whole model
+    is traced, as explain() does."""
+    model = _build("dbrx")
+    whole = explain(model, _ids(model))
+    blocks = explain_blocks(model, (_ids(model),))
+    assert whole.layers and _layers(blocks) == _layers(whole)
+    assert "embed" in _traced(blocks) or "wte" in _traced(blocks)
+
+
+def test_a_three_dimensional_weight_outside_the_experts_changes_nothing():
+    """A 3-d parameter beside the attention (no expert) is a holder whose parent (the decoder layer) holds a
+    layer that does not read it: taken for no expert, and the layers are the whole model's."""
+    model = _build("mixtral")
+    model.model.layers[0].self_attn.table = nn.Parameter(torch.zeros(2, 3, 4))
+    whole = explain(model, _ids(model))
+    assert _layers(explain_blocks(model, (_ids(model),))) == _layers(whole) and whole.layers
+
+
+def test_a_block_the_example_does_not_run_sends_detection_to_the_whole_model():
+    """A MoE block the example never calls has no recorded inputs: the whole model is explained, which finds the
+    blocks it runs."""
+    model = _build("mixtral")
+    model.spare = copy.deepcopy(model.model.layers[0].mlp)  # held, never called
+    whole = explain(model, _ids(model))
+    blocks = explain_blocks(model, (_ids(model),))
+    assert [r.path for r in whole.layers] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert _layers(blocks) == _layers(whole) and "embed" in _traced(blocks)
+
+
+def test_a_block_that_raises_when_run_alone_sends_detection_to_the_whole_model():
+    """A module that fails when run again alone (state its first run left, say): the whole model is explained."""
+    model = _build("mixtral")
+    block, calls = model.model.layers[1].mlp, []
+    forward = block.forward
+
+    def second_call_raises(hidden_states):
+        calls.append(1)
+        if len(calls) == 2:  # the example's eager run was the first
+            raise RuntimeError("state left by the first run")
+        return forward(hidden_states)
+
+    whole = explain(model, _ids(model))
+    calls.clear()
+    block.forward = second_call_raises
+    blocks = explain_blocks(model, (_ids(model),))
+    assert len(calls) == 3 and _layers(blocks) == _layers(whole) and "embed" in _traced(blocks)
