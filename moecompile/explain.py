@@ -133,7 +133,8 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
     breaks_before, other_before = _data_dependent_breaks(), _other_breaks()
     capture.retraced.clear()
     training = forms.TRAINING.set(torch.is_grad_enabled())  # the forms chosen as the caller would run the model
-    running = frames.RUNNING_MODEL.set(model)  # a submodule's layers named by their path in the model
+    alone = any(module is not model for module, _, _ in calls)  # a submodule's layers named by their path in model
+    running = frames.RUNNING_MODEL.set(model if alone else None)  # (else found on the call stack, as by compile)
     try:
         for module, args, kwargs in calls:
             torch._dynamo.reset()
