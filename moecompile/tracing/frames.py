@@ -16,7 +16,7 @@ import sys
 import torch
 
 # the model being run, where the caller knows it better than the call stack does: ``explain_calls`` traces a
-# submodule alone (``moecompile/distributed/blocks.py``), with no frame of the model on the stack
+# submodule alone (``moecompile/distributed/find_blocks.py``), with no frame of the model on the stack
 RUNNING_MODEL: contextvars.ContextVar[torch.nn.Module | None] = contextvars.ContextVar("moe_running_model",
                                                                                      default=None)
 
