@@ -4,6 +4,7 @@ a changed output. The README's support table is generated from this walk (the te
     MOECOMPILE_WRITE_README=1 python -m pytest -n 0 tests/test_walk_families.py     # regenerate the table
 """
 
+import contextlib
 import copy
 import os
 import re
@@ -206,44 +207,18 @@ def test_walk_row_reports_layers(family):
     assert result == "rewritten" and detail.startswith("2 layer(s)")
 
 
-def test_every_family_runs_as_eager_when_a_pass_fails(monkeypatch):
-    """A pass that raises after rewriting (canonicalize, unproved, then an error) on every family of the walk: each
-    graph comes back as it came in, the model gives eager's output, the report names the pass and the error, a
-    warning says so; with strict=True (``STRICT_FAMILY``) the backend raises instead. Forward only, no proof, and
-    the graphs run as the passes return them (tests/test_fallback.py sends restored graphs on to aot_eager)."""
-    rewritten: list[int] = []
+def test_every_family_runs_as_eager_when_a_pass_fails_or_an_op_raises_at_its_first_run(monkeypatch):
+    """Both fallbacks on every family of the walk, each family traced by Dynamo once (``_TwoFailures``):
 
-    def canonicalize_then_raise(gm, example_inputs, *, config, report):
-        canonicalize_moe_pass(gm, example_inputs, config=config, report=report)
-        rewritten.append(report.counters["canonicalize.rewritten"])  # the graph was edited before the error
-        raise RuntimeError("forced failure after rewriting")
+    - a pass that raises after rewriting (canonicalize, unproved, then an error): each graph comes back as it came
+      in, the report names the pass and the error, a warning says so;
+    - the expert MLP of moe::expert_mlp and moe::expert_mlp_keep (the references' loop, the grouped GEMMs on CPU)
+      raising whenever a graph runs it (not while Dynamo compiles, where the proof runs it): each rewritten graph
+      fails at its first run, the graph as it came in from Dynamo runs instead; the report names the first run and
+      the error, and a warning says so.
 
-    monkeypatch.setattr(pipeline, "PASSES", (("detect", dict(pipeline.PASSES)["detect"]),
-                                             ("canonicalize", canonicalize_then_raise)))
-    for family, model, rep, warned in _walk_as_eager():
-        assert rep.graphs_seen and len(rep.failures) == rep.graphs_seen, family
-        assert all((f.stage, f.error) == ("canonicalize", "RuntimeError: forced failure after rewriting")
-                   for f in rep.failures), family
-        assert not rep.layers and rep.counters["pipeline.failed.canonicalize"] == rep.graphs_seen, family
-        assert warned, family
-        if family in hf.FAMILIES:
-            assert sum(rewritten) == model.config.num_hidden_layers, family  # every block was spliced, then undone
-        rewritten.clear()
-    model = _build(STRICT_FAMILY)
-    torch._dynamo.reset()
-    strict = _PassesOnly(strict=True)
-    with pytest.raises(Exception):
-        torch.compile(model, backend=strict, fullgraph=True)(_ids(model))
-    assert isinstance(strict.errors[0], pipeline.MoECompileError)
-
-
-def test_every_family_runs_as_eager_when_an_op_raises_at_its_first_run(monkeypatch):
-    """The expert MLP of moe::expert_mlp and moe::expert_mlp_keep (the references' loop, the grouped GEMMs on CPU)
-    raises whenever a graph runs it (not while Dynamo compiles, where the proof runs it), on every family of the
-    walk: each rewritten graph fails at its first run, the graph as it came in from Dynamo runs instead and the
-    model gives eager's output; the report names the first run and the error, and a warning says so; with
-    strict=True (``STRICT_FAMILY``) the call raises. Forward only, a short proof, and graphs run as the passes
-    return them (no inner compiler)."""
+    Both give the graph's outputs (compared with each other) and the model eager's logits. With strict=True
+    (``STRICT_FAMILY``) the backend raises instead, for each. Forward only, no inner compiler."""
     def raising(real):
         def run(*args, **kwargs):
             if torch.compiler.is_compiling():
@@ -253,29 +228,93 @@ def test_every_family_runs_as_eager_when_an_op_raises_at_its_first_run(monkeypat
 
     for module, name in ((reference, "expert_mlp_ref"), (grouped_cpu, "expert_mlp_keep")):
         monkeypatch.setattr(module, name, raising(getattr(module, name)))
-    quick = dict(probe_tokens=16, verify_backward=False)
-    for family, model, rep, warned in _walk_as_eager(**quick):
+    for family, model, both, warned in _walk_as_eager():
+        rep = both.pass_fails.report
+        assert rep.graphs_seen and len(rep.failures) == rep.graphs_seen, family
+        assert all((f.stage, f.error) == ("canonicalize", "RuntimeError: forced failure after rewriting")
+                   for f in rep.failures), family
+        assert not rep.layers and rep.counters["pipeline.failed.canonicalize"] == rep.graphs_seen, family
+        assert both.pass_warned, family
+        rep = both.op_raises.report
         assert not rep.layers and all((f.stage, f.error) == ("first_run", "RuntimeError: forced failure at run time")
                                       for f in rep.failures), family
         assert rep.counters["pipeline.failed.first_run"] == len(rep.failures), family
         if family in hf.FAMILIES:
+            assert sum(both.rewritten) == model.config.num_hidden_layers, family  # every block spliced, then undone
             assert rep.failures and warned, family
             undone = [s for s in rep.skipped if s.reason.startswith("proved, but not rewritten")]
             assert len(undone) == model.config.num_hidden_layers, family  # every block was proved, then undone
     model = _build(STRICT_FAMILY)
     torch._dynamo.reset()
+    strict = _PassesOnly(strict=True)
+    with pipeline_passes(_failing_passes([])), pytest.raises(Exception):
+        torch.compile(model, backend=strict, fullgraph=True)(_ids(model))
+    assert isinstance(strict.errors[0], pipeline.MoECompileError)
+    torch._dynamo.reset()
     with pytest.raises(pipeline.MoECompileError, match="raised at its first run"):
-        torch.compile(model, backend=_PassesOnly(**quick, strict=True))(_ids(model))
+        torch.compile(model, backend=_PassesOnly(**QUICK, strict=True))(_ids(model))
 
 
 # strict=True raises where the walk falls back: one code path whatever the family, so one family checks it
 STRICT_FAMILY = "mixtral"
+QUICK = dict(probe_tokens=16, verify_backward=False)  # a short proof, forward only
 
 
-def _walk_as_eager(**options):
-    """Every family of the walk that builds, compiled with ``_PassesOnly(**options)`` and run once: the backend must
-    not raise and the logits must be eager's. Yields (family, model, the report, whether a ``MoEFallbackWarning``
-    was raised)."""
+def _failing_passes(rewritten: list[int]):
+    """pipeline.PASSES with canonicalize raising after it rewrote (the count of blocks it spliced in ``rewritten``)."""
+    def canonicalize_then_raise(gm, example_inputs, *, config, report):
+        canonicalize_moe_pass(gm, example_inputs, config=config, report=report)
+        rewritten.append(report.counters["canonicalize.rewritten"])  # the graph was edited before the error
+        raise RuntimeError("forced failure after rewriting")
+
+    return ("detect", dict(pipeline.PASSES)["detect"]), ("canonicalize", canonicalize_then_raise)
+
+
+@contextlib.contextmanager
+def pipeline_passes(passes):
+    real, pipeline.PASSES = pipeline.PASSES, passes
+    try:
+        yield
+    finally:
+        pipeline.PASSES = real
+
+
+class _TwoFailures:
+    """Each graph Dynamo makes, compiled twice by the MoE passes with no inner compiler: a copy with canonicalize
+    raising after it rewrote (``pass_fails``), then the graph itself with the default passes and a short proof
+    (``op_raises``: the test makes the expert MLP raise at run time). Each run runs both from the same random state
+    and checks they give the same outputs (both are the graph as it came in), then returns the second's."""
+
+    def __init__(self):
+        self.pass_fails, self.op_raises = _PassesOnly(), _PassesOnly(**QUICK)
+        self.rewritten: list[int] = []
+        self.pass_warned = False  # a MoEFallbackWarning while the pass failed (the other's come at its first run)
+
+    def moecompile_capture(self, options) -> bool:  # as moe_backend: Dynamo captures for it (tracing/capture.py)
+        return True
+
+    def __call__(self, gm, example_inputs, **_):
+        with warnings.catch_warnings(record=True) as caught, pipeline_passes(_failing_passes(self.rewritten)):
+            warnings.simplefilter("always")
+            passes_failed = self.pass_fails(copy.deepcopy(gm), example_inputs)
+        self.pass_warned |= any(issubclass(w.category, pipeline.MoEFallbackWarning) for w in caught)
+        op_raises = self.op_raises(gm, example_inputs)
+
+        def run(*args):
+            state = torch.random.get_rng_state()
+            want = passes_failed(*args)
+            torch.random.set_rng_state(state)
+            got = op_raises(*args)
+            leaves = zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True)
+            assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in leaves)
+            return got
+        return run
+
+
+def _walk_as_eager():
+    """Every family of the walk that builds, compiled with ``_TwoFailures()`` and run once: the backend must not
+    raise and the logits must be eager's. Yields (family, model, the backend, whether a ``MoEFallbackWarning`` was
+    raised while the graphs ran)."""
     families = sorted(set(hf.moe_families_in_transformers()) | set(hf.FAMILIES))
     ran = 0
     for family in families:
@@ -283,14 +322,15 @@ def _walk_as_eager(**options):
         if isinstance(model, Exception):
             continue
         eager, ids = copy.deepcopy(model), _ids(model)
-        backend = _PassesOnly(**options)
+        backend = _TwoFailures()
         torch._dynamo.reset()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = torch.compile(model, backend=backend)(ids)
-        assert not backend.errors, f"{family}: backend raised {backend.errors[0]!r}"
+        errors = backend.pass_fails.errors + backend.op_raises.errors
+        assert not errors, f"{family}: backend raised {errors[0]!r}"
         assert normwise(got.logits, eager(ids).logits) <= 1e-5, f"{family}: outputs changed"
-        yield family, model, backend.report, any(issubclass(w.category, pipeline.MoEFallbackWarning) for w in caught)
+        yield family, model, backend, any(issubclass(w.category, pipeline.MoEFallbackWarning) for w in caught)
         ran += 1
     assert ran >= len(hf.FAMILIES)
 
