@@ -67,10 +67,10 @@ def _ids(model) -> torch.Tensor:
 def _compile_checked(family: str, model, backward: bool | None):
     """Compile ``model`` with the moe backend as a user would (nothing else changed) and run it in ``train()`` mode
     with the family's own jitter and dropout as shipped (logits, and with ``backward`` every gradient; None: only
-    that), then in ``eval()`` mode (logits), each checked against an eager copy drawing the same random numbers.
-    Returns ({mode: (layers rewritten, skip records) by the graphs compiled in that mode, "grads": (the worst
-    gradient's normwise difference, its parameter)}, the whole report). Dynamo recompiles on the mode change only
-    the frames whose guards read it; the others run their train() graphs."""
+    that), then in ``eval()`` mode without gradients, as a user evaluates (logits), each checked against an eager
+    copy drawing the same random numbers. Returns ({mode: (layers rewritten, skip records) by the graphs compiled in
+    that mode, "grads": (the worst gradient's normwise difference, its parameter)}, the whole report). Dynamo
+    compiles the frames again for eval() (its guards read the grad mode), and AOTAutograd makes inference graphs."""
     eager, ids = copy.deepcopy(model), _ids(model)
     backend = RecordingBackend(inner="aot_eager")
     torch._dynamo.reset()
@@ -81,10 +81,11 @@ def _compile_checked(family: str, model, backward: bool | None):
         for m in (model, eager):
             m.train(mode == "train")
         before = len(backend.report.layers), len(backend.report.skipped)
-        torch.manual_seed(1)
-        out = compiled(ids, labels=ids)
-        torch.manual_seed(1)
-        want = eager(ids, labels=ids)
+        with torch.set_grad_enabled(mode == "train"):  # eval() as a user evaluates: no gradients recorded
+            torch.manual_seed(1)
+            out = compiled(ids, labels=ids)
+            torch.manual_seed(1)
+            want = eager(ids, labels=ids)
         assert not backend.errors, f"{family} ({mode}): backend raised {backend.errors[0]!r}"
         assert normwise(out.logits, want.logits) <= 1e-5, f"{family} ({mode}): outputs changed"
         if backward is not False and mode == "train":
