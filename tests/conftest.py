@@ -24,6 +24,53 @@ torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*experts_implementation.*")
 
 
+def _patch_triton_language_once_per_launch():
+    """Triton's interpreter patches ``triton.language`` for the interpreter at each kernel launch (restored after),
+    and again at every call of a ``@triton.jit`` helper inside the kernel (never restored), scanning the modules with
+    ``inspect.getmembers`` each time: 0.5 ms a call, thousands of calls a test, which find what the launch or an
+    earlier helper patched and change nothing (Triton 3.7). A helper whose modules are patched already (by the
+    running launch, or left patched by an earlier helper) is called without it. Where Triton's internals differ,
+    nothing is changed (only slower)."""
+    import inspect
+
+    try:
+        from triton import language as tl
+        from triton.runtime import interpreter
+        grid_call, device_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+        rewrite, error = interpreter.InterpretedFunction.rewrite, interpreter.InterpreterError
+    except (ImportError, AttributeError):
+        return
+    patched: list[set[int]] = []  # the language modules each running launch patched
+    left: set[int] = set()  # those a helper patched: Triton never restores them
+
+    def languages(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def launch(self, *args, **kwargs):
+        patched.append(languages(self.fn))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def helper(self, *args, **kwargs):
+        mine = languages(self.fn)
+        if not patched or not mine <= patched[-1] | left:
+            if patched:
+                left.update(mine - patched[-1])
+            return device_call(self, *args, **kwargs)
+        try:
+            return rewrite(self)(*args, **kwargs)
+        except Exception as exc:
+            raise error(repr(exc)) from exc
+
+    interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__ = launch, helper
+
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    _patch_triton_language_once_per_launch()
+
+
 class RecordingBackend:
     """The moe backend, keeping the pass report of every graph it compiled (for assertions)."""
 
