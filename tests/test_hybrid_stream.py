@@ -1,6 +1,7 @@
 """HybridEP's stream model (runtime/comm/stream.py, hybridep.md §III), pure: its choice in both of §III's regimes,
-its bytes against the runtime's, and its search against Eqs. 11-12's closed form. (Its predictions against measured
-communication under emulated links, and expert_domains="auto" training: tests/test_hybrid.py.)"""
+its bytes against the runtime's, its search against Eqs. 11-12's closed form, and a training step's backward
+terms. (Its predictions against measured communication under emulated links, and expert_domains="auto" training:
+tests/test_hybrid.py.)"""
 
 import pytest
 import torch
@@ -52,3 +53,33 @@ def test_stream_model_agrees_with_the_closed_form():
         print(f"P_E {P_E:.0f}: closed form p {p:.3f} (domain {domain}), search {stream.choose(got).domain_sizes}")
         assert stream.choose(got).domain_sizes == (domain,)
     assert stream.closed_form(W, D, D / 2, B, 3 * (D / 2) / B) == pytest.approx(4 / 7)
+
+
+def test_a_training_step_pays_the_gathered_gradients_back():
+    """One level of 8, experts as large as a rank's rows (P_E = D) and a pre-expert time that hides even the whole
+    all-gather: a forward alone gathers every expert (one domain of 8, its all-gather free behind PE); a training
+    step keeps plain expert parallelism, since each gathered copy's gradient goes back to its owner unhidden
+    (7 P_E, 14 P_E when gathered again for backward) against the rows' 2 x 7/8 D each way; the expert GEMMs count
+    twice more in backward."""
+    B = 1e9
+    link = LinkModel({"flat": (0.0, 1 / B)})
+    W, T, E, row = 8, 64, 8, 1024
+    ids, source = _uniform(W, T, E)
+    D = T * row
+    pre, macs, rate = 10 * D / B, 1000.0, 1e12
+    common = dict(macs_per_row=macs, rate=rate, pre_s=pre, overlap=True)
+
+    def priced(**kw):
+        return {c: stream.predict(ids, source, [W], ["ep"], c, E, row, D, link, **common, **kw)
+                for c in stream.candidates([W])}
+
+    forward, step, resharded = priced(), priced(backward=True), priced(backward=True, reshard=True)
+    assert stream.choose(list(forward.values())).domain_sizes == (8,)
+    assert stream.choose(list(step.values())).domain_sizes == (1,)
+    assert all(p.bwd == 0 for p in forward.values())
+    expert = T * macs / rate  # the busiest rank's rows through their experts (even routing: T rows each)
+    for c, want in (((8,), 7 * D / B), ((1,), 2 * 7 / 8 * D / B)):  # the gradients' way back
+        assert step[c].bwd == pytest.approx(2 * expert + want), c
+        assert step[c].total == pytest.approx(forward[c].total + step[c].bwd), c
+    assert resharded[(8,)].bwd == pytest.approx(2 * expert + 14 * D / B)  # the all-gather again, too
+    assert resharded[(1,)].bwd == step[(1,)].bwd  # no domain: nothing gathered

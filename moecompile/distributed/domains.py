@@ -151,11 +151,13 @@ def setup(mesh, sizes: dict[str, int], compress: float | None = None, reshard: b
     return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes, compress, reshard)
 
 
-def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | None = None) -> None:
+def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | None = None, training: bool = False,
+           reshard: bool = False) -> None:
     """``expert_domains="auto"``: each layer's domain sizes (``rec.domain_sizes``), the least time the stream model
     (``runtime/comm/stream.py``) predicts for one forward of every rank's example routing (gathered, so every
-    rank decides alike) on ``link``, over every candidate; ``rec.domain_reason`` lists each candidate's predicted
-    time and the chosen one's measured time (``time_hybrid``, on the example routing). ``pre``: each layer's
+    rank decides alike) on ``link``, over every candidate, and with ``training`` for its backward too (``reshard``:
+    the gather again there); ``rec.domain_reason`` lists each candidate's predicted time and the chosen one's
+    measured time (``time_hybrid``, one forward's communication on the example routing). ``pre``: each layer's
     pre-expert time PE (``pre_expert_seconds``), with which Eq. 7 credits min(PE, AG) of the all-gather started
     ahead; none given: 0."""
     pre = pre or {}
@@ -181,18 +183,22 @@ def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | No
         pe = pre.get(rec.path, 0.0)
         predicted = [stream.predict(every_ids, source, shape, names, c, e.num_experts, e.hidden * elem,
                                     expert_bytes, link, mats * e.hidden * e.intermediate, rate, pre_s=pe,
-                                    overlap=True)
+                                    overlap=True, backward=training, reshard=reshard)
                      for c in stream.candidates(shape)]
         best = stream.choose(predicted)
         rec.domain_sizes = dict(zip(names, best.domain_sizes))
         measured = time_hybrid(every_ids, source, e.num_experts, mesh, e.hidden, rec.domain_sizes, expert_bytes,
                                device=weight.device)
+        what = ("one training step's expert communication and compute (the expert weights require grad: "
+                "hybridep.md Eq. 8's forward, and the backward's GEMMs, exchanges and reduce-scatter"
+                + (", gathered again" if reshard else "") + ")") if training else \
+            "one forward's expert communication and compute (hybridep.md Eq. 8)"
         rec.domain_reason = (
-            f"expert domains auto -> {rec.domain_sizes}: least predicted time of one forward's expert "
-            f"communication and compute (hybridep.md Eq. 8; pre-expert time PE {pe * 1e3:.3g} ms, measured eagerly "
-            "on the example: the all-gather overlaps it, Eq. 7) of the example routing: "
+            f"expert domains auto -> {rec.domain_sizes}: least predicted time of {what} for the example routing "
+            f"(pre-expert time PE {pe * 1e3:.3g} ms, measured eagerly on the example: the forward's all-gather "
+            "overlaps it, Eq. 7): "
             + ", ".join(f"{dict(zip(names, p.domain_sizes))} {p.total * 1e3:.3g} ms" for p in predicted)
-            + f"; measured {measured * 1e3:.3g} ms (communication)")
+            + f"; measured {measured * 1e3:.3g} ms (one forward's communication)")
 
 
 def pre_expert_seconds(model, paths: list[str], example_args, group, repeats: int = 2) -> dict[str, float]:

@@ -121,7 +121,9 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     if domains == "auto":
         records = [rec for rec, _ in plans]
         pre = domains_mod.pre_expert_seconds(model, [r.path for r in records], example_args, group)
-        domains_mod.choose(records, link, routing, mesh, group, pre)
+        training = any(p.requires_grad for rec in records for w in rec.expert_weights.values()
+                       for p in (w if isinstance(w, list) else [w]))  # (a model for inference: requires_grad_(False))
+        domains_mod.choose(records, link, routing, mesh, group, pre, training, reshard_after_forward)
     for rec, params in plans:
         why_not = replicable(params) if replication != "off" else "not asked"
         if why_not and replication != "off":

@@ -15,6 +15,13 @@ in), ``n`` the bytes its busiest rank sends or receives (the same expression ``e
                      communication, so no n Lat_EP term
     Eq. 8,9 total  = comp + AG + A2A - ovlp, comp of the slowest rank (every collective lasts as its busiest rank)
 
+The paper prices a forward. A training step (``backward=True``) adds the backward's terms, ``bwd``: the expert
+GEMMs twice (input and weight gradients, 2 x comp - PE), the rows' gradients exchanged as the rows were (the two
+A2As; the counts are known), each gathered copy's gradient reduce-scattered back to its owner (the all-gather's
+bytes, over its group), and with ``reshard`` the all-gather again. None of them overlaps anything in our runtime
+(``domains.py``'s backward waits for its reduce-scatter; the re-gather is not started ahead), so a large domain
+whose all-gather the pre-expert time hides in forward still pays its gradients' way back.
+
 Eqs. 10-12 solve this for one level, uniform routing and one p on every GPU (p = (G - d) / (G - 1), d the domain
 size): all-gather only (p = 0) when 2 D >= G P_E (D: a rank's routed-row bytes), else the least p with
 AG <= PE (``closed_form``); without overlap that is p = 1 (plain expert parallelism). ``choose`` searches every
@@ -36,8 +43,8 @@ from .levels import kind
 
 @dataclass(frozen=True)
 class Prediction:
-    """Seconds of one forward of a layer's expert communication and compute, per Eq. 8's terms; bytes per
-    collective of the busiest rank."""
+    """Seconds of one forward of a layer's expert communication and compute, per Eq. 8's terms, and ``bwd``, its
+    backward's (0 for a forward alone); bytes per collective of the busiest rank."""
 
     domain_sizes: tuple[int, ...]
     comp: float
@@ -46,10 +53,11 @@ class Prediction:
     ovlp: float
     ag_bytes: float
     a2a_bytes: float
+    bwd: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.comp + self.ag + self.a2a - self.ovlp
+        return self.comp + self.ag + self.a2a - self.ovlp + self.bwd
 
 
 def candidates(sizes) -> list[tuple[int, ...]]:
@@ -64,10 +72,11 @@ def _busiest(matrix: torch.Tensor) -> float:
 
 def predict(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, sizes, names, domain_sizes, num_experts: int,
             row_bytes: int, expert_bytes: int, link, macs_per_row: float = 0.0, rate: float = math.inf,
-            pre_s: float = 0.0, overlap: bool = False) -> Prediction:
+            pre_s: float = 0.0, overlap: bool = False, backward: bool = False, reshard: bool = False) -> Prediction:
     """Eq. 8 for these domain sizes and this routing (every rank's tokens: token t starts on rank
     ``source_rank_T[t]``; experts owned contiguously, E / W per rank). ``row_bytes``: one routed row's bytes;
-    ``expert_bytes``: P_E; ``macs_per_row``: the multiply-adds of one row through its expert; ``rate``: C."""
+    ``expert_bytes``: P_E; ``macs_per_row``: the multiply-adds of one row through its expert; ``rate``: C.
+    ``backward``: a training step, the backward's terms too (module docstring; ``reshard``: gathered again)."""
     sizes, domain_sizes = hybrid.check(sizes, domain_sizes)
     names = tuple(names)
     W = math.prod(sizes)
@@ -86,29 +95,36 @@ def predict(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, sizes, names, dom
     computed = rows.sum(0)  # rows each rank runs its experts on
     comp = pre_s + float(computed.max()) * macs_per_row / rate
     return price(link, names, sizes, domain_sizes, expert_bytes, _busiest(rows * row_bytes), per_rank, comp, pre_s,
-                 overlap)
+                 overlap, backward, reshard)
 
 
 def price(link, names, sizes, domain_sizes, expert_bytes: float, a2a_bytes: float, experts_per_rank: int,
-          comp: float = 0.0, pre_s: float = 0.0, overlap: bool = False) -> Prediction:
+          comp: float = 0.0, pre_s: float = 0.0, overlap: bool = False, backward: bool = False,
+          reshard: bool = False) -> Prediction:
     """Eqs. 4-8 priced on ``link`` (one kind per set of levels a collective spans) from the bytes they move: the
     domain's all-gather of (S - 1) x ``expert_bytes``; the exchange's per-expert counts, then ``a2a_bytes`` of rows
     (the busiest rank's: a measured routing's, or the planner's expectation, ``moecompile/plan``) and the outputs
-    back. ``predict`` and the planner's ``domain_times`` both price with it."""
+    back; with ``backward``, the backward's terms (module docstring). ``predict`` and the planner's
+    ``domain_times`` both price with it (the planner adds a step's backward itself, ``plan/cost.py``)."""
     sizes, domain_sizes = hybrid.check(sizes, domain_sizes)
     gather, exchange = hybrid.groups(0, sizes, domain_sizes)
     d = len(gather)
-    ag = a2a = ag_bytes = 0.0
+    ag = a2a = ag_bytes = rows = 0.0
     if d > 1:
         ag_bytes = (d - 1) * expert_bytes
         ag = link.time(kind(names, spanned(gather, sizes)), ag_bytes)
     if len(exchange) > 1:
         a2a_kind = kind(names, spanned(exchange, sizes))
         counts = (len(exchange) - 1) * experts_per_rank * d * 8  # each peer's per-expert counts (int64)
-        a2a = link.time(a2a_kind, counts) + 2 * link.time(a2a_kind, a2a_bytes)  # the rows out, the outputs back
+        rows = 2 * link.time(a2a_kind, a2a_bytes)  # the rows out, the outputs back
+        a2a = link.time(a2a_kind, counts) + rows
     else:
         a2a_bytes = 0.0
-    return Prediction(tuple(domain_sizes), comp, ag, a2a, min(pre_s, ag) if overlap else 0.0, ag_bytes, a2a_bytes)
+    # the backward: input and weight gradients (2 x the expert GEMMs), the rows' gradients both ways, the gathered
+    # copies' gradients reduce-scattered (the all-gather's bytes), with reshard the all-gather again
+    bwd = 2 * (comp - pre_s) + rows + (1 + reshard) * ag if backward else 0.0
+    return Prediction(tuple(domain_sizes), comp, ag, a2a, min(pre_s, ag) if overlap else 0.0, ag_bytes, a2a_bytes,
+                      bwd)
 
 
 def spanned(ranks, sizes) -> tuple[int, ...]:
