@@ -248,7 +248,7 @@ def test_every_family_runs_as_eager_when_a_pass_fails_or_an_op_raises_at_its_fir
     model = _build(STRICT_FAMILY)
     torch._dynamo.reset()
     strict = _PassesOnly(strict=True)
-    with pipeline_passes(_failing_passes([])), pytest.raises(Exception):
+    with _pipeline_passes(_failing_passes([])), pytest.raises(Exception):
         torch.compile(model, backend=strict, fullgraph=True)(_ids(model))
     assert isinstance(strict.errors[0], pipeline.MoECompileError)
     torch._dynamo.reset()
@@ -272,7 +272,7 @@ def _failing_passes(rewritten: list[int]):
 
 
 @contextlib.contextmanager
-def pipeline_passes(passes):
+def _pipeline_passes(passes):
     real, pipeline.PASSES = pipeline.PASSES, passes
     try:
         yield
@@ -295,7 +295,7 @@ class _TwoFailures:
         return True
 
     def __call__(self, gm, example_inputs, **_):
-        with warnings.catch_warnings(record=True) as caught, pipeline_passes(_failing_passes(self.rewritten)):
+        with warnings.catch_warnings(record=True) as caught, _pipeline_passes(_failing_passes(self.rewritten)):
             warnings.simplefilter("always")
             passes_failed = self.pass_fails(copy.deepcopy(gm), example_inputs)
         self.pass_warned |= any(issubclass(w.category, pipeline.MoEFallbackWarning) for w in caught)
