@@ -246,7 +246,8 @@ def _stream_measured(two):
     """Under emulated links ("node" slow), each candidate's communication time as the stream model predicts it,
     against what one forward's all-gather and exchange take (moecompile.distributed.domains.time_hybrid): within
     the band the dedup model meets (tests/test_ep_levels.py). Then expert_domains="auto" trains as one process,
-    its report giving every candidate's predicted time and the chosen one's measured time."""
+    its report giving every candidate's predicted time and the chosen one's measured time, priced for a training
+    step; a model served (``requires_grad_(False)``) is priced for one forward."""
     from moecompile.distributed.domains import time_hybrid
     from moecompile.models.hf import tiny_model
     from moecompile.runtime.comm.exchange import emulate_links
@@ -270,6 +271,12 @@ def _stream_measured(two):
         report = str(model._moe_parallel)
         assert report.count("expert domains auto ->") == len(model._moe_parallel.report.layers), report
         assert "{'node': 1, 'local': 1}" in report and "measured" in report, report
+        assert report.count("one training step's") == len(model._moe_parallel.report.layers), report  # it trains
+        served = tiny_model("mixtral").requires_grad_(False)  # a model served: one forward priced
+        moecompile.parallelize(served, two, torch.zeros(2, 5, dtype=torch.long), expert_domains="auto",
+                               link_model=SLOW)
+        assert "one training step's" not in str(served._moe_parallel), str(served._moe_parallel)
+        assert str(served._moe_parallel).count("one forward's expert communication") == 2, str(served._moe_parallel)
         # Eq. 2's PE, measured per layer (every tiny layer's attention takes some time) and printed
         pes = [float(m) for m in re.findall(r"pre-expert time PE ([0-9.e+-]+) ms", report)]
         assert len(pes) == len(model._moe_parallel.report.layers) and all(pe > 0 for pe in pes), report

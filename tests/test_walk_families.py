@@ -292,7 +292,7 @@ class _TwoFailures:
         self.pass_warned = False  # a MoEFallbackWarning while the pass failed (the other's come at its first run)
 
     def moecompile_capture(self, options) -> bool:  # as moe_backend: Dynamo captures for it (tracing/capture.py)
-        return True
+        return self.op_raises.moecompile_capture(options)
 
     def __call__(self, gm, example_inputs, **_):
         with warnings.catch_warnings(record=True) as caught, _pipeline_passes(_failing_passes(self.rewritten)):

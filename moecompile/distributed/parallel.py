@@ -121,8 +121,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     if domains == "auto":
         records = [rec for rec, _ in plans]
         pre = domains_mod.pre_expert_seconds(model, [r.path for r in records], example_args, group)
-        training = any(p.requires_grad for rec in records for w in rec.expert_weights.values()
-                       for p in (w if isinstance(w, list) else [w]))  # (a model for inference: requires_grad_(False))
+        # priced for a training step unless the experts take no gradient (a model served: requires_grad_(False))
+        training = any(p.requires_grad for rec in records for p in _expert_tensors(rec))
         domains_mod.choose(records, link, routing, mesh, group, pre, training, reshard_after_forward)
     for rec, params in plans:
         why_not = replicable(params) if replication != "off" else "not asked"
@@ -263,10 +263,15 @@ def _unshardable(rec, world: int) -> str:
     if e.identity_experts or r.capacity >= 0:
         what = "identity experts" if e.identity_experts else "an expert capacity"
         return f"a layer with {what} is not sharded yet"
-    if any(not isinstance(p, nn.Parameter) for w in rec.expert_weights.values()
-           for p in (w if isinstance(w, list) else [w])):
+    if any(not isinstance(p, nn.Parameter) for p in _expert_tensors(rec)):
         return "its expert weights are not parameters of the model"
     return ""
+
+
+def _expert_tensors(rec):
+    """Every expert weight of a layer record (a role holds one tensor, or a ModuleList's one per expert)."""
+    for w in rec.expert_weights.values():
+        yield from w if isinstance(w, list) else [w]
 
 
 def _check_ranks_agree(model: nn.Module, plans, group) -> None:
