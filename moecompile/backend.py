@@ -20,6 +20,7 @@ import torch.fx as fx
 from moecompile.passes import forms
 from moecompile.passes.graph_utils import FRAME_PREFIX, FRAME_TYPE
 from moecompile.passes.recompute import saves_exchanges
+from moecompile.passes.regather import RegathersEarly, regathers, start_regathers_early
 from moecompile.passes.report import PassReport
 
 from .tracing.capture import MARK, RETRACE, install
@@ -189,13 +190,29 @@ def _quiet_context_fn_note(active: bool):
 def compile_inner(gm: fx.GraphModule, example_inputs, config: MoEOptions):
     """The graph after the passes, compiled by the inner compiler; Inductor with the settings of the option ``mode``
     (as torch.compile's own mode gives them: ``torch._inductor.list_mode_options``), then the option ``inductor``'s."""
+    regather = regathers(gm)  # reshard_after_forward: the backward's gathers started ahead (passes/regather.py)
     if config.inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=forms.inductor_settings(config))
+        settings = forms.inductor_settings(config)
+        if regather:
+            from torch._inductor import config as inductor_config
+
+            mine = settings.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+            mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
+            settings["post_grad_custom_post_pass"] = [*mine, RegathersEarly()]
+        return compile_fx(gm, example_inputs, config_patches=settings)
     from torch._dynamo.backends.registry import lookup_backend
 
-    return lookup_backend("aot_eager")(gm, example_inputs)
+    if not regather:
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    def backward(bw: fx.GraphModule, inputs):  # aot_eager's own backward compiler, after the pass
+        start_regathers_early(bw.graph)
+        return boxed_nop(bw, inputs)
+
+    return lookup_backend("aot_eager")(gm, example_inputs, bw_compiler=backward)
 
 
 def run_uncompiled(gm: fx.GraphModule, example_inputs, config: MoEOptions):

@@ -6,9 +6,10 @@ expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "
 and 4) and world 8 (1-D, one expert per rank: domain sizes 2 and 8), gradients clipped by moecompile.clip_grad_norm_
 to the one-process norm; the bytes with one domain and with domain size 1; bad input. The stream model
 (runtime/comm/stream.py; pure: tests/test_hybrid_stream.py) under emulated links: every candidate's predicted
-communication against the measured one, and expert_domains="auto" training as one process (world 4); where the
-distribute pass starts each layer's all-gather and waits for it; the gathered copies kept for backward, or with
-reshard_after_forward=True gathered again there (training as one process, the bytes, nothing whole-domain saved);
+communication against the measured one, and expert_domains="auto" training as one process (world 4) (where each
+gather starts: tests/test_gather_order.py); the gathered copies kept for backward, or with
+reshard_after_forward=True gathered again there (training as one process, the bytes, nothing whole-domain saved,
+each gather again started ahead of its wait);
 compress=q (q = 1 as one process; the bytes at q = 0.25; the decoded copies not kept for backward). Every collective
 has a timeout; a failing rank fails the test."""
 
@@ -84,51 +85,6 @@ def test_bad_input_names_the_fix():
         moecompile.hybrid_topology([4], [3])
     with pytest.raises(ValueError, match="whole number >= 1"):
         moecompile.hybrid_topology([0], [1])
-
-
-def test_gathers_start_after_the_previous_layers_experts():
-    """The distribute pass's placement (hybridep.md §IV-B): layer 0's all-gather starts as soon as the graph's
-    inputs are there, layer 1's right after layer 0's experts, so each runs while its layer's pre-expert part
-    computes; each is waited for just before its own experts. A compressed gather (layer 1 here) moves the same
-    way, its shared expert (expert_mean) and encode done by its start; its pairs are decoded (moe.sr_decode) right
-    before the experts, marked to be computed again in backward. With reshard_after_forward (layer 0 here) the
-    start and the wait are marked so too."""
-    import torch.fx as fx
-
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    import moecompile.runtime.comm.compress  # noqa: F401  (registers the ops)
-    from moecompile.passes.distribute import _start_gathers_early
-    from moecompile.passes.report import PassReport
-
-    graph, ops = fx.Graph(), torch.ops.moe
-    x, w0, w1 = (graph.placeholder(name) for name in ("x", "w0", "w1"))
-    pre0 = graph.call_function(torch.relu, (x,))
-    experts0 = graph.call_function(ops.expert_mlp.default, (pre0, graph.call_function(ops.domain_gather.default,
-                                                                                       (w0, "g", "l0"))))
-    pre1 = graph.call_function(torch.relu, (experts0,))
-    mean = graph.call_function(ops.expert_mean.default, (graph.call_method("detach", (w1,)), 8, "world", "l1"))
-    gathered = graph.call_function(ops.domain_gather_compressed.default, (w1, mean, 0.25, "g", "l1"))
-    experts1 = graph.call_function(ops.expert_mlp.default, (pre1, gathered))
-    graph.output(experts1)
-    for n in (experts0, experts1):
-        n.meta["moe_local_experts"] = 2
-    experts0.args[1].meta["moe_reshard"] = True  # reshard_after_forward: layer 0's gather computed again
-    report = PassReport()
-    _start_gathers_early(graph, report)
-    order = [str(n.target).split(".")[-2] if n.op == "call_function" and "moe" in str(n.target) else
-             getattr(n.target, "__name__", n.op) for n in graph.nodes]
-    assert order == ["placeholder"] * 3 + ["domain_gather_start", "relu", "domain_gather_wait", "expert_mlp",
-                                           "domain_gather_compressed_start", "relu", "domain_gather_compressed_wait",
-                                           *["getitem"] * 3, "sr_decode", "expert_mlp", "output"], order
-    start = next(n for n in graph.nodes if n.target is ops.domain_gather_compressed_start.default)
-    assert start.args == (w1, 8, 0.25, "g", "world", "l1"), start.args
-    decode = next(n for n in graph.nodes if n.target is ops.sr_decode.default)
-    assert decode.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE and decode.users == {experts1: None}
-    assert report.counters["distribute.gathers_started_early"] == 2
-    again = [n.target.__name__ for n in graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE]
-    assert again == ["domain_gather_start.default", "domain_gather_wait.default", "sr_decode.default"], again
-    assert report.counters["distribute.gathers_again_in_backward"] == 1
 
 
 def _gather_ranks(rank, world, tmp):
@@ -324,10 +280,30 @@ def _copies_saved(kept: bool, world: int):
     return check
 
 
+def _backward_moe_ops(compiled, ids) -> list[str]:
+    """The moe ops one training step's backward runs, in the order they started (torch.profiler's record)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    loss = compiled(ids, labels=ids).loss
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    events = sorted((e for e in prof.events() if e.name.startswith("moe::")), key=lambda e: e.time_range.start)
+    return [e.name.split("::")[1] for e in events]
+
+
 def _resharded(world, flat):
     """reshard_after_forward=True trains as one process, keeps no gathered copy for backward, and gathers each
-    layer's experts twice a step (forward, and again in backward), summing their gradients back once."""
-    sent, own = _train("mixtral", flat, {"ep": world}, check=_copies_saved(False, world), reshard_after_forward=True)
+    layer's experts twice a step (forward, and again in backward), summing their gradients back once. In backward,
+    each gather again runs while other ops of the step do (passes/regather.py): never waited for right after its
+    start, as AOT autograd alone places them."""
+    def check(compiled, ids, model):
+        _copies_saved(False, world)(compiled, ids, model)
+        ran = _backward_moe_ops(compiled, ids)
+        starts = [i for i, op in enumerate(ran) if op == "domain_gather_start"]  # (one a weight)
+        assert starts and len(starts) == ran.count("domain_gather_wait"), ran
+        assert all(ran[i + 1] != "domain_gather_wait" for i in starts), ran
+
+    sent, own = _train("mixtral", flat, {"ep": world}, check=check, reshard_after_forward=True)
     assert sent["domain_gather.peer"] == 2 * (world - 1) * own and sent["domain_reduce.peer"] == (world - 1) * own
 
 

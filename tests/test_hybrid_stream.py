@@ -59,8 +59,9 @@ def test_a_training_step_pays_the_gathered_gradients_back():
     """One level of 8, experts as large as a rank's rows (P_E = D) and a pre-expert time that hides even the whole
     all-gather: a forward alone gathers every expert (one domain of 8, its all-gather free behind PE); a training
     step keeps plain expert parallelism, since each gathered copy's gradient goes back to its owner unhidden
-    (7 P_E, 14 P_E when gathered again for backward) against the rows' 2 x 7/8 D each way; the expert GEMMs count
-    twice more in backward."""
+    (7 P_E) against the rows' 2 x 7/8 D each way; the expert GEMMs count twice more in backward. Gathered again
+    for backward (reshard), the all-gather is started ahead there too: hidden behind the pre-expert backward (2 PE)
+    here, 7 P_E more without overlap, and what 2 PE does not hide where PE is short."""
     B = 1e9
     link = LinkModel({"flat": (0.0, 1 / B)})
     W, T, E, row = 8, 64, 8, 1024
@@ -81,5 +82,9 @@ def test_a_training_step_pays_the_gathered_gradients_back():
     for c, want in (((8,), 7 * D / B), ((1,), 2 * 7 / 8 * D / B)):  # the gradients' way back
         assert step[c].bwd == pytest.approx(2 * expert + want), c
         assert step[c].total == pytest.approx(forward[c].total + step[c].bwd), c
-    assert resharded[(8,)].bwd == pytest.approx(2 * expert + 14 * D / B)  # the all-gather again, too
+    assert resharded[(8,)].bwd == pytest.approx(step[(8,)].bwd)  # the all-gather again, hidden behind 2 PE
     assert resharded[(1,)].bwd == step[(1,)].bwd  # no domain: nothing gathered
+    for overlap, short_pe, want in ((False, 10, 14), (True, 2, 7 + 7 - 4)):  # ... not hidden; 2 PE hides 4 of 7
+        p = stream.price(link, ["ep"], [W], [8], D, 0.0, 1, comp=short_pe * D / B, pre_s=short_pe * D / B,
+                         overlap=overlap, backward=True, reshard=True)
+        assert p.bwd == pytest.approx(want * D / B), (overlap, p)

@@ -13,7 +13,8 @@ Per MoE layer and micro-batch (forward; backward counts twice the compute and on
     allgather           expert domains: the domain's experts gathered, less the pre-expert compute it overlaps;
                         kept for backward (every MoE layer's copies in memory at the end of forward), or freed
                         after forward and gathered again in backward (``reshard``: two layers' copies at most, and
-                        one more gather a layer, not overlapped)
+                        one more gather a layer, started ahead as in forward: less the pre-expert part's backward,
+                        twice its forward compute, that it overlaps)
 The step: every layer's forward and backward, the language-model head, and the gradient all-reduce (a ring:
 2 (n - 1) / n of the bytes over the slowest level the replicas span). Memory: bf16 weights and gradients, Adam
 (fp32 master, m, v: 12 bytes a parameter) sharded over the data-parallel replicas (ZeRO-1), activations of every
@@ -124,7 +125,9 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         dispatch, combine, allgather = domain_times(levels, ep_counts, domain_counts, rows * row_bytes,
                                                     expert_bytes, pre, E // plan.ep, offrank)
         held = expert_bytes * math.prod(domain_counts)
-        regather = level_seconds(levels, gather) if plan.reshard else 0.0
+        # (the forward's gather less 2 pre: the backward's gather again, started ahead, beside the pre-expert
+        # part's backward)
+        regather = max(0.0, allgather - pre) if plan.reshard else 0.0
     else:
         dispatch, combine = exchange_times(levels, ep_counts, rows / K, K, E, row_bytes, plan.dedup, sent,
                                            routing, plan.slots_per_rank)

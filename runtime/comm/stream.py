@@ -18,9 +18,11 @@ in), ``n`` the bytes its busiest rank sends or receives (the same expression ``e
 The paper prices a forward. A training step (``backward=True``) adds the backward's terms, ``bwd``: the expert
 GEMMs twice (input and weight gradients, 2 x comp - PE), the rows' gradients exchanged as the rows were (the two
 A2As; the counts are known), each gathered copy's gradient reduce-scattered back to its owner (the all-gather's
-bytes, over its group), and with ``reshard`` the all-gather again. None of them overlaps anything in our runtime
-(``domains.py``'s backward waits for its reduce-scatter; the re-gather is not started ahead), so a large domain
-whose all-gather the pre-expert time hides in forward still pays its gradients' way back.
+bytes, over its group), and with ``reshard`` the all-gather again. That one is started ahead as in forward
+(``passes/regather.py``: right after the later layer's experts' backward) and, with ``overlap``, hidden behind the
+pre-expert part's backward, taken as twice its forward (2 PE); the others overlap nothing in our runtime
+(``domains.py``'s backward waits for its reduce-scatter), so a large domain whose all-gather the pre-expert time
+hides in forward still pays its gradients' way back.
 
 Eqs. 10-12 solve this for one level, uniform routing and one p on every GPU (p = (G - d) / (G - 1), d the domain
 size): all-gather only (p = 0) when 2 D >= G P_E (D: a rank's routed-row bytes), else the least p with
@@ -121,8 +123,9 @@ def price(link, names, sizes, domain_sizes, expert_bytes: float, a2a_bytes: floa
     else:
         a2a_bytes = 0.0
     # the backward: input and weight gradients (2 x the expert GEMMs), the rows' gradients both ways, the gathered
-    # copies' gradients reduce-scattered (the all-gather's bytes), with reshard the all-gather again
-    bwd = 2 * (comp - pre_s) + rows + (1 + reshard) * ag if backward else 0.0
+    # copies' gradients reduce-scattered (the all-gather's bytes), with reshard the all-gather again, started ahead
+    regather = (max(0.0, ag - 2 * pre_s) if overlap else ag) if reshard else 0.0
+    bwd = 2 * (comp - pre_s) + rows + ag + regather if backward else 0.0
     return Prediction(tuple(domain_sizes), comp, ag, a2a, min(pre_s, ag) if overlap else 0.0, ag_bytes, a2a_bytes,
                       bwd)
 

@@ -1,0 +1,84 @@
+"""Expert domains' gathers again in backward, started ahead (``reshard_after_forward=True``).
+
+The distribute pass marks a resharded layer's ``moe.domain_gather_start`` and ``moe.domain_gather_wait`` to be
+computed again in backward; AOT autograd's partitioner puts what it recomputes right before its first use there, so
+the backward graph would start each layer's all-gather and wait for it at once, before that layer's experts' backward,
+with nothing to hide it behind. This pass runs on the backward graph (AOT autograd's, before the inner compiler
+compiles it: ``compile_inner`` hands it to aot_eager as the backward compiler and to Inductor as a post-grad pass)
+and moves each start as the forward has it (hybridep.md §IV-B, ``distribute._start_gathers_early``): right after the
+last use of the copies gathered before it in backward order (the later layer's experts' backward), the first one as
+soon as its weights are there. Each gather then runs while the later layer's rows' gradients are exchanged and its
+pre-expert part computes its backward; two layers' copies at most are alive at once, as in forward.
+
+    before (backward order)                        after
+    start_1  wait_1  experts_1'  ...               start_1  ...  wait_1  experts_1'  start_0  ...
+    start_0  wait_0  experts_0'                    ...  wait_0  experts_0'
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.utils.checkpoint import CheckpointPolicy
+
+import moecompile.runtime.comm.domains  # noqa: F401  (registers moe::domain_gather_start, moe::domain_gather_wait)
+
+START = torch.ops.moe.domain_gather_start.default
+WAIT = torch.ops.moe.domain_gather_wait.default
+
+
+def is_backward(graph: fx.Graph) -> bool:
+    """AOT autograd's backward graphs take the outputs' gradients (placeholders ``tangents_*``)."""
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+
+
+def regathers(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` (after the MoE passes; its activation-checkpointed regions' bodies too) gathers a layer's
+    experts again in backward."""
+    return any(n.target is START and n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+               for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes)
+
+
+def start_regathers_early(graph: fx.Graph) -> int:
+    """In a backward graph: each ``moe.domain_gather_start`` moved right after the last use of the copies the
+    layer before it (in graph order) waited for, or the first layer's right after their inputs (and the graph's);
+    never later than it was. A layer's gathers (one a weight) are the waits of one layer name in a row. Returns how
+    many moved."""
+    if not is_backward(graph):
+        return 0
+    layers: list[list[fx.Node]] = []  # the waits, by layer, in graph order
+    for wait in (n for n in graph.nodes if n.target is WAIT):
+        layer = wait.args[3] if len(wait.args) > 3 else ""
+        if layers and layer and layers[-1][0].args[3:4] == (layer,):
+            layers[-1].append(wait)
+        else:
+            layers.append([wait])
+    moved, last_use = 0, None  # last_use: of the copies the previous layer's waits gave
+    inputs = [n for n in graph.nodes if n.op == "placeholder"][-1:]  # (the graph's inputs come first)
+    for waits in layers:
+        placed = None  # the layer's start placed before this one (its starts stay in their order)
+        for start in (w.args[0] for w in waits):
+            if not (isinstance(start, fx.Node) and start.target is START):
+                continue
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            after = max((n for n in (*inputs, *start.all_input_nodes, last_use, placed) if n is not None),
+                        key=order.get)
+            if order[after] + 1 < order[start]:
+                after.append(start)
+                moved += 1
+            placed = start
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        last_use = max((u for w in waits for u in (w, *w.users)), key=order.__getitem__)
+    return moved
+
+
+class RegathersEarly(CustomGraphPass):
+    """``start_regathers_early`` as Inductor's ``post_grad_custom_post_pass`` (it runs on forward graphs too, where
+    it does nothing), with the hash of this file as its cache key."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        start_regathers_early(graph)
+
+    def uuid(self):
+        return get_hash_for_files((__file__,))
