@@ -23,7 +23,6 @@ summed: a ring all-reduce of [T_all, H], 2 (W - 1) / W x T_all x H x element byt
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from datetime import timedelta
 
@@ -36,6 +35,8 @@ from moecompile.distributed.calibrate import time_dispatch
 from moecompile.runtime.comm.cost_model import LinkModel, dispatch_times
 from moecompile.runtime.comm.plan import Placement, dedup_stats
 from moecompile.runtime.comm.exchange import emulate_links
+
+from measure import torchrun_report
 
 DEFAULT_LINK = LinkModel({"flat": (5e-3, 1e-8), "node": (5e-3, 1e-8), "local": (1e-3, 5e-10)})
 
@@ -93,13 +94,8 @@ def main() -> int:
                          f"{mine[0] / 1e6:.3f} | {mine[1] / 1e6:.3f} | "
                          f"{removed if dedup == 'node' else 0:.0%} | {a2a / 1e6:.3f} | {all_reduce / 1e6:.3f} |")
     if rank == 0:
-        text = "\n".join(lines)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(f"# Expert-parallel dispatch + combine under the link emulation\n\n"
-                        f"`torchrun --standalone --nproc-per-node {world} benchmarks/bench_ep.py "
-                        f"{' '.join(sys.argv[1:])}` on {os.cpu_count()} CPU cores (gloo, loopback).\n\n{text}\n")
+        torchrun_report("Expert-parallel dispatch + combine under the link emulation", "bench_ep.py", world, lines,
+                        args.out)
     dist.destroy_process_group()
     return 0
 

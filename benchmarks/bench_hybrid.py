@@ -25,7 +25,6 @@ sum of its parts.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
@@ -42,6 +41,8 @@ from moecompile.distributed.domains import time_hybrid
 from moecompile.runtime.comm import exchange, stream
 from moecompile.runtime.comm.cost_model import LinkModel, dispatch_times
 from moecompile.runtime.comm.plan import Placement
+
+from measure import torchrun_report
 
 SLOW = LinkModel({"flat": (5e-3, 2e-8), "node": (5e-3, 2e-8), "local": (1e-3, 5e-10)})
 NAMES = ("node", "local")
@@ -188,13 +189,8 @@ def main() -> int:
     if not args.no_step:
         lines += _steps(args, mesh)
     if dist.get_rank() == 0:
-        text = "\n".join(lines)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(f"# Expert domains across a slow link (issue 25, items 3, 4 and 7)\n\n"
-                        f"`torchrun --standalone --nproc-per-node {world} benchmarks/bench_hybrid.py "
-                        f"{' '.join(sys.argv[1:])}` on {os.cpu_count()} CPU cores (gloo, loopback).\n\n{text}\n")
+        torchrun_report("Expert domains across a slow link (issue 25, items 3, 4 and 7)", "bench_hybrid.py", world,
+                        lines, args.out)
         if args.plot and curves:
             _plot(args.plot, args.units, curves)
     dist.destroy_process_group()

@@ -6,7 +6,9 @@
   peak memory (``peak_gib``), the bytes autograd saves for backward (``saved_activation_bytes``), the ops it
   launches (``count_ops``) and every profiler event name (``event_names``); the normwise error against a reference
   (``normwise_error``);
-- the report: a number or "n/a" (``fmt``), a markdown table (``markdown_table``), a ``--moe-option`` value.
+- the report: a number or "n/a" (``fmt``), a markdown table (``markdown_table``), a ``--moe-option`` value; and the
+  multi-process benchmarks' (bench_ep.py, bench_hybrid.py, bench_regather.py): their text printed and written under
+  the torchrun command that made it (``torchrun_report``).
 
 A sibling module of the scripts: ``python benchmarks/bench_layer.py`` puts benchmarks/ first on sys.path.
 """
@@ -234,3 +236,17 @@ def option_value(text: str):
     """A ``--moe-option KEY=VALUE`` value: true/false as a bool, an integer as an int, anything else the string."""
     low = text.lower()
     return low == "true" if low in ("true", "false") else int(low) if low.lstrip("-").isdigit() else text
+
+
+def torchrun_report(title: str, script: str, world: int, lines: list[str], out: str) -> None:
+    """Rank 0's report of a benchmark run under torchrun: ``lines`` printed and, with ``out``, written to that file
+    under ``title`` and the command that made them (this process's arguments)."""
+    import os
+    import sys
+
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(f"# {title}\n\n`torchrun --standalone --nproc-per-node {world} benchmarks/{script} "
+                    f"{' '.join(sys.argv[1:])}` on {os.cpu_count()} CPU cores (gloo, loopback).\n\n{text}\n")
