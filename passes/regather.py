@@ -1,4 +1,5 @@
-"""Expert domains' gathers again in backward, started ahead (``reshard_after_forward=True``).
+"""Expert domains' gathers again in backward, started ahead (``reshard_after_forward=True``, and the gathers of
+layers in activation-checkpointed regions, which backward runs again with the rest of the region).
 
 The distribute pass marks a resharded layer's ``moe.domain_gather_start`` and ``moe.domain_gather_wait`` to be
 computed again in backward; AOT autograd's partitioner puts what it recomputes right before its first use there, so
@@ -34,9 +35,10 @@ def is_backward(graph: fx.Graph) -> bool:
 
 
 def regathers(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` (after the MoE passes; its activation-checkpointed regions' bodies too) gathers a layer's
-    experts again in backward."""
-    return any(n.target is START and n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+    """Whether ``gm`` (after the MoE passes) may gather a layer's experts again in backward: a gather marked so
+    (``reshard_after_forward``), or one in an activation-checkpointed region's body, whose forward backward runs
+    again (unless ``checkpoint_exchanges="save"`` keeps the gathered copies; then none is in the backward graph)."""
+    return any(n.target is START and (m is not gm or n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE)
                for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes)
 
 

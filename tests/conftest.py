@@ -163,3 +163,14 @@ def pytest_runtest_logreport(report):
         tail = "\n".join(str(report.longrepr).strip().splitlines()[-12:])
         with open(path, "a") as f:
             f.write(f"### {report.nodeid} ({report.when})\n{tail}\n\n")
+
+
+def backward_moe_ops(compiled, ids) -> list[str]:
+    """The moe ops one training step's backward runs, in the order they started (torch.profiler's record)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    loss = compiled(ids, labels=ids).loss
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    events = sorted((e for e in prof.events() if e.name.startswith("moe::")), key=lambda e: e.time_range.start)
+    return [e.name.split("::")[1] for e in events]

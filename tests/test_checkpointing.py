@@ -4,13 +4,14 @@ Dynamo traces each region into a ``tag_activation_checkpoint`` call of a body gr
 looked into the body, and such a model compiled with its MoE layers neither rewritten nor reported. A pass that
 fails in a body leaves that body as it came in; a rewritten graph that raises at its first run runs its bodies as
 they came in too. Sharded on 4 ranks (dedup="node", expert domains, TED), checkpoint_exchanges="save" keeps the
-exchanges' outputs for backward, which then runs none of them again."""
+exchanges' outputs for backward, which then runs none of them again; with expert domains and "recompute", the
+gathers backward runs again are started ahead of their waits."""
 
 import copy
 
 import pytest
 import torch
-from conftest import RecordingBackend, normwise
+from conftest import RecordingBackend, backward_moe_ops, normwise
 from test_fallback_run import expert_mlp_runs  # noqa: F401  (a fixture)
 
 from moecompile import pipeline
@@ -160,10 +161,11 @@ def test_a_region_nested_in_a_region_is_rewritten():
     assert len(backend.report.layers) == 1 and not backend.report.skipped
 
 
-SAVED_CASES = (  # (mesh dims, their names, parallelize's options, whether tp ranks share a batch)
-    ((2, 2), ("node", "local"), {"dedup": "node"}, False),
-    ((2, 2), ("node", "local"), {"expert_domains": {"local": 2}}, False),
-    ((2, 2), ("dp", "tp"), {"moe_tp": "ted"}, True),
+SAVED_CASES = (  # (mesh dims, their names, parallelize's options, whether tp ranks share a batch, exchanges)
+    ((2, 2), ("node", "local"), {"dedup": "node"}, False, "save"),
+    ((2, 2), ("node", "local"), {"expert_domains": {"local": 2}}, False, "save"),
+    ((2, 2), ("dp", "tp"), {"moe_tp": "ted"}, True, "save"),
+    ((2, 2), ("node", "local"), {"expert_domains": {"local": 2}}, False, "recompute"),
 )
 
 
@@ -173,7 +175,9 @@ def _saved_exchanges(rank, world, tmp):
     domain's experts gathered, only other domains' rows exchanged) and TED over "tp" (experts over "dp", their
     intermediate size over "tp"). Backward runs none of the forward's exchanges again (the recompute takes their
     saved outputs; with "recompute" they run twice a step), and the logits and every weight after the step equal
-    one process's on all the batches (fp32, 1e-5; sharded weights gathered whole)."""
+    one process's on all the batches (fp32, 1e-5; sharded weights gathered whole). Expert domains with "recompute"
+    too: equal to one process, the region's gathers run again in backward, each started ahead of its wait
+    (passes/regather.py: never waited for right after its start)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -186,7 +190,7 @@ def _saved_exchanges(rank, world, tmp):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        for shape, names, parallel, shared in SAVED_CASES:
+        for shape, names, parallel, shared, exchanges in SAVED_CASES:
             torch._dynamo.reset()
             model = _model()
             one = copy.deepcopy(model)
@@ -196,9 +200,10 @@ def _saved_exchanges(rank, world, tmp):
                                     generator=torch.Generator().manual_seed(7))
             mine, every = batches[index], batches.flatten(0, 1)
             moecompile.parallelize(model, mesh, mine, **parallel)
-            options = {"inner": "aot_eager", "strict": True, "checkpoint_exchanges": "save"}
+            options = {"inner": "aot_eager", "strict": True, "checkpoint_exchanges": exchanges}
             moecompile.comm_stats(reset=True)
-            out = torch.compile(model, backend="moe", options=options)(mine, labels=mine)
+            compiled = torch.compile(model, backend="moe", options=options)
+            out = compiled(mine, labels=mine)
             forward = {layer: dict(stats) for layer, stats in moecompile.comm_stats().items()}
             want = one(every, labels=every)
             out.loss.backward()
@@ -208,13 +213,17 @@ def _saved_exchanges(rank, world, tmp):
             for layer, stats in moecompile.comm_stats().items():  # backward ran no exchange of the forward again
                 calls = {k: v for k, v in forward[layer].items() if k.startswith("calls.")}  # (and its own: a
                 # domain's gathered experts' gradients reduced, domain_reduce)
-                assert calls and calls == {k: stats[k] for k in calls}, (parallel, layer, stats, forward[layer])
+                assert calls and (calls == {k: stats[k] for k in calls}) == (exchanges == "save"), (parallel, stats)
             for m in (model, one):
                 torch.optim.SGD(m.parameters(), lr=0.1).step()
             state = model.state_dict()
             for name, value in one.state_dict().items():
                 got = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
                 torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{parallel} {name}: {m}")
+            if exchanges == "recompute":
+                ran = backward_moe_ops(compiled, mine)
+                starts = [i for i, op in enumerate(ran) if op == "domain_gather_start"]
+                assert starts and all(ran[i + 1] != "domain_gather_wait" for i in starts), ran
     finally:
         dist.destroy_process_group()
 

@@ -90,7 +90,8 @@ def test_gathers_again_in_backward_start_after_the_later_layers_experts():
 
 def test_the_backend_hands_the_pass_to_the_inner_compiler(monkeypatch):
     """compile_inner gives the pass to Inductor as a post-grad pass (after the user's own) and to aot_eager as part
-    of its backward compiler, for a graph that gathers again in backward only; others compile as before."""
+    of its backward compiler, for a graph that gathers again in backward only (a gather marked so, or one inside an
+    activation-checkpointed region's body); others compile as before."""
     import torch._dynamo.backends.registry as registry
     import torch._inductor.compile_fx as inductor
     import torch.fx as fx
@@ -109,6 +110,14 @@ def test_the_backend_hands_the_pass_to_the_inner_compiler(monkeypatch):
         graph.output(graph.call_function(torch.ops.moe.domain_gather_wait.default, (start, w, "g", "l0")))
         return fx.GraphModule(torch.nn.Module(), graph)
 
+    from moecompile.passes.regather import regathers
+
+    region = torch.nn.Module()  # a gather in an activation-checkpointed region's body: computed again in backward
+    region.body = module(False)
+    assert regathers(module(True)) and not regathers(module(False))
+    outer = fx.Graph()
+    outer.output(outer.get_attr("body"))  # (as the region's higher-order op reads its body)
+    assert regathers(fx.GraphModule(region, outer))
     got = {}
     monkeypatch.setattr(inductor, "compile_fx", lambda gm, inputs, config_patches: got.update(config_patches))
     monkeypatch.setattr(registry, "lookup_backend", lambda name: lambda gm, inputs, **kw: got.update(kw, name=name))

@@ -20,6 +20,7 @@ from datetime import timedelta
 import pytest
 import torch
 from clipping import clip_as_one_process
+from conftest import backward_moe_ops
 from ranks import spawn
 from test_compress import decoded_in_backward_again, gathered_copies_saved
 
@@ -280,17 +281,6 @@ def _copies_saved(kept: bool, world: int):
     return check
 
 
-def _backward_moe_ops(compiled, ids) -> list[str]:
-    """The moe ops one training step's backward runs, in the order they started (torch.profiler's record)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    loss = compiled(ids, labels=ids).loss
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        loss.backward()
-    events = sorted((e for e in prof.events() if e.name.startswith("moe::")), key=lambda e: e.time_range.start)
-    return [e.name.split("::")[1] for e in events]
-
-
 def _resharded(world, flat):
     """reshard_after_forward=True trains as one process, keeps no gathered copy for backward, and gathers each
     layer's experts twice a step (forward, and again in backward), summing their gradients back once. In backward,
@@ -298,7 +288,7 @@ def _resharded(world, flat):
     start, as AOT autograd alone places them."""
     def check(compiled, ids, model):
         _copies_saved(False, world)(compiled, ids, model)
-        ran = _backward_moe_ops(compiled, ids)
+        ran = backward_moe_ops(compiled, ids)
         starts = [i for i, op in enumerate(ran) if op == "domain_gather_start"]  # (one a weight)
         assert starts and len(starts) == ran.count("domain_gather_wait"), ran
         assert all(ran[i + 1] != "domain_gather_wait" for i in starts), ran
