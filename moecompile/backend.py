@@ -189,8 +189,10 @@ def _quiet_context_fn_note(active: bool):
 
 def compile_inner(gm: fx.GraphModule, example_inputs, config: MoEOptions):
     """The graph after the passes, compiled by the inner compiler; Inductor with the settings of the option ``mode``
-    (as torch.compile's own mode gives them: ``torch._inductor.list_mode_options``), then the option ``inductor``'s."""
-    regather = regathers(gm)  # reshard_after_forward: the backward's gathers started ahead (passes/regather.py)
+    (as torch.compile's own mode gives them: ``torch._inductor.list_mode_options``), then the option ``inductor``'s.
+    Where backward gathers an expert domain's experts again (``reshard_after_forward``, checkpointed regions), the
+    backward graph's gathers are started ahead first (``passes/regather.py``)."""
+    regather = regathers(gm)
     if config.inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
@@ -198,9 +200,9 @@ def compile_inner(gm: fx.GraphModule, example_inputs, config: MoEOptions):
         if regather:
             from torch._inductor import config as inductor_config
 
-            mine = settings.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
-            mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
-            settings["post_grad_custom_post_pass"] = [*mine, RegathersEarly()]
+            users = settings.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+            users = [] if users is None else list(users) if isinstance(users, (list, tuple)) else [users]
+            settings["post_grad_custom_post_pass"] = [*users, RegathersEarly()]  # (after the user's own)
         return compile_fx(gm, example_inputs, config_patches=settings)
     from torch._dynamo.backends.registry import lookup_backend
 

@@ -6,12 +6,11 @@ expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "
 and 4) and world 8 (1-D, one expert per rank: domain sizes 2 and 8), gradients clipped by moecompile.clip_grad_norm_
 to the one-process norm; the bytes with one domain and with domain size 1; bad input. The stream model
 (runtime/comm/stream.py; pure: tests/test_hybrid_stream.py) under emulated links: every candidate's predicted
-communication against the measured one, and expert_domains="auto" training as one process (world 4) (where each
+communication against the measured one, and expert_domains="auto" training as one process (world 4; where each
 gather starts: tests/test_gather_order.py); the gathered copies kept for backward, or with
 reshard_after_forward=True gathered again there (training as one process, the bytes, nothing whole-domain saved,
-each gather again started ahead of its wait);
-compress=q (q = 1 as one process; the bytes at q = 0.25; the decoded copies not kept for backward). Every collective
-has a timeout; a failing rank fails the test."""
+each gather again started ahead of its wait); compress=q (q = 1 as one process; the bytes at q = 0.25; the decoded
+copies not kept for backward). Every collective has a timeout; a failing rank fails the test."""
 
 import itertools
 import re
