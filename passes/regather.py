@@ -58,20 +58,17 @@ def start_regathers_early(graph: fx.Graph) -> int:
             layers.append([wait])
     moved, last_use = 0, None  # last_use: of the copies the previous layer's waits gave
     inputs = [n for n in graph.nodes if n.op == "placeholder"][-1:]  # (the graph's inputs come first)
-    for waits in layers:
+    for waits in layers:  # (fx nodes compare by their place in the graph, kept as nodes move)
         placed = None  # the layer's start placed before this one (its starts stay in their order)
         for start in (w.args[0] for w in waits):
             if not (isinstance(start, fx.Node) and start.target is START):
                 continue
-            order = {n: i for i, n in enumerate(graph.nodes)}
-            after = max((n for n in (*inputs, *start.all_input_nodes, last_use, placed) if n is not None),
-                        key=order.get)
-            if order[after] + 1 < order[start]:
+            after = max(n for n in (*inputs, *start.all_input_nodes, last_use, placed) if n is not None)
+            if after < start and after.next is not start:
                 after.append(start)
                 moved += 1
             placed = start
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        last_use = max((u for w in waits for u in (w, *w.users)), key=order.__getitem__)
+        last_use = max(u for w in waits for u in (w, *w.users))
     return moved
 
 
