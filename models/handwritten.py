@@ -14,6 +14,10 @@ are found in the wild, so the compiler has to recognise each idiom:
   ``torch.where`` selects, summed back with ``index_add_`` (data-dependent shapes).
 * ``HitLoopMoE``    -- the same experts in a loop over only those that received tokens, found with
   ``nonzero()`` (a data-dependent trip count, as transformers' ``experts_implementation="eager"``).
+* ``CountedLoopMoE`` -- the ``LoopMoE`` experts as DeepSeek-V3's reference code loops: tokens per expert
+  counted by ``bincount(...).tolist()``, an expert with none skipped, rows added back by ``out[rows] += ...``.
+* ``MaskLoopMoE``   -- the experts on boolean-mask rows (``(ids == e).any(-1)``), run ``if mask.any():``,
+  added back by ``out[mask] += ...``.
 * ``BmmCapacityMoE`` -- top-k with a capacity: kept assignments scattered into an
   ``[E, C, H]`` buffer, stacked SwiGLU experts run with ``torch.bmm``, rows gathered back.
 * ``InputGatedTop1MoE`` -- Switch-style top-1 by ``argmax``; the gate scales the token
@@ -35,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HANDWRITTEN = ("modulelist", "gshard", "gather", "loop", "bmm", "top1_input", "hit_loop", "batched")
+HANDWRITTEN = ("modulelist", "gshard", "gather", "loop", "bmm", "top1_input", "hit_loop", "batched", "counted_loop",
+               "mask_loop")
 INIT_STD = 0.1
 
 
@@ -109,6 +114,49 @@ class HitLoopMoE(ModuleListMoE):
             token, slot = torch.where(mask[row[0]])
             out.index_add_(0, token, self.experts[row[0]](h[token]) * weights[token, slot, None])
         return out.view_as(x)
+
+
+class CountedLoopMoE(ModuleListMoE):
+    """``ModuleListMoE``'s experts in a loop the way DeepSeek-V3's reference inference code writes it: the tokens
+    each expert received counted first (``torch.bincount(ids.flatten(), minlength=E).tolist()``), an expert with
+    none skipped (``if counts[e] == 0: continue``), its output added back at its rows with ``out[rows] += ...``;
+    the router a softmax over every expert, its top-k weights gathered (not renormalized). Dynamo cannot branch on
+    the counts; moecompile drops the skip and the count while Dynamo traces it (``moecompile/tracing/loops.py``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        scores = self.router(h).softmax(dim=-1, dtype=torch.float32)
+        ids = scores.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids).type_as(h)
+        out = torch.zeros_like(h)
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        for e in range(len(self.experts)):
+            if counts[e] == 0:
+                continue
+            token, slot = torch.where(ids == e)
+            out[token] += self.experts[e](h[token]) * weights[token, slot, None]
+        return out.view_as(x)
+
+
+class MaskLoopMoE(ModuleListMoE):
+    """``ModuleListMoE``'s experts on the rows of boolean masks, as many tutorial MoEs write them: the top-k logits
+    scattered into ``-inf`` and softmaxed over every expert, an expert's tokens picked by ``(ids == e).any(-1)``
+    over ``[B, S]``, the expert run only ``if mask.any():`` and added back with ``out[mask] += ...`` (no
+    flattening of the output). Dynamo cannot branch on ``any()``; moecompile drops the test while Dynamo traces it
+    (``moecompile/tracing/loops.py``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        top, ids = logits.topk(self.top_k, dim=-1)
+        gate = torch.full_like(logits, float("-inf")).scatter(-1, ids, top).softmax(dim=-1)
+        flat_x, flat_gate = x.reshape(-1, x.shape[-1]), gate.reshape(-1, gate.shape[-1])
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = (ids == e).any(dim=-1)
+            rows = mask.view(-1)
+            if rows.any():
+                out[mask] += expert(flat_x[rows]) * flat_gate[rows, e].unsqueeze(-1)
+        return out
 
 
 class GShardMoE(nn.Module):
@@ -274,8 +322,9 @@ def _init(module: nn.Module) -> None:
         p.normal_(0.0, INIT_STD)
 
 
-_BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE, "loop": LoopMoE, "hit_loop": HitLoopMoE,
-           "bmm": BmmCapacityMoE, "top1_input": InputGatedTop1MoE, "batched": BatchedDenseMoE}
+_BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE, "loop": LoopMoE,
+           "hit_loop": HitLoopMoE, "bmm": BmmCapacityMoE, "top1_input": InputGatedTop1MoE, "batched": BatchedDenseMoE,
+           "counted_loop": CountedLoopMoE, "mask_loop": MaskLoopMoE}
 
 
 class LMOutput(NamedTuple):
@@ -310,5 +359,6 @@ class TinyMoELM(nn.Module):
         return LMOutput(logits, loss)
 
 
-__all__ = ["HANDWRITTEN", "ModuleListMoE", "LoopMoE", "HitLoopMoE", "GShardMoE", "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert",
-           "BmmCapacityMoE", "InputGatedTop1MoE", "BatchedDenseMoE", "TinyMoELM", "LMOutput"]
+__all__ = ["HANDWRITTEN", "ModuleListMoE", "LoopMoE", "HitLoopMoE", "CountedLoopMoE", "MaskLoopMoE", "GShardMoE",
+           "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert", "BmmCapacityMoE", "InputGatedTop1MoE", "BatchedDenseMoE",
+           "TinyMoELM", "LMOutput"]

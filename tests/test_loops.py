@@ -149,7 +149,7 @@ def test_masks_of_any_sign_and_modules_keyed_by_the_number(tmp_path, body, mask,
      "runs `print(row)` for an effect"),
     (GOOD + "\n        self.counts.append(tok)", ONE_HOT, "", "runs `self.counts.append(tok)`"),
     (GOOD.replace("(x[tok])", "(x[tok]).relu_()"), ONE_HOT, "", "calls `.relu_(...)`"),
-    (GOOD + "\n        out[tok] += 1", ONE_HOT, "", "`augassign` statement"),
+    (GOOD + "\n        out[tok] += 1", ONE_HOT, "", "(or `out[rows] += ...`) is not one statement"),
     (GOOD + "\n        out.index_add_(0, tok, x[tok])", ONE_HOT, "", "not one statement"),
     (GOOD, ONE_HOT, "last = tok", "`tok`, bound in the loop, is read outside it"),
     (GOOD.replace("        tok, slot = torch.where(mask[row[0]])", "        tok, slot = torch.where(mask[0])\n"

@@ -3,9 +3,11 @@
     capture.py    turn on Dynamo's capture of data-dependent shapes (``nonzero()``, ``.tolist()``) during the moe
                   backend's own compiles only (compile-start/end callbacks), and trace a frame again with Dynamo's
                   defaults where the trace with them fails; ``moecompile.capture()`` for a block
-    loops.py      prove that a loop over the experts that received tokens equals the loop over every expert, and
-                  swap the module's code for that loop while Dynamo traces for moe (put back after)
-    loop_ast.py   the source-level (``ast``) reading and rewriting that ``loops.py`` proves with
+    loops.py      prove that a loop over the experts that received tokens equals the loop over every expert (and a
+                  loop that skips an expert with nothing to do the same loop without the skip), and swap the
+                  module's code for that loop while Dynamo traces for moe (put back after)
+    loop_ast.py   the source-level (``ast``) reading and rewriting that ``loops.py`` proves with: a loop's body
+    loop_experts.py  which experts a loop runs: the hit mask its ``nonzero()`` reads, the skips it makes
     frames.py     where the traced frame's module sits in the model being run (layer paths in the model's terms)
 
 May import: ``moecompile.passes`` (alias tables, reasons). Never the rest of the front end, never ``runtime``.

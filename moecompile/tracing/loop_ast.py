@@ -12,6 +12,7 @@ ROW = "_moecompile_expert"  # the loop variable of the rewritten loop: the exper
 
 _VIEWS = {"permute", "transpose", "view", "reshape", "squeeze", "unsqueeze", "contiguous", "to", "long", "int",
           "float", "bool", "flatten"}
+_SHAPE_VIEWS = {"permute", "transpose", "view", "reshape", "squeeze", "unsqueeze", "contiguous", "flatten"}
 _MUTATING = {"append", "extend", "insert", "pop", "update", "add", "remove", "clear", "setdefault", "discard"}
 
 
@@ -34,29 +35,6 @@ def _is_method(node, name: str) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name
 
 
-def _const_int(node) -> int | None:
-    try:
-        value = ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, RecursionError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _const_dims(node) -> tuple[int, ...] | None:
-    """The constant dims of ``1``, ``-1`` or ``(-1, -2)``, else None."""
-    elts = node.elts if isinstance(node, (ast.Tuple, ast.List)) else [node]
-    dims = [_const_int(e) for e in elts]
-    return tuple(dims) if dims and None not in dims else None
-
-
-def _operands(call: ast.Call) -> list:
-    """The tensor operands of ``torch.f(a, b)`` or ``a.f(b)``: ``[a, b]``."""
-    f = call.func
-    if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "torch"):
-        return [f.value, *call.args]
-    return list(call.args)
-
-
 def _in_place(method: str) -> bool:
     """``add_``, ``index_add_``: a tensor method that writes to its receiver (dunders aside)."""
     return method.endswith("_") and not method.endswith("__")
@@ -69,64 +47,9 @@ def _targets(node) -> list:
     return [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
 
 
-def _reduction(node, name: str):
-    """``(M, dims)`` for ``M.name(dims)`` / ``M.name(dim=dims)`` / ``torch.name(M, dims)``, else None."""
-    if not isinstance(node, ast.Call) or call_name(node) != name:
-        return None
-    operands = _operands(node)
-    if not operands or not isinstance(operands[0], ast.Name):
-        return None
-    base, args = operands[0], operands[1:]
-    dims = args[0] if args else next((k.value for k in node.keywords if k.arg == "dim"), None)
-    extra = [k.arg for k in node.keywords if k.arg != "dim"]
-    if dims is None or len(args) > 1 or extra:
-        return None
-    d = _const_dims(dims)
-    return (base.id, d) if d is not None else None
-
-
-def hit_condition(cond):
-    """``(M, dims, needs_nonnegative)`` for the forms of ``C`` that say "expert row M[e] has a nonzero entry"."""
-    if (r := _reduction(cond, "any")) is not None:
-        return (*r, False)
-    total = None
-    if isinstance(cond, ast.Compare) and len(cond.ops) == 1:
-        left, op, right = cond.left, cond.ops[0], cond.comparators[0]
-        if isinstance(op, ast.Gt) and isinstance(right, ast.Constant) and right.value == 0:
-            total = left
-        elif isinstance(op, ast.Lt) and isinstance(left, ast.Constant) and left.value == 0:
-            total = right
-    elif call_name(cond) in ("greater", "gt"):
-        args = _operands(cond)
-        if len(args) == 2 and isinstance(args[1], ast.Constant) and args[1].value == 0:
-            total = args[0]
-    if total is None or (r := _reduction(total, "sum")) is None:
-        return None
-    return (*r, True)
-
-
-def nonzero_arg(node):
-    """``C`` for ``C.nonzero()`` / ``C.nonzero(as_tuple=False)`` / ``torch.nonzero(C)``."""
-    if not isinstance(node, ast.Call) or call_name(node) != "nonzero":
-        return None
-    kw = {k.arg: k.value for k in node.keywords}
-    if set(kw) - {"as_tuple"} or ("as_tuple" in kw and not (isinstance(kw["as_tuple"], ast.Constant)
-                                                          and kw["as_tuple"].value is False)):
-        return None
-    operands = _operands(node)
-    return operands[0] if len(operands) == 1 else None
-
-
 def assignments(fdef, name: str) -> list[ast.Assign]:
     return [node for node in ast.walk(fdef)
             if any(isinstance(n, ast.Name) and n.id == name for t in _targets(node) for n in ast.walk(t))]
-
-
-def is_one_hot_view(value, name: str) -> bool:
-    """``value`` is ``one_hot(...)`` or ``name`` itself, followed by view-like methods only."""
-    while call_name(value) in _VIEWS and isinstance(value.func, ast.Attribute):
-        value = value.func.value
-    return call_name(value) == "one_hot" or (isinstance(value, ast.Name) and value.id == name)
 
 
 def _pure(node) -> bool:
@@ -245,7 +168,11 @@ class LoopBody:
         self.number = number
         self.mask, self.outside = mask, outside_loop
         self.selections: set[str] = set()  # names bound by torch.where(mask[row])
+        self.where_of: dict[str, ast.expr] = {}  # each selection's torch.where argument
+        self.masks: dict[str, str] = {}  # (a loop over numbers) boolean masks bound at the top, each to the name
+        # of the mask it views (itself, or b for a = b.view(-1)): one tensor's elements, True at the same rows
         self.effect = None
+        self.effect_at = ""  # the rows (a selection) or the boolean mask the effect adds at
         self.pending: list = []  # guards of the statement being read (_guard_indexing)
 
     def _expr(self, node):
@@ -331,6 +258,10 @@ class LoopBody:
         self.rows -= bound
         self.ints -= bound
         self.selections -= bound
+        for name in [m for m, root in self.masks.items() if m in bound or root in bound]:
+            del self.masks[name]
+        if top and self.number and isinstance(target, ast.Name) and (root := self._mask_root(stmt.value, target.id)):
+            self.masks[target.id] = root
         if top and isinstance(target, ast.Name) and (
             (isinstance(stmt.value, ast.Name) and (stmt.value.id == ROW or stmt.value.id in self.ints))
             or (call_name(stmt.value) == "int" and len(stmt.value.args) == 1
@@ -339,7 +270,20 @@ class LoopBody:
             self.ints.add(target.id)
         if top and len(names) > 1 and self._selection(stmt.value):
             self.selections |= bound
+            self.where_of.update((n, stmt.value.args[0]) for n in bound)
         return stmt
+
+    def _mask_root(self, value, name: str) -> str | None:
+        """``name`` where ``value`` is boolean (a comparison, ``.any()``, ``.all()``, ``.bool()``); the viewed
+        mask's root where it is a view (``view``, ``reshape``, ``flatten``, ``squeeze``, ...) of a mask."""
+        if isinstance(value, ast.Compare) and len(value.ops) == 1 and not isinstance(value.ops[0], (ast.In, ast.NotIn)):
+            return name
+        if call_name(value) in ("any", "all", "bool", "eq", "ne"):
+            return name
+        if call_name(value) in _SHAPE_VIEWS and isinstance(value.func, ast.Attribute):
+            base = value.func.value
+            return self.masks.get(base.id) if isinstance(base, ast.Name) else None
+        return None
 
     def _empty_skip(self, stmt) -> bool:
         """``if rows.numel() == 0: continue`` (``empty_skip``) on a selection."""
@@ -350,10 +294,12 @@ class LoopBody:
         for stmt in stmts:
             if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
                 out.append(stmt)
-            elif isinstance(stmt, ast.Expr) and _is_method(stmt.value, "index_add_"):
+            elif (isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Subscript)) or (
+                    isinstance(stmt, ast.Expr) and _is_method(stmt.value, "index_add_")):
                 if not top or self.effect is not None:
-                    raise Refuse("its `index_add_` is not one statement at the top of the body")
-                self.effect = self._effect(stmt)
+                    raise Refuse("its `index_add_` (or `out[rows] += ...`) is not one statement at the top of the "
+                                 "body")
+                self.effect = self._effect(stmt) if isinstance(stmt, ast.Expr) else self._add_at(stmt)
                 out += self._take() + [self.effect]
             elif isinstance(stmt, ast.Assign):
                 stmt = self._assign(stmt, top)
@@ -396,4 +342,20 @@ class LoopBody:
             raise Refuse("the rows its `index_add_` adds at are not the `torch.where(mask[e])` of the mask whose "
                           "nonzero() it loops over")
         call.args = [self._expr(a) for a in call.args]
+        self.effect_at = rows.id
+        return stmt
+
+    def _add_at(self, stmt):
+        """``out[rows] += values`` at a selection, or (a loop over numbers) at a boolean mask."""
+        t = stmt.target
+        if not (isinstance(stmt.op, ast.Add) and isinstance(t, ast.Subscript)):
+            raise Refuse(f"its body runs `{ast.unparse(stmt)}`, which is not `out[rows] += values`")
+        if not (isinstance(t.value, ast.Name) and t.value.id in self.outside):
+            raise Refuse("its `+=` writes to a tensor not bound before the loop")
+        at = t.slice
+        if not (isinstance(at, ast.Name) and (at.id in self.selections or at.id in self.masks)):
+            raise Refuse(f"the rows its `+=` adds at (`{ast.unparse(at)}`) are not a `torch.where`'s rows"
+                          + (" nor a boolean mask" if self.number else ""))
+        stmt.value = self._expr(stmt.value)
+        self.effect_at = at.id
         return stmt

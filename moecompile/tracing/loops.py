@@ -15,6 +15,10 @@ Dynamo unrolls it. ``rewrite(fn)`` proves that from the function's source (the c
 callbacks of ``capture.py`` swap the code only while Dynamo traces for moe: ``docs/detection.md``, Expert
 loops) and returns the new code under ``if mask.dim() == len(dims) + 1:`` (``dims`` summed over), the original loop as
 its ``else``, or the reason it cannot.
+
+Loops over every expert that skip an expert with nothing to do (``if rows.numel() == 0: continue``, DeepSeek-V3's
+``if counts[e] == 0: continue`` on a ``bincount``, ``if mask.any():`` around the body) lose the skip the same way,
+where the skip provably leaves out only iterations that add at no row (``_drop_empty_skips``).
 """
 
 from __future__ import annotations
@@ -28,10 +32,8 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .loop_ast import (
-    ROW, LoopBody, Refuse, assignments, call_name, changed_in_place, empty_skip, hit_condition, is_one_hot_view,
-    names_bound, nonzero_arg,
-)
+from .loop_ast import ROW, LoopBody, Refuse, assignments, call_name, changed_in_place, empty_skip, names_bound
+from .loop_experts import hit_condition, is_one_hot_view, linked, nonzero_arg, strip_skips
 
 
 class Rewrite(NamedTuple):
@@ -170,18 +172,21 @@ def _checked_body(fdef, loop, checker: LoopBody) -> list:
     """The loop's body, checked and rewritten by ``checker``; it must add at the selected rows."""
     body = checker.block(copy.deepcopy(loop.body), top=True)
     if checker.effect is None:
-        raise Refuse("its body has no `out.index_add_(0, rows, values)`")
+        raise Refuse("its body has no `out.index_add_(0, rows, values)` or `out[rows] += values`")
     return body
 
 
 def _drop_empty_skips(fdef, loop):
-    """``loop`` without its ``if rows.numel() == 0: continue`` (or ``rows.shape[0] == 0``, ``len(rows) == 0``)
-    after ``_, rows = torch.where(...)``, which Dynamo cannot branch on; None when it has no such skip; raises
-    ``Refuse`` where the body is not provably unchanged by it: its one effect adds at those rows
-    (``out.index_add_(0, rows, values)``), so an iteration with no rows adds nothing, and every other statement
-    binds local names (the checks of a loop over ``nonzero()`` rows), none read before it is bound (a value carried
-    to the next iteration would change)."""
-    if not any(empty_skip(s) for s in loop.body):
+    """``loop`` without the skips of an expert with no rows, which Dynamo cannot branch on (``strip_skips``:
+    ``if rows.numel() == 0: continue`` after ``_, rows = torch.where(...)``, ``if counts[e] == 0: continue`` on a
+    ``bincount`` of the ids, ``if mask.any():`` around the body...); None when it has none; raises ``Refuse`` where
+    the body is not provably unchanged by them: its one effect adds at the rows (or boolean mask) a skip tests
+    (``out.index_add_(0, rows, values)``, ``out[rows] += values``), so an iteration the skip leaves out adds
+    nothing, and every other statement binds local names (the checks of a loop over ``nonzero()`` rows), none read
+    before it is bound (a value carried to the next iteration would change). A ``bincount`` only the skips read
+    goes with them."""
+    kept, order, skips = strip_skips(loop.body)
+    if not skips:
         return None
     if loop.orelse:
         raise Refuse("it has an `else:`")
@@ -190,25 +195,24 @@ def _drop_empty_skips(fdef, loop):
         target = target.elts[0]
     if not isinstance(target, ast.Name):
         raise Refuse("its variable is not one name (or `i, x` of an `enumerate`)")
-    carried = _carried(loop)
+    carried = _carried(order, loop.target)
     if carried:
         raise Refuse(f"`{carried}` is read before the body binds it: a value carried between iterations")
     checker = LoopBody(target.id, "", _bound_outside(fdef, loop), number=True)
-    body = _checked_body(fdef, loop, checker)
+    body = checker.block(copy.deepcopy(kept), top=True)
+    if checker.effect is None:
+        raise Refuse("its body has no `out.index_add_(0, rows, values)` or `out[rows] += values`")
     if any(empty_skip(s) for s in body):
         raise Refuse("the rows it skips on are not those of a `torch.where` bound unconditionally before")
-    # the rows it skips on and those it adds at: one `torch.where`'s (a second could be empty where the first is not)
-    wheres = [n for s in loop.body for n in ast.walk(s) if isinstance(n, ast.Assign) and call_name(n.value) == "where"]
-    tested = {empty_skip(s) for s in loop.body} - {None} | {checker.effect.value.args[1].id}
-    if len(wheres) != 1 or not tested <= names_bound(wheres):
-        raise Refuse("the rows it skips on and those it adds at are not of one `torch.where`")
+    for stmt in linked(fdef, loop, target.id, checker, skips):
+        _replace(fdef, stmt, ast.Pass())
     return ast.copy_location(ast.For(target=loop.target, iter=loop.iter, body=body, orelse=[]), loop)
 
 
-def _carried(loop) -> str | None:
-    """A name the body binds that one of its statements reads before any earlier statement bound it, or None."""
-    bound, body_names = names_bound([loop.target]), names_bound(loop.body)
-    for stmt in loop.body:
+def _carried(stmts, target) -> str | None:
+    """A name the statements bind that one of them reads before any earlier statement bound it, or None."""
+    bound, body_names = names_bound([target]), names_bound(stmts)
+    for stmt in stmts:
         read = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         early = sorted((read & body_names) - bound)
         if early:
@@ -268,7 +272,7 @@ seen: dict[str, Rewrite] = {}  # "module.Class.forward" -> its rewrite or why no
 
 def _candidates(roots):
     """The forward functions (unwrapped) of the module classes reachable from ``roots`` whose code calls
-    ``nonzero`` or ``where``."""
+    ``nonzero``, ``where``, ``any`` or ``bincount``."""
     classes, out = set(), []
     for root in roots:
         for module in root.modules():
@@ -281,7 +285,7 @@ def _candidates(roots):
             except ValueError:  # a cycle of __wrapped__
                 continue
             code = getattr(fn, "__code__", None)
-            if isinstance(code, types.CodeType) and {"nonzero", "where"} & set(code.co_names):
+            if isinstance(code, types.CodeType) and {"nonzero", "where", "any", "bincount"} & set(code.co_names):
                 out.append((f"{cls.__module__}.{cls.__qualname__}.forward", fn))
     return out
 
