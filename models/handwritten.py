@@ -120,14 +120,28 @@ class CountedLoopMoE(ModuleListMoE):
     """``ModuleListMoE``'s experts in a loop the way DeepSeek-V3's reference inference code writes it: the tokens
     each expert received counted first (``torch.bincount(ids.flatten(), minlength=E).tolist()``), an expert with
     none skipped (``if counts[e] == 0: continue``), its output added back at its rows with ``out[rows] += ...``;
-    the router a softmax over every expert, its top-k weights gathered (not renormalized). Dynamo cannot branch on
-    the counts; moecompile drops the skip and the count while Dynamo traces it (``moecompile/tracing/loops.py``)."""
+    its router as that code's: sigmoid scores, a bias added for choosing only, the experts in 4 groups of which the
+    2 best (by their two best scores) are kept (``scatter_`` and ``masked_fill_`` in place), the picked scores
+    renormalized and scaled in place (``/=``, ``*=``). Dynamo cannot branch on the counts; moecompile drops the
+    skip and the count while Dynamo traces it (``moecompile/tracing/loops.py``)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, groups: int = 4, topk_groups: int = 2):
+        super().__init__(hidden, inter, num_experts, top_k)
+        self.bias = nn.Parameter(torch.randn(num_experts) * INIT_STD)  # (no gradient: it only chooses)
+        self.groups, self.topk_groups, self.route_scale = groups, topk_groups, 2.5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
-        scores = self.router(h).softmax(dim=-1, dtype=torch.float32)
-        ids = scores.topk(self.top_k, dim=-1)[1]
-        weights = scores.gather(1, ids).type_as(h)
+        scores = self.router(h).sigmoid()
+        chosen = scores + self.bias
+        grouped = chosen.view(h.size(0), self.groups, -1)
+        best = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(self.topk_groups, dim=-1)[1]
+        dropped = grouped.new_ones(h.size(0), self.groups, dtype=torch.bool).scatter_(1, best, False)
+        chosen = grouped.masked_fill_(dropped.unsqueeze(-1), float("-inf")).flatten(1)
+        ids = chosen.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        weights /= weights.sum(dim=-1, keepdim=True)
+        weights *= self.route_scale
         out = torch.zeros_like(h)
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
         for e in range(len(self.experts)):

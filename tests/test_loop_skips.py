@@ -4,14 +4,19 @@ writes them (the tokens per expert counted first, ``torch.bincount(ids.flatten()
 ``if mask.any():``, ``out[mask] += ...``). Dynamo cannot branch on either test; moecompile/tracing/loops.py proves
 from the source that the skip changes nothing (a skipped expert would add at no row) and drops it, with the count
 only the skip reads, while Dynamo traces for moe. The rewritten function computes what the original does, bit for
-bit; forms it cannot prove are refused with the reason."""
+bit; forms it cannot prove are refused with the reason. Expert parallelism (world 2, gloo) trains both hand-written
+blocks three SGD steps as one process does (``test_parallelize``'s check, each rank on its own batch)."""
 
 import types
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import RecordingBackend, compile_and_compare
+from ranks import spawn
+from test_parallelize import _init, _train_against_one_process
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import moecompile
 from moecompile.models import handwritten
@@ -124,3 +129,18 @@ def test_skips_that_cannot_be_proved_are_refused_with_the_reason(tmp_path, body,
     result = loops.rewrite(_forward(tmp_path, body, counts, after))
     assert result.code is None and result.found and "skips the experts that received no tokens" in result.reason
     assert why in result.reason, result.reason
+
+
+def _expert_parallel(rank, world, tmp):
+    _init(rank, world, tmp)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for kind in ("counted_loop", "mask_loop"):
+            model = _train_against_one_process(kind, mesh, rank, world)[0]
+            assert len(model._moe_parallel.report.layers) == 2, str(model._moe_parallel)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_training_of_the_skipping_loops_equals_one_process(tmp_path):
+    spawn(_expert_parallel, args=(2, str(tmp_path)), nprocs=2)

@@ -45,12 +45,15 @@ def sync_gradients(model: nn.Module, expert_divisors: dict[str, int], group, siz
         return
     for n, p in experts.items():
         if expert_divisors[n] > 1:
-            p.register_hook(lambda grad, d=expert_divisors[n]: grad / d)
+            p.register_hook(lambda grad, d=expert_divisors[n]: None if grad is None else grad / d)
 
 
 def _average_at_end(model: nn.Module, params: list, group, divisor: dict[int, int]) -> None:
     """Each backward's incoming gradients of ``params`` held back (the parameter accumulates zeros), summed over
-    ``group`` in one all-reduce when backward ends, divided by ``divisor[id(p)]``, then accumulated."""
+    ``group`` in one all-reduce when backward ends, divided by ``divisor[id(p)]``, then accumulated. A parameter
+    to which no rank's backward sent a gradient (a routing bias that only chooses experts: its hook gets None) keeps
+    its ``.grad`` as it was, as in one process: the all-reduce carries, beside the gradients, how many ranks had
+    one for each parameter (a rank without one sends zeros, so the ranks' reductions keep the same size)."""
     pending: dict[int, torch.Tensor] = {}
 
     def finish():
@@ -60,18 +63,22 @@ def _average_at_end(model: nn.Module, params: list, group, divisor: dict[int, in
         pending.clear()
         if not mine:
             return
+        had = torch.tensor([g is not None for g in grads], dtype=mine[0].dtype, device=_local(mine[0]).device)
         flat = torch.cat([_local(g if g is not None else torch.zeros_like(p)).reshape(-1)
-                          for g, p in zip(grads, mine)])
+                          for g, p in zip(grads, mine)] + [had])
         dist.all_reduce(flat, group=group)
-        offset = 0
-        for p in mine:
+        offset, sent = 0, flat[-len(mine):].tolist()
+        for p, ranks in zip(mine, sent):
             local = _local(p)
             g = _like(p, flat[offset:offset + local.numel()].view_as(local) / divisor[id(p)])
             offset += local.numel()
-            p.grad = g if p.grad is None else p.grad + g
+            if ranks:
+                p.grad = g if p.grad is None else p.grad + g
 
     def hold(p):
         def hook(grad):
+            if grad is None:  # nothing flows to it in this backward
+                return None
             if not pending:
                 torch.autograd.Variable._execution_engine.queue_callback(finish)
             pending[id(p)] = grad.detach().clone() if id(p) not in pending else pending[id(p)] + grad
