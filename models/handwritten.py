@@ -1,33 +1,15 @@
 """Hand-written MoE blocks in plain PyTorch, and a tiny LM around them.
 
-Each block maps ``x [B, S, H] -> [B, S, H]`` and is written the way MoE layers
-are found in the wild, so the compiler has to recognise each idiom:
-
-* ``ModuleListMoE`` -- an ``nn.ModuleList`` of SwiGLU experts run densely on
-  every token and masked by the routing weight (no data-dependent shapes).
-* ``GShardMoE``     -- GShard/DeepSpeed capacity-based dispatch: one-hot
-  ``dispatch_mask``/``combine_weights [T, E, C]``, einsum dispatch, stacked
-  GELU experts, tokens beyond an expert's capacity dropped.
-* ``GatherMoE``     -- gpt-fast style: gather each token's top-k expert weights
-  (``w[expert_indices] -> [T, K, ...]``) and einsum with them.
-* ``LoopMoE``       -- an ``nn.ModuleList`` of ``nn.Linear`` experts called in a loop on the rows
-  ``torch.where`` selects, summed back with ``index_add_`` (data-dependent shapes).
-* ``HitLoopMoE``    -- the same experts in a loop over only those that received tokens, found with
-  ``nonzero()`` (a data-dependent trip count, as transformers' ``experts_implementation="eager"``).
-* ``CountedLoopMoE`` -- the ``LoopMoE`` experts as DeepSeek-V3's reference code loops: tokens per expert
-  counted by ``bincount(...).tolist()``, an expert with none skipped, rows added back by ``out[rows] += ...``.
-* ``MaskLoopMoE``   -- the experts on boolean-mask rows (``(ids == e).any(-1)``), run ``if mask.any():``,
-  added back by ``out[mask] += ...``.
-* ``BmmCapacityMoE`` -- top-k with a capacity: kept assignments scattered into an
-  ``[E, C, H]`` buffer, stacked SwiGLU experts run with ``torch.bmm``, rows gathered back.
-* ``InputGatedTop1MoE`` -- Switch-style top-1 by ``argmax``; the gate scales the token
-  before its expert (weights on the input).
-* ``BatchedDenseMoE`` -- routing over ``[B, S, E]`` scores, the tokens never flattened; every
-  stacked SwiGLU expert runs on every token (``einsum``), weighted by a ``[B, S, E]`` gate that is
-  zero for the experts a token did not choose.
-
-``TinyMoELM(kind)`` stacks ``num_layers`` (LayerNorm -> block, residual) between
-an embedding and an LM head; ``kind`` is one of ``HANDWRITTEN``.
+Each block maps ``x [B, S, H] -> [B, S, H]`` and is written the way MoE layers are found in the wild, so the
+compiler has to recognise each idiom (its class docstring says which): ``ModuleListMoE`` (every expert on every
+token, masked by its weight), ``GShardMoE`` (GShard/DeepSpeed capacity dispatch by einsum), ``GatherMoE`` (gpt-fast:
+each token's expert weights gathered), ``LoopMoE`` (``torch.where`` rows, ``index_add_``), ``HitLoopMoE`` (a loop
+over the experts ``nonzero()`` found), ``CountedLoopMoE`` (DeepSeek-V3's reference: ``bincount`` counts, a skip,
+``out[rows] +=``), ``MaskLoopMoE`` (boolean masks, ``if mask.any():``), ``SortedSplitMoE`` (torchtitan: tokens
+sorted by expert, ``histc`` counts, a loop over ``split`` rows or ``torch._grouped_mm``), ``BmmCapacityMoE``
+(a capacity buffer and ``torch.bmm``), ``InputGatedTop1MoE`` (top-1, the gate on the input), ``BatchedDenseMoE``
+(``[B, S, E]`` scores, every expert on every token). ``TinyMoELM(kind)`` stacks ``num_layers`` (LayerNorm ->
+block, residual) between an embedding and an LM head; ``kind`` is one of ``HANDWRITTEN``.
 """
 
 from __future__ import annotations
@@ -40,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 HANDWRITTEN = ("modulelist", "gshard", "gather", "loop", "bmm", "top1_input", "hit_loop", "batched", "counted_loop",
-               "mask_loop")
+               "mask_loop", "sorted_split")
 INIT_STD = 0.1
 
 
@@ -251,6 +233,39 @@ def _slot_major_positions(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return ((queue.transpose(0, 1) - 1) * mask).sum(dim=-1)
 
 
+class SortedSplitMoE(nn.Module):
+    """torchtitan's MoE: the (token, pick) pairs sorted by expert (``argsort(ids, stable=True)``), counted per expert
+    with ``torch.histc`` (a length Dynamo knows; over the ids as floats, since torch's CPU ``histc`` takes no
+    integers), the tokens gathered in that order and scaled by their sigmoid, renormalized routing score before the
+    experts (torchtitan's ``score_before_experts``), stacked SwiGLU experts ``w1, w3 [E, H, I]``, ``w2 [E, I, H]``
+    run in a loop over ``split(rows, counts.tolist())`` or, with ``grouped``, by ``torch._grouped_mm`` over the
+    counts' running offsets (bf16 on CPU, as torch runs it there), the rows added back with ``scatter_add``."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int = 2, grouped: bool = False):
+        super().__init__()
+        self.num_experts, self.top_k, self.grouped = num_experts, top_k, grouped
+        _stacked_swiglu(self, hidden, inter, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        scores, ids = torch.topk(self.gate(h).float().sigmoid(), k=self.top_k, dim=1)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        counts = torch.histc(ids.view(-1).float(), bins=self.num_experts, min=0, max=self.num_experts).long()
+        order = torch.argsort(ids.view(-1), stable=True)
+        token = (order // self.top_k).reshape(-1, 1).expand(-1, h.shape[-1])
+        rows = (torch.gather(h, 0, token).float() * scores.view(-1)[order].reshape(-1, 1)).to(h.dtype)
+        if self.grouped:
+            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            up = F.silu(torch._grouped_mm(rows, self.w1, offs=offsets)) * torch._grouped_mm(rows, self.w3, offs=offsets)
+            out = torch._grouped_mm(up, self.w2, offs=offsets).type_as(h)
+        else:
+            outs = []
+            for e, rows_e in enumerate(torch.split(rows, counts.tolist(), dim=0)):
+                outs.append((F.silu(rows_e @ self.w1[e]) * (rows_e @ self.w3[e])) @ self.w2[e])
+            out = torch.cat(outs, dim=0)
+        return torch.zeros_like(h).scatter_add(0, token, out).view_as(x)
+
+
 class BmmCapacityMoE(nn.Module):
     """Top-k MoE over a capacity buffer (Tutel/fairseq style): each assignment is scattered to its expert's next
     free row of an ``[E, C, H]`` buffer (slot-major), stacked SwiGLU experts ``w1, w3 [E, H, I]``, ``w2 [E, I, H]``
@@ -338,7 +353,7 @@ def _init(module: nn.Module) -> None:
 
 _BLOCKS = {"modulelist": ModuleListMoE, "gshard": GShardMoE, "gather": GatherMoE, "loop": LoopMoE,
            "hit_loop": HitLoopMoE, "bmm": BmmCapacityMoE, "top1_input": InputGatedTop1MoE, "batched": BatchedDenseMoE,
-           "counted_loop": CountedLoopMoE, "mask_loop": MaskLoopMoE}
+           "counted_loop": CountedLoopMoE, "mask_loop": MaskLoopMoE, "sorted_split": SortedSplitMoE}
 
 
 class LMOutput(NamedTuple):
@@ -373,6 +388,6 @@ class TinyMoELM(nn.Module):
         return LMOutput(logits, loss)
 
 
-__all__ = ["HANDWRITTEN", "ModuleListMoE", "LoopMoE", "HitLoopMoE", "CountedLoopMoE", "MaskLoopMoE", "GShardMoE",
-           "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert", "BmmCapacityMoE", "InputGatedTop1MoE", "BatchedDenseMoE",
-           "TinyMoELM", "LMOutput"]
+__all__ = ["HANDWRITTEN", "ModuleListMoE", "LoopMoE", "HitLoopMoE", "CountedLoopMoE", "MaskLoopMoE", "SortedSplitMoE",
+           "GShardMoE", "GatherMoE", "GatheredSwiGLU", "SwiGLUExpert", "BmmCapacityMoE", "InputGatedTop1MoE",
+           "BatchedDenseMoE", "TinyMoELM", "LMOutput"]

@@ -329,22 +329,40 @@ def _float_descendants(start: fx.Node, within: set[fx.Node]) -> set[fx.Node]:
 
 def _gate_on_input(slice_nodes, logits, x_in, expert_nodes, values) -> bool:
     """Whether a gate value multiplies the tokens before the experts (Llama4; a top-1 block scaling its input):
-    a node on a floating-point path from the logits that reads the tokens and feeds an expert weight's use."""
-    uses = _weight_uses(expert_nodes, values)
+    a node on a floating-point path from the logits that reads the tokens and feeds an expert weight's use. The
+    tokens: what is reached from the block's input other than through the logits, so rows gathered by an order
+    the router made count (torchtitan: ``gather(x, 0, argsort(ids))`` scaled by the sorted scores)."""
+    uses = _weight_uses(expert_nodes, values, slice_nodes - {x_in})
     into_experts = ancestors(uses, slice_nodes) - descendants(uses, slice_nodes)
-    tokens = descendants([x_in], slice_nodes | {x_in}) - descendants([logits], slice_nodes)
+    tokens = descendants([x_in], (slice_nodes | {x_in}) - {logits})
     gated = _float_descendants(logits, slice_nodes) - {logits}
     return any(any(a in tokens for a in n.all_input_nodes) for n in gated & into_experts)
 
 
-def _weight_uses(expert_nodes, values) -> set[fx.Node]:
-    """The nodes that apply expert weights to data: each node reading one, except a per-token pick of the weights
-    (``w[ids]``: parameters and integer ids only), whose users apply it."""
-    uses = set()
-    for n in expert_nodes:
-        data = [a for a in n.all_input_nodes if not is_param(a, values)
-                and isinstance(example(a), torch.Tensor) and example(a).is_floating_point()]
-        uses |= set(n.users) if not data else {n}
+def _weight_uses(expert_nodes, values, inside) -> set[fx.Node]:
+    """The nodes that apply expert weights to data: the first node on each path from an expert weight that reads a
+    floating-point value not made of parameters alone. A pick of the weights (``w[ids]`` per token, ``w[e]`` per
+    expert: parameters and integers only) and views of it (``w[e].transpose(-2, -1)``) are followed to their
+    users. A floating-point value from outside ``inside`` (the block's nodes less its input) is data, even one
+    made of parameters and integers (the model's embedding of its token ids)."""
+    memo: dict[fx.Node, bool] = {}
+
+    def weights_only(a: fx.Node) -> bool:
+        if a not in memo:
+            v = example(a)
+            memo[a] = (is_param(a, values) or (isinstance(v, torch.Tensor) and not v.is_floating_point())
+                       or (a in inside and all(weights_only(i) for i in a.all_input_nodes)))
+        return memo[a]
+
+    uses, seen, stack = set(), set(), list(expert_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            if weights_only(n):
+                stack.extend(n.users)
+            else:
+                uses.add(n)
     return uses
 
 

@@ -31,8 +31,11 @@ def _check_against_eager(model, *, fullgraph=True, grads=True, **options):
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             if not p.requires_grad:
                 continue
-            assert p.grad is not None, name
-            assert normwise(p.grad, q.grad) <= 1e-5, name
+            if q.grad is None:  # nothing reached it in eager (a choosing bias; an expert the loop skipped, which
+                # the rewritten graph gives a zero gradient)
+                assert p.grad is None or not p.grad.any(), name
+            else:
+                assert normwise(p.grad, q.grad) <= 1e-5, name
     return backend.report
 
 
