@@ -5,7 +5,8 @@ writes them (the tokens per expert counted first, ``torch.bincount(ids.flatten()
 from the source that the skip changes nothing (a skipped expert would add at no row) and drops it, with the count
 only the skip reads, while Dynamo traces for moe. The rewritten function computes what the original does, bit for
 bit; forms it cannot prove are refused with the reason. Expert parallelism (world 2, gloo) trains both hand-written
-blocks three SGD steps as one process does (``test_parallelize``'s check, each rank on its own batch)."""
+blocks, and torchtitan's (``sorted_split``: tests/test_sorted_experts.py), three SGD steps as one process does
+(``test_parallelize``'s check, each rank on its own batch)."""
 
 import types
 
@@ -135,12 +136,12 @@ def _expert_parallel(rank, world, tmp):
     _init(rank, world, tmp)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        for kind in ("counted_loop", "mask_loop"):
+        for kind in ("counted_loop", "mask_loop", "sorted_split"):
             model = _train_against_one_process(kind, mesh, rank, world)[0]
             assert len(model._moe_parallel.report.layers) == 2, str(model._moe_parallel)
     finally:
         dist.destroy_process_group()
 
 
-def test_expert_parallel_training_of_the_skipping_loops_equals_one_process(tmp_path):
+def test_expert_parallel_training_of_the_user_code_blocks_equals_one_process(tmp_path):
     spawn(_expert_parallel, args=(2, str(tmp_path)), nprocs=2)

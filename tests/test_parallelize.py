@@ -98,7 +98,7 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
     if dedup == "auto":
         assert {r.dedup for r in info.report.layers} == {level}, [(r.dedup, r.dedup_reason) for r in info.report.layers]
         dedup = level
-    if info.report.layers[0].spec.routing.weights_on_input:  # Llama 4: one row per (token, expert), whatever asked
+    if info.report.layers[0].spec.routing.weights_on_input and dedup != "off":  # one row per (token, expert)
         assert all(r.dedup == "off" and "weights on the input" in r.dedup_reason for r in info.report.layers), str(info)
         dedup = "off"
     routed = []  # the one-process routing of layer 0, [world * T, K] per step (Mixtral's router returns it)

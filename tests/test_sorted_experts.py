@@ -3,7 +3,8 @@ counted with ``histc``, the tokens gathered in that order and scaled by their ro
 stacked experts run in a loop over ``split`` rows (counts read with ``.tolist()``) or by ``torch._grouped_mm`` over
 the counts' offsets, the rows added back with ``scatter_add``. Both are found in one graph and rewritten with the
 weights on the experts' input: the loop in float32 equal to eager (logits and every gradient), the grouped form in
-bf16 (torch runs ``_grouped_mm`` on CPU in bf16 only) as close to float32 as eager bf16 is."""
+bf16 (torch runs ``_grouped_mm`` on CPU in bf16 only) as close to float32 as eager bf16 is. Its expert-parallel
+training (world 2) is checked with the skipping loops' in tests/test_loop_skips.py."""
 
 import pytest
 import torch
