@@ -53,7 +53,8 @@ def _average_at_end(model: nn.Module, params: list, group, divisor: dict[int, in
     ``group`` in one all-reduce when backward ends, divided by ``divisor[id(p)]``, then accumulated. A parameter
     to which no rank's backward sent a gradient (a routing bias that only chooses experts: its hook gets None) keeps
     its ``.grad`` as it was, as in one process: the all-reduce carries, beside the gradients, how many ranks had
-    one for each parameter (a rank without one sends zeros, so the ranks' reductions keep the same size)."""
+    one for each parameter (a rank without one sends zeros, so the ranks' reductions keep the same size), read back
+    to the host once per backward."""
     pending: dict[int, torch.Tensor] = {}
 
     def finish():
