@@ -145,3 +145,18 @@ def _expert_parallel(rank, world, tmp):
 
 def test_expert_parallel_training_of_the_user_code_blocks_equals_one_process(tmp_path):
     spawn(_expert_parallel, args=(2, str(tmp_path)), nprocs=2)
+
+
+def test_a_skip_on_other_rows_stays_where_it_was(tmp_path):
+    """Inside a `with` block, a skip on another `torch.where`'s rows is not one the mask skip vouches for: it stays
+    (it changes the output: no expert adds when no id is 3), and the rewritten loop computes what the original
+    does."""
+    skip = ("        tok, slot = torch.where(ids == 3)\n        with torch.no_grad():\n"
+            "            if tok.numel() == 0:\n                continue\n")
+    body = MASKED.replace("        if rows.any():", skip + "        if rows.any():")
+    fn = _forward(tmp_path, body, "None")
+    new, result = _rewritten(fn)
+    assert "tok.numel() == 0" in result.source and ".any():" not in result.source, result.source
+    owner = types.SimpleNamespace(experts=[nn.Linear(8, 8) for _ in range(4)])
+    x, ids, w = torch.randn(6, 8), torch.tensor([[0, 2]] * 6), torch.rand(6, 2)
+    assert torch.equal(new(owner, x, ids, w), fn(owner, x, ids, w)) and not fn(owner, x, ids, w).any()

@@ -12,7 +12,7 @@ ROW = "_moecompile_expert"  # the loop variable of the rewritten loop: the exper
 
 _VIEWS = {"permute", "transpose", "view", "reshape", "squeeze", "unsqueeze", "contiguous", "to", "long", "int",
           "float", "bool", "flatten"}
-_SHAPE_VIEWS = {"permute", "transpose", "view", "reshape", "squeeze", "unsqueeze", "contiguous", "flatten"}
+_SHAPE_VIEWS = _VIEWS - {"to", "long", "int", "float", "bool"}  # (the views that keep the dtype)
 _MUTATING = {"append", "extend", "insert", "pop", "update", "add", "remove", "clear", "setdefault", "discard"}
 
 
@@ -286,8 +286,10 @@ class LoopBody:
         return None
 
     def _empty_skip(self, stmt) -> bool:
-        """``if rows.numel() == 0: continue`` (``empty_skip``) on a selection."""
-        return empty_skip(stmt) in self.selections
+        """``if rows.numel() == 0: continue`` (``empty_skip``) on a selection of the loop's mask. Not in a loop over
+        numbers, whose selections may be any ``torch.where``'s: there ``loop_experts.linked`` drops only the skips
+        it ties to the effect, and any other stays (a skip on unrelated rows changes the output)."""
+        return not self.number and empty_skip(stmt) in self.selections
 
     def block(self, stmts, top: bool) -> list:
         out = []
@@ -309,7 +311,7 @@ class LoopBody:
                     grad_mode = call_name(item.context_expr) in ("no_grad", "enable_grad")
                     if item.optional_vars is not None or not grad_mode:
                         raise Refuse("its body opens a `with` other than `torch.no_grad()`")
-                stmt.body = self.block(stmt.body, top)
+                stmt.body = self.block(stmt.body, top) or [ast.Pass()]
                 out.append(stmt)
             elif isinstance(stmt, ast.If):
                 if self._empty_skip(stmt):

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .loop_ast import ROW, LoopBody, Refuse, assignments, call_name, changed_in_place, empty_skip, names_bound
+from .loop_ast import ROW, LoopBody, Refuse, assignments, call_name, changed_in_place, names_bound
 from .loop_experts import hit_condition, is_one_hot_view, linked, nonzero_arg, strip_skips
 
 
@@ -202,8 +202,6 @@ def _drop_empty_skips(fdef, loop):
     body = checker.block(copy.deepcopy(kept), top=True)
     if checker.effect is None:
         raise Refuse("its body has no `out.index_add_(0, rows, values)` or `out[rows] += values`")
-    if any(empty_skip(s) for s in body):
-        raise Refuse("the rows it skips on are not those of a `torch.where` bound unconditionally before")
     for stmt in linked(fdef, loop, target.id, checker, skips):
         _replace(fdef, stmt, ast.Pass())
     return ast.copy_location(ast.For(target=loop.target, iter=loop.iter, body=body, orelse=[]), loop)
