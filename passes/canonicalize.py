@@ -9,8 +9,10 @@
 A kept router (``RoutingSpec.kept``: one that draws random numbers) stays as it is, and its own top-k weights and
 ids feed ``moe.build_pft`` in place of ``moe.route``. The new nodes are ``canonical_moe`` traced with
 ``torch.fx.Proxy`` values, so the code that ``verify`` ran is the code that lands. The original routed nodes that
-nothing else uses are then removed; a copy of them rides on the new output node (``meta["moe_original"]``) for
-the lower pass, which may time it against the canonical forms and put it back (``passes/forms.py``).
+nothing else uses are then removed, with Dynamo's runtime checks on the data-dependent sizes they made (an in-place
+write stays while what it wrote to is read); a copy of them, checks included, rides on the new output node
+(``meta["moe_original"]``) for the lower pass, which may time it against the canonical forms and put it back
+(``passes/forms.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .canonical import canonical_moe, routed_like_input
-from .graph_utils import example, extract, hint
+from .graph_utils import example, extract, hint, is_check, written_through
 from .report import PassReport, block
 
 
@@ -54,9 +56,12 @@ def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
         n.meta["moe_layer"] = cand.path
         if n.target in (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default):
             n.meta["moe_spec"], n.meta["moe_weights"] = spec, dict(b.weights)  # for distribute (sharded experts)
-    new.meta["moe_original"] = _original(cand, b)
+    region = cand.slice_nodes - cand.router_nodes
+    checks = _checks(gm.graph, region)
+    writes = {n: written_through(n) for n in region}  # before the routed value's uses move to the new one
+    new.meta["moe_original"] = _original(region, checks, b)
     b.routed.replace_all_uses_with(new)
-    removed = _remove_dead(gm.graph, cand.slice_nodes - cand.router_nodes)  # a kept router stays whole: its
+    removed = _remove_dead(gm.graph, region, checks, writes)  # a kept router stays whole: its
     # in-place writes too (DeepSeek-style group masks, ``mask.scatter_(1, group_idx, 1)``), which nothing "uses"
     report.counters["canonicalize.rewritten"] += 1
     r = spec.routing
@@ -73,23 +78,66 @@ def _rewrite_block(gm: fx.GraphModule, cand, report: PassReport) -> None:
     report.counters["canonicalize.nodes_removed"] += removed
 
 
-def _original(cand, b):
+def _original(region: set[fx.Node], checks, b):
     """The block's original routed computation as a GraphModule, the graph nodes it reads, and what the lower pass
     needs to time it (``passes/forms.py``); None for a block whose experts moecompile.parallelize sharded (it
-    reads stand-ins: the exchange needs the rewrite)."""
-    region = cand.slice_nodes - cand.router_nodes
-    gm, inputs = extract(region, b.routed)
+    reads stand-ins: the exchange needs the rewrite). Dynamo's checks on its data-dependent sizes go with it: their
+    size reads bind the sizes' symbols, which the compiled copy needs where the original is put back."""
+    gm, inputs = extract(region | {c for chain, _ in checks.values() for c in chain}, b.routed)
     if any("ep_view" in n.meta for n in inputs):
         return None
     return gm, inputs
 
 
-def _remove_dead(graph: fx.Graph, slice_nodes: set[fx.Node]) -> int:
-    """Erase the old routed computation: slice nodes nothing uses any more (in-place ops on slice-local tensors
-    included, which the generic dead-code pass would keep). Walking backwards, users go before what they use."""
-    removed = 0
-    for n in reversed([n for n in graph.nodes if n in slice_nodes]):
-        if n.op not in ("placeholder", "output") and not n.users:
+def _checks(graph: fx.Graph, region: set[fx.Node]) -> dict[fx.Node, tuple[set[fx.Node], set[fx.Node]]]:
+    """Dynamo's runtime checks on data-dependent sizes the region makes (``torch.split`` or slicing by ``.tolist()``
+    counts: ``u0 >= 0``, ``Eq(u0 + u1, 32)``): each check -> the nodes computing it (``_symbolic_ancestors``) and
+    the region's nodes they read."""
+    checks = {}
+    for n in graph.nodes:
+        if is_check(n):
+            chain = _symbolic_ancestors(n)
+            read = {a for c in chain for a in c.all_input_nodes if a in region} | (chain & region)
+            if read:
+                checks[n] = (chain, read)
+    return checks
+
+
+def _remove_dead(graph: fx.Graph, slice_nodes: set[fx.Node], checks, writes) -> int:
+    """Erase the old routed computation: slice nodes nothing else uses any more, in-place ops on them included (the
+    generic dead-code pass would keep those), and ``checks`` on the sizes they made, which would otherwise keep
+    them, and their device-to-host reads, alive. An in-place op stays while anything it wrote to in the original
+    graph (``writes``: through views) stays: erasing it would change what that holds. A check's read of the size of
+    a tensor that stays stays too (it may bind a symbol the tensor's users need)."""
+    doomed = {n for n in slice_nodes if n.op not in ("placeholder", "output")}
+    sizes = {c for chain, _ in checks.values() for c in chain} - doomed - set(checks)  # size reads outside it
+    doomed |= set(checks) | sizes
+    changed = True
+    while changed:  # the largest set closed under its users, in-place writes and checks
+        keep = {n for n in doomed if any(u not in doomed for u in n.users)
+                or any(w not in doomed for w in writes.get(n, ()))
+                or (n in checks and not checks[n][1] <= doomed)
+                or (n in sizes and any(_tensor(a) and a not in doomed for a in n.all_input_nodes))}
+        doomed -= keep
+        changed = bool(keep)
+    for n in reversed(list(graph.nodes)):  # users go before what they use
+        if n in doomed:
             graph.erase_node(n)
-            removed += 1
-    return removed
+    return len(doomed)
+
+
+def _symbolic_ancestors(check: fx.Node) -> set[fx.Node]:
+    """``check`` and the nodes computing the integers and booleans it reads (sizes, sums, comparisons), up to the
+    tensors they are read from."""
+    seen, stack = set(), [check]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "placeholder":
+            continue
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes if a.op != "placeholder" and not _tensor(a))
+    return seen
+
+
+def _tensor(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("example_value", torch.empty(0)), torch.Tensor)  # unknown: taken for a tensor

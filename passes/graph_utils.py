@@ -232,10 +232,46 @@ INPLACE = {"setitem", "iadd", "isub", "imul", "itruediv", "add_", "mul_", "div_"
 
 
 def mutated_input(n: fx.Node) -> fx.Node | None:
-    """The node an in-place op writes to, if ``n`` is one."""
-    if op_name(n) in INPLACE and n.args and isinstance(n.args[0], fx.Node):
+    """The node an in-place op writes to, if ``n`` is one: a listed op, any other method or function named with a
+    trailing underscore (``relu_``, ``masked_fill_``), or one called with ``inplace=True`` (``F.relu``)."""
+    if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    name = op_name(n)
+    if isinstance(n.target, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
+        name = name.split(".")[1]  # aten.add_.Tensor
+    if name in INPLACE or n.kwargs.get("inplace") is True or re.fullmatch(r"[a-z]\w*[a-z0-9]_", name):
         return n.args[0]
     return None
+
+
+# ops whose result may share memory with their first argument: writing to it in place writes to that argument too
+ALIASING = {"view", "reshape", "view_as", "reshape_as", "transpose", "permute", "t", "mT", "T", "contiguous", "to",
+            "type", "type_as", "float", "half", "bfloat16", "squeeze", "unsqueeze", "flatten", "unflatten", "expand",
+            "expand_as", "narrow", "select", "getitem", "detach", "as_strided", "movedim", "swapaxes", "diagonal",
+            "unbind", "split", "chunk", "tensor_split", "unfold", "view_as_real", "view_as_complex"}
+
+
+def written_through(n: fx.Node) -> list[fx.Node]:
+    """What an in-place op ``n`` writes to: its argument, and what that may be a view of (through ``ALIASING`` ops
+    and other in-place ops, whose results alias their argument); empty when ``n`` writes nothing in place."""
+    chain, node = [], mutated_input(n)
+    while isinstance(node, fx.Node) and node.op != "placeholder":
+        chain.append(node)
+        if op_name(node) not in ALIASING and mutated_input(node) is None:
+            break
+        node = node.args[0] if node.args else None
+    if isinstance(node, fx.Node) and node.op == "placeholder":
+        chain.append(node)
+    return chain
+
+
+# runtime checks Dynamo puts in the graph on data-dependent sizes (``u0 >= 0``, ``Eq(u0 + u1, 32)``)
+CHECKS = {"aten._assert_scalar.default", "aten._assert_scalar", "aten.sym_constrain_range_for_size.default",
+          "aten.sym_constrain_range.default", "aten._assert_async.msg", "_check", "_check_is_size"}
+
+
+def is_check(n: fx.Node) -> bool:
+    return n.op == "call_function" and op_name(n) in CHECKS
 
 
 GETITEM = operator.getitem

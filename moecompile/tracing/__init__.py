@@ -8,6 +8,8 @@
                   module's code for that loop while Dynamo traces for moe (put back after)
     loop_ast.py   the source-level (``ast``) reading and rewriting that ``loops.py`` proves with: a loop's body
     loop_experts.py  which experts a loop runs: the hit mask its ``nonzero()`` reads, the skips it makes
+    loop_offsets.py  the skip of a loop that runs each expert on sorted rows at a running offset (DeepSeek's remote
+                  code), proved to change nothing
     frames.py     where the traced frame's module sits in the model being run (layer paths in the model's terms)
 
 May import: ``moecompile.passes`` (alias tables, reasons). Never the rest of the front end, never ``runtime``.

@@ -18,7 +18,9 @@ its ``else``, or the reason it cannot.
 
 Loops over every expert that skip an expert with nothing to do (``if rows.numel() == 0: continue``, DeepSeek-V3's
 ``if counts[e] == 0: continue`` on a ``bincount``, ``if mask.any():`` around the body) lose the skip the same way,
-where the skip provably leaves out only iterations that add at no row (``_drop_empty_skips``).
+where the skip provably leaves out only iterations that add at no row (``_drop_empty_skips``); so do loops that run
+each expert on its slice of sorted rows at a running offset (DeepSeek's remote-code ``moe_infer``, a method other
+than ``forward``: ``loop_offsets.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ from torch import nn
 
 from .loop_ast import ROW, LoopBody, Refuse, assignments, call_name, changed_in_place, names_bound
 from .loop_experts import hit_condition, is_one_hot_view, linked, nonzero_arg, strip_skips
+from .loop_offsets import drop_offset_skip
+
+
+def _rewriters():
+    return ((_rewrite_loop, "looks like one over the experts that received tokens"),
+            (_drop_empty_skips, "skips the experts that received no tokens"),
+            (drop_offset_skip, "runs each expert on its rows at a running offset and skips the experts with none"))
 
 
 class Rewrite(NamedTuple):
@@ -44,9 +53,11 @@ class Rewrite(NamedTuple):
     found: bool = False  # whether it holds a loop over nonzero() rows at all (rewritten or not)
 
 
-def rewrite(fn) -> Rewrite:
+def rewrite(fn, forward: bool = True) -> Rewrite:
     """The code of ``fn`` with each loop over ``nonzero()`` rows rewritten as a loop over every expert, or why not.
-    ``code`` is None when ``fn`` holds no such loop or one could not be proved (``reason`` says which)."""
+    ``code`` is None when ``fn`` holds no such loop or one could not be proved (``reason`` says which). Where ``fn``
+    is not a module's ``forward`` only the loops at a running offset are looked for (DeepSeek's ``moe_infer``): the
+    other forms would also match, and report, loops of methods that run no expert (``generate``'s helpers)."""
     code = fn.__code__
     where = f"{code.co_filename}:{code.co_firstlineno}"
     try:
@@ -67,8 +78,7 @@ def rewrite(fn) -> Rewrite:
     for loop in loops:
         line = f"{code.co_filename}:{first + loop.lineno - 1}"
         replaced = None
-        for rewrite_one, looks in ((_rewrite_loop, "looks like one over the experts that received tokens"),
-                                   (_drop_empty_skips, "skips the experts that received no tokens")):
+        for rewrite_one, looks in _rewriters()[0 if forward else -1:]:
             try:
                 replaced = rewrite_one(fdef, loop)
             except Refuse as why:
@@ -268,23 +278,33 @@ _REWRITES: dict[types.CodeType, Rewrite] = {}  # by the function's original code
 seen: dict[str, Rewrite] = {}  # "module.Class.forward" -> its rewrite or why not, for the compile running now
 
 
+_CALLS = {"nonzero", "where", "any", "bincount", "tolist", "numpy"}  # what an expert loop's function calls
+
+
 def _candidates(roots):
-    """The forward functions (unwrapped) of the module classes reachable from ``roots`` whose code calls
-    ``nonzero``, ``where``, ``any`` or ``bincount``."""
-    classes, out = set(), []
+    """The functions (unwrapped) of the module classes reachable from ``roots`` whose code calls one of ``_CALLS``:
+    ``forward``, and the other methods the classes define (DeepSeek's remote code runs its experts' loop in
+    ``moe_infer``, which ``forward`` calls), each once."""
+    classes, functions, out = set(), set(), []
     for root in roots:
         for module in root.modules():
             cls = type(module)
             if cls in classes:
                 continue
             classes.add(cls)
-            try:
-                fn = inspect.unwrap(getattr(cls, "forward", None))
-            except ValueError:  # a cycle of __wrapped__
-                continue
-            code = getattr(fn, "__code__", None)
-            if isinstance(code, types.CodeType) and {"nonzero", "where", "any", "bincount"} & set(code.co_names):
-                out.append((f"{cls.__module__}.{cls.__qualname__}.forward", fn))
+            for owner in cls.__mro__:
+                if owner in (nn.Module, object) or owner.__module__.startswith("torch."):
+                    continue
+                for attr, value in vars(owner).items():
+                    try:
+                        fn = inspect.unwrap(value) if isinstance(value, types.FunctionType) else None
+                    except ValueError:  # a cycle of __wrapped__
+                        continue
+                    code = getattr(fn, "__code__", None)
+                    if fn in functions or not isinstance(code, types.CodeType) or not _CALLS & set(code.co_names):
+                        continue
+                    functions.add(fn)
+                    out.append((f"{owner.__module__}.{owner.__qualname__}.{attr}", fn))
     return out
 
 
@@ -307,7 +327,7 @@ def swap(namespaces, swapped: list) -> None:
         original = fn.__code__
         if original not in _REWRITES:
             try:
-                _REWRITES[original] = rewrite(fn)
+                _REWRITES[original] = rewrite(fn, forward=name.endswith(".forward"))
             except Exception as exc:  # noqa: BLE001 - a loop we cannot read stays as written, and is reported
                 _REWRITES[original] = Rewrite(None, f"moecompile could not read it ({exc!r})", name, found=True)
         result = seen[name] = _REWRITES[original]
