@@ -177,8 +177,9 @@ def test_the_remote_model_in_explain(tmp_path):
                   "            expert = self"), CAT, "", "`expert_out` is bound twice after the skip"),
     (BODY.replace("            expert = self", "            i = i + 1\n            expert = self"), CAT, "",
      "`i` is bound again after the skip"),
-    (BODY.replace("            end_idx = start_idx", "            n_out = len(outputs)\n            end_idx = start_idx"),
-     CAT, "", "`outputs` is read in the loop other than by its `outputs.append(...)`"),
+    (BODY.replace("            end_idx = start_idx", "            n_out = len(outputs)\n"
+                  "            end_idx = start_idx"), CAT, "",
+     "`outputs` is read in the loop other than by its `outputs.append(...)`"),
 ])
 def test_forms_that_cannot_be_proved_are_refused_with_the_reason(tmp_path, body, cat, after, why):
     result = loops.rewrite(_module(tmp_path, body=body, cat=cat, after=after).moe_infer.__wrapped__)
