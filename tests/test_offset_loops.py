@@ -72,6 +72,54 @@ class RemoteMoE(nn.Module):
         final_out = (new_x.view(*topk_ids.shape, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(dim=-1))
                      .sum(dim=1).type(new_x.dtype))
         return final_out{after}
+
+
+class NoAuxGate(nn.Module):
+    """DeepSeek-V3's remote-code router (topk_method "noaux_tc"): sigmoid scores in float32, a correction bias
+    for the choice only, the top 2 scores of each group summed, the best groups kept, top-k in them, the chosen
+    scores renormalized and scaled."""
+
+    def __init__(self, hidden, experts, top_k, groups=2, topk_group=1, scale=2.5):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group, self.routed_scaling_factor = top_k, groups, topk_group, scale
+        self.n_routed_experts = experts
+        self.weight = nn.Parameter(torch.randn(experts, hidden) * 0.1)
+        self.register_buffer("e_score_correction_bias", torch.randn(experts) * 0.01)
+
+    def forward(self, hidden_states):
+        bsz, seq_len, h = hidden_states.shape
+        hidden_states = hidden_states.view(-1, h)
+        logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32), None)
+        scores = logits.sigmoid()
+        scores_for_choice = scores.view(bsz * seq_len, -1) + self.e_score_correction_bias.unsqueeze(0)
+        group_scores = scores_for_choice.view(bsz * seq_len, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(bsz * seq_len, self.n_group, self.n_routed_experts // self.n_group)
+        score_mask = score_mask.reshape(bsz * seq_len, -1)
+        tmp_scores = scores_for_choice.masked_fill(~score_mask.bool(), 0.0)
+        _, topk_idx = torch.topk(tmp_scores, k=self.top_k, dim=-1, sorted=False)
+        topk_weight = scores.gather(1, topk_idx)
+        topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
+        return topk_idx, topk_weight
+
+
+class RemoteV3MoE(RemoteMoE):
+    """DeepSeek-V3's remote-code MoE (Kimi-K2 and Moonlight copy it): NoAuxGate, shared experts, moe_infer."""
+
+    def __init__(self, hidden, inter, experts, top_k):
+        super().__init__(hidden, inter, experts, top_k)
+        self.gate = NoAuxGate(hidden, experts, top_k)
+        self.shared_experts = Expert(hidden, inter)
+
+    def forward(self, hidden_states):
+        identity = hidden_states
+        orig_shape = hidden_states.shape
+        topk_idx, topk_weight = self.gate(hidden_states)
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)
+        return y + self.shared_experts(identity)
 '''
 BODY = """            end_idx = start_idx + num_tokens
             if num_tokens == 0:
@@ -87,13 +135,13 @@ AROUND = BODY.replace("            if num_tokens == 0:\n                continue
 AROUND = "\n".join(line if i < 2 else "    " + line for i, line in enumerate(AROUND.splitlines()))
 
 
-def _module(tmp_path, body=BODY, counts=NUMPY, cat=CAT, after="", ret="y.view(*orig_shape)"):
+def _module(tmp_path, body=BODY, counts=NUMPY, cat=CAT, after="", ret="y.view(*orig_shape)", name="RemoteMoE"):
     """The remote code's classes, from a file of their own (rewrite() reads the source)."""
     path = tmp_path / "remote_moe.py"
     path.write_text(SOURCE.format(body=body, counts=counts, cat=cat, after=after, ret=ret))
     namespace = {"__name__": "remote_moe"}
     exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - a test builds source to rewrite
-    return namespace["RemoteMoE"]
+    return namespace[name]
 
 
 def _rewritten(fn):
@@ -147,6 +195,19 @@ def test_the_remote_codes_loop_is_rewritten_and_traced_whole(tmp_path, body, cou
     assert list(report.loops) == ["remote_moe.RemoteMoE.moe_infer"]
     ops = {getattr(n.target, "__name__", str(n.target)) for g in backend.graphs for n in g.graph.nodes}
     assert not ops & {"item", "_assert_scalar.default", "scatter_", "argsort"}, ops
+
+
+def test_deepseek_v3s_remote_moe_is_rewritten(tmp_path):
+    """DeepSeek-V3's remote-code MoE whole (its group-limited sigmoid router with the correction bias, shared
+    experts, moe_infer): proved, rewritten in one graph, output as eager."""
+    torch.manual_seed(0)
+    block = _module(tmp_path, name="RemoteV3MoE")(H, I, 8, K).eval()
+    x = torch.randn(2, 8, H)
+    backend = RecordingBackend(inner="aot_eager", lowering="torch")
+    got = torch.compile(block, backend=backend)(x)
+    report = backend.report
+    assert report.graphs_seen == 1 and len(report.layers) == 1 and not report.failures, report.skipped
+    assert torch.allclose(got, block(x), rtol=1e-5, atol=1e-6)
 
 
 def test_the_remote_model_in_explain(tmp_path):
