@@ -59,11 +59,12 @@ def lower_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: PassRe
         if n.meta.get("moe_layer") is not None:
             layers.setdefault(n.meta["moe_layer"], []).append(n)
     values = placeholder_values(gm, example_inputs)
-    keep = _trains(values)  # the Triton form keeps its projections for backward where there is one
+    trains = _trains(values)  # the Triton form keeps its projections for backward where there is one
     specs = {rec.path: rec.spec for rec in report.layers}
     choices = {}
     for path, nodes in layers.items():
         original = next((n.meta.pop("moe_original") for n in nodes if "moe_original" in n.meta), None)
+        keep = trains and _differentiated(original)
         spec = specs.get(path)
         if any(moe_op_name(n) == "expert_mlp_sr" for n in nodes):  # a compressed domain's experts: one form
             choices[path] = ("torch", [SR_NOTE], None, "", {})
@@ -150,6 +151,19 @@ def _trains(values) -> bool:
     from . import forms as forms_mod
 
     return forms_mod.TRAINING.get() is not False and any(getattr(v, "requires_grad", False) for v in values.values())
+
+
+def _differentiated(original) -> bool:
+    """Whether the layer's output takes part in backward, as the model traced it: False for a layer the model runs
+    under ``torch.no_grad()`` inside a graph that trains (DeepSeek's remote-code ``moe_infer``), timed forward
+    alone then; True where that is not known (a sharded layer: no original). Read from what the layer computes,
+    not only its output: a buffer written in place (``index_add_``) was traced before the writes made it require
+    grad."""
+    if original is None:
+        return True
+    values = [n.meta.get("example_value") for n in original[0].graph.nodes if n.op not in ("placeholder", "output")]
+    return any(getattr(v, "requires_grad", False) for v in values) or not any(isinstance(v, torch.Tensor)
+                                                                             for v in values)
 
 
 def _measured(gm, nodes, forms, original, values, spec, config, backward) -> tuple[str, dict, str]:

@@ -211,11 +211,14 @@ def test_deepseek_v3s_remote_moe_is_rewritten(tmp_path):
 
 
 def test_the_remote_model_in_explain(tmp_path):
-    """explain() names the rewritten loop, and without capture the loop breaks the graph and nothing is found."""
+    """explain() names the rewritten loop; the layer runs under no_grad, so its forms are timed forward alone, though
+    grad mode is on and its parameters require grad; without capture the loop breaks the graph and nothing is
+    found."""
     block = _module(tmp_path)(H, I, E, K).eval()
     x = torch.randn(2, 8, H)
-    report = moecompile.explain(block, x)
+    report = moecompile.explain(block, x, lowering="auto")
     assert len(report.layers) == 1 and "RemoteMoE.moe_infer" in str(report), str(report)
+    assert "(forward at 16 tokens" in str(report), str(report)
     assert not moecompile.explain(block, x, capture=False).layers
 
 
