@@ -236,12 +236,18 @@ def mutated_input(n: fx.Node) -> fx.Node | None:
     trailing underscore (``relu_``, ``masked_fill_``), or one called with ``inplace=True`` (``F.relu``)."""
     if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], fx.Node):
         return None
-    name = op_name(n)
-    if isinstance(n.target, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
-        name = name.split(".")[1]  # aten.add_.Tensor
+    name = _short_name(n)
     if name in INPLACE or n.kwargs.get("inplace") is True or re.fullmatch(r"[a-z]\w*[a-z0-9]_", name):
         return n.args[0]
     return None
+
+
+def _short_name(n: fx.Node) -> str:
+    """``op_name`` without an ATen op's namespace and overload: ``add_`` for ``aten.add_.Tensor``."""
+    name = op_name(n)
+    if isinstance(n.target, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
+        name = name.split(".")[1]
+    return name
 
 
 # ops whose result may share memory with their first argument: writing to it in place writes to that argument too
@@ -257,7 +263,7 @@ def written_through(n: fx.Node) -> list[fx.Node]:
     chain, node = [], mutated_input(n)
     while isinstance(node, fx.Node) and node.op != "placeholder":
         chain.append(node)
-        if op_name(node) not in ALIASING and mutated_input(node) is None:
+        if _short_name(node) not in ALIASING and mutated_input(node) is None:
             break
         node = node.args[0] if node.args else None
     if isinstance(node, fx.Node) and node.op == "placeholder":

@@ -164,17 +164,20 @@ class _GraphsBackend(RecordingBackend):
         return compile_graph(gm, example_inputs, self.config, self.report, inner=inner)
 
 
-@pytest.mark.parametrize("body, counts", [
-    (BODY, NUMPY),
-    (BODY, "tokens_per_expert.tolist()"),
-    (BODY.replace("if num_tokens == 0:", "if not num_tokens:"), "tokens_per_expert.cpu().tolist()"),
-    (AROUND, NUMPY),
+@pytest.mark.parametrize("body, counts, cat", [
+    (BODY, NUMPY, CAT),
+    (BODY, "tokens_per_expert.tolist()", CAT),
+    (BODY.replace("if num_tokens == 0:", "if not num_tokens:"), "tokens_per_expert.cpu().tolist()", CAT),
+    (AROUND, NUMPY, CAT),
+    ("            if num_tokens == 0:\n                continue\n            end_idx = start_idx + num_tokens\n"
+     + BODY.split("continue\n", 1)[1], "tokens_per_expert.long().tolist()",
+     "torch.cat(outputs, dim=0) if outputs else sorted_tokens.new_empty(0)"),
 ])
-def test_the_remote_codes_loop_is_rewritten_and_traced_whole(tmp_path, body, counts):
+def test_the_remote_codes_loop_is_rewritten_and_traced_whole(tmp_path, body, counts, cat):
     """The skip goes (bit for bit the original's output with idle experts); compiled as a user would, in eval mode,
     one graph, the layer rewritten (the torch form pinned), output as eager, and the old routed computation gone
     from the graph: no `.item()` reads of the counts, no size checks."""
-    cls = _module(tmp_path, body, counts)
+    cls = _module(tmp_path, body, counts, cat)
     fn = cls.moe_infer.__wrapped__
     new, result = _rewritten(fn)
     assert "continue" not in result.source and "num_tokens > 0" not in result.source, result.source

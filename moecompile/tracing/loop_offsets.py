@@ -100,7 +100,7 @@ def drop_offset_skip(fdef, loop) -> ast.For | None:
             and isinstance(last.value, ast.Name)):
         return None
     start, end = last.targets[0].id, last.value.id
-    ends = [s for s in before if _offset(s, start, count) == end]
+    ends = [s for s in before + skipped[:-1] if _offset(s, start, count) == end]
     if len(ends) != 1:
         return None  # not a running offset: not this form
     if loop.orelse:
@@ -113,7 +113,7 @@ def drop_offset_skip(fdef, loop) -> ast.For | None:
         raise Refuse(f"`{start}` is bound in the loop other than by its last statement `{start} = {end}`")
     if sum(1 for a in assignments(fdef, end) if any(a is s for s in ast.walk(loop))) != 1:
         raise Refuse(f"`{end}` is bound in the loop more than once")
-    outputs = _checked_skipped(skipped[:-1], start, end, names_bound([target]))
+    outputs = _checked_skipped([s for s in skipped[:-1] if s is not ends[0]], start, end, names_bound([target]))
     reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and n.id == outputs]
     if len(reads) != 1:
         raise Refuse(f"`{outputs}` is read in the loop other than by its `{outputs}.append(...)`")
@@ -157,7 +157,7 @@ def _checked_skipped(stmts: list, start: str, end: str, targets: set[str]) -> st
 
 def _checked_after(fdef, loop, outputs: str, local: set[str], targets: set[str], body: list) -> None:
     """``outputs`` is bound once, to ``[]``, before the loop, and read after it only by ``torch.cat(outputs)``
-    along rows (or ``len(outputs)`` as the test of ``torch.cat(outputs) if len(outputs) else ...``); no name the
+    along rows (or as the test of ``torch.cat(outputs) if len(outputs) else ...``, ``if outputs``); no name the
     skipped statements bind is read after the loop or before ``body`` (the loop's, the skip left out) binds it."""
     bound = assignments(fdef, outputs)
     if (len(bound) != 1 or not isinstance(bound[0], ast.Assign) or not isinstance(bound[0].value, ast.List)
@@ -170,10 +170,10 @@ def _checked_after(fdef, loop, outputs: str, local: set[str], targets: set[str],
             continue
         if _cat_rows(node, outputs):
             allowed.add(id(node.args[0]))
-        if isinstance(node, ast.IfExp) and _cat_rows(node.body, outputs) and call_name(node.test) == "len" \
-                and len(node.test.args) == 1 and isinstance(node.test.args[0], ast.Name) \
-                and node.test.args[0].id == outputs:
-            allowed.add(id(node.test.args[0]))
+        if isinstance(node, ast.IfExp) and _cat_rows(node.body, outputs):
+            test = node.test.args[0] if call_name(node.test) == "len" and len(node.test.args) == 1 else node.test
+            if isinstance(test, ast.Name) and test.id == outputs:
+                allowed.add(id(test))
     for node in ast.walk(fdef):
         if id(node) in in_loop or not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)):
             continue
