@@ -29,7 +29,7 @@ IDS = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
 def _rewritten(fn):
     result = loops.rewrite(fn)
     assert result.code is not None, result.reason
-    return types.FunctionType(result.code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__), result
+    return types.FunctionType(result.traced, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__), result
 
 
 @pytest.mark.parametrize("kind", ["counted_loop", "mask_loop"])

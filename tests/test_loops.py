@@ -29,7 +29,7 @@ def _rewritten(fn):
     """``fn`` with its rewritten code (a new function: ``fn`` itself is untouched)."""
     result = loops.rewrite(fn)
     assert result.code is not None, result.reason
-    return types.FunctionType(result.code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.FunctionType(result.traced, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 @pytest.mark.parametrize("module, name", [
@@ -125,7 +125,7 @@ def test_masks_of_any_sign_and_modules_keyed_by_the_number(tmp_path, body, mask,
     assert (loops.GATED in result.source) == (mask == SIGNED)
     if key:
         assert "if not f'expert_{_moecompile_expert}' in self.experts:" in result.source
-    new = types.FunctionType(result.code, fn.__globals__)
+    new = types.FunctionType(result.traced, fn.__globals__)
     torch.manual_seed(0)
     experts = [nn.Linear(8, 8) for _ in range(3)]  # the one_hot's 4th class: no expert, no tokens
     owner = types.SimpleNamespace(experts=nn.ModuleDict({f"expert_{i}": e for i, e in enumerate(experts)})
@@ -171,16 +171,23 @@ def test_loops_that_cannot_be_proved_are_refused_with_the_reason(tmp_path, body,
     assert result.code is None and result.found and why in result.reason, result.reason
 
 
-def test_eager_experts_loop_captured_rewritten_and_put_back():
-    """experts_implementation='eager': one graph, both layers rewritten, logits and gradients as eager; the class's
-    code is the original after the compile, and another backend in the same process still breaks at the loop."""
+def test_eager_experts_loop_captured_rewritten_and_run_as_written_outside_compiles():
+    """experts_implementation='eager': one graph, both layers rewritten, logits and gradients as eager (the eager
+    copy runs the class's new code, which takes the loop as written outside a compile); later calls reuse the graph
+    (transformers' experts wrapper reaches the function through a closure, whose code Dynamo guards: code put back
+    after the compile made every call compile again, until the recompile limit); another backend in the same
+    process still breaks at the loop."""
     model = hf.tiny_model("mixtral", experts_implementation="eager")
     fn = inspect.unwrap(type(model.model.layers[0].mlp.experts).forward)
     original = fn.__code__
     backend = RecordingBackend(inner="aot_eager")
     compile_and_compare(model, IDS, backend=backend)
     assert backend.report.graphs_seen == 1 and len(backend.report.layers) == 2, backend.report.skipped
-    assert fn.__code__ is original
+    new = fn.__code__
+    assert new is not original and new is loops._REWRITES[original].code
+    for _ in range(2):
+        torch.compile(model, backend=backend)(IDS, labels=IDS).loss.backward()
+    assert backend.report.graphs_seen == 1
     name = f"{type(model.model.layers[0].mlp.experts).__module__}.MixtralExperts.forward"
     assert backend.report.loops[name].startswith(inspect.getsourcefile(fn))  # explain() lists the rewritten loop
 
@@ -192,8 +199,8 @@ def test_eager_experts_loop_captured_rewritten_and_put_back():
 
     other = hf.tiny_model("mixtral", experts_implementation="eager")
     torch.compile(other, backend=plain)(IDS)
-    assert len(graphs) > 1  # a plain backend's compile is not rewritten: the loop breaks its graph
-    assert fn.__code__ is original
+    assert len(graphs) > 1  # a plain backend traces without capture: the loop breaks its graph
+    assert fn.__code__ is new
 
 
 def test_dbrx_rewritten_with_its_flat_expert_weights():

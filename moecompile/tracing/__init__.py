@@ -4,8 +4,8 @@
                   backend's own compiles only (compile-start/end callbacks), and trace a frame again with Dynamo's
                   defaults where the trace with them fails; ``moecompile.capture()`` for a block
     loops.py      prove that a loop over the experts that received tokens equals the loop over every expert (and a
-                  loop that skips an expert with nothing to do the same loop without the skip), and swap the
-                  module's code for that loop while Dynamo traces for moe (put back after)
+                  loop that skips an expert with nothing to do the same loop without the skip), and give the
+                  function code that runs that loop while a compiler traces, and the loop as written otherwise
     loop_ast.py   the source-level (``ast``) reading and rewriting that ``loops.py`` proves with: a loop's body
     loop_experts.py  which experts a loop runs: the hit mask its ``nonzero()`` reads, the skips it makes
     loop_offsets.py  the skip of a loop that runs each expert on sorted rows at a running offset (DeepSeek's remote

@@ -3,11 +3,12 @@
     torch.compile(model, backend="moe")
       Dynamo compile-start callback  ->  compiling for moe with option capture on?  ->  turn on
                                           capture_dynamic_output_shape_ops, capture_scalar_outputs;
-                                          swap provable nonzero() expert loops (loops.py)
+                                          give provable expert loops code that runs them rewritten while a
+                                          compiler traces (loops.py; kept after: eager runs them as written)
       Dynamo traces the frame        ->  where(ids == e), x.split(counts.tolist()) stay in the graph (unbacked sizes)
-        the trace fails with them on ->  put back the settings and the code; Dynamo traces the frame again with its
+        the trace fails with them on ->  put back the settings; Dynamo traces the frame again with its
                                           defaults (RestartAnalysis), and the frame is listed in ``retraced``
-      Dynamo compile-end callback    ->  put back the settings and the swapped code
+      Dynamo compile-end callback    ->  put back the settings
 
 Why callbacks: torch.compile in torch 2.13 gives a custom backend no hook around Dynamo's trace, and without the
 two settings an expert loop breaks the graph before any backend sees the experts. ``install()`` (re)registers
@@ -102,7 +103,6 @@ def _namespaces(compile_locals: dict) -> list:
 
 
 _open: list[contextlib.AbstractContextManager] = []
-_swapped: list = []  # (function, original code) pairs of the loops rewritten for the compile running now
 _patched: list = []  # (convert_frame module, its trace_frame) while the compile running now may trace again
 _retracing: list[str] = []  # the error of the capture-on trace, while the compile running now traces again
 retraced: dict[str, str] = {}  # "fn (file:line)" -> the error of its capture-on trace, for every frame traced again
@@ -110,10 +110,10 @@ retraced: dict[str, str] = {}  # "fn (file:line)" -> the error of its capture-on
 
 
 def compile_scope_start(args) -> None:
-    """Dynamo compile-start callback: if it traces for the moe backend, capture data-dependent shapes and rewrite
-    the nonzero() expert loops reachable from the frame (``loops.swap``) for this compile, and have a trace that
-    fails so traced again with Dynamo's defaults. Never raises (an error here would stop the user's compile); on
-    any surprise nothing is turned on."""
+    """Dynamo compile-start callback: if it traces for the moe backend, capture data-dependent shapes for this
+    compile, rewrite the expert loops reachable from the frame (``loops.swap``: for good, run rewritten only while a
+    compiler traces), and have a trace that fails so traced again with Dynamo's defaults. Never raises (an error
+    here would stop the user's compile); on any surprise nothing is turned on."""
     from torch._dynamo.callback import CallbackTrigger
 
     _retracing.clear()
@@ -125,20 +125,18 @@ def compile_scope_start(args) -> None:
         scope.__enter__()
         _open.append(scope)
         _retrace_on_failure()
-        loops.swap(_namespaces(frame), _swapped)
+        loops.swap(_namespaces(frame))
     except Exception:  # noqa: BLE001 - a missed capture is reported later with its fix; a crash here is not
         return
 
 
 def compile_scope_end(args) -> None:
-    """Dynamo compile-end callback: put back the settings and the code ``compile_scope_start`` changed."""
+    """Dynamo compile-end callback: put back the settings ``compile_scope_start`` changed."""
     _stop_capture()
     _retracing.clear()
 
 
 def _stop_capture() -> None:
-    loops.restore(_swapped)
-    _swapped.clear()
     while _open:
         _open.pop().__exit__(None, None, None)
     while _patched:

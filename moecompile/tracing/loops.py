@@ -32,6 +32,7 @@ import textwrap
 import types
 from typing import NamedTuple
 
+import torch
 from torch import nn
 
 from .loop_ast import ROW, LoopBody, Refuse, assignments, call_name, changed_in_place, names_bound
@@ -45,12 +46,16 @@ def _rewriters():
             (drop_offset_skip, "runs each expert on its rows at a running offset and skips the experts with none"))
 
 
+COMPILING = "_moecompile_is_compiling"  # the global the new code reads: torch.compiler.is_compiling
+
+
 class Rewrite(NamedTuple):
-    code: types.CodeType | None  # the function's new code, or None
+    code: types.CodeType | None  # the function's new code (the rewritten loop while a compiler traces), or None
     reason: str  # why not (empty when rewritten)
     where: str  # file:line of the loop (or of the function)
     source: str = ""  # the rewritten function, as Python source (for explain() and the tests)
     found: bool = False  # whether it holds a loop over nonzero() rows at all (rewritten or not)
+    traced: types.CodeType | None = None  # the rewritten function alone: what a compiler traces (for the tests)
 
 
 def rewrite(fn, forward: bool = True) -> Rewrite:
@@ -73,6 +78,7 @@ def rewrite(fn, forward: bool = True) -> Rewrite:
     if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or fdef.name != code.co_name:
         return Rewrite(None, "its source is not one function definition", where)
     fdef.decorator_list = []
+    original_body = copy.deepcopy(fdef.body)
     loops = [n for n in ast.walk(fdef) if isinstance(n, ast.For)]
     reasons, done = [], 0
     for loop in loops:
@@ -96,10 +102,16 @@ def rewrite(fn, forward: bool = True) -> Rewrite:
                        "the experts that received no tokens", where, found=bool(reasons))
     ast.fix_missing_locations(tree)
     source = ast.unparse(fdef)
+    traced_tree = copy.deepcopy(tree)
+    traced = _compile(traced_tree, traced_tree.body[0], fn, first)
+    compiling = ast.parse(f"{COMPILING}()", mode="eval").body
+    fdef.body = [ast.copy_location(ast.If(test=compiling, body=fdef.body, orelse=original_body), fdef.body[0])]
+    ast.fix_missing_locations(tree)
     new = _compile(tree, fdef, fn, first)
-    if isinstance(new, str):
-        return Rewrite(None, new, where, found=True)
-    return Rewrite(new, "", where, source, found=True)
+    if isinstance(new, str) or isinstance(traced, str):
+        return Rewrite(None, new if isinstance(new, str) else traced, where, found=True)
+    fn.__globals__.setdefault(COMPILING, torch.compiler.is_compiling)
+    return Rewrite(new, "", where, source, found=True, traced=traced)
 
 
 def _rewrite_loop(fdef, loop):
@@ -318,24 +330,25 @@ def _roots(namespaces) -> list[nn.Module]:
     return roots
 
 
-def swap(namespaces, swapped: list) -> None:
-    """Give every forward reachable from the nn.Modules in ``namespaces`` (iterables of values: the locals, closure
-    and globals of the frame Dynamo compiles) its rewritten loop, appending ``(function, original code)`` to
-    ``swapped`` as it goes (for ``restore``, even if something here fails half-way)."""
+def swap(namespaces) -> None:
+    """Give every function reachable from the nn.Modules in ``namespaces`` (iterables of values: the locals,
+    closure and globals of the frame Dynamo compiles) that holds a provable loop its new code, once and for good:
+    the rewritten loop while a compiler traces (``torch.compiler.is_compiling()``), the loop as written otherwise.
+    Kept, not put back after the compile: Dynamo guards the code of a function it reaches through a closure (a
+    decorator's: ``torch.no_grad()``, transformers' experts wrapper), and code put back failed that guard at every
+    later call, each call compiling again."""
     seen.clear()
     for name, fn in _candidates(_roots(namespaces)):
-        original = fn.__code__
-        if original not in _REWRITES:
+        current = fn.__code__
+        if current not in _REWRITES:
             try:
-                _REWRITES[original] = rewrite(fn, forward=name.endswith(".forward"))
+                result = rewrite(fn, forward=name.endswith(".forward"))
             except Exception as exc:  # noqa: BLE001 - a loop we cannot read stays as written, and is reported
-                _REWRITES[original] = Rewrite(None, f"moecompile could not read it ({exc!r})", name, found=True)
-        result = seen[name] = _REWRITES[original]
-        if result.code is not None:
+                result = Rewrite(None, f"moecompile could not read it ({exc!r})", name, found=True)
+            _REWRITES[current] = result
+            if result.code is not None:
+                _REWRITES[result.code] = result  # the new code is not rewritten again
+        result = seen[name] = _REWRITES[current]
+        if result.code is not None and fn.__code__ is not result.code:
+            fn.__globals__.setdefault(COMPILING, torch.compiler.is_compiling)  # (equal code: another module's)
             fn.__code__ = result.code
-            swapped.append((fn, original))
-
-
-def restore(swapped) -> None:
-    for fn, original in reversed(swapped):
-        fn.__code__ = original
