@@ -179,12 +179,11 @@ def test_eager_experts_loop_captured_rewritten_and_run_as_written_outside_compil
     process still breaks at the loop."""
     model = hf.tiny_model("mixtral", experts_implementation="eager")
     fn = inspect.unwrap(type(model.model.layers[0].mlp.experts).forward)
-    original = fn.__code__
     backend = RecordingBackend(inner="aot_eager")
     compile_and_compare(model, IDS, backend=backend)
     assert backend.report.graphs_seen == 1 and len(backend.report.layers) == 2, backend.report.skipped
-    new = fn.__code__
-    assert new is not original and new is loops._REWRITES[original].code
+    new = fn.__code__  # (an earlier test in this process may have given it already: it stays)
+    assert loops._REWRITES[new].code is new and loops.COMPILING in new.co_names
     for _ in range(2):
         torch.compile(model, backend=backend)(IDS, labels=IDS).loss.backward()
     assert backend.report.graphs_seen == 1
