@@ -2,8 +2,9 @@
 expert with no rows: DeepSeek-V2/V3's remote code (``trust_remote_code=True``: DeepSeek-V2, V3, R1, Kimi-K2,
 Moonlight) runs its experts that way in ``moe_infer``, a method its MoE's ``forward`` calls in eval mode, under
 ``torch.no_grad()``. moecompile/tracing/loop_offsets.py proves from the source that the skip changes nothing and
-drops it while Dynamo traces for moe; the rewritten method gives the original's output bit for bit, the block is
-traced in one graph and rewritten, and the forms it cannot prove are refused with the reason.
+drops it where a compiler traces (the method's new code); the rewritten method gives the original's output bit for
+bit, the block is traced in one graph, rewritten, and reused at the next call, and the forms it cannot prove are
+refused with the reason.
 
 Also here: the old routed computation is removed whole, Dynamo's checks on its data-dependent sizes with it (they
 kept its ``.item()`` reads alive, with an in-place ``scatter_`` erased under them: the rewritten graph failed at its
