@@ -4,9 +4,9 @@ writes them (the tokens per expert counted first, ``torch.bincount(ids.flatten()
 ``if mask.any():``, ``out[mask] += ...``). Dynamo cannot branch on either test; moecompile/tracing/loops.py proves
 from the source that the skip changes nothing (a skipped expert would add at no row) and drops it, with the count
 only the skip reads, where a compiler traces (the new code). The rewritten function computes what the original
-does, bit for bit; forms it cannot prove are refused with the reason. Expert parallelism (world 2, gloo) trains both hand-written
-blocks, and torchtitan's (``sorted_split``: tests/test_sorted_experts.py), three SGD steps as one process does
-(``test_parallelize``'s check, each rank on its own batch)."""
+does, bit for bit; forms it cannot prove are refused with the reason. Expert parallelism (world 2, gloo) trains
+both hand-written blocks, and torchtitan's (``sorted_split``: tests/test_sorted_experts.py), three SGD steps as one
+process does (``test_parallelize``'s check, each rank on its own batch)."""
 
 import types
 
