@@ -3,6 +3,7 @@
     python benchmarks/bench_layer.py                         # CPU defaults, float32, three shapes (~2 min)
     python benchmarks/bench_layer.py --device cuda           # big shapes, bfloat16
     python benchmarks/bench_layer.py --shapes mixtral --tokens 512 --repeats 20 --out results.md
+    python benchmarks/bench_layer.py --frozen experts        # fine-tuning with the routed experts frozen
 
 The layer is an HF sparse MoE block (``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``) built from a config with
 random weights (no downloads), fed hidden states [1, T, H]. The variants are timed together, round-robin. See benchmarks/README.md for what every column means.
@@ -54,8 +55,12 @@ WARMUP = 2
 # ---------------------------------------------------------------------------------------------- the layer
 
 
-def build_block(shape: str, dims: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
-    """An HF MoE block with random fan-in-scaled weights (activations stay O(1) at any width)."""
+def build_block(shape: str, dims: dict, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                frozen: str = "none") -> nn.Module:
+    """An HF MoE block with random fan-in-scaled weights (activations stay O(1) at any width). ``frozen``:
+    "experts" takes the routed experts' weights out of training (``requires_grad_(False)``, as fine-tuning
+    the rest of a model, or LoRA adapters beside the experts, does), "block" every weight of the block (the input
+    still gets its gradient)."""
     extra = {} if MODEL[shape] == "mixtral" else dict(
         n_group=dims["n_group"], topk_group=dims["topk_group"], n_shared_experts=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, first_k_dense_replace=0)
@@ -63,6 +68,9 @@ def build_block(shape: str, dims: dict, dtype: torch.dtype, device: torch.device
     torch.manual_seed(seed)
     block = cls(cfg)
     init_weights_(block)
+    for name, p in block.named_parameters():
+        if frozen == "block" or (frozen == "experts" and name.startswith("experts.")):
+            p.requires_grad_(False)
     return block.to(device=device, dtype=dtype).train()
 
 
@@ -202,7 +210,8 @@ def header(args, device: torch.device, dims: dict) -> str:
     out = [f"# MoE layer benchmark ({datetime.datetime.now().isoformat(timespec='seconds')})", "",
            f"- device: {dev}; dtype: {args.dtype}; repeats: {args.repeats} (median, after {WARMUP} warm-up)",
            f"- torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-           "- layer: the HF block compiled on its own, input [1, T, H]",
+           "- layer: the HF block compiled on its own, input [1, T, H]"
+           + ("" if args.frozen == "none" else f"; frozen (requires_grad=False): {args.frozen}"),
            f"- moecompile: torch.compile(layer, backend='moe', options={ {**args.moe_options, 'inner': 'inductor'} })"]
     for shape, d in dims.items():
         extra = f", n_group={d['n_group']}, topk_group={d['topk_group']}, 1 shared expert, scaling 2.5" \
@@ -230,6 +239,9 @@ def parse_args(argv=None):
     p.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option for the moecompile variant (and its explain check), e.g. "
                         "verify_backward=false; repeatable. Values: true/false, ints, or strings")
+    p.add_argument("--frozen", default="none", choices=("none", "experts", "block"),
+                   help="weights out of training: the routed experts' ('experts') or the whole block's ('block'); "
+                        "the input's gradient is still computed")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads; default 1 on cpu (stable timings on a shared machine: with more "
                         "threads than idle cores one busy core stalls every parallel region), unchanged on cuda; "
@@ -300,7 +312,7 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         dims = args.dims[shape]
         # one layer per shape, shared by the variants (torch.compile wraps it, explain() leaves it as it was)
-        block = build_block(shape, dims, dtype, device)
+        block = build_block(shape, dims, dtype, device, frozen=args.frozen)
         layer = block
         gen = torch.Generator(device="cpu").manual_seed(1)
         x = torch.randn(1, dims["tokens"], dims["hidden"], generator=gen).to(device=device, dtype=dtype)

@@ -105,7 +105,8 @@ class ExplainReport:
 
 def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
     """Run ``model(*args)`` once through the moe passes (graphs run eagerly afterwards) and report. The model runs
-    without gradients; the forms are chosen (``lowering="auto"``) as for training when the caller's grad mode is on.
+    in the caller's grad mode, as the caller would compile it (no backward runs): with it on, the forms are chosen
+    (``lowering="auto"``) as for training, and a layer the model runs under ``torch.no_grad()`` is seen as such.
 
     A model ``moecompile.parallelize`` sharded exchanges rows as it runs: call it on every rank together.
     Keyword arguments are backend options (see ``moecompile.MoEOptions``); the model itself is not changed, but
@@ -139,7 +140,7 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
         for module, args, kwargs in calls:
             torch._dynamo.reset()
             capture.install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
-            with torch.no_grad(), warnings.catch_warnings():
+            with warnings.catch_warnings():  # in the caller's grad mode: the trace a compile would see
                 warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
                 torch.compile(module, backend=backend)(*args, **kwargs)
     finally:

@@ -7,15 +7,17 @@
     triton    the Triton kernels (moe.route_triton, moe.build_pft_triton, moe.fused_experts), proved first
 
 Each candidate is the layer cut out of the graph (``graph_utils.extract``) in that form, run on the traced shapes:
-random tokens and router logits of the traced size, the layer's real parameters used in place (``detach()``
-shares their storage), forward and backward when the program trains (grad mode on and a parameter requiring
-grad), forward only otherwise. One warm-up call each (Triton compiles, tiles are tuned), then rounds that call
-every candidate once in turn, until at least ``MIN_ROUNDS`` rounds and ``BUDGET_S`` seconds: the median per
-candidate. A forward under ``saved_tensors_hooks`` counts the bytes each saves for backward (each storage once,
-the layer's inputs excluded). The canonical forms run eagerly, op by op: their time is what runs (the inner compiler
-cannot look into the moe ops). The original runs as the inner compiler would run it where that matters: with
-inner="inductor" on CUDA it is compiled by Inductor first (``inductor_compiled``; on an H100 Inductor made
-Mixtral's block 12% faster than op by op, enough to pick a slower form); elsewhere op by op, an upper bound.
+random tokens and router logits of the traced size, the layer's real parameters used in place (``detach()`` shares
+their storage), forward and backward when the program trains (grad mode on and a parameter requiring grad), forward
+only otherwise; a value the trace computed without a gradient (a frozen weight, an input that needs none) is probed
+without one, so a frozen expert's weight-gradient GEMMs are not timed where none run. One warm-up call each (Triton
+compiles, tiles are tuned), then rounds that call every candidate once in turn, until at least ``MIN_ROUNDS`` rounds
+and ``BUDGET_S`` seconds: the median per candidate. A forward under ``saved_tensors_hooks`` counts the bytes each
+saves for backward (each storage once, the layer's inputs excluded). The canonical forms run eagerly, op by op:
+their time is what runs (the inner compiler cannot look into the moe ops). The original runs as the inner compiler
+would run it where that matters: with inner="inductor" on CUDA it is compiled by Inductor first
+(``inductor_compiled``; on an H100 Inductor made Mixtral's block 12% faster than op by op, enough to pick a slower
+form); elsewhere op by op, an upper bound.
 
 A layer sharded by moecompile.parallelize (never "original": the exchange needs the rewrite) is timed by its local
 expert MLP alone (``expert_candidate``: torch against grouped, on T*K random rows spread evenly over the local
@@ -24,7 +26,8 @@ experts; no collective runs, so ranks need not time in step), on CPU and CUDA al
 ``choose="memory"`` (default) keeps the fastest candidate that saves no more bytes than the original,
 ``choose="speed"`` the fastest. Timings are cached on disk (``runtime/disk_cache.py``): one file per device model
 and torch, Triton and moecompile versions, one entry per layer signature (its spec, token count, dtype, whether it
-trains, the candidates), so a second process chooses without timing and the same inputs give the same program.
+trains and which of its expert MLP's input and weights take no gradient, the candidates), so a second process
+chooses without timing and the same inputs give the same program.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime import disk_cache
-from .graph_utils import extract
+from .graph_utils import example, extract
 from .lowering_proof import probe_value
 
 FORMS = ("original", "torch", "grouped", "triton")  # the order ties are broken in
@@ -195,7 +198,7 @@ def measure(candidates: dict[str, Candidate], values: dict, backward: bool, devi
     for c in candidates.values():
         for n in c.inputs:
             if n not in probes:
-                probes[n] = probe_value(n, values, gen, num_experts)
+                probes[n] = as_traced(probe_value(n, values, gen, num_experts), n, values)
     if not backward:
         probes = {n: v.detach() if isinstance(v, torch.Tensor) else v for n, v in probes.items()}
     keep = {t.untyped_storage().data_ptr() for t in probes.values() if isinstance(t, torch.Tensor)}
@@ -233,6 +236,15 @@ def measure(candidates: dict[str, Candidate], values: dict, backward: bool, devi
     for form, ts in times.items():
         results[form].ms = statistics.median(ts) * 1e3
     return results
+
+
+def as_traced(probe, n: fx.Node, values: dict):
+    """``probe`` taking a gradient only where the traced value did: a frozen weight (``requires_grad=False``) or an
+    input computed without gradients is timed as the program runs it, with no gradient of its own."""
+    traced = values.get(n, example(n))
+    if isinstance(probe, torch.Tensor) and isinstance(traced, torch.Tensor) and not traced.requires_grad:
+        return probe.detach()
+    return probe
 
 
 def _call(gm: Callable, args: list, leaves: list[torch.Tensor]) -> None:

@@ -271,6 +271,15 @@ def written_through(n: fx.Node) -> list[fx.Node]:
     return chain
 
 
+def viewed(n: fx.Node) -> list[fx.Node]:
+    """What ``n`` is a view of, nearest first, through ``ALIASING`` ops (empty when it is none)."""
+    chain = []
+    while n.op != "placeholder" and _short_name(n) in ALIASING and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+        chain.append(n)
+    return chain
+
+
 # runtime checks Dynamo puts in the graph on data-dependent sizes (``u0 >= 0``, ``Eq(u0 + u1, 32)``)
 CHECKS = {"aten._assert_scalar.default", "aten._assert_scalar", "aten.sym_constrain_range_for_size.default",
           "aten.sym_constrain_range.default", "aten._assert_async.msg", "_check", "_check_is_size"}

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from . import grouped_form
 from .graph_utils import example_above as _example_above
-from .graph_utils import code_signature, hint, moe_op_name, placeholder_values
+from .graph_utils import code_signature, hint, moe_op_name, placeholder_values, viewed, written_through
 from .lowering_proof import prove_lowered
 from .report import PassReport
 
@@ -155,13 +155,19 @@ def _trains(values) -> bool:
 
 def _differentiated(original) -> bool:
     """Whether the layer's output takes part in backward, as the model traced it: False for a layer the model runs
-    under ``torch.no_grad()`` inside a graph that trains (DeepSeek's remote-code ``moe_infer``), timed forward
-    alone then; True where that is not known (a sharded layer: no original). Read from what the layer computes,
-    not only its output: a buffer written in place (``index_add_``) was traced before the writes made it require
-    grad."""
+    under ``torch.no_grad()`` inside a graph that trains (DeepSeek's remote-code ``moe_infer``, whose router before
+    it does take gradients), timed forward alone then; True where that is not known (a sharded layer: no original).
+    Read from the region's results and what writes into them in place (an ``index_add_`` buffer was traced before
+    the writes made it require grad), through the views they are."""
     if original is None:
         return True
-    values = [n.meta.get("example_value") for n in original[0].graph.nodes if n.op not in ("placeholder", "output")]
+    graph = original[0].graph
+    results: set[fx.Node] = set()
+    fx.node.map_arg(next(n for n in graph.nodes if n.op == "output").args, results.add)
+    for n in list(results):
+        results.update(viewed(n))
+    writers = [n for n in graph.nodes if results & set(written_through(n))]
+    values = [n.meta.get("example_value") for n in [*results, *writers] if n.op != "placeholder"]
     return any(getattr(v, "requires_grad", False) for v in values) or not any(isinstance(v, torch.Tensor)
                                                                              for v in values)
 
@@ -183,7 +189,7 @@ def _measured(gm, nodes, forms, original, values, spec, config, backward) -> tup
     compiled = config.inner == "inductor" and device.type in forms_mod.COMPILE_ORIGINAL_ON and "original" in forms
     settings = forms_mod.timed_settings(config) if compiled else {}  # the user's max-autotune, Inductor settings
     key = forms_mod.layer_key(spec, tokens, dtype, backward, forms, code + ("\ninductor" if compiled else "")
-                              + (f" {sorted(settings.items())}" if settings else ""))
+                              + (f" {sorted(settings.items())}" if settings else "") + _frozen(mlp, backward))
     cache = forms_mod.cache()
     timings = cache.get(device, key)
     source = "cached"
@@ -215,6 +221,17 @@ def _measured(gm, nodes, forms, original, values, spec, config, backward) -> tup
                 ) if compiled else ""
     return choice, timings, (f"{source} ({what} at {tokens} tokens{inductor}, {device.type}): {listed}; "
                              f"{choice}: {why}, choose={config.choose!r}")
+
+
+def _frozen(mlp: fx.Node, backward: bool) -> str:
+    """For the timings' cache key: which of the expert MLP's input and weights take no gradient where the layer
+    trains (frozen experts time another backward: their weight-gradient GEMMs do not run)."""
+    if not backward:
+        return ""
+    names = ("x", "w_gate", "w_up", "w_down")
+    off = [name for name, a in zip(names, (mlp.args[0], *mlp.args[3:6]))
+           if isinstance(a, fx.Node) and not _example_above(a).requires_grad]
+    return f"\nno grad: {' '.join(off)}" if off else ""
 
 
 def _restore_original(graph: fx.Graph, nodes: list[fx.Node], original) -> None:

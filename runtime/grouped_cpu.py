@@ -17,6 +17,7 @@ import torch
 
 from .activations import apply_activation, check_activation
 from .layouts import gate_up_weights
+from .library import wanted
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -146,10 +147,15 @@ def expert_mlp_keep(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH
 def expert_mlp_keep_backward(grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH,
                              w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
                              activation="silu", alpha=1.702, limit=7.0, w_gate_up=None, gate_up_layout="",
-                             all_rows=False) -> list[torch.Tensor]:
+                             all_rows=False, needs=None) -> list[torch.Tensor]:
     """Gradients of the present tensors among (x, w_gate, w_up, w_down, b_gate, b_up, b_down, input_scale,
     w_gate_up), from the kept projections: grouped GEMMs and the activation's elementwise derivative, no forward
-    again. ``w_gate_up``'s gradient is one tensor in its own layout."""
+    again. ``w_gate_up``'s gradient is one tensor in its own layout. ``needs``: one flag per tensor named; only
+    the gradients of those present and flagged are computed and returned (a frozen weight's GEMM is not run, nor
+    dx's two when neither x nor the scale needs one)."""
+    present = (x_TH, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH, input_scale_B, w_gate_up)
+    names = ("x", "wg", "wu", "wd", "bg", "bu", "bd", "scale", "gu")
+    want = {names[i] for i in wanted(present, needs)}
     wg, wu = _weights(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
     gated, E, I, dtype = wg is not None, wu.shape[0], wu.shape[1], wu.dtype
     r = Rows(x_TH, token_ids_B, tokens_per_expert_E, dtype, input_scale_B,
@@ -160,28 +166,32 @@ def expert_mlp_keep_backward(grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_ex
     pre = pre_BJ[:n]
     h, d_pre = activation_backward(activation, pre, gs if gated else None, us, alpha, limit,
                                     lambda h: r.mm(gy, w_down_EHI))
-    grads = dict.fromkeys(("x", "wg", "wu", "wd", "bg", "bu", "bd", "scale", "gu"))
-    if w_gate_up is not None:
-        d_xs, grads["gu"] = r.mm(d_pre, w_gate_up), r.outer(d_pre, r.xs_BH)
-    elif gated:
-        d_xs = r.mm(d_pre[:, gs], wg) + r.mm(d_pre[:, us], wu)
-        grads["wg"], grads["wu"] = r.outer(d_pre[:, gs], r.xs_BH), r.outer(d_pre[:, us], r.xs_BH)
-    else:
-        d_xs, grads["wu"] = r.mm(d_pre, wu), r.outer(d_pre, r.xs_BH)
-    d_x_BH = d_xs if r.scale is None else d_xs * r.scale
-    grads["x"] = x_TH.new_zeros(x_TH.shape).index_add_(0, r.tok, d_x_BH.to(x_TH.dtype))
-    grads["wd"] = r.outer(gy, h)
-    if b_gate_EI is not None:
+    grads = dict.fromkeys(names)
+    d_xs = None
+    if want & {"x", "scale"}:
+        d_xs = (r.mm(d_pre, w_gate_up) if w_gate_up is not None else
+                r.mm(d_pre[:, gs], wg) + r.mm(d_pre[:, us], wu) if gated else r.mm(d_pre, wu))
+    if "gu" in want:
+        grads["gu"] = r.outer(d_pre, r.xs_BH)
+    if "wg" in want:
+        grads["wg"] = r.outer(d_pre[:, gs], r.xs_BH)
+    if "wu" in want:
+        grads["wu"] = r.outer(d_pre[:, us] if gated else d_pre, r.xs_BH)
+    if "x" in want:
+        d_x_BH = d_xs if r.scale is None else d_xs * r.scale
+        grads["x"] = x_TH.new_zeros(x_TH.shape).index_add_(0, r.tok, d_x_BH.to(x_TH.dtype))
+    if "wd" in want:
+        grads["wd"] = r.outer(gy, h)
+    if "bg" in want:
         grads["bg"] = r.per_expert(d_pre[:, gs], E)
-    if b_up_EI is not None:
+    if "bu" in want:
         grads["bu"] = r.per_expert(d_pre[:, us] if gated else d_pre, E)
-    if b_down_EH is not None:
+    if "bd" in want:
         grads["bd"] = r.per_expert(gy, E)
-    if input_scale_B is not None:
+    if "scale" in want:
         d_scale = (d_xs * r.x_BH).sum(-1)
         grads["scale"] = torch.cat([d_scale, d_scale.new_zeros(input_scale_B.shape[0] - n)])
-    present = (x_TH, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH, input_scale_B, w_gate_up)
-    return [g.to(t.dtype) for g, t in zip(grads.values(), present) if t is not None]
+    return [grads[k].to(t.dtype) for k, t in zip(names, present) if k in want]
 
 
 def activation_backward(activation, pre, gs, us, alpha, limit, grad_h, h_out=None, d_pre=None):

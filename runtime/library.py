@@ -7,6 +7,8 @@ counts of the routing, an exchange's split sizes), launch kernels sized by the r
 tune tiles at a first launch, none of which a captured graph replays; so all of them are tagged, and the rest of
 the model (attention, norms, the MoE layer's own elementwise work) is graphed around them. A torch without the
 tag, or whose ``custom_op`` takes no tags (older than 2.8), gets the ops untagged.
+
+``wanted``: which gradients a backward op computes, from its ``needs`` flags (``ctx.needs_input_grad``).
 """
 
 from __future__ import annotations
@@ -23,3 +25,12 @@ _TAGS = {"tags": CUDAGRAPH_UNSAFE} if CUDAGRAPH_UNSAFE and "tags" in inspect.sig
 def moe_op(name: str, *, mutates_args, **kwargs):
     """``torch.library.custom_op(name, mutates_args=..., ...)`` (a decorator), the op tagged cudagraph-unsafe."""
     return custom_op(name, mutates_args=mutates_args, **_TAGS, **kwargs)
+
+
+def wanted(tensors, needs) -> list[int]:
+    """Positions of the gradients a backward op returns: its present tensors (not None), of those the ``needs``
+    flags (one per tensor, as ``ctx.needs_input_grad`` gives them; None: all) ask for. A frozen weight's gradient
+    is not computed: autograd would drop it."""
+    if needs is not None and len(needs) != len(tensors):
+        raise ValueError(f"needs has {len(needs)} flags for {len(tensors)} inputs")
+    return [i for i, t in enumerate(tensors) if t is not None and (needs is None or needs[i])]

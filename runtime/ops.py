@@ -21,7 +21,7 @@ from torch.library import register_autograd, register_fake
 from . import grouped_cpu
 from . import reference as ref
 from . import stats
-from .library import moe_op
+from .library import moe_op, wanted
 from .stats import DROPS
 
 Tensor = torch.Tensor
@@ -210,10 +210,13 @@ def expert_mlp_backward(
     activation: str,
     alpha: float,
     limit: float,
+    needs: list[bool] | None = None,
 ) -> list[Tensor]:
-    """Gradients of every tensor input that is present, in argument order (skipping the index inputs)."""
+    """Gradients of every tensor input that is present, in argument order (skipping the index inputs); with
+    ``needs`` (one flag per input among x, w_gate, w_up, w_down, b_gate, b_up, b_down, input_scale) only of those
+    present and needed: a frozen weight's gradient GEMM is not run (autograd would drop its result)."""
     inputs = [x_TH, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH, input_scale_B]
-    where = [i for i, t in enumerate(inputs) if t is not None]
+    where = wanted(inputs, needs)
 
     def forward(*present):
         full = list(inputs)
@@ -225,6 +228,8 @@ def expert_mlp_backward(
             activation=activation, alpha=alpha, limit=limit,
         )
 
+    if not where:
+        return []
     _, vjp = torch.func.vjp(forward, *[inputs[i] for i in where])
     # contiguous out whatever the input's strides (see the fake); in too: grouped_mm refuses an expanded gradient
     return [g.contiguous() for g in vjp(grad_y_BH.contiguous())]
@@ -233,7 +238,8 @@ def expert_mlp_backward(
 @register_fake("moe::expert_mlp_backward")
 def _expert_mlp_backward_fake(grad_y_BH, x_TH, token_ids_B, tokens_per_expert_E, *rest):
     tensors = [x_TH, *rest[:7]]
-    return [t.new_empty(t.shape) for t in tensors if t is not None]
+    needs = rest[10] if len(rest) > 10 else None
+    return [tensors[i].new_empty(tensors[i].shape) for i in wanted(tensors, needs)]
 
 
 def _expert_mlp_setup(ctx, inputs, output):
@@ -242,15 +248,16 @@ def _expert_mlp_setup(ctx, inputs, output):
     ctx.attrs = inputs[10:]
 
 
+_MLP_GRADS = (0, 3, 4, 5, 6, 7, 8, 9)  # x, w_gate, w_up, w_down, b_gate, b_up, b_down, input_scale
+
+
 def _expert_mlp_bwd(ctx, grad_y_BH):
     saved = iter(ctx.saved_tensors)
     full = [next(saved) if p else None for p in ctx.present]
-    grads = iter(torch.ops.moe.expert_mlp_backward(grad_y_BH, *full, *ctx.attrs))
-    out = []
-    for i, t in enumerate(full):
-        differentiable = i not in (1, 2)  # token_ids and tokens_per_expert are indices
-        out.append(next(grads) if (t is not None and differentiable) else None)
-    return tuple(out) + (None, None, None)
+    needs = [bool(ctx.needs_input_grad[i]) for i in _MLP_GRADS]  # a frozen weight: no gradient GEMM
+    grads = iter(torch.ops.moe.expert_mlp_backward(grad_y_BH, *full, *ctx.attrs, needs))
+    asked = dict(zip(_MLP_GRADS, needs))
+    return tuple(next(grads) if t is not None and asked.get(i) else None for i, t in enumerate(full)) + (None,) * 3
 
 
 register_autograd("moe::expert_mlp", _expert_mlp_bwd, setup_context=_expert_mlp_setup)
@@ -290,13 +297,14 @@ def expert_mlp_keep_backward(
     w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor, b_gate_EI: Tensor | None,
     b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None, activation: str, alpha: float,
     limit: float, w_gate_up: Tensor | None = None, gate_up_layout: str = "", all_rows: bool = False,
+    needs: list[bool] | None = None,
 ) -> list[Tensor]:
     """Gradients of the present tensors among (x, w_gate, w_up, w_down, b_gate, b_up, b_down, input_scale,
-    w_gate_up), from the kept projections."""
+    w_gate_up), from the kept projections; ``needs``: as ``expert_mlp_backward``'s, one flag per tensor named."""
     return grouped_cpu.expert_mlp_keep_backward(
         grad_y_BH, pre_BJ, x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI,
         b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit, w_gate_up=w_gate_up,
-        gate_up_layout=gate_up_layout, all_rows=all_rows,
+        gate_up_layout=gate_up_layout, all_rows=all_rows, needs=needs,
     )
 
 
@@ -305,8 +313,9 @@ _KEEP_GRADS = (0, 3, 4, 5, 6, 7, 8, 9, 13)  # x, w_gate, w_up, w_down, b_gate, b
 
 @register_fake("moe::expert_mlp_keep_backward")
 def _expert_mlp_keep_backward_fake(grad_y_BH, pre_BJ, *inputs):
-    inputs = list(inputs) + [None] * (16 - len(inputs))
-    return [inputs[i].new_empty(inputs[i].shape) for i in _KEEP_GRADS if inputs[i] is not None]
+    inputs = list(inputs) + [None] * (17 - len(inputs))
+    tensors = [inputs[i] for i in _KEEP_GRADS]
+    return [tensors[i].new_empty(tensors[i].shape) for i in wanted(tensors, inputs[16])]
 
 
 def _expert_mlp_keep_setup(ctx, inputs, output):
@@ -321,10 +330,13 @@ def _expert_mlp_keep_bwd(ctx, grad_y_BH, _grad_pre):  # the projections are read
     saved = iter(saved)
     full = [next(saved) if p else None for p in ctx.present]  # the 10 first inputs, then w_gate_up
     act, alpha, limit, layout, all_rows = ctx.attrs
+    asks = ctx.needs_input_grad  # as many as the inputs passed (w_gate_up may be left to its default)
+    needs = [i < len(asks) and bool(asks[i]) for i in _KEEP_GRADS]  # a frozen weight: no gradient GEMM
     grads = iter(torch.ops.moe.expert_mlp_keep_backward(grad_y_BH, pre, *full[:10], act, alpha, limit, full[10],
-                                                        layout, all_rows))
+                                                        layout, all_rows, needs))
+    asked = dict(zip(_KEEP_GRADS, needs))
     inputs = full[:10] + [None, None, None, full[10], None, None]
-    return tuple(next(grads) if i in _KEEP_GRADS and t is not None else None for i, t in enumerate(inputs))
+    return tuple(next(grads) if t is not None and asked.get(i) else None for i, t in enumerate(inputs))
 
 
 register_autograd("moe::expert_mlp_keep", _expert_mlp_keep_bwd, setup_context=_expert_mlp_keep_setup)

@@ -25,7 +25,7 @@ import torch
 from torch.library import register_autograd, register_fake
 
 from .layouts import gate_up_weights, split_gate_up
-from .library import moe_op
+from .library import moe_op, wanted
 from .ops import _build_pft_bwd, _build_pft_fake, _build_pft_setup, _route_fake  # moe::build_pft's formulas
 
 Tensor = torch.Tensor
@@ -187,26 +187,31 @@ def fused_experts_backward(
     combine_weights_B: Tensor | None, w_gate_EIH: Tensor | None, w_up_EIH: Tensor | None, w_down_EHI: Tensor,
     b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None, input_scale_B: Tensor | None,
     activation: str, alpha: float, limit: float, src_B: Tensor | None = None, w_gate_up: Tensor | None = None,
-    gate_up_layout: str = "", all_rows: bool = False, pre_B: Tensor | None = None,
+    gate_up_layout: str = "", all_rows: bool = False, pre_B: Tensor | None = None, needs: list[bool] | None = None,
 ) -> list[Tensor]:
     """Gradients of the present inputs among ``_GRAD_INPUTS``, in that order: weights' in the weights' own
     layout (each written once by its kernel), the rest contiguous. ``pre_B``: the projections
-    ``moe::fused_experts_keep`` kept."""
+    ``moe::fused_experts_keep`` kept. ``needs``: one flag per name of ``_GRAD_INPUTS``; the gradients of the
+    flagged present inputs alone are returned, and a weight-gradient kernel none of whose outputs is flagged is
+    not launched (frozen experts)."""
+    tensors = _grad_inputs(x_TH, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH,
+                           input_scale_B, w_gate_up)
+    want = {_GRAD_INPUTS[i] for i in wanted(tensors, needs)}
     gate, up = _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
-    out = None
-    if w_gate_up is not None:
+    launch = (bool(want & {"w_gate", "w_up", "b_gate", "b_up", "w_gate_up"}), bool(want & {"w_down", "b_down"}))
+    out = d_gate_up = None
+    if w_gate_up is not None and launch[0]:
         d_gate_up = torch.empty_like(w_gate_up)  # the fused parameter's layout; its halves written in place
-        out = (*split_gate_up(d_gate_up, gate_up_layout, w_down_EHI.shape[2]), torch.empty_like(w_down_EHI))
+        down = torch.empty_like(w_down_EHI) if launch[1] else None
+        out = (*split_gate_up(d_gate_up, gate_up_layout, w_down_EHI.shape[2]), down)
     with _on(x_TH):
         grads = list(_kernels()["grouped_mlp_bwd"].fused_experts_backward(
             grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, gate, up, w_down_EHI,
             b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit,
-            src_B=src_B, weight_grads=out, all_rows=all_rows, pre_B=pre_B,
+            src_B=src_B, weight_grads=out, all_rows=all_rows, pre_B=pre_B, wgrads=launch,
         ))
-    if w_gate_up is not None:
-        grads[2:4] = [None, None]
-        grads.append(d_gate_up)
-    return [g for g in grads if g is not None]
+    grads.append(d_gate_up)
+    return [g for name, g in zip(_GRAD_INPUTS, grads) if name in want]
 
 
 def _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu):
@@ -216,13 +221,15 @@ def _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu):
 @register_fake("moe::fused_experts_backward")
 def _fused_experts_backward_fake(grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, cw, wg, wu, wd, bg, bu, bd,
                                  s, activation, alpha, limit, src=None, gu=None, layout="", all_rows=False,
-                                 pre=None):
+                                 pre=None, needs=None):
     like = (wg, wu, wd, gu)  # weights: their own strides, as the kernels write them
+    tensors = _grad_inputs(x_TH, cw, wg, wu, wd, bg, bu, bd, s, gu)
     return [torch.empty_like(t) if any(t is w for w in like) else t.new_empty(t.shape)
-            for t in _grad_inputs(x_TH, cw, wg, wu, wd, bg, bu, bd, s, gu) if t is not None]
+            for t in (tensors[i] for i in wanted(tensors, needs))]
 
 
 _TENSOR_ARGS = list(range(11)) + [15, 16]  # x .. input_scale, src, w_gate_up
+_GRAD_POSITIONS = (0, 3, 4, 5, 6, 7, 8, 9, 10, 16)  # where each of _GRAD_INPUTS is among fused_experts' arguments
 
 
 def _fused_setup(ctx, inputs, output):
@@ -238,10 +245,12 @@ def _fused_setup(ctx, inputs, output):
 def _fused_bwd(ctx, grad_out, _grad_pre=None):  # the kept projections are read by this backward alone
     saved = iter(ctx.saved_tensors)
     x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, src, gu, pre = [next(saved) if p else None for p in ctx.present]
+    asks = ctx.needs_input_grad  # as many as the inputs passed (the trailing ones may be left to their defaults)
+    needs = [i < len(asks) and bool(asks[i]) for i in _GRAD_POSITIONS]  # a frozen weight: no weight-gradient kernel
     grads = iter(torch.ops.moe.fused_experts_backward(grad_out, x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s,
-                                                      *ctx.attrs, src, gu, ctx.layout, ctx.all_rows, pre))
-    g = {name: (next(grads) if t is not None else None)
-         for name, t in zip(_GRAD_INPUTS, _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu))}
+                                                      *ctx.attrs, src, gu, ctx.layout, ctx.all_rows, pre, needs))
+    g = {name: (next(grads) if t is not None and need else None)
+         for name, t, need in zip(_GRAD_INPUTS, _grad_inputs(x, cw, wg, wu, wd, bg, bu, bd, s, gu), needs)}
     return (g["x"], None, None, g["combine_weights"], g["w_gate"], g["w_up"], g["w_down"], g["b_gate"], g["b_up"],
             g["b_down"], g["input_scale"], None, None, None, None, None, g["w_gate_up"], None, None)
 

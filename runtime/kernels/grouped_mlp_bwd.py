@@ -151,7 +151,7 @@ def _dx_kernel(
 def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
                            w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
                            activation="silu", alpha=1.702, limit=7.0, config=None, src_B=None, weight_grads=None,
-                           all_rows=False, pre_B=None):
+                           all_rows=False, pre_B=None, wgrads=(True, True)):
     """Gradients of ``fused_experts`` for (x, combine_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
     input_scale), None where that input is None. Deterministic: no float atomics (``src_B`` as in
     ``fused_experts``). Weight gradients are written once, where ``weight_grads`` (views for dWg, dWu, dWd)
@@ -161,7 +161,8 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     (``{"gemm": {...}, "wgrad": {...}}``, or one GEMM configuration for dh and dx; ``tuning.VENDOR`` for the
     vendor GEMM, ``vendor.py``); None lets each kernel take the tuner's (``tuning.py``). ``all_rows``: as there.
     ``pre_B``: the projections ``fused_experts(keep=True)`` kept; dh reads them instead of recomputing them (the
-    same values, so the same gradients bit for bit)."""
+    same values, so the same gradients bit for bit). ``wgrads``: whether to launch the weight-gradient kernels of
+    (gate/up, down); one not launched gives None for its weights and biases (frozen experts)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     check_pre("pre_B", pre_B, B, I, w_gate_EIH is not None, w_up_EIH.dtype)
@@ -238,20 +239,22 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     xs = dict(c=x_TH.contiguous(), c_tok=token_ids_B, c_scale=input_scale_B)
     want_db = b_gate_EI is not None or b_up_EI is not None
     wargs = dict(counts=counts, E=E, dtype=dt, config=config.get("wgrad"), all_rows=all_rows)
-    out_g, out_u, out_d = weight_grads or (None if w is None else torch.empty_like(w)
-                                           for w in (w_gate_EIH, w_up_EIH, w_down_EHI))
-    dwg = dbg = None
-    if gated:  # dWg and dWu in one launch, from [dg | du]
+    launched = (wgrads[0], wgrads[0], wgrads[1])  # a frozen weight's gradient is not even allocated
+    out_g, out_u, out_d = weight_grads or (None if w is None or not go else torch.empty_like(w)
+                                           for w, go in zip((w_gate_EIH, w_up_EIH, w_down_EHI), launched))
+    dwg = dbg = dwu = dbu = dwd = dbd = None
+    if wgrads[0] and gated:  # dWg and dWu in one launch, from [dg | du]
         both = [out_g, out_u] if out_g.stride() == out_u.stride() else None  # else new, then copied in
         (dwg, dwu), (dbg, dbu) = gw.wgrad("wgrad_up", dgu, None, None, **xs, want_db=want_db, split=I, out=both,
                                         **wargs)
         if both is None:
             dwg, dwu = out_g.copy_(dwg), out_u.copy_(dwu)
-    else:
+    elif wgrads[0]:
         (dwu,), (dbu,) = gw.wgrad("wgrad_up", dgu, None, None, **xs, want_db=want_db, out=[out_u], **wargs)
     dbg, dbu = (dbg if b_gate_EI is not None else None), (dbu if b_up_EI is not None else None)
-    (dwd,), (dbd,) = gw.wgrad("wgrad_down", dout, token_ids_B, combine_weights_B, h_BI, None, None,
-                            want_db=b_down_EH is not None, out=[out_d], **wargs)
+    if wgrads[1]:
+        (dwd,), (dbd,) = gw.wgrad("wgrad_down", dout, token_ids_B, combine_weights_B, h_BI, None, None,
+                                want_db=b_down_EH is not None, out=[out_d], **wargs)
     dcw = None
     if has_cw:
         dcw = partial["cw"].sum(1) + (partial["bd"].sum(1) if bd_dcw else 0)
