@@ -323,7 +323,8 @@ def main(argv=None) -> int:
         if "moecompile" in args.variants:  # before any compile: explain() resets Dynamo (leaves the layer as it was)
             import moecompile
 
-            args.explained = {shape: moecompile.explain(layer, x.detach(), **args.moe_options)}
+            # the input as timed (it takes a gradient): explain() traces as the compile will, and chooses the same
+            args.explained = {shape: moecompile.explain(layer, x, **args.moe_options)}
         for variant in args.variants:
             print(f"... {SHAPE_LABEL[shape]} / {variant}", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
