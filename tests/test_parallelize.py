@@ -81,13 +81,17 @@ def _batches(model, world):
 
 
 def _train_against_one_process(family, mesh, rank, world, dedup="off", link_model=None, level=None, swap_every=0,
-                               tmp=None, checkpointing=""):
+                               tmp=None, checkpointing="", frozen=False):
     """Three steps sharded and in one process; returns (sharded model, one-process model). ``level``: the dedup
     level ``dedup="auto"`` must choose. With ``swap_every``, experts swap ranks:
     ``ep_checkpoints.check_after_swaps``. ``checkpointing``: both models with transformers' gradient checkpointing
     (the MoE layers in activation-checkpointed regions, recomputed in backward), compiled with that
-    ``checkpoint_exchanges``: "recompute" runs their exchanges again, "save" does not."""
+    ``checkpoint_exchanges``: "recompute" runs their exchanges again, "save" does not. ``frozen``: the routed
+    experts' weights take no gradient (fine-tuning the rest), in both models."""
     ref, model = _build(family).train(), _build(family).train()
+    for m in (ref, model) if frozen else ():
+        for name, p in m.named_parameters():
+            p.requires_grad_(p.requires_grad and ".experts." not in name)
     for m in (ref, model) if checkpointing else ():
         m.activation_checkpointing_enable()
     moecompile.comm_stats(reset=True)
@@ -346,6 +350,9 @@ def _world2(rank, world, tmp):
         with pytest.raises(ValueError, match="dedup='node' needs a mesh of several levels"):
             moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
         _train_against_one_process("dbrx", mesh, rank, world, swap_every=1, tmp=tmp)  # flat [E * ffn, H] weights
+        model = _train_against_one_process("mixtral", mesh, rank, world, frozen=True)[0]  # experts' grads skipped
+        assert not any(p.requires_grad for n, p in model.named_parameters() if ".experts." in n)  # still frozen
+        del model
         for how in ("recompute", "save"):
             model = _train_against_one_process("mixtral", mesh, rank, world, checkpointing=how)[0]
             report = moecompile.explain(model, _batches(model, world)[rank], inner="aot_eager",
