@@ -71,16 +71,16 @@ def example(n) -> object:
     return n.meta.get("example_value") if isinstance(n, fx.Node) else n
 
 
-def example_above(node: fx.Node) -> torch.Tensor:
+def example_above(node: fx.Node, cast: bool = True) -> torch.Tensor:
     """The first example tensor found walking up from ``node`` (the nodes that canonicalize traced carry none;
     the graph's own nodes do), in the dtype of the nearest ``.to(dtype)`` cast on the way (``canonical`` casts the
-    experts' operands to their compute dtype)."""
+    experts' operands to their compute dtype); ``cast=False``: as found (whether it requires grad, say)."""
     todo, seen = [(node, None)], set()
     while todo:
         n, dtype = todo.pop()
         v = example(n)
         if isinstance(v, torch.Tensor):
-            return v if dtype is None or v.dtype == dtype else _as_dtype(v, dtype)
+            return v if dtype is None or v.dtype == dtype or not cast else _as_dtype(v, dtype)
         seen.add(n)
         dtype = dtype or cast_dtype(n)
         todo += [(a, dtype) for a in n.all_input_nodes if a not in seen]

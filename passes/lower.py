@@ -230,7 +230,7 @@ def _frozen(mlp: fx.Node, backward: bool) -> str:
         return ""
     names = ("x", "w_gate", "w_up", "w_down")
     off = [name for name, a in zip(names, (mlp.args[0], *mlp.args[3:6]))
-           if isinstance(a, fx.Node) and not _example_above(a).requires_grad]
+           if isinstance(a, fx.Node) and not _example_above(a, cast=False).requires_grad]
     return f"\nno grad: {' '.join(off)}" if off else ""
 
 
