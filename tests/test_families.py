@@ -128,6 +128,18 @@ def test_all_tokens_on_one_expert_and_topk_equal_to_experts():
     _check_against_eager(hf.tiny_model("qwen3_moe", num_experts_per_tok=8))
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_training_with_the_router_aux_loss_as_eager(family):
+    """``output_router_logits=True``: the load-balancing loss reads every router's logits (transformers records
+    them with a hook on the router) beside the routing; every layer still rewritten, loss and gradients as eager.
+    Not in one graph: transformers enters a lock to record them, which Dynamo breaks the graph at (as plain
+    ``torch.compile`` does; with ``fullgraph=True`` both refuse)."""
+    model = hf.tiny_model(family, output_router_logits=True, router_aux_loss_coef=0.5)
+    assert copy.deepcopy(model)(IDS, labels=IDS).aux_loss > 0  # the loss has the term
+    report = _check_against_eager(model, fullgraph=False)
+    assert report.counters["canonicalize.rewritten"] == model.config.num_hidden_layers, report.skipped
+
+
 def test_generate_gives_same_tokens():
     model = hf.tiny_model("mixtral")
     prompt = torch.randint(0, 128, (1, 5))
