@@ -192,13 +192,15 @@ def fused_experts_backward(
     """Gradients of the present inputs among ``_GRAD_INPUTS``, in that order: weights' in the weights' own
     layout (each written once by its kernel), the rest contiguous. ``pre_B``: the projections
     ``moe::fused_experts_keep`` kept. ``needs``: one flag per name of ``_GRAD_INPUTS``; the gradients of the
-    flagged present inputs alone are returned, and a weight-gradient kernel none of whose outputs is flagged is
-    not launched (frozen experts)."""
+    flagged present inputs alone are returned, and a kernel none of whose outputs is flagged is not launched
+    (frozen experts: their weight-gradient kernels; an input that needs no gradient: the dx kernel)."""
     tensors = _grad_inputs(x_TH, combine_weights_B, w_gate_EIH, w_up_EIH, w_down_EHI, b_gate_EI, b_up_EI, b_down_EH,
                            input_scale_B, w_gate_up)
     want = {_GRAD_INPUTS[i] for i in wanted(tensors, needs)}
     gate, up = _gate_up(w_gate_EIH, w_up_EIH, w_down_EHI, w_gate_up, gate_up_layout)
     launch = (bool(want & {"w_gate", "w_up", "b_gate", "b_up", "w_gate_up"}), bool(want & {"w_down", "b_down"}))
+    # the dx kernel also gives the scale's gradient and the down bias's share of the combine weights'
+    dx = bool(want & {"x", "input_scale"}) or ("combine_weights" in want and b_down_EH is not None)
     out = d_gate_up = None
     if w_gate_up is not None and launch[0]:
         d_gate_up = torch.empty_like(w_gate_up)  # the fused parameter's layout; its halves written in place
@@ -208,7 +210,7 @@ def fused_experts_backward(
         grads = list(_kernels()["grouped_mlp_bwd"].fused_experts_backward(
             grad_out_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, gate, up, w_down_EHI,
             b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation=activation, alpha=alpha, limit=limit,
-            src_B=src_B, weight_grads=out, all_rows=all_rows, pre_B=pre_B, wgrads=launch,
+            src_B=src_B, weight_grads=out, all_rows=all_rows, pre_B=pre_B, wgrads=launch, dx=dx,
         ))
     grads.append(d_gate_up)
     return [g for name, g in zip(_GRAD_INPUTS, grads) if name in want]

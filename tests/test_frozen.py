@@ -80,7 +80,9 @@ def test_the_backward_ops_refuse_flags_that_do_not_match_their_inputs():
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_triton_backward_launches_no_weight_gradient_kernel_for_frozen_weights(fused, monkeypatch):
     """``moe::fused_experts_keep`` under Triton's interpreter: a weight-gradient kernel (gate/up in one launch,
-    down in another) runs only where one of its weights trains; the other gradients as with every weight trained.
+    down in another) runs only where one of its weights trains, the dx kernel only where x takes a gradient (no
+    scale here, and no down bias whose share of the combine weights' gradient it computes); the other gradients as
+    with every input trained.
     ``fused``: one [E, 2I, H] gate/up weight (a fused parameter's layout), frozen or not as a whole."""
     from moecompile.runtime import kernels
 
@@ -88,28 +90,33 @@ def test_the_triton_backward_launches_no_weight_gradient_kernel_for_frozen_weigh
     from moecompile.runtime import triton_ops  # noqa: F401  (registers the moe::*_triton ops)
     from moecompile.runtime.kernels import grouped_wgrad
 
+    from moecompile.runtime.kernels import grouped_mlp_bwd
+
     launched = []
-    real = grouped_wgrad.wgrad
+    real, real_role = grouped_wgrad.wgrad, grouped_mlp_bwd.run_role
     monkeypatch.setattr(grouped_wgrad, "wgrad", lambda role, *a, **kw: launched.append(role) or real(role, *a, **kw))
+    monkeypatch.setattr(grouped_mlp_bwd, "run_role",
+                        lambda role, *a, **kw: launched.append(role) or real_role(role, *a, **kw))
     tok, counts, tensors, cw = _case()
     if fused:
         tensors["w_gate_up"] = torch.cat([tensors.pop("w_gate"), tensors.pop("w_up")], dim=1)
     cases = [(), ("w_gate_up", "w_down") if fused else ("w_gate", "w_up", "w_down"), ("w_down",),
-             ("w_gate_up",) if fused else ("w_gate", "w_up")]
+             ("w_gate_up",) if fused else ("w_gate", "w_up"), ("x",)]
     runs = {}
     for frozen in cases:
-        t = _leaves(tensors, frozen)
+        t = _leaves({**tensors, "combine_weights": cw}, frozen)  # the router's weights: trained throughout
         gate_up = dict(w_gate_up=t["w_gate_up"], gate_up_layout="chunk") if fused else {}
-        out, _ = torch.ops.moe.fused_experts_keep(t["x"], tok, counts, cw, t.get("w_gate"), t.get("w_up"),
-                                                  t["w_down"], None, None, None, None, "silu", 1.702, 7.0, T,
-                                                  **gate_up)
+        out, _ = torch.ops.moe.fused_experts_keep(t["x"], tok, counts, t["combine_weights"], t.get("w_gate"),
+                                                  t.get("w_up"), t["w_down"], None, None, None, None, "silu", 1.702,
+                                                  7.0, T, **gate_up)
         launched.clear()
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
         runs[frozen] = list(launched), {k: v.grad for k, v in t.items()}
     _, want = runs[()]
     for frozen, (kernels_run, grads) in runs.items():
         up_frozen = {"w_gate_up"} <= set(frozen) or {"w_gate", "w_up"} <= set(frozen)
-        assert kernels_run == ([] if up_frozen else ["wgrad_up"]) + ([] if "w_down" in frozen else ["wgrad_down"])
+        assert kernels_run == ["dh_kept"] + ([] if "x" in frozen else ["dx"]) + (
+            [] if up_frozen else ["wgrad_up"]) + ([] if "w_down" in frozen else ["wgrad_down"]), (frozen, kernels_run)
         for k, g in grads.items():
             assert (g is None) if k in frozen else torch.allclose(g, want[k], rtol=1e-5, atol=1e-6), (frozen, k)
 

@@ -151,7 +151,7 @@ def _dx_kernel(
 def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, combine_weights_B, w_gate_EIH, w_up_EIH,
                            w_down_EHI, b_gate_EI=None, b_up_EI=None, b_down_EH=None, input_scale_B=None, *,
                            activation="silu", alpha=1.702, limit=7.0, config=None, src_B=None, weight_grads=None,
-                           all_rows=False, pre_B=None, wgrads=(True, True)):
+                           all_rows=False, pre_B=None, wgrads=(True, True), dx=True):
     """Gradients of ``fused_experts`` for (x, combine_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
     input_scale), None where that input is None. Deterministic: no float atomics (``src_B`` as in
     ``fused_experts``). Weight gradients are written once, where ``weight_grads`` (views for dWg, dWu, dWd)
@@ -162,7 +162,9 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     vendor GEMM, ``vendor.py``); None lets each kernel take the tuner's (``tuning.py``). ``all_rows``: as there.
     ``pre_B``: the projections ``fused_experts(keep=True)`` kept; dh reads them instead of recomputing them (the
     same values, so the same gradients bit for bit). ``wgrads``: whether to launch the weight-gradient kernels of
-    (gate/up, down); one not launched gives None for its weights and biases (frozen experts)."""
+    (gate/up, down); one not launched gives None for its weights and biases (frozen experts). ``dx=False``: the dx
+    kernel is not launched either, and x, the scale and the down bias's share of the combine weights' gradient
+    get none (None for the first two: the caller asks for none of them)."""
     B, E, H, I = check_expert_args(x_TH, token_ids_B, tokens_per_expert_E, w_gate_EIH, w_up_EIH, w_down_EHI,
                                    b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation)
     check_pre("pre_B", pre_B, B, I, w_gate_EIH is not None, w_up_EIH.dtype)
@@ -215,7 +217,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     pre, spr = (pre_B, pre_B.stride(0)) if pre_B is not None else (dgu, 0)
     run_role("dh" if pre_B is None else "dh_kept", config.get("gemm"), launch_dh, vd.candidate(dt, H, I, vendor_dh),
              **shape)
-    dxs_BH = torch.empty(B, H, dtype=dt, device=dev)  # dropped tail rows: never written, never read
+    dxs_BH = torch.empty(B, H, dtype=dt, device=dev) if dx else None  # dropped tail rows: never written, read
     has_s = input_scale_B is not None
     bd_dcw = has_cw and b_down_EH is not None
 
@@ -235,7 +237,8 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
         partial["s"], partial["bd"] = vd.dx(x_TH, token_ids_B, counts, dgu, dout, w_gate_EIH, w_up_EIH, b_down_EH,
                                             dxs_out=dxs_BH, scale=has_s, bd_dcw=bd_dcw, all_rows=all_rows)
 
-    run_role("dx", config.get("gemm"), launch_dx, vd.candidate(dt, H, I, vendor_dx), **shape)
+    if dx:
+        run_role("dx", config.get("gemm"), launch_dx, vd.candidate(dt, H, I, vendor_dx), **shape)
     xs = dict(c=x_TH.contiguous(), c_tok=token_ids_B, c_scale=input_scale_B)
     want_db = b_gate_EI is not None or b_up_EI is not None
     wargs = dict(counts=counts, E=E, dtype=dt, config=config.get("wgrad"), all_rows=all_rows)
@@ -257,12 +260,14 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
                                 want_db=b_down_EH is not None, out=[out_d], **wargs)
     dcw = None
     if has_cw:
-        dcw = partial["cw"].sum(1) + (partial["bd"].sum(1) if bd_dcw else 0)
+        dcw = partial["cw"].sum(1) + (partial["bd"].sum(1) if bd_dcw and dx else 0)
         dcw = dcw.to(combine_weights_B.dtype)
+    if not dx:
+        return None, dcw, dwg, dwu, dwd, dbg, dbu, dbd, None
     ds = partial["s"].sum(1).to(input_scale_B.dtype) if has_s else None
-    dx = cb.combine(dxs_BH, cb.token_rows(token_ids_B, T, src_B), counts, input_scale_B, out_dtype=x_TH.dtype,
-                    round_weights=True)
-    return dx, dcw, dwg, dwu, dwd, dbg, dbu, dbd, ds
+    grad_x = cb.combine(dxs_BH, cb.token_rows(token_ids_B, T, src_B), counts, input_scale_B, out_dtype=x_TH.dtype,
+                        round_weights=True)
+    return grad_x, dcw, dwg, dwu, dwd, dbg, dbu, dbd, ds
 
 
 # ---- compile targets (CI compiles each for sm_90) ------------------------------------------------------------
