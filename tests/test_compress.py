@@ -80,7 +80,8 @@ def test_experts_decode_one_owner_at_a_time(gated, H):
     """moe.expert_mlp_sr (runtime/comm/sr_experts.py) equals decoding the whole domain (4 owners x 2 experts) and
     running moe.expert_mlp, forward and every gradient (x, biases, input scale, and each weight's whole-domain
     copies), on grouped GEMMs and (H = 6) without, with this rank's own experts exact; every decode it makes is one
-    owner's 2 experts, never the domain's 8, and an owner whose experts got no rows is not decoded."""
+    owner's 2 experts, never the domain's 8, and an owner whose experts got no rows is not decoded. With the
+    experts frozen the weights' gradients are not computed, the others the same."""
     from unittest import mock
 
     from moecompile.runtime.comm import sr_experts
@@ -122,3 +123,47 @@ def test_experts_decode_one_owner_at_a_time(gated, H):
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w)
     assert decoded == [E_l] * (2 * 2 * len(own)), decoded  # owners 0 and 3, forward and backward, each weight
+    frozen = sr_experts.sr_backward(grad_y, *args, rank=rank, needs=[True, False, True, True, True, True])
+    assert len(frozen) == len(want_grads) - len(own)  # frozen experts: no weight gradient, the rest as before
+    for g, w in zip(frozen, want_grads[:1] + want_grads[1 + len(own):]):
+        torch.testing.assert_close(g, w)
+
+
+def test_frozen_experts_of_a_domain_get_no_gradient_and_no_reduction(tmp_path):
+    """moe.expert_mlp_sr through autograd (one rank's group): with the experts frozen the op asks for no weight
+    gradient, so none is computed nor reduced to the owners (``moe.domain_reduce`` is not called: every rank's
+    experts are frozen alike); x's and the down bias's gradients as with the experts trained."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from moecompile.runtime.comm import sr_experts  # noqa: F401  (registers moe.expert_mlp_sr)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        gen = torch.Generator().manual_seed(1)
+        E_l, I, H, T = 4, 8, 16, 6
+        own = [torch.randn(E_l, *shape, generator=gen) for shape in [(I, H), (I, H), (H, I)]]
+        shared = [o.mean(0) for o in own]
+        pairs = [compress.encode(o, s, 0.5) for o, s in zip(own, shared)]
+        counts, tok = torch.tensor([3, 1, 2, 1]), torch.randint(0, T, (7,), generator=gen)
+        inputs = (torch.randn(T, H, generator=gen), torch.randn(E_l, H, generator=gen))
+        group = dist.group.WORLD.group_name
+
+        def run(frozen):
+            x, bd = (t.clone().requires_grad_(True) for t in inputs)
+            weights = [w.clone().requires_grad_(not frozen) for w in own]
+            y = torch.ops.moe.expert_mlp_sr(x, tok, counts, [p[0] for p in pairs], [p[1] for p in pairs], shared,
+                                            weights, True, None, None, bd, None, "silu", 1.702, 7.0, group, "l")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                y.backward(torch.ones_like(y))
+            reduced = sum(1 for e in prof.events() if e.name == "moe::domain_reduce")
+            return x.grad, bd.grad, [w.grad for w in weights], reduced
+
+        trained, frozen = run(False), run(True)
+        assert trained[3] == 3 and all(g is not None for g in trained[2])
+        assert frozen[3] == 0 and all(g is None for g in frozen[2])
+        assert torch.equal(trained[0], frozen[0]) and torch.equal(trained[1], frozen[1])
+    finally:
+        dist.destroy_process_group()

@@ -78,16 +78,18 @@ def _owner_forward(x, tok, counts, gate, up, down, *rest, activation, alpha, lim
     return _expert_mlp(x, tok, counts, gate, up, down, *rest, **attrs)
 
 
-def _owner_backward(grad_y, x, tok, counts, gate, up, down, *rest, activation, alpha, limit) -> list[Tensor]:
-    """Gradients of one owner's present inputs among (x, gate, up, down, biases, scale): where grouped GEMMs run, its
-    projections computed again (``grouped_cpu.expert_mlp_keep``) and differentiated from them; else by
-    ``moe.expert_mlp_backward``."""
+def _owner_backward(grad_y, x, tok, counts, gate, up, down, *rest, activation, alpha, limit,
+                    needs=None) -> list[Tensor]:
+    """Gradients of one owner's present inputs among (x, gate, up, down, biases, scale), of those ``needs`` flags
+    (as ``moe.expert_mlp_backward``'s): where grouped GEMMs run, its projections computed again
+    (``grouped_cpu.expert_mlp_keep``) and differentiated from them; else by ``moe.expert_mlp_backward``."""
     if not _grouped(x, up, down):
         return torch.ops.moe.expert_mlp_backward(grad_y, x, tok, counts, gate, up, down, *rest, activation, alpha,
-                                                 limit)
+                                                 limit, needs)
     attrs = dict(activation=activation, alpha=alpha, limit=limit)
     _, pre = grouped_cpu.expert_mlp_keep(x, tok, counts, gate, up, down, *rest, **attrs)
-    return grouped_cpu.expert_mlp_keep_backward(grad_y, pre, x, tok, counts, gate, up, down, *rest, **attrs)
+    return grouped_cpu.expert_mlp_keep_backward(grad_y, pre, x, tok, counts, gate, up, down, *rest, **attrs,
+                                                needs=None if needs is None else [*needs, False])
 
 
 def sr_forward(x, tok, counts, values, indices, shared, own, gated, b_gate, b_up, b_down, scale, activation, alpha,
@@ -103,23 +105,28 @@ def sr_forward(x, tok, counts, values, indices, shared, own, gated, b_gate, b_up
 
 
 def sr_backward(grad_y, x, tok, counts, values, indices, shared, own, gated, b_gate, b_up, b_down, scale, activation,
-                alpha, limit, rank: int) -> list[Tensor]:
-    """Gradients of x, of each weight's whole-domain copies [S E_l, ...], and of the biases and scale present."""
-    copies = [w.new_zeros((v.shape[0], *w.shape[1:])) for v, w in zip(values, own)]
-    dx = torch.zeros_like(x)
+                alpha, limit, rank: int, needs=None) -> list[Tensor]:
+    """Gradients of x, of each weight's whole-domain copies [S E_l, ...], and of the biases and scale present; with
+    ``needs`` (flags for x, the weights, b_gate, b_up, b_down, scale) only of those flagged: frozen experts' weight
+    gradients are not computed."""
+    want = dict(zip(("x", "w", "bg", "bu", "bd", "sc"), needs or [True] * 6))
+    copies = [w.new_zeros((v.shape[0], *w.shape[1:])) for v, w in zip(values, own)] if want["w"] else []
+    dx = torch.zeros_like(x) if want["x"] else None
     extras = {k: torch.zeros_like(t) for k, t in (("bg", b_gate), ("bu", b_up), ("bd", b_down), ("sc", scale))
-              if t is not None}
+              if t is not None and want[k]}
+    flags = [want[k] for k in ("x", "w", "w", "w", "bg", "bu", "bd", "sc")]  # as the expert MLP's inputs
     for owner, rows, experts in _owners(counts, own[0].shape[0]):
         args = _owner_args(values, indices, shared, own, gated, b_gate, b_up, b_down, scale, owner, rank, experts,
                            rows)
         got = iter(_owner_backward(grad_y[rows].contiguous(), x, tok[rows], counts[experts], *args,
-                                   activation=activation, alpha=alpha, limit=limit))
-        dx += next(got)
+                                   activation=activation, alpha=alpha, limit=limit, needs=flags))
+        if dx is not None:
+            dx += next(got)
         for copy in copies:  # (gate,) up, down: in argument order, as both backward paths return them
             copy[experts] = next(got)
         for key in extras:  # the biases, then the scale
             extras[key][rows if key == "sc" else experts] = next(got)
-    return [dx, *copies, *extras.values()]
+    return [*([dx] if dx is not None else []), *copies, *extras.values()]
 
 
 def _rank(group_name: str) -> int:
@@ -146,18 +153,21 @@ def expert_mlp_sr_backward(grad_y_BH: Tensor, x_TH: Tensor, token_ids_B: Tensor,
                            values: list[Tensor], indices: list[Tensor], shared: list[Tensor], own: list[Tensor],
                            gated: bool, b_gate_EI: Tensor | None, b_up_EI: Tensor | None, b_down_EH: Tensor | None,
                            input_scale_B: Tensor | None, activation: str, alpha: float, limit: float,
-                           group_name: str) -> list[Tensor]:
-    """Gradients of x, of each weight's whole-domain copies, and of the biases and scale that are present."""
+                           group_name: str, needs: list[bool] | None = None) -> list[Tensor]:
+    """Gradients of x, of each weight's whole-domain copies, and of the biases and scale that are present; with
+    ``needs`` (flags for x, the weights, b_gate, b_up, b_down, scale), of those flagged."""
     return sr_backward(grad_y_BH.contiguous(), x_TH, token_ids_B, tokens_per_expert_E, values, indices, shared, own,
                        gated, b_gate_EI, b_up_EI, b_down_EH, input_scale_B, activation, alpha, limit,
-                       _rank(group_name))
+                       _rank(group_name), needs)
 
 
 @register_fake("moe::expert_mlp_sr_backward")
 def _expert_mlp_sr_backward_fake(grad_y_BH, x_TH, token_ids_B, tokens_per_expert_E, values, indices, shared, own,
                                  gated, *rest):
-    copies = [w.new_empty((v.shape[0], *w.shape[1:])) for v, w in zip(values, own)]
-    return [x_TH.new_empty(x_TH.shape), *copies, *[t.new_empty(t.shape) for t in rest[:4] if t is not None]]
+    want = (list(rest[8]) if len(rest) > 8 and rest[8] is not None else [True] * 6)
+    copies = [w.new_empty((v.shape[0], *w.shape[1:])) for v, w in zip(values, own)] if want[1] else []
+    extras = [t.new_empty(t.shape) for t, need in zip(rest[:4], want[2:]) if t is not None and need]
+    return [*([x_TH.new_empty(x_TH.shape)] if want[0] else []), *copies, *extras]
 
 
 def _setup(ctx, inputs, output):
@@ -173,11 +183,15 @@ def _backward(ctx, grad_y):
     x, tok, counts, rest = saved[0], saved[1], saved[2], iter(saved[3:])
     values, indices, shared, own = ([next(rest) for _ in range(ctx.weights)] for _ in range(4))
     optional = [next(rest) if p else None for p in ctx.present]
+    asks = ctx.needs_input_grad  # x, the own weights (a list input: a flag per tensor), b_gate, b_up, b_down, scale
+    needs = [any(a) if isinstance(a, (list, tuple)) else bool(a)  # frozen experts: no weight gradient, no reduction
+             for a in (asks[i] for i in (0, 6, 8, 9, 10, 11))]
     grads = iter(torch.ops.moe.expert_mlp_sr_backward(grad_y, x, tok, counts, values, indices, shared, own,
-                                                      ctx.gated, *optional, *ctx.attrs, ctx.group_name))
-    dx = next(grads)
-    d_own = [torch.ops.moe.domain_reduce(next(grads), ctx.group_name, ctx.layer) for _ in own]  # to the owners
-    d_optional = [next(grads) if p else None for p in ctx.present]
+                                                      ctx.gated, *optional, *ctx.attrs, ctx.group_name, needs))
+    dx = next(grads) if needs[0] else None
+    d_own = [torch.ops.moe.domain_reduce(next(grads), ctx.group_name, ctx.layer) for _ in own] if needs[1] else [
+        None] * len(own)  # to the owners (every rank's experts are frozen alike, so no rank waits for a reduction)
+    d_optional = [next(grads) if p and need else None for p, need in zip(ctx.present, needs[2:])]
     nothing = [None] * len(own)  # (a list input's gradient is a list: the pairs and the shared expert get none)
     return (dx, None, None, nothing, nothing, nothing, d_own, None, *d_optional, None, None, None, None, None)
 
