@@ -89,6 +89,20 @@ def loads_in_one_process(one, tmp, ckpt, saved):
         torch.testing.assert_close(p, whole[name], rtol=0, atol=0, msg=f"{ckpt}: {name}")
 
 
+def optimizer_loads_in_one_process(one, tmp, lr):
+    """The optimizer checkpoint saved on 4 ranks after expert swaps loads, in expert order, into an SGD optimizer of
+    ``one`` (a model of one process): every momentum exactly as saved."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    opt = torch.optim.SGD(one.parameters(), lr=lr, momentum=0.9)
+    state = torch_optimizer_state(one, opt)  # initialises the state (a zero step), so the load has its keys
+    dcp.load(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
+    set_optimizer_state_dict(one, opt, state)
+    saved = torch.load(f"{tmp}/saved_swap_optim.pt")
+    for name, p in one.named_parameters():
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], saved[name], rtol=0, atol=0, msg=name)
+
+
 def save(model, tmp, rank, family):
     """A torch.distributed.checkpoint of the model, and (rank 0) the whole state as plain tensors: what each load
     must find, exactly."""

@@ -15,11 +15,12 @@ torch.distributed.checkpoints of Mixtral (stacked experts) and of the ModuleList
 under its own name), and refuses bad input (experts that do not divide over the mesh, unknown mesh dimension names
 or dedup levels, a mesh of some ranks, ranks holding different models) with ValueError.
 
-One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, Mixtral
-under gradient checkpointing (checkpoint_exchanges "recompute": the exchanges run twice a step; "save": once), loads
-both world-4 checkpoints and finds exactly the parameters saved, then one rank dies: the other raises within the
-process group's timeout. The test process itself trains Mixtral on a one-rank mesh against one process, then loads
-the checkpoints (the one saved after expert swaps too) without any process group. A failing rank fails the test.
+One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, Mixtral with
+its experts frozen (they stay so, no gradient computed for them), Mixtral under gradient checkpointing
+(checkpoint_exchanges "recompute": the exchanges run twice a step; "save": once), loads both world-4 checkpoints and
+finds exactly the parameters saved, then one rank dies: the other raises within the process group's timeout. The
+test process itself trains Mixtral on a one-rank mesh against one process, then loads the checkpoints (the one saved
+after expert swaps too) without any process group. A failing rank fails the test.
 """
 
 import os
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ranks import spawn
 from clipping import clip_as_one_process
-from ep_checkpoints import TOL, check_after_swaps, loads_in_one_process, save
+from ep_checkpoints import TOL, check_after_swaps, loads_in_one_process, optimizer_loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -86,18 +87,18 @@ def _train_against_one_process(family, mesh, rank, world, dedup="off", link_mode
     level ``dedup="auto"`` must choose. With ``swap_every``, experts swap ranks:
     ``ep_checkpoints.check_after_swaps``. ``checkpointing``: both models with transformers' gradient checkpointing
     (the MoE layers in activation-checkpointed regions, recomputed in backward), compiled with that
-    ``checkpoint_exchanges``: "recompute" runs their exchanges again, "save" does not. ``frozen``: the routed
-    experts' weights take no gradient (fine-tuning the rest), in both models."""
+    ``checkpoint_exchanges``: "recompute" runs their exchanges again, "save" does not. ``frozen``: the experts'
+    weights take no gradient (fine-tuning the rest), in both models."""
     ref, model = _build(family).train(), _build(family).train()
-    for m in (ref, model) if frozen else ():
-        for name, p in m.named_parameters():
-            p.requires_grad_(p.requires_grad and ".experts." not in name)
+    for name, p in [*ref.named_parameters(), *model.named_parameters()] if frozen else ():
+        p.requires_grad_(".experts." not in name)
     for m in (ref, model) if checkpointing else ():
         m.activation_checkpointing_enable()
     moecompile.comm_stats(reset=True)
     batches = _batches(model, world)
     mine, together = batches[rank], batches.flatten(0, 1)
     moecompile.parallelize(model, mesh, mine, dedup=dedup, link_model=link_model, swap_every=swap_every)
+    assert not frozen or not any(p.requires_grad for n, p in model.named_parameters() if ".experts." in n)
     info = model._moe_parallel
     if dedup == "auto":
         assert {r.dedup for r in info.report.layers} == {level}, [(r.dedup, r.dedup_reason) for r in info.report.layers]
@@ -350,9 +351,7 @@ def _world2(rank, world, tmp):
         with pytest.raises(ValueError, match="dedup='node' needs a mesh of several levels"):
             moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
         _train_against_one_process("dbrx", mesh, rank, world, swap_every=1, tmp=tmp)  # flat [E * ffn, H] weights
-        model = _train_against_one_process("mixtral", mesh, rank, world, frozen=True)[0]  # experts' grads skipped
-        assert not any(p.requires_grad for n, p in model.named_parameters() if ".experts." in n)  # still frozen
-        del model
+        _train_against_one_process("mixtral", mesh, rank, world, frozen=True)  # no expert gradient computed
         for how in ("recompute", "save"):
             model = _train_against_one_process("mixtral", mesh, rank, world, checkpointing=how)[0]
             report = moecompile.explain(model, _batches(model, world)[rank], inner="aot_eager",
@@ -389,19 +388,5 @@ def test_expert_parallel_training_equals_one_process(tmp_path):
                                 *((f, f"ckpt_swap_{f}", f"saved_swap_{f}.pt") for f in ("mixtral", "dbrx"))):
         # in one process, no group; all but the first saved after expert swaps (the ModuleList's too)
         loads_in_one_process(_build(family), tmp, ckpt, saved)
-    _load_optimizer_in_one_process(tmp)
+    optimizer_loads_in_one_process(_build("mixtral"), tmp, LR)
 
-
-def _load_optimizer_in_one_process(tmp):
-    """The optimizer checkpoint saved on 4 ranks after expert swaps loads, in expert order, into one process's
-    optimizer: every momentum exactly as saved."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    one = _build("mixtral")
-    opt = torch.optim.SGD(one.parameters(), lr=LR, momentum=0.9)
-    state = get_optimizer_state_dict(one, opt)  # initialises the state (a zero step), so the load has its keys
-    dcp.load(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
-    set_optimizer_state_dict(one, opt, state)
-    saved = torch.load(f"{tmp}/saved_swap_optim.pt")
-    for name, p in one.named_parameters():
-        torch.testing.assert_close(opt.state[p]["momentum_buffer"], saved[name], rtol=0, atol=0, msg=name)
