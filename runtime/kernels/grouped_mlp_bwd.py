@@ -217,7 +217,7 @@ def fused_experts_backward(dout_TH, x_TH, token_ids_B, tokens_per_expert_E, comb
     pre, spr = (pre_B, pre_B.stride(0)) if pre_B is not None else (dgu, 0)
     run_role("dh" if pre_B is None else "dh_kept", config.get("gemm"), launch_dh, vd.candidate(dt, H, I, vendor_dh),
              **shape)
-    dxs_BH = torch.empty(B, H, dtype=dt, device=dev) if dx else None  # dropped tail rows: never written, read
+    dxs_BH = torch.empty(B, H, dtype=dt, device=dev) if dx else None  # dropped tail rows: never written nor read
     has_s = input_scale_B is not None
     bd_dcw = has_cw and b_down_EH is not None
 
