@@ -8,7 +8,8 @@ tune tiles at a first launch, none of which a captured graph replays; so all of 
 the model (attention, norms, the MoE layer's own elementwise work) is graphed around them. A torch without the
 tag, or whose ``custom_op`` takes no tags (older than 2.8), gets the ops untagged.
 
-``wanted``: which gradients a backward op computes, from its ``needs`` flags (``ctx.needs_input_grad``).
+``asked`` and ``wanted``: which gradients a backward op computes, from its ``needs`` flags (read from
+``ctx.needs_input_grad``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ _TAGS = {"tags": CUDAGRAPH_UNSAFE} if CUDAGRAPH_UNSAFE and "tags" in inspect.sig
 def moe_op(name: str, *, mutates_args, **kwargs):
     """``torch.library.custom_op(name, mutates_args=..., ...)`` (a decorator), the op tagged cudagraph-unsafe."""
     return custom_op(name, mutates_args=mutates_args, **_TAGS, **kwargs)
+
+
+def asked(ctx, positions) -> list[bool]:
+    """``ctx.needs_input_grad`` at ``positions`` of an op's arguments: False past the arguments passed (trailing
+    ones left to their defaults), and for a list of tensors whether any of them needs a gradient."""
+    asks = ctx.needs_input_grad
+    return [i < len(asks) and (any(asks[i]) if isinstance(asks[i], (list, tuple)) else bool(asks[i]))
+            for i in positions]
 
 
 def wanted(tensors, needs) -> list[int]:

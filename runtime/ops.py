@@ -21,7 +21,7 @@ from torch.library import register_autograd, register_fake
 from . import grouped_cpu
 from . import reference as ref
 from . import stats
-from .library import moe_op, wanted
+from .library import asked, moe_op, wanted
 from .stats import DROPS
 
 Tensor = torch.Tensor
@@ -254,10 +254,10 @@ _MLP_GRADS = (0, 3, 4, 5, 6, 7, 8, 9)  # x, w_gate, w_up, w_down, b_gate, b_up, 
 def _expert_mlp_bwd(ctx, grad_y_BH):
     saved = iter(ctx.saved_tensors)
     full = [next(saved) if p else None for p in ctx.present]
-    needs = [bool(ctx.needs_input_grad[i]) for i in _MLP_GRADS]  # a frozen weight: no gradient GEMM
+    needs = asked(ctx, _MLP_GRADS)  # a frozen weight: no gradient GEMM
     grads = iter(torch.ops.moe.expert_mlp_backward(grad_y_BH, *full, *ctx.attrs, needs))
-    asked = dict(zip(_MLP_GRADS, needs))
-    return tuple(next(grads) if t is not None and asked.get(i) else None for i, t in enumerate(full)) + (None,) * 3
+    flagged = dict(zip(_MLP_GRADS, needs))
+    return tuple(next(grads) if t is not None and flagged.get(i) else None for i, t in enumerate(full)) + (None,) * 3
 
 
 register_autograd("moe::expert_mlp", _expert_mlp_bwd, setup_context=_expert_mlp_setup)
@@ -330,13 +330,12 @@ def _expert_mlp_keep_bwd(ctx, grad_y_BH, _grad_pre):  # the projections are read
     saved = iter(saved)
     full = [next(saved) if p else None for p in ctx.present]  # the 10 first inputs, then w_gate_up
     act, alpha, limit, layout, all_rows = ctx.attrs
-    asks = ctx.needs_input_grad  # as many as the inputs passed (w_gate_up may be left to its default)
-    needs = [i < len(asks) and bool(asks[i]) for i in _KEEP_GRADS]  # a frozen weight: no gradient GEMM
+    needs = asked(ctx, _KEEP_GRADS)  # a frozen weight: no gradient GEMM
     grads = iter(torch.ops.moe.expert_mlp_keep_backward(grad_y_BH, pre, *full[:10], act, alpha, limit, full[10],
                                                         layout, all_rows, needs))
-    asked = dict(zip(_KEEP_GRADS, needs))
+    flagged = dict(zip(_KEEP_GRADS, needs))
     inputs = full[:10] + [None, None, None, full[10], None, None]
-    return tuple(next(grads) if t is not None and asked.get(i) else None for i, t in enumerate(inputs))
+    return tuple(next(grads) if t is not None and flagged.get(i) else None for i, t in enumerate(inputs))
 
 
 register_autograd("moe::expert_mlp_keep", _expert_mlp_keep_bwd, setup_context=_expert_mlp_keep_setup)

@@ -25,7 +25,7 @@ import torch
 from torch.library import register_autograd, register_fake
 
 from .layouts import gate_up_weights, split_gate_up
-from .library import moe_op, wanted
+from .library import asked, moe_op, wanted
 from .ops import _build_pft_bwd, _build_pft_fake, _build_pft_setup, _route_fake  # moe::build_pft's formulas
 
 Tensor = torch.Tensor
@@ -247,8 +247,7 @@ def _fused_setup(ctx, inputs, output):
 def _fused_bwd(ctx, grad_out, _grad_pre=None):  # the kept projections are read by this backward alone
     saved = iter(ctx.saved_tensors)
     x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s, src, gu, pre = [next(saved) if p else None for p in ctx.present]
-    asks = ctx.needs_input_grad  # as many as the inputs passed (the trailing ones may be left to their defaults)
-    needs = [i < len(asks) and bool(asks[i]) for i in _GRAD_POSITIONS]  # a frozen weight: no weight-gradient kernel
+    needs = asked(ctx, _GRAD_POSITIONS)  # a frozen weight: no weight-gradient kernel
     grads = iter(torch.ops.moe.fused_experts_backward(grad_out, x, tok, counts, cw, wg, wu, wd, bg, bu, bd, s,
                                                       *ctx.attrs, src, gu, ctx.layout, ctx.all_rows, pre, needs))
     g = {name: (next(grads) if t is not None and need else None)

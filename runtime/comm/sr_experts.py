@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.library import register_autograd, register_fake
 
 from .. import grouped_cpu
-from ..library import moe_op
+from ..library import asked, moe_op
 from ..ops import _expert_mlp
 from .compress import decode
 from .exchange import resolve_group
@@ -183,16 +183,15 @@ def _backward(ctx, grad_y):
     x, tok, counts, rest = saved[0], saved[1], saved[2], iter(saved[3:])
     values, indices, shared, own = ([next(rest) for _ in range(ctx.weights)] for _ in range(4))
     optional = [next(rest) if p else None for p in ctx.present]
-    asks = ctx.needs_input_grad  # x, the own weights (a list input: a flag per tensor), b_gate, b_up, b_down, scale
-    needs = [any(a) if isinstance(a, (list, tuple)) else bool(a)  # frozen experts: no weight gradient, no reduction
-             for a in (asks[i] for i in (0, 6, 8, 9, 10, 11))]
+    needs = asked(ctx, (0, 6, 8, 9, 10, 11))  # x, the own weights, b_gate, b_up, b_down, scale: frozen experts
+    # get no weight gradient and no reduction
     grads = iter(torch.ops.moe.expert_mlp_sr_backward(grad_y, x, tok, counts, values, indices, shared, own,
                                                       ctx.gated, *optional, *ctx.attrs, ctx.group_name, needs))
     dx = next(grads) if needs[0] else None
-    d_own = [torch.ops.moe.domain_reduce(next(grads), ctx.group_name, ctx.layer) for _ in own] if needs[1] else [
-        None] * len(own)  # to the owners (every rank's experts are frozen alike, so no rank waits for a reduction)
-    d_optional = [next(grads) if p and need else None for p, need in zip(ctx.present, needs[2:])]
     nothing = [None] * len(own)  # (a list input's gradient is a list: the pairs and the shared expert get none)
+    d_own = [torch.ops.moe.domain_reduce(next(grads), ctx.group_name, ctx.layer) for _ in own] if needs[1] else \
+        nothing  # to the owners (every rank's experts are frozen alike, so no rank waits for a reduction)
+    d_optional = [next(grads) if p and need else None for p, need in zip(ctx.present, needs[2:])]
     return (dx, None, None, nothing, nothing, nothing, d_own, None, *d_optional, None, None, None, None, None)
 
 
