@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
+import inspect
 import warnings
 
 import torch
@@ -13,7 +16,7 @@ from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, Ski
 from . import recompiles
 from .backend import capture_failed, compile_graph, run_uncompiled
 from .tracing import capture, frames
-from .config import parse_options
+from .config import MoEOptions, parse_options
 from .pipeline import MoEFallbackWarning
 
 
@@ -103,16 +106,45 @@ class ExplainReport:
         return codes[index]
 
 
-def explain(model: torch.nn.Module, *args, **options) -> ExplainReport:
-    """Run ``model(*args)`` once through the moe passes (graphs run eagerly afterwards) and report. The model runs
-    in the caller's grad mode, as the caller would compile it (no backward runs): with it on, the forms are chosen
-    (``lowering="auto"``) as for training, and a layer the model runs under ``torch.no_grad()`` is seen as such.
+def explain(model: torch.nn.Module, *args, **keywords) -> ExplainReport:
+    """Run ``model(*args, **model_keywords)`` once through the moe passes (graphs run eagerly afterwards) and report.
+    The model runs in the caller's grad mode, as the caller would compile it (no backward runs): with it on, the
+    forms are chosen (``lowering="auto"``) as for training, and a layer the model runs under ``torch.no_grad()`` is
+    seen as such.
 
     A model ``moecompile.parallelize`` sharded exchanges rows as it runs: call it on every rank together.
-    Keyword arguments are backend options (see ``moecompile.MoEOptions``); the model itself is not changed, but
-    Dynamo's caches are reset before and after (so the model is captured afresh; other compiled code recompiles).
+    A keyword argument named as a backend option (see ``moecompile.MoEOptions``) is that option; any other goes to
+    the model (``labels=ids``, ``attention_mask=mask``), unless its forward takes no such argument or the name is
+    close to an option's (a typo: ``ValueError``). The model itself is not changed (a model compiled
+    in place by ``model.compile()`` is traced as written, its compiled call put back after), but Dynamo's caches are
+    reset before and after (so the model is captured afresh; other compiled code recompiles).
     """
-    return explain_calls(model, [(model, args, {})], **options)
+    options, model_keywords = _split_keywords(model, keywords)
+    return explain_calls(model, [(model, args, model_keywords)], **options)
+
+
+def _split_keywords(model: torch.nn.Module, keywords: dict) -> tuple[dict, dict]:
+    """explain()'s keyword arguments: (backend options, the model's keyword arguments)."""
+    names = [f.name for f in dataclasses.fields(MoEOptions)]
+    forward = getattr(getattr(model, "_orig_mod", model), "forward", model)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: take every keyword as the model's
+        params = {"kwargs": inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)}
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    open_ended = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    options, model_keywords = {}, {}
+    for key, value in keywords.items():
+        near = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+        if key in names:
+            options[key] = value
+        elif key in named or (open_ended and not near):
+            model_keywords[key] = value
+        else:
+            what = f"a keyword argument of {type(model).__name__}.forward ({sorted(named)})"
+            hint = f"; did you mean the option {near[0]!r}?" if near else ""
+            raise ValueError(f"explain() got {key}={value!r}: neither a moecompile option ({names}) nor {what}{hint}")
+    return options, model_keywords
 
 
 def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
@@ -142,7 +174,8 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
             capture.install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
             with warnings.catch_warnings():  # in the caller's grad mode: the trace a compile would see
                 warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
-                torch.compile(module, backend=backend)(*args, **kwargs)
+                with _as_written(module):
+                    torch.compile(module, backend=backend)(*args, **kwargs)
     finally:
         forms.TRAINING.reset(training)
         frames.RUNNING_MODEL.reset(running)
@@ -165,6 +198,19 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
             parallel += f"\n{replication_report(model)}"
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
                          report.failures, dict(report.loops), parallel, lost, retraced, other)
+
+
+
+@contextlib.contextmanager
+def _as_written(module: torch.nn.Module):
+    """``module`` without the compiled call ``module.compile()`` gave it, put back after: Dynamo runs that call
+    rather than trace the module again, so explain() saw no graph. (A submodule compiled in place Dynamo inlines.)"""
+    compiled = getattr(module, "_compiled_call_impl", None)
+    module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        module._compiled_call_impl = compiled
 
 
 DATA_DEPENDENT_BREAKS = (

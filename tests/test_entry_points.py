@@ -1,0 +1,82 @@
+"""The ways users hand a model over besides ``torch.compile(model)``: transformers' ``Trainer`` with a model compiled
+in place (``model.compile(backend="moe")``; ``TrainingArguments(torch_compile_backend="moe")`` is refused by
+accelerate's list of backends), and ``moecompile.explain`` called with the model's own keyword arguments
+(``labels=ids``) or on modules compiled in place."""
+
+import copy
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+
+import moecompile
+from moecompile.models import hf
+from moecompile.runtime import grouped_cpu
+
+IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+class _Rows(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 128, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _train(model, tmp_path) -> list[float]:
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+                             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=_Rows())
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_trains_a_model_compiled_in_place_as_eager(tmp_path, monkeypatch):
+    """The README's recipe: ``model.compile(backend="moe")``, then ``Trainer(model=model)``. The model stays a
+    ``PreTrainedModel`` (the wrapper ``torch.compile`` returns hides its forward's signature from the Trainer, which
+    then drops every column), its MoE layers run rewritten, and the losses are eager's."""
+    runs = []
+    real = grouped_cpu.expert_mlp_keep
+    monkeypatch.setattr(grouped_cpu, "expert_mlp_keep", lambda *a, **k: runs.append(1) or real(*a, **k))
+    model = hf.tiny_model("mixtral")
+    eager = _train(copy.deepcopy(model), tmp_path / "eager")
+    model.compile(backend="moe", options={"lowering": "grouped"})
+    compiled = _train(model, tmp_path / "moe")
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
+    assert len(runs) >= 3 * 2, runs  # every step ran both layers rewritten (the proof runs it too)
+    with pytest.raises(ValueError, match="'MOE' is not a valid DynamoBackend"):  # accelerate's list, not ours
+        Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), torch_compile=True, use_cpu=True,
+                                                    torch_compile_backend="moe", report_to=[]))
+
+
+def test_explain_passes_the_models_keyword_arguments_and_refuses_typos():
+    model = hf.tiny_model("mixtral")
+    report = moecompile.explain(model, IDS, labels=IDS, lowering="grouped")  # was: unknown option 'labels'
+    assert [r.lowering for r in report.layers] == ["grouped", "grouped"] and report.num_graphs == 1
+    assert "aten.nll_loss" in report.graph("input") or "cross_entropy" in report.graph("input")
+    with pytest.raises(ValueError, match=r"explain\(\) got lowring='torch': neither a moecompile option .* nor a "
+                                         r"keyword argument of MixtralForCausalLM.forward .*did you mean the option "
+                                         r"'lowering'\?"):
+        moecompile.explain(model, IDS, lowring="torch")
+    with pytest.raises(ValueError, match=r"labels=1: .* nor a keyword argument of Linear.forward \(\['input'\]\)$"):
+        moecompile.explain(torch.nn.Linear(3, 3), torch.randn(2, 3), labels=1)
+
+
+@pytest.mark.parametrize("where", ["model", "layers"])
+def test_explain_sees_through_modules_compiled_in_place(where):
+    """``model.compile()`` before ``explain(model)``: Dynamo ran the model's compiled call rather than trace it, so
+    explain saw no graph ("Dynamo made no graph"); it now traces the model as written and gives it its compiled call
+    back. Decoder layers compiled in place Dynamo inlines (that worked before)."""
+    model = hf.tiny_model("mixtral")
+    compiled = [model] if where == "model" else list(model.model.layers)
+    for module in compiled:
+        module.compile(backend="moe")
+    model(IDS)
+    calls = [module._compiled_call_impl for module in compiled]
+    report = moecompile.explain(model, IDS)
+    assert [r.path for r in report.layers] == ["model.layers.0.mlp", "model.layers.1.mlp"], str(report)
+    assert [module._compiled_call_impl for module in compiled] == calls
