@@ -24,7 +24,7 @@ from moecompile.passes.regather import RegathersEarly, regathers, start_regather
 from moecompile.passes.report import PassReport
 
 from .tracing.capture import MARK, RETRACE, install
-from .tracing.frames import frame_prefix
+from .tracing.frames import frame_prefix, running_model
 from .config import MoEOptions, parse_options, with_mode
 from .pipeline import Checkpoint, MoECompileError, MoEFallbackWarning, run_passes
 
@@ -81,6 +81,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
     inner = inner or compile_inner
     install()  # torch._dynamo.reset() drops Dynamo's compile callbacks: the next compile captures again
     checkpoint = Checkpoint.take(gm, report)
+    _sync_new_parameters(running_model())
     path, kind = frame_prefix()
     prefix, typ = FRAME_PREFIX.set(path), FRAME_TYPE.set(kind)  # layers named by their path in the model
     try:
@@ -103,6 +104,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
     # the fallback holds no example input: they are real tensors (the passes' full-size stand-ins of sharded experts
     # among them), and a graph Dynamo keeps without ever calling would keep them alive with it
     return FirstRun(compiled, lambda exc: _fall_back(exc, checkpoint, context, config, report, inner))
+
+
+def _sync_new_parameters(model: torch.nn.Module | None) -> None:
+    """Parameters added to or unfrozen in a model ``moecompile.parallelize`` sharded (Dynamo compiles again when
+    they change) get their data-parallel gradient hooks now, before the backward that needs them
+    (``moecompile/distributed/grads.py``, ``GradientSync.refresh``)."""
+    for module in model.modules() if model is not None else ():
+        sync = getattr(getattr(module, "_moe_parallel", None), "sync", None)
+        if sync is not None:
+            sync.refresh()
 
 
 class FirstRun:

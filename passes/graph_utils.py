@@ -45,8 +45,11 @@ FRAME_TYPE: contextvars.ContextVar[str] = contextvars.ContextVar("moe_frame_type
 def clean_path(path: str) -> str:
     """``L['self'].model.layers.0.mlp`` -> ``model.layers.0.mlp``; with ``FRAME_PREFIX`` (``model``) set,
     ``L['self'].layers.0.mlp`` -> ``model.layers.0.mlp`` too. ``L['fn']`` is the compiled module too, where Dynamo
-    calls it through a wrapper (a ``torch.nn`` container such as ``nn.Sequential``: ``L['fn'].1`` -> ``1``)."""
+    calls it through a wrapper (a ``torch.nn`` container such as ``nn.Sequential``: ``L['fn'].1`` -> ``1``). A
+    submodule Dynamo reached through the module's dict (peft's ``PeftModel`` reads ``self.base_model`` so:
+    ``L['self'].__dict__['_modules']['base_model'].model``) gets its attribute path, ``base_model.model``."""
     prefix = FRAME_PREFIX.get() if path.startswith(("L['self']", "L['fn']")) else ""
+    path = re.sub(r"\.?(?:__dict__\['_modules'\]|_modules)\['([^']+)'\]", r".\1", path)
     path = re.sub(r"^L\['(self|fn)'\]\.?", "", path).replace("L['self']", "")
     return f"{prefix}.{path}" if prefix and path else prefix or path
 

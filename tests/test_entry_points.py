@@ -1,13 +1,15 @@
 """The ways users hand a model over besides ``torch.compile(model)``: transformers' ``Trainer`` with a model compiled
 in place (``model.compile(backend="moe")``; ``TrainingArguments(torch_compile_backend="moe")`` is refused by
-accelerate's list of backends), and ``moecompile.explain`` called with the model's own keyword arguments
-(``labels=ids``) or on modules compiled in place."""
+accelerate's list of backends), peft's LoRA adapters, and ``moecompile.explain`` called with the model's own
+keyword arguments (``labels=ids``) or on modules compiled in place."""
 
 import copy
 
 import pytest
 import torch
 from torch.utils.data import Dataset
+from conftest import RecordingBackend
+from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments
 
 import moecompile
@@ -80,3 +82,44 @@ def test_explain_sees_through_modules_compiled_in_place(where):
     report = moecompile.explain(model, IDS)
     assert [r.path for r in report.layers] == ["model.layers.0.mlp", "model.layers.1.mlp"], str(report)
     assert [module._compiled_call_impl for module in compiled] == calls
+
+
+def _step(model, backend=None):
+    model.zero_grad(set_to_none=True)
+    run = torch.compile(model, backend=backend) if backend else model
+    loss = run(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_peft_lora_on_attention_trains_as_eager_beside_frozen_experts():
+    """peft's LoRA on the attention projections (the base model frozen, experts included): the MoE layers are found
+    under their paths in the ``PeftModel`` (they read ``__dict__['_modules']['base_model']...`` before: Dynamo's
+    spelling of ``self.base_model``), rewritten, and the adapters' gradients are eager's."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(hf.tiny_model("mixtral"), config)
+    report = moecompile.explain(model, input_ids=IDS, labels=IDS)
+    assert [r.path for r in report.layers] == ["base_model.model.model.layers.0.mlp",
+                                               "base_model.model.model.layers.1.mlp"], str(report)
+    loss, grads = _step(copy.deepcopy(model))
+    backend = RecordingBackend(inner="aot_eager", lowering="grouped")
+    loss_moe, grads_moe = _step(model, backend)
+    assert backend.report.counters["canonicalize.rewritten"] == 2
+    assert len(grads) == 8 and all("lora_" in name for name in grads)
+    torch.testing.assert_close(loss_moe, loss)
+    torch.testing.assert_close(grads_moe, grads)
+
+
+def test_peft_lora_on_the_expert_parameters_runs_as_eager():
+    """peft's LoRA on the experts' stacked parameters (``target_parameters``): Dynamo breaks the graph in peft's
+    code, so no MoE block is whole in one graph; every graph runs as it came in, the program as eager."""
+    config = LoraConfig(r=4, lora_alpha=8, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                        init_lora_weights=False)
+    model = get_peft_model(hf.tiny_model("mixtral"), config)
+    loss, grads = _step(copy.deepcopy(model))
+    backend = RecordingBackend(inner="aot_eager")
+    loss_moe, grads_moe = _step(model, backend)
+    assert backend.report.counters["canonicalize.rewritten"] == 0 and not backend.report.layers
+    assert len(grads) == 8 and all("lora_" in name for name in grads)
+    torch.testing.assert_close(loss_moe, loss)
+    torch.testing.assert_close(grads_moe, grads)

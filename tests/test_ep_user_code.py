@@ -18,6 +18,10 @@ its overflow flag, skip it on both (no weight changes, the scale halves on both)
 
 DistributedDataParallel of the model, or of a module above or holding its experts, raises saying why before it
 broadcasts anything (no weight changes). A failing rank fails the test; the group has a timeout.
+
+Parameters taking a gradient after ``parallelize`` (peft's LoRA adapters added to the sharded model, its experts and
+embedding unfrozen after a frozen start): averaged as those it saw (each rank kept its own gradient before, and the
+replicas parted: adapter gradients 0.09 off one process's); the base model's frozen weights are not all-reduced.
 """
 
 from datetime import timedelta
@@ -28,9 +32,11 @@ import torch.distributed as dist
 from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import moecompile
+from moecompile.distributed import grads
 from moecompile.models.handwritten import TinyMoELM
 from moecompile.models.hf import tiny_model
 
@@ -46,6 +52,7 @@ def _ranks(rank, world, tmp):
         _generate(rank, world, mesh)
         _save_pretrained(rank, world, mesh, tmp)
         _loss_scaling(rank, mesh)
+        _late_parameters(rank, world, mesh)
         torch.manual_seed(0)
         model, whole = TinyMoELM("loop"), TinyMoELM("loop")
         whole.load_state_dict(model.state_dict())
@@ -114,6 +121,43 @@ def _loss_scaling(rank, mesh):
         stepped = any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
         skipped_here = isinstance(scaler, ShardedGradScaler) or rank == 0
         assert stepped != skipped_here and (scaler.get_scale() < 65536) == skipped_here, (type(scaler), rank)
+
+
+def _late_parameters(rank, world, mesh):
+    batches = torch.randint(3, 128, (world, 2, 6), generator=torch.Generator().manual_seed(5))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ref, model = tiny_model("mixtral").train(), tiny_model("mixtral").train()
+    for m in (ref, model):
+        m.requires_grad_(False)
+    moecompile.parallelize(model, mesh, batches[rank])  # it sees no parameter taking a gradient
+    torch.manual_seed(1)
+    ref = get_peft_model(ref, lora)
+    torch.manual_seed(1)
+    model = get_peft_model(model, lora)  # adapters added to the sharded model
+    for m in (ref, model):
+        for name, p in m.named_parameters():
+            p.requires_grad_("lora_" in name or "experts" in name or "embed_tokens" in name)
+    sizes = []
+    all_reduce = grads.dist.all_reduce
+    grads.dist.all_reduce = lambda t, **kw: sizes.append(t.numel()) or all_reduce(t, **kw)
+    try:
+        compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+        compiled(input_ids=batches[rank], labels=batches[rank]).loss.backward()
+    finally:
+        grads.dist.all_reduce = all_reduce
+    together = batches.flatten(0, 1)
+    ref(input_ids=together, labels=together).loss.backward()
+    dense = [p for n, p in model.named_parameters() if p.requires_grad and "experts" not in n]
+    assert sizes == [sum(p.numel() for p in dense) + len(dense)], sizes  # (and one flag each)
+    for m in (model, ref):
+        torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1).step()
+    sharded = model.base_model.model
+    said = str(sharded._moe_parallel)  # 8 adapters, the embedding, 2 layers' local expert weights
+    assert "13 parameter(s) taking a gradient since parallelize" in said, said
+    full, want = moecompile.full_state_dict(sharded), ref.base_model.model.state_dict()
+    assert full.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(full[name], value, rtol=TOL, atol=TOL, msg=lambda m: f"{rank} {name}: {m}")
 
 
 def test_generate_save_pretrained_loss_scaling_and_ddp_on_an_expert_parallel_model(tmp_path):

@@ -24,70 +24,134 @@ times).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
-def sync_gradients(model: nn.Module, expert_divisors: dict[str, int], group, size: int, expert_group=None,
-                   copies: int = 1) -> None:
-    """Register the hooks: ``expert_divisors`` maps the name of each sharded expert parameter held here to what its
-    gradient is divided by; every other parameter that requires a gradient is averaged over ``group`` (``size``
-    ranks; None or 1: nothing to average). ``copies`` > 1: each expert is held by that many ranks (``expert_group``,
-    a mesh's ``"dp_replicate"``): its gradient is averaged over them too."""
-    experts = {n: p for n, p in model.named_parameters() if n in expert_divisors and p.requires_grad}
-    replicated = [p for n, p in model.named_parameters() if n not in expert_divisors and p.requires_grad]
-    if size > 1:
-        _average_at_end(model, replicated, group, {id(p): size for p in replicated})
-    if copies > 1:  # the divisor applied after the sum over the copies
-        _average_at_end(model, list(experts.values()), expert_group,
-                        {id(p): copies * expert_divisors[n] for n, p in experts.items()})
-        return
-    for n, p in experts.items():
-        if expert_divisors[n] > 1:
-            p.register_hook(lambda grad, d=expert_divisors[n]: None if grad is None else grad / d)
+class GradientSync:
+    """The gradient hooks of a model ``parallelize`` sharded. ``expert_divisors`` maps the name of each sharded
+    expert parameter held here to what its gradient is divided by; every other parameter that takes a gradient is
+    averaged over ``group`` (``size`` ranks; None or 1: nothing to average). ``copies`` > 1: each expert is held by
+    that many ranks (``expert_group``, a mesh's ``"dp_replicate"``): its gradient is averaged over them too.
+
+    ``refresh()`` hooks each parameter that takes a gradient and has no hook yet: one added or unfrozen since
+    (peft's adapters, a resized embedding, experts trained after a frozen start), which would otherwise keep each
+    rank's own gradient and part the replicas. The backend calls it at every compile (Dynamo compiles again when a
+    parameter is added or its ``requires_grad`` changes); ``late`` names those it hooked after ``parallelize``.
+    Parameters FSDP2's ``fully_shard`` holds are its to reduce."""
+
+    def __init__(self, model: nn.Module, expert_divisors: dict[str, int], group, size: int, expert_group=None,
+                 copies: int = 1):
+        self.model, self.expert_divisors, self.size, self.copies = model, expert_divisors, size, copies
+        self.replicated = _HeldBack(model, group) if size > 1 else None
+        self.experts = _HeldBack(model, expert_group) if copies > 1 else None  # divided after the sum over copies
+        self.hooked: dict[int, weakref.ref] = {}
+        self.late: list[str] = []
+        self.refresh()
+        self.late.clear()  # (those of parallelize itself)
+
+    def refresh(self) -> list[str]:
+        """Hook the parameters that take a gradient and have none; returns their names."""
+        held = _fsdp_held(self.model)
+        added = []
+        for n, p in self.model.named_parameters():
+            ref = self.hooked.get(id(p))
+            if not p.requires_grad or (ref is not None and ref() is p) or id(p) in held:
+                continue
+            self.hooked[id(p)] = weakref.ref(p)
+            added.append(n)
+            if n not in self.expert_divisors:
+                if self.replicated is not None:
+                    self.replicated.add(p, self.size)
+            elif self.experts is not None:
+                self.experts.add(p, self.copies * self.expert_divisors[n])
+            elif self.expert_divisors[n] > 1:
+                p.register_hook(lambda grad, d=self.expert_divisors[n]: None if grad is None else grad / d)
+        self.late += added
+        return added
 
 
-def _average_at_end(model: nn.Module, params: list, group, divisor: dict[int, int]) -> None:
-    """Each backward's incoming gradients of ``params`` held back (the parameter accumulates zeros), summed over
-    ``group`` in one all-reduce when backward ends, divided by ``divisor[id(p)]``, then accumulated. A parameter
-    to which no rank's backward sent a gradient (a routing bias that only chooses experts: its hook gets None) keeps
-    its ``.grad`` as it was, as in one process: the all-reduce carries, beside the gradients, how many ranks had
-    one for each parameter (a rank without one sends zeros, so the ranks' reductions keep the same size), read back
-    to the host once per backward."""
-    pending: dict[int, torch.Tensor] = {}
+class _HeldBack:
+    """Each backward's incoming gradients of the parameters ``add``ed held back (the parameter accumulates zeros),
+    summed over ``group`` in one all-reduce when backward ends, divided by the parameter's divisor, then accumulated.
+    A parameter to which no rank's backward sent a gradient (a routing bias that only chooses experts: its hook gets
+    None) keeps its ``.grad`` as it was, as in one process: the all-reduce carries, beside the gradients, how many
+    ranks had one for each parameter (a rank without one sends zeros, so the ranks' reductions keep the same size),
+    read back to the host once per backward. A parameter frozen since, or replaced (FSDP2's), is left out."""
 
-    def finish():
-        live = {id(p) for p in model.parameters()}  # FSDP2 replaced the ones it manages: its to reduce
-        mine = [p for p in params if id(p) in live]
-        grads = [pending.pop(id(p), None) for p in mine]
-        pending.clear()
+    def __init__(self, model: nn.Module, group):
+        self.model, self.group = model, group
+        self.params: list[nn.Parameter] = []
+        self.divisor: dict[int, int] = {}
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def add(self, p: nn.Parameter, divisor: int) -> None:
+        self.params.append(p)
+        self.divisor[id(p)] = divisor
+        p.register_hook(self._hold(p))
+
+    def _finish(self) -> None:
+        live = {id(p) for p in self.model.parameters() if p.requires_grad}  # FSDP2 replaced those it manages
+        mine = [p for p in self.params if id(p) in live]
+        grads = [self.pending.pop(id(p), None) for p in mine]
+        self.pending.clear()
         if not mine:
             return
         had = torch.tensor([g is not None for g in grads], dtype=mine[0].dtype, device=_local(mine[0]).device)
         flat = torch.cat([_local(g if g is not None else torch.zeros_like(p)).reshape(-1)
                           for g, p in zip(grads, mine)] + [had])
-        dist.all_reduce(flat, group=group)
+        dist.all_reduce(flat, group=self.group)
         offset, sent = 0, flat[-len(mine):].tolist()
         for p, ranks in zip(mine, sent):
             local = _local(p)
-            g = _like(p, flat[offset:offset + local.numel()].view_as(local) / divisor[id(p)])
+            g = _like(p, flat[offset:offset + local.numel()].view_as(local) / self.divisor[id(p)])
             offset += local.numel()
             if ranks:
                 p.grad = g if p.grad is None else p.grad + g
 
-    def hold(p):
+    def _hold(self, p):
         def hook(grad):
             if grad is None:  # nothing flows to it in this backward
                 return None
-            if not pending:
-                torch.autograd.Variable._execution_engine.queue_callback(finish)
-            pending[id(p)] = grad.detach().clone() if id(p) not in pending else pending[id(p)] + grad
+            if not self.pending:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self.pending[id(p)] = grad.detach().clone() if id(p) not in self.pending else self.pending[id(p)] + grad
             return torch.zeros_like(grad)
         return hook
 
-    for p in params:
-        p.register_hook(hold(p))
+
+def _fsdp_held(model: nn.Module) -> set[int]:
+    """The parameters FSDP2's ``fully_shard`` holds in ``model`` (sharded, or unsharded mid-forward): those under a
+    module it wrapped, but for the modules ``parallelize`` marked for it to leave out (expert shards)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return set()
+    info = getattr(model, "_moe_parallel", None)
+    left = {id(_submodule(model, path)) for path in getattr(info, "fsdp_left_out", [])}
+    held: set[int] = set()
+
+    def walk(module: nn.Module, under: bool) -> None:
+        if id(module) in left:
+            return
+        under = under or isinstance(module, FSDPModule)
+        if under:
+            held.update(id(p) for p in module.parameters(recurse=False))
+        for child in module.children():
+            walk(child, under)
+
+    walk(model, False)
+    return held
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from . import domains as domains_mod
 from . import moe_tp as moe_tp_mod
 from . import ted
 from .find_blocks import explain_blocks
-from .grads import sync_gradients
+from .grads import GradientSync
 from .hf_tp import take_back_experts
 from .mesh import REPLICATE, check_dedup, ep_shape, expert_copies, level_names, replicate_group, setup_mesh
 from moecompile.runtime.placement.replication import check_slots
@@ -155,9 +155,10 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             swapping.append((rec, _swapped_tensors(model, params, held), slots))
     for rec in report.layers:  # the full expert weights it holds would stay alive (the sharding freeing nothing)
         rec.expert_weights = {}
-    sync_gradients(model, divisors, *((tp.dp_group, tp.dp) if tp is not None else (None, dist.get_world_size())),
-                   expert_group=replicate_group(mesh), copies=copies)
+    sync = GradientSync(model, divisors, *((tp.dp_group, tp.dp) if tp is not None else (None, dist.get_world_size())),
+                        expert_group=replicate_group(mesh), copies=copies)
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
+    model._moe_parallel.sync = sync
     model._moe_parallel.copies = copies
     model._moe_parallel.module_list_experts = {n for _, params in plans for names in params.values()
                                                if isinstance(names, list) for n in names}
@@ -187,6 +188,7 @@ class ParallelInfo:
         self.replicas: list = []  # the ReplicaLayer of each layer whose experts replicate (replicate.py)
         self.fsdp_left_out: list[str] = []  # the modules holding expert shards that FSDP2's fully_shard leaves out
         self.copies = 1  # the ranks holding each expert (a mesh's "dp_replicate" size)
+        self.sync = None  # the GradientSync of its parameters (grads.py)
 
     def __str__(self) -> str:
         lines = [f"expert parallelism over {self.world} rank(s)" + (
@@ -197,6 +199,9 @@ class ParallelInfo:
         if self.fsdp_left_out:
             lines.append(f"  FSDP2's fully_shard leaves out {len(self.fsdp_left_out)} module(s) holding expert shards "
                          "(moecompile reduces their gradients)")
+        if self.sync is not None and self.sync.late:
+            lines.append(f"  {len(self.sync.late)} parameter(s) taking a gradient since parallelize (added or unfrozen:"
+                         f" {', '.join(self.sync.late[:3])}{', ...' if len(self.sync.late) > 3 else ''}): averaged too")
         return "\n".join(lines)
 
 

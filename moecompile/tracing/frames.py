@@ -33,11 +33,16 @@ def frame_prefix() -> tuple[str, str]:
         return "", ""
     if not isinstance(root, torch.nn.Module):
         return "", ""
-    model = RUNNING_MODEL.get() or _running_model()
+    model = running_model()
     if model is None or model is root:
         return "", ""
     path = next((name for name, m in model.named_modules(remove_duplicate=False) if m is root), "")
     return path, type(root).__name__ if path else ""
+
+
+def running_model() -> torch.nn.Module | None:
+    """The model being run (see the module docstring), or None."""
+    return RUNNING_MODEL.get() or _running_model()
 
 
 def _running_model() -> torch.nn.Module | None:
