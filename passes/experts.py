@@ -153,7 +153,11 @@ def expert_options(slice_nodes, values, order, E, H, exclude: set):
         bind = lambda leaf: groups[leaf]  # noqa: E731
     acts = _activations(slice_nodes)
     if len(mats) not in (2, 3):
-        raise Skip(f"expected 2 or 3 expert weight matrices, found {len(mats)}")
+        adapted = [str(m) for m in mats if re.search(r"lora_|adapter|base_layer", str(m))]
+        raise Skip(f"expected 2 or 3 expert weight matrices, found {len(mats)}" + (
+            f" ({', '.join(adapted[:3])}{', ...' if len(adapted) > 3 else ''}: adapters such as peft's LoRA wrap the "
+            "experts' linears; adapted experts are left as written, which trains as eager. Adapters on the "
+            "attention alone leave the experts to the rewrite)" if adapted else ""))
     down = mats[-1]
     d0, d1 = shape(down)
     down_options = []  # (transposed, I)

@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments
 
 import moecompile
-from moecompile.models import hf
+from moecompile.models import handwritten, hf
 from moecompile.runtime import grouped_cpu
 
 IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -123,3 +123,23 @@ def test_peft_lora_on_the_expert_parameters_runs_as_eager():
     assert len(grads) == 8 and all("lora_" in name for name in grads)
     torch.testing.assert_close(loss_moe, loss)
     torch.testing.assert_close(grads_moe, grads)
+
+
+def test_peft_lora_on_module_list_experts_is_reported_as_adapted_and_runs_as_eager():
+    """LoRA wrapping each expert's linears (a ``ModuleList`` of experts): nine weight matrices per expert where the
+    rewrite takes two or three; left as written, with a reason that names the adapters (it said only "expected 2 or
+    3 expert weight matrices, found 9")."""
+    config = LoraConfig(r=4, target_modules=["w1", "w2", "w3"], init_lora_weights=False)
+    model = get_peft_model(handwritten.TinyMoELM("modulelist"), config)
+    report = moecompile.explain(model, IDS)
+    assert [s.region for s in report.skipped] == ["base_model.model.blocks.0", "base_model.model.blocks.1"]
+    assert all("found 9 (" in s.reason and "adapters such as peft's LoRA wrap the experts' linears" in s.reason
+               for s in report.skipped), report.skipped
+    want = model(IDS, labels=IDS).loss
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    got = torch.compile(model, backend="moe")(IDS, labels=IDS).loss
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close({n: p.grad for n, p in model.named_parameters() if p.requires_grad}, grads)

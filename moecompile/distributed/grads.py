@@ -73,6 +73,11 @@ class GradientSync:
         self.late += added
         return added
 
+    def __str__(self) -> str:
+        names = ", ".join(self.late[:3]) + (", ..." if len(self.late) > 3 else "")
+        return (f"{len(self.late)} parameter(s) taking a gradient since parallelize (added or unfrozen: {names}): "
+                "averaged too")
+
 
 class _HeldBack:
     """Each backward's incoming gradients of the parameters ``add``ed held back (the parameter accumulates zeros),

@@ -188,7 +188,7 @@ class ParallelInfo:
         self.replicas: list = []  # the ReplicaLayer of each layer whose experts replicate (replicate.py)
         self.fsdp_left_out: list[str] = []  # the modules holding expert shards that FSDP2's fully_shard leaves out
         self.copies = 1  # the ranks holding each expert (a mesh's "dp_replicate" size)
-        self.sync = None  # the GradientSync of its parameters (grads.py)
+        self.sync = None  # the GradientSync of its parameters' gradients (grads.py)
 
     def __str__(self) -> str:
         lines = [f"expert parallelism over {self.world} rank(s)" + (
@@ -199,10 +199,7 @@ class ParallelInfo:
         if self.fsdp_left_out:
             lines.append(f"  FSDP2's fully_shard leaves out {len(self.fsdp_left_out)} module(s) holding expert shards "
                          "(moecompile reduces their gradients)")
-        if self.sync is not None and self.sync.late:
-            lines.append(f"  {len(self.sync.late)} parameter(s) taking a gradient since parallelize (added or unfrozen:"
-                         f" {', '.join(self.sync.late[:3])}{', ...' if len(self.sync.late) > 3 else ''}): averaged too")
-        return "\n".join(lines)
+        return "\n".join(lines + ([f"  {self.sync}"] if self.sync is not None and self.sync.late else []))
 
 
 def _link_model(link_model):
