@@ -200,7 +200,6 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
                          report.failures, dict(report.loops), parallel, lost, retraced, other)
 
 
-
 @contextlib.contextmanager
 def _as_written(module: torch.nn.Module):
     """``module`` without the compiled call ``module.compile()`` gave it, put back after: Dynamo runs that call
