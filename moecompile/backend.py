@@ -52,7 +52,10 @@ def _wants_capture(options) -> bool:
 def capture_failed(config: MoEOptions, where: str, error: str) -> None:
     """Called by moecompile/tracing/capture.py when Dynamo's trace for this backend failed at ``where`` with
     data-dependent shapes captured, before Dynamo traces the frame again with its defaults: warn, or with
-    ``strict=True`` raise instead (Dynamo raises it as the backend's error)."""
+    ``strict=True`` raise instead (Dynamo raises it as the backend's error). A trace of a model
+    ``moecompile.parallelize`` sharded that failed where parameters were added to its experts since raises
+    saying so (no trace can run them)."""
+    _refuse_adapted_experts(running_model(), error)
     if config.strict:
         raise MoECompileError(
             f"Dynamo's trace of {where} failed with data-dependent shapes captured (the moe backend's option "
@@ -104,6 +107,19 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
     # the fallback holds no example input: they are real tensors (the passes' full-size stand-ins of sharded experts
     # among them), and a graph Dynamo keeps without ever calling would keep them alive with it
     return FirstRun(compiled, lambda exc: _fall_back(exc, checkpoint, context, config, report, inner))
+
+
+def _refuse_adapted_experts(model: torch.nn.Module | None, error: str) -> None:
+    for module in model.modules() if model is not None else ():
+        info = getattr(module, "_moe_parallel", None)
+        added = info.sync.added_to_experts(info.module_list_experts) if getattr(info, "sync", None) else []
+        if added:
+            raise MoECompileError(
+                f"parameters were added to the experts of a model moecompile.parallelize sharded ({added[0]}"
+                f"{f' and {len(added) - 1} more' if len(added) > 1 else ''}; peft's adapters on the experts, say), "
+                f"and its trace failed ({error}): each rank holds some experts only, so nothing can run adapters "
+                "on the others. Fix: adapt the attention alone (peft: target_modules without the experts' linears, "
+                "no target_parameters on the experts), or train without moecompile.parallelize")
 
 
 def _sync_new_parameters(model: torch.nn.Module | None) -> None:

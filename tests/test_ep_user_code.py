@@ -22,6 +22,8 @@ broadcasts anything (no weight changes). A failing rank fails the test; the grou
 Parameters taking a gradient after ``parallelize`` (peft's LoRA adapters added to the sharded model, its experts and
 embedding unfrozen after a frozen start): averaged as those it saw (each rank kept its own gradient before, and the
 replicas parted: adapter gradients 0.09 off one process's); the base model's frozen weights are not all-reduced.
+Adapters added to the sharded experts themselves (stacked or a ModuleList) make the trace fail: the error says why
+(it was a fake-tensor shape or device mismatch).
 """
 
 from datetime import timedelta
@@ -53,6 +55,7 @@ def _ranks(rank, world, tmp):
         _save_pretrained(rank, world, mesh, tmp)
         _loss_scaling(rank, mesh)
         _late_parameters(rank, world, mesh)
+        _adapted_experts(mesh)
         torch.manual_seed(0)
         model, whole = TinyMoELM("loop"), TinyMoELM("loop")
         whole.load_state_dict(model.state_dict())
@@ -158,6 +161,17 @@ def _late_parameters(rank, world, mesh):
     assert full.keys() == want.keys()
     for name, value in want.items():
         torch.testing.assert_close(full[name], value, rtol=TOL, atol=TOL, msg=lambda m: f"{rank} {name}: {m}")
+
+
+def _adapted_experts(mesh):
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(6))
+    for model, lora in ((tiny_model("mixtral"), LoraConfig(target_parameters=["mlp.experts.gate_up_proj"])),
+                        (TinyMoELM("modulelist"), LoraConfig(target_modules=["w1", "w2", "w3"]))):
+        moecompile.parallelize(model, mesh, ids)
+        model = get_peft_model(model, lora)  # adapters on every expert, where this rank holds half of them
+        with pytest.raises(Exception, match=r"parameters were added to the experts of a model moecompile.parallelize"
+                                            r" sharded \((model.layers|blocks).0.*Fix: adapt the attention alone"):
+            torch.compile(model, backend="moe", options={"inner": "aot_eager"})(ids, labels=ids)
 
 
 def test_generate_save_pretrained_loss_scaling_and_ddp_on_an_expert_parallel_model(tmp_path):

@@ -50,6 +50,7 @@ class GradientSync:
         self.experts = _HeldBack(model, expert_group) if copies > 1 else None  # divided after the sum over copies
         self.hooked: dict[int, weakref.ref] = {}
         self.late: list[str] = []
+        self.start = {n for n, _ in model.named_parameters()}  # the names parallelize saw
         self.refresh()
         self.late.clear()  # (those of parallelize itself)
 
@@ -72,6 +73,13 @@ class GradientSync:
                 p.register_hook(lambda grad, d=self.expert_divisors[n]: None if grad is None else grad / d)
         self.late += added
         return added
+
+    def added_to_experts(self, expert_names) -> list[str]:
+        """Parameters added since ``parallelize`` inside a module holding expert weights (``expert_names``: the
+        sharded experts' weight names, every rank's): peft's adapters on the experts, say, which cannot run where
+        each rank holds some experts only."""
+        owners = tuple(name.rpartition(".")[0] + "." for name in {*self.expert_divisors, *expert_names})
+        return [n for n, _ in self.model.named_parameters() if n not in self.start and n.startswith(owners)]
 
     def __str__(self) -> str:
         names = ", ".join(self.late[:3]) + (", ..." if len(self.late) > 3 else "")
