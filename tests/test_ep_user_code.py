@@ -31,10 +31,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
 from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
-from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import moecompile
