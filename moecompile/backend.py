@@ -110,6 +110,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
 
 
 def _refuse_adapted_experts(model: torch.nn.Module | None, error: str) -> None:
+    """Raise, naming them, where parameters were added to the experts of a sharded model in ``model``."""
     for module in model.modules() if model is not None else ():
         info = getattr(module, "_moe_parallel", None)
         added = info.sync.added_to_experts(info.module_list_experts) if getattr(info, "sync", None) else []
