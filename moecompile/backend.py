@@ -109,11 +109,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
     return FirstRun(compiled, lambda exc: _fall_back(exc, checkpoint, context, config, report, inner))
 
 
+def _gradient_syncs(model: torch.nn.Module | None) -> list:
+    """(ParallelInfo, GradientSync) of each module of ``model`` that ``moecompile.parallelize`` sharded."""
+    infos = [getattr(m, "_moe_parallel", None) for m in (model.modules() if model is not None else ())]
+    return [(info, info.sync) for info in infos if getattr(info, "sync", None) is not None]
+
+
 def _refuse_adapted_experts(model: torch.nn.Module | None, error: str) -> None:
     """Raise, naming them, where parameters were added to the experts of a sharded model in ``model``."""
-    for module in model.modules() if model is not None else ():
-        info = getattr(module, "_moe_parallel", None)
-        added = info.sync.added_to_experts(info.module_list_experts) if getattr(info, "sync", None) else []
+    for info, sync in _gradient_syncs(model):
+        added = sync.added_to_experts(info.module_list_experts)
         if added:
             raise MoECompileError(
                 f"parameters were added to the experts of a model moecompile.parallelize sharded ({added[0]}"
@@ -127,10 +132,8 @@ def _sync_new_parameters(model: torch.nn.Module | None) -> None:
     """Parameters added to or unfrozen in a model ``moecompile.parallelize`` sharded (Dynamo compiles again when
     they change) get their data-parallel gradient hooks now, before the backward that needs them
     (``moecompile/distributed/grads.py``, ``GradientSync.refresh``)."""
-    for module in model.modules() if model is not None else ():
-        sync = getattr(getattr(module, "_moe_parallel", None), "sync", None)
-        if sync is not None:
-            sync.refresh()
+    for _, sync in _gradient_syncs(model):
+        sync.refresh()
 
 
 class FirstRun:

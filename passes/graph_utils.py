@@ -49,7 +49,8 @@ def clean_path(path: str) -> str:
     submodule Dynamo reached through the module's dict (peft's ``PeftModel`` reads ``self.base_model`` so:
     ``L['self'].__dict__['_modules']['base_model'].model``) gets its attribute path, ``base_model.model``."""
     prefix = FRAME_PREFIX.get() if path.startswith(("L['self']", "L['fn']")) else ""
-    path = re.sub(r"\.?(?:__dict__\['_modules'\]|_modules)\['([^']+)'\]", r".\1", path)
+    if "_modules" in path:  # (called for every node's module stack: the common path skips the regex)
+        path = re.sub(r"\.?(?:__dict__\['_modules'\]|_modules)\['([^']+)'\]", r".\1", path)
     path = re.sub(r"^L\['(self|fn)'\]\.?", "", path).replace("L['self']", "")
     return f"{prefix}.{path}" if prefix and path else prefix or path
 
