@@ -5,12 +5,17 @@ silently. Two signs, each reported in ``report.skipped`` with what was recognise
   ``max``, ``sort``, ``argsort``: over the experts, or over the tokens for each expert, expert-choice routing) or
   are gathered at integer ids (hash routing), steering expert weights or the tokens;
 * stacked [E, ...] weights applied per token: indexed by ids that a selection op produced (``w[ids]``), or taken
-  by a batched matmul with an [E, C, ...] buffer of token data (``bmm``, ``einsum``).
+  by a batched matmul with an [E, C, ...] buffer of token data (``bmm``, ``einsum``);
+* a list of expert modules (a ModuleList or a numbered ModuleDict whose name says "expert"), two or more entries
+  with the same parameter shapes, run where no router chose their tokens (hash routing by token ids, soft MoE's
+  weighted slots).
 
     before: a block detect could not describe, nothing said      after: report.skipped gains (block, reason)
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.fx as fx
@@ -30,7 +35,8 @@ def unexplained_blocks(graph: fx.Graph, values, handled: set[fx.Node]) -> list[t
     """(block path, reason) for each region that looks like an MoE block and has no node in ``handled`` (the
     blocks detect annotated or skipped), one per block."""
     found: dict[str, str] = {}
-    for path, reason in [*_unexplained_routers(graph, values, handled), *_unexplained_experts(graph, values, handled)]:
+    for path, reason in [*_unexplained_routers(graph, values, handled), *_unexplained_experts(graph, values, handled),
+                         *_unexplained_expert_lists(graph, values, handled)]:
         found.setdefault(path, reason)
     return list(found.items())
 
@@ -166,6 +172,41 @@ def _views(p: fx.Node) -> set[fx.Node]:
         out.add(n)
         stack.extend(u for u in n.users if op_name(u) in PARAM_VIEWS and u.args[0] is n)
     return out
+
+
+# ---- lists of expert modules ------------------------------------------------------------------------------
+
+_NUMBERED = re.compile(r"\D*\d+\D*")  # an entry's key: "3" (ModuleList), "expert_3" (ModuleDict)
+_NO_CHOICE = ("no selection (topk, argmax, max, sort, argsort) chooses the tokens they read: experts chosen by the "
+              "token ids (hash routing), every expert reading weighted mixes of every token (soft MoE) and dense "
+              "mixtures are not expressed by the canonical routing")
+
+
+def _unexplained_expert_lists(graph, values, handled):
+    lists: dict[str, dict[str, list[fx.Node]]] = {}  # container path -> entry key -> its nodes
+    for n in graph.nodes:
+        for _, path, _ in module_stack(n):
+            container, _, key = path.rpartition(".")
+            if "expert" in container.rpartition(".")[2].lower() and _NUMBERED.fullmatch(key):
+                lists.setdefault(container, {}).setdefault(key, []).append(n)
+    for container, entries in lists.items():
+        members = {n for nodes in entries.values() for n in nodes}
+        if len(entries) < 2 or members & handled:
+            continue
+        weights = {key: sorted(tuple(values[a].shape) for a in {a for n in nodes for a in n.all_input_nodes
+                                                                  if is_param(a, values)})
+                   for key, nodes in entries.items()}
+        shapes = {tuple(w) for w in weights.values()}
+        if len(shapes) != 1 or not weights[next(iter(entries))]:
+            continue
+        inputs = [a for n in members for a in n.all_input_nodes if a not in members and not is_param(a, values)]
+        sel = next((n for n in nearest(inputs, "all_input_nodes", 60) if op_name(n) in SELECTION_OPS), None)
+        if sel is not None and router_linear(sel, values) in handled:
+            continue  # its router was looked at: that block's record speaks for it
+        why = _why_not_router(sel, values) if sel is not None else _NO_CHOICE
+        seen = f"{len(entries)} expert modules {container}.* (weights {[list(s) for s in shapes.pop()]} each) run"
+        yield container.rpartition(".")[0] or ROOT, f"{seen}, but no router was detected for them: {why}; " \
+                                                   "left as it was"
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------

@@ -198,6 +198,59 @@ class ExpertChoice(nn.Module):
         return out.view_as(x)
 
 
+def _mlps(n):
+    return nn.ModuleList(nn.Sequential(nn.Linear(H, 2 * H, bias=False), nn.ReLU(), nn.Linear(2 * H, H, bias=False))
+                         for _ in range(n))
+
+
+class PositionHash(nn.Module):
+    """Experts chosen by a hash of the token's position, no router at all (``nn.ModuleList`` experts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = _mlps(E)
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        eid = torch.arange(h.shape[0], device=h.device) * 7 % E
+        out = torch.zeros_like(h)
+        for e in range(E):
+            out = out.index_add(0, (eid == e).nonzero().squeeze(1), self.experts[e](h[eid == e]))
+        return out.view_as(x)
+
+
+class SoftMoE(nn.Module):
+    """Soft MoE (Puigcerver et al. 2023): every expert reads weighted mixes of every token (2 slots each), each
+    token a weighted mix of every slot's output; no token chooses an expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.phi = nn.Parameter(torch.randn(H, E * 2) / H ** 0.5)
+        self.experts = _mlps(E)
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        logits = h @ self.phi                                                            # [T, E * 2]
+        slots = (logits.softmax(0).t() @ h).view(E, 2, H)
+        ys = torch.cat([self.experts[e](slots[e]) for e in range(E)])                    # [E * 2, H]
+        return (logits.softmax(1) @ ys).view_as(x)
+
+
+class DeepStack(nn.Module):
+    """Identical layers one after the other in a ModuleList: not experts, nothing to report."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = _mlps(3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+_NO_ROUTER = (r"8 expert modules experts\.\* \(weights \[\[32, 64\], \[64, 32\]\] each\) run, but no router was "
+              r"detected for them: no selection .* chooses the tokens they read")
 _EXPERT_CHOICE = r"feeds topk over scores \[.*\], which steers .* but it picks tokens for each expert \(expert-choice"
 
 
@@ -207,6 +260,8 @@ _EXPERT_CHOICE = r"feeds topk over scores \[.*\], which steers .* but it picks t
     (functools.partial(ExpertChoice, batched=True), _EXPERT_CHOICE, 1),
     (MatmulRouter, r"stacked expert weights .*\[8, 16, 32\] are indexed per token .* no router was detected for "
                    r"them: its scores do not come .* from a linear", 1),
+    (PositionHash, _NO_ROUTER, 1),
+    (SoftMoE, _NO_ROUTER, 1),
 ])
 def test_a_block_detect_cannot_describe_is_reported_and_strict_raises(block, reason, unexplained):
     torch.manual_seed(0)
@@ -232,8 +287,12 @@ class AccuracyHead(nn.Module):
         return logits, (logits.argmax(dim=-1) == labels).float().mean()
 
 
-def test_a_selection_that_steers_nothing_is_not_reported():
-    gm, ex = capture(AccuracyHead(), torch.randn(10, H), torch.randint(0, E, (10,)))
+@pytest.mark.parametrize("model, inputs, strict", [
+    (AccuracyHead, lambda: (torch.randn(10, H), torch.randint(0, E, (10,))), True),
+    (DeepStack, lambda: (torch.randn(10, H),), False),  # strict=True would raise: no MoE layer in the model
+])
+def test_a_selection_that_steers_nothing_or_a_stack_of_layers_is_not_reported(model, inputs, strict):
+    gm, ex = capture(model(), *inputs())
     report = PassReport()
-    run_passes(gm, ex, dataclasses.replace(CONFIG, strict=True), report)
+    run_passes(gm, ex, dataclasses.replace(CONFIG, strict=strict), report)
     assert not report.skipped and not report.layers
