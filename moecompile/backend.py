@@ -23,6 +23,7 @@ from moecompile.passes.recompute import saves_exchanges
 from moecompile.passes.regather import RegathersEarly, regathers, start_regathers_early
 from moecompile.passes.report import PassReport
 
+from .tracing import ddp
 from .tracing.capture import MARK, RETRACE, install
 from .tracing.frames import frame_prefix, running_model
 from .config import MoEOptions, parse_options, with_mode
@@ -72,9 +73,27 @@ def _capture_failed(options, where: str, error: str) -> None:
     capture_failed(parse_options(options), where, error)
 
 
+def compile_whole(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport, split):
+    """A graph of a model in ``DistributedDataParallel`` (``tracing/ddp.py``): the passes on Dynamo's whole graph,
+    then ``split``, DDP's bucket cut of the rewritten graph, each piece compiled by the inner compiler (counted in
+    ``ddp.pieces``), so that each bucket's all-reduce still starts when its piece's backward is done."""
+    def piece(graph, inputs):
+        report.counters["ddp.pieces"] += 1
+        return compile_inner(graph, inputs, config)
+
+    return compile_graph(gm, example_inputs, config, report, inner=lambda graph, inputs, _: split(graph, inputs, piece))
+
+
+def _whole_graph(gm: fx.GraphModule, example_inputs, kwargs: dict, split):
+    return compile_whole(gm, example_inputs, parse_options(with_mode(kwargs.get("options"), kwargs.get("mode"))),
+                         PassReport(), split)
+
+
 setattr(moe_backend, MARK, _wants_capture)
 setattr(moe_backend, RETRACE, _capture_failed)
+setattr(moe_backend, ddp.WHOLE, _whole_graph)
 install()
+ddp.install()
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report: PassReport, inner=None):

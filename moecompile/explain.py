@@ -15,7 +15,7 @@ from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, Ski
 
 from . import recompiles
 from .backend import capture_failed, compile_graph, run_uncompiled
-from .tracing import capture, frames
+from .tracing import capture, ddp, frames
 from .config import MoEOptions, parse_options
 from .pipeline import MoEFallbackWarning
 
@@ -161,6 +161,7 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
 
     setattr(backend, capture.MARK, config.capture)  # Dynamo captures data-dependent shapes for it (tracing/capture.py)
     setattr(backend, capture.RETRACE, lambda options, where, error: capture_failed(config, where, error))
+    setattr(backend, ddp.WHOLE, lambda gm, example_inputs, kwargs, split: backend(gm, example_inputs))  # (uncut)
     lost = dict(recompiles.lost)  # what the program lost so far; the reset below gives those frames a fresh start
     recompiles.lost.clear()
     breaks_before, other_before = _data_dependent_breaks(), _other_breaks()

@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from moecompile.backend import compile_graph
+from moecompile.backend import compile_graph, compile_whole
 from moecompile.tracing.capture import FLAGS, install
 from moecompile.config import parse_options
 from moecompile.passes.report import PassReport
@@ -83,8 +83,14 @@ class RecordingBackend:
         return self.config.capture
 
     def __call__(self, gm, example_inputs, **_):
+        return self._recorded(compile_graph, gm, example_inputs, self.config, self.report)
+
+    def moecompile_whole_graph(self, gm, example_inputs, kwargs, split):  # as moe_backend under DDP
+        return self._recorded(compile_whole, gm, example_inputs, self.config, self.report, split)
+
+    def _recorded(self, compile, *args):
         try:
-            return compile_graph(gm, example_inputs, self.config, self.report)
+            return compile(*args)
         except torch._dynamo.exc.RestartAnalysis:
             raise  # Dynamo's own control flow: it traces again, not an error
         except BaseException as exc:

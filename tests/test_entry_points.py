@@ -28,19 +28,21 @@ class _Rows(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _train(model, tmp_path) -> list[float]:
+def _train(model, tmp_path, wrapped=None, **arguments) -> list[float]:
+    """The logged losses of 3 steps of transformers' Trainer (``arguments``: more TrainingArguments); ``wrapped``:
+    the type the Trainer must have wrapped the model in."""
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
                              logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
-                             disable_tqdm=True)
+                             disable_tqdm=True, **arguments)
     trainer = Trainer(model=model, args=args, train_dataset=_Rows())
     trainer.train()
+    assert wrapped is None or isinstance(trainer.model_wrapped, wrapped), type(trainer.model_wrapped)
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_trainer_trains_a_model_compiled_in_place_as_eager(tmp_path, monkeypatch):
-    """The README's recipe: ``model.compile(backend="moe")``, then ``Trainer(model=model)``. The model stays a
-    ``PreTrainedModel`` (the wrapper ``torch.compile`` returns hides its forward's signature from the Trainer, which
-    then drops every column), its MoE layers run rewritten, and the losses are eager's."""
+def count_rewritten_runs(patch) -> list:
+    """A list that gains an entry each time a graph runs the grouped expert MLP (not the proof), ``patch`` (a
+    pytest MonkeyPatch) putting the counter in."""
     runs = []
     real = grouped_cpu.expert_mlp_keep
 
@@ -49,7 +51,15 @@ def test_trainer_trains_a_model_compiled_in_place_as_eager(tmp_path, monkeypatch
             runs.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(grouped_cpu, "expert_mlp_keep", counted)
+    patch.setattr(grouped_cpu, "expert_mlp_keep", counted)
+    return runs
+
+
+def test_trainer_trains_a_model_compiled_in_place_as_eager(tmp_path, monkeypatch):
+    """The README's recipe: ``model.compile(backend="moe")``, then ``Trainer(model=model)``. The model stays a
+    ``PreTrainedModel`` (the wrapper ``torch.compile`` returns hides its forward's signature from the Trainer, which
+    then drops every column), its MoE layers run rewritten, and the losses are eager's."""
+    runs = count_rewritten_runs(monkeypatch)
     model = hf.tiny_model("mixtral")
     eager = _train(copy.deepcopy(model), tmp_path / "eager")
     model.compile(backend="moe", options={"lowering": "grouped"})

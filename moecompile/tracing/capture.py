@@ -60,18 +60,27 @@ def wants_capture(compiler) -> bool:
 
 def _backend_attribute(compiler, name: str) -> tuple:
     """(attribute ``name`` of the backend that ``compiler`` wraps or None, the ``options`` torch.compile passes it)."""
-    options = None
+    value, kwargs = backend_kwargs(compiler, name)
+    return value, kwargs.get("options")
+
+
+def backend_kwargs(compiler, name: str) -> tuple:
+    """(attribute ``name`` of the backend that ``compiler`` wraps or None, the keyword arguments torch.compile
+    passes it: ``options=`` and ``mode=``). The chain walked: Dynamo's debug wrappers, torch.compile's wrapper,
+    and a DDP model's ``DDPOptimizer.compile_fn`` (its ``backend_compile_fn``)."""
+    kwargs: dict = {}
     for _ in range(16):  # the wrapper chain is short; a cycle must not hang a compile
         if compiler is None:
             break
-        kwargs = getattr(compiler, "kwargs", None)  # torch.compile's _TorchCompileWrapper keeps options= here
-        if isinstance(kwargs, dict) and "options" in kwargs:
-            options = kwargs["options"]
+        held = getattr(compiler, "kwargs", None)  # torch.compile's _TorchCompileWrapper keeps options= here
+        if isinstance(held, dict):
+            kwargs.update({k: held[k] for k in ("options", "mode") if k in held})
         value = getattr(compiler, name, None)
         if value is not None:
-            return value, options
-        compiler = getattr(compiler, "_torchdynamo_orig_backend", None) or getattr(compiler, "compiler_fn", None)
-    return None, options
+            return value, kwargs
+        compiler = getattr(compiler, "_torchdynamo_orig_backend", None) or getattr(compiler, "compiler_fn", None) \
+            or getattr(getattr(compiler, "__self__", None), "backend_compile_fn", None)
+    return None, kwargs
 
 
 def _compile_frame() -> dict:
