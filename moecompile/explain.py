@@ -203,14 +203,17 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
 
 @contextlib.contextmanager
 def _as_written(module: torch.nn.Module):
-    """``module`` without the compiled call ``module.compile()`` gave it, put back after: Dynamo runs that call
-    rather than trace the module again, so explain() saw no graph. (A submodule compiled in place Dynamo inlines.)"""
-    compiled = getattr(module, "_compiled_call_impl", None)
-    module._compiled_call_impl = None
+    """``module`` and its submodules without the compiled call ``.compile()`` gave them, put back after: Dynamo runs
+    that call rather than trace the module again where it does not inline it (the model itself; a decoder layer
+    behind FSDP2's hooks, which break the graph around it), so explain() saw no graph or missed the layer."""
+    compiled = {m: m._compiled_call_impl for m in module.modules() if getattr(m, "_compiled_call_impl", None)}
+    for m in compiled:
+        m._compiled_call_impl = None
     try:
         yield
     finally:
-        module._compiled_call_impl = compiled
+        for m, call in compiled.items():
+            m._compiled_call_impl = call
 
 
 DATA_DEPENDENT_BREAKS = (

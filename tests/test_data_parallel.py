@@ -1,5 +1,5 @@
-"""torch.compile of a model wrapped in ``DistributedDataParallel`` (gloo, world 2, Dynamo's DDP graph split on, as
-by default), against one process.
+"""torch.compile of a data-parallel model (gloo, world 2) against one process: in ``DistributedDataParallel``
+(Dynamo's DDP graph split on, as by default), and sharded by FSDP2 (``fully_shard``), experts and all.
 
 DDP's 1 MiB buckets here cut every MoE block (each stacked expert weight of the wider Mixtral is 2 MiB; the
 ModuleList model's block holds several buckets' worth of experts). Dynamo gives the backend the pieces of that cut,
@@ -10,7 +10,13 @@ stepping on both ranks' batches together (DDP averages the gradients of each ran
 that raises at its first run (the expert MLP forced to) runs as it came in, cut by DDP just the same: logits and
 gradients as eager. ``explain()`` of the DDP model lists the rewritten layers. transformers' ``Trainer`` on both ranks
 (accelerate wraps the model in DDP) with the README's recipe, the model compiled in place: the losses of eager's
-Trainer, every step running both layers rewritten. A failing rank fails the test; the group has a timeout.
+Trainer, every step running both layers rewritten.
+
+FSDP2 of each decoder layer and of the model (every weight sharded, gathered for its layer's forward and backward),
+the model compiled whole or each decoder layer compiled in place (torchtitan's way): both layers rewritten, the
+logits and gradients (gathered whole) of one process; ``explain()`` lists both layers (it missed those compiled in
+place: FSDP2's hooks break the graph around them, and Dynamo ran their compiled call rather than trace them). A
+failing rank fails the test; the group has a timeout.
 """
 
 import copy
@@ -23,6 +29,9 @@ import torch.distributed as dist
 from conftest import RecordingBackend
 from ranks import spawn
 from test_entry_points import _train, count_rewritten_runs
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import moecompile
@@ -54,12 +63,28 @@ def _ranks(rank, world, tmp):
                                     _batches(world)[rank], lowering="grouped")
         assert len(report.layers) == 2 and not report.skipped, str(report)
         _trainer(rank, world, tmp)
+        for where in ("model", "layers"):
+            _fsdp2(rank, world, where)
     finally:
         dist.destroy_process_group()
 
 
 def _batches(world: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 64, (world, 2, 9), generator=torch.Generator().manual_seed(seed))  # the same on every rank
+
+
+def _step_as_one_process(compiled, model, whole, rank, world, seed, what):
+    """Forward and backward of ``compiled`` (``model``'s) on this rank's batch beside ``whole`` on every rank's:
+    this rank's logits, and every gradient (gathered whole where FSDP2 shards it)."""
+    batches = _batches(world, seed)
+    out = compiled(batches[rank], labels=batches[rank])
+    ref = whole(batches.flatten(0, 1), labels=batches.flatten(0, 1))
+    torch.testing.assert_close(out.logits, ref.logits[2 * rank: 2 * rank + 2], rtol=TOL, atol=TOL)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, q.grad, rtol=TOL, atol=TOL, msg=lambda m: f"{what} {name}: {m}")
 
 
 def _trains_as_one_process(rank, world, kind):
@@ -69,14 +94,7 @@ def _trains_as_one_process(rank, world, kind):
     compiled = torch.compile(DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB), backend=backend)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, whole))
     for step in range(2):
-        batches = _batches(world, seed=step)
-        out = compiled(batches[rank], labels=batches[rank])
-        ref = whole(batches.flatten(0, 1), labels=batches.flatten(0, 1))
-        torch.testing.assert_close(out.logits, ref.logits[2 * rank: 2 * rank + 2], rtol=TOL, atol=TOL)
-        out.loss.backward()
-        ref.loss.backward()
-        for (name, p), q in zip(model.named_parameters(), whole.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=TOL, atol=TOL, msg=lambda m: f"{kind} {name}: {m}")
+        _step_as_one_process(compiled, model, whole, rank, world, step, kind)
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
@@ -130,5 +148,24 @@ def _trainer(rank, world, tmp):
     assert len(runs) == 3 * 2, runs  # every step ran both layers rewritten
 
 
-def test_ddp_of_a_compiled_model_cuts_the_rewritten_graph_and_trains_as_one_process(tmp_path):
+def _fsdp2(rank, world, where):
+    model = _model("mixtral")
+    whole = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    backend = RecordingBackend(inner="aot_eager", lowering="grouped")
+    if where == "layers":
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+    compiled = model if where == "layers" else torch.compile(model, backend=backend)
+    _step_as_one_process(compiled, model, whole, rank, world, 1, f"FSDP2, {where} compiled")
+    assert len(backend.report.layers) == 2 and not backend.report.skipped and not backend.errors, where
+    ids = _batches(world)[rank]
+    report = moecompile.explain(model, ids, labels=ids, lowering="grouped")
+    assert len(report.layers) == 2 and not report.skipped, (where, str(report))
+
+
+def test_ddp_and_fsdp2_of_a_compiled_model_train_as_one_process(tmp_path):
     spawn(_ranks, args=(2, str(tmp_path)), nprocs=2)
