@@ -89,24 +89,26 @@ def test_entry_point_resolves_without_import():
     assert out.stdout.strip().endswith("True (2, 4)")  # imported by torch through the entry point
 
 
-def test_cli_inspect_family_and_config_json(tmp_path):
+def test_cli_inspect_family_and_config_json(tmp_path, capsys):
+    """The CLI's ``inspect``: a hand-written kind, a real config.json (shrunk), a family with the Triton lowering,
+    in this process (``main``); ``python -m moecompile`` itself once, with a target it does not know."""
     import transformers
+
+    from moecompile.__main__ import main
 
     transformers.DeepseekV3Config().save_pretrained(tmp_path)  # the real DeepSeek-V3 sizes and routing
     assert json.loads((tmp_path / "config.json").read_text())["n_routed_experts"] == 256
     outs = []
     for target in ["gather", str(tmp_path / "config.json")]:
-        out = subprocess.run([sys.executable, "-m", "moecompile", "inspect", target], capture_output=True,
-                             text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert "2 MoE layer(s) rewritten" in out.stdout
-        outs.append(out.stdout)
+        assert main(["inspect", target]) == 0
+        outs.append(capsys.readouterr().out)
+        assert "2 MoE layer(s) rewritten" in outs[-1]
     assert "sizes shrunk" in outs[1] and "E=256 k=8" in outs[1] and "group-limited 4/8" in outs[1]
-    kernels = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "mixtral", "--lowering", "triton"],
-                             capture_output=True, text=True, timeout=300)  # TRITON_INTERPRET=1 from conftest
-    assert kernels.returncode == 0, kernels.stderr[-2000:]
-    assert kernels.stdout.count("lowering=triton") == 2 and "lower.ops.fused_experts_keep=2" in kernels.stdout
-    bad = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "nope"], capture_output=True, text=True)
+    assert main(["inspect", "mixtral", "--lowering", "triton"]) == 0  # TRITON_INTERPRET=1 from conftest
+    kernels = capsys.readouterr().out
+    assert kernels.count("lowering=triton") == 2 and "lower.ops.fused_experts_keep=2" in kernels
+    bad = subprocess.run([sys.executable, "-m", "moecompile", "inspect", "nope"], capture_output=True, text=True,
+                         timeout=300)
     assert bad.returncode != 0 and "give a path to a config.json" in bad.stderr
 
 
