@@ -1,5 +1,5 @@
 """detect's last look: what looks like an MoE block but was neither annotated nor skipped, so nothing is missed
-silently. Two signs, each reported in ``report.skipped`` with what was recognised and what stopped detection:
+silently. Three signs, each reported in ``report.skipped`` with what was recognised and what stopped detection:
 
 * a router-shaped ``linear`` (an [E, H] weight parameter) whose scores feed a selection op (``topk``, ``argmax``,
   ``max``, ``sort``, ``argsort``: over the experts, or over the tokens for each expert, expert-choice routing) or
