@@ -2,7 +2,8 @@
 (Dynamo's DDP graph split on, as by default), and sharded by FSDP2 (``fully_shard``), experts and all.
 
 DDP's 1 MiB buckets here cut every MoE block (each stacked expert weight of the wider Mixtral is 2 MiB; the
-ModuleList model's block holds several buckets' worth of experts). Dynamo gives the backend the pieces of that cut,
+ModuleList model's block holds several buckets' worth of experts, which it loops over with ``torch.where``: captured
+only when the capture settings find the moe backend behind DDP's wrapper). Dynamo gives the backend the pieces of that cut,
 so no block was in one graph: every layer ran as written, reported under a wrong reason. Now the passes see the
 whole graph and DDP cuts the rewritten one (``moecompile/tracing/ddp.py``): each layer is rewritten, the compiled
 model runs in several pieces, and two SGD steps give every rank the logits, gradients and weights of one process
@@ -58,7 +59,7 @@ def _ranks(rank, world, tmp):
     try:
         for kind in ("mixtral", "loop"):
             _trains_as_one_process(rank, world, kind)
-        _first_run_failure(rank)
+        _first_run_failure(rank, world)
         report = moecompile.explain(DistributedDataParallel(_model("mixtral"), bucket_cap_mb=BUCKET_MB),
                                     _batches(world)[rank], lowering="grouped")
         assert len(report.layers) == 2 and not report.skipped, str(report)
@@ -106,7 +107,7 @@ def _trains_as_one_process(rank, world, kind):
     assert rep.counters["ddp.pieces"] > 2, (kind, rep.counters)  # (a forward cut in two has one bucket per piece)
 
 
-def _first_run_failure(rank):
+def _first_run_failure(rank, world):
     def raising(real):
         def run(*args, **kwargs):
             if torch.compiler.is_compiling():  # (the proof runs it while Dynamo compiles)
@@ -115,7 +116,7 @@ def _first_run_failure(rank):
         return run
 
     model = _model("mixtral")
-    ids = _batches(2)[rank]
+    ids = _batches(world)[rank]
     eager = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=BUCKET_MB)
     backend = RecordingBackend(inner="aot_eager", lowering="grouped")
     with pytest.MonkeyPatch.context() as patch:
