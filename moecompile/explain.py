@@ -15,7 +15,7 @@ from moecompile.passes.report import FailureRecord, LayerRecord, PassReport, Ski
 
 from . import recompiles
 from .backend import capture_failed, compile_graph, run_uncompiled
-from .tracing import capture, ddp, frames
+from .tracing import break_sites, capture, ddp, frames
 from .config import MoEOptions, parse_options
 from .pipeline import MoEFallbackWarning
 
@@ -35,7 +35,9 @@ class ExplainReport:
     ``retraced``: where Dynamo's trace failed with data-dependent shapes captured -> its error: that frame was
     traced again with Dynamo's defaults (moecompile/tracing/capture.py); ``graph_breaks``: Dynamo's graph breaks
     (its reason, first lines -> how many) other than those the capture settings would avoid (``skipped`` says
-    those): a block a graph break cuts is in no one graph, so it cannot be found."""
+    those): a block a graph break cuts is in no one graph, so it cannot be found; ``graph_break_sites``: for a reason
+    of ``graph_breaks``, where its breaks happened (``path:line`` of the innermost frame of the user's stack, read
+    from Dynamo's graph-break log: moecompile/tracing/break_sites.py), where the log said."""
 
     layers: list[LayerRecord]
     skipped: list[SkipRecord]
@@ -49,6 +51,7 @@ class ExplainReport:
     lost_to_recompiles: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> the limit it hit
     retraced: dict[str, str] = dataclasses.field(default_factory=dict)  # frame -> its capture-on trace's error
     graph_breaks: dict[str, int] = dataclasses.field(default_factory=dict)  # Dynamo's reason -> how many
+    graph_break_sites: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # reason -> path:line, ...
 
     def __str__(self) -> str:
         kept = sum(rec.lowering == "original" for rec in self.layers)  # proved, and measured faster as written
@@ -64,8 +67,7 @@ class ExplainReport:
             out.append(f"  {where}: traced again with Dynamo's defaults: {error} (raised with data-dependent "
                        "shapes captured; strict=True raises instead)")
         for why, n in self.graph_breaks.items():
-            out.append(f"  graph break ({n}x): {why}. An MoE block it cuts is in no one graph and is not found "
-                       "(TORCH_LOGS=graph_breaks shows where it happened)")
+            out.append(_graph_break_line(why, n, self.graph_break_sites.get(why, [])))
         if not self.num_graphs:
             out.append("  Dynamo made no graph: the model ran as written (a graph break inside a loop, say, makes "
                        "Dynamo run the whole function eagerly)")
@@ -169,11 +171,12 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
     training = forms.TRAINING.set(torch.is_grad_enabled())  # the forms chosen as the caller would run the model
     alone = any(module is not model for module, _, _ in calls)  # a submodule's layers named by their path in model
     running = frames.RUNNING_MODEL.set(model if alone else None)  # (else found on the call stack, as by compile)
+    messages: list[str] = []  # Dynamo's graph-break log: where each break happened
     try:
         for module, args, kwargs in calls:
             torch._dynamo.reset()
             capture.install()  # reset() dropped Dynamo's compile callbacks, the capture scope's among them
-            with warnings.catch_warnings():  # in the caller's grad mode: the trace a compile would see
+            with warnings.catch_warnings(), break_sites.recording(messages):  # the caller's grad mode, as compiled
                 warnings.simplefilter("ignore", MoEFallbackWarning)  # the report says it
                 with _as_written(module):
                     torch.compile(module, backend=backend)(*args, **kwargs)
@@ -184,6 +187,7 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
     capture.install()
     breaks = _data_dependent_breaks() - breaks_before
     other = {why: n - other_before.get(why, 0) for why, n in _other_breaks().items() if n > other_before.get(why, 0)}
+    sites = break_sites.sites_by_reason(messages, {why: _REASON_LINES[why] for why in other})
     retraced = dict(capture.retraced)
     if breaks:
         report.skipped.append(SkipRecord("<graph breaks>", DATA_DEPENDENT_BREAKS.format(n=breaks)))
@@ -198,7 +202,7 @@ def explain_calls(model: torch.nn.Module, calls, **options) -> ExplainReport:
 
             parallel += f"\n{replication_report(model)}"
     return ExplainReport(report.layers, report.skipped, report.graphs, dict(report.counters), len(graphs), mismatches,
-                         report.failures, dict(report.loops), parallel, lost, retraced, other)
+                         report.failures, dict(report.loops), parallel, lost, retraced, other, sites)
 
 
 @contextlib.contextmanager
@@ -249,10 +253,30 @@ def _other_breaks() -> dict[str, int]:
         if _capture_avoids(why):
             continue
         lines = [line.strip() for line in str(why).splitlines() if line.strip()]
-        short = ": ".join([lines[0].rstrip(".")] + [line.removeprefix("Explanation: ").rstrip(".")
-                                                   for line in lines[1:2] if line.startswith("Explanation:")])
+        said = [lines[0]] + [line for line in lines[1:2] if line.startswith("Explanation:")]
+        short = ": ".join(line.removeprefix("Explanation: ").rstrip(".") for line in said)
         out[short] = out.get(short, 0) + n
+        _REASON_LINES[short] = tuple(said)  # what its log message says too (break_sites)
     return out
+
+
+_REASON_LINES: dict[str, tuple[str, ...]] = {}
+
+
+def _graph_break_line(why: str, n: int, sites: list[str]) -> str:
+    """explain()'s line for one graph-break reason, with where it happened when Dynamo's log said."""
+    where = (" at " + ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")) if sites else ""
+    if why.startswith(GENERATOR):  # (convert_frame refuses the generator's own frame, which runs as written)
+        return (f"  graph break ({n}x): {why}. Dynamo met a generator function (a context manager's, say) called from "
+                "code that runs as written, outside every graph, and ran it as written too: it cuts no graph itself")
+    if break_sites.in_wrapper(sites):
+        return (f"  graph break ({n}x){where}: {why}. In DistributedDataParallel's or FSDP2's code, at the edge of a "
+                "module it wraps: it cuts an MoE block only where a module inside the block is wrapped")
+    return (f"  graph break ({n}x){where}: {why}. An MoE block it cuts is in no one graph and is not found "
+            f"(TORCH_LOGS=graph_breaks shows {'the stack' if sites else 'where it happened'})")
+
+
+GENERATOR = "Attempt to trace generator"
 
 
 def _check_against_config(config, layers: list[LayerRecord]) -> list[str]:

@@ -9,14 +9,16 @@ whole graph and DDP cuts the rewritten one (``moecompile/tracing/ddp.py``): each
 model runs in several pieces, and two SGD steps give every rank the logits, gradients and weights of one process
 stepping on both ranks' batches together (DDP averages the gradients of each rank's mean loss). A rewritten graph
 that raises at its first run (the expert MLP forced to) runs as it came in, cut by DDP just the same: logits and
-gradients as eager. ``explain()`` of the DDP model lists the rewritten layers. transformers' ``Trainer`` on both ranks
+gradients as eager. ``explain()`` of the DDP model lists the rewritten layers, and places DDP's own graph breaks in
+DDP's code (they were listed as breaks that might cut a block). transformers' ``Trainer`` on both ranks
 (accelerate wraps the model in DDP) with the README's recipe, the model compiled in place: the losses of eager's
 Trainer, every step running both layers rewritten.
 
 FSDP2 of each decoder layer and of the model (every weight sharded, gathered for its layer's forward and backward),
 the model compiled whole or each decoder layer compiled in place (torchtitan's way): both layers rewritten, the
 logits and gradients (gathered whole) of one process; ``explain()`` lists both layers (it missed those compiled in
-place: FSDP2's hooks break the graph around them, and Dynamo ran their compiled call rather than trace them). A
+place: FSDP2's hooks break the graph around them, and Dynamo ran their compiled call rather than trace them), and
+places those breaks in FSDP2's code. A
 failing rank fails the test; the group has a timeout.
 """
 
@@ -63,6 +65,7 @@ def _ranks(rank, world, tmp):
         report = moecompile.explain(DistributedDataParallel(_model("mixtral"), bucket_cap_mb=BUCKET_MB),
                                     _batches(world)[rank], lowering="grouped")
         assert len(report.layers) == 2 and not report.skipped, str(report)
+        _breaks_placed_in(report, "torch/nn/parallel/distributed.py")
         _trainer(rank, world, tmp)
         for where in ("model", "layers"):
             _fsdp2(rank, world, where)
@@ -167,6 +170,17 @@ def _fsdp2(rank, world, where):
     ids = _batches(world)[rank]
     report = moecompile.explain(model, ids, labels=ids, lowering="grouped")
     assert len(report.layers) == 2 and not report.skipped, (where, str(report))
+    _breaks_placed_in(report, "torch/distributed/fsdp/")
+
+
+def _breaks_placed_in(report, wrapper: str):
+    """explain() says where the wrapper's graph breaks are (they cut no layer): they were listed as breaks that
+    might have cut an MoE block, without a place."""
+    placed = [why for why, sites in report.graph_break_sites.items() if all(s.startswith(wrapper) for s in sites)]
+    lines = [line for why in placed for line in str(report).splitlines() if f"{why}. " in line]
+    assert placed and len(lines) == len(placed), str(report)
+    assert all(f"x) at {wrapper}" in line and "In DistributedDataParallel's or FSDP2's code, at the edge of a module "
+               "it wraps" in line for line in lines), str(report)
 
 
 def test_ddp_and_fsdp2_of_a_compiled_model_train_as_one_process(tmp_path):

@@ -1,5 +1,6 @@
 """What a newcomer meets on the way (issue 23, item 8): each fix with the test that fails without it."""
 
+import inspect
 import logging
 import warnings
 from pathlib import Path
@@ -192,16 +193,24 @@ class _BranchingMoE(torch.nn.Module):
         return out
 
 
-def test_explain_reports_graph_breaks_and_no_graph():
-    """A block a graph break cuts cannot be found: explain() says which break, and that Dynamo made no graph (it
+def test_explain_reports_graph_breaks_and_no_graph(caplog):
+    """A block a graph break cuts cannot be found: explain() says which break, where (the line of the model, read
+    from Dynamo's graph-break log, which it leaves as it was: nothing printed), and that Dynamo made no graph (it
     was silent: "0 MoE layer(s) rewritten, 0 skipped, 0 graph(s)")."""
     torch.manual_seed(0)
-    report = moecompile.explain(torch.nn.Sequential(_BranchingMoE()), torch.randn(12, 32))
+    log = torch._dynamo.symbolic_convert.graph_break_log
+    level, propagate = log.level, log.propagate
+    with caplog.at_level(logging.DEBUG):  # a program that logs everything: the graph-break log stays unprinted
+        report = moecompile.explain(torch.nn.Sequential(_BranchingMoE()), torch.randn(12, 32))
     text = str(report)
     assert report.num_graphs == 0 and not report.layers
     assert list(report.graph_breaks) == ["Data-dependent branching: Detected data-dependent branching (e.g. `if "
                                          "my_tensor.sum() > 0:`). Dynamo does not support tracing dynamic control "
                                          "flow"], report.graph_breaks
-    assert "x): Data-dependent branching" in text and "Dynamo made no graph" in text, text
+    assert "Dynamo made no graph" in text, text
+    line = inspect.getsourcelines(_BranchingMoE.forward)[1] + 5  # where it broke: `if hit.sum() > 1:`
+    assert report.graph_break_sites == {why: [f"{__file__}:{line}"] for why in report.graph_breaks}, report
+    assert f"x) at {__file__}:{line}: Data-dependent" in text and "shows the stack" in text, text
+    assert (log.level, log.propagate) == (level, propagate) and not [r for r in caplog.records if "Graph" in r.getMessage()]
     again = moecompile.explain(handwritten.TinyMoELM("gather"), IDS)  # counted from each explain() on
     assert not again.graph_breaks and "graph break" not in str(again) and len(again.layers) == 2
