@@ -12,6 +12,9 @@ process has 3.16). Here the norm is made of three parts:
                                    reduced by DTensor, as torch's clip does for FSDP2
     every other weight             replicated, its gradient the same on every rank after backward: counted once
 
+Under pipeline stages (a mesh's ``"pp"``) each stage computes the norm of its part of the model so, and the stages'
+parts are summed (one all-reduce over one rank of each stage).
+
 ``clip_together`` does it for given lists of gradients: ``ExpertOptimizer.clip_grad_norm_`` passes its own (the
 dense optimizer's, and the experts' local shards and master parts).
 """
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .mesh import pipeline_group
 from .views import expert_parameters
 
 
@@ -46,16 +50,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     with_grad = [p for p in model.parameters() if p.grad is not None]
     return clip_together([p.grad for p in with_grad if id(p) not in experts],
                          [p.grad for p in with_grad if id(p) in experts], info.group, max_norm, norm_type,
-                         error_if_nonfinite)
+                         error_if_nonfinite, stages=pipeline_group(info.mesh))
 
 
 @torch.no_grad()
 def clip_together(once: list[torch.Tensor], summed: list[torch.Tensor], group, max_norm: float,
-                  norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+                  norm_type: float = 2.0, error_if_nonfinite: bool = False, stages=None) -> torch.Tensor:
     """Scale ``once`` and ``summed`` so that their total norm is at most ``max_norm``; returns that norm (float32,
     the same on every rank of ``group``). ``once``: gradients the same on every rank (plain tensors, counted once)
     or DTensors (whole by DTensor, per mesh and placements); ``summed``: this rank's part of gradients held once over
-    ``group`` (expert shards; ``ExpertOptimizer``'s master parts). Every rank of ``group`` calls it together."""
+    ``group`` (expert shards; ``ExpertOptimizer``'s master parts). Every rank of ``group`` calls it together.
+    ``stages``: under pipeline stages, one rank of each stage (each stage's norm is its part of the model's)."""
     norm_type = float(norm_type)
     if not (norm_type > 0 or norm_type == math.inf):  # (nan is neither)
         raise ValueError(f"norm_type must be a positive number or inf; got {norm_type!r}")
@@ -73,10 +78,15 @@ def clip_together(once: list[torch.Tensor], summed: list[torch.Tensor], group, m
     if norm_type == math.inf:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
         total = torch.stack(parts + [mine]).max()
+        if stages is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=stages)
     else:
         mine = mine ** norm_type
         dist.all_reduce(mine, group=group)
-        total = (torch.stack(parts).pow(norm_type).sum() + mine) ** (1.0 / norm_type)
+        total = torch.stack(parts).pow(norm_type).sum() + mine
+        if stages is not None:
+            dist.all_reduce(total, group=stages)
+        total = total ** (1.0 / norm_type)
     total = total.float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "

@@ -15,7 +15,11 @@ whole world, in rank order (a mesh of some ranks only is refused). A dimension n
 same experts (expert data parallelism, as Megatron's and torchtitan's expert-parallel degree below the world
 size): the experts are sharded over the other dimensions (the expert-parallel group, ``setup_mesh``'s group: one
 per index of ``"dp_replicate"``), each rank exchanges rows only inside its group, and the experts' gradients are
-averaged over ``"dp_replicate"`` (``replicate_group``).
+averaged over ``"dp_replicate"`` (``replicate_group``). An outermost dimension named ``"pp"`` holds pipeline
+stages: each index holds another part of the model (its stage module), whose experts are sharded over the other
+dimensions (``setup_mesh``'s group again, the stage's ranks); nothing is reduced or checked across stages but the
+gradient norm of ``clip_grad_norm_`` (``pipeline_group``), and the state_dict's DTensors live on the stage's
+sub-mesh (``state_mesh``).
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ _GROUPS: dict[tuple, tuple] = {}
 
 TP = "tp"  # the mesh dimension of tensor parallelism: its ranks' MoE-block inputs are identical
 REPLICATE = "dp_replicate"  # the outermost mesh dimension whose ranks hold the same experts
+STAGES = "pp"  # the outermost mesh dimension whose ranks hold different parts of the model (pipeline stages)
 
 
 def setup_mesh(mesh):
     """Check ``mesh`` and return this rank's expert-parallel process group (the whole mesh, or its ranks of this
-    rank's ``"dp_replicate"`` index), with its levels known to the runtime."""
+    rank's ``"dp_replicate"`` index or ``"pp"`` stage), with its levels known to the runtime."""
     group = _check_mesh(mesh)
+    pipeline_group(mesh)  # made now, every rank together: later, a stage that raised since would not make it
     if len(level_names(mesh)) > 1:
         _set_layout(mesh, group)
     else:  # one level: every other rank is a "peer" (a mesh of levels set up before no longer names the links)
@@ -60,19 +66,44 @@ def tp_groups(mesh):
 
 def expert_copies(mesh, **asked) -> int:
     """The size of the mesh's ``"dp_replicate"`` dimension (1 without one): how many copies of each expert;
-    ValueError where copies meet an option ``asked`` (name: on) that does not serve them yet."""
-    copies = mesh.shape[0] if _offset(mesh) else 1
+    ValueError where copies, or pipeline stages, meet an option ``asked`` (name: on) that does not serve them yet."""
+    outer = _outer(mesh)
+    copies = mesh.shape[0] if outer == REPLICATE else 1
     names = [name for name, on in asked.items() if on]
-    if _offset(mesh) and names:  # (of any size: their own code reads the whole mesh as expert-parallel levels)
-        raise ValueError(f"a mesh with {REPLICATE!r} (each expert on {copies} ranks) with {', '.join(names)} is not "
-                         f"built: drop {' and '.join(names)}, or the {REPLICATE!r} dimension (experts over every "
-                         "rank)")
+    if outer and names:  # (of any size: their own code reads the whole mesh as expert-parallel levels)
+        what = f"each expert on {copies} ranks" if outer == REPLICATE else f"{mesh.shape[0]} pipeline stages"
+        raise ValueError(f"a mesh with {outer!r} ({what}) with {', '.join(names)} is not built: drop "
+                         f"{' and '.join(names)}, or the {outer!r} dimension")
     return copies
+
+
+def stage_group(mesh):
+    """The ranks holding the same part of the model, which average its dense gradients and are checked to hold the
+    same weights: every rank (None), or with ``"pp"`` this rank's stage's (its expert-parallel group)."""
+    return _group(mesh, tuple(range(1, mesh.ndim))) if _outer(mesh) == STAGES else None
+
+
+def pipeline_group(mesh):
+    """With ``"pp"``: this rank's group of one rank per stage (its place in each), else None."""
+    return _group(mesh, (0,)) if _outer(mesh) == STAGES else None
+
+
+def state_mesh(mesh):
+    """The mesh a sharded expert weight's DTensor lives on: ``mesh``, or with ``"pp"`` this rank's stage's sub-mesh
+    (each stage holds other weights; the sub-meshes were made with ``mesh``)."""
+    return mesh[tuple(mesh.mesh_dim_names[1:])] if _outer(mesh) == STAGES else mesh
+
+
+def describe(mesh, world: int, copies: int) -> str:
+    """The first line of ``ParallelInfo``'s report."""
+    where = f" of pipeline stage {mesh.get_local_rank(STAGES)} of {mesh.shape[0]}" if _outer(mesh) == STAGES else ""
+    return f"expert parallelism over {world} rank(s){where}" + (
+        f", each expert on {copies} ranks ({REPLICATE!r}: its gradient averaged over them)" if copies > 1 else "") + ":"
 
 
 def replicate_group(mesh):
     """This rank's group of the ranks holding the same experts (differing only in ``"dp_replicate"``), or None."""
-    return _group(mesh, (0,)) if _offset(mesh) else None
+    return _group(mesh, (0,)) if _outer(mesh) == REPLICATE else None
 
 
 def ep_shape(mesh) -> tuple[int, ...]:
@@ -80,9 +111,16 @@ def ep_shape(mesh) -> tuple[int, ...]:
     return tuple(mesh.shape)[_offset(mesh):]
 
 
+def _outer(mesh) -> str | None:
+    """The mesh's first dimension's name where it is ``"dp_replicate"`` or ``"pp"``, else None."""
+    first = tuple(mesh.mesh_dim_names or ())[:1]
+    return first[0] if first in ((REPLICATE,), (STAGES,)) else None
+
+
 def _offset(mesh) -> int:
-    """1 where the mesh's first dimension is ``"dp_replicate"`` (the expert-parallel levels start after it), else 0."""
-    return int(tuple(mesh.mesh_dim_names or ())[:1] == (REPLICATE,))
+    """1 where the mesh's first dimension is ``"dp_replicate"`` or ``"pp"`` (the expert-parallel levels start after
+    it), else 0."""
+    return int(_outer(mesh) is not None)
 
 
 def level_names(mesh) -> tuple[str, ...]:
@@ -98,14 +136,18 @@ def _check_mesh(mesh):
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
-    if REPLICATE in names[1:]:
-        raise ValueError(f"mesh dimension {REPLICATE!r} must come first (outermost: the expert-parallel groups are "
-                         f"consecutive ranks); got {names}: e.g. init_device_mesh(device, (copies, nodes, "
-                         f"gpus_per_node), mesh_dim_names=({REPLICATE!r}, 'node', 'local'))")
+    if names[:1] == (STAGES,) and REPLICATE in names:
+        raise ValueError(f"a mesh with both {STAGES!r} and {REPLICATE!r} is not built: drop {REPLICATE!r} (experts "
+                         f"over every rank of a stage); got {names}")
+    for outer, size in ((REPLICATE, "copies"), (STAGES, "stages")):
+        if outer in names[1:]:
+            raise ValueError(f"mesh dimension {outer!r} must come first (outermost: the expert-parallel groups are "
+                             f"consecutive ranks); got {names}: e.g. init_device_mesh(device, ({size}, nodes, "
+                             f"gpus_per_node), mesh_dim_names=({outer!r}, 'node', 'local'))")
     offset = _offset(mesh)
     if offset and mesh.ndim == 1:
-        raise ValueError(f"a mesh of {REPLICATE!r} alone shards no expert: add the expert-parallel dimensions after "
-                         f"it, e.g. mesh_dim_names=({REPLICATE!r}, 'ep')")
+        raise ValueError(f"a mesh of {names[0]!r} alone shards no expert: add the expert-parallel dimensions after "
+                         f"it, e.g. mesh_dim_names=({names[0]!r}, 'ep')")
     levels.check_names(tuple(n for n in names[offset:] if n != TP))  # "tp" may sit anywhere
     ranks = mesh.mesh.flatten().tolist()
     if ranks != list(range(dist.get_world_size())):

@@ -43,7 +43,8 @@ from . import ted
 from .find_blocks import explain_blocks
 from .grads import GradientSync
 from .hf_tp import take_back_experts
-from .mesh import REPLICATE, check_dedup, ep_shape, expert_copies, level_names, replicate_group, setup_mesh
+from .mesh import (check_dedup, describe, ep_shape, expert_copies, level_names, replicate_group, setup_mesh,
+                   stage_group)
 from moecompile.runtime.placement.replication import check_slots
 
 from .replicate import check_options, replicable, replicate_layer
@@ -76,8 +77,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``compress=q``: each gathered expert sent as the mean expert's residual, its q largest entries (not exact);
     ``reshard_after_forward=True``: the gathered copies freed after forward and gathered again in backward.
     ``mesh``: an outermost dimension named ``"dp_replicate"`` keeps copies of the experts, one per index (each
-    expert-parallel group over the other dimensions; ``mesh.py``). Other keyword arguments are backend options,
-    for detection."""
+    expert-parallel group over the other dimensions; ``mesh.py``); one named ``"pp"`` holds pipeline stages, each
+    index its own stage module, passed here as ``model``. Other keyword arguments are backend options."""
     group = setup_mesh(mesh)
     copies = expert_copies(mesh, moe_tp=moe_tp in ("ted", "auto"), expert_domains=expert_domains is not None,
                            swap_every=bool(swap_every), replication=replication != "off")
@@ -106,7 +107,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             continue
         plans.append((rec, {role: [names[id(p)] for p in w] if isinstance(w, list) else names[id(w)]
                             for role, w in rec.expert_weights.items()}))
-    _check_ranks_agree(model, plans, None)  # every rank of the world, the copies of each expert too
+    _check_ranks_agree(model, plans, stage_group(mesh))  # every rank (the copies of each expert too) or the stage's
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
     if replication != "off":  # every layer's slots checked before any layer changes
         for rec, params in plans:
@@ -155,8 +156,9 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             swapping.append((rec, _swapped_tensors(model, params, held), slots))
     for rec in report.layers:  # the full expert weights it holds would stay alive (the sharding freeing nothing)
         rec.expert_weights = {}
-    sync = GradientSync(model, divisors, *((tp.dp_group, tp.dp) if tp is not None else (None, dist.get_world_size())),
-                        expert_group=replicate_group(mesh), copies=copies)
+    dense = stage_group(mesh)  # the ranks holding the same dense weights: the world, or a pipeline stage's ranks
+    sync = GradientSync(model, divisors, *((tp.dp_group, tp.dp) if tp is not None else (dense, dist.get_world_size(
+                        dense))), expert_group=replicate_group(mesh), copies=copies)
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
     model._moe_parallel.sync = sync
     model._moe_parallel.copies = copies
@@ -191,9 +193,7 @@ class ParallelInfo:
         self.sync = None  # the GradientSync of its parameters' gradients (grads.py)
 
     def __str__(self) -> str:
-        lines = [f"expert parallelism over {self.world} rank(s)" + (
-            f", each expert on {self.copies} ranks ({REPLICATE!r}: its gradient averaged over them)"
-            if self.copies > 1 else "") + ":"]
+        lines = [describe(self.mesh, self.world, self.copies)]
         lines += [f"  sharded {r.path}: {r.sharding}" for r in self.report.layers if r.sharding]
         lines += [f"  left whole (replicated) {path}: {why}" for path, why in self.left]
         if self.fsdp_left_out:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from moecompile.runtime.layouts import contiguous_stride
 
 from . import ted
-from .mesh import REPLICATE
+from .mesh import REPLICATE, stage_group, state_mesh
 
 SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
 DOMAIN_SLOTS = "moe_domain_slots"  # expert domains: each expert's slot in the exchange group's gathered order
@@ -23,9 +23,10 @@ DOMAIN_SLOTS = "moe_domain_slots"  # expert domains: each expert's slot in the e
 
 def to_global(local, total: int, slots, mesh, group):
     """This rank's shard (slot order when ``slots``) as the DTensor ``Shard(0)`` of the global ``[total, ...]``
-    tensor in expert order (every rank calls it together)."""
+    tensor in expert order (every rank calls it together), on ``mesh`` (a pipeline stage's sub-mesh under "pp")."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    mesh = state_mesh(mesh)
     local = _placed(local, slots, group, to_slots=False)
     shape = (total, *local.shape[1:])
     placements = [Replicate() if name == REPLICATE else Shard(0) for name in mesh.mesh_dim_names or [None]]
@@ -37,7 +38,7 @@ def to_local(value, total: int, slots, mesh, rank, group):
     (gathered whole), a full ``[total, ...]`` tensor, or this rank's rows; anything else (a scalar) as it is."""
     from torch.distributed.tensor import DTensor
 
-    per_rank = total // group.size()
+    per_rank, mesh = total // group.size(), state_mesh(mesh)
     if isinstance(value, DTensor):  # this mesh's shard as it is; another layout gathered whole
         value = value.to_local() if value.device_mesh == mesh else value.full_tensor()
     if isinstance(value, torch.Tensor) and value.shape[:1] == (total,):  # a full tensor: this rank's rows
@@ -251,7 +252,8 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     transformers' ``save_pretrained(path, state_dict=...)`` or ``torch.save``, where the model fits in host memory
     (else ``torch.distributed.checkpoint``). Stacked, flat and tensor-parallel weights are DTensors in
     ``state_dict()``: each is gathered whole; an ``nn.ModuleList`` layer's experts are each in their own rank's: they
-    are sent to every rank (one ``all_gather_object``)."""
+    are sent to every rank (one ``all_gather_object``). Under pipeline stages (``"pp"``): the stage module's,
+    on the stage's ranks."""
     from torch.distributed.tensor import DTensor
 
     model = unwrapped(model)  # (a compiled model's state_dict names its weights "_orig_mod.<name>")
@@ -261,8 +263,9 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     if info is None or not info.module_list_experts or not dist.is_initialized():
         return state
     mine = {name: state[name] for name in info.module_list_experts if name in state}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)  # (the world: a "dp_replicate" copy sends the same experts again)
+    group = stage_group(info.mesh)  # the world (a "dp_replicate" copy sends the same experts again), or the stage
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     for theirs in every:
         state.update(theirs)
     return state

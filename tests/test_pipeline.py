@@ -1,0 +1,159 @@
+"""Pipeline parallelism (torch.distributed.pipelining) with expert parallelism inside each stage: world 4 as a (2, 2)
+("pp", "ep") mesh. A hand-written MoE model of two layers is cut into two stage modules that keep the model's
+parameter names (torchtitan's way: each stage the model's modules for its layers); each stage module is
+``moecompile.parallelize``d over the mesh (its experts sharded over the stage's 2 ranks, which feed it the same
+microbatches' activations from their own data), compiled with the moe backend (strict: every MoE layer rewritten) and
+run by ``PipelineStage`` and ``ScheduleGPipe`` over the "pp" groups. Two SGD steps with
+``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process
+training on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked
+experts (DTensors on the stage's sub-mesh in the state_dict) and a ModuleList's. A torch.distributed.checkpoint
+saved by the 4 ranks loads into fresh stages exactly, and ``full_state_dict`` gives each stage's weights whole. Only
+a parallelize on a mesh spanning the world was possible: a stage's own ranks were refused ("not every rank of the
+default process group")."""
+
+import copy
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from ranks import spawn
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+
+import moecompile
+from moecompile.models.handwritten import TinyMoELM
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+STEPS, LR, MAX_NORM, TOL, MICRO = 2, 0.1, 0.5, 1e-5, 2
+
+
+class Stage(nn.Module):
+    """The modules of ``TinyMoELM`` that stage ``index`` of 2 runs, under their names in the model."""
+
+    def __init__(self, lm: TinyMoELM, index: int):
+        super().__init__()
+        self.embed = lm.embed if index == 0 else None
+        self.norms = nn.ModuleDict({str(index): lm.norms[index]})
+        self.blocks = nn.ModuleDict({str(index): lm.blocks[index]})
+        self.norm, self.lm_head = (lm.norm, lm.lm_head) if index == 1 else (None, None)
+
+    def forward(self, x):
+        x = self.embed(x) if self.embed is not None else x
+        for key, block in self.blocks.items():
+            x = x + block(self.norms[key](x))
+        return self.lm_head(self.norm(x)) if self.lm_head is not None else x
+
+
+def _loss(logits, ids):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _stage(kind: str, mesh, pp: int, example, seed: int = 0):
+    torch.manual_seed(seed)
+    stage = Stage(TinyMoELM(kind), pp)
+    return moecompile.parallelize(stage, mesh, example)
+
+
+def _train(kind, mesh, rank, tmp):
+    pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
+    torch.manual_seed(0)
+    whole = TinyMoELM(kind).train()
+    data = torch.randint(0, 128, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, ep, batch
+    example = data[0, ep] if pp == 0 else torch.randn(4, 8, 32)  # stage 1 takes hidden states
+    model = _stage(kind, mesh, pp, example).train()
+    info = model._moe_parallel
+    assert len(info.report.layers) == 1 and not info.left and info.world == 2, str(info)
+    assert f"of pipeline stage {pp} of 2" in str(info), str(info)
+    every = dict(whole.named_parameters())
+    for name, value in model.state_dict().items():  # stacked experts: DTensors of the stage's sub-mesh, whole shape
+        if isinstance(value, DTensor):
+            assert value.device_mesh.mesh_dim_names == ("ep",) and value.shape == every[name].shape, name
+            assert value.device_mesh.mesh.tolist() == mesh.mesh[pp].tolist(), name
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    schedule = ScheduleGPipe(PipelineStage(compiled, pp, 2, torch.device("cpu"), group=mesh.get_group("pp")),
+                             n_microbatches=MICRO, loss_fn=_loss)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR) for m in (model, whole))
+    for step in range(STEPS):
+        losses = []
+        if pp == 0:
+            schedule.step(data[step, ep])
+        else:
+            schedule.step(target=data[step, ep], losses=losses)
+        want = [_loss(whole(mb).logits, mb) for mb in data[step].flatten(0, 1).chunk(2 * MICRO)]
+        (sum(want) / len(want)).backward()  # each rank's GPipe averages its microbatches; the ranks are averaged
+        if pp == 1:
+            torch.testing.assert_close(torch.stack(losses), torch.stack(want[ep * MICRO:(ep + 1) * MICRO]),
+                                       rtol=TOL, atol=TOL, msg=lambda m: f"{kind} step {step} losses: {m}")
+        norm = moecompile.clip_grad_norm_(compiled, MAX_NORM)
+        torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM), rtol=TOL,
+                                   atol=TOL, msg=lambda m: f"{kind} step {step} norm: {m}")
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    full = moecompile.full_state_dict(model)
+    assert set(full) == set(Stage(TinyMoELM(kind), pp).state_dict()), sorted(full)  # the stage's, every expert
+    for name, value in full.items():
+        torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=f"{tmp}/{kind}")  # both stages into one checkpoint
+    fresh = _stage(kind, mesh, pp, example)
+    for p in fresh.parameters():
+        p.data.zero_()
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=f"{tmp}/{kind}")
+    fresh.load_state_dict(state["model"])
+    loaded = moecompile.full_state_dict(fresh)
+    assert all(torch.equal(loaded[name], value) for name, value in full.items()), kind
+
+
+def _bad_input(mesh, rank):
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="'pp' \\(2 pipeline stages\\) with swap_every is not built"):
+        moecompile.parallelize(Stage(TinyMoELM("gather"), 0), mesh, ids, swap_every=1)
+    inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "pp"))
+    with pytest.raises(ValueError, match="'pp' must come first"):
+        moecompile.parallelize(Stage(TinyMoELM("gather"), 0), inner, ids)
+    both = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_replicate", "ep"))
+    with pytest.raises(ValueError, match="both 'pp' and 'dp_replicate' is not built"):
+        moecompile.parallelize(Stage(TinyMoELM("gather"), 0), both, ids)
+    pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
+    example = ids if pp == 0 else torch.randn(1, 4, 32)
+    if pp == 0:  # the stage's ranks hold different weights (another seed on one): refused there
+        with pytest.raises(ValueError, match="hold a different model than rank 0"):
+            _stage("gather", mesh, pp, example, seed=ep)
+    else:  # (the stages differ from each other, as they should)
+        _stage("gather", mesh, pp, example)
+
+
+def _dedup_in_one_stage(rank):
+    """A (1, 2, 2) ("pp", "node", "local") mesh: the one stage's experts over its 2 x 2 ranks, deduplicated per
+    node as on a mesh without "pp" (each rank's logits those of one process)."""
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "node", "local"))
+    torch.manual_seed(0)
+    whole = TinyMoELM("gather")
+    model = moecompile.parallelize(copy.deepcopy(whole), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
+    assert [r.dedup for r in model._moe_parallel.report.layers] == ["node", "node"], str(model._moe_parallel)
+    ids = torch.randint(0, 128, (4, 2, 8), generator=torch.Generator().manual_seed(5))
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    torch.testing.assert_close(compiled(ids[rank]).logits, whole(ids.flatten(0, 1)).logits[2 * rank:2 * rank + 2],
+                               rtol=TOL, atol=TOL)
+
+
+def _ranks(rank, world, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+        _bad_input(mesh, rank)
+        _dedup_in_one_stage(rank)
+        for kind in ("gather", "modulelist"):
+            _train(kind, mesh, rank, tmp)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_stages_of_a_pipeline_train_as_one_process(tmp_path):
+    spawn(_ranks, args=(4, str(tmp_path)), nprocs=4)
