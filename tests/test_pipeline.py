@@ -3,7 +3,8 @@
 parameter names (torchtitan's way: each stage the model's modules for its layers); each stage module is
 ``moecompile.parallelize``d over the mesh (its experts sharded over the stage's 2 ranks, which feed it the same
 microbatches' activations from their own data), compiled with the moe backend (strict: every MoE layer rewritten) and
-run by ``PipelineStage`` and ``ScheduleGPipe`` over the "pp" groups. Two SGD steps with
+run by ``PipelineStage`` and ``ScheduleGPipe`` (``Schedule1F1B`` for the second model, its backwards between the
+forwards) over the "pp" groups. Two SGD steps with
 ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process
 training on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked
 experts (DTensors on the stage's sub-mesh in the state_dict) and a ModuleList's. A torch.distributed.checkpoint
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from ranks import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
 import moecompile
@@ -59,7 +60,7 @@ def _stage(kind: str, mesh, pp: int, example, seed: int = 0):
     return moecompile.parallelize(stage, mesh, example)
 
 
-def _train(kind, mesh, rank, tmp):
+def _train(kind, mesh, rank, tmp, schedule_cls):
     pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     torch.manual_seed(0)
     whole = TinyMoELM(kind).train()
@@ -75,8 +76,8 @@ def _train(kind, mesh, rank, tmp):
             assert value.device_mesh.mesh_dim_names == ("ep",) and value.shape == every[name].shape, name
             assert value.device_mesh.mesh.tolist() == mesh.mesh[pp].tolist(), name
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
-    schedule = ScheduleGPipe(PipelineStage(compiled, pp, 2, torch.device("cpu"), group=mesh.get_group("pp")),
-                             n_microbatches=MICRO, loss_fn=_loss)
+    schedule = schedule_cls(PipelineStage(compiled, pp, 2, torch.device("cpu"), group=mesh.get_group("pp")),
+                            n_microbatches=MICRO, loss_fn=_loss)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR) for m in (model, whole))
     for step in range(STEPS):
         losses = []
@@ -149,8 +150,8 @@ def _ranks(rank, world, tmp):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
         _bad_input(mesh, rank)
         _dedup_in_one_stage(rank)
-        for kind in ("gather", "modulelist"):
-            _train(kind, mesh, rank, tmp)
+        for kind, schedule_cls in (("gather", ScheduleGPipe), ("modulelist", Schedule1F1B)):
+            _train(kind, mesh, rank, tmp, schedule_cls)
     finally:
         dist.destroy_process_group()
 
