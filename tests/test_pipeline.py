@@ -1,16 +1,16 @@
 """Pipeline parallelism (torch.distributed.pipelining) with expert parallelism inside each stage: world 4 as a (2, 2)
 ("pp", "ep") mesh. A hand-written MoE model of two layers is cut into two stage modules that keep the model's
-parameter names (torchtitan's way: each stage the model's modules for its layers); each stage module is
-``moecompile.parallelize``d over the mesh (its experts sharded over the stage's 2 ranks, which feed it the same
-microbatches' activations from their own data), compiled with the moe backend (strict: every MoE layer rewritten) and
-run by ``PipelineStage`` and ``ScheduleGPipe`` (``Schedule1F1B`` for the second model, its backwards between the
-forwards) over the "pp" groups. Two SGD steps with
-``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process
-training on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked
-experts (DTensors on the stage's sub-mesh in the state_dict) and a ModuleList's. A torch.distributed.checkpoint
-saved by the 4 ranks loads into fresh stages exactly, and ``full_state_dict`` gives each stage's weights whole. Only
-a parallelize on a mesh spanning the world was possible: a stage's own ranks were refused ("not every rank of the
-default process group")."""
+parameter names (torchtitan's way: each stage the model's modules for its layers). Each rank parallelizes its
+stage module over the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs the pipeline
+on its own batch), compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with
+``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (``Schedule1F1B`` for the second model: backwards
+between forwards). Two SGD steps with ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding
+the whole model) equal one process training on all four ranks' batches: the losses each step, the norm, every
+weight after (fp32, 1e-5); stacked experts (DTensors on the stage's sub-mesh in the state_dict) and a ModuleList's.
+A torch.distributed.checkpoint saved by the 4 ranks loads into fresh stages exactly, and ``full_state_dict`` gives
+each stage's weights whole. A (1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built
+for it, not outermost, or over a stage whose ranks hold different weights raises ValueError. Before, a parallelize
+over a stage's ranks was refused ("not every rank of the default process group")."""
 
 import copy
 from datetime import timedelta
