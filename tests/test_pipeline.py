@@ -8,9 +8,10 @@ between forwards). Two SGD steps with ``moecompile.clip_grad_norm_`` (clipping, 
 the whole model) equal one process training on all four ranks' batches: the losses each step, the norm, every
 weight after (fp32, 1e-5); stacked experts (DTensors on the stage's sub-mesh in the state_dict) and a ModuleList's.
 A torch.distributed.checkpoint saved by the 4 ranks loads into fresh stages exactly, and ``full_state_dict`` gives
-each stage's weights whole. A (1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built
-for it, not outermost, or over a stage whose ranks hold different weights raises ValueError. Before, a parallelize
-over a stage's ranks was refused ("not every rank of the default process group")."""
+each stage's weights whole; ``explain()`` on every rank lists each stage's layer. A (1, 2, 2) ("pp", "node",
+"local") mesh dedups per node; "pp" with options not built for it, not outermost, or over a stage whose ranks hold
+different weights raises ValueError. Before, a parallelize over a stage's ranks was refused ("not every rank of the
+default process group")."""
 
 import copy
 from datetime import timedelta
@@ -70,6 +71,8 @@ def _train(kind, mesh, rank, tmp, schedule_cls):
     info = model._moe_parallel
     assert len(info.report.layers) == 1 and not info.left and info.world == 2, str(info)
     assert f"of pipeline stage {pp} of 2" in str(info), str(info)
+    report = moecompile.explain(model, example, inner="aot_eager")  # (every rank: the stage's ranks exchange rows)
+    assert len(report.layers) == 1 and f"of pipeline stage {pp} of 2" in report.parallel, str(report)
     every = dict(whole.named_parameters())
     for name, value in model.state_dict().items():  # stacked experts: DTensors of the stage's sub-mesh, whole shape
         if isinstance(value, DTensor):
