@@ -3,8 +3,8 @@
 parameter names (torchtitan's way: each stage the model's modules for its layers). Each rank parallelizes its
 stage module over the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs the pipeline
 on its own batch), compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with
-``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (``Schedule1F1B`` for the second model: backwards
-between forwards). Two SGD steps with ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding
+``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (``Schedule1F1B`` for the second model, backwards
+between forwards, its dense weights sharded by FSDP2's ``fully_shard`` over the stage's ranks as well). Two SGD steps with ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding
 the whole model) equal one process training on all four ranks' batches: the losses each step, the norm, every
 weight after (fp32, 1e-5); stacked experts (DTensors on the stage's sub-mesh in the state_dict) and a ModuleList's.
 A torch.distributed.checkpoint saved by the 4 ranks loads into fresh stages exactly, and ``full_state_dict`` gives
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ranks import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
@@ -61,7 +62,7 @@ def _stage(kind: str, mesh, pp: int, example, seed: int = 0):
     return moecompile.parallelize(stage, mesh, example)
 
 
-def _train(kind, mesh, rank, tmp, schedule_cls):
+def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False):
     pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     torch.manual_seed(0)
     whole = TinyMoELM(kind).train()
@@ -78,6 +79,8 @@ def _train(kind, mesh, rank, tmp, schedule_cls):
         if isinstance(value, DTensor):
             assert value.device_mesh.mesh_dim_names == ("ep",) and value.shape == every[name].shape, name
             assert value.device_mesh.mesh.tolist() == mesh.mesh[pp].tolist(), name
+    for module in [*model.norms.values(), model] if fsdp else ():  # the dense weights sharded over the stage's ranks
+        fully_shard(module, mesh=mesh["ep"])
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     schedule = schedule_cls(PipelineStage(compiled, pp, 2, torch.device("cpu"), group=mesh.get_group("pp")),
                             n_microbatches=MICRO, loss_fn=_loss)
@@ -153,8 +156,8 @@ def _ranks(rank, world, tmp):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
         _bad_input(mesh, rank)
         _dedup_in_one_stage(rank)
-        for kind, schedule_cls in (("gather", ScheduleGPipe), ("modulelist", Schedule1F1B)):
-            _train(kind, mesh, rank, tmp, schedule_cls)
+        _train("gather", mesh, rank, tmp, ScheduleGPipe)
+        _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
     finally:
         dist.destroy_process_group()
 
