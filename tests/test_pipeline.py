@@ -1,17 +1,17 @@
 """Pipeline parallelism (torch.distributed.pipelining) with expert parallelism inside each stage: world 4 as a (2, 2)
-("pp", "ep") mesh. A hand-written MoE model of two layers is cut into two stage modules that keep the model's
-parameter names (torchtitan's way: each stage the model's modules for its layers). Each rank parallelizes its
-stage module over the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs the pipeline
-on its own batch), compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with
-``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (``Schedule1F1B`` for the second model, backwards
-between forwards, its dense weights sharded by FSDP2's ``fully_shard`` over the stage's ranks as well). Two SGD steps with ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding
-the whole model) equal one process training on all four ranks' batches: the losses each step, the norm, every
-weight after (fp32, 1e-5); stacked experts (DTensors on the stage's sub-mesh in the state_dict) and a ModuleList's.
-A torch.distributed.checkpoint saved by the 4 ranks loads into fresh stages exactly, and ``full_state_dict`` gives
-each stage's weights whole; ``explain()`` on every rank lists each stage's layer. A (1, 2, 2) ("pp", "node",
-"local") mesh dedups per node; "pp" with options not built for it, not outermost, or over a stage whose ranks hold
-different weights raises ValueError. Before, a parallelize over a stage's ranks was refused ("not every rank of the
-default process group")."""
+("pp", "ep") mesh. A hand-written MoE model of two layers is cut into two stage modules that keep the model's parameter
+names (torchtitan's way: each stage the model's modules for its layers). Each rank parallelizes its stage module over
+the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs the pipeline on its own batch),
+compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with ``PipelineStage`` over the "pp"
+group, under ``ScheduleGPipe`` (``Schedule1F1B`` for the second model, backwards between forwards, its dense weights
+sharded by FSDP2's ``fully_shard`` over the stage's ranks as well). Two SGD steps with ``moecompile.clip_grad_norm_``
+(clipping, at the norm of one process holding the whole model) equal one process training on all four ranks' batches:
+the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors on the stage's sub-mesh in
+the state_dict) and a ModuleList's. A torch.distributed.checkpoint saved by the 4 ranks loads into fresh stages exactly,
+and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists each stage's layer. A (1, 2,
+2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not outermost, or over a stage
+whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's ranks was refused ("not every
+rank of the default process group")."""
 
 import copy
 from datetime import timedelta
