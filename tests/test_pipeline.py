@@ -4,14 +4,15 @@ names (torchtitan's way: each stage the model's modules for its layers). Each ra
 the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs the pipeline on its own batch),
 compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with ``PipelineStage`` over the "pp"
 group, under ``ScheduleGPipe`` (``Schedule1F1B`` for the second model, backwards between forwards, its dense weights
-sharded by FSDP2's ``fully_shard`` over the stage's ranks as well). Two SGD steps with ``moecompile.clip_grad_norm_``
-(clipping, at the norm of one process holding the whole model) equal one process training on all four ranks' batches:
-the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors on the stage's sub-mesh in
-the state_dict) and a ModuleList's. A torch.distributed.checkpoint saved by the 4 ranks loads into fresh stages exactly,
-and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists each stage's layer. A (1, 2,
-2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not outermost, or over a stage
-whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's ranks was refused ("not every
-rank of the default process group")."""
+sharded by FSDP2's ``fully_shard`` over the stage's ranks as well; ``ScheduleInterleaved1F1B`` for the third, cut into 4
+stages, two a rank, the first the embedding alone, clipped as a list of the rank's stages). Two SGD steps with
+``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process training
+on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
+on the stage's sub-mesh in the state_dict) and a ModuleList's. A torch.distributed.checkpoint saved by the 4 ranks loads
+into fresh stages exactly, and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists
+each stage's layer. A (1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not
+outermost, or over a stage whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's
+ranks was refused ("not every rank of the default process group")."""
 
 import copy
 from datetime import timedelta
@@ -25,7 +26,7 @@ from ranks import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
 import moecompile
@@ -36,14 +37,15 @@ STEPS, LR, MAX_NORM, TOL, MICRO = 2, 0.1, 0.5, 1e-5, 2
 
 
 class Stage(nn.Module):
-    """The modules of ``TinyMoELM`` that stage ``index`` of 2 runs, under their names in the model."""
+    """The modules of ``TinyMoELM`` that one stage runs (the embedding, ``layers``, the head), under their names in
+    the model."""
 
-    def __init__(self, lm: TinyMoELM, index: int):
+    def __init__(self, lm: TinyMoELM, layers: list[int], embed: bool, head: bool):
         super().__init__()
-        self.embed = lm.embed if index == 0 else None
-        self.norms = nn.ModuleDict({str(index): lm.norms[index]})
-        self.blocks = nn.ModuleDict({str(index): lm.blocks[index]})
-        self.norm, self.lm_head = (lm.norm, lm.lm_head) if index == 1 else (None, None)
+        self.embed = lm.embed if embed else None
+        self.norms = nn.ModuleDict({str(i): lm.norms[i] for i in layers})
+        self.blocks = nn.ModuleDict({str(i): lm.blocks[i] for i in layers})
+        self.norm, self.lm_head = (lm.norm, lm.lm_head) if head else (None, None)
 
     def forward(self, x):
         x = self.embed(x) if self.embed is not None else x
@@ -52,39 +54,50 @@ class Stage(nn.Module):
         return self.lm_head(self.norm(x)) if self.lm_head is not None else x
 
 
+# stage -> (its layers, the embedding?, the head?): 2 stages, one a rank; 4, two a rank (interleaved), the first
+# of them without an MoE layer (the embedding alone)
+SPLITS = {2: [([0], True, False), ([1], False, True)],
+          4: [([], True, False), ([0], False, False), ([1], False, False), ([], False, True)]}
+
+
 def _loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _stage(kind: str, mesh, pp: int, example, seed: int = 0):
+def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0):
     torch.manual_seed(seed)
-    stage = Stage(TinyMoELM(kind), pp)
-    return moecompile.parallelize(stage, mesh, example)
+    return moecompile.parallelize(Stage(TinyMoELM(kind), *SPLITS[stages][index]), mesh, example)
 
 
-def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False):
+def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2):
+    """Two steps of the pipeline, ``stages`` stages (rank ``pp`` runs stages pp, pp + 2...), against one process."""
     pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     torch.manual_seed(0)
     whole = TinyMoELM(kind).train()
     data = torch.randint(0, 128, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, ep, batch
-    example = data[0, ep] if pp == 0 else torch.randn(4, 8, 32)  # stage 1 takes hidden states
-    model = _stage(kind, mesh, pp, example).train()
-    info = model._moe_parallel
-    assert len(info.report.layers) == 1 and not info.left and info.world == 2, str(info)
-    assert f"of pipeline stage {pp} of 2" in str(info), str(info)
-    report = moecompile.explain(model, example, inner="aot_eager")  # (every rank: the stage's ranks exchange rows)
-    assert len(report.layers) == 1 and f"of pipeline stage {pp} of 2" in report.parallel, str(report)
+    mine = range(pp, stages, 2)
+    examples = [data[0, ep] if index == 0 else torch.randn(4, 8, 32) for index in mine]  # then hidden states
+    parts = [_stage(kind, mesh, index, stages, example).train() for index, example in zip(mine, examples)]
     every = dict(whole.named_parameters())
-    for name, value in model.state_dict().items():  # stacked experts: DTensors of the stage's sub-mesh, whole shape
-        if isinstance(value, DTensor):
-            assert value.device_mesh.mesh_dim_names == ("ep",) and value.shape == every[name].shape, name
-            assert value.device_mesh.mesh.tolist() == mesh.mesh[pp].tolist(), name
-    for module in [*model.norms.values(), model] if fsdp else ():  # the dense weights sharded over the stage's ranks
-        fully_shard(module, mesh=mesh["ep"])
-    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
-    schedule = schedule_cls(PipelineStage(compiled, pp, 2, torch.device("cpu"), group=mesh.get_group("pp")),
-                            n_microbatches=MICRO, loss_fn=_loss)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR) for m in (model, whole))
+    for index, part, example in zip(mine, parts, examples):
+        layers, info = SPLITS[stages][index][0], part._moe_parallel
+        assert len(info.report.layers) == len(layers) and not info.left and info.world == 2, str(info)
+        assert f"the ranks of index {pp} of 'pp'" in str(info), str(info)
+        report = moecompile.explain(part, example, inner="aot_eager")  # (every rank: the stage's ranks exchange)
+        assert len(report.layers) == len(layers) and f"of index {pp} of 'pp'" in report.parallel, str(report)
+        for name, value in part.state_dict().items():  # stacked experts: DTensors of the stage's sub-mesh
+            if isinstance(value, DTensor):
+                assert value.device_mesh.mesh_dim_names == ("ep",) and value.shape == every[name].shape, name
+                assert value.device_mesh.mesh.tolist() == mesh.mesh[pp].tolist(), name
+        for module in [*part.norms.values(), part] if fsdp else ():  # dense weights sharded over the stage's ranks
+            fully_shard(module, mesh=mesh["ep"])
+    compiled = [torch.compile(part, backend="moe", options={"inner": "aot_eager", "strict": bool(SPLITS[stages][i][0])})
+                for part, i in zip(parts, mine)]  # (strict: every MoE layer rewritten, and a stage without raises)
+    runs = [PipelineStage(c, index, stages, torch.device("cpu"), group=mesh.get_group("pp"))
+            for c, index in zip(compiled, mine)]
+    schedule = schedule_cls(runs if stages > 2 else runs[0], n_microbatches=MICRO, loss_fn=_loss)
+    params = [p for part in parts for p in part.parameters()]
+    opt, ref_opt = torch.optim.SGD(params, lr=LR), torch.optim.SGD(whole.parameters(), lr=LR)
     for step in range(STEPS):
         losses = []
         if pp == 0:
@@ -92,46 +105,47 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False):
         else:
             schedule.step(target=data[step, ep], losses=losses)
         want = [_loss(whole(mb).logits, mb) for mb in data[step].flatten(0, 1).chunk(2 * MICRO)]
-        (sum(want) / len(want)).backward()  # each rank's GPipe averages its microbatches; the ranks are averaged
+        (sum(want) / len(want)).backward()  # each rank's schedule averages its microbatches; the ranks are averaged
         if pp == 1:
             torch.testing.assert_close(torch.stack(losses), torch.stack(want[ep * MICRO:(ep + 1) * MICRO]),
                                        rtol=TOL, atol=TOL, msg=lambda m: f"{kind} step {step} losses: {m}")
-        norm = moecompile.clip_grad_norm_(compiled, MAX_NORM)
+        norm = moecompile.clip_grad_norm_(compiled if stages > 2 else compiled[0], MAX_NORM)  # every stage held here
         torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM), rtol=TOL,
                                    atol=TOL, msg=lambda m: f"{kind} step {step} norm: {m}")
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    full = moecompile.full_state_dict(model)
-    assert set(full) == set(Stage(TinyMoELM(kind), pp).state_dict()), sorted(full)  # the stage's, every expert
-    for name, value in full.items():
+    full = {name: value for part in parts for name, value in moecompile.full_state_dict(part).items()}
+    assert set(full) == {n for index in mine for n in Stage(TinyMoELM(kind), *SPLITS[stages][index]).state_dict()}
+    for name, value in full.items():  # (every expert of the stages, whole)
         torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
-    dcp.save({"model": model.state_dict()}, checkpoint_id=f"{tmp}/{kind}")  # both stages into one checkpoint
-    fresh = _stage(kind, mesh, pp, example)
-    for p in fresh.parameters():
+    where = f"{tmp}/{kind}_{stages}"
+    dcp.save({"model": {k: v for part in parts for k, v in part.state_dict().items()}}, checkpoint_id=where)
+    fresh = [_stage(kind, mesh, index, stages, example) for index, example in zip(mine, examples)]
+    for p in (p for part in fresh for p in part.parameters()):
         p.data.zero_()
-    state = {"model": fresh.state_dict()}
-    dcp.load(state, checkpoint_id=f"{tmp}/{kind}")
-    fresh.load_state_dict(state["model"])
-    loaded = moecompile.full_state_dict(fresh)
-    assert all(torch.equal(loaded[name], value) for name, value in full.items()), kind
+    state = {"model": {k: v for part in fresh for k, v in part.state_dict().items()}}
+    dcp.load(state, checkpoint_id=where)  # every stage's weights in one checkpoint
+    for part in fresh:
+        part.load_state_dict({k: v for k, v in state["model"].items() if k in part.state_dict()})
+        assert all(torch.equal(value, full[name]) for name, value in moecompile.full_state_dict(part).items()), kind
 
 
 def _bad_input(mesh, rank):
     ids = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="'pp' \\(2 pipeline stages\\) with swap_every is not built"):
-        moecompile.parallelize(Stage(TinyMoELM("gather"), 0), mesh, ids, swap_every=1)
+        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), mesh, ids, swap_every=1)
     inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "pp"))
     with pytest.raises(ValueError, match="'pp' must come first"):
-        moecompile.parallelize(Stage(TinyMoELM("gather"), 0), inner, ids)
+        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), inner, ids)
     both = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_replicate", "ep"))
     with pytest.raises(ValueError, match="both 'pp' and 'dp_replicate' is not built"):
-        moecompile.parallelize(Stage(TinyMoELM("gather"), 0), both, ids)
+        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), both, ids)
     pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     example = ids if pp == 0 else torch.randn(1, 4, 32)
     if pp == 0:  # the stage's ranks hold different weights (another seed on one): refused there
         with pytest.raises(ValueError, match="hold a different model than rank 0"):
-            _stage("gather", mesh, pp, example, seed=ep)
+            _stage("gather", mesh, pp, 2, example, seed=ep)
     else:  # (the stages differ from each other, as they should)
-        _stage("gather", mesh, pp, example)
+        _stage("gather", mesh, pp, 2, example)
 
 
 def _dedup_in_one_stage(rank):
@@ -158,6 +172,7 @@ def _ranks(rank, world, tmp):
         _dedup_in_one_stage(rank)
         _train("gather", mesh, rank, tmp, ScheduleGPipe)
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
+        _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
     finally:
         dist.destroy_process_group()
 

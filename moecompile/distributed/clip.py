@@ -32,25 +32,32 @@ from .views import expert_parameters
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+def clip_grad_norm_(model: nn.Module | list[nn.Module], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale the gradients of ``model``'s parameters so that their total norm is at most ``max_norm``, as
     ``torch.nn.utils.clip_grad_norm_`` does on one process holding the whole model; returns the total norm before
     clipping (float32, the same on every rank). Call it on every rank together, after backward and before the
-    optimizer's step. ``model``: the model or its ``torch.compile`` wrapper. A model ``parallelize`` did not shard is
-    passed to ``torch.nn.utils.clip_grad_norm_``."""
-    info = getattr(model, "_moe_parallel", None)
-    if info is None:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type, error_if_nonfinite)
-    if info.replicas:
+    optimizer's step. ``model``: the model or its ``torch.compile`` wrapper, or a list of the stage modules this rank
+    runs (an interleaved pipeline schedule's, each parallelized on the same mesh). A model ``parallelize`` did not
+    shard is passed to ``torch.nn.utils.clip_grad_norm_``."""
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    infos = [getattr(part, "_moe_parallel", None) for part in parts]
+    if all(info is None for info in infos):
+        params = [p for part in parts for p in part.parameters()]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    if any(info is None for info in infos) or len({id(info.group) for info in infos}) > 1:
+        raise ValueError("clip_grad_norm_ of several model parts takes parts moecompile.parallelize sharded on one "
+                         "mesh (each stage module this rank runs): parallelize every part, even one without MoE "
+                         "layers (its dense gradients are then averaged over the stage's ranks)")
+    if any(info.replicas for info in infos):
         raise ValueError("this model's experts are replicated (parallelize(..., replication=...)): their gradients "
                          "are summed over the instances by moecompile.ExpertOptimizer; clip with its "
                          "opt.clip_grad_norm_(max_norm) instead")
-    experts = {id(p) for p in expert_parameters(model)}
-    with_grad = [p for p in model.parameters() if p.grad is not None]
+    experts = {id(p) for part in parts for p in expert_parameters(part)}
+    with_grad = [p for part in parts for p in part.parameters() if p.grad is not None]
     return clip_together([p.grad for p in with_grad if id(p) not in experts],
-                         [p.grad for p in with_grad if id(p) in experts], info.group, max_norm, norm_type,
-                         error_if_nonfinite, stages=pipeline_group(info.mesh))
+                         [p.grad for p in with_grad if id(p) in experts], infos[0].group, max_norm, norm_type,
+                         error_if_nonfinite, stages=pipeline_group(infos[0].mesh))
 
 
 @torch.no_grad()

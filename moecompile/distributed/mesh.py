@@ -96,7 +96,8 @@ def state_mesh(mesh):
 
 def describe(mesh, world: int, copies: int) -> str:
     """The first line of ``ParallelInfo``'s report."""
-    where = f" of pipeline stage {mesh.get_local_rank(STAGES)} of {mesh.shape[0]}" if _outer(mesh) == STAGES else ""
+    where = f", the ranks of index {mesh.get_local_rank(STAGES)} of {STAGES!r} (a pipeline stage's)" if _outer(
+        mesh) == STAGES else ""
     return f"expert parallelism over {world} rank(s){where}" + (
         f", each expert on {copies} ranks ({REPLICATE!r}: its gradient averaged over them)" if copies > 1 else "") + ":"
 
