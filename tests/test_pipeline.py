@@ -136,6 +136,9 @@ def _bad_input(mesh, rank):
     inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "pp"))
     with pytest.raises(ValueError, match="'pp' must come first"):
         moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), inner, ids)
+    with pytest.raises(ValueError, match="a pipeline stage's ranks: pass the whole mesh, its outermost dimension "
+                                         "named 'pp'"):  # (the stage's sub-mesh, as a user might try first)
+        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), mesh["ep"], ids)
     both = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_replicate", "ep"))
     with pytest.raises(ValueError, match="both 'pp' and 'dp_replicate' is not built"):
         moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), both, ids)

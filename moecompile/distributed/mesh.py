@@ -155,7 +155,8 @@ def _check_mesh(mesh):
         raise ValueError(f"the mesh's ranks {ranks} are not every rank of the default process group, in order "
                          f"(world size {dist.get_world_size()}): expert parallelism runs over the whole world; build "
                          "the mesh with init_device_mesh(device, shape) whose sizes multiply to the world size (a "
-                         f"smaller expert-parallel group: an outermost {REPLICATE!r} dimension)")
+                         f"smaller expert-parallel group: an outermost {REPLICATE!r} dimension; a pipeline stage's "
+                         f"ranks: pass the whole mesh, its outermost dimension named {STAGES!r})")
     return _group(mesh, tuple(range(offset, mesh.ndim))) if offset else dist.group.WORLD
 
 
