@@ -2,6 +2,7 @@
 
 import inspect
 import logging
+import sysconfig
 import warnings
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from transformers import DeepseekV3Config, LlamaConfig, LlamaForCausalLM, Qwen2M
 
 import moecompile
 from moecompile import pipeline
+from moecompile.tracing import break_sites
 from moecompile.__main__ import _model_for, families, main
 from moecompile.models import handwritten, hf
 
@@ -191,6 +193,21 @@ class _BranchingMoE(torch.nn.Module):
             if hit.sum() > 1:
                 out[hit] += expert(x[hit]) * (weights * (ids == e)).sum(-1)[hit, None]
         return out
+
+
+def test_a_graph_break_is_placed_at_the_innermost_frame_outside_the_standard_library_and_dynamo():
+    """The site explain() names: the innermost frame of the break's user stack, not a context manager's
+    ``__enter__`` in contextlib, also where the packages are installed under the standard library's folder (a
+    system or conda Python: ``.../lib/python3.11/site-packages``); a duplicate's message, which gives the place
+    only, takes the site found for that place before."""
+    std = sysconfig.get_paths()["stdlib"]
+    full = (f"Graph break in user code at {std}/contextlib.py:105\nGraph Break Reason: ...\nUser code traceback:\n"
+            f'  File "/home/me/train.py", line 9, in <module>\n'
+            f'  File "{std}/site-packages/torch/nn/parallel/distributed.py", line 1714, in forward\n'
+            f'  File "{std}/contextlib.py", line 105, in __enter__\n')
+    again = f"Graph break (user stack suppressed due to duplicate graph break) in user code at {std}/contextlib.py:105"
+    known = {}
+    assert [break_sites.site(m, known) for m in (full, again)] == ["torch/nn/parallel/distributed.py:1714"] * 2
 
 
 def test_explain_reports_graph_breaks_and_no_graph(caplog):

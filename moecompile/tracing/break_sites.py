@@ -67,7 +67,9 @@ def _short(path: str) -> str:
 
 
 def _candidate(path: str) -> bool:
-    return not path.startswith(_STDLIB) and not any(part in path for part in _NOT_THE_SITE) and "<" not in path
+    installed = "site-packages" in path or "dist-packages" in path  # (under the stdlib's folder outside a venv)
+    return ((installed or not path.startswith(_STDLIB)) and not any(part in path for part in _NOT_THE_SITE)
+            and "<" not in path)
 
 
 def site(message: str, known: dict[str, str]) -> str | None:
