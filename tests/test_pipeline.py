@@ -1,18 +1,19 @@
 """Pipeline parallelism (torch.distributed.pipelining) with expert parallelism inside each stage: world 4 as a (2, 2)
-("pp", "ep") mesh. A hand-written MoE model of two layers is cut into two stage modules that keep the model's parameter
-names (torchtitan's way: each stage the model's modules for its layers). Each rank parallelizes its stage module over
-the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs the pipeline on its own batch),
-compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with ``PipelineStage`` over the "pp"
-group, under ``ScheduleGPipe`` (``Schedule1F1B`` for the second model, backwards between forwards, its dense weights
-sharded by FSDP2's ``fully_shard`` over the stage's ranks as well; ``ScheduleInterleaved1F1B`` for the third, cut into 4
-stages, two a rank, the first the embedding alone, clipped as a list of the rank's stages). Two SGD steps with
-``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process training
-on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
-on the stage's sub-mesh in the state_dict) and a ModuleList's. A torch.distributed.checkpoint saved by the 4 ranks loads
-into fresh stages exactly, and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists
-each stage's layer. A (1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not
-outermost, or over a stage whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's
-ranks was refused ("not every rank of the default process group")."""
+("pp", "ep") mesh. A tiny transformers Mixtral and hand-written MoE models of two layers are cut into stage modules that
+keep the model's parameter names (torchtitan's way: each stage the model's modules for its layers). Each rank
+parallelizes its stage module over the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs
+the pipeline on its own batch), compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with
+``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (Mixtral; ``Schedule1F1B`` for the second model,
+backwards between forwards, its dense weights sharded by FSDP2's ``fully_shard`` over the stage's ranks as well;
+``ScheduleInterleaved1F1B`` for the third, cut into 4 stages, two a rank, the first the embedding alone, clipped as a
+list of the rank's stages). Two SGD steps with ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process
+holding the whole model) equal one process training on all four ranks' batches: the losses each step, the norm, every
+weight after (fp32, 1e-5); stacked experts (DTensors on the stage's sub-mesh in the state_dict) and ModuleLists'. A
+torch.distributed.checkpoint saved by the 4 ranks loads into fresh stages exactly, and ``full_state_dict`` gives each
+stage's weights whole; ``explain()`` on every rank lists each stage's layers. A (1, 2, 2) ("pp", "node", "local") mesh
+dedups per node; "pp" with options not built for it, not outermost, or over a stage whose ranks hold different weights
+raises ValueError. Before, a parallelize over a stage's ranks was refused ("not every rank of the default process
+group")."""
 
 import copy
 from datetime import timedelta
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import moecompile
 from moecompile.models.handwritten import TinyMoELM
+from moecompile.models.hf import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 STEPS, LR, MAX_NORM, TOL, MICRO = 2, 0.1, 0.5, 1e-5, 2
@@ -54,6 +56,38 @@ class Stage(nn.Module):
         return self.lm_head(self.norm(x)) if self.lm_head is not None else x
 
 
+class HFStage(nn.Module):
+    """The modules of a transformers causal LM (tiny Mixtral) that one stage runs, under their names in the model
+    (``model.layers.1...``): its decoder layers called as the model calls them (rotary position embeddings, the
+    causal mask left to attention)."""
+
+    def __init__(self, lm, layers: list[int], embed: bool, head: bool):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = lm.model.embed_tokens if embed else None
+        self.model.layers = nn.ModuleDict({str(i): lm.model.layers[i] for i in layers})
+        self.model.rotary_emb = lm.model.rotary_emb
+        self.model.norm, self.lm_head = (lm.model.norm, lm.lm_head) if head else (None, None)
+
+    def forward(self, x):
+        inner = self.model
+        h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1], device=h.device)[None]
+        rotary = inner.rotary_emb(h, position_ids=positions)
+        for layer in inner.layers.values():
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+        return self.lm_head(inner.norm(h)) if self.lm_head is not None else h
+
+
+def _whole(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return tiny_model(kind, seed=seed) if kind == "mixtral" else TinyMoELM(kind)
+
+
+def _split(lm, index: int, stages: int):
+    return (HFStage if hasattr(lm, "config") else Stage)(lm, *SPLITS[stages][index])
+
+
 # stage -> (its layers, the embedding?, the head?): 2 stages, one a rank; 4, two a rank (interleaved), the first
 # of them without an MoE layer (the embedding alone)
 SPLITS = {2: [([0], True, False), ([1], False, True)],
@@ -65,18 +99,17 @@ def _loss(logits, ids):
 
 
 def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0):
-    torch.manual_seed(seed)
-    return moecompile.parallelize(Stage(TinyMoELM(kind), *SPLITS[stages][index]), mesh, example)
+    return moecompile.parallelize(_split(_whole(kind, seed), index, stages), mesh, example)
 
 
 def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2):
     """Two steps of the pipeline, ``stages`` stages (rank ``pp`` runs stages pp, pp + 2...), against one process."""
     pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
-    torch.manual_seed(0)
-    whole = TinyMoELM(kind).train()
-    data = torch.randint(0, 128, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, ep, batch
+    whole = _whole(kind).train()
+    vocab, hidden = (whole.config.vocab_size, whole.config.hidden_size) if kind == "mixtral" else (128, 32)
+    data = torch.randint(0, vocab, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, ep, batch
     mine = range(pp, stages, 2)
-    examples = [data[0, ep] if index == 0 else torch.randn(4, 8, 32) for index in mine]  # then hidden states
+    examples = [data[0, ep] if index == 0 else torch.randn(4, 8, hidden) for index in mine]  # then hidden states
     parts = [_stage(kind, mesh, index, stages, example).train() for index, example in zip(mine, examples)]
     every = dict(whole.named_parameters())
     for index, part, example in zip(mine, parts, examples):
@@ -114,7 +147,7 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2):
                                    atol=TOL, msg=lambda m: f"{kind} step {step} norm: {m}")
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     full = {name: value for part in parts for name, value in moecompile.full_state_dict(part).items()}
-    assert set(full) == {n for index in mine for n in Stage(TinyMoELM(kind), *SPLITS[stages][index]).state_dict()}
+    assert set(full) == {n for index in mine for n in _split(_whole(kind), index, stages).state_dict()}
     for name, value in full.items():  # (every expert of the stages, whole)
         torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
     where = f"{tmp}/{kind}_{stages}"
@@ -173,7 +206,7 @@ def _ranks(rank, world, tmp):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
         _bad_input(mesh, rank)
         _dedup_in_one_stage(rank)
-        _train("gather", mesh, rank, tmp, ScheduleGPipe)
+        _train("mixtral", mesh, rank, tmp, ScheduleGPipe)
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
     finally:
