@@ -3,17 +3,17 @@
 keep the model's parameter names (torchtitan's way: each stage the model's modules for its layers). Each rank
 parallelizes its stage module over the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs
 the pipeline on its own batch), compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with
-``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (Mixtral; ``Schedule1F1B`` for the second model,
-backwards between forwards, its dense weights sharded by FSDP2's ``fully_shard`` over the stage's ranks as well;
-``ScheduleInterleaved1F1B`` for the third, cut into 4 stages, two a rank, the first the embedding alone, clipped as a
-list of the rank's stages). Two SGD steps with ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process
-holding the whole model) equal one process training on all four ranks' batches: the losses each step, the norm, every
-weight after (fp32, 1e-5); stacked experts (DTensors on the stage's sub-mesh in the state_dict) and ModuleLists'. A
-torch.distributed.checkpoint saved by the 4 ranks loads into fresh stages exactly, and ``full_state_dict`` gives each
-stage's weights whole; ``explain()`` on every rank lists each stage's layers. A (1, 2, 2) ("pp", "node", "local") mesh
-dedups per node; "pp" with options not built for it, not outermost, or over a stage whose ranks hold different weights
-raises ValueError. Before, a parallelize over a stage's ranks was refused ("not every rank of the default process
-group")."""
+``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (Mixtral, its experts swapping ranks inside each stage
+after every step; ``Schedule1F1B`` for the second model, backwards between forwards, its dense weights sharded by
+FSDP2's ``fully_shard`` over the stage's ranks as well; ``ScheduleInterleaved1F1B`` for the third, cut into 4 stages,
+two a rank, the first the embedding alone, clipped as a list of the rank's stages). Two SGD steps with
+``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process training
+on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
+on the stage's sub-mesh in the state_dict) and ModuleLists'. A torch.distributed.checkpoint saved by the 4 ranks loads
+into fresh stages exactly, and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists
+each stage's layers. A (1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not
+outermost, or over a stage whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's
+ranks was refused ("not every rank of the default process group")."""
 
 import copy
 from datetime import timedelta
@@ -98,19 +98,21 @@ def _loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0):
-    return moecompile.parallelize(_split(_whole(kind, seed), index, stages), mesh, example)
+def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0, swap_every: int = 0):
+    return moecompile.parallelize(_split(_whole(kind, seed), index, stages), mesh, example, swap_every=swap_every)
 
 
-def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2):
-    """Two steps of the pipeline, ``stages`` stages (rank ``pp`` runs stages pp, pp + 2...), against one process."""
+def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every=0):
+    """Two steps of the pipeline, ``stages`` stages (rank ``pp`` runs stages pp, pp + 2...), against one process;
+    ``swap_every``: the experts swap ranks inside each stage (the weights compared in expert order)."""
     pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     whole = _whole(kind).train()
     vocab, hidden = (whole.config.vocab_size, whole.config.hidden_size) if kind == "mixtral" else (128, 32)
     data = torch.randint(0, vocab, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, ep, batch
     mine = range(pp, stages, 2)
     examples = [data[0, ep] if index == 0 else torch.randn(4, 8, hidden) for index in mine]  # then hidden states
-    parts = [_stage(kind, mesh, index, stages, example).train() for index, example in zip(mine, examples)]
+    parts = [_stage(kind, mesh, index, stages, example, swap_every=swap_every).train()
+             for index, example in zip(mine, examples)]
     every = dict(whole.named_parameters())
     for index, part, example in zip(mine, parts, examples):
         layers, info = SPLITS[stages][index][0], part._moe_parallel
@@ -146,6 +148,7 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2):
         torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM), rtol=TOL,
                                    atol=TOL, msg=lambda m: f"{kind} step {step} norm: {m}")
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    assert not swap_every or all(part._moe_parallel.swap.history for part in parts), "no expert swapped ranks"
     full = {name: value for part in parts for name, value in moecompile.full_state_dict(part).items()}
     assert set(full) == {n for index in mine for n in _split(_whole(kind), index, stages).state_dict()}
     for name, value in full.items():  # (every expert of the stages, whole)
@@ -164,8 +167,9 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2):
 
 def _bad_input(mesh, rank):
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="'pp' \\(2 pipeline stages\\) with swap_every is not built"):
-        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), mesh, ids, swap_every=1)
+    with pytest.raises(ValueError, match="'pp' \\(2 pipeline stages\\) with replication is not built"):
+        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), mesh, ids, replication="adaptive",
+                               slots_per_rank=2)
     inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "pp"))
     with pytest.raises(ValueError, match="'pp' must come first"):
         moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), inner, ids)
@@ -206,7 +210,7 @@ def _ranks(rank, world, tmp):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
         _bad_input(mesh, rank)
         _dedup_in_one_stage(rank)
-        _train("mixtral", mesh, rank, tmp, ScheduleGPipe)
+        _train("mixtral", mesh, rank, tmp, ScheduleGPipe, swap_every=1)
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
     finally:

@@ -37,6 +37,7 @@ _GROUPS: dict[tuple, tuple] = {}
 TP = "tp"  # the mesh dimension of tensor parallelism: its ranks' MoE-block inputs are identical
 REPLICATE = "dp_replicate"  # the outermost mesh dimension whose ranks hold the same experts
 STAGES = "pp"  # the outermost mesh dimension whose ranks hold different parts of the model (pipeline stages)
+STAGES_SERVE = ("swap_every",)  # the options of expert_copies that work under "pp" (inside each stage's ranks)
 
 
 def setup_mesh(mesh):
@@ -69,7 +70,7 @@ def expert_copies(mesh, **asked) -> int:
     ValueError where copies, or pipeline stages, meet an option ``asked`` (name: on) that does not serve them yet."""
     outer = _outer(mesh)
     copies = mesh.shape[0] if outer == REPLICATE else 1
-    names = [name for name, on in asked.items() if on]
+    names = [name for name, on in asked.items() if on and not (outer == STAGES and name in STAGES_SERVE)]
     if outer and names:  # (of any size: their own code reads the whole mesh as expert-parallel levels)
         what = f"each expert on {copies} ranks" if outer == REPLICATE else f"{mesh.shape[0]} pipeline stages"
         raise ValueError(f"a mesh with {outer!r} ({what}) with {', '.join(names)} is not built: drop "

@@ -23,7 +23,7 @@ from moecompile.runtime.comm.cost_model import LinkModel
 from moecompile.runtime.placement.swap import RECENT, choose_swap, move_rows
 from moecompile.runtime.comm.levels import kinds
 
-from .mesh import level_names
+from .mesh import ep_shape, level_names
 from .sharded_state import SLOTS, check_not_moved
 
 _ACTIVE: "weakref.WeakSet[ExpertSwap]" = weakref.WeakSet()
@@ -45,7 +45,7 @@ class ExpertSwap:
     def __init__(self, layers, every: int, gamma: float, link, mesh, group, model):
         # [(LayerRecord, [per weight: its shard, or a ModuleList's local experts' weights of one role], slots_E)]
         self.layers = layers
-        self.mesh_shape, self.names = tuple(mesh.shape), level_names(mesh)
+        self.mesh_shape, self.names = ep_shape(mesh), level_names(mesh)  # (a "pp" stage's ranks)
         bytes_only = LinkModel({kind: (0.0, 1.0) for kind in kinds(self.names)})
         self.every, self.gamma, self.link, self.group = every, gamma, link or bytes_only, group
         self.steps = 0
