@@ -150,7 +150,8 @@ LONGEST_FIRST = ("test_moe_tp.py::test_moe_blocks", "test_hybrid.py::test_expert
                  "test_forms.py::test_a_sharded", "test_gpu_check.py::test_expert_parallel",
                  "test_lowering.py::test_triton_lowering_under_inductor", "test_families.py::test_inductor",
                  "test_ep_levels.py::", "test_example_ep.py::", "test_moe_tp.py::test_transformers",
-                 "test_checkpointing.py::", "test_recompiles.py::test_lengths")
+                 "test_checkpointing.py::", "test_data_parallel.py::", "test_pipeline.py::",
+                 "test_recompiles.py::test_lengths")
 
 
 def pytest_collection_modifyitems(config, items):
