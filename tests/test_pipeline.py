@@ -79,6 +79,12 @@ class HFStage(nn.Module):
         return self.lm_head(inner.norm(h)) if self.lm_head is not None else h
 
 
+# stage -> (its layers, the embedding?, the head?): 2 stages, one a rank; 4, two a rank (interleaved), the first
+# of them without an MoE layer (the embedding alone)
+SPLITS = {2: [([0], True, False), ([1], False, True)],
+          4: [([], True, False), ([0], False, False), ([1], False, False), ([], False, True)]}
+
+
 def _whole(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     return tiny_model(kind, seed=seed) if kind == "mixtral" else TinyMoELM(kind)
@@ -86,12 +92,6 @@ def _whole(kind: str, seed: int = 0):
 
 def _split(lm, index: int, stages: int):
     return (HFStage if hasattr(lm, "config") else Stage)(lm, *SPLITS[stages][index])
-
-
-# stage -> (its layers, the embedding?, the head?): 2 stages, one a rank; 4, two a rank (interleaved), the first
-# of them without an MoE layer (the embedding alone)
-SPLITS = {2: [([0], True, False), ([1], False, True)],
-          4: [([], True, False), ([0], False, False), ([1], False, False), ([], False, True)]}
 
 
 def _loss(logits, ids):
