@@ -11,9 +11,13 @@ two a rank, the first the embedding alone, clipped as a list of the rank's stage
 on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
 on the stage's sub-mesh in the state_dict) and ModuleLists'. A torch.distributed.checkpoint saved by the 4 ranks loads
 into fresh stages exactly, and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists
-each stage's layers. A (1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not
-outermost, or over a stage whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's
-ranks was refused ("not every rank of the default process group")."""
+each stage's layers. On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch (one process trains on
+that batch), Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and the ModuleList model's
+under ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb" a stage's dense
+gradients were averaged with the other stage's ranks too: the ranks waited on each other until gloo's timeout). A
+(1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not outermost, or over a
+stage whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's ranks was refused
+("not every rank of the default process group")."""
 
 import copy
 from datetime import timedelta
@@ -29,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import moecompile
 from moecompile.models.handwritten import TinyMoELM
@@ -98,31 +103,43 @@ def _loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0, swap_every: int = 0):
-    return moecompile.parallelize(_split(_whole(kind, seed), index, stages), mesh, example, swap_every=swap_every)
+def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0, swap_every: int = 0, moe_tp="off"):
+    """The stage module, parallelized; with ``moe_tp`` on a ("pp", "tp") mesh, a transformers stage's attention
+    tensor-parallel over "tp" first (q, k, v by columns, o by rows: torch's ``parallelize_module``)."""
+    part = _split(_whole(kind, seed), index, stages)
+    if moe_tp != "off" and isinstance(part, HFStage):
+        plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
+                "o_proj": RowwiseParallel()}
+        for layer in part.model.layers.values():
+            parallelize_module(layer.self_attn, mesh["tp"], plan)
+    return moecompile.parallelize(part, mesh, example, swap_every=swap_every, moe_tp=moe_tp)
 
 
-def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every=0):
+def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every=0, moe_tp="off"):
     """Two steps of the pipeline, ``stages`` stages (rank ``pp`` runs stages pp, pp + 2...), against one process;
-    ``swap_every``: the experts swap ranks inside each stage (the weights compared in expert order)."""
-    pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
+    ``swap_every``: the experts swap ranks inside each stage (the weights compared in expert order); ``moe_tp`` on a
+    ("pp", "tp") mesh: a stage's two ranks are a tp group, fed the same batch (one process trains on that one)."""
+    inner = mesh.mesh_dim_names[1]
+    pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank(inner)
+    dp, b = (2, ep) if inner == "ep" else (1, 0)  # batches, this rank's
     whole = _whole(kind).train()
     vocab, hidden = (whole.config.vocab_size, whole.config.hidden_size) if kind == "mixtral" else (128, 32)
     data = torch.randint(0, vocab, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, ep, batch
     mine = range(pp, stages, 2)
-    examples = [data[0, ep] if index == 0 else torch.randn(4, 8, hidden) for index in mine]  # then hidden states
-    parts = [_stage(kind, mesh, index, stages, example, swap_every=swap_every).train()
+    examples = [data[0, b] if index == 0 else torch.randn(4, 8, hidden) for index in mine]  # then hidden states
+    parts = [_stage(kind, mesh, index, stages, example, swap_every=swap_every, moe_tp=moe_tp).train()
              for index, example in zip(mine, examples)]
     every = dict(whole.named_parameters())
     for index, part, example in zip(mine, parts, examples):
         layers, info = SPLITS[stages][index][0], part._moe_parallel
         assert len(info.report.layers) == len(layers) and not info.left and info.world == 2, str(info)
         assert f"the ranks of index {pp} of 'pp'" in str(info), str(info)
+        assert all(rec.moe_tp == moe_tp for rec in info.report.layers), str(info)
         report = moecompile.explain(part, example, inner="aot_eager")  # (every rank: the stage's ranks exchange)
         assert len(report.layers) == len(layers) and f"of index {pp} of 'pp'" in report.parallel, str(report)
         for name, value in part.state_dict().items():  # stacked experts: DTensors of the stage's sub-mesh
-            if isinstance(value, DTensor):
-                assert value.device_mesh.mesh_dim_names == ("ep",) and value.shape == every[name].shape, name
+            if isinstance(value, DTensor):  # (and under "tp" the attention's)
+                assert value.device_mesh.mesh_dim_names == (inner,) and value.shape == every[name].shape, name
                 assert value.device_mesh.mesh.tolist() == mesh.mesh[pp].tolist(), name
         for module in [*part.norms.values(), part] if fsdp else ():  # dense weights sharded over the stage's ranks
             fully_shard(module, mesh=mesh["ep"])
@@ -136,13 +153,13 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     for step in range(STEPS):
         losses = []
         if pp == 0:
-            schedule.step(data[step, ep])
+            schedule.step(data[step, b])
         else:
-            schedule.step(target=data[step, ep], losses=losses)
-        want = [_loss(whole(mb).logits, mb) for mb in data[step].flatten(0, 1).chunk(2 * MICRO)]
+            schedule.step(target=data[step, b], losses=losses)
+        want = [_loss(whole(mb).logits, mb) for mb in data[step, :dp].flatten(0, 1).chunk(dp * MICRO)]
         (sum(want) / len(want)).backward()  # each rank's schedule averages its microbatches; the ranks are averaged
         if pp == 1:
-            torch.testing.assert_close(torch.stack(losses), torch.stack(want[ep * MICRO:(ep + 1) * MICRO]),
+            torch.testing.assert_close(torch.stack(losses), torch.stack(want[b * MICRO:(b + 1) * MICRO]),
                                        rtol=TOL, atol=TOL, msg=lambda m: f"{kind} step {step} losses: {m}")
         norm = moecompile.clip_grad_norm_(compiled if stages > 2 else compiled[0], MAX_NORM)  # every stage held here
         torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM), rtol=TOL,
@@ -153,9 +170,9 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     assert set(full) == {n for index in mine for n in _split(_whole(kind), index, stages).state_dict()}
     for name, value in full.items():  # (every expert of the stages, whole)
         torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
-    where = f"{tmp}/{kind}_{stages}"
+    where = f"{tmp}/{kind}_{stages}_{moe_tp}"
     dcp.save({"model": {k: v for part in parts for k, v in part.state_dict().items()}}, checkpoint_id=where)
-    fresh = [_stage(kind, mesh, index, stages, example) for index, example in zip(mine, examples)]
+    fresh = [_stage(kind, mesh, index, stages, example, moe_tp=moe_tp) for index, example in zip(mine, examples)]
     for p in (p for part in fresh for p in part.parameters()):
         p.data.zero_()
     state = {"model": {k: v for part in fresh for k, v in part.state_dict().items()}}
@@ -213,6 +230,9 @@ def _ranks(rank, world, tmp):
         _train("mixtral", mesh, rank, tmp, ScheduleGPipe, swap_every=1)
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
+        beside_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        _train("mixtral", beside_tp, rank, tmp, ScheduleGPipe, moe_tp="ted")
+        _train("modulelist", beside_tp, rank, tmp, Schedule1F1B, moe_tp="ssmb")
     finally:
         dist.destroy_process_group()
 

@@ -19,7 +19,7 @@ averaged over ``"dp_replicate"`` (``replicate_group``). An outermost dimension n
 stages: each index holds another part of the model (its stage module), whose experts are sharded over the other
 dimensions (``setup_mesh``'s group again, the stage's ranks); nothing is reduced or checked across stages but the
 gradient norm of ``clip_grad_norm_`` (``pipeline_group``), and the state_dict's DTensors live on the stage's
-sub-mesh (``state_mesh``).
+sub-mesh (``state_mesh``); a ``"tp"`` dimension's data-parallel group is then the stage's ranks of one tp index.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _GROUPS: dict[tuple, tuple] = {}
 TP = "tp"  # the mesh dimension of tensor parallelism: its ranks' MoE-block inputs are identical
 REPLICATE = "dp_replicate"  # the outermost mesh dimension whose ranks hold the same experts
 STAGES = "pp"  # the outermost mesh dimension whose ranks hold different parts of the model (pipeline stages)
-STAGES_SERVE = ("swap_every",)  # the options of expert_copies that work under "pp" (inside each stage's ranks)
+STAGES_SERVE = ("swap_every", "moe_tp")  # the options of expert_copies that work under "pp" (in each stage's ranks)
 
 
 def setup_mesh(mesh):
@@ -60,9 +60,10 @@ def tp_dim(mesh) -> int | None:
 
 def tp_groups(mesh):
     """(this rank's tensor-parallel group: the ranks differing only in ``"tp"``; its data-parallel group: the ranks
-    differing in the other dimensions, this rank alone on a mesh of ``"tp"`` only)."""
-    d = tp_dim(mesh)
-    return _group(mesh, (d,)), _group(mesh, tuple(i for i in range(mesh.ndim) if i != d))
+    differing in the other dimensions but ``"pp"`` (a pipeline stage's), this rank alone on a mesh of ``"tp"``
+    only)."""
+    d, first = tp_dim(mesh), int(_outer(mesh) == STAGES)
+    return _group(mesh, (d,)), _group(mesh, tuple(i for i in range(first, mesh.ndim) if i != d))
 
 
 def expert_copies(mesh, **asked) -> int:

@@ -27,6 +27,7 @@ from torch import nn
 
 from moecompile.runtime.layouts import contiguous_stride
 
+from .mesh import state_mesh
 from .views import read_remote, read_through_view
 
 
@@ -119,7 +120,7 @@ def shard(model, rec, params: dict, mesh, tp) -> set[str]:
             module._parameters[attr] = local
             read_through_view(module, {attr: 1 if listed else e.num_experts}, group_name, layer, "off",
                               extra=extra, full_shapes={attr: tuple(full.shape)})
-            _state_hooks(module, attr, cut, e.intermediate, tp, None if listed else (e.num_experts, mesh))
+            _state_hooks(module, attr, cut, e.intermediate, tp, None if listed else (e.num_experts, state_mesh(mesh)))
             held.add(name)
     rec.sharding = (f"{E_l} of {e.num_experts} experts on each of {tp.dp} data-parallel ranks, each expert's "
                     f"intermediate size {e.intermediate} cut over tp ({tp.tp} ranks, {e.intermediate // tp.tp} "
