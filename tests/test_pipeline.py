@@ -11,13 +11,15 @@ two a rank, the first the embedding alone, clipped as a list of the rank's stage
 on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
 on the stage's sub-mesh in the state_dict) and ModuleLists'. A torch.distributed.checkpoint saved by the 4 ranks loads
 into fresh stages exactly, and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists
-each stage's layers. On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch (one process trains on
-that batch), Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and the ModuleList model's
-under ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb" a stage's dense
-gradients were averaged with the other stage's ranks too: the ranks waited on each other until gloo's timeout). A
-(1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not outermost, or over a
-stage whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's ranks was refused
-("not every rank of the default process group")."""
+each stage's layers. On a (2, 2, 1) ("pp", "dp_replicate", "ep") mesh the Mixtral stages train so with their experts
+copied on the stage's two ranks (and on (1, 2, 2), one step of the ModuleList model, half its experts a rank; before,
+"pp" with "dp_replicate" was refused). On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch
+(one process trains on that batch), Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and
+the ModuleList model's under ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb"
+a stage's dense gradients were averaged with the other stage's ranks too: the ranks waited on each other until gloo's
+timeout). A (1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not
+outermost, or over a stage whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's
+ranks was refused ("not every rank of the default process group")."""
 
 import copy
 from datetime import timedelta
@@ -119,9 +121,8 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     """Two steps of the pipeline, ``stages`` stages (rank ``pp`` runs stages pp, pp + 2...), against one process;
     ``swap_every``: the experts swap ranks inside each stage (the weights compared in expert order); ``moe_tp`` on a
     ("pp", "tp") mesh: a stage's two ranks are a tp group, fed the same batch (one process trains on that one)."""
-    inner = mesh.mesh_dim_names[1]
-    pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank(inner)
-    dp, b = (2, ep) if inner == "ep" else (1, 0)  # batches, this rank's
+    inner, pp = mesh.mesh_dim_names[1:], mesh.get_local_rank("pp")
+    dp, b = (2, rank % 2) if moe_tp == "off" else (1, 0)  # batches, this rank's: one per rank of a stage, or one
     whole = _whole(kind).train()
     vocab, hidden = (whole.config.vocab_size, whole.config.hidden_size) if kind == "mixtral" else (128, 32)
     data = torch.randint(0, vocab, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, ep, batch
@@ -132,17 +133,18 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     every = dict(whole.named_parameters())
     for index, part, example in zip(mine, parts, examples):
         layers, info = SPLITS[stages][index][0], part._moe_parallel
-        assert len(info.report.layers) == len(layers) and not info.left and info.world == 2, str(info)
+        assert len(info.report.layers) == len(layers) and not info.left, str(info)
+        assert info.world == (1 if "dp_replicate" in inner else 2), str(info)  # the expert-parallel group
         assert f"the ranks of index {pp} of 'pp'" in str(info), str(info)
         assert all(rec.moe_tp == moe_tp for rec in info.report.layers), str(info)
         report = moecompile.explain(part, example, inner="aot_eager")  # (every rank: the stage's ranks exchange)
         assert len(report.layers) == len(layers) and f"of index {pp} of 'pp'" in report.parallel, str(report)
         for name, value in part.state_dict().items():  # stacked experts: DTensors of the stage's sub-mesh
             if isinstance(value, DTensor):  # (and under "tp" the attention's)
-                assert value.device_mesh.mesh_dim_names == (inner,) and value.shape == every[name].shape, name
+                assert value.device_mesh.mesh_dim_names == inner and value.shape == every[name].shape, name
                 assert value.device_mesh.mesh.tolist() == mesh.mesh[pp].tolist(), name
         for module in [*part.norms.values(), part] if fsdp else ():  # dense weights sharded over the stage's ranks
-            fully_shard(module, mesh=mesh["ep"])
+            fully_shard(module, mesh=mesh[inner])
     compiled = [torch.compile(part, backend="moe", options={"inner": "aot_eager", "strict": bool(SPLITS[stages][i][0])})
                 for part, i in zip(parts, mine)]  # (strict: every MoE layer rewritten, and a stage without raises)
     runs = [PipelineStage(c, index, stages, torch.device("cpu"), group=mesh.get_group("pp"))
@@ -193,9 +195,15 @@ def _bad_input(mesh, rank):
     with pytest.raises(ValueError, match="a pipeline stage's ranks: pass the whole mesh, its outermost dimension "
                                          "named 'pp'"):  # (the stage's sub-mesh, as a user might try first)
         moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), mesh["ep"], ids)
-    both = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_replicate", "ep"))
-    with pytest.raises(ValueError, match="both 'pp' and 'dp_replicate' is not built"):
-        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), both, ids)
+    inside = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_replicate"))
+    with pytest.raises(ValueError, match="a mesh of 'pp' and 'dp_replicate' alone shards no expert"):
+        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), inside, ids)
+    before = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "pp", "ep"))
+    with pytest.raises(ValueError, match="'pp' must come first"):
+        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), before, ids)
+    copies = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "ep"))
+    with pytest.raises(ValueError, match="'dp_replicate' \\(each expert on 2 ranks\\) with swap_every is not built"):
+        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), copies, ids, swap_every=1)
     pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     example = ids if pp == 0 else torch.randn(1, 4, 32)
     if pp == 0:  # the stage's ranks hold different weights (another seed on one): refused there
@@ -219,6 +227,28 @@ def _dedup_in_one_stage(rank):
                                rtol=TOL, atol=TOL)
 
 
+def _replicas_in_one_stage(rank):
+    """A (1, 2, 2) ("pp", "dp_replicate", "ep") mesh: the one stage's experts over 2 ranks, two copies of them (each
+    rank holds half the experts, its gradients averaged with its copy's); one SGD step with clipping on each rank's
+    own batch equals one process on the four batches."""
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp_replicate", "ep"))
+    torch.manual_seed(0)
+    whole = TinyMoELM("modulelist")
+    ids = torch.randint(0, 128, (4, 2, 8), generator=torch.Generator().manual_seed(5))
+    model = moecompile.parallelize(copy.deepcopy(whole), mesh, ids[rank])
+    assert "each expert on 2 ranks" in str(model._moe_parallel), str(model._moe_parallel)
+    experts = sum(".experts." in name for name, _ in whole.named_parameters())
+    assert len(moecompile.expert_parameters(model)) * 2 == experts, str(model._moe_parallel)  # half of them here
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    _loss(compiled(ids[rank]).logits, ids[rank]).backward()
+    _loss(whole(ids.flatten(0, 1)).logits, ids.flatten(0, 1)).backward()
+    torch.testing.assert_close(moecompile.clip_grad_norm_(compiled, MAX_NORM),
+                               torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM), rtol=TOL, atol=TOL)
+    torch.optim.SGD(model.parameters(), lr=LR).step(), torch.optim.SGD(whole.parameters(), lr=LR).step()
+    for name, value in moecompile.full_state_dict(model).items():
+        torch.testing.assert_close(value, whole.state_dict()[name], rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+
+
 def _ranks(rank, world, tmp):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
@@ -230,6 +260,9 @@ def _ranks(rank, world, tmp):
         _train("mixtral", mesh, rank, tmp, ScheduleGPipe, swap_every=1)
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
+        _replicas_in_one_stage(rank)
+        replicas = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "ep"))
+        _train("mixtral", replicas, rank, tmp, ScheduleGPipe)  # (each stage's experts on both its ranks)
         beside_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         _train("mixtral", beside_tp, rank, tmp, ScheduleGPipe, moe_tp="ted")
         _train("modulelist", beside_tp, rank, tmp, Schedule1F1B, moe_tp="ssmb")

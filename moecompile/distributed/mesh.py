@@ -19,7 +19,8 @@ averaged over ``"dp_replicate"`` (``replicate_group``). An outermost dimension n
 stages: each index holds another part of the model (its stage module), whose experts are sharded over the other
 dimensions (``setup_mesh``'s group again, the stage's ranks); nothing is reduced or checked across stages but the
 gradient norm of ``clip_grad_norm_`` (``pipeline_group``), and the state_dict's DTensors live on the stage's
-sub-mesh (``state_mesh``); a ``"tp"`` dimension's data-parallel group is then the stage's ranks of one tp index.
+sub-mesh (``state_mesh``); a ``"tp"`` dimension's data-parallel group is then the stage's ranks of one tp index,
+and a ``"dp_replicate"`` right after ``"pp"`` holds copies of each stage's experts.
 """
 
 from __future__ import annotations
@@ -62,17 +63,18 @@ def tp_groups(mesh):
     """(this rank's tensor-parallel group: the ranks differing only in ``"tp"``; its data-parallel group: the ranks
     differing in the other dimensions but ``"pp"`` (a pipeline stage's), this rank alone on a mesh of ``"tp"``
     only)."""
-    d, first = tp_dim(mesh), int(_outer(mesh) == STAGES)
+    d, first = tp_dim(mesh), int(_staged(mesh))
     return _group(mesh, (d,)), _group(mesh, tuple(i for i in range(first, mesh.ndim) if i != d))
 
 
 def expert_copies(mesh, **asked) -> int:
     """The size of the mesh's ``"dp_replicate"`` dimension (1 without one): how many copies of each expert;
     ValueError where copies, or pipeline stages, meet an option ``asked`` (name: on) that does not serve them yet."""
-    outer = _outer(mesh)
-    copies = mesh.shape[0] if outer == REPLICATE else 1
-    names = [name for name, on in asked.items() if on and not (outer == STAGES and name in STAGES_SERVE)]
-    if outer and names:  # (of any size: their own code reads the whole mesh as expert-parallel levels)
+    outers = _outers(mesh)
+    copies = mesh.shape[outers.index(REPLICATE)] if REPLICATE in outers else 1
+    names = [name for name, on in asked.items() if on and not (outers == (STAGES,) and name in STAGES_SERVE)]
+    if outers and names:  # (of any size: their own code reads the whole mesh as expert-parallel levels)
+        outer = REPLICATE if REPLICATE in outers else STAGES
         what = f"each expert on {copies} ranks" if outer == REPLICATE else f"{mesh.shape[0]} pipeline stages"
         raise ValueError(f"a mesh with {outer!r} ({what}) with {', '.join(names)} is not built: drop "
                          f"{' and '.join(names)}, or the {outer!r} dimension")
@@ -82,31 +84,32 @@ def expert_copies(mesh, **asked) -> int:
 def stage_group(mesh):
     """The ranks holding the same part of the model, which average its dense gradients and are checked to hold the
     same weights: every rank (None), or with ``"pp"`` this rank's stage's (its expert-parallel group)."""
-    return _group(mesh, tuple(range(1, mesh.ndim))) if _outer(mesh) == STAGES else None
+    return _group(mesh, tuple(range(1, mesh.ndim))) if _staged(mesh) else None
 
 
 def pipeline_group(mesh):
     """With ``"pp"``: this rank's group of one rank per stage (its place in each), else None."""
-    return _group(mesh, (0,)) if _outer(mesh) == STAGES else None
+    return _group(mesh, (0,)) if _staged(mesh) else None
 
 
 def state_mesh(mesh):
     """The mesh a sharded expert weight's DTensor lives on: ``mesh``, or with ``"pp"`` this rank's stage's sub-mesh
     (each stage holds other weights; the sub-meshes were made with ``mesh``)."""
-    return mesh[tuple(mesh.mesh_dim_names[1:])] if _outer(mesh) == STAGES else mesh
+    return mesh[tuple(mesh.mesh_dim_names[1:])] if _staged(mesh) else mesh
 
 
 def describe(mesh, world: int, copies: int) -> str:
     """The first line of ``ParallelInfo``'s report."""
-    where = f", the ranks of index {mesh.get_local_rank(STAGES)} of {STAGES!r} (a pipeline stage's)" if _outer(
-        mesh) == STAGES else ""
+    where = f", the ranks of index {mesh.get_local_rank(STAGES)} of {STAGES!r} (a pipeline stage's)" if _staged(
+        mesh) else ""
     return f"expert parallelism over {world} rank(s){where}" + (
         f", each expert on {copies} ranks ({REPLICATE!r}: its gradient averaged over them)" if copies > 1 else "") + ":"
 
 
 def replicate_group(mesh):
     """This rank's group of the ranks holding the same experts (differing only in ``"dp_replicate"``), or None."""
-    return _group(mesh, (0,)) if _outer(mesh) == REPLICATE else None
+    outers = _outers(mesh)
+    return _group(mesh, (outers.index(REPLICATE),)) if REPLICATE in outers else None
 
 
 def ep_shape(mesh) -> tuple[int, ...]:
@@ -114,16 +117,25 @@ def ep_shape(mesh) -> tuple[int, ...]:
     return tuple(mesh.shape)[_offset(mesh):]
 
 
-def _outer(mesh) -> str | None:
-    """The mesh's first dimension's name where it is ``"dp_replicate"`` or ``"pp"``, else None."""
-    first = tuple(mesh.mesh_dim_names or ())[:1]
-    return first[0] if first in ((REPLICATE,), (STAGES,)) else None
+def _outers(mesh) -> tuple[str, ...]:
+    """The mesh's outer dimensions: ``("pp", "dp_replicate")``, ``("pp",)``, ``("dp_replicate",)`` or ``()``
+    (the names its first dimensions have, in that order)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    for outers in ((STAGES, REPLICATE), (STAGES,), (REPLICATE,)):
+        if names[:len(outers)] == outers:
+            return outers
+    return ()
+
+
+def _staged(mesh) -> bool:
+    """Whether the mesh's first dimension is ``"pp"`` (pipeline stages)."""
+    return _outers(mesh)[:1] == (STAGES,)
 
 
 def _offset(mesh) -> int:
-    """1 where the mesh's first dimension is ``"dp_replicate"`` or ``"pp"`` (the expert-parallel levels start after
-    it), else 0."""
-    return int(_outer(mesh) is not None)
+    """How many outer dimensions (``"pp"``, ``"dp_replicate"``) the mesh has: the expert-parallel levels start
+    after them."""
+    return len(_outers(mesh))
 
 
 def level_names(mesh) -> tuple[str, ...]:
@@ -139,18 +151,16 @@ def _check_mesh(mesh):
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
-    if names[:1] == (STAGES,) and REPLICATE in names:
-        raise ValueError(f"a mesh with both {STAGES!r} and {REPLICATE!r} is not built: drop {REPLICATE!r} (experts "
-                         f"over every rank of a stage); got {names}")
-    for outer, size in ((REPLICATE, "copies"), (STAGES, "stages")):
-        if outer in names[1:]:
-            raise ValueError(f"mesh dimension {outer!r} must come first (outermost: the expert-parallel groups are "
-                             f"consecutive ranks); got {names}: e.g. init_device_mesh(device, ({size}, nodes, "
-                             f"gpus_per_node), mesh_dim_names=({outer!r}, 'node', 'local'))")
     offset = _offset(mesh)
-    if offset and mesh.ndim == 1:
-        raise ValueError(f"a mesh of {names[0]!r} alone shards no expert: add the expert-parallel dimensions after "
-                         f"it, e.g. mesh_dim_names=({names[0]!r}, 'ep')")
+    for outer, size in ((REPLICATE, "copies"), (STAGES, "stages")):
+        if outer in names[offset:]:
+            after = f", or right after {STAGES!r}" if outer == REPLICATE else ""
+            raise ValueError(f"mesh dimension {outer!r} must come first (outermost{after}: the expert-parallel "
+                             f"groups are consecutive ranks); got {names}: e.g. init_device_mesh(device, ({size}, "
+                             f"nodes, gpus_per_node), mesh_dim_names=({outer!r}, 'node', 'local'))")
+    if offset and mesh.ndim == offset:
+        raise ValueError(f"a mesh of {' and '.join(map(repr, names))} alone shards no expert: add the expert-parallel "
+                         f"dimensions after it, e.g. mesh_dim_names=({', '.join(map(repr, names))}, 'ep')")
     levels.check_names(tuple(n for n in names[offset:] if n != TP))  # "tp" may sit anywhere
     ranks = mesh.mesh.flatten().tolist()
     if ranks != list(range(dist.get_world_size())):

@@ -76,9 +76,9 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``moecompile/distributed/domains.py``); ``"auto"``: each layer's sizes by the stream model, on ``link_model``;
     ``compress=q``: each gathered expert sent as the mean expert's residual, its q largest entries (not exact);
     ``reshard_after_forward=True``: the gathered copies freed after forward and gathered again in backward.
-    ``mesh``: an outermost dimension named ``"dp_replicate"`` keeps copies of the experts, one per index (each
-    expert-parallel group over the other dimensions; ``mesh.py``); one named ``"pp"`` holds pipeline stages, each
-    index its own stage module, passed here as ``model``. Other keyword arguments are backend options."""
+    ``mesh``: an outermost dimension named ``"dp_replicate"`` keeps copies of the experts, one per index (each group
+    over the other dimensions; ``mesh.py``); one named ``"pp"`` holds pipeline stages, each index its own stage module
+    (``model``; a ``"dp_replicate"`` may follow it). Other keyword arguments are backend options."""
     group = setup_mesh(mesh)
     copies = expert_copies(mesh, moe_tp=moe_tp in ("ted", "auto"), expert_domains=expert_domains is not None,
                            swap_every=bool(swap_every), replication=replication != "off")
