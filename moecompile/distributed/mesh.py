@@ -83,7 +83,8 @@ def expert_copies(mesh, **asked) -> int:
 
 def stage_group(mesh):
     """The ranks holding the same part of the model, which average its dense gradients and are checked to hold the
-    same weights: every rank (None), or with ``"pp"`` this rank's stage's (its expert-parallel group)."""
+    same weights: every rank (None), or with ``"pp"`` this rank's stage's (its expert-parallel group, and its
+    copies where ``"dp_replicate"`` follows)."""
     return _group(mesh, tuple(range(1, mesh.ndim))) if _staged(mesh) else None
 
 
