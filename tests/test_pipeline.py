@@ -125,7 +125,7 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     dp, b = (2, rank % 2) if moe_tp == "off" else (1, 0)  # batches, this rank's: one per rank of a stage, or one
     whole = _whole(kind).train()
     vocab, hidden = (whole.config.vocab_size, whole.config.hidden_size) if kind == "mixtral" else (128, 32)
-    data = torch.randint(0, vocab, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, ep, batch
+    data = torch.randint(0, vocab, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, rank, batch
     mine = range(pp, stages, 2)
     examples = [data[0, b] if index == 0 else torch.randn(4, 8, hidden) for index in mine]  # then hidden states
     parts = [_stage(kind, mesh, index, stages, example, swap_every=swap_every, moe_tp=moe_tp).train()
@@ -172,7 +172,7 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     assert set(full) == {n for index in mine for n in _split(_whole(kind), index, stages).state_dict()}
     for name, value in full.items():  # (every expert of the stages, whole)
         torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
-    where = f"{tmp}/{kind}_{stages}_{moe_tp}"
+    where = f"{tmp}/{kind}_{stages}_{'_'.join(mesh.mesh_dim_names)}_{moe_tp}"  # (a checkpoint of each run)
     dcp.save({"model": {k: v for part in parts for k, v in part.state_dict().items()}}, checkpoint_id=where)
     fresh = [_stage(kind, mesh, index, stages, example, moe_tp=moe_tp) for index, example in zip(mine, examples)]
     for p in (p for part in fresh for p in part.parameters()):
