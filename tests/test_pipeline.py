@@ -17,17 +17,22 @@ copied on the stage's two ranks (and on (1, 2, 2), one step of the ModuleList mo
 (one process trains on that batch), Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and
 the ModuleList model's under ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb"
 a stage's dense gradients were averaged with the other stage's ranks too: the ranks waited on each other until gloo's
-timeout). A (1, 2, 2) ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not
-outermost, or over a stage whose ranks hold different weights raises ValueError. Before, a parallelize over a stage's
-ranks was refused ("not every rank of the default process group")."""
+timeout). Mixtral's stages train so with adaptive replication inside each stage (``moecompile.ExpertOptimizer``
+stepping and clipping each stage module) and with expert domains over the stage's ranks; the ``"gather"`` model's
+with ``expert_domains="auto"``, every rank having made the groups of every candidate first, so that each stage can take
+sizes of its own (before, both were refused under "pp"). A (1, 2, 2) ("pp", "node", "local") mesh dedups per node;
+"pp" with options not built for it, not outermost, or over a stage whose ranks hold different weights raises
+ValueError. Before, a parallelize over a stage's ranks was refused ("not every rank of the default process group")."""
 
 import copy
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from ranks import spawn
 from torch import nn
@@ -38,11 +43,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import moecompile
+from moecompile.distributed import domains
 from moecompile.models.handwritten import TinyMoELM
 from moecompile.models.hf import tiny_model
+from moecompile.runtime.comm.cost_model import LinkModel
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 STEPS, LR, MAX_NORM, TOL, MICRO = 2, 0.1, 0.5, 1e-5, 2
+LINKS = LinkModel({"flat": (2e-2, 2e-6)})  # (expert_domains="auto": the stream model prices the stage's links)
 
 
 class Stage(nn.Module):
@@ -105,22 +113,30 @@ def _loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0, swap_every: int = 0, moe_tp="off"):
+def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0, swap_every: int = 0, moe_tp="off",
+           slots: int = 0, domains=None):
     """The stage module, parallelized; with ``moe_tp`` on a ("pp", "tp") mesh, a transformers stage's attention
-    tensor-parallel over "tp" first (q, k, v by columns, o by rows: torch's ``parallelize_module``)."""
+    tensor-parallel over "tp" first (q, k, v by columns, o by rows: torch's ``parallelize_module``); ``slots``:
+    its experts replicated adaptively in that many slots a rank; ``domains``: ``expert_domains`` ("auto" on a
+    link model)."""
     part = _split(_whole(kind, seed), index, stages)
     if moe_tp != "off" and isinstance(part, HFStage):
         plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
                 "o_proj": RowwiseParallel()}
         for layer in part.model.layers.values():
             parallelize_module(layer.self_attn, mesh["tp"], plan)
-    return moecompile.parallelize(part, mesh, example, swap_every=swap_every, moe_tp=moe_tp)
+    extra = dict(replication="adaptive", slots_per_rank=slots) if slots else {}
+    extra.update(expert_domains=domains, link_model=LINKS if domains == "auto" else None)
+    return moecompile.parallelize(part, mesh, example, swap_every=swap_every, moe_tp=moe_tp, **extra)
 
 
-def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every=0, moe_tp="off"):
+def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every=0, moe_tp="off", slots=0,
+           domains=None):
     """Two steps of the pipeline, ``stages`` stages (rank ``pp`` runs stages pp, pp + 2...), against one process;
     ``swap_every``: the experts swap ranks inside each stage (the weights compared in expert order); ``moe_tp`` on a
-    ("pp", "tp") mesh: a stage's two ranks are a tp group, fed the same batch (one process trains on that one)."""
+    ("pp", "tp") mesh: a stage's two ranks are a tp group, fed the same batch (one process trains on that one);
+    ``slots``: the stage's experts replicated over its ranks (``moecompile.ExpertOptimizer`` steps and clips);
+    ``domains``: expert domains inside each stage."""
     inner, pp = mesh.mesh_dim_names[1:], mesh.get_local_rank("pp")
     dp, b = (2, rank % 2) if moe_tp == "off" else (1, 0)  # batches, this rank's: one per rank of a stage, or one
     whole = _whole(kind).train()
@@ -128,8 +144,8 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     data = torch.randint(0, vocab, (STEPS, 2, 4, 8), generator=torch.Generator().manual_seed(3))  # step, rank, batch
     mine = range(pp, stages, 2)
     examples = [data[0, b] if index == 0 else torch.randn(4, 8, hidden) for index in mine]  # then hidden states
-    parts = [_stage(kind, mesh, index, stages, example, swap_every=swap_every, moe_tp=moe_tp).train()
-             for index, example in zip(mine, examples)]
+    options = dict(swap_every=swap_every, moe_tp=moe_tp, slots=slots, domains=domains)
+    parts = [_stage(kind, mesh, index, stages, example, **options).train() for index, example in zip(mine, examples)]
     every = dict(whole.named_parameters())
     for index, part, example in zip(mine, parts, examples):
         layers, info = SPLITS[stages][index][0], part._moe_parallel
@@ -139,10 +155,15 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
         assert all(rec.moe_tp == moe_tp for rec in info.report.layers), str(info)
         report = moecompile.explain(part, example, inner="aot_eager")  # (every rank: the stage's ranks exchange)
         assert len(report.layers) == len(layers) and f"of index {pp} of 'pp'" in report.parallel, str(report)
+        assert len(info.replicas) == (len(layers) if slots else 0), str(info)
+        assert all(("expert domains " + ("auto ->" if domains == "auto" else f"{domains}: the experts of ranks "
+                                         f"{mesh.mesh[pp].tolist()} gathered")) in rec.sharding
+                   for rec in info.report.layers) if domains else True, str(info)
         for name, value in part.state_dict().items():  # stacked experts: DTensors of the stage's sub-mesh
-            if isinstance(value, DTensor):  # (and under "tp" the attention's)
-                assert value.device_mesh.mesh_dim_names == inner and value.shape == every[name].shape, name
-                assert value.device_mesh.mesh.tolist() == mesh.mesh[pp].tolist(), name
+            if isinstance(value, DTensor):  # (and under "tp" the attention's; replicas': of the stage's hosts)
+                assert value.device_mesh.mesh_dim_names == (None if slots else inner), name
+                assert value.shape == every[name].shape, name
+                assert value.device_mesh.mesh.flatten().tolist() == mesh.mesh[pp].flatten().tolist(), name
         for module in [*part.norms.values(), part] if fsdp else ():  # dense weights sharded over the stage's ranks
             fully_shard(module, mesh=mesh[inner])
     compiled = [torch.compile(part, backend="moe", options={"inner": "aot_eager", "strict": bool(SPLITS[stages][i][0])})
@@ -151,7 +172,8 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
             for c, index in zip(compiled, mine)]
     schedule = schedule_cls(runs if stages > 2 else runs[0], n_microbatches=MICRO, loss_fn=_loss)
     params = [p for part in parts for p in part.parameters()]
-    opt, ref_opt = torch.optim.SGD(params, lr=LR), torch.optim.SGD(whole.parameters(), lr=LR)
+    opt = moecompile.ExpertOptimizer(parts[0], torch.optim.SGD, lr=LR) if slots else torch.optim.SGD(params, lr=LR)
+    ref_opt = torch.optim.SGD(whole.parameters(), lr=LR)
     for step in range(STEPS):
         losses = []
         if pp == 0:
@@ -163,18 +185,22 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
         if pp == 1:
             torch.testing.assert_close(torch.stack(losses), torch.stack(want[b * MICRO:(b + 1) * MICRO]),
                                        rtol=TOL, atol=TOL, msg=lambda m: f"{kind} step {step} losses: {m}")
-        norm = moecompile.clip_grad_norm_(compiled if stages > 2 else compiled[0], MAX_NORM)  # every stage held here
+        norm = opt.clip_grad_norm_(MAX_NORM) if slots else moecompile.clip_grad_norm_(
+            compiled if stages > 2 else compiled[0], MAX_NORM)  # every stage held here
         torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM), rtol=TOL,
                                    atol=TOL, msg=lambda m: f"{kind} step {step} norm: {m}")
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     assert not swap_every or all(part._moe_parallel.swap.history for part in parts), "no expert swapped ranks"
+    assert not slots or len(opt.history) == STEPS and any(  # (the placement made for the next step)
+        max(step["instances"]) > 1 for placed in opt.history for step in placed.values()), opt.history
     full = {name: value for part in parts for name, value in moecompile.full_state_dict(part).items()}
     assert set(full) == {n for index in mine for n in _split(_whole(kind), index, stages).state_dict()}
     for name, value in full.items():  # (every expert of the stages, whole)
         torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
     where = f"{tmp}/{kind}_{stages}_{'_'.join(mesh.mesh_dim_names)}_{moe_tp}"  # (a checkpoint of each run)
     dcp.save({"model": {k: v for part in parts for k, v in part.state_dict().items()}}, checkpoint_id=where)
-    fresh = [_stage(kind, mesh, index, stages, example, moe_tp=moe_tp) for index, example in zip(mine, examples)]
+    fresh = [_stage(kind, mesh, index, stages, example, **{**options, "swap_every": 0})
+             for index, example in zip(mine, examples)]
     for p in (p for part in fresh for p in part.parameters()):
         p.data.zero_()
     state = {"model": {k: v for part in fresh for k, v in part.state_dict().items()}}
@@ -186,9 +212,11 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
 
 def _bad_input(mesh, rank):
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="'pp' \\(2 pipeline stages\\) with replication is not built"):
-        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), mesh, ids, replication="adaptive",
-                               slots_per_rank=2)
+    with pytest.raises(ValueError, match="'dp_replicate' \\(each expert on 2 ranks\\) with expert_domains is not "):
+        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), init_device_mesh(
+            "cpu", (1, 2, 2), mesh_dim_names=("pp", "dp_replicate", "ep")), ids, expert_domains={"ep": 2})
+    with pytest.raises(ValueError, match="on a rank running several stage modules"):  # (checked before any group)
+        moecompile.ExpertOptimizer([nn.Linear(2, 2), nn.Linear(2, 2)], torch.optim.SGD, lr=LR)
     inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "pp"))
     with pytest.raises(ValueError, match="'pp' must come first"):
         moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), inner, ids)
@@ -211,6 +239,27 @@ def _bad_input(mesh, rank):
             _stage("gather", mesh, pp, 2, example, seed=ep)
     else:  # (the stages differ from each other, as they should)
         _stage("gather", mesh, pp, 2, example)
+
+
+def _domains_per_stage(mesh, rank):
+    """``expert_domains="auto"``'s groups made by every rank at the start: each stage's layers then take their own
+    sizes (here stage 0 gathers its two ranks' experts, stage 1 none), with no group made when they do (the other
+    stage's ranks would not make it with them)."""
+    pp, made, new_group = mesh.get_local_rank("pp"), [], c10d.new_group
+
+    def spy(ranks=None, *args, **kwargs):
+        made.append(list(ranks))
+        return new_group(ranks, *args, **kwargs)
+
+    with mock.patch.object(c10d, "new_group", spy):
+        domains.prepare(mesh, "auto")
+        mine = domains.setup(mesh, {"ep": 2 if pp == 0 else 1})
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, made)  # new_group's contract: every rank makes the same groups, in the same order
+    assert all(m == every[0] for m in every), every
+    got = [torch.zeros(1) for _ in mine.gather_ranks]
+    dist.all_gather(got, torch.tensor([float(rank)]), group=mine.domain_group)
+    assert [int(g) for g in got] == ([0, 1] if pp == 0 else [rank]), got
 
 
 def _dedup_in_one_stage(rank):
@@ -258,6 +307,10 @@ def _ranks(rank, world, tmp):
         _bad_input(mesh, rank)
         _dedup_in_one_stage(rank)
         _train("mixtral", mesh, rank, tmp, ScheduleGPipe, swap_every=1)
+        _train("mixtral", mesh, rank, tmp, ScheduleGPipe, slots=5)  # (5 slots a rank: 2 of 8 experts twice)
+        _train("mixtral", mesh, rank, tmp, ScheduleGPipe, domains={"ep": 2})  # (each rank its stage's experts)
+        _domains_per_stage(mesh, rank)
+        _train("gather", mesh, rank, tmp, Schedule1F1B, domains="auto")
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
         _replicas_in_one_stage(rank)

@@ -29,7 +29,7 @@ from moecompile.runtime.comm import hybrid, stream
 from moecompile.runtime.comm.exchange import register_group_kind
 from moecompile.runtime.comm.levels import kind
 
-from .mesh import level_names
+from .mesh import ep_group, ep_groups, ep_shape, level_names
 
 
 @dataclass
@@ -42,10 +42,11 @@ class Domains:
     exchange_group: object
     gather_ranks: list[int]
     exchange_ranks: list[int]
-    mesh_shape: tuple[int, ...]
+    mesh_shape: tuple[int, ...]  # the expert-parallel group's (the mesh's but "pp"), whose ranks the two lists count
     domain_sizes: tuple[int, ...]
     compress: float | None = None  # the fraction of residual entries sent (SR compression), or None: exact
     reshard: bool = False  # reshard_after_forward: the gathered copies freed after forward, gathered again in backward
+    members: list[int] | None = None  # the expert-parallel group's global ranks (a pipeline stage's), None: the world
 
     def slots(self, num_experts: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Expert -> its slot in the exchange group's gathered order (every rank's the same)."""
@@ -60,8 +61,10 @@ class Domains:
         return slots.to(device)  # beside the weights the ops read them with
 
     def describe(self) -> str:
-        text = (f"expert domains {self.sizes}: the experts of ranks {self.gather_ranks} gathered here, tokens for "
-                f"other domains' experts exchanged with ranks {self.exchange_ranks}")
+        ranks = self.members or range(math.prod(self.mesh_shape))
+        text = (f"expert domains {self.sizes}: the experts of ranks {[ranks[r] for r in self.gather_ranks]} gathered "
+                f"here, tokens for other domains' experts exchanged with ranks "
+                f"{[ranks[r] for r in self.exchange_ranks]}")
         if self.compress is not None:
             text += (f"; compress={self.compress:g}: the gathered experts are the shared (mean) expert plus each "
                      "one's largest residual entries, not exact (this changes the forward)")
@@ -110,7 +113,7 @@ def check(expert_domains, compress, reshard, mesh, link_model=None, **others) ->
     if expert_domains == "auto":
         return "auto"
     sizes = {n: expert_domains.get(n, 1) for n in names}
-    hybrid.check(tuple(mesh.shape), tuple(sizes.values()))  # each divides its level
+    hybrid.check(ep_shape(mesh), tuple(sizes.values()))  # each divides its level
     return sizes
 
 
@@ -130,17 +133,19 @@ _GROUPS: dict[tuple, tuple] = {}
 
 def setup(mesh, sizes: dict[str, int], compress: float | None = None, reshard: bool = False) -> Domains:
     """This rank's domain and exchange groups (every rank makes all of them, in the same order, once per mesh
-    and domain sizes)."""
+    and domain sizes: under ``"pp"`` each stage's too, of its ranks)."""
     from .mesh import _timeout
 
-    shape, domain_sizes = tuple(mesh.shape), tuple(sizes.values())
-    world, rank = dist.get_world_size(), dist.get_rank()
-    key = (shape, domain_sizes)
+    shape, domain_sizes, stages = ep_shape(mesh), tuple(sizes.values()), ep_groups(mesh)
+    members = next(g for g in stages if dist.get_rank() in g)
+    rank = members.index(dist.get_rank())
+    key = (tuple(mesh.mesh.shape), domain_sizes)
     if key not in _GROUPS or _GROUPS[key][0] is not dist.group.WORLD:
         made = []
         for which in (0, 1):
-            every = sorted({tuple(hybrid.groups(m, shape, domain_sizes)[which]) for m in range(world)})
-            mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in every], timeout=_timeout())
+            every = sorted({tuple(hybrid.groups(m, shape, domain_sizes)[which]) for m in range(len(members))})
+            mine, _ = dist.new_subgroups_by_enumeration([[g[r] for r in ranks] for g in stages for ranks in every],
+                                                        timeout=_timeout())
             made.append(mine)
         _GROUPS[key] = (dist.group.WORLD, *made)
     gather, exchange = hybrid.groups(rank, shape, domain_sizes)
@@ -148,7 +153,20 @@ def setup(mesh, sizes: dict[str, int], compress: float | None = None, reshard: b
     for group, ranks in ((_GROUPS[key][1], gather), (_GROUPS[key][2], exchange)):  # emulate_links's kinds
         if len(ranks) > 1:
             register_group_kind(group.group_name, kind(names, stream.spanned(ranks, shape)))
-    return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes, compress, reshard)
+    return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes, compress, reshard,
+                   members if len(stages) > 1 else None)
+
+
+def prepare(mesh, domains, compress: float | None = None, reshard: bool = False):
+    """What ``check`` gave, at ``parallelize``'s start (every rank together): sizes -> their ``Domains``; None and
+    "auto" as they are, with under ``"pp"`` the groups of every candidate's domains made for "auto" (each stage's
+    layers choose their own sizes later, when the other stages' ranks make no group)."""
+    if isinstance(domains, dict):
+        return setup(mesh, domains, compress, reshard)
+    if domains == "auto" and len(ep_groups(mesh)) > 1:
+        for sizes in stream.candidates(ep_shape(mesh)):
+            setup(mesh, dict(zip(level_names(mesh), sizes)))
+    return domains
 
 
 def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | None = None, training: bool = False,
@@ -163,7 +181,7 @@ def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | No
     pre = pre or {}
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, {rec.path: routing.get(rec.path) for rec in records}, group=group)
-    names, shape = level_names(mesh), tuple(mesh.shape)
+    names, shape = level_names(mesh), ep_shape(mesh)
     W = math.prod(shape)
     for rec in records:
         ids = [mine[rec.path] for mine in every]
@@ -278,7 +296,8 @@ def time_hybrid(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts: 
     from .calibrate import _slowest_median
 
     d = setup(mesh, sizes)
-    rank, E, ops = dist.get_rank(), num_experts, torch.ops.moe
+    group = ep_group(mesh)
+    rank, E, ops = dist.get_rank(group), num_experts, torch.ops.moe
     device = torch.device(device)
     ids = d.slots(E)[ids_TK[source_rank_T == rank].cpu()].to(device)  # by slot: the exchange group's members
     T, K = ids.shape  # hold them in order
@@ -299,6 +318,6 @@ def time_hybrid(ids_TK: torch.Tensor, source_rank_T: torch.Tensor, num_experts: 
             y = x[tok_B]
         return torch.zeros_like(x).index_add_(0, tok_B, y * w_B[:, None])
 
-    seconds, out = _slowest_median(once, repeats, dist.group.WORLD, device)
+    seconds, out = _slowest_median(once, repeats, group, device)
     torch.testing.assert_close(out, x * weights_TK.sum(-1, keepdim=True), msg=lambda m: f"{sizes} exchange: {m}")
     return seconds

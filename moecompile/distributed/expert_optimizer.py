@@ -14,10 +14,10 @@ import torch
 
 from moecompile.runtime.placement import expert_state
 from moecompile.runtime.placement.replicas import DROPPED, POPULARITY, SLOT_ROWS, forget
-from moecompile.runtime.placement.expert_state import Groups, collect, distribute, reduce_instances
+from moecompile.runtime.placement.expert_state import collect, distribute, reduce_instances
 from moecompile.runtime.placement.replication import schedule, uniform
 
-from .mesh import _timeout
+from .mesh import pipeline_group
 from .replicate import REPLICAS
 
 
@@ -34,6 +34,10 @@ class ExpertOptimizer(torch.optim.Optimizer):
     ``model.parameters()`` would see each rank's own instance gradients and clip each rank differently."""
 
     def __init__(self, model, optimizer_class, *, place_every: int = 1, **kwargs):
+        if isinstance(model, (list, tuple)):
+            raise ValueError("ExpertOptimizer takes one model (under pipeline stages, the rank's stage module): "
+                             "replicated experts on a rank running several stage modules (an interleaved schedule) "
+                             "are not built; run one stage a rank with replication, or replication='off'")
         info = getattr(model, "_moe_parallel", None)
         if info is None or not getattr(info, "replicas", None):
             raise ValueError("ExpertOptimizer trains the replicated experts of a model that moecompile.parallelize("
@@ -50,12 +54,13 @@ class ExpertOptimizer(torch.optim.Optimizer):
         model = unwrapped(model)  # (a compiled model names its parameters "_orig_mod.<name>")
         _check_steps_on_host(optimizer_class, kwargs)
         self._model, self.layers, self.group = model, info.replicas, info.group
-        self._mesh = info.replicas[0].host_mesh  # the host parts' mesh: every rank, in order
+        self._mesh = info.replicas[0].host_mesh  # the host parts' mesh: the expert-parallel group's ranks, in order
         replicated = {id(p) for layer in self.layers for p in layer.slot_parameters()}
         dense = [p for p in model.parameters() if id(p) not in replicated and p.requires_grad]
         self.dense = optimizer_class(dense, **kwargs) if dense else None
         self.experts = optimizer_class([layer.part.master for layer in self.layers], **kwargs)
-        self.groups = Groups(self.group, timeout=_timeout())
+        self.groups = info.replicas[0].hosts.groups  # (made by parallelize, on every rank together)
+        self._stages = pipeline_group(info.mesh)
         self.defaults = dict(self.experts.defaults)
         sharded = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}
         sharded |= info.module_list_experts
@@ -141,7 +146,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         shared = [p.grad for g in (self.dense.param_groups if self.dense is not None else []) for p in g["params"]
                   if p.grad is not None and id(p) not in local_ids]
         own = [p.grad for p in self._local if p.grad is not None] + [layer.part.master.grad for layer in self.layers]
-        return clip_together(shared, own, self.group, max_norm, norm_type)
+        return clip_together(shared, own, self.group, max_norm, norm_type, stages=self._stages)
 
     def _state_bytes(self, layer) -> int:
         """Bytes per expert parameter of its master weight and optimizer state (what a coupled design moves)."""

@@ -38,7 +38,8 @@ _GROUPS: dict[tuple, tuple] = {}
 TP = "tp"  # the mesh dimension of tensor parallelism: its ranks' MoE-block inputs are identical
 REPLICATE = "dp_replicate"  # the outermost mesh dimension whose ranks hold the same experts
 STAGES = "pp"  # the outermost mesh dimension whose ranks hold different parts of the model (pipeline stages)
-STAGES_SERVE = ("swap_every", "moe_tp")  # the options of expert_copies that work under "pp" (in each stage's ranks)
+STAGES_SERVE = ("swap_every", "moe_tp", "replication", "expert_domains")  # expert_copies' options that work under
+# "pp" (in each stage's ranks)
 
 
 def setup_mesh(mesh):
@@ -113,6 +114,13 @@ def replicate_group(mesh):
     return _group(mesh, (outers.index(REPLICATE),)) if REPLICATE in outers else None
 
 
+def ep_groups(mesh) -> list[list[int]]:
+    """Every expert-parallel group of ``mesh`` (its global ranks, in order): one per index of the outer dimensions
+    (a pipeline stage's ranks, or one copy of the experts), or the whole mesh's ranks. Groups that every rank makes
+    together (``new_group``) are made for each of them, in this order."""
+    return levels.partition(mesh.mesh, tuple(range(_offset(mesh), mesh.ndim)))
+
+
 def ep_shape(mesh) -> tuple[int, ...]:
     """The expert-parallel group's shape: the mesh's, ``"dp_replicate"`` left out."""
     return tuple(mesh.shape)[_offset(mesh):]
@@ -170,6 +178,13 @@ def _check_mesh(mesh):
                          "the mesh with init_device_mesh(device, shape) whose sizes multiply to the world size (a "
                          f"smaller expert-parallel group: an outermost {REPLICATE!r} dimension; a pipeline stage's "
                          f"ranks: pass the whole mesh, its outermost dimension named {STAGES!r})")
+    return ep_group(mesh)
+
+
+def ep_group(mesh):
+    """This rank's expert-parallel group: the world, or its ranks of its ``"pp"`` stage or ``"dp_replicate"`` index
+    (made with every rank's, on first use)."""
+    offset = _offset(mesh)
     return _group(mesh, tuple(range(offset, mesh.ndim))) if offset else dist.group.WORLD
 
 

@@ -46,8 +46,7 @@ from .hf_tp import take_back_experts
 from .mesh import (check_dedup, describe, ep_shape, expert_copies, level_names, replicate_group, setup_mesh,
                    stage_group)
 from moecompile.runtime.placement.replication import check_slots
-
-from .replicate import check_options, replicable, replicate_layer
+from .replicate import check_options, replicable, replicate_layer, setup as replicate_setup
 from .sharded_state import DOMAIN_SLOTS, SLOTS, experts_module, global_state, list_prefix, local_state
 from .views import guard_owned, leave_out_of_fsdp, read_remote, read_through_view, refuse_ddp
 
@@ -87,7 +86,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     gathers = (compress, reshard_after_forward)  # how each domain gathers its experts
     domains = domains_mod.check(expert_domains, *gathers, mesh, link_model, dedup=dedup != "off",
                                 swap_every=bool(swap_every), replication=replication != "off", moe_tp=tp is not None)
-    domains = domains_mod.setup(mesh, domains, *gathers) if isinstance(domains, dict) else domains  # None, "auto"
+    domains = domains_mod.prepare(mesh, domains, *gathers)  # its Domains, None or "auto"
     check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     if not isinstance(swap_every, int) or swap_every < 0:
@@ -113,6 +112,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         for rec, params in plans:
             if not replicable(params):
                 check_slots(rec.spec.experts.num_experts, world, slots_per_rank)
+        hosts = replicate_setup(mesh, group)  # (every rank, every stage's: groups made together)
     divisors, swapping, replicas = {}, [], []  # sharded expert parameter held here -> its gradient's divisor
     for rec, params in plans:  # every layer checked before any changes
         if rec.moe_tp == "ted":
@@ -130,8 +130,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if why_not and replication != "off":
             rec.shard_note = f"not replicated: {why_not}"
         if not why_not:
-            layer, rows = replicate_layer(model, rec, params, group, rank, world, slots_per_rank,
-                                          replication == "adaptive", capacity_factor)
+            layer, rows = replicate_layer(model, rec, params, hosts, slots_per_rank, replication == "adaptive",
+                                          capacity_factor)
             read_through_view(layer.module, rows, group.group_name, rec.path, "off", layer.capacity_factor,
                               extra=moe_tp_mod.view_args(rec.moe_tp, tp))
             divisors.update(dict.fromkeys(params.values(), _divisor(tp, rec.moe_tp, world, copies)))

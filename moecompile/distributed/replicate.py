@@ -25,11 +25,31 @@ import torch.distributed as dist
 from torch import nn
 
 import moecompile.runtime.placement.replicas  # noqa: F401  (registers moe::ep_to_instances)
-from moecompile.runtime.placement.expert_state import ExpertPartition
+from moecompile.runtime.placement.expert_state import ExpertPartition, Groups
 from moecompile.runtime.placement.replication import uniform
+
+from .mesh import _timeout, ep_groups
 
 REPLICAS = "moe_slot_experts"  # the buffer holding a replicating layer's placement (slot -> expert)
 MODES = ("off", "static", "adaptive")
+
+
+@dataclass
+class Hosts:
+    """What every replicating layer of a rank shares: ``mesh``, the expert-parallel group's hosts in order (the
+    master parts' DTensors: every rank's, or under ``"pp"`` the stage's), and ``groups``, the process groups of
+    every run of consecutive ranks of the group (the instances' gradient sums; its ``group``, ``rank``, ``world``)."""
+
+    mesh: object
+    groups: Groups
+
+
+def setup(mesh, group) -> Hosts:
+    """The hosts of ``group``, the expert-parallel group of ``mesh``; every rank calls it together (at
+    ``parallelize``, each stage's rank too, replicating layers or not: the groups of every stage are made on every
+    rank, as ``new_group`` requires)."""
+    every = ep_groups(mesh)
+    return Hosts(host_mesh(group, every), Groups(group, timeout=_timeout(), every=every))
 
 
 @dataclass
@@ -45,7 +65,11 @@ class ReplicaLayer:
     slots_per_rank: int
     adaptive: bool
     capacity_factor: float
-    host_mesh: object  # every rank's host, in order: the mesh of the master parts as DTensors
+    hosts: Hosts  # the expert-parallel group's hosts and the groups that sum the instances' gradients
+
+    @property
+    def host_mesh(self):
+        return self.hosts.mesh
 
     def slot_parameters(self) -> list[nn.Parameter]:
         return [self.module._parameters[a] for a in self.attrs]
@@ -85,10 +109,11 @@ def replicable(params: dict) -> str:
     return ""
 
 
-def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world: int, slots_per_rank: int,
-                    adaptive: bool, capacity_factor: float | None) -> tuple[ReplicaLayer, dict[str, int]]:
+def replicate_layer(model, rec, params: dict[str, str], hosts: Hosts, slots_per_rank: int, adaptive: bool,
+                    capacity_factor: float | None) -> tuple[ReplicaLayer, dict[str, int]]:
     """Replace a stacked or flat layer's expert weights (``replicable``) by this rank's slots of the uniform
     placement; returns the layer and each weight's global dim 0."""
+    group, rank, world = hosts.groups.group, hosts.groups.rank, hosts.groups.world
     E = rec.spec.experts.num_experts
     S = slots_per_rank
     names = list(params.values())
@@ -110,8 +135,7 @@ def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world:
         rows[attr] = w.shape[0]
     module.register_buffer(REPLICAS, placement, persistent=False)
     _refuse_other_optimizers()
-    layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0,
-                         host_mesh(world))
+    layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0, hosts)
     module.register_state_dict_post_hook(_state(layer, group))
     module._register_load_state_dict_pre_hook(_load(layer, group), with_module=True)
     module._moe_rows = {}  # not sharded by rows: the optimizer state is ExpertOptimizer's
@@ -123,21 +147,24 @@ def replicate_layer(model, rec, params: dict[str, str], group, rank: int, world:
     return layer, rows
 
 
-def host_mesh(world: int):
-    """Every rank's host as a 1-D DeviceMesh (the master parts' DTensors): over the default group where it takes
-    CPU tensors (gloo, or "cpu:gloo,cuda:nccl"), else over a gloo group of every rank, made once (NCCL alone
-    moves no CPU tensor)."""
+def host_mesh(group, every: list[list[int]]):
+    """The hosts of ``group`` (one of the expert-parallel groups ``every``) as a 1-D DeviceMesh: over ``group``
+    where it takes CPU tensors (gloo, or "cpu:gloo,cuda:nccl"), else over a gloo group of its ranks, made once for
+    each of ``every`` on every rank (NCCL alone moves no CPU tensor)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    if "gloo" in str(dist.get_backend()):
-        return init_device_mesh("cpu", (world,))
-    if _GLOO.get(dist.group.WORLD) is None:  # one per process group (a later init_process_group: another)
-        _GLOO.clear()
-        _GLOO[dist.group.WORLD] = dist.new_group(backend="gloo")  # every rank calls it in the same order
-    return DeviceMesh.from_group(_GLOO[dist.group.WORLD], "cpu")
+    if "gloo" in str(dist.get_backend(group)):
+        return init_device_mesh("cpu", (dist.get_world_size(),)) if group is dist.group.WORLD else \
+            DeviceMesh.from_group(group, "cpu")
+    key = (dist.group.WORLD, str(every))
+    if key not in _GLOO:  # one per process group and mesh (a later init_process_group: another)
+        for stale in [k for k in _GLOO if k[0] is not dist.group.WORLD]:
+            del _GLOO[stale]
+        _GLOO[key] = dist.new_subgroups_by_enumeration(every, timeout=_timeout(), backend="gloo")[0]
+    return DeviceMesh.from_group(_GLOO[key], "cpu")
 
 
-_GLOO: dict = {}  # the default group -> the gloo group of its ranks
+_GLOO: dict = {}  # (the default group, the expert-parallel groups) -> the gloo group of this rank's
 _HOOK = None
 
 

@@ -132,14 +132,20 @@ class ExpertPartition:
 class Groups:
     """The process groups of every run of consecutive ranks of ``group``, made once (every rank calls it
     together), each with ``timeout`` (pass the default group's: torch's default for a new gloo group is 30
-    minutes, for which a dead rank would hang the others)."""
+    minutes, for which a dead rank would hang the others). ``every``: the global ranks of each group like
+    ``group`` (``group``'s among them: the expert-parallel group of each pipeline stage), whose runs are made too,
+    on every rank in the same order as ``new_group`` requires; None: ``group`` alone."""
 
-    def __init__(self, group, timeout=None):
+    def __init__(self, group, timeout=None, every: list[list[int]] | None = None):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group)
-        self.by_run = {run: dist.new_group([ranks[r] for r in range(run[0], run[1] + 1)], timeout=timeout)
-                       for run in consecutive_groups(self.world)}
+        self.by_run = {}
+        for run in consecutive_groups(self.world):
+            for members in every or [ranks]:
+                made = dist.new_group([members[r] for r in range(run[0], run[1] + 1)], timeout=timeout)
+                if members == ranks:
+                    self.by_run[run] = made
 
 
 def reduce_instances(grads_SP: Tensor, placement_N: Tensor, groups: Groups) -> dict[int, Tensor]:
