@@ -76,6 +76,29 @@ def optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp, family):
         dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
         if rank == 0:
             torch.save(full, f"{tmp}/saved_swap_optim.pt")
+    optimizer_round_trip(model, opt, f"{tmp}/ckpt_swap_optim_{family}")
+
+
+def optimizer_round_trip(model, opt, where):
+    """The optimizer's state (``moecompile.get_optimizer_state_dict``) saved with torch.distributed.checkpoint by
+    every rank loads back on the same ranks into an optimizer whose state was zeroed: every rank's state exactly
+    (each rank's parameter groups name other parameters, a ModuleList's experts or another pipeline stage's: the
+    checkpoint keeps one list of them)."""
+    dcp.save(moecompile.get_optimizer_state_dict(model, opt), checkpoint_id=where)
+    held = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    assert held, "the optimizer holds no state to check"
+    for s in opt.state.values():
+        for v in s.values():
+            v.zero_()
+    state = moecompile.get_optimizer_state_dict(model, opt)
+    dcp.load(state, checkpoint_id=where)
+    moecompile.set_optimizer_state_dict(model, opt, state)
+    bad = [i for i, s in held.items() for k, v in s.items() if not torch.equal(opt.state[_param(opt, i)][k], v)]
+    assert not bad, f"{len(bad)} states not restored from the checkpoint"
+
+
+def _param(opt, ident):
+    return next(p for g in opt.param_groups for p in g["params"] if id(p) == ident)
 
 
 def loads_in_one_process(one, tmp, ckpt, saved):

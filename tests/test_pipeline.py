@@ -10,7 +10,9 @@ two a rank, the first the embedding alone, clipped as a list of the rank's stage
 ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process training
 on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
 on the stage's sub-mesh in the state_dict) and ModuleLists'. A torch.distributed.checkpoint saved by the 4 ranks loads
-into fresh stages exactly, and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists
+into fresh stages exactly, so does the optimizer's (``moecompile.get_optimizer_state_dict``: SGD's momentum, each
+stage's parameter groups kept; before, the checkpoint kept one stage's and the other's could not load), and
+``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists
 each stage's layers. On a (2, 2, 1) ("pp", "dp_replicate", "ep") mesh the Mixtral stages train so with their experts
 copied on the stage's two ranks (and on (1, 2, 2), one step of the ModuleList model, half its experts a rank; before,
 "pp" with "dp_replicate" was refused). On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch
@@ -34,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
+from ep_checkpoints import optimizer_round_trip
 from ranks import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -172,8 +175,9 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
             for c, index in zip(compiled, mine)]
     schedule = schedule_cls(runs if stages > 2 else runs[0], n_microbatches=MICRO, loss_fn=_loss)
     params = [p for part in parts for p in part.parameters()]
-    opt = moecompile.ExpertOptimizer(parts[0], torch.optim.SGD, lr=LR) if slots else torch.optim.SGD(params, lr=LR)
-    ref_opt = torch.optim.SGD(whole.parameters(), lr=LR)
+    sgd = dict(lr=LR, momentum=0.9)  # (momentum: a state to checkpoint)
+    opt = moecompile.ExpertOptimizer(parts[0], torch.optim.SGD, **sgd) if slots else torch.optim.SGD(params, **sgd)
+    ref_opt = torch.optim.SGD(whole.parameters(), **sgd)
     for step in range(STEPS):
         losses = []
         if pp == 0:
@@ -197,7 +201,9 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     assert set(full) == {n for index in mine for n in _split(_whole(kind), index, stages).state_dict()}
     for name, value in full.items():  # (every expert of the stages, whole)
         torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
-    where = f"{tmp}/{kind}_{stages}_{'_'.join(mesh.mesh_dim_names)}_{moe_tp}"  # (a checkpoint of each run)
+    where = f"{tmp}/{kind}_{stages}_{'_'.join(mesh.mesh_dim_names)}_{moe_tp}_{slots}_{bool(domains)}"  # (each run's)
+    if stages == 2 and not (fsdp or slots):  # the optimizer's checkpoint: each stage's parameter groups kept
+        optimizer_round_trip(parts[0], opt, where + "_optim")
     dcp.save({"model": {k: v for part in parts for k, v in part.state_dict().items()}}, checkpoint_id=where)
     fresh = [_stage(kind, mesh, index, stages, example, **{**options, "swap_every": 0})
              for index, example in zip(mine, examples)]
@@ -239,6 +245,9 @@ def _bad_input(mesh, rank):
             _stage("gather", mesh, pp, 2, example, seed=ep)
     else:  # (the stages differ from each other, as they should)
         _stage("gather", mesh, pp, 2, example)
+    part = _stage("gather", mesh, pp, 2, example)  # each stage's optimizer with another lr: one checkpoint cannot
+    with pytest.raises(ValueError, match=r"ranks \[2, 3\] build their optimizer with other parameter groups"):
+        moecompile.get_optimizer_state_dict(part, torch.optim.SGD(part.parameters(), lr=LR * (1 + pp)))
 
 
 def _domains_per_stage(mesh, rank):

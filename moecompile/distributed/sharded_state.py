@@ -149,7 +149,8 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
     ``set_optimizer_state_dict``). Each rank's plain shard under one key would be kept once by the checkpoint:
     the other ranks' state lost. (ModuleList experts keep their own keys, one rank each.) An optimizer that has
     not stepped gets its state made first, by a step with zero gradients and lr 0 (as torch does; no expert swap
-    counts it), so a checkpoint loads into it. Every rank calls it together."""
+    counts it), so a checkpoint loads into it. Its ``param_groups`` name every rank's parameters, the same on every
+    rank (``_every_ranks_groups``). Every rank calls it together."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     from .swap import paused
@@ -172,19 +173,51 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
             if isinstance(value, torch.Tensor) and value.shape == shard.shape:
                 state[fqn][key] = ted.to_whole(value, how)
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": _every_ranks_groups(groups)}
+
+
+def _every_ranks_groups(groups: list[dict]) -> list[dict]:
+    """The parameter groups of every rank's optimizer as one list, the same on every rank (a checkpoint keeps one
+    rank's list under its one key: a rank's own names alone would lose the other ranks' ModuleList experts and the
+    other pipeline stages' parameters): group i's hyperparameters, equal on every rank, with every rank's names of
+    its group i, in rank order."""
+    if not dist.is_initialized():
+        return groups
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, groups)
+    hyper = [[repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in theirs] for theirs in every]
+    differ = [r for r, h in enumerate(hyper) if h != hyper[0]]
+    if differ:
+        raise ValueError(f"ranks {differ} build their optimizer with other parameter groups than rank 0 (their number "
+                         "or hyperparameters): a checkpoint of the optimizer keeps one list of groups for every rank "
+                         "(under pipeline stages too); build it the same way on every rank, the same groups in the "
+                         "same order, each with its hyperparameters")
+    return [{**g, "params": list(dict.fromkeys(n for theirs in every for n in theirs[i]["params"]))}
+            for i, g in enumerate(groups)]
+
+
+def _every_name(names: set[str]) -> set[str]:
+    """The parameter names of every rank's model (every rank calls it together): the other pipeline stages' and
+    the other ranks' ModuleList experts too."""
+    if not dist.is_initialized():
+        return names
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(names))
+    return set().union(*map(set, every))
 
 
 def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     """Load a state from ``get_optimizer_state_dict`` (saved on any number of ranks) or torch's own (one process)
-    into the optimizer: each sharded expert weight's state becomes this rank's rows, in its placement. Every rank
-    calls it together."""
+    into the optimizer: each sharded expert weight's state becomes this rank's rows, in its placement; the state of
+    parameters other ranks hold (their ModuleList experts, other pipeline stages') is left to them, a name no rank
+    holds refused. Every rank calls it together."""
     model = unwrapped(model)
     info = _parallel(model)
     rank = dist.get_rank(info.group)
     current = optimizer.state_dict()
     index = {name: i for i, name in _names_by_index(model, optimizer, current).items()}
-    remote = info.module_list_experts - set(index)  # ModuleList experts other ranks hold: theirs to load
+    # the parameters other ranks hold (ModuleList experts, other pipeline stages'): theirs to load
+    remote = _every_name(set(index) | info.module_list_experts) - set(index)
     state = {k: dict(v) for k, v in optim_state_dict["state"].items() if k not in remote}
     for fqn, (total, module) in sharded_parameters(model).items():
         for key, value in state.get(fqn, {}).items():
@@ -197,7 +230,7 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
         raise ValueError(f"the optimizer state names parameters the optimizer does not train ({unknown[:3]}...): "
                          "load it into an optimizer over the same parameters of the same model")
     groups = optim_state_dict["param_groups"]
-    mine = [sorted(index.get(n, -1) for n in g["params"] if n not in remote) for g in groups]  # -1: not here
+    mine = [sorted(index.get(n, -1) for n in g["params"] if n not in remote) for g in groups]  # -1: on no rank
     if len(groups) != len(current["param_groups"]) or any(
             m != sorted(g["params"]) for m, g in zip(mine, current["param_groups"])):
         raise ValueError("the optimizer state's parameter groups hold other parameters than the optimizer's: load "
