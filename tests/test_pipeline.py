@@ -20,11 +20,12 @@ copied on the stage's two ranks (and on (1, 2, 2), one step of the ModuleList mo
 the ModuleList model's under ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb"
 a stage's dense gradients were averaged with the other stage's ranks too: the ranks waited on each other until gloo's
 timeout). Mixtral's stages train so with adaptive replication inside each stage (``moecompile.ExpertOptimizer``
-stepping and clipping each stage module) and with expert domains over the stage's ranks; the ``"gather"`` model's
-with ``expert_domains="auto"``, every rank having made the groups of every candidate first, so that each stage can take
-sizes of its own (before, both were refused under "pp"). A (1, 2, 2) ("pp", "node", "local") mesh dedups per node;
-"pp" with options not built for it, not outermost, or over a stage whose ranks hold different weights raises
-ValueError. Before, a parallelize over a stage's ranks was refused ("not every rank of the default process group")."""
+stepping and clipping each stage module; its checkpoint loads into a fresh stage's) and with expert domains over the
+stage's ranks; the ``"gather"`` model's with ``expert_domains="auto"``, every rank having made the groups of every
+candidate first, so that each stage can take sizes of its own (before, both were refused under "pp"). A (1, 2, 2)
+("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not outermost, or over a stage
+whose ranks hold different weights raises ValueError, as do stages whose optimizers have other parameter groups.
+Before, a parallelize over a stage's ranks was refused ("not every rank of the default process group")."""
 
 import copy
 from datetime import timedelta
@@ -214,6 +215,25 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     for part in fresh:
         part.load_state_dict({k: v for k, v in state["model"].items() if k in part.state_dict()})
         assert all(torch.equal(value, full[name]) for name, value in moecompile.full_state_dict(part).items()), kind
+    if slots:  # ExpertOptimizer's checkpoint (the stage's master parts, their momenta, the placement) loads too
+        dcp.save(opt.state_dict(), checkpoint_id=where + "_experts")
+        again = moecompile.ExpertOptimizer(fresh[0], torch.optim.SGD, **sgd)
+        saved = again.state_dict()
+        dcp.load(saved, checkpoint_id=where + "_experts")
+        again.load_state_dict(saved)
+        before, after = _leaves(opt.state_dict()), _leaves(again.state_dict())
+        assert len(before) == len(after) > 4 and all(torch.equal(a, b) for a, b in zip(before, after)), kind
+
+
+def _leaves(state):
+    """The tensors of a nested state dict (DTensors whole), in key order; lists of numbers as tensors."""
+    if isinstance(state, dict):
+        return [leaf for key in sorted(state, key=str) for leaf in _leaves(state[key])]
+    if isinstance(state, DTensor):
+        return [state.full_tensor()]
+    if isinstance(state, torch.Tensor):
+        return [state]
+    return [torch.tensor(state)] if isinstance(state, list) and all(isinstance(x, int) for x in state) else []
 
 
 def _bad_input(mesh, rank):
