@@ -291,6 +291,17 @@ def _domains_per_stage(mesh, rank):
     assert [int(g) for g in got] == ([0, 1] if pp == 0 else [rank]), got
 
 
+def _hosts_beside_nccl(mesh):
+    """Where the stage's group moves no CPU tensor (NCCL: taken here as the backend's name), the replicated experts'
+    hosts are a gloo group of the stage's ranks, every stage's made on every rank."""
+    from moecompile.distributed import replicate
+
+    group = mesh.get_group("ep")
+    with mock.patch.object(replicate.dist, "get_backend", lambda group=None: "nccl"):
+        hosts = replicate.host_mesh(group, [[0, 1], [2, 3]])
+    assert hosts.mesh.tolist() == mesh.mesh[mesh.get_local_rank("pp")].tolist(), hosts  # (this stage's group)
+
+
 def _dedup_in_one_stage(rank):
     """A (1, 2, 2) ("pp", "node", "local") mesh: the one stage's experts over its 2 x 2 ranks, deduplicated per
     node as on a mesh without "pp" (each rank's logits those of one process)."""
@@ -339,6 +350,7 @@ def _ranks(rank, world, tmp):
         _train("mixtral", mesh, rank, tmp, ScheduleGPipe, slots=5)  # (5 slots a rank: 2 of 8 experts twice)
         _train("mixtral", mesh, rank, tmp, ScheduleGPipe, domains={"ep": 2})  # (each rank its stage's experts)
         _domains_per_stage(mesh, rank)
+        _hosts_beside_nccl(mesh)
         _train("gather", mesh, rank, tmp, Schedule1F1B, domains="auto")
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
