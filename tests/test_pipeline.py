@@ -11,7 +11,8 @@ two a rank, the first the embedding alone, clipped as a list of the rank's stage
 on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
 on the stage's sub-mesh in the state_dict) and ModuleLists'. A torch.distributed.checkpoint saved by the 4 ranks loads
 into fresh stages exactly, so does the optimizer's (``moecompile.get_optimizer_state_dict``: SGD's momentum, each
-stage's parameter groups kept; before, the checkpoint kept one stage's and the other's could not load), and
+stage's parameter groups kept; before, the checkpoint kept one stage's and the other's could not load; one process's
+state loads into each stage too), and
 ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every rank lists
 each stage's layers. On a (2, 2, 1) ("pp", "dp_replicate", "ep") mesh the Mixtral stages train so with their experts
 copied on the stage's two ranks (and on (1, 2, 2), one step of the ModuleList model, half its experts a rank; before,
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from ep_checkpoints import optimizer_round_trip
 from ranks import spawn
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_optimizer_state
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -205,6 +207,12 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     where = f"{tmp}/{kind}_{stages}_{'_'.join(mesh.mesh_dim_names)}_{moe_tp}_{slots}_{bool(domains)}"  # (each run's)
     if stages == 2 and not (fsdp or slots):  # the optimizer's checkpoint: each stage's parameter groups kept
         optimizer_round_trip(parts[0], opt, where + "_optim")
+        one = torch_optimizer_state(whole, ref_opt)  # one process's (every stage's): each stage takes its own
+        moecompile.set_optimizer_state_dict(parts[0], opt, one)
+        for name, value in moecompile.get_optimizer_state_dict(parts[0], opt)["state"].items():
+            momentum = value["momentum_buffer"]
+            momentum = momentum.full_tensor() if isinstance(momentum, DTensor) else momentum
+            assert torch.equal(momentum, one["state"][name]["momentum_buffer"]), name
     dcp.save({"model": {k: v for part in parts for k, v in part.state_dict().items()}}, checkpoint_id=where)
     fresh = [_stage(kind, mesh, index, stages, example, **{**options, "swap_every": 0})
              for index, example in zip(mine, examples)]

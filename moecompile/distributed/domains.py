@@ -139,7 +139,7 @@ def setup(mesh, sizes: dict[str, int], compress: float | None = None, reshard: b
     shape, domain_sizes, stages = ep_shape(mesh), tuple(sizes.values()), ep_groups(mesh)
     members = next(g for g in stages if dist.get_rank() in g)
     rank = members.index(dist.get_rank())
-    key = (tuple(mesh.mesh.shape), domain_sizes)
+    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh_dim_names or ()), domain_sizes)
     if key not in _GROUPS or _GROUPS[key][0] is not dist.group.WORLD:
         made = []
         for which in (0, 1):
