@@ -85,7 +85,7 @@ def optimizer_round_trip(model, opt, where):
     (each rank's parameter groups name other parameters, a ModuleList's experts or another pipeline stage's: the
     checkpoint keeps one list of them)."""
     dcp.save(moecompile.get_optimizer_state_dict(model, opt), checkpoint_id=where)
-    held = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    held = {p: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
     assert held, "the optimizer holds no state to check"
     for s in opt.state.values():
         for v in s.values():
@@ -93,12 +93,8 @@ def optimizer_round_trip(model, opt, where):
     state = moecompile.get_optimizer_state_dict(model, opt)
     dcp.load(state, checkpoint_id=where)
     moecompile.set_optimizer_state_dict(model, opt, state)
-    bad = [i for i, s in held.items() for k, v in s.items() if not torch.equal(opt.state[_param(opt, i)][k], v)]
+    bad = [k for p, s in held.items() for k, v in s.items() if not torch.equal(opt.state[p][k], v)]
     assert not bad, f"{len(bad)} states not restored from the checkpoint"
-
-
-def _param(opt, ident):
-    return next(p for g in opt.param_groups for p in g["params"] if id(p) == ident)
 
 
 def loads_in_one_process(one, tmp, ckpt, saved):

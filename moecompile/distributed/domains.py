@@ -46,7 +46,7 @@ class Domains:
     domain_sizes: tuple[int, ...]
     compress: float | None = None  # the fraction of residual entries sent (SR compression), or None: exact
     reshard: bool = False  # reshard_after_forward: the gathered copies freed after forward, gathered again in backward
-    members: list[int] | None = None  # the expert-parallel group's global ranks (a pipeline stage's), None: the world
+    members: tuple[int, ...] = ()  # the expert-parallel group's global ranks (the world's, or a pipeline stage's)
 
     def slots(self, num_experts: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Expert -> its slot in the exchange group's gathered order (every rank's the same)."""
@@ -61,10 +61,9 @@ class Domains:
         return slots.to(device)  # beside the weights the ops read them with
 
     def describe(self) -> str:
-        ranks = self.members or range(math.prod(self.mesh_shape))
-        text = (f"expert domains {self.sizes}: the experts of ranks {[ranks[r] for r in self.gather_ranks]} gathered "
-                f"here, tokens for other domains' experts exchanged with ranks "
-                f"{[ranks[r] for r in self.exchange_ranks]}")
+        text = (f"expert domains {self.sizes}: the experts of ranks {[self.members[r] for r in self.gather_ranks]} "
+                f"gathered here, tokens for other domains' experts exchanged with ranks "
+                f"{[self.members[r] for r in self.exchange_ranks]}")
         if self.compress is not None:
             text += (f"; compress={self.compress:g}: the gathered experts are the shared (mean) expert plus each "
                      "one's largest residual entries, not exact (this changes the forward)")
@@ -154,7 +153,7 @@ def setup(mesh, sizes: dict[str, int], compress: float | None = None, reshard: b
         if len(ranks) > 1:
             register_group_kind(group.group_name, kind(names, stream.spanned(ranks, shape)))
     return Domains(sizes, _GROUPS[key][1], _GROUPS[key][2], gather, exchange, shape, domain_sizes, compress, reshard,
-                   members if len(stages) > 1 else None)
+                   tuple(members))
 
 
 def prepare(mesh, domains, compress: float | None = None, reshard: bool = False):
