@@ -120,6 +120,7 @@ def _train(family, mesh, moe_tp, batch, seq, tp_attention=False, fsdp=False, per
     if tp_attention:
         _tp_attention(model, mesh)
     moecompile.parallelize(model, mesh, mine, moe_tp=moe_tp, **options)
+    assert "fully_shard" not in str(model._moe_parallel), str(model._moe_parallel)  # (said once FSDP2 wraps it)
     if fsdp:  # the program as written (parallelize marks the expert modules for FSDP2 to leave out), and
         # with the set of expert weights named (moe_tp="off")
         named = {"ignored_params": moecompile.expert_parameters(model)} if moe_tp == "off" else {}

@@ -136,6 +136,15 @@ class _HeldBack:
         return hook
 
 
+def fsdp_wraps(model: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` wrapped ``model`` or a module in it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _fsdp_held(model: nn.Module) -> set[int]:
     """The parameters FSDP2's ``fully_shard`` holds in ``model`` (sharded, or unsharded mid-forward): those under a
     module it wrapped, but for the modules ``parallelize`` marked for it to leave out (expert shards)."""

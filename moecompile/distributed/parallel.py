@@ -41,7 +41,7 @@ from . import domains as domains_mod
 from . import moe_tp as moe_tp_mod
 from . import ted
 from .find_blocks import explain_blocks
-from .grads import GradientSync
+from .grads import GradientSync, fsdp_wraps
 from .hf_tp import take_back_experts
 from .mesh import (check_dedup, describe, ep_shape, expert_copies, level_names, replicate_group, setup_mesh,
                    stage_group)
@@ -196,7 +196,7 @@ class ParallelInfo:
         lines = [describe(self.mesh, self.world, self.copies)]
         lines += [f"  sharded {r.path}: {r.sharding}" for r in self.report.layers if r.sharding]
         lines += [f"  left whole (replicated) {path}: {why}" for path, why in self.left]
-        if self.fsdp_left_out:
+        if self.fsdp_left_out and self.sync is not None and fsdp_wraps(self.sync.model):
             lines.append(f"  FSDP2's fully_shard leaves out {len(self.fsdp_left_out)} module(s) holding expert shards "
                          "(moecompile reduces their gradients)")
         return "\n".join(lines + ([f"  {self.sync}"] if self.sync is not None and self.sync.late else []))
