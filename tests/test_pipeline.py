@@ -230,6 +230,19 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
         again.load_state_dict(saved)
         before, after = _leaves(opt.state_dict()), _leaves(again.state_dict())
         assert len(before) == len(after) > 4 and all(torch.equal(a, b) for a, b in zip(before, after)), kind
+        slots_of = {id(p) for layer in fresh[0]._moe_parallel.replicas for p in layer.slot_parameters()}
+        for p in fresh[0].parameters():  # stage 0 trains its experts only (no dense optimizer there): ranks that
+            p.requires_grad_(id(p) in slots_of or pp == 1)  # have one and ranks that have none save and load together
+        frozen = moecompile.ExpertOptimizer(fresh[0], torch.optim.SGD, **sgd)
+        assert (frozen.dense is None) == (pp == 0)
+        saved = frozen.state_dict()
+        dcp.save(saved, checkpoint_id=where + "_frozen")
+        dcp.load(saved, checkpoint_id=where + "_frozen")
+        frozen.load_state_dict(saved)
+        dense = [n for n, p in fresh[0].named_parameters() if p.requires_grad and id(p) not in slots_of]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, dense)  # (stage 1's dense weights: the checkpoint's one group on every rank)
+        assert [g["params"] for g in saved["dense"]["param_groups"]] == [every[2]] and every[0] == [], every
 
 
 def _leaves(state):

@@ -175,7 +175,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
                 part = isinstance(value, torch.Tensor) and value.shape == master.shape
                 entry[key] = self._global(layer, value) if part else value
             experts[layer.path] = entry
-        return {"dense": get_optimizer_state_dict(self._model, self.dense) if self.dense is not None else {},
+        return {"dense": get_optimizer_state_dict(self._model, self.dense),  # (None: every dense weight frozen)
                 "experts": experts, "placement": {layer.path: layer.placement.tolist() for layer in self.layers},
                 "expert_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.experts.param_groups],
                 "steps": self.steps}
@@ -187,8 +187,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         (DCP reshards the DTensors) and the experts start evenly placed. Every rank calls it together."""
         from .sharded_state import set_optimizer_state_dict
 
-        if self.dense is not None:
-            set_optimizer_state_dict(self._model, self.dense, state["dense"])
+        set_optimizer_state_dict(self._model, self.dense, state["dense"])  # (every rank: they gather names)
         missing = [layer.path for layer in self.layers if layer.path not in state["experts"]]
         if missing:
             raise ValueError(f"the state holds no experts of {missing}: load a state saved from this model's "

@@ -150,13 +150,17 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
     the other ranks' state lost. (ModuleList experts keep their own keys, one rank each.) An optimizer that has
     not stepped gets its state made first, by a step with zero gradients and lr 0 (as torch does; no expert swap
     counts it), so a checkpoint loads into it. Its ``param_groups`` name every rank's parameters, the same on every
-    rank (``_every_ranks_groups``). Every rank calls it together."""
+    rank (``_every_ranks_groups``). Every rank calls it together; ``optimizer`` None where this rank's part of the
+    model trains nothing (``ExpertOptimizer``'s dense part of a pipeline stage whose dense weights are all frozen):
+    no state, the other ranks' groups."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     from .swap import paused
 
     model = unwrapped(model)  # (a compiled model names its parameters "_orig_mod.<name>")
     info = _parallel(model)
+    if optimizer is None:
+        return {"state": {}, "param_groups": _every_ranks_groups(None)}
     with paused():
         _init_optim_state(optimizer)
     saved = optimizer.state_dict()
@@ -176,24 +180,29 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
     return {"state": state, "param_groups": _every_ranks_groups(groups)}
 
 
-def _every_ranks_groups(groups: list[dict]) -> list[dict]:
+def _every_ranks_groups(groups: list[dict] | None) -> list[dict]:
     """The parameter groups of every rank's optimizer as one list, the same on every rank (a checkpoint keeps one
     rank's list under its one key: a rank's own names alone would lose the other ranks' ModuleList experts and the
     other pipeline stages' parameters): group i's hyperparameters, equal on every rank, with every rank's names of
-    its group i, in rank order."""
+    its group i, in rank order. ``groups`` None: this rank has no optimizer (it trains nothing here)."""
     if not dist.is_initialized():
-        return groups
+        return groups or []
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, groups)
-    hyper = [[repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in theirs] for theirs in every]
-    differ = [r for r, h in enumerate(hyper) if h != hyper[0]]
+    held = {r: theirs for r, theirs in enumerate(every) if theirs is not None}
+    if not held:
+        return []
+    hyper = {r: [repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in theirs]
+             for r, theirs in held.items()}
+    first = min(held)
+    differ = [r for r, h in hyper.items() if h != hyper[first]]
     if differ:
-        raise ValueError(f"ranks {differ} build their optimizer with other parameter groups than rank 0 (their number "
-                         "or hyperparameters): a checkpoint of the optimizer keeps one list of groups for every rank "
+        raise ValueError(f"ranks {differ} build their optimizer with other parameter groups than rank {first} (their "
+                         "number or hyperparameters): a checkpoint of the optimizer keeps one list of groups for every rank "
                          "(under pipeline stages too); build it the same way on every rank, the same groups in the "
                          "same order, each with its hyperparameters")
-    return [{**g, "params": list(dict.fromkeys(n for theirs in every for n in theirs[i]["params"]))}
-            for i, g in enumerate(groups)]
+    return [{**g, "params": list(dict.fromkeys(n for theirs in held.values() for n in theirs[i]["params"]))}
+            for i, g in enumerate(held[first])]
 
 
 def _every_name(names: set[str]) -> set[str]:
@@ -210,9 +219,13 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     """Load a state from ``get_optimizer_state_dict`` (saved on any number of ranks) or torch's own (one process)
     into the optimizer: each sharded expert weight's state becomes this rank's rows, in its placement; the state of
     parameters other ranks hold (their ModuleList experts, other pipeline stages') is left to them, a name no rank
-    holds refused. Every rank calls it together."""
+    holds refused. Every rank calls it together; ``optimizer`` None where this rank's part of the model trains
+    nothing (as ``get_optimizer_state_dict``): it loads nothing."""
     model = unwrapped(model)
     info = _parallel(model)
+    if optimizer is None:
+        _every_name(set(info.module_list_experts))  # (the other ranks gather every rank's names)
+        return
     rank = dist.get_rank(info.group)
     current = optimizer.state_dict()
     index = {name: i for i, name in _names_by_index(model, optimizer, current).items()}
