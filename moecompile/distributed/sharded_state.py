@@ -198,9 +198,9 @@ def _every_ranks_groups(groups: list[dict] | None) -> list[dict]:
     differ = [r for r, h in hyper.items() if h != hyper[first]]
     if differ:
         raise ValueError(f"ranks {differ} build their optimizer with other parameter groups than rank {first} (their "
-                         "number or hyperparameters): a checkpoint of the optimizer keeps one list of groups for every rank "
-                         "(under pipeline stages too); build it the same way on every rank, the same groups in the "
-                         "same order, each with its hyperparameters")
+                         "number or hyperparameters): a checkpoint of the optimizer keeps one list of groups for "
+                         "every rank (under pipeline stages too); build it the same way on every rank, the same groups "
+                         "in the same order, each with its hyperparameters")
     return [{**g, "params": list(dict.fromkeys(n for theirs in held.values() for n in theirs[i]["params"]))}
             for i, g in enumerate(held[first])]
 
