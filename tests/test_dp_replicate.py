@@ -6,8 +6,10 @@ the parameters and their momentum after the steps are equal (fp32, 1e-5); each r
 group, and exchanges rows only inside its group. The state_dict gives each stacked expert weight as a DTensor
 Replicate over "dp_replicate" and Shard(0) over "ep"; a torch.distributed.checkpoint saved by the 4 ranks loads in
 one process exactly. A (1, 2, 2) ("dp_replicate", "node", "local") mesh dedups over "node" inside its group the
-same way, and a (2, 2) ("dp_replicate", "tp") mesh runs two copies of a sequence-sharded (SSMB) group. Options
-that do not serve copies of experts yet are refused with ValueError."""
+same way, and a (2, 2) ("dp_replicate", "tp") mesh runs two copies of a sequence-sharded (SSMB) group. Expert
+domains work inside each copy's group: Mixtral with {"ep": 2} trains as one process (each rank gathers its copy's
+experts), and "auto" chooses per copy, every rank making every copy's candidate groups together. Options that do not
+serve copies of experts yet are refused with ValueError."""
 
 from datetime import timedelta
 
@@ -15,17 +17,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from clipping import clip_as_one_process
+from outer_groups import domains_per_group
 from ranks import spawn
 from ep_checkpoints import TOL, loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import moecompile
+from moecompile.runtime.comm.cost_model import LinkModel
 from moecompile.models.handwritten import TinyMoELM
 from moecompile.models.hf import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 STEPS, LR = 3, 0.1
+SLOW = LinkModel({"flat": (2e-2, 2e-6)})  # (expert_domains="auto": the stream model prices each copy's links)
 
 
 def _build(family):
@@ -33,14 +38,16 @@ def _build(family):
     return TinyMoELM(family) if family == "loop" else tiny_model(family)
 
 
-def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1):
+def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1, domains=None, link_model=None):
     """Three steps with the experts over ``mesh`` and in one process; returns (sharded model, one-process model).
-    ``tp``: the ranks of one tp group (consecutive) hold the same batch (7 tokens: uneven SSMB slices)."""
+    ``tp``: the ranks of one tp group (consecutive) hold the same batch (7 tokens: uneven SSMB slices);
+    ``domains``: ``expert_domains`` inside each copy's group."""
     ref, model = _build(family).train(), _build(family).train()
     vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
     batches = torch.randint(0, vocab, (world // tp, 2, 6 if tp == 1 else 7), generator=torch.Generator().manual_seed(7))
     mine, together = batches[rank // tp], batches.flatten(0, 1)
-    moecompile.parallelize(model, mesh, mine, dedup=dedup, moe_tp=moe_tp)
+    moecompile.parallelize(model, mesh, mine, dedup=dedup, moe_tp=moe_tp, expert_domains=domains,
+                           link_model=link_model)
     info = model._moe_parallel
     group_size, copies = info.world, info.copies
     assert group_size * copies == world and not info.left, str(info)
@@ -82,7 +89,6 @@ def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1):
 def _bad_input(mesh, rank):
     ids = torch.zeros(1, 4, dtype=torch.long)
     for kwargs, match in (({"swap_every": 1}, "with swap_every is not built"),
-                          ({"expert_domains": {"ep": 2}}, "with expert_domains is not built"),
                           ({"replication": "adaptive", "slots_per_rank": 2}, "with replication is not built")):
         with pytest.raises(ValueError, match=match):
             moecompile.parallelize(tiny_model("mixtral"), mesh, ids, **kwargs)
@@ -133,6 +139,16 @@ def _world4(rank, world, tmp):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))
         _bad_input(mesh, rank)
         _planner_plans_run(rank, world)
+        domains_per_group(mesh, rank, "dp_replicate")
+        model, _ = _train("mixtral", mesh, rank, world, domains={"ep": 2})  # expert domains in each copy's group
+        info, stats = model._moe_parallel, moecompile.comm_stats()
+        gathered = f"the experts of ranks {[rank // 2 * 2, rank // 2 * 2 + 1]} gathered"
+        assert all(gathered in r.sharding for r in info.report.layers), str(info)
+        assert all(s["calls.domain_gather"] == s["calls.domain_reduce"] == 2 * STEPS  # (its 2 weights)
+                   for s in stats.values()), stats
+        model = moecompile.parallelize(_build("mixtral"), mesh, torch.randint(0, 64, (2, 6)), expert_domains="auto",
+                                       link_model=SLOW)  # each copy chooses on its own ranks' routing and links
+        assert all("expert domains auto ->" in r.sharding for r in model._moe_parallel.report.layers), str(info)
         for family in ("mixtral", "loop"):
             model, _ = _train(family, mesh, rank, world)
             stats = moecompile.comm_stats()[model._moe_parallel.report.layers[0].path]

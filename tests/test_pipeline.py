@@ -14,13 +14,14 @@ into fresh stages exactly, so does the optimizer's (``moecompile.get_optimizer_s
 stage's parameter groups kept; before, the checkpoint kept one stage's and the other's could not load; one process's
 state loads into each stage too), and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every
 rank lists each stage's layers. On a (2, 2, 1) ("pp", "dp_replicate", "ep") mesh the Mixtral stages train so with their experts
-copied on the stage's two ranks (and on (1, 2, 2), one step of the ModuleList model, half its experts a rank; before,
-"pp" with "dp_replicate" was refused). On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch
+copied on the stage's two ranks (and on (1, 2, 2), one step of the ModuleList model, half its experts a rank, and of
+the "gather" model with expert domains inside each copy; before, "pp" with "dp_replicate" was refused). On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch
 (one process trains on that batch), Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and
 the ModuleList model's under ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb"
 a stage's dense gradients were averaged with the other stage's ranks too: the ranks waited on each other until gloo's
 timeout). Mixtral's stages train so with adaptive replication inside each stage (``moecompile.ExpertOptimizer``
-stepping and clipping each stage module; its checkpoint loads into a fresh stage's) and with expert domains over the
+stepping and clipping each stage module; its checkpoint loads into a fresh stage's, also where one stage trains its
+experts only and has no dense optimizer) and with expert domains over the
 stage's ranks; the ``"gather"`` model's with ``expert_domains="auto"``, every rank having made the groups of every
 candidate first, so that each stage can take sizes of its own (before, both were refused under "pp"). A (1, 2, 2)
 ("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not outermost, or over a stage
@@ -35,9 +36,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from ep_checkpoints import optimizer_round_trip
+from outer_groups import domains_per_group
 from ranks import spawn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_optimizer_state
@@ -48,7 +49,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import moecompile
-from moecompile.distributed import domains
 from moecompile.models.handwritten import TinyMoELM
 from moecompile.models.hf import tiny_model
 from moecompile.runtime.comm.cost_model import LinkModel
@@ -258,9 +258,10 @@ def _leaves(state):
 
 def _bad_input(mesh, rank):
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="'dp_replicate' \\(each expert on 2 ranks\\) with expert_domains is not "):
+    with pytest.raises(ValueError, match="'dp_replicate' \\(each expert on 2 ranks\\) with replication is not "):
         moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), init_device_mesh(
-            "cpu", (1, 2, 2), mesh_dim_names=("pp", "dp_replicate", "ep")), ids, expert_domains={"ep": 2})
+            "cpu", (1, 2, 2), mesh_dim_names=("pp", "dp_replicate", "ep")), ids, replication="static",
+            slots_per_rank=4)
     with pytest.raises(ValueError, match="on a rank running several stage modules"):  # (checked before any group)
         moecompile.ExpertOptimizer([nn.Linear(2, 2), nn.Linear(2, 2)], torch.optim.SGD, lr=LR)
     inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "pp"))
@@ -290,27 +291,6 @@ def _bad_input(mesh, rank):
         moecompile.get_optimizer_state_dict(part, torch.optim.SGD(part.parameters(), lr=LR * (1 + pp)))
 
 
-def _domains_per_stage(mesh, rank):
-    """``expert_domains="auto"``'s groups made by every rank at the start: each stage's layers then take their own
-    sizes (here stage 0 gathers its two ranks' experts, stage 1 none), with no group made when they do (the other
-    stage's ranks would not make it with them)."""
-    pp, made, new_group = mesh.get_local_rank("pp"), [], c10d.new_group
-
-    def spy(ranks=None, *args, **kwargs):
-        made.append(list(ranks))
-        return new_group(ranks, *args, **kwargs)
-
-    with mock.patch.object(c10d, "new_group", spy):
-        domains.prepare(mesh, "auto")
-        mine = domains.setup(mesh, {"ep": 2 if pp == 0 else 1})
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, made)  # new_group's contract: every rank makes the same groups, in the same order
-    assert all(m == every[0] for m in every), every
-    got = [torch.zeros(1) for _ in mine.gather_ranks]
-    dist.all_gather(got, torch.tensor([float(rank)]), group=mine.domain_group)
-    assert [int(g) for g in got] == ([0, 1] if pp == 0 else [rank]), got
-
-
 def _hosts_beside_nccl(mesh):
     """Where the stage's group moves no CPU tensor (NCCL: taken here as the backend's name), the replicated experts'
     hosts are a gloo group of the stage's ranks, every stage's made on every rank."""
@@ -336,18 +316,22 @@ def _dedup_in_one_stage(rank):
                                rtol=TOL, atol=TOL)
 
 
-def _replicas_in_one_stage(rank):
+def _replicas_in_one_stage(rank, kind="modulelist", **options):
     """A (1, 2, 2) ("pp", "dp_replicate", "ep") mesh: the one stage's experts over 2 ranks, two copies of them (each
-    rank holds half the experts, its gradients averaged with its copy's); one SGD step with clipping on each rank's
-    own batch equals one process on the four batches."""
+    rank holds half the experts, its gradients averaged with its copy's; ``options``: parallelize's, expert domains
+    inside each copy's group); one SGD step with clipping on each rank's own batch equals one process on the four
+    batches."""
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp_replicate", "ep"))
     torch.manual_seed(0)
-    whole = TinyMoELM("modulelist")
+    whole = TinyMoELM(kind)
     ids = torch.randint(0, 128, (4, 2, 8), generator=torch.Generator().manual_seed(5))
-    model = moecompile.parallelize(copy.deepcopy(whole), mesh, ids[rank])
+    model = moecompile.parallelize(copy.deepcopy(whole), mesh, ids[rank], **options)
     assert "each expert on 2 ranks" in str(model._moe_parallel), str(model._moe_parallel)
-    experts = sum(".experts." in name for name, _ in whole.named_parameters())
-    assert len(moecompile.expert_parameters(model)) * 2 == experts, str(model._moe_parallel)  # half of them here
+    if options:  # (the two ranks of this rank's copy gather their experts)
+        assert f"the experts of ranks {[rank // 2 * 2, rank // 2 * 2 + 1]} gathered" in str(model._moe_parallel)
+    held = {id(p) for p in moecompile.expert_parameters(model)}
+    experts = sum(p.numel() for n, p in whole.named_parameters() if ".experts." in n or ".cond_ffn." in n)
+    assert sum(p.numel() for p in model.parameters() if id(p) in held) * 2 == experts, str(model._moe_parallel)
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     _loss(compiled(ids[rank]).logits, ids[rank]).backward()
     _loss(whole(ids.flatten(0, 1)).logits, ids.flatten(0, 1)).backward()
@@ -369,12 +353,13 @@ def _ranks(rank, world, tmp):
         _train("mixtral", mesh, rank, tmp, ScheduleGPipe, swap_every=1)
         _train("mixtral", mesh, rank, tmp, ScheduleGPipe, slots=5)  # (5 slots a rank: 2 of 8 experts twice)
         _train("mixtral", mesh, rank, tmp, ScheduleGPipe, domains={"ep": 2})  # (each rank its stage's experts)
-        _domains_per_stage(mesh, rank)
+        domains_per_group(mesh, rank, "pp")
         _hosts_beside_nccl(mesh)
         _train("gather", mesh, rank, tmp, Schedule1F1B, domains="auto")
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
         _replicas_in_one_stage(rank)
+        _replicas_in_one_stage(rank, "gather", expert_domains={"ep": 2})
         replicas = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "ep"))
         _train("mixtral", replicas, rank, tmp, ScheduleGPipe)  # (each stage's experts on both its ranks)
         beside_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
