@@ -16,8 +16,9 @@ state loads into each stage too), and ``full_state_dict`` gives each stage's wei
 rank lists each stage's layers. On a (2, 2, 1) ("pp", "dp_replicate", "ep") mesh the Mixtral stages train so with
 their experts copied on the stage's two ranks (and on (1, 2, 2), one step of the ModuleList model, half its experts a
 rank, and of the "gather" model with expert domains inside each copy; before, "pp" with "dp_replicate" was refused).
-On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch (one process trains on that batch), Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and
-the ModuleList model's under ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb"
+On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch (one process trains on that batch),
+Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and the ModuleList model's under
+``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb"
 a stage's dense gradients were averaged with the other stage's ranks too: the ranks waited on each other until gloo's
 timeout). Mixtral's stages train so with adaptive replication inside each stage (``moecompile.ExpertOptimizer``
 stepping and clipping each stage module; its checkpoint loads into a fresh stage's, also where one stage trains its
