@@ -14,8 +14,9 @@ into fresh stages exactly, so does the optimizer's (``moecompile.get_optimizer_s
 stage's parameter groups kept; before, the checkpoint kept one stage's and the other's could not load; one process's
 state loads into each stage too), and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every
 rank lists each stage's layers. On a (2, 2, 1) ("pp", "dp_replicate", "ep") mesh the Mixtral stages train so with
-their experts copied on the stage's two ranks (and on (1, 2, 2), one step of the ModuleList model, half its experts a
-rank, and of the "gather" model with expert domains inside each copy; before, "pp" with "dp_replicate" was refused).
+their experts copied on the stage's two ranks, also replicated in each copy's 9 slots (and on (1, 2, 2), one step
+of the ModuleList model, half its experts a rank, and of the "gather" model with expert domains inside each copy;
+before, "pp" with "dp_replicate" was refused).
 On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch (one process trains on that batch),
 Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and the ModuleList model's under
 ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb"
@@ -165,11 +166,13 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
         assert all(("expert domains " + ("auto ->" if domains == "auto" else f"{domains}: the experts of ranks "
                                          f"{mesh.mesh[pp].tolist()} gathered")) in rec.sharding
                    for rec in info.report.layers) if domains else True, str(info)
+        hosts = mesh.mesh[pp][mesh.get_local_rank("dp_replicate")] if slots and "dp_replicate" in inner else \
+            mesh.mesh[pp]  # (replicas': the hosts of the stage's ranks, or of the stage's copy's)
         for name, value in part.state_dict().items():  # stacked experts: DTensors of the stage's sub-mesh
             if isinstance(value, DTensor):  # (and under "tp" the attention's; replicas': of the stage's hosts)
                 assert value.device_mesh.mesh_dim_names == (None if slots else inner), name
                 assert value.shape == every[name].shape, name
-                assert value.device_mesh.mesh.flatten().tolist() == mesh.mesh[pp].flatten().tolist(), name
+                assert value.device_mesh.mesh.flatten().tolist() == hosts.flatten().tolist(), name
         for module in [*part.norms.values(), part] if fsdp else ():  # dense weights sharded over the stage's ranks
             fully_shard(module, mesh=mesh[inner])
     compiled = [torch.compile(part, backend="moe", options={"inner": "aot_eager", "strict": bool(SPLITS[stages][i][0])})
@@ -259,10 +262,6 @@ def _leaves(state):
 
 def _bad_input(mesh, rank):
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="'dp_replicate' \\(each expert on 2 ranks\\) with replication is not "):
-        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), init_device_mesh(
-            "cpu", (1, 2, 2), mesh_dim_names=("pp", "dp_replicate", "ep")), ids, replication="static",
-            slots_per_rank=4)
     with pytest.raises(ValueError, match="on a rank running several stage modules"):  # (checked before any group)
         moecompile.ExpertOptimizer([nn.Linear(2, 2), nn.Linear(2, 2)], torch.optim.SGD, lr=LR)
     inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "pp"))
@@ -363,6 +362,7 @@ def _ranks(rank, world, tmp):
         _replicas_in_one_stage(rank, "gather", expert_domains={"ep": 2})
         replicas = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "ep"))
         _train("mixtral", replicas, rank, tmp, ScheduleGPipe)  # (each stage's experts on both its ranks)
+        _train("mixtral", replicas, rank, tmp, ScheduleGPipe, slots=9)  # (replicated in each copy: 9 slots a rank)
         beside_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         _train("mixtral", beside_tp, rank, tmp, ScheduleGPipe, moe_tp="ted")
         _train("modulelist", beside_tp, rank, tmp, Schedule1F1B, moe_tp="ssmb")

@@ -25,7 +25,10 @@ With "adaptive" and SGD, a torch.distributed.checkpoint saved after step 1 and l
 schedule continues bit for bit across the placement changes of steps 2 and 3 (the experts' lr as scheduled); world 2 (a
 1-D mesh) loads world 4's. World 2 and one rank also train dbrx (flat [E x ffn, H] expert weights: its state_dict
 entries whole, Mixtral's stacked ones DTensors over the ranks' hosts) adaptive with SGD, checkpoint and resume included.
-One rank: a step after two micro-batches (gradient accumulation) places by both's routing.
+One rank: a step after two micro-batches (gradient accumulation) places by both's routing. World 4 as a (2, 2)
+("dp_replicate", "ep") mesh: each copy's 2 ranks replicate the experts (5 slots each) by their own routing (the copies'
+placements differ), the master parts' gradients summed over the copies; adaptive with SGD trains as one process and
+resumes from its checkpoint (every copy's placement kept) bit for bit.
 """
 
 import pytest
@@ -110,17 +113,20 @@ def _replicated(mesh, mine, world, mode, optimizer="adamw", family="mixtral"):
     return model, compiled, moecompile.ExpertOptimizer(model, cls, **kwargs)
 
 
-def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral"):
+def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral", copies=1):
     """Three steps against one process with the same torch optimizer; with "adaptive" and SGD, a checkpoint after
     the first (placements change after every step) from which ``_resume`` continues. Returns the state_dict after
-    the steps."""
+    the steps. ``copies``: the mesh's "dp_replicate" size (each copy's group of world / copies ranks replicates
+    the experts in its slots, placed by its own routing)."""
     ref = _build(family).train()
     batches = _batches(ref, world)
     mine, together = batches[rank], batches.flatten(0, 1)
-    S = E // world + 1
-    model, compiled, opt = _replicated(mesh, mine, world, mode, optimizer, family)
+    group = world // copies  # (the expert-parallel group: this rank's copy's)
+    S, ep_rank = E // group + 1, rank % group
+    model, compiled, opt = _replicated(mesh, mine, group, mode, optimizer, family)
     checkpoint = mode == "adaptive" and optimizer == "sgd"
-    what = f"{family} {mode} {optimizer}"
+    what = f"{family} {mode} {optimizer} {copies} copies"
+    ckpt = f"{tmp}/ckpt{world}{family}" + (f"_{copies}copies" if copies > 1 else "")
     info = model._moe_parallel
     assert len(info.replicas) == len(info.report.layers) and not info.left, str(info)
     slots = {n: p for n, p in model.named_parameters() if getattr(p, "_moe_replicated", False)}
@@ -146,23 +152,22 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral"):
         if clip:
             sched.step(), ref_sched.step()
         if step == 0 and checkpoint:
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                     checkpoint_id=f"{tmp}/ckpt{world}{family}")
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
             saved_sched = sched.state_dict()
     state = model.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(_whole(state[name]), p.detach(), rtol=TOL, atol=TOL,
                                    msg=lambda m: f"{what} {name}: {m}")
     placements = [[tuple(h[layer.path]["instances"]) for h in opt.history] for layer in info.replicas]
-    _check_stats(model, opt, world, S, mine.numel())
+    _check_stats(model, opt, group, S, mine.numel())
     for layer, placed in zip(info.replicas, placements):
-        assert all(min(p) >= 1 and sum(p) == S * world for p in placed), placed
+        assert all(min(p) >= 1 and sum(p) == S * group for p in placed), placed
         if mode == "static":
             assert len(set(placed)) == 1, placed
         else:  # placed by the routing of each step: not the static placement
-            static = tuple(torch.bincount(uniform(E, world, S), minlength=E).tolist())
+            static = tuple(torch.bincount(uniform(E, group, S), minlength=E).tolist())
             assert any(p != static for p in placed), placed
-        here = layer.placement[rank * S:(rank + 1) * S]  # each slot holds the expert its placement names
+        here = layer.placement[ep_rank * S:(ep_rank + 1) * S]  # each slot holds the expert its placement names
         for slot in layer.slot_parameters():
             name = next(n for n, p in model.named_parameters() if p is slot)
             want = _whole(state[name]).reshape(E, -1)[here].reshape(slot.shape)
@@ -170,11 +175,16 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral"):
     if mode == "adaptive" and optimizer == "sgd":  # and not the same every step, in some layer (AdamW's lr moves
         # the router too little in three steps)
         assert any(len(set(placed)) > 1 for placed in placements), placements
+    if copies > 1:  # each copy placed by its own routing; their parts' gradients summed over the copies
+        every = [None] * world
+        dist.all_gather_object(every, placements)
+        assert every[0] != every[group] and every[0] == every[1], every
+        assert all(h["bytes"]["copies"] > 0 for step in opt.history for h in step.values()), opt.history
     held = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.load_state_dict(state)
     assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
     if checkpoint:
-        _resume(mesh, mine, world, f"{tmp}/ckpt{world}{family}", saved_sched, logits[1:], held, opt, family)
+        _resume(mesh, mine, group, ckpt, saved_sched, logits[1:], held, opt, family)
     return state
 
 
@@ -229,6 +239,8 @@ def _worker(rank, world, tmp):
                 torch.testing.assert_close(_whole(value), _whole(static[name]), rtol=TOL, atol=TOL,
                                            msg=lambda m: f"{name}: {m}")
             _train(mesh, rank, world, "adaptive", tmp, "sgd")
+            copies = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))
+            _train(copies, rank, world, "adaptive", tmp, "sgd", copies=2)  # each copy's group of 2 replicates
         else:  # (Mixtral's runs above on a 1-D mesh: test_one_rank_replication)
             _load_saved_on_4(mesh, rank, world, tmp)
             _train(mesh, rank, world, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights

@@ -5,12 +5,15 @@ are a fixed part of each expert on each rank's host (``runtime/placement/expert_
 class. Each ``step()``, per layer: the slot gradients are summed over each expert's instances (inside a rank,
 then over its consecutive hosting ranks), each rank collects its part of every expert's gradient, steps it, and
 sends the updated weights to the slots of the next placement (``"adaptive"``: the paper's Algorithm 1 on the
-step's routing; ``"static"``: the same placement), which the next forward uses.
+step's routing; ``"static"``: the same placement), which the next forward uses. Beside ``"dp_replicate"`` each
+copy of the experts does so in its own group, placing by its own routing; the master parts' gradients are summed
+over the copies (each slot's was divided by their number in backward), so every copy steps the same master weights.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from moecompile.runtime.placement import expert_state
 from moecompile.runtime.placement.replicas import DROPPED, POPULARITY, SLOT_ROWS, forget
@@ -60,6 +63,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         self.dense = optimizer_class(dense, **kwargs) if dense else None
         self.experts = optimizer_class([layer.part.master for layer in self.layers], **kwargs)
         self.groups = info.replicas[0].hosts.groups  # (made by parallelize, on every rank together)
+        self._copies = info.replicas[0].hosts.copies  # the same parts in every copy of the experts ("dp_replicate")
         self._stages = pipeline_group(info.mesh)
         self.defaults = dict(self.experts.defaults)
         sharded = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}
@@ -127,6 +131,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
             rows = layer.part.flatten([g.reshape(S, -1) for g in grads])
             reduced = reduce_instances(rows, layer.placement, self.groups)
             layer.part.master.grad = collect(reduced, layer.placement, layer.part, self.group)
+            if self._copies is not None:  # every copy's share (each divided by the copies in backward)
+                dist.all_reduce(layer.part.master.grad, group=self._copies)
+                expert_state.BYTES["copies"] += layer.part.master.grad.numel() * layer.part.master.grad.element_size()
             moved[layer.path] = _delta(before)
         self._gathered = moved
         return moved
@@ -159,7 +166,8 @@ class ExpertOptimizer(torch.optim.Optimizer):
         """For ``torch.distributed.checkpoint``: the dense optimizer's state by parameter name
         (``moecompile.get_optimizer_state_dict``), each replicated layer's master weights and their optimizer
         state, per weight a DTensor ``Shard(1)`` of its ``[E, R, ...]`` (each rank's rows), its current placement
-        (a list: it is per slot), the experts' group hyperparameters (lr...) and the step count. A fresh
+        (a list: it is per slot; beside ``"dp_replicate"`` a list of every copy's, each copy placing its own), the
+        experts' group hyperparameters (lr...) and the step count. A fresh
         optimizer gets its state made first (a zero step, as torch does), so a checkpoint loads into it. Every rank
         calls it together."""
         from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -175,8 +183,13 @@ class ExpertOptimizer(torch.optim.Optimizer):
                 part = isinstance(value, torch.Tensor) and value.shape == master.shape
                 entry[key] = self._global(layer, value) if part else value
             experts[layer.path] = entry
+        placement = {layer.path: layer.placement.tolist() for layer in self.layers}
+        if self._copies is not None:  # every copy's (a checkpoint keeps one value under the key)
+            every = [None] * dist.get_world_size(self._copies)
+            dist.all_gather_object(every, placement, group=self._copies)
+            placement = {path: [theirs[path] for theirs in every] for path in placement}
         return {"dense": get_optimizer_state_dict(self._model, self.dense),  # (None: every dense weight frozen)
-                "experts": experts, "placement": {layer.path: layer.placement.tolist() for layer in self.layers},
+                "experts": experts, "placement": placement,
                 "expert_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.experts.param_groups],
                 "steps": self.steps}
 
@@ -203,7 +216,11 @@ class ExpertOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 master.copy_(local(entry["master"]))
             self.experts.state[master] = {k: local(v) for k, v in entry.items() if k != "master"}
-            saved = torch.as_tensor(state["placement"][layer.path])
+            saved = state["placement"][layer.path]
+            if saved and isinstance(saved[0], list):  # every copy's: this copy's, where as many copies saved it
+                copies = dist.get_world_size(self._copies) if self._copies is not None else 1
+                saved = saved[dist.get_rank(self._copies) if len(saved) == copies > 1 else 0]
+            saved = torch.as_tensor(saved)
             if saved.numel() == layer.placement.numel():
                 layer.placement.copy_(saved)
             else:  # saved with other slots: the experts start evenly placed here

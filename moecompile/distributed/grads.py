@@ -35,7 +35,9 @@ class GradientSync:
     """The gradient hooks of a model ``parallelize`` sharded. ``expert_divisors`` maps the name of each sharded
     expert parameter held here to what its gradient is divided by; every other parameter that takes a gradient is
     averaged over ``group`` (``size`` ranks; None or 1: nothing to average). ``copies`` > 1: each expert is held by
-    that many ranks (``expert_group``, a mesh's ``"dp_replicate"``): its gradient is averaged over them too.
+    that many ranks (``expert_group``, a mesh's ``"dp_replicate"``): its gradient is averaged over them too (a
+    replicated expert's slots' gradients are divided by ``copies`` here, and summed over the copies by
+    ``ExpertOptimizer`` as its master parts' gradients: each copy places its experts in its slots its own way).
 
     ``refresh()`` hooks each parameter that takes a gradient and has no hook yet: one added or unfrozen since
     (peft's adapters, a resized embedding, experts trained after a frozen start), which would otherwise keep each
@@ -67,10 +69,11 @@ class GradientSync:
             if n not in self.expert_divisors:
                 if self.replicated is not None:
                     self.replicated.add(p, self.size)
-            elif self.experts is not None:
+            elif self.experts is not None and not getattr(p, "_moe_replicated", False):
                 self.experts.add(p, self.copies * self.expert_divisors[n])
-            elif self.expert_divisors[n] > 1:
-                p.register_hook(lambda grad, d=self.expert_divisors[n]: None if grad is None else grad / d)
+            elif self.copies * self.expert_divisors[n] > 1:  # (a replicated expert's slots: see above)
+                divisor = self.copies * self.expert_divisors[n]
+                p.register_hook(lambda grad, d=divisor: None if grad is None else grad / d)
         self.late += added
         return added
 

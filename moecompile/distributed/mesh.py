@@ -40,7 +40,8 @@ REPLICATE = "dp_replicate"  # the outermost mesh dimension whose ranks hold the 
 STAGES = "pp"  # the outermost mesh dimension whose ranks hold different parts of the model (pipeline stages)
 # expert_copies' options that work beside each outer dimension: under "pp" in each stage's ranks, beside
 # "dp_replicate" in each copy's expert-parallel group
-SERVED = {STAGES: ("swap_every", "moe_tp", "replication", "expert_domains"), REPLICATE: ("expert_domains",)}
+SERVED = {STAGES: ("swap_every", "moe_tp", "replication", "expert_domains"),
+          REPLICATE: ("expert_domains", "replication")}
 
 
 def setup_mesh(mesh):
@@ -113,6 +114,13 @@ def replicate_group(mesh):
     """This rank's group of the ranks holding the same experts (differing only in ``"dp_replicate"``), or None."""
     outers = _outers(mesh)
     return _group(mesh, (outers.index(REPLICATE),)) if REPLICATE in outers else None
+
+
+def replicate_groups(mesh) -> list[list[int]]:
+    """Every group of ranks holding the same experts (differing only in ``"dp_replicate"``; global ranks, in
+    order), or [] without that dimension."""
+    outers = _outers(mesh)
+    return levels.partition(mesh.mesh, (outers.index(REPLICATE),)) if REPLICATE in outers else []
 
 
 def ep_groups(mesh) -> list[list[int]]:

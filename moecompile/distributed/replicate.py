@@ -28,7 +28,7 @@ import moecompile.runtime.placement.replicas  # noqa: F401  (registers moe::ep_t
 from moecompile.runtime.placement.expert_state import ExpertPartition, Groups
 from moecompile.runtime.placement.replication import uniform
 
-from .mesh import _timeout, ep_groups
+from .mesh import _timeout, ep_groups, replicate_group, replicate_groups
 
 REPLICAS = "moe_slot_experts"  # the buffer holding a replicating layer's placement (slot -> expert)
 MODES = ("off", "static", "adaptive")
@@ -37,19 +37,25 @@ MODES = ("off", "static", "adaptive")
 @dataclass
 class Hosts:
     """What every replicating layer of a rank shares: ``mesh``, the expert-parallel group's hosts in order (the
-    master parts' DTensors: every rank's, or under ``"pp"`` the stage's), and ``groups``, the process groups of
-    every run of consecutive ranks of the group (the instances' gradient sums; its ``group``, ``rank``, ``world``)."""
+    master parts' DTensors: every rank's, or under ``"pp"`` the stage's, beside ``"dp_replicate"`` the copy's),
+    ``groups``, the process groups of every run of consecutive ranks of the group (the instances' gradient sums; its
+    ``group``, ``rank``, ``world``), and ``copies``: with ``"dp_replicate"``, the group of the ranks holding the
+    same master parts in every copy (their gradients summed over it; one that takes host tensors), else None."""
 
     mesh: object
     groups: Groups
+    copies: object = None
 
 
 def setup(mesh, group) -> Hosts:
     """The hosts of ``group``, the expert-parallel group of ``mesh``; every rank calls it together (at
-    ``parallelize``, each stage's rank too, replicating layers or not: the groups of every stage are made on every
-    rank, as ``new_group`` requires)."""
+    ``parallelize``, each stage's rank too, replicating layers or not: the groups of every stage and copy are made
+    on every rank, as ``new_group`` requires)."""
     every = ep_groups(mesh)
-    return Hosts(host_mesh(group, every), Groups(group, timeout=_timeout(), every=every))
+    copies = replicate_group(mesh)
+    if copies is not None and "gloo" not in str(dist.get_backend(copies)):
+        copies = _gloo_group(replicate_groups(mesh))  # (NCCL alone sums no host tensor)
+    return Hosts(host_mesh(group, every), Groups(group, timeout=_timeout(), every=every), copies)
 
 
 @dataclass
@@ -156,15 +162,21 @@ def host_mesh(group, every: list[list[int]]):
     if "gloo" in str(dist.get_backend(group)):
         return init_device_mesh("cpu", (dist.get_world_size(),)) if group is dist.group.WORLD else \
             DeviceMesh.from_group(group, "cpu")
+    return DeviceMesh.from_group(_gloo_group(every), "cpu")
+
+
+def _gloo_group(every: list[list[int]]):
+    """This rank's gloo group among the groups ``every`` (global ranks), made once for each of them on every rank
+    (per default process group: a later init_process_group makes them again)."""
     key = (dist.group.WORLD, str(every))
-    if key not in _GLOO:  # one per process group and mesh (a later init_process_group: another)
+    if key not in _GLOO:
         for stale in [k for k in _GLOO if k[0] is not dist.group.WORLD]:
             del _GLOO[stale]
         _GLOO[key] = dist.new_subgroups_by_enumeration(every, timeout=_timeout(), backend="gloo")[0]
-    return DeviceMesh.from_group(_GLOO[key], "cpu")
+    return _GLOO[key]
 
 
-_GLOO: dict = {}  # (the default group, the expert-parallel groups) -> the gloo group of this rank's
+_GLOO: dict = {}  # (the default group, a list of groups) -> the gloo group of this rank's
 _HOOK = None
 
 
