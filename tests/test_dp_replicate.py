@@ -8,8 +8,9 @@ Replicate over "dp_replicate" and Shard(0) over "ep"; a torch.distributed.checkp
 one process exactly. A (1, 2, 2) ("dp_replicate", "node", "local") mesh dedups over "node" inside its group the
 same way, and a (2, 2) ("dp_replicate", "tp") mesh runs two copies of a sequence-sharded (SSMB) group. Expert
 domains work inside each copy's group: Mixtral with {"ep": 2} trains as one process (each rank gathers its copy's
-experts), and "auto" chooses per copy, every rank making every copy's candidate groups together. Options that do not
-serve copies of experts yet are refused with ValueError."""
+experts), and "auto" chooses per copy, every rank making every copy's candidate groups together. Expert swap
+(swap_every=1) trains Mixtral as one process, every copy making the same swaps (chosen on every copy's routing).
+A "dp_replicate" not outermost is refused with ValueError."""
 
 from datetime import timedelta
 
@@ -38,16 +39,17 @@ def _build(family):
     return TinyMoELM(family) if family == "loop" else tiny_model(family)
 
 
-def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1, domains=None, link_model=None):
+def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1, domains=None, link_model=None, swap_every=0):
     """Three steps with the experts over ``mesh`` and in one process; returns (sharded model, one-process model).
     ``tp``: the ranks of one tp group (consecutive) hold the same batch (7 tokens: uneven SSMB slices);
-    ``domains``: ``expert_domains`` inside each copy's group."""
+    ``domains``: ``expert_domains`` inside each copy's group; ``swap_every``: experts swap ranks inside each copy's
+    group (the same swaps in every copy; the weights then compared in expert order)."""
     ref, model = _build(family).train(), _build(family).train()
     vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
     batches = torch.randint(0, vocab, (world // tp, 2, 6 if tp == 1 else 7), generator=torch.Generator().manual_seed(7))
     mine, together = batches[rank // tp], batches.flatten(0, 1)
     moecompile.parallelize(model, mesh, mine, dedup=dedup, moe_tp=moe_tp, expert_domains=domains,
-                           link_model=link_model)
+                           link_model=link_model, swap_every=swap_every)
     info = model._moe_parallel
     group_size, copies = info.world, info.copies
     assert group_size * copies == world and not info.left, str(info)
@@ -72,11 +74,13 @@ def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1, domains=N
         ref_out.loss.backward()
         clip_as_one_process(model, ref, step)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters() if not swap_every else ():
         want = every[name].detach()
         if getattr(p, "_moe_sharded", False):
             want = want[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]]
         torch.testing.assert_close(p.detach(), want, rtol=TOL, atol=TOL, msg=lambda m: f"{family} {name}: {m}")
+    for name, value in moecompile.full_state_dict(model).items() if swap_every else ():  # (in expert order)
+        torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
     momentum = moecompile.get_optimizer_state_dict(model, opt)["state"]  # stacked experts': DTensors, whole
     for name, p in model.named_parameters():
         got = momentum[name]["momentum_buffer"]
@@ -88,8 +92,6 @@ def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1, domains=N
 
 def _bad_input(mesh, rank):
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="with swap_every is not built"):
-        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, swap_every=1)
     inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp_replicate"))
     with pytest.raises(ValueError, match="'dp_replicate' must come first"):
         moecompile.parallelize(tiny_model("mixtral"), inner, ids)
@@ -138,6 +140,10 @@ def _world4(rank, world, tmp):
         _bad_input(mesh, rank)
         _planner_plans_run(rank, world)
         domains_per_group(mesh, rank, "dp_replicate")
+        model, _ = _train("mixtral", mesh, rank, world, swap_every=1)  # the same swaps in every copy
+        swaps = [None] * world
+        dist.all_gather_object(swaps, model._moe_parallel.swap.history)
+        assert swaps[0] and all(s == swaps[0] for s in swaps), swaps
         model, _ = _train("mixtral", mesh, rank, world, domains={"ep": 2})  # expert domains in each copy's group
         info, stats = model._moe_parallel, moecompile.comm_stats()
         gathered = f"the experts of ranks {[rank // 2 * 2, rank // 2 * 2 + 1]} gathered"

@@ -15,8 +15,8 @@ stage's parameter groups kept; before, the checkpoint kept one stage's and the o
 state loads into each stage too), and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every
 rank lists each stage's layers. On a (2, 2, 1) ("pp", "dp_replicate", "ep") mesh the Mixtral stages train so with
 their experts copied on the stage's two ranks, also replicated in each copy's 9 slots (and on (1, 2, 2), one step
-of the ModuleList model, half its experts a rank, and of the "gather" model with expert domains inside each copy;
-before, "pp" with "dp_replicate" was refused).
+of the ModuleList model, half its experts a rank, and of the "gather" model with expert domains, and with expert
+swap (the same swaps in both copies), inside each copy; before, "pp" with "dp_replicate" was refused).
 On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch (one process trains on that batch),
 Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and the ModuleList model's under
 ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb"
@@ -276,9 +276,6 @@ def _bad_input(mesh, rank):
     before = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "pp", "ep"))
     with pytest.raises(ValueError, match="'pp' must come first"):
         moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), before, ids)
-    copies = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "ep"))
-    with pytest.raises(ValueError, match="'dp_replicate' \\(each expert on 2 ranks\\) with swap_every is not built"):
-        moecompile.parallelize(Stage(TinyMoELM("gather"), *SPLITS[2][0]), copies, ids, swap_every=1)
     pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     example = ids if pp == 0 else torch.randn(1, 4, 32)
     if pp == 0:  # the stage's ranks hold different weights (another seed on one): refused there
@@ -327,7 +324,7 @@ def _replicas_in_one_stage(rank, kind="modulelist", **options):
     ids = torch.randint(0, 128, (4, 2, 8), generator=torch.Generator().manual_seed(5))
     model = moecompile.parallelize(copy.deepcopy(whole), mesh, ids[rank], **options)
     assert "each expert on 2 ranks" in str(model._moe_parallel), str(model._moe_parallel)
-    if options:  # (the two ranks of this rank's copy gather their experts)
+    if "expert_domains" in options:  # (the two ranks of this rank's copy gather their experts)
         assert f"the experts of ranks {[rank // 2 * 2, rank // 2 * 2 + 1]} gathered" in str(model._moe_parallel)
     held = {id(p) for p in moecompile.expert_parameters(model)}
     experts = sum(p.numel() for n, p in whole.named_parameters() if ".experts." in n or ".cond_ffn." in n)
@@ -338,8 +335,12 @@ def _replicas_in_one_stage(rank, kind="modulelist", **options):
     torch.testing.assert_close(moecompile.clip_grad_norm_(compiled, MAX_NORM),
                                torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM), rtol=TOL, atol=TOL)
     torch.optim.SGD(model.parameters(), lr=LR).step(), torch.optim.SGD(whole.parameters(), lr=LR).step()
-    for name, value in moecompile.full_state_dict(model).items():
+    for name, value in moecompile.full_state_dict(model).items():  # (in expert order)
         torch.testing.assert_close(value, whole.state_dict()[name], rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+    if options.get("swap_every"):  # a swap after the step, the same in both copies
+        swaps = [None] * dist.get_world_size()
+        dist.all_gather_object(swaps, model._moe_parallel.swap.history)
+        assert swaps[0] and all(s == swaps[0] for s in swaps), swaps
 
 
 def _ranks(rank, world, tmp):
@@ -360,6 +361,7 @@ def _ranks(rank, world, tmp):
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
         _replicas_in_one_stage(rank)
         _replicas_in_one_stage(rank, "gather", expert_domains={"ep": 2})
+        _replicas_in_one_stage(rank, "gather", swap_every=1)
         replicas = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "ep"))
         _train("mixtral", replicas, rank, tmp, ScheduleGPipe)  # (each stage's experts on both its ranks)
         _train("mixtral", replicas, rank, tmp, ScheduleGPipe, slots=9)  # (replicated in each copy: 9 slots a rank)

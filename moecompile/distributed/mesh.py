@@ -41,7 +41,7 @@ STAGES = "pp"  # the outermost mesh dimension whose ranks hold different parts o
 # expert_copies' options that work beside each outer dimension: under "pp" in each stage's ranks, beside
 # "dp_replicate" in each copy's expert-parallel group
 SERVED = {STAGES: ("swap_every", "moe_tp", "replication", "expert_domains"),
-          REPLICATE: ("expert_domains", "replication")}
+          REPLICATE: ("expert_domains", "replication", "swap_every")}
 
 
 def setup_mesh(mesh):

@@ -3,7 +3,8 @@
 After every N-th ``step()`` of an optimizer that trains the model's sharded experts (a global optimizer step
 post-hook: the training loop is unchanged), every rank gathers each swapping layer's routing of its last forward
 (``placement.swap.RECENT``), and all choose the same swap (``placement.swap.choose_swap``, on the gathered
-routing). A chosen swap exchanges the two experts' slots and moves their rows of the weights, of the gradients if any,
+routing; beside ``"dp_replicate"``, every copy's routing together, each token from its rank's place in its group,
+so that every copy makes the same swap and the copies' experts stay alike). A chosen swap exchanges the two experts' slots and moves their rows of the weights, of the gradients if any,
 and of the optimizer's per-parameter state (tensors shaped like the parameter: Adam's moments, SGD's momentum) to
 their new ranks: rows of a stacked or flat shard, or, in a ModuleList layer, the weights of the list entry of the slot
 (each a parameter of its own, with its own state). What was swapped is kept in ``model._moe_parallel.swap.history``.
@@ -23,7 +24,7 @@ from moecompile.runtime.comm.cost_model import LinkModel
 from moecompile.runtime.placement.swap import RECENT, choose_swap, move_rows
 from moecompile.runtime.comm.levels import kinds
 
-from .mesh import ep_shape, level_names
+from .mesh import ep_shape, level_names, stage_group
 from .sharded_state import SLOTS, check_not_moved
 
 _ACTIVE: "weakref.WeakSet[ExpertSwap]" = weakref.WeakSet()
@@ -48,6 +49,7 @@ class ExpertSwap:
         self.mesh_shape, self.names = ep_shape(mesh), level_names(mesh)  # (a "pp" stage's ranks)
         bytes_only = LinkModel({kind: (0.0, 1.0) for kind in kinds(self.names)})
         self.every, self.gamma, self.link, self.group = every, gamma, link or bytes_only, group
+        self.together = stage_group(mesh)  # the ranks choosing together: every copy of the group ("dp_replicate")
         self.steps = 0
         self.holders = [(m, SLOTS, m._buffers[SLOTS]) for m in model.modules()
                         if SLOTS in m._buffers]  # the slot tables the graph reads (check_not_moved)
@@ -69,13 +71,16 @@ class ExpertSwap:
         """Choose and apply one swap per layer (every rank calls it at the same point)."""
         check_not_moved(self.holders)
         mine = {rec.path: _on_host(RECENT.get(rec.path)) for rec, _, _ in self.layers}
-        every = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, mine, group=self.group)
+        every = [None] * dist.get_world_size(self.together)
+        dist.all_gather_object(every, mine, group=self.together)
+        W = dist.get_world_size(self.group)
         for rec, params, slots in self.layers:
             ids = [r[rec.path] for r in every]
             if any(i is None for i in ids):
                 continue  # not run since the last swap on some rank
-            source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
+            # each token from its rank's place in its group: every copy's routing weighed together, so that the
+            # copies choose the same swap (their experts stay alike)
+            source = torch.cat([torch.full((len(i),), r % W) for r, i in enumerate(ids)])
             e = rec.spec.experts
             best = choose_swap(torch.cat(ids), source, slots, self.mesh_shape, e.hidden,
                                _listed(params[0])[0].element_size(), self.link, rec.dedup or "off", self.gamma,
