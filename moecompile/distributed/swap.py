@@ -4,10 +4,11 @@ After every N-th ``step()`` of an optimizer that trains the model's sharded expe
 post-hook: the training loop is unchanged), every rank gathers each swapping layer's routing of its last forward
 (``placement.swap.RECENT``), and all choose the same swap (``placement.swap.choose_swap``, on the gathered
 routing; beside ``"dp_replicate"``, every copy's routing together, each token from its rank's place in its group,
-so that every copy makes the same swap and the copies' experts stay alike). A chosen swap exchanges the two experts' slots and moves their rows of the weights, of the gradients if any,
-and of the optimizer's per-parameter state (tensors shaped like the parameter: Adam's moments, SGD's momentum) to
-their new ranks: rows of a stacked or flat shard, or, in a ModuleList layer, the weights of the list entry of the slot
-(each a parameter of its own, with its own state). What was swapped is kept in ``model._moe_parallel.swap.history``.
+so that every copy makes the same swap and the copies' experts stay alike). A chosen swap exchanges the two
+experts' slots and moves their rows of the weights, of the gradients if any, and of the optimizer's per-parameter
+state (tensors shaped like the parameter: Adam's moments, SGD's momentum) to their new ranks: rows of a stacked or
+flat shard, or, in a ModuleList layer, the weights of the list entry of the slot (each a parameter of its own, with
+its own state). What was swapped is kept in ``model._moe_parallel.swap.history``.
 
 Without a link model the choice weighs bytes only (alpha 0, beta 1 for every kind of collective).
 """
