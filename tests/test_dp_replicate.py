@@ -6,7 +6,8 @@ the parameters and their momentum after the steps are equal (fp32, 1e-5); each r
 group, and exchanges rows only inside its group. The state_dict gives each stacked expert weight as a DTensor
 Replicate over "dp_replicate" and Shard(0) over "ep"; a torch.distributed.checkpoint saved by the 4 ranks loads in
 one process exactly. A (1, 2, 2) ("dp_replicate", "node", "local") mesh dedups over "node" inside its group the
-same way, and a (2, 2) ("dp_replicate", "tp") mesh runs two copies of a sequence-sharded (SSMB) group. Expert
+same way, and a (2, 2) ("dp_replicate", "tp") mesh runs two copies of a sequence-sharded (SSMB) group, and of a
+TED one (each rank every expert, cut over tp; the state_dict's Replicate over both dimensions). Expert
 domains work inside each copy's group: Mixtral with {"ep": 2} trains as one process (each rank gathers its copy's
 experts), and "auto" chooses per copy, every rank making every copy's candidate groups together. Expert swap
 (swap_every=1) trains Mixtral as one process, every copy making the same swaps (chosen on every copy's routing).
@@ -56,7 +57,8 @@ def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1, domains=N
     ep_rank = dist.get_rank(info.group)
     assert ep_rank == rank % group_size and (copies == 1 or "each expert on 2 ranks" in str(info)), str(info)
     every = dict(ref.named_parameters())
-    for name, p in model.named_parameters():  # this rank's E / group experts: its index in the group's
+    for name, p in model.named_parameters() if moe_tp != "ted" else ():  # this rank's E / group experts: its index in
+        # the group's (TED: each its experts over the copy's data-parallel ranks, their intermediate size cut)
         if getattr(p, "_moe_sharded", False):
             n = p.shape[0]
             assert n * group_size == every[name].shape[0] and torch.equal(p, every[name][ep_rank * n:(ep_rank + 1) * n])
@@ -74,12 +76,13 @@ def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1, domains=N
         ref_out.loss.backward()
         clip_as_one_process(model, ref, step)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    for name, p in model.named_parameters() if not swap_every else ():
+    whole = swap_every or moe_tp == "ted"  # (the weights compared whole, in expert order)
+    for name, p in model.named_parameters() if not whole else ():
         want = every[name].detach()
         if getattr(p, "_moe_sharded", False):
             want = want[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]]
         torch.testing.assert_close(p.detach(), want, rtol=TOL, atol=TOL, msg=lambda m: f"{family} {name}: {m}")
-    for name, value in moecompile.full_state_dict(model).items() if swap_every else ():  # (in expert order)
+    for name, value in moecompile.full_state_dict(model).items() if whole else ():
         torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
     momentum = moecompile.get_optimizer_state_dict(model, opt)["state"]  # stacked experts': DTensors, whole
     for name, p in model.named_parameters():
@@ -88,6 +91,11 @@ def _train(family, mesh, rank, world, dedup="off", moe_tp="off", tp=1, domains=N
         torch.testing.assert_close(got, ref_opt.state[every[name]]["momentum_buffer"], rtol=TOL, atol=TOL,
                                    msg=lambda m: f"{family} momentum of {name}: {m}")
     return model, ref
+
+
+def _stacked(model) -> list[str]:
+    """The names of the sharded expert weights held as one tensor (stacked or flat; a ModuleList's are not)."""
+    return [n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)]
 
 
 def _bad_input(mesh, rank):
@@ -109,7 +117,7 @@ def _planner_plans_run(rank, world):
                             "levels": [{"name": "node", "count": 2, "alpha_s": 1e-5, "GBps": 1},
                                        {"name": "local", "count": 2, "alpha_s": 1e-6, "GBps": 10}]})
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
-    seen, ran = set(), set()  # every runnable layout; those trained a step here
+    seen, ran, copied = set(), set(), set()  # every runnable layout; those trained a step here; options with copies
     for p in plan(read_config(tiny_model("mixtral").config.to_dict()), cluster, 6)["plans"]:
         run = p["run"]
         key = repr((run.get("mesh_shape"), run.get("mesh_dim_names"), run.get("options")))
@@ -122,6 +130,9 @@ def _planner_plans_run(rank, world):
         copies = world // (p["ep"] * (p["tp"] if p["moe_tp"] == "ted" else 1))  # (TED: ep over one tp index)
         assert (info.copies, info.world) == (copies, world // copies), (run, info.world, info.copies)
         assert not info.left and all(r.sharding for r in info.report.layers), (run, str(info))
+        if copies > 1:
+            copied |= {k for k, on in (("ted", run["options"].get("moe_tp") == "ted"),
+                                       ("domains", "expert_domains" in run["options"])) if on}
         if run["mesh_dim_names"] == ["dp_replicate", "tp"] and run["options"] == {"moe_tp": "off"}:
             ran.add(key)  # (the others train in _world4 or tests/test_parallelize.py, test_moe_tp.py, ...)
             compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
@@ -129,6 +140,7 @@ def _planner_plans_run(rank, world):
             loss.backward()
             assert torch.isfinite(loss), run
     assert len(seen) >= 15 and ran, seen  # off, dedup, SSMB, TED, domains, replication, with and without copies
+    assert copied == {"ted", "domains"}, seen  # (TED's and domains' plans with copies: not_runnable before)
 
 
 def _world4(rank, world, tmp):
@@ -158,7 +170,7 @@ def _world4(rank, world, tmp):
             stats = moecompile.comm_stats()[model._moe_parallel.report.layers[0].path]
             assert stats["calls.dispatch"] == STEPS, stats
             state = model.state_dict()
-            stacked = [n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)]
+            stacked = _stacked(model)
             for name in stacked:
                 assert state[name].placements == (Replicate(), Shard(0)), (name, state[name].placements)
             assert bool(stacked) == (family == "mixtral")
@@ -171,8 +183,11 @@ def _world4(rank, world, tmp):
         tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "tp"))
         model, _ = _train("mixtral", tp, rank, world, moe_tp="ssmb", tp=2)
         assert all("sequence-sharded" in r.sharding for r in model._moe_parallel.report.layers)
-        with pytest.raises(ValueError, match="with moe_tp is not built"):
-            moecompile.parallelize(tiny_model("mixtral"), tp, torch.zeros(1, 4, dtype=torch.long), moe_tp="ted")
+        model, _ = _train("mixtral", tp, rank, world, moe_tp="ted", tp=2)  # and of TED: every expert, I over tp
+        assert all("8 of 8 experts on each of 1 data-parallel ranks" in r.sharding and "moe_tp='ted'" in r.sharding
+                   for r in model._moe_parallel.report.layers), str(model._moe_parallel)
+        state = model.state_dict()  # (whole along I: Replicate over both dimensions, saved once)
+        assert all(state[n].placements == (Replicate(), Replicate()) for n in _stacked(model)), state.keys()
     finally:
         dist.destroy_process_group()
 

@@ -41,7 +41,7 @@ STAGES = "pp"  # the outermost mesh dimension whose ranks hold different parts o
 # expert_copies' options that work beside each outer dimension: under "pp" in each stage's ranks, beside
 # "dp_replicate" in each copy's expert-parallel group
 SERVED = {STAGES: ("swap_every", "moe_tp", "replication", "expert_domains"),
-          REPLICATE: ("expert_domains", "replication", "swap_every")}
+          REPLICATE: ("expert_domains", "replication", "swap_every", "moe_tp")}
 
 
 def setup_mesh(mesh):
@@ -65,9 +65,13 @@ def tp_dim(mesh) -> int | None:
 def tp_groups(mesh):
     """(this rank's tensor-parallel group: the ranks differing only in ``"tp"``; its data-parallel group: the ranks
     differing in the other dimensions but ``"pp"`` (a pipeline stage's), this rank alone on a mesh of ``"tp"``
-    only)."""
+    only; the data-parallel ranks of its copy of the experts, over which TED shards them: the same group without
+    ``"dp_replicate"``, else its ranks differing neither in ``"pp"`` nor in ``"dp_replicate"``)."""
     d, first = tp_dim(mesh), int(_staged(mesh))
-    return _group(mesh, (d,)), _group(mesh, tuple(i for i in range(first, mesh.ndim) if i != d))
+    dp = tuple(i for i in range(first, mesh.ndim) if i != d)
+    copy = tuple(i for i in range(_offset(mesh), mesh.ndim) if i != d)
+    dp_group = _group(mesh, dp)
+    return _group(mesh, (d,)), dp_group, _group(mesh, copy) if copy != dp else dp_group
 
 
 def expert_copies(mesh, **asked) -> int:

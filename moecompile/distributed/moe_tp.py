@@ -36,13 +36,21 @@ MODES = ("off", "ssmb", "ted", "auto")
 
 @dataclass
 class TPSetup:
-    """The tensor-parallel side of a mesh: its tp group (and size), its data-parallel group (and size)."""
+    """The tensor-parallel side of a mesh: its tp group (and size), its data-parallel group (and size), and the
+    data-parallel ranks of its copy of the experts (TED's experts group, and size: the data-parallel group's
+    without a ``"dp_replicate"`` dimension)."""
 
     mode: str
     tp_group: object
     tp: int
     dp_group: object
     dp: int
+    ep_group: object = None  # (None: the data-parallel group's)
+    ep: int = 0
+
+    def __post_init__(self):
+        if self.ep_group is None and not self.ep:
+            self.ep_group, self.ep = self.dp_group, self.dp
 
     def expert_divisor(self, mode: str, world: int) -> int:
         """What the gradient of a sharded expert weight is divided by (``grads.py``): the dp size where each
@@ -70,8 +78,8 @@ def check(moe_tp: str, mesh, dedup: str, swap_every: int, replication: str) -> T
                          f"other than {TP!r} and cuts each one over {TP!r}, which {' and '.join(asked)} cannot serve "
                          "(they move whole experts or rows over every rank of the mesh): use moe_tp='ssmb' or "
                          f"'off', or drop {' and '.join(asked)}")
-    tp_group, dp_group = tp_groups(mesh)
-    return TPSetup(moe_tp, tp_group, dist.get_world_size(tp_group), dp_group, dist.get_world_size(dp_group))
+    groups = tp_groups(mesh)
+    return TPSetup(moe_tp, *(x for g in groups for x in (g, dist.get_world_size(g))))
 
 
 @dataclass
@@ -127,9 +135,9 @@ def choose(spec, S: int, tokens: int, setup: TPSetup, world: int, elem: int) -> 
     whole = mats * e.hidden * e.intermediate * e.num_experts * elem * 2  # every expert's weights and gradients
     choice = Choice(rule(r.top_k, e.intermediate, c, S), r.top_k, e.intermediate, c, S,
                     {"ssmb": int(rows * -(-tokens // G)), "ted": int(rows * tokens)},
-                    {"ssmb": whole // min(e.num_experts, world), "ted": whole // (setup.dp * G)})
+                    {"ssmb": whole // min(e.num_experts, world), "ted": whole // (setup.ep * G)})
     possible = {"ssmb": e.num_experts % world == 0,
-                "ted": e.num_experts % setup.dp == 0 and e.intermediate % G == 0 and e.storage in ("stacked",
+                "ted": e.num_experts % setup.ep == 0 and e.intermediate % G == 0 and e.storage in ("stacked",
                                                                                                      "modulelist")}
     if not possible[choice.mode] and possible["ted" if choice.mode == "ssmb" else "ssmb"]:
         other = "ted" if choice.mode == "ssmb" else "ssmb"
@@ -167,7 +175,7 @@ def layer_mode(rec, moe_tp: str, setup: TPSetup | None, example_args, world: int
 def describe(mode: str, setup: TPSetup) -> str:
     """The report's words for a layer's ``mode``."""
     if mode == "ted":
-        return f"tensor-expert parallel: experts over dp ({setup.dp} ranks), their intermediate size over tp"
+        return f"tensor-expert parallel: experts over dp ({setup.ep} ranks), their intermediate size over tp"
     if mode == "ssmb":
         return (f"sequence-sharded over tp ({setup.tp} ranks): each routes its slice of the block's tokens, the "
                 "output all-gathered over tp")

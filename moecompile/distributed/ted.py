@@ -27,7 +27,7 @@ from torch import nn
 
 from moecompile.runtime.layouts import contiguous_stride
 
-from .mesh import state_mesh
+from .mesh import REPLICATE, TP, state_mesh
 from .views import read_remote, read_through_view
 
 
@@ -41,8 +41,8 @@ def check(rec, tp) -> None:
         raise ValueError(f"moe_tp='ted' splits each expert's intermediate size over tp: MoE layer {rec.path} has "
                          f"{e.intermediate}, which {tp.tp} does not divide: use a tp size that divides it, or "
                          "moe_tp='ssmb'")
-    if e.num_experts % tp.dp:
-        raise ValueError(f"moe_tp='ted' shards the experts over the mesh's dimensions other than 'tp' ({tp.dp} ranks):"
+    if e.num_experts % tp.ep:
+        raise ValueError(f"moe_tp='ted' shards the experts over the mesh's dimensions other than 'tp' ({tp.ep} ranks):"
                          f" MoE layer {rec.path} has {e.num_experts} experts, which do not divide over them: use a "
                          "mesh whose dp size divides them, or moe_tp='ssmb'")
 
@@ -97,10 +97,10 @@ def _mine(value: torch.Tensor, cut, I: int, tp) -> torch.Tensor:
 def shard(model, rec, params: dict, mesh, tp) -> set[str]:
     """Keep this rank's experts (over dp) and intermediate slice (over tp) of one layer; the names held."""
     e, layer = rec.spec.experts, rec.path
-    d, E_l = dist.get_rank(tp.dp_group), e.num_experts // tp.dp
+    d, E_l = dist.get_rank(tp.ep_group), e.num_experts // tp.ep
     mine = range(d * E_l, (d + 1) * E_l)
     extra = {"moe_tp": "ted", "tp_group": tp.tp_group.group_name}
-    group_name = tp.dp_group.group_name  # the experts' exchange: over dp
+    group_name = tp.ep_group.group_name  # the experts' exchange: over dp (the copy's ranks, with "dp_replicate")
     held = set()
     for role, names in params.items():
         listed = isinstance(names, list)
@@ -122,7 +122,7 @@ def shard(model, rec, params: dict, mesh, tp) -> set[str]:
                               extra=extra, full_shapes={attr: tuple(full.shape)})
             _state_hooks(module, attr, cut, e.intermediate, tp, None if listed else (e.num_experts, state_mesh(mesh)))
             held.add(name)
-    rec.sharding = (f"{E_l} of {e.num_experts} experts on each of {tp.dp} data-parallel ranks, each expert's "
+    rec.sharding = (f"{E_l} of {e.num_experts} experts on each of {tp.ep} data-parallel ranks, each expert's "
                     f"intermediate size {e.intermediate} cut over tp ({tp.tp} ranks, {e.intermediate // tp.tp} "
                     "each); tokens replicated over tp, the down projection's partial sums reduced over it "
                     "(moe_tp='ted')")
@@ -158,7 +158,8 @@ def parameters(model) -> dict[str, tuple]:
 
 def to_whole(local: torch.Tensor, how) -> torch.Tensor:
     """This rank's slice of a weight (or of its optimizer state) whole along I, for a checkpoint: a DTensor
-    ``Shard(0)`` over the dp dimensions and ``Replicate()`` over tp for a stacked weight (every rank calls it)."""
+    ``Shard(0)`` over the dp dimensions and ``Replicate()`` over tp (and ``"dp_replicate"``) for a stacked weight
+    (every rank calls it)."""
     cut, I, tp, stacked = how
     out = _gather_whole(local, cut, I, tp)
     if stacked is None:
@@ -166,7 +167,7 @@ def to_whole(local: torch.Tensor, how) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     E, mesh = stacked
-    placements = [Replicate() if name == "tp" else Shard(0) for name in mesh.mesh_dim_names]
+    placements = [Replicate() if name in (TP, REPLICATE) else Shard(0) for name in mesh.mesh_dim_names]
     shape = (E, *out.shape[1:])
     return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
 
@@ -182,7 +183,7 @@ def to_slice(value, shape, how):
     if not isinstance(value, torch.Tensor) or value.dim() != len(shape):
         return value
     if stacked is not None and value.shape[0] == stacked[0] and value.shape[0] != shape[0]:
-        d = dist.get_rank(tp.dp_group)
+        d = dist.get_rank(tp.ep_group)
         value = value[d * shape[0]:(d + 1) * shape[0]]
     if value.shape != shape:
         value = _mine(value, cut, I, tp)

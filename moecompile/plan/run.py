@@ -22,8 +22,6 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
     or ``{"not_runnable": why}``."""
     N, tp, ted = cluster.gpus, plan.tp, plan.moe_tp == "ted"
     copies = (plan.dp if ted else N) // plan.ep
-    if copies > 1 and ted:
-        return {"not_runnable": f"TED with each expert on {copies} ranks (ep {plan.ep} below {plan.dp}) is not built"}
     if plan.expert_domains and tp > 1:
         return {"not_runnable": "expert domains beside tensor parallelism are not built"}
     if plan.ep == 1 and tp == 1:
