@@ -26,8 +26,8 @@ stepping and clipping each stage module; its checkpoint loads into a fresh stage
 experts only and has no dense optimizer) and with expert domains over the
 stage's ranks; the ``"gather"`` model's with ``expert_domains="auto"``, every rank having made the groups of every
 candidate first, so that each stage can take sizes of its own (before, both were refused under "pp"). A (1, 2, 2)
-("pp", "node", "local") mesh dedups per node; "pp" with options not built for it, not outermost, or over a stage
-whose ranks hold different weights raises ValueError, as do stages whose optimizers have other parameter groups.
+("pp", "node", "local") mesh dedups per node; "pp" not outermost, or over a stage whose ranks hold different
+weights, raises ValueError, as do stages whose optimizers have other parameter groups.
 Before, a parallelize over a stage's ranks was refused ("not every rank of the default process group")."""
 
 import copy

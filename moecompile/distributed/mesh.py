@@ -38,10 +38,6 @@ _GROUPS: dict[tuple, tuple] = {}
 TP = "tp"  # the mesh dimension of tensor parallelism: its ranks' MoE-block inputs are identical
 REPLICATE = "dp_replicate"  # the outermost mesh dimension whose ranks hold the same experts
 STAGES = "pp"  # the outermost mesh dimension whose ranks hold different parts of the model (pipeline stages)
-# expert_copies' options that work beside each outer dimension: under "pp" in each stage's ranks, beside
-# "dp_replicate" in each copy's expert-parallel group
-SERVED = {STAGES: ("swap_every", "moe_tp", "replication", "expert_domains"),
-          REPLICATE: ("expert_domains", "replication", "swap_every", "moe_tp")}
 
 
 def setup_mesh(mesh):
@@ -74,18 +70,10 @@ def tp_groups(mesh):
     return _group(mesh, (d,)), dp_group, _group(mesh, copy) if copy != dp else dp_group
 
 
-def expert_copies(mesh, **asked) -> int:
-    """The size of the mesh's ``"dp_replicate"`` dimension (1 without one): how many copies of each expert;
-    ValueError where copies, or pipeline stages, meet an option ``asked`` (name: on) that does not serve them yet."""
+def expert_copies(mesh) -> int:
+    """The size of the mesh's ``"dp_replicate"`` dimension (1 without one): how many copies of each expert."""
     outers = _outers(mesh)
-    copies = mesh.shape[outers.index(REPLICATE)] if REPLICATE in outers else 1
-    names = [name for name, on in asked.items() if on and any(name not in SERVED[o] for o in outers)]
-    if names:  # (of any size: their own code reads the whole mesh as expert-parallel levels)
-        outer = REPLICATE if any(n not in SERVED[REPLICATE] for n in names) and REPLICATE in outers else STAGES
-        what = f"each expert on {copies} ranks" if outer == REPLICATE else f"{mesh.shape[0]} pipeline stages"
-        raise ValueError(f"a mesh with {outer!r} ({what}) with {', '.join(names)} is not built: drop "
-                         f"{' and '.join(names)}, or the {outer!r} dimension")
-    return copies
+    return mesh.shape[outers.index(REPLICATE)] if REPLICATE in outers else 1
 
 
 def stage_group(mesh):

@@ -79,8 +79,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     over the other dimensions; ``mesh.py``); one named ``"pp"`` holds pipeline stages, each index its own stage module
     (``model``; a ``"dp_replicate"`` may follow it). Other keyword arguments are backend options."""
     group = setup_mesh(mesh)
-    copies = expert_copies(mesh, moe_tp=moe_tp in ("ted", "auto"), expert_domains=expert_domains is not None,
-                           swap_every=bool(swap_every), replication=replication != "off")
+    copies = expert_copies(mesh)
     tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
     take_back_experts(model, tp.tp_group if tp is not None else None)  # transformers' tp_plan="auto" experts
     gathers = (compress, reshard_after_forward)  # how each domain gathers its experts
