@@ -6,7 +6,8 @@ the pipeline on its own batch), compiles it with the moe backend (strict: every 
 ``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (Mixtral, its experts swapping ranks inside each stage
 after every step; ``Schedule1F1B`` for the second model, backwards between forwards, its dense weights sharded by
 FSDP2's ``fully_shard`` over the stage's ranks as well; ``ScheduleInterleaved1F1B`` for the third, cut into 4 stages,
-two a rank, the first the embedding alone, clipped as a list of the rank's stages). Two SGD steps with
+two a rank, the first the embedding alone, clipped as a list of the rank's stages; so too Mixtral's, replicated, one
+``ExpertOptimizer`` of the rank's two stages stepping and clipping them). Two SGD steps with
 ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process training
 on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
 on the stage's sub-mesh in the state_dict) and ModuleLists'. A torch.distributed.checkpoint saved by the 4 ranks loads
@@ -182,7 +183,8 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     schedule = schedule_cls(runs if stages > 2 else runs[0], n_microbatches=MICRO, loss_fn=_loss)
     params = [p for part in parts for p in part.parameters()]
     sgd = dict(lr=LR, momentum=0.9)  # (momentum: a state to checkpoint)
-    opt = moecompile.ExpertOptimizer(parts[0], torch.optim.SGD, **sgd) if slots else torch.optim.SGD(params, **sgd)
+    held = parts if stages > 2 else parts[0]  # (the stage modules this rank runs: a list under an interleaved schedule)
+    opt = moecompile.ExpertOptimizer(held, torch.optim.SGD, **sgd) if slots else torch.optim.SGD(params, **sgd)
     ref_opt = torch.optim.SGD(whole.parameters(), **sgd)
     for step in range(STEPS):
         losses = []
@@ -228,12 +230,13 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
         assert all(torch.equal(value, full[name]) for name, value in moecompile.full_state_dict(part).items()), kind
     if slots:  # ExpertOptimizer's checkpoint (the stage's master parts, their momenta, the placement) loads too
         dcp.save(opt.state_dict(), checkpoint_id=where + "_experts")
-        again = moecompile.ExpertOptimizer(fresh[0], torch.optim.SGD, **sgd)
+        again = moecompile.ExpertOptimizer(fresh if stages > 2 else fresh[0], torch.optim.SGD, **sgd)
         saved = again.state_dict()
         dcp.load(saved, checkpoint_id=where + "_experts")
         again.load_state_dict(saved)
         before, after = _leaves(opt.state_dict()), _leaves(again.state_dict())
         assert len(before) == len(after) > 4 and all(torch.equal(a, b) for a, b in zip(before, after)), kind
+    if slots and stages == 2:
         slots_of = {id(p) for layer in fresh[0]._moe_parallel.replicas for p in layer.slot_parameters()}
         for p in fresh[0].parameters():  # stage 0 trains its experts only (no dense optimizer there): ranks that
             p.requires_grad_(id(p) in slots_of or pp == 1)  # have one and ranks that have none save and load together
@@ -262,7 +265,7 @@ def _leaves(state):
 
 def _bad_input(mesh, rank):
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="on a rank running several stage modules"):  # (checked before any group)
+    with pytest.raises(ValueError, match="or of the stage modules a rank runs, each parallelized so"):
         moecompile.ExpertOptimizer([nn.Linear(2, 2), nn.Linear(2, 2)], torch.optim.SGD, lr=LR)
     inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "pp"))
     with pytest.raises(ValueError, match="'pp' must come first"):
@@ -359,6 +362,7 @@ def _ranks(rank, world, tmp):
         _train("gather", mesh, rank, tmp, Schedule1F1B, domains="auto")
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
+        _train("mixtral", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4, slots=5)  # (one ExpertOptimizer of both)
         _replicas_in_one_stage(rank)
         _replicas_in_one_stage(rank, "gather", expert_domains={"ep": 2})
         _replicas_in_one_stage(rank, "gather", swap_every=1)

@@ -37,48 +37,68 @@ class ExpertOptimizer(torch.optim.Optimizer):
     ``model.parameters()`` would see each rank's own instance gradients and clip each rank differently."""
 
     def __init__(self, model, optimizer_class, *, place_every: int = 1, **kwargs):
-        if isinstance(model, (list, tuple)):
-            raise ValueError("ExpertOptimizer takes one model (under pipeline stages, the rank's stage module): "
-                             "replicated experts on a rank running several stage modules (an interleaved schedule) "
-                             "are not built; run one stage a rank with replication, or replication='off'")
-        info = getattr(model, "_moe_parallel", None)
-        if info is None or not getattr(info, "replicas", None):
+        from .sharded_state import unwrapped  # (here: see check_not_moved's import below)
+
+        # (a compiled model names its parameters "_orig_mod.<name>")
+        parts = [unwrapped(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+        infos = [getattr(part, "_moe_parallel", None) for part in parts]
+        if not parts or any(info is None for info in infos) or not any(info.replicas for info in infos):
             raise ValueError("ExpertOptimizer trains the replicated experts of a model that moecompile.parallelize("
-                             "model, mesh, ..., replication='adaptive', slots_per_rank=S) made; this model has "
-                             "none: parallelize it so, or use a plain torch optimizer")
+                             "model, mesh, ..., replication='adaptive', slots_per_rank=S) made (or of the stage "
+                             "modules a rank runs, each parallelized so); this model has none: parallelize it so, "
+                             "or use a plain torch optimizer")
+        if len({id(info.group) for info in infos}) > 1:
+            raise ValueError("ExpertOptimizer of several model parts takes the stage modules this rank runs, each "
+                             "parallelized on the same mesh (an interleaved pipeline schedule's)")
+        paths = [layer.path for info in infos for layer in info.replicas]
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        if twice:
+            raise ValueError(f"the stage modules hold replicated MoE layers of the same name {twice}: keep each "
+                             "layer's name in the model (a ModuleDict of the stage's layers, as torchtitan cuts "
+                             "stages), so that their routing and checkpoints stay apart")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError(f"optimizer_class must be a torch.optim.Optimizer class (torch.optim.AdamW...); got "
                              f"{optimizer_class!r}")
         if not isinstance(place_every, int) or place_every < 1:
             raise ValueError(f"place_every must be a whole number of steps >= 1; got {place_every!r}")
         self.place_every = place_every
-        from .sharded_state import unwrapped  # (here: see check_not_moved's import below)
-
-        model = unwrapped(model)  # (a compiled model names its parameters "_orig_mod.<name>")
         _check_steps_on_host(optimizer_class, kwargs)
-        self._model, self.layers, self.group = model, info.replicas, info.group
-        self._mesh = info.replicas[0].host_mesh  # the host parts' mesh: the expert-parallel group's ranks, in order
+        self._parts, self.layers, self.group = parts, [layer for info in infos for layer in info.replicas], \
+            infos[0].group
         replicated = {id(p) for layer in self.layers for p in layer.slot_parameters()}
-        dense = [p for p in model.parameters() if id(p) not in replicated and p.requires_grad]
-        self.dense = optimizer_class(dense, **kwargs) if dense else None
+        # each part's dense optimizer (None where it trains no dense parameter)
+        self.denses = [optimizer_class(dense, **kwargs) if dense else None for dense in
+                       ([p for p in part.parameters() if id(p) not in replicated and p.requires_grad]
+                        for part in parts)]
         self.experts = optimizer_class([layer.part.master for layer in self.layers], **kwargs)
-        self.groups = info.replicas[0].hosts.groups  # (made by parallelize, on every rank together)
-        self._copies = info.replicas[0].hosts.copies  # the same parts in every copy of the experts ("dp_replicate")
-        self._stages = pipeline_group(info.mesh)
+        # the same parts in every copy of the experts ("dp_replicate"), or None (every layer's: one mesh)
+        self._copies = self.layers[0].hosts.copies
+        self._stages = pipeline_group(infos[0].mesh)
         self.defaults = dict(self.experts.defaults)
-        sharded = {n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)}
-        sharded |= info.module_list_experts
-        self._local = [p for n, p in model.named_parameters() if n in sharded and id(p) not in replicated]
+        self._local = []  # the sharded experts' weights held here (not replicated)
+        for part, info in zip(parts, infos):
+            sharded = {n for n, p in part.named_parameters() if getattr(p, "_moe_sharded", False)}
+            sharded |= info.module_list_experts
+            self._local += [p for n, p in part.named_parameters() if n in sharded and id(p) not in replicated]
         self._gathered: dict[str, dict] | None = None  # layer -> bytes, once the expert gradients are collected
         self.steps = 0
         self.history: list[dict[str, dict]] = []  # per step: layer -> what it routed, moved and placed (``step``)
-        info.expert_optimizer = self
+        for info in infos:
+            info.expert_optimizer = self
         forget([layer.path for layer in self.layers])  # (counts another model with these layer names left)
 
     @property
+    def dense(self):
+        """The dense optimizer of the one model given (None where it trains no dense parameter); ``denses``: each
+        part's, for a list of stage modules."""
+        if len(self.denses) > 1:
+            raise AttributeError("this ExpertOptimizer steps several stage modules: read .denses, one optimizer each")
+        return self.denses[0]
+
+    @property
     def param_groups(self) -> list[dict]:
-        """The dense optimizer's parameter groups, then the experts' (the dicts they step with)."""
-        return (self.dense.param_groups if self.dense is not None else []) + self.experts.param_groups
+        """The dense optimizers' parameter groups, then the experts' (the dicts they step with)."""
+        return [g for d in self.denses if d is not None for g in d.param_groups] + self.experts.param_groups
 
     def step(self) -> None:
         """Every rank calls it together, after backward. Appends to ``history``, per layer: ``instances`` (per
@@ -97,7 +117,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         placed = {}
         for layer in self.layers:
             before = dict(expert_state.BYTES)
-            world = self.groups.world
+            world = layer.hosts.groups.world
             nxt = layer.placement
             if layer.adaptive and layer.path in POPULARITY and (self.steps + 1) % self.place_every == 0:
                 nxt = schedule(POPULARITY[layer.path], world, layer.slots_per_rank)
@@ -112,8 +132,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
                 "rows_per_slot": SLOT_ROWS.get(layer.path, torch.zeros(nxt.numel(), dtype=torch.long)).tolist(),
                 "dropped": DROPPED.get(layer.path, 0), "bytes": {**moved[layer.path], **_delta(before)},
                 "coupled_state_bytes": coupled}
-        if self.dense is not None:
-            self.dense.step()
+        for dense in self.denses:
+            if dense is not None:
+                dense.step()
         self.steps += 1
         self.history.append(placed)
         forget(placed)
@@ -129,7 +150,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
             S = layer.slots_per_rank
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layer.slot_parameters()]
             rows = layer.part.flatten([g.reshape(S, -1) for g in grads])
-            reduced = reduce_instances(rows, layer.placement, self.groups)
+            reduced = reduce_instances(rows, layer.placement, layer.hosts.groups)
             layer.part.master.grad = collect(reduced, layer.placement, layer.part, self.group)
             if self._copies is not None:  # every copy's share (each divided by the copies in backward)
                 dist.all_reduce(layer.part.master.grad, group=self._copies)
@@ -150,7 +171,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
 
         self._gather()
         local_ids = {id(p) for p in self._local}
-        shared = [p.grad for g in (self.dense.param_groups if self.dense is not None else []) for p in g["params"]
+        shared = [p.grad for d in self.denses if d is not None for g in d.param_groups for p in g["params"]
                   if p.grad is not None and id(p) not in local_ids]
         own = [p.grad for p in self._local if p.grad is not None] + [layer.part.master.grad for layer in self.layers]
         return clip_together(shared, own, self.group, max_norm, norm_type, stages=self._stages)
@@ -188,7 +209,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
             every = [None] * dist.get_world_size(self._copies)
             dist.all_gather_object(every, placement, group=self._copies)
             placement = {path: [theirs[path] for theirs in every] for path in placement}
-        return {"dense": get_optimizer_state_dict(self._model, self.dense),  # (None: every dense weight frozen)
+        dense = [get_optimizer_state_dict(part, d) for part, d in zip(self._parts, self.denses)]  # (None: every
+        # dense weight frozen; a list of stage modules: one entry each, by position, on every rank alike)
+        return {"dense": dense[0] if len(dense) == 1 else {str(i): d for i, d in enumerate(dense)},
                 "experts": experts, "placement": placement,
                 "expert_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.experts.param_groups],
                 "steps": self.steps}
@@ -200,7 +223,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
         (DCP reshards the DTensors) and the experts start evenly placed. Every rank calls it together."""
         from .sharded_state import set_optimizer_state_dict
 
-        set_optimizer_state_dict(self._model, self.dense, state["dense"])  # (every rank: they gather names)
+        saved = [state["dense"]] if len(self._parts) == 1 else [state["dense"][str(i)] for i in range(len(self._parts))]
+        for part, dense, entry in zip(self._parts, self.denses, saved):  # (every rank: they gather names)
+            set_optimizer_state_dict(part, dense, entry)
         missing = [layer.path for layer in self.layers if layer.path not in state["experts"]]
         if missing:
             raise ValueError(f"the state holds no experts of {missing}: load a state saved from this model's "
@@ -210,7 +235,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
 
             def local(value):  # a per-weight dict (as _global made it): this rank's part; a scalar as it is
                 if isinstance(value, dict):
-                    return layer.part.part_of([value[a] for a in layer.attrs], self._mesh)
+                    return layer.part.part_of([value[a] for a in layer.attrs], layer.host_mesh)
                 return value.clone() if isinstance(value, torch.Tensor) else value
 
             with torch.no_grad():
@@ -224,7 +249,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
             if saved.numel() == layer.placement.numel():
                 layer.placement.copy_(saved)
             else:  # saved with other slots: the experts start evenly placed here
-                layer.placement.copy_(uniform(master.shape[0], self.groups.world, layer.slots_per_rank))
+                layer.placement.copy_(uniform(master.shape[0], layer.hosts.groups.world, layer.slots_per_rank))
             device = layer.slot_parameters()[0].device
             layer.write_slots(distribute(layer.part, layer.placement, self.group, device))
         for group, saved in zip(self.experts.param_groups, state.get("expert_groups", [])):
@@ -234,14 +259,15 @@ class ExpertOptimizer(torch.optim.Optimizer):
     def _global(self, layer, part: torch.Tensor) -> dict:
         """This rank's ``[E, P_w]`` part (master weights or optimizer state) as one DTensor ``Shard(1)`` per
         weight, of its whole ``[E, R, ...]`` (R: its rows per expert), by the weight's name."""
-        return dict(zip(layer.attrs, layer.part.dtensors(part, self._mesh)))
+        return dict(zip(layer.attrs, layer.part.dtensors(part, layer.host_mesh)))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also starts the routing counts anew: the next step places by the forwards after this call."""
         forget([layer.path for layer in self.layers])
         self._gathered = None
-        if self.dense is not None:
-            self.dense.zero_grad(set_to_none)
+        for dense in self.denses:
+            if dense is not None:
+                dense.zero_grad(set_to_none)
         self.experts.zero_grad(set_to_none)
         for layer in self.layers:
             for p in layer.slot_parameters():
