@@ -132,7 +132,8 @@ def _planner_plans_run(rank, world):
         assert not info.left and all(r.sharding for r in info.report.layers), (run, str(info))
         if copies > 1:
             copied |= {k for k, on in (("ted", run["options"].get("moe_tp") == "ted"),
-                                       ("domains", "expert_domains" in run["options"])) if on}
+                                       ("domains", "expert_domains" in run["options"]),
+                                       ("replication", "replication" in run["options"])) if on}
         if run["mesh_dim_names"] == ["dp_replicate", "tp"] and run["options"] == {"moe_tp": "off"}:
             ran.add(key)  # (the others train in _world4 or tests/test_parallelize.py, test_moe_tp.py, ...)
             compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
@@ -140,7 +141,7 @@ def _planner_plans_run(rank, world):
             loss.backward()
             assert torch.isfinite(loss), run
     assert len(seen) >= 15 and ran, seen  # off, dedup, SSMB, TED, domains, replication, with and without copies
-    assert copied == {"ted", "domains"}, seen  # (TED's and domains' plans with copies: not_runnable before)
+    assert copied == {"ted", "domains", "replication"}, seen  # (with copies: not_runnable or not priced before)
 
 
 def _world4(rank, world, tmp):

@@ -282,6 +282,8 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
     grads = [0.0] * len(cluster.levels)
     dense_bytes = shape.dense_params() / plan.tp * ELEM
     replicas = (plan.dp if plan.moe_tp == "ted" else cluster.gpus) // plan.ep
+    if plan.slots_per_rank:  # replication's copies sum each rank's fp32 master part, 1/ep of every expert
+        expert_bytes = shape.num_experts * shape.expert_params() * 4 / plan.ep
     expert_stride = plan.ep * (plan.tp if plan.moe_tp == "ted" else 1)
     for nbytes, size, stride in ((dense_bytes, plan.dp, plan.tp),
                                  (shape.moe_layers * expert_bytes, replicas, expert_stride)):

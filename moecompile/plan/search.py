@@ -2,8 +2,9 @@
 tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel degree dividing
 the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level its group
 spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size its group
-allows per level (their copies kept for backward, or gathered again there); and replication (every rank holds S
-slots, each an instance of some expert: S the least that holds every expert once, and twice that). Dedup and
+allows per level (their copies kept for backward, or gathered again there); and replication over a group of every
+power-of-two size (every rank holds S slots, each an instance of some expert: S the least that holds every expert
+once in the group, and twice that; copies of the group over the rest). Dedup and
 replication are not combined with TED (``parallelize`` refuses them).
 """
 
@@ -45,9 +46,13 @@ def candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                         out += [Plan(ep, tp, dp, moe_tp, expert_domains=tuple(
                             (n, s) for n, s in zip(names, sizes) if s > 1), reshard=r) for r in (False, True)]
 
-            if moe_tp != "ted" and N > 1:  # replication: S slots on every rank (each a class's instance)
-                least = max(1, -(-shape.num_experts // N))  # at least one instance a class
-                out += [Plan(N, tp, dp, moe_tp, slots_per_rank=s) for s in (least, 2 * least)]
+            for ep in (1 << i for i in range(1, int(math.log2(N)) + 1)) if moe_tp != "ted" else ():
+                # replication: S slots on every rank of a group of ep (each a class's instance), copies of the
+                # group over the rest; any ep (a group of fewer ranks than experts holds several a rank)
+                if N % ep or group_counts(cluster, ep, 1) is None:
+                    continue
+                least = max(1, -(-shape.num_experts // ep))  # at least one instance a class
+                out += [Plan(ep, tp, dp, moe_tp, slots_per_rank=s) for s in (least, 2 * least)]
     return out
 
 
