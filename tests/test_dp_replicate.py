@@ -165,7 +165,8 @@ def _world4(rank, world, tmp):
                    for s in stats.values()), stats
         model = moecompile.parallelize(_build("mixtral"), mesh, torch.randint(0, 64, (2, 6)), expert_domains="auto",
                                        link_model=SLOW)  # each copy chooses on its own ranks' routing and links
-        assert all("expert domains auto ->" in r.sharding for r in model._moe_parallel.report.layers), str(info)
+        info = model._moe_parallel
+        assert all("expert domains auto ->" in r.sharding for r in info.report.layers), str(info)
         for family in ("mixtral", "loop"):
             model, _ = _train(family, mesh, rank, world)
             stats = moecompile.comm_stats()[model._moe_parallel.report.layers[0].path]

@@ -223,8 +223,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
         (DCP reshards the DTensors) and the experts start evenly placed. Every rank calls it together."""
         from .sharded_state import set_optimizer_state_dict
 
-        saved = [state["dense"]] if len(self._parts) == 1 else [state["dense"][str(i)] for i in range(len(self._parts))]
-        for part, dense, entry in zip(self._parts, self.denses, saved):  # (every rank: they gather names)
+        n = len(self._parts)
+        denses = [state["dense"]] if n == 1 else [state["dense"][str(i)] for i in range(n)]
+        for part, dense, entry in zip(self._parts, self.denses, denses):  # (every rank: they gather names)
             set_optimizer_state_dict(part, dense, entry)
         missing = [layer.path for layer in self.layers if layer.path not in state["experts"]]
         if missing:
