@@ -6,8 +6,9 @@ the pipeline on its own batch), compiles it with the moe backend (strict: every 
 ``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (Mixtral, its experts swapping ranks inside each stage
 after every step; ``Schedule1F1B`` for the second model, backwards between forwards, its dense weights sharded by
 FSDP2's ``fully_shard`` over the stage's ranks as well; ``ScheduleInterleaved1F1B`` for the third, cut into 4 stages,
-two a rank, the first the embedding alone, clipped as a list of the rank's stages; so too Mixtral's, replicated, one
-``ExpertOptimizer`` of the rank's two stages stepping and clipping them). Two SGD steps with
+two a rank, the first the embedding alone, clipped as a list of the rank's stages, one optimizer over them whose
+checkpoint round-trips as the list's; so too Mixtral's, replicated, one ``ExpertOptimizer`` of the rank's two stages
+stepping and clipping them). Two SGD steps with
 ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process training
 on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
 on the stage's sub-mesh in the state_dict) and ModuleLists'. A torch.distributed.checkpoint saved by the 4 ranks loads
@@ -210,11 +211,11 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     for name, value in full.items():  # (every expert of the stages, whole)
         torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
     where = f"{tmp}/{kind}_{stages}_{'_'.join(mesh.mesh_dim_names)}_{moe_tp}_{slots}_{bool(domains)}"  # (each run's)
-    if stages == 2 and not (fsdp or slots):  # the optimizer's checkpoint: each stage's parameter groups kept
-        optimizer_round_trip(parts[0], opt, where + "_optim")
+    if not (fsdp or slots):  # the optimizer's checkpoint: each stage's parameter groups kept (interleaved: the list
+        optimizer_round_trip(held, opt, where + "_optim")  # of the rank's stages, one optimizer over them)
         one = torch_optimizer_state(whole, ref_opt)  # one process's (every stage's): each stage takes its own
-        moecompile.set_optimizer_state_dict(parts[0], opt, one)
-        for name, value in moecompile.get_optimizer_state_dict(parts[0], opt)["state"].items():
+        moecompile.set_optimizer_state_dict(held, opt, one)
+        for name, value in moecompile.get_optimizer_state_dict(held, opt)["state"].items():
             momentum = value["momentum_buffer"]
             momentum = momentum.full_tensor() if isinstance(momentum, DTensor) else momentum
             assert torch.equal(momentum, one["state"][name]["momentum_buffer"]), name

@@ -140,6 +140,16 @@ def _parallel(model):
     return info
 
 
+def _parts(model) -> tuple[list, list]:
+    """The modules of ``model`` (one, or the list of stage modules a rank runs; a compiled one's own module, whose
+    parameters ``parallelize`` named) and their ``ParallelInfo``s (one mesh and group, checked)."""
+    parts = [unwrapped(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+    infos = [_parallel(part) for part in parts]
+    if not parts or len({id(info.group) for info in infos}) > 1:
+        raise ValueError("give the model, or the stage modules this rank runs, each parallelized on the same mesh")
+    return parts, infos
+
+
 def get_optimizer_state_dict(model, optimizer) -> dict:
     """The optimizer's state keyed by parameter name, as ``torch.distributed.checkpoint.state_dict.
     get_optimizer_state_dict`` gives it (``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``),
@@ -152,30 +162,31 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
     counts it), so a checkpoint loads into it. Its ``param_groups`` name every rank's parameters, the same on every
     rank (``_every_ranks_groups``). Every rank calls it together; ``optimizer`` None where this rank's part of the
     model trains nothing (``ExpertOptimizer``'s dense part of a pipeline stage whose dense weights are all frozen):
-    no state, the other ranks' groups."""
+    no state, the other ranks' groups. ``model``: the model, or the list of stage modules this rank runs (an
+    interleaved pipeline schedule's, one optimizer over them; their parameters keep the model's names)."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     from .swap import paused
 
-    model = unwrapped(model)  # (a compiled model names its parameters "_orig_mod.<name>")
-    info = _parallel(model)
+    parts, (info, *_) = _parts(model)
     if optimizer is None:
         return {"state": {}, "param_groups": _every_ranks_groups(None)}
     with paused():
         _init_optim_state(optimizer)
     saved = optimizer.state_dict()
-    names = _names_by_index(model, optimizer, saved)
+    names = _names_by_index(parts, optimizer, saved)
     state = {names[i]: dict(v) for i, v in saved["state"].items()}
-    for fqn, (total, module) in sharded_parameters(model).items():
-        shard = model.get_parameter(fqn)
-        for key, value in state.get(fqn, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == shard.shape:
-                state[fqn][key] = to_global(value, total, module._buffers.get(SLOTS), info.mesh, info.group)
-    for fqn, how in ted.parameters(model).items():  # tensor-expert parallel: whole along I, as the weight
-        shard = model.get_parameter(fqn)
-        for key, value in state.get(fqn, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == shard.shape:
-                state[fqn][key] = ted.to_whole(value, how)
+    for part in parts:
+        for fqn, (total, module) in sharded_parameters(part).items():
+            shard = part.get_parameter(fqn)
+            for key, value in state.get(fqn, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == shard.shape:
+                    state[fqn][key] = to_global(value, total, module._buffers.get(SLOTS), info.mesh, info.group)
+        for fqn, how in ted.parameters(part).items():  # tensor-expert parallel: whole along I, as the weight
+            shard = part.get_parameter(fqn)
+            for key, value in state.get(fqn, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == shard.shape:
+                    state[fqn][key] = ted.to_whole(value, how)
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
     return {"state": state, "param_groups": _every_ranks_groups(groups)}
 
@@ -220,24 +231,25 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     into the optimizer: each sharded expert weight's state becomes this rank's rows, in its placement; the state of
     parameters other ranks hold (their ModuleList experts, other pipeline stages') is left to them, a name no rank
     holds refused. Every rank calls it together; ``optimizer`` None where this rank's part of the model trains
-    nothing (as ``get_optimizer_state_dict``): it loads nothing."""
-    model = unwrapped(model)
-    info = _parallel(model)
+    nothing (as ``get_optimizer_state_dict``): it loads nothing. ``model``: as ``get_optimizer_state_dict``'s."""
+    parts, infos = _parts(model)
+    info, listed = infos[0], set().union(*(i.module_list_experts for i in infos))
     if optimizer is None:
-        _every_name(set(info.module_list_experts))  # (the other ranks gather every rank's names)
+        _every_name(listed)  # (the other ranks gather every rank's names)
         return
     rank = dist.get_rank(info.group)
     current = optimizer.state_dict()
-    index = {name: i for i, name in _names_by_index(model, optimizer, current).items()}
+    index = {name: i for i, name in _names_by_index(parts, optimizer, current).items()}
     # the parameters other ranks hold (ModuleList experts, other pipeline stages'): theirs to load
-    remote = _every_name(set(index) | info.module_list_experts) - set(index)
+    remote = _every_name(set(index) | listed) - set(index)
     state = {k: dict(v) for k, v in optim_state_dict["state"].items() if k not in remote}
-    for fqn, (total, module) in sharded_parameters(model).items():
-        for key, value in state.get(fqn, {}).items():
-            state[fqn][key] = to_local(value, total, module._buffers.get(SLOTS), info.mesh, rank, info.group)
-    for fqn, how in ted.parameters(model).items():
-        for key, value in state.get(fqn, {}).items():
-            state[fqn][key] = ted.to_slice(value, model.get_parameter(fqn).shape, how)
+    for part in parts:
+        for fqn, (total, module) in sharded_parameters(part).items():
+            for key, value in state.get(fqn, {}).items():
+                state[fqn][key] = to_local(value, total, module._buffers.get(SLOTS), info.mesh, rank, info.group)
+        for fqn, how in ted.parameters(part).items():
+            for key, value in state.get(fqn, {}).items():
+                state[fqn][key] = ted.to_slice(value, part.get_parameter(fqn).shape, how)
     unknown = sorted(set(state) - set(index))
     if unknown:
         raise ValueError(f"the optimizer state names parameters the optimizer does not train ({unknown[:3]}...): "
@@ -254,10 +266,17 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     optimizer.load_state_dict({"state": {index[n]: v for n, v in state.items()}, "param_groups": groups})
 
 
-def _names_by_index(model, optimizer, saved) -> dict[int, str]:
-    """The parameter name of each index of ``optimizer.state_dict()`` (``saved``)."""
-    order = expert_order_names(model)
-    names = {id(p): order[n] for n, p in model.named_parameters()}
+def _names_by_index(parts, optimizer, saved) -> dict[int, str]:
+    """The parameter name of each index of ``optimizer.state_dict()`` (``saved``), of the modules ``parts``."""
+    names = {}
+    for part in parts:
+        order = expert_order_names(part)
+        mine = {id(p): order[n] for n, p in part.named_parameters()}
+        twice = sorted(set(names.values()) & set(mine.values()))
+        if twice:
+            raise ValueError(f"two stage modules name parameters alike ({twice[:3]}): keep the model's names in each "
+                             "stage module (a ModuleDict of its layers, as torchtitan cuts stages)")
+        names.update(mine)
     out = {}
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         for p, i in zip(group["params"], saved_group["params"]):
