@@ -79,6 +79,18 @@ def optimizer_state_after_swaps(model, ref, opt, ref_opt, rank, tmp, family):
     optimizer_round_trip(model, opt, f"{tmp}/ckpt_swap_optim_{family}")
 
 
+def cloned(state):
+    """A nested state dict whose tensors are copies of ``state``'s (DTensors too), not the optimizer's own."""
+    if isinstance(state, dict):
+        return {key: cloned(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [cloned(value) for value in state]
+    if isinstance(state, DTensor):
+        return DTensor.from_local(state.to_local().clone(), state.device_mesh, state.placements, run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    return state.clone() if isinstance(state, torch.Tensor) else state
+
+
 def optimizer_round_trip(model, opt, where):
     """The optimizer's state (``moecompile.get_optimizer_state_dict``) saved with torch.distributed.checkpoint by
     every rank loads back on the same ranks into an optimizer whose state was zeroed: every rank's state exactly
@@ -90,8 +102,8 @@ def optimizer_round_trip(model, opt, where):
     for s in opt.state.values():
         for v in s.values():
             v.zero_()
-    state = moecompile.get_optimizer_state_dict(model, opt)
-    dcp.load(state, checkpoint_id=where)
+    state = cloned(moecompile.get_optimizer_state_dict(model, opt))  # (DCP loads into copies, not opt's own tensors:
+    dcp.load(state, checkpoint_id=where)  # set_optimizer_state_dict must bring every state in)
     moecompile.set_optimizer_state_dict(model, opt, state)
     bad = [k for p, s in held.items() for k, v in s.items() if not torch.equal(opt.state[p][k], v)]
     assert not bad, f"{len(bad)} states not restored from the checkpoint"

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from ep_checkpoints import optimizer_round_trip
+from ep_checkpoints import cloned, optimizer_round_trip
 from outer_groups import domains_per_group
 from ranks import spawn
 from torch import nn
@@ -232,7 +232,7 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     if slots:  # ExpertOptimizer's checkpoint (the stage's master parts, their momenta, the placement) loads too
         dcp.save(opt.state_dict(), checkpoint_id=where + "_experts")
         again = moecompile.ExpertOptimizer(fresh if stages > 2 else fresh[0], torch.optim.SGD, **sgd)
-        saved = _cloned(again.state_dict())  # (DCP loads into copies: load_state_dict must bring them in)
+        saved = cloned(again.state_dict())  # (DCP loads into copies: load_state_dict must bring them in)
         dcp.load(saved, checkpoint_id=where + "_experts")
         again.load_state_dict(saved)
         before, after = _leaves(opt.state_dict()), _leaves(again.state_dict())
@@ -251,16 +251,6 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, dense)  # (stage 1's dense weights: the checkpoint's one group on every rank)
         assert [g["params"] for g in saved["dense"]["param_groups"]] == [every[2]] and every[0] == [], every
-
-
-def _cloned(state):
-    """A nested state dict whose tensors are copies of ``state``'s (DTensors too), not the optimizer's own."""
-    if isinstance(state, dict):
-        return {key: _cloned(value) for key, value in state.items()}
-    if isinstance(state, DTensor):
-        return DTensor.from_local(state.to_local().clone(), state.device_mesh, state.placements, run_check=False,
-                                  shape=state.shape, stride=state.stride())
-    return state.clone() if isinstance(state, torch.Tensor) else copy.deepcopy(state)
 
 
 def _leaves(state):
