@@ -37,19 +37,16 @@ class ExpertOptimizer(torch.optim.Optimizer):
     ``model.parameters()`` would see each rank's own instance gradients and clip each rank differently."""
 
     def __init__(self, model, optimizer_class, *, place_every: int = 1, **kwargs):
-        from .sharded_state import unwrapped  # (here: see check_not_moved's import below)
+        from .sharded_state import parts_of  # (here: see check_not_moved's import below)
 
-        # (a compiled model names its parameters "_orig_mod.<name>")
-        parts = [unwrapped(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
-        infos = [getattr(part, "_moe_parallel", None) for part in parts]
-        if not parts or any(info is None for info in infos) or not any(info.replicas for info in infos):
+        listed = model if isinstance(model, (list, tuple)) else [model]
+        infos = [getattr(m, "_moe_parallel", None) for m in listed]
+        if not listed or any(info is None for info in infos) or not any(info.replicas for info in infos):
             raise ValueError("ExpertOptimizer trains the replicated experts of a model that moecompile.parallelize("
                              "model, mesh, ..., replication='adaptive', slots_per_rank=S) made (or of the stage "
                              "modules a rank runs, each parallelized so); this model has none: parallelize it so, "
                              "or use a plain torch optimizer")
-        if len({id(info.group) for info in infos}) > 1:
-            raise ValueError("ExpertOptimizer of several model parts takes the stage modules this rank runs, each "
-                             "parallelized on the same mesh (an interleaved pipeline schedule's)")
+        parts, infos = parts_of(model)  # (a compiled model's own module: it names the parameters; one mesh)
         paths = [layer.path for info in infos for layer in info.replicas]
         twice = sorted({p for p in paths if paths.count(p) > 1})
         if twice:

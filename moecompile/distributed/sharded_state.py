@@ -140,7 +140,7 @@ def _parallel(model):
     return info
 
 
-def _parts(model) -> tuple[list, list]:
+def parts_of(model) -> tuple[list, list]:
     """The modules of ``model`` (one, or the list of stage modules a rank runs; a compiled one's own module, whose
     parameters ``parallelize`` named) and their ``ParallelInfo``s (one mesh and group, checked)."""
     parts = [unwrapped(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
@@ -168,7 +168,7 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
 
     from .swap import paused
 
-    parts, (info, *_) = _parts(model)
+    parts, (info, *_) = parts_of(model)
     if optimizer is None:
         return {"state": {}, "param_groups": _every_ranks_groups(None)}
     with paused():
@@ -232,7 +232,7 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     parameters other ranks hold (their ModuleList experts, other pipeline stages') is left to them, a name no rank
     holds refused. Every rank calls it together; ``optimizer`` None where this rank's part of the model trains
     nothing (as ``get_optimizer_state_dict``): it loads nothing. ``model``: as ``get_optimizer_state_dict``'s."""
-    parts, infos = _parts(model)
+    parts, infos = parts_of(model)
     info, listed = infos[0], set().union(*(i.module_list_experts for i in infos))
     if optimizer is None:
         _every_name(listed)  # (the other ranks gather every rank's names)
