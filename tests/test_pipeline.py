@@ -1,6 +1,7 @@
 """Pipeline parallelism (torch.distributed.pipelining) with expert parallelism inside each stage: world 4 as a (2, 2)
-("pp", "ep") mesh. A tiny transformers Mixtral and hand-written MoE models of two layers are cut into stage modules that
-keep the model's parameter names (torchtitan's way: each stage the model's modules for its layers). Each rank
+("pp", "ep") mesh. A tiny transformers Mixtral (by ``moecompile.pipeline_stage``) and hand-written MoE models of two
+layers are cut into stage modules that keep the model's parameter names (torchtitan's way: each stage the model's
+modules for its layers). Each rank
 parallelizes its stage module over the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs
 the pipeline on its own batch), compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with
 ``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (Mixtral, its experts swapping ranks inside each stage
@@ -80,29 +81,6 @@ class Stage(nn.Module):
         return self.lm_head(self.norm(x)) if self.lm_head is not None else x
 
 
-class HFStage(nn.Module):
-    """The modules of a transformers causal LM (tiny Mixtral) that one stage runs, under their names in the model
-    (``model.layers.1...``): its decoder layers called as the model calls them (rotary position embeddings, the
-    causal mask left to attention)."""
-
-    def __init__(self, lm, layers: list[int], embed: bool, head: bool):
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = lm.model.embed_tokens if embed else None
-        self.model.layers = nn.ModuleDict({str(i): lm.model.layers[i] for i in layers})
-        self.model.rotary_emb = lm.model.rotary_emb
-        self.model.norm, self.lm_head = (lm.model.norm, lm.lm_head) if head else (None, None)
-
-    def forward(self, x):
-        inner = self.model
-        h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
-        positions = torch.arange(h.shape[1], device=h.device)[None]
-        rotary = inner.rotary_emb(h, position_ids=positions)
-        for layer in inner.layers.values():
-            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
-        return self.lm_head(inner.norm(h)) if self.lm_head is not None else h
-
-
 # stage -> (its layers, the embedding?, the head?): 2 stages, one a rank; 4, two a rank (interleaved), the first
 # of them without an MoE layer (the embedding alone)
 SPLITS = {2: [([0], True, False), ([1], False, True)],
@@ -115,7 +93,10 @@ def _whole(kind: str, seed: int = 0):
 
 
 def _split(lm, index: int, stages: int):
-    return (HFStage if hasattr(lm, "config") else Stage)(lm, *SPLITS[stages][index])
+    """Stage ``index``: a transformers model's by ``moecompile.pipeline_stage``, a hand-written one's by ``Stage``."""
+    if hasattr(lm, "config"):
+        return moecompile.pipeline_stage(lm, index, stages, layers=SPLITS[stages][index][0])
+    return Stage(lm, *SPLITS[stages][index])
 
 
 def _loss(logits, ids):
@@ -129,10 +110,10 @@ def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0, swa
     its experts replicated adaptively in that many slots a rank; ``domains``: ``expert_domains`` ("auto" on a
     link model)."""
     part = _split(_whole(kind, seed), index, stages)
-    if moe_tp != "off" and isinstance(part, HFStage):
+    if moe_tp != "off" and hasattr(part, "config"):
         plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
                 "o_proj": RowwiseParallel()}
-        for layer in part.model.layers.values():
+        for layer in part.model.layers:
             parallelize_module(layer.self_attn, mesh["tp"], plan)
     extra = dict(replication="adaptive", slots_per_rank=slots) if slots else {}
     extra.update(expert_domains=domains, link_model=LINKS if domains == "auto" else None)

@@ -1,0 +1,168 @@
+"""``moecompile.pipeline_stage``: one pipeline stage of a transformers model, for ``torch.distributed.pipelining``.
+
+    stage = moecompile.pipeline_stage(model, index, count)     # layers split evenly; or layers=[4, 5, 6]
+
+The stage holds the model's own modules (nothing copied) under their names in the model (``model.layers.4.mlp``...,
+so a ``torch.distributed.checkpoint`` of every stage is one of the model): the first stage its input embedding,
+every stage its decoder layers, the last its final norm and head. It runs the model's own forward on them, which
+makes the positions, rotary embeddings and causal masks from the sequence as the whole model does: the first stage
+takes token ids, the others the previous stage's hidden states (as ``inputs_embeds``); the last returns the
+logits, the others the hidden states before the final norm. What the model's forward reads per layer by position
+(``config.layer_types``: sliding or full attention, linear attention, ...) is cut to the stage's layers in a
+config of the stage's own.
+
+A stage is a shallow copy of the model (its class a subclass of the model's, ``_Stage`` first: the stage's
+forward) and of its decoder (``model.model``), each with lists of children of its own, so the model itself is
+left as it was and stays whole; Dynamo traces the stage with the sources it would give the model.
+Where the model cannot be cut so, a ``ValueError`` says why: no ``ModuleList`` of decoder layers, a decoder whose
+forward runs weights beside its embedding, layers and final norm (``_check_cut``), or the input embedding tied to
+the head (``tie_word_embeddings``) across two stages, whose ranks would train two copies of it apart.
+
+Not carried between stages: a padding mask (each stage makes the causal mask; pack sequences), the router logits
+of ``output_router_logits`` (each stage sees its own layers only), key/value caches (training only).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from torch import nn
+
+_LAYERS = ("layers", "blocks")  # the decoder's ModuleList of layers (transformers' name; dbrx's)
+
+
+def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] | None = None) -> nn.Module:
+    """Stage ``index`` of ``count`` of a transformers causal LM (or its base model): its decoder layers ``layers``
+    (default: the layers split evenly, the first stages taking one more where they do not divide), its input
+    embedding if ``index == 0``, its final norm and head if ``index == count - 1``. See the module docstring."""
+    if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
+        raise ValueError(f"pipeline_stage: index={index!r} of count={count!r}: need 0 <= index < count")
+    path, decoder, attr = _decoder(model)
+    total = len(getattr(decoder, attr))
+    if layers is None:
+        share, extra = divmod(total, count)
+        start = index * share + min(index, extra)
+        layers = list(range(start, start + share + (index < extra)))
+    elif sorted(set(layers)) != list(layers) or any(not 0 <= i < total for i in layers):
+        raise ValueError(f"pipeline_stage: layers={layers!r}: need increasing indices of the model's {total} "
+                         "decoder layers")
+    first, last = index == 0, index == count - 1
+    if count > 1 and _tied(model):
+        raise ValueError("pipeline_stage: the model's input embedding is tied to its head (tie_word_embeddings): "
+                         "the first and last stages' ranks would train two copies of it apart. Build the model "
+                         "with config.tie_word_embeddings=False (or copy lm_head.weight) before cutting it")
+    stage = _shell(model, path, decoder, attr, list(layers), first, last)
+    stage.__class__ = _stage_class(type(model))
+    stage.stage_path, stage.stage_first, stage.stage_last, stage.stage_layers = path, first, last, list(layers)
+    stage.stage_width = decoder.get_input_embeddings().embedding_dim
+    return stage
+
+
+class _Stage:
+    """Put before the model's class in the stage's own class (``_stage_class``): the model's forward, called on the
+    stage's input (token ids on the first stage, hidden states after), giving the logits on the last stage of a
+    causal LM and the hidden states before the final norm on the others."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inputs = {"input_ids": x} if self.stage_first else {"inputs_embeds": x}
+        if self.stage_last and self.stage_path:  # a causal LM: its own forward applies the head (and logit scaling)
+            return super().forward(**inputs, use_cache=False).logits
+        decoder = self.get_submodule(self.stage_path) if self.stage_path else super()
+        out = decoder.forward(**inputs, use_cache=False).last_hidden_state
+        if not self.stage_last and out.shape != (*x.shape[:2], self.stage_width):
+            raise ValueError(f"pipeline_stage: the decoder's layers pass a tensor of shape {tuple(out.shape)} on, "
+                             f"not the hidden states ({tuple(x.shape[:2])} by {self.stage_width}) its next stage "
+                             "takes as inputs_embeds: cut this model into stage modules by hand")
+        return out
+
+
+@functools.cache
+def _stage_class(cls: type) -> type:
+    return type(f"{cls.__name__}Stage", (_Stage, cls), {"__module__": __name__})
+
+
+def _decoder(model: nn.Module) -> tuple[str, nn.Module, str]:
+    """The path and module of the model's decoder (the model itself, or one of its children, with a config and a
+    ``ModuleList`` of layers: ``_LAYERS``) and that list's name."""
+    for path, module in [("", model), *model.named_children()]:
+        for attr in _LAYERS:
+            if hasattr(module, "config") and isinstance(getattr(module, attr, None), nn.ModuleList):
+                _check_cut(module, attr)
+                return path, module, attr
+    raise ValueError(f"pipeline_stage: neither {type(model).__name__} nor one of its children has a config and a "
+                     f"ModuleList of decoder layers (named {' or '.join(_LAYERS)}): pass a causal LM or its base "
+                     "model, or cut it into stage modules by hand (docs/expert-parallelism.md)")
+
+
+def _check_cut(decoder: nn.Module, attr: str) -> None:
+    """Refuse a decoder whose forward runs weights other than its input embedding, its layers and one final norm
+    (weights of its own, hyper-connections' heads, per-layer inputs made from the token ids): what passes from layer
+    to layer may then be more than the hidden states a stage hands on."""
+    embedding = decoder.get_input_embeddings()
+    weighted = [name for name, child in decoder.named_children()
+                if child is not embedding and name != attr and any(True for _ in child.parameters())]
+    norms = [name for name in weighted if "Norm" in type(getattr(decoder, name)).__name__]
+    extra = [name for name in weighted if name not in norms[:1]] + list(decoder._parameters)
+    if extra:
+        raise ValueError(f"pipeline_stage: {type(decoder).__name__}'s forward runs weights beside its input "
+                         f"embedding, its {attr} and one final norm ({', '.join(extra)}): what passes from layer to "
+                         "layer may be more than the hidden states a stage hands on, so it cannot be cut between "
+                         "layers here: cut it into stage modules by hand (docs/expert-parallelism.md)")
+
+
+def _tied(model: nn.Module) -> bool:
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    return outputs is not None and inputs is not None and outputs.weight is inputs.weight
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with dicts of its own (children, parameters, buffers, hooks): changing one of the
+    copy's children leaves the module as it was."""
+    shell = copy.copy(module)
+    for name, value in vars(module).items():
+        if name.startswith("_") and isinstance(value, (dict, set)):
+            object.__setattr__(shell, name, copy.copy(value))
+    return shell
+
+
+def _shell(model: nn.Module, path: str, decoder: nn.Module, attr: str, layers: list[int], first: bool, last: bool):
+    """The stage's copy of ``model``: it and its decoder copied (``_copy``), the decoder's layers cut to ``layers``
+    (kept under their indices), its embedding dropped unless ``first``, every other child with weights (the final
+    norm) an ``nn.Identity`` unless ``last``, the modules beside the decoder (the head) dropped unless ``last``."""
+    root = node = _copy(model)
+    if path:  # a causal LM: its decoder one of its children
+        node = root._modules[path] = _copy(model._modules[path])
+    kept, every = nn.ModuleList(), getattr(decoder, attr)
+    for i in layers:
+        kept.add_module(str(i), every[i])
+    node._modules[attr] = kept
+    node.config = _stage_config(decoder.config, layers, len(every))
+    embedding = decoder.get_input_embeddings()
+    for name, child in list(node._modules.items()):
+        if name == attr or child is None:
+            continue
+        if child is embedding:
+            node._modules[name] = child if first else None
+        elif not last and any(True for _ in child.parameters()):  # the final norm (_check_cut)
+            node._modules[name] = nn.Identity()
+    if path and not last:  # the head and any other weights beside the decoder
+        root._parameters.clear()
+        for name in root._modules:
+            root._modules[name] = node if name == path else None
+    return root
+
+
+def _stage_config(config, layers: list[int], total: int):
+    """A copy of the decoder's config for the stage's forward: ``num_hidden_layers`` the stage's count, each list of
+    one name or flag per layer (``layer_types``...) cut to the stage's layers."""
+    config = copy.deepcopy(config)
+    for name, value in vars(config).items():
+        if (isinstance(value, (list, tuple)) and len(value) == total and name != "architectures"
+                and all(isinstance(v, (str, bool)) for v in value)):
+            setattr(config, name, type(value)(value[i] for i in layers))
+    for name in ("num_hidden_layers", "num_layers", "n_layers", "n_layer"):
+        if getattr(config, name, None) == total:
+            setattr(config, name, len(layers))
+    return config

@@ -1,0 +1,127 @@
+"""``moecompile.pipeline_stage``: a transformers model cut into pipeline stages, one process. For every MoE family of
+the installed transformers that can be cut (every one but six), its stages called one after the other give the
+model's logits and every parameter's gradient (2, 3 and 4 stages: the layers split evenly, an empty stage among
+them, and layers chosen by hand), over 9 tokens so that sliding windows of 4 cut in; each parameter is in exactly one
+stage under its name in the model, and the model is left whole. The six whose forward runs weights beside the
+embedding, layers and final norm (hyper-connections, per-layer inputs from token ids, weights of the decoder's own)
+are refused naming them, as are tied embeddings, bad indices and a model without decoder layers. A stage compiles
+with the moe backend, its MoE layer rewritten. The distributed runs (pipeline schedules with expert parallelism
+inside each stage) cut Mixtral with it: ``tests/test_pipeline.py``."""
+
+import pytest
+import torch
+from conftest import RecordingBackend
+
+import moecompile
+from moecompile.distributed import stages
+from moecompile.models import handwritten, hf
+
+SEQ = 9  # > the walk configs' sliding windows (4): a stage reading the wrong layer's mask type differs
+REFUSED = {"deepseek_v4": "hc_head", "hy_v4": "hc_head", "qwen4_exp_text": "hyper_connection_mixer",
+           "inkling2_text": "final_input", "gemma4_text": "embed_tokens_per_layer",
+           "zaya": "input_hidden_states_scale"}
+FAMILIES = [f for f in hf.moe_families_in_transformers() if f not in REFUSED]
+
+
+def _untied(family: str):
+    """The family's walk model with its own head weight (``tie_word_embeddings`` off, on nested configs too)."""
+    config = hf.walk_config(family)
+    for c in (config, *(v for v in vars(config).values() if hasattr(v, "tie_word_embeddings"))):
+        c.tie_word_embeddings = False
+    return hf.build_model(config).train()
+
+
+def _run(parts, ids, weight):
+    """The loss of ``parts`` called in order on ``ids``, and every parameter's gradient by name."""
+    torch.manual_seed(1)
+    x = ids
+    for part in parts:
+        x = part(x)
+        x = getattr(x, "logits", x)  # (the whole model's output)
+    loss = (x * weight).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for part in parts for n, p in part.named_parameters() if p.grad is not None}
+    for part in parts:
+        part.zero_grad(set_to_none=True)
+    return x.detach(), grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stages_in_order_give_the_models_logits_and_gradients(family):
+    model = _untied(family)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    names = [n for n, _ in model.named_parameters()]
+    weight = torch.randn(2, SEQ, model.get_output_embeddings().out_features, generator=torch.Generator().manual_seed(1))
+    logits, grads = _run([model], ids, weight)
+    total = len(moecompile.pipeline_stage(model, 0, 1).stage_layers)  # (one stage: every layer)
+    cuts = {"2": [moecompile.pipeline_stage(model, i, 2) for i in range(2)],
+            "3": [moecompile.pipeline_stage(model, i, 3) for i in range(3)],  # (2 layers: one stage with none)
+            "4 by hand": [moecompile.pipeline_stage(model, i, 4, layers=chosen) for i, chosen in
+                          enumerate([[], list(range(total - 1)), [total - 1], []])]}
+    for cut, parts in cuts.items():
+        held = [n for part in parts for n, _ in part.named_parameters()]
+        assert sorted(held) == sorted(names), f"{cut}: each parameter in one stage under its name"
+        got, got_grads = _run(parts, ids, weight)
+        torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-6, msg=lambda m: f"{family} {cut}: {m}")
+        assert got_grads.keys() == grads.keys(), cut
+        for name, g in grads.items():
+            torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{family} {cut} {name}: {m}")
+    assert [n for n, _ in model.named_parameters()] == names
+    torch.testing.assert_close(_run([model], ids, weight)[0], logits, rtol=0, atol=0)  # the model left whole
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_a_decoder_passing_more_than_hidden_states_is_refused_naming_its_weights(family):
+    model = _untied(family)
+    with pytest.raises(ValueError, match=rf"beside its input embedding.*\b{REFUSED[family]}\b.*by hand"):
+        moecompile.pipeline_stage(model, 0, 2)
+
+
+def test_bad_cuts_are_refused():
+    tied = hf.tiny_model("mixtral", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="tied to its head.*tie_word_embeddings=False"):
+        moecompile.pipeline_stage(tied, 1, 2)
+    assert moecompile.pipeline_stage(tied, 0, 1).stage_layers == [0, 1]  # one stage: the whole model
+    model = hf.tiny_model("mixtral")
+    for index, count, layers in ((2, 2, None), (-1, 2, None), (0, 0, None), (0, 2, [1, 0]), (0, 2, [0, 2])):
+        with pytest.raises(ValueError, match="pipeline_stage: (index|layers)"):
+            moecompile.pipeline_stage(model, index, count, layers)
+    with pytest.raises(ValueError, match="nor one of its children has a config and a ModuleList of decoder layers"):
+        moecompile.pipeline_stage(handwritten.TinyMoELM("modulelist"), 0, 2)
+
+
+def test_a_base_model_is_cut_too():
+    """A base model (no head): the last stage gives its normalized hidden states."""
+    lm = hf.tiny_model("qwen3_moe")
+    ids = torch.randint(0, lm.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    want = lm.model(ids).last_hidden_state
+    x = ids
+    for i in range(2):
+        x = moecompile.pipeline_stage(lm.model, i, 2)(x)
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_compiles_with_its_moe_layer_rewritten():
+    model = hf.tiny_model("mixtral")
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    first = moecompile.pipeline_stage(model, 0, 2)
+    last = moecompile.pipeline_stage(model, 1, 2)
+    hidden = first(ids)
+    want = last(hidden)
+    backend = RecordingBackend(inner="aot_eager", lowering="grouped")
+    got = torch.compile(last, backend=backend)(hidden)
+    assert backend.report.counters["canonicalize.rewritten"] == 1
+    assert [layer.path for layer in backend.report.layers] == ["model.layers.1.mlp"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_whose_layers_pass_on_more_than_hidden_states_stops_naming_the_shape(monkeypatch):
+    """Were hy_v4 not refused (its hyper-connections: 4 streams of hidden states between layers), its first stage
+    would hand on a tensor the next cannot take: it stops there, saying so, rather than feed it on."""
+    monkeypatch.setattr(stages, "_check_cut", lambda decoder, attr: None)
+    model = _untied("hy_v4")
+    first = moecompile.pipeline_stage(model, 0, 2)
+    with pytest.raises(ValueError, match=r"pass a tensor of shape \(2, 9, 4, 32\) on, not the hidden states"):
+        first(torch.zeros(2, SEQ, dtype=torch.long))
