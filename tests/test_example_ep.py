@@ -1,5 +1,6 @@
-"""The expert-parallel example runs as the README says (torchrun, 4 ranks on a 2x2 mesh, gloo), here with one
-step and aot_eager to keep it short; torchrun and its ranks are killed as a group if it hangs."""
+"""The expert-parallel example runs as the README says (torchrun, 4 ranks on a 2x2 mesh, gloo), and so does the
+pipeline example, here with one step and aot_eager to keep them short; torchrun and its ranks are killed as a group
+if it hangs."""
 
 from torchrun import ROOT, torchrun
 
@@ -9,3 +10,12 @@ def test_train_ep_example_runs_under_torchrun():
     assert "sharded model.layers.0.mlp" in out and "dedup='node'" in out, out[-4000:]
     assert "step 0: mean loss over 4 ranks" in out and "dispatch.node=" in out, out[-4000:]
     assert "expert-parallel communication" in out and "dedup node" in out, out[-4000:]
+
+
+def test_train_pp_example_runs_under_torchrun():
+    """examples/train_pp.py: a tiny Mixtral of 4 layers cut into 2 stages by ``moecompile.pipeline_stage``, each
+    stage's experts over its 2 ranks, one 1F1B step."""
+    out = torchrun(ROOT / "examples" / "train_pp.py", "--steps", "1", "--inner", "aot_eager", nproc=4, timeout=300)
+    assert "stage 0 (layers [0, 1])" in out and "stage 1 (layers [2, 3])" in out, out[-4000:]
+    assert "sharded model.layers.3.mlp: 4 of 8 experts on each of 2 ranks" in out, out[-4000:]
+    assert "step 0: loss" in out and "model.layers.2.mlp: dedup off" in out, out[-4000:]
