@@ -13,7 +13,8 @@ stepping and clipping them). Two SGD steps with
 ``moecompile.clip_grad_norm_`` (clipping, at the norm of one process holding the whole model) equal one process training
 on all four ranks' batches: the losses each step, the norm, every weight after (fp32, 1e-5); stacked experts (DTensors
 on the stage's sub-mesh in the state_dict) and ModuleLists'. A torch.distributed.checkpoint saved by the 4 ranks loads
-into fresh stages exactly, so does the optimizer's (``moecompile.get_optimizer_state_dict``: SGD's momentum, each
+into fresh stages exactly (and, in one process without a process group, into the whole model), so does the
+optimizer's (``moecompile.get_optimizer_state_dict``: SGD's momentum, each
 stage's parameter groups kept; before, the checkpoint kept one stage's and the other's could not load; one process's
 state loads into each stage too), and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every
 rank lists each stage's layers. On a (2, 2, 1) ("pp", "dp_replicate", "ep") mesh the Mixtral stages train so with
@@ -210,6 +211,15 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
     for part in fresh:
         part.load_state_dict({k: v for k, v in state["model"].items() if k in part.state_dict()})
         assert all(torch.equal(value, full[name]) for name, value in moecompile.full_state_dict(part).items()), kind
+    if dist.get_rank() == 0:  # the stages' checkpoint is the model's: it loads into the whole model in one process
+        alone = _whole(kind, seed=1)
+        state = {"model": alone.state_dict()}
+        dcp.load(state, checkpoint_id=where, no_dist=True)
+        alone.load_state_dict(state["model"])
+        for name, value in alone.named_parameters():  # (this rank's stages exactly, the others as one process's)
+            want = full.get(name, every[name].detach())
+            torch.testing.assert_close(value.detach(), want, rtol=TOL if name not in full else 0,
+                                       atol=TOL if name not in full else 0, msg=lambda m: f"{kind} whole {name}: {m}")
     if slots:  # ExpertOptimizer's checkpoint (the stage's master parts, their momenta, the placement) loads too
         dcp.save(opt.state_dict(), checkpoint_id=where + "_experts")
         again = moecompile.ExpertOptimizer(fresh if stages > 2 else fresh[0], torch.optim.SGD, **sgd)
