@@ -6,7 +6,8 @@
     find_blocks.py        parallelize's detection: the MoE blocks traced alone (the whole model where it must)
     mesh.py               mesh level names, the process groups of each collective kind (made once, with timeouts)
     views.py              how a module reads the expert weights it no longer holds whole (while Dynamo traces)
-    grads.py              data-parallel gradients of the parameters that are not sharded, the experts' divisors
+    grads.py              data-parallel gradients of the parameters that are not sharded, the experts' divisors,
+                          ``moecompile.no_sync`` (gradient accumulation without the reductions)
     clip.py               ``clip_grad_norm_``: the gradients' norm one process would compute, on every rank
     moe_tp.py             ``moe_tp``: how the MoE blocks meet a "tp" mesh dimension (SSMB, TED, "auto")
     ted.py                tensor-expert parallelism: experts over dp, their intermediate size over tp

@@ -11,6 +11,8 @@ process training on all of them would.
 
 Experts held by several ranks (a mesh's ``"dp_replicate"`` dimension: each expert-parallel group holds every
 expert) are held back the same way and summed over those ranks, then divided by the copies times their divisor.
+Inside ``no_sync`` (gradient accumulation, as DDP's) the held-back gradients wait, summed, for the first backward
+after it, which reduces them all at once.
 
 A tensor-parallel weight (a DTensor: torch's ``parallelize_module``) is averaged by its local shard, over the
 data-parallel group, whose ranks hold the same shard. On a mesh with a ``"tp"`` dimension the data-parallel group is
@@ -24,6 +26,7 @@ times).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -103,6 +106,8 @@ class _HeldBack:
         self.params: list[nn.Parameter] = []
         self.divisor: dict[int, int] = {}
         self.pending: dict[int, torch.Tensor] = {}
+        self.sync = True  # False inside moecompile.no_sync: backward holds its gradients for the next that syncs
+        self.queued = False  # this backward's reduction is queued (the pending may be older: no_sync's)
 
     def add(self, p: nn.Parameter, divisor: int) -> None:
         self.params.append(p)
@@ -110,6 +115,7 @@ class _HeldBack:
         p.register_hook(self._hold(p))
 
     def _finish(self) -> None:
+        self.queued = False
         live = {id(p) for p in self.model.parameters() if p.requires_grad}  # FSDP2 replaced those it manages
         mine = [p for p in self.params if id(p) in live]
         grads = [self.pending.pop(id(p), None) for p in mine]
@@ -132,11 +138,54 @@ class _HeldBack:
         def hook(grad):
             if grad is None:  # nothing flows to it in this backward
                 return None
-            if not self.pending:
+            if self.sync and not self.queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                self.queued = True
             self.pending[id(p)] = grad.detach().clone() if id(p) not in self.pending else self.pending[id(p)] + grad
             return torch.zeros_like(grad)
         return hook
+
+
+@contextlib.contextmanager
+def no_sync(model):
+    """``with moecompile.no_sync(model): loss.backward()``: gradient accumulation without the data-parallel
+    reductions, as ``DistributedDataParallel.no_sync``. ``model``: a model ``moecompile.parallelize`` sharded (or
+    its ``torch.compile`` wrapper, or a list of a rank's pipeline stage modules). Inside, each backward holds its
+    gradients of the replicated parameters (and of experts held by several ranks, ``"dp_replicate"``) on the rank,
+    summed over the backwards, and FSDP2's ``fully_shard`` modules skip their reduce-scatter
+    (``set_requires_gradient_sync(False)``); the first backward after it reduces all of them at once, so every
+    parameter then holds what one process would after the same backwards. Until that backward the held gradients
+    are not in ``.grad`` (the replicated parameters' read zero there): step the optimizer after it, on every rank.
+    The experts' own gradients cross the ranks inside each backward (the exchange's), with or without it."""
+    syncs, fsdp = _syncs_and_fsdp(model)
+    held = [h for sync in syncs for h in (sync.replicated, sync.experts) if h is not None]
+    before = [h.sync for h in held]
+    for h in held:
+        h.sync = False
+    for module in fsdp:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for h, was in zip(held, before):
+            h.sync = was
+        for module in fsdp:
+            module.set_requires_gradient_sync(True, recurse=False)
+
+
+def _syncs_and_fsdp(model) -> tuple[list[GradientSync], list[nn.Module]]:
+    """The GradientSync of every module ``parallelize`` sharded in ``model`` (a module or a list of them), and the
+    modules FSDP2's ``fully_shard`` wrapped there."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    parts = [getattr(part, "_orig_mod", part) for part in parts]  # (torch.compile's wrapper)
+    modules = [m for part in parts for m in part.modules()]
+    syncs = [m._moe_parallel.sync for m in modules if getattr(getattr(m, "_moe_parallel", None), "sync", None)]
+    if not syncs:
+        raise ValueError(f"moecompile.no_sync: no module of {', '.join(type(p).__name__ for p in parts)} was "
+                         "sharded by moecompile.parallelize; for DistributedDataParallel use model.no_sync()")
+    return syncs, [m for m in modules if isinstance(m, FSDPModule)]
 
 
 def fsdp_wraps(model: nn.Module) -> bool:
