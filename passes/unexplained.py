@@ -151,6 +151,8 @@ def _per_token_use(use: fx.Node, p: fx.Node, values) -> tuple[str, fx.Node | Non
         ids = [a for a in use.all_input_nodes if a not in _views(p) and _integer(a)]
         if ids:
             return f"indexed per token by {op_name(use)} with ids {ids[0].name}", ids[0]
+    if op_name(use) == "baddbmm" and use.args[0] in _views(p) and not set(use.args[1:3]) & _views(p):
+        return "", None  # added to a product, not applied to tokens: W + lhs @ rhs (a low-rank update, peft's)
     if op_name(use) in BATCHED_MATMULS:
         buffers = [a for a in use.all_input_nodes if a not in _views(p) and shape_of(a)
                    and len(shape_of(a)) == 3 and shape_of(a)[0] == E and not is_param(a, values)]

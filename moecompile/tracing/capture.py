@@ -255,6 +255,32 @@ LOOP_REASON = (
 )
 
 
+PARAMETRIZED_REASON = (
+    ": the graph broke before its experts ran, at {where} ({what}): their weights are parametrized at every call "
+    "(torch.nn.utils.parametrize registered in forward, as peft's LoRA on the experts' stacked parameters, "
+    "target_parameters, does), which Dynamo cannot trace, so the experts run as written outside every graph. Fix: "
+    "adapt the attention or other linears instead (peft: target_modules), or merge the adapters into the weights "
+    "(merge_and_unload) to serve the model"
+)
+
+
+def _break_ending_graph() -> tuple[str, str, bool] | None:
+    """(Dynamo's reason, where, whether a parametrization is being registered) of the graph break that ends the
+    graph being compiled now, or None (the frame ended, or no trace is running)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+    why = getattr(getattr(tx, "output", None), "compile_subgraph_reason", None)
+    if why is None or not why.graph_break or not why.user_stack:
+        return None
+    files = [frame.filename.replace("\\", "/") for frame in why.user_stack]
+    where = f"{files[-1].split('site-packages/')[-1]}:{why.user_stack[-1].lineno}"
+    return why.reason.splitlines()[0], where, any(f.endswith("torch/nn/utils/parametrize.py") for f in files)
+
+
 def complete_missing_experts(report) -> None:
     """Say why a graph holds a router and no experts, and the fix, from the capture settings it was traced with
     (the backend runs inside Dynamo's trace, so the settings read now are the trace's, and so is ``_retracing``: a
@@ -266,6 +292,9 @@ def complete_missing_experts(report) -> None:
     if capturing():
         why += "".join(f"; {name}: {r.reason}" for name, r in loops.seen.items() if r.code is None and r.found)
         report.loops.update({name: r.where for name, r in loops.seen.items() if r.code is not None})
+    cut = _break_ending_graph()
+    if cut is not None and cut[2]:  # not a loop: the weights' parametrization (peft's target_parameters)
+        why = PARAMETRIZED_REASON.format(what=cut[0], where=cut[1])
     for rec in report.skipped:
         if rec.reason == EAGER_EXPERTS_REASON:
             rec.reason += why
