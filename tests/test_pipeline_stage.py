@@ -1,7 +1,8 @@
 """``moecompile.pipeline_stage``: a transformers model cut into pipeline stages, one process. For every MoE family of
 the installed transformers that can be cut (every one but six), its stages called one after the other give the
 model's logits and every parameter's gradient (2, 3 and 4 stages: the layers split evenly, an empty stage among
-them, and layers chosen by hand), over 9 tokens so that sliding windows of 4 cut in; each parameter is in exactly one
+them, and layers chosen by hand; and four-layer DeepSeek-V3 (a dense first layer), GPT-OSS and Qwen3-Next cut 1, 2, 1
+and 3, 1), over 9 tokens so that sliding windows of 4 cut in; each parameter is in exactly one
 stage under its name in the model, and the model is left whole. The six whose forward runs weights beside the
 embedding, layers and final norm (hyper-connections, per-layer inputs from token ids, weights of the decoder's own)
 are refused naming them, as are tied embeddings, bad indices and a model without decoder layers. A stage compiles
@@ -125,3 +126,25 @@ def test_a_stage_whose_layers_pass_on_more_than_hidden_states_stops_naming_the_s
     first = moecompile.pipeline_stage(model, 0, 2)
     with pytest.raises(ValueError, match=r"pass a tensor of shape \(2, 9, 4, 32\) on, not the hidden states"):
         first(torch.zeros(2, SEQ, dtype=torch.long))
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("deepseek_v3", dict(num_hidden_layers=4, first_k_dense_replace=1)),  # a dense first layer
+    ("gpt_oss", dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)),
+    ("qwen3_next", dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)),
+])
+def test_four_layers_cut_unevenly_give_the_models_logits_and_gradients(family, overrides):
+    """Stages of 1, 2 and 1 layers (then 3 and 1): each stage's layers read their own kinds of attention and
+    masks, a dense first layer in a stage of its own."""
+    model = hf.tiny_model(family, **overrides).train()
+    assert len(moecompile.pipeline_stage(model, 0, 1).stage_layers) == 4
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(2, SEQ, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    logits, grads = _run([model], ids, weight)
+    for cut in ([[0], [1, 2], [3]], [[0, 1, 2], [3]]):
+        parts = [moecompile.pipeline_stage(model, i, len(cut), layers=chosen) for i, chosen in enumerate(cut)]
+        got, got_grads = _run(parts, ids, weight)
+        torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-6, msg=lambda m: f"{family} {cut}: {m}")
+        assert got_grads.keys() == grads.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{cut} {name}: {m}")
