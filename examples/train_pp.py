@@ -5,9 +5,9 @@ sharded over that stage's ranks.
 
 Every rank builds the same model from the same seed and keeps its stage (``moecompile.pipeline_stage``: the model's
 modules for the stage's layers, under their names in the model); ``parallelize`` shards the stage's experts over
-its ranks; ``torch.distributed.pipelining`` runs the stages under 1F1B. The ranks of one "ep" index form one
-pipeline and draw the same batches (token ids on the first stage, the targets on the last). CPU ranks talk over
-gloo, CUDA ranks over NCCL.
+its ranks; ``torch.distributed.pipelining`` runs the stages under 1F1B (``moecompile.PipelineStage``). The ranks of
+one "ep" index form one pipeline and draw the same batches (token ids on the first stage, the targets on the last).
+CPU ranks talk over gloo, CUDA ranks over NCCL.
 """
 
 import argparse
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import Schedule1F1B
 
 import moecompile
 from moecompile.models.hf import tiny_model
@@ -60,7 +60,8 @@ def main():
         if ep == 0:
             print(f"stage {index} (layers {stage.stage_layers}): {stage._moe_parallel}")
         compiled = torch.compile(stage, backend="moe", options={"inner": args.inner})
-        pipe = PipelineStage(compiled, index, 2, device, group=mesh.get_group("pp"))
+        pipe = moecompile.PipelineStage(compiled, index, 2, device, group=mesh.get_group("pp"))  # (torch's,
+        # the stage's replicated gradients reduced once a step, not once a microbatch)
         schedule = Schedule1F1B(pipe, n_microbatches=args.microbatches, loss_fn=loss_fn)
         opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
         for step in range(args.steps):

@@ -18,7 +18,7 @@ from .tracing.capture import capture
 from .distributed.comm import comm_report, comm_rows, plot_comm
 from .distributed.expert_optimizer import ExpertOptimizer, replication_report
 from .distributed.parallel import parallelize
-from .distributed.stages import pipeline_stage
+from .distributed.stages import PipelineStage, pipeline_stage
 from .distributed.views import expert_parameters
 from .distributed.clip import clip_grad_norm_
 from .distributed.grads import no_sync
@@ -28,9 +28,9 @@ from moecompile.runtime.comm.hybrid import hybrid_topology
 from moecompile.runtime.stats import token_drops
 from .plan.routing import record_routing
 
-__all__ = ["moe_backend", "capture", "parallelize", "pipeline_stage", "expert_parameters", "clip_grad_norm_",
-           "no_sync", "ExpertOptimizer", "replication_report", "MoEOptions", "ExplainReport", "explain",
-           "token_drops", "comm_stats", "comm_report", "comm_rows", "plot_comm", "get_optimizer_state_dict",
+__all__ = ["moe_backend", "capture", "parallelize", "pipeline_stage", "PipelineStage", "expert_parameters",
+           "clip_grad_norm_", "no_sync", "ExpertOptimizer", "replication_report", "MoEOptions", "ExplainReport",
+           "explain", "token_drops", "comm_stats", "comm_report", "comm_rows", "plot_comm", "get_optimizer_state_dict",
            "set_optimizer_state_dict", "full_state_dict", "hybrid_topology", "record_routing", "MoECompileError",
            "MoEFallbackWarning"]
 

@@ -122,12 +122,13 @@ def _stage(kind: str, mesh, index: int, stages: int, example, seed: int = 0, swa
 
 
 def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every=0, moe_tp="off", slots=0,
-           domains=None):
+           domains=None, runner=moecompile.PipelineStage):
     """Two steps of the pipeline, ``stages`` stages (rank ``pp`` runs stages pp, pp + 2...), against one process;
     ``swap_every``: the experts swap ranks inside each stage (the weights compared in expert order); ``moe_tp`` on a
     ("pp", "tp") mesh: a stage's two ranks are a tp group, fed the same batch (one process trains on that one);
     ``slots``: the stage's experts replicated over its ranks (``moecompile.ExpertOptimizer`` steps and clips);
-    ``domains``: expert domains inside each stage."""
+    ``domains``: expert domains inside each stage; ``runner``: moecompile's PipelineStage (the stage's replicated
+    gradients reduced once a step) or torch's (once a microbatch)."""
     inner, pp = mesh.mesh_dim_names[1:], mesh.get_local_rank("pp")
     dp, b = (2, rank % 2) if moe_tp == "off" else (1, 0)  # batches, this rank's: one per rank of a stage, or one
     whole = _whole(kind).train()
@@ -161,7 +162,7 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
             fully_shard(module, mesh=mesh[inner])
     compiled = [torch.compile(part, backend="moe", options={"inner": "aot_eager", "strict": bool(SPLITS[stages][i][0])})
                 for part, i in zip(parts, mine)]  # (strict: every MoE layer rewritten, and a stage without raises)
-    runs = [PipelineStage(c, index, stages, torch.device("cpu"), group=mesh.get_group("pp"))
+    runs = [runner(c, index, stages, torch.device("cpu"), group=mesh.get_group("pp"))
             for c, index in zip(compiled, mine)]
     schedule = schedule_cls(runs if stages > 2 else runs[0], n_microbatches=MICRO, loss_fn=_loss)
     params = [p for part in parts for p in part.parameters()]
@@ -186,6 +187,9 @@ def _train(kind, mesh, rank, tmp, schedule_cls, fsdp=False, stages=2, swap_every
                                    atol=TOL, msg=lambda m: f"{kind} step {step} norm: {m}")
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     assert not swap_every or all(part._moe_parallel.swap.history for part in parts), "no expert swapped ranks"
+    once = STEPS if runner is moecompile.PipelineStage else STEPS * MICRO  # (FSDP2 reduces the dense weights)
+    assert all(part._moe_parallel.sync.replicated.reductions == (0 if fsdp else once) for part in parts
+               if part._moe_parallel.sync.replicated is not None), kind
     assert not slots or len(opt.history) == STEPS and any(  # (the placement made for the next step)
         max(step["instances"]) > 1 for placed in opt.history for step in placed.values()), opt.history
     full = {name: value for part in parts for name, value in moecompile.full_state_dict(part).items()}
@@ -351,7 +355,7 @@ def _ranks(rank, world, tmp):
         _train("mixtral", mesh, rank, tmp, ScheduleGPipe, domains={"ep": 2})  # (each rank its stage's experts)
         domains_per_group(mesh, rank, "pp")
         _hosts_beside_nccl(mesh)
-        _train("gather", mesh, rank, tmp, Schedule1F1B, domains="auto")
+        _train("gather", mesh, rank, tmp, Schedule1F1B, domains="auto", runner=PipelineStage)  # (torch's)
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
         _train("mixtral", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4, slots=5)  # (one ExpertOptimizer of both)

@@ -108,6 +108,7 @@ class _HeldBack:
         self.pending: dict[int, torch.Tensor] = {}
         self.sync = True  # False inside moecompile.no_sync: backward holds its gradients for the next that syncs
         self.queued = False  # this backward's reduction is queued (the pending may be older: no_sync's)
+        self.reductions = 0  # all-reduces made (one per backward, or per no_sync window)
 
     def add(self, p: nn.Parameter, divisor: int) -> None:
         self.params.append(p)
@@ -126,6 +127,7 @@ class _HeldBack:
         flat = torch.cat([_local(g if g is not None else torch.zeros_like(p)).reshape(-1)
                           for g, p in zip(grads, mine)] + [had])
         dist.all_reduce(flat, group=self.group)
+        self.reductions += 1
         offset, sent = 0, flat[-len(mine):].tolist()
         for p, ranks in zip(mine, sent):
             local = _local(p)
@@ -157,19 +159,28 @@ def no_sync(model):
     parameter then holds what one process would after the same backwards. Until that backward the held gradients
     are not in ``.grad`` (the replicated parameters' read zero there): step the optimizer after it, on every rank.
     The experts' own gradients cross the ranks inside each backward (the exchange's), with or without it."""
-    syncs, fsdp = _syncs_and_fsdp(model)
+    with holding(model, fsdp=True):
+        yield
+
+
+@contextlib.contextmanager
+def holding(model, fsdp: bool):
+    """``no_sync``; with ``fsdp`` False, FSDP2's modules left as they are (``moecompile.PipelineStage``: torch's
+    schedule defers theirs itself)."""
+    syncs, wrapped = _syncs_and_fsdp(model)
+    wrapped = wrapped if fsdp else []
     held = [h for sync in syncs for h in (sync.replicated, sync.experts) if h is not None]
     before = [h.sync for h in held]
     for h in held:
         h.sync = False
-    for module in fsdp:
+    for module in wrapped:
         module.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
         for h, was in zip(held, before):
             h.sync = was
-        for module in fsdp:
+        for module in wrapped:
             module.set_requires_gradient_sync(True, recurse=False)
 
 

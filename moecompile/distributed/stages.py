@@ -1,6 +1,9 @@
-"""``moecompile.pipeline_stage``: one pipeline stage of a transformers model, for ``torch.distributed.pipelining``.
+"""``moecompile.pipeline_stage``: one pipeline stage of a transformers model, for ``torch.distributed.pipelining``;
+``moecompile.PipelineStage``: torch's ``PipelineStage`` reducing a sharded stage's gradients once a step.
 
     stage = moecompile.pipeline_stage(model, index, count)     # layers split evenly; or layers=[4, 5, 6]
+    run = moecompile.PipelineStage(torch.compile(moecompile.parallelize(stage, mesh, example), backend="moe"),
+                                   index, count, device, group=mesh.get_group("pp"))
 
 The stage holds the model's own modules (nothing copied) under their names in the model (``model.layers.4.mlp``...,
 so a ``torch.distributed.checkpoint`` of every stage is one of the model): the first stage its input embedding,
@@ -29,6 +32,9 @@ import functools
 
 import torch
 from torch import nn
+from torch.distributed import pipelining
+
+from .grads import holding
 
 _LAYERS = ("layers", "blocks")  # the decoder's ModuleList of layers (transformers' name; dbrx's)
 
@@ -166,3 +172,18 @@ def _stage_config(config, layers: list[int], total: int):
         if getattr(config, name, None) == total:
             setattr(config, name, len(layers))
     return config
+
+
+class PipelineStage(pipelining.PipelineStage):
+    """``torch.distributed.pipelining.PipelineStage`` for a stage module ``moecompile.parallelize`` sharded (or its
+    ``torch.compile`` wrapper): the same arguments and schedule, its data-parallel gradient reductions made once a
+    step, in the backward of the last microbatch, as torch's schedules do for a DistributedDataParallel or FSDP2
+    stage module (``moecompile.no_sync`` around every other microbatch's backward). With torch's own class every
+    microbatch's backward reduces the stage's replicated gradients: the same gradients, n_microbatches all-reduces a
+    step where one does."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if last_backward:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with holding(self.submod, fsdp=False):  # (an FSDP2 stage module: the schedule defers its reduce-scatter)
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
