@@ -6,8 +6,9 @@ held gradients where there were three (counted), the replicated parameters' ``.g
 syncs. So on a (4,) "ep" mesh (the dense weights held), on a (2, 2) ("dp_replicate", "ep") mesh (the experts'
 copies held too: two reductions), twice in a row (the held gradients reduced once each time), with the decoder
 layers sharded by FSDP2's ``fully_shard`` (its reduce-scatter skipped inside, then the sharded gradients as one
-process's), and with a synced backward before the window (``.grad`` kept, as DDP's). A model ``parallelize`` did
-not shard is refused, naming DDP's own ``no_sync``."""
+process's), and with a synced backward before the window (``.grad`` kept, as DDP's). Clipping inside the window
+(before the backward that reduces) is refused, saying why; a model ``parallelize`` did not shard is refused, naming
+DDP's own ``no_sync``."""
 
 from contextlib import nullcontext
 from datetime import timedelta
@@ -73,6 +74,9 @@ def _accumulate(mesh, rank, fsdp=False, before=False, windows=1):
             if held:  # (the held gradients are not in .grad until the backward that syncs; FSDP2's not sharded)
                 assert dense.grad is None or (before and dense.grad.abs().sum() > 0) or not dense.grad.any()
                 assert not fsdp or model.model.layers[0].self_attn.q_proj.weight.grad is None
+                with pytest.raises(ValueError, match="clip_grad_norm_: gradients held by moecompile.no_sync are "
+                                                     "not reduced yet"):  # (each rank would clip by its own sum)
+                    moecompile.clip_grad_norm_(compiled, 1.0)
             together = micro.flatten(0, 1)
             ref(together, labels=together).loss.backward()
         counted.append(reductions)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .grads import check_reduced
 from .mesh import pipeline_group
 from .views import expert_parameters
 
@@ -49,6 +50,7 @@ def clip_grad_norm_(model: nn.Module | list[nn.Module], max_norm: float, norm_ty
         raise ValueError("clip_grad_norm_ of several model parts takes parts moecompile.parallelize sharded on one "
                          "mesh (each stage module this rank runs): parallelize every part, even one without MoE "
                          "layers (its dense gradients are then averaged over the stage's ranks)")
+    check_reduced([info.sync for info in infos], "clip_grad_norm_")
     if any(info.replicas for info in infos):
         raise ValueError("this model's experts are replicated (parallelize(..., replication=...)): their gradients "
                          "are summed over the instances by moecompile.ExpertOptimizer; clip with its "

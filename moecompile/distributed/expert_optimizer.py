@@ -20,6 +20,7 @@ from moecompile.runtime.placement.replicas import DROPPED, POPULARITY, SLOT_ROWS
 from moecompile.runtime.placement.expert_state import collect, distribute, reduce_instances
 from moecompile.runtime.placement.replication import schedule, uniform
 
+from .grads import check_reduced
 from .mesh import pipeline_group
 from .replicate import REPLICAS
 
@@ -71,6 +72,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         # the same parts in every copy of the experts ("dp_replicate"), or None (every layer's: one mesh)
         self._copies = self.layers[0].hosts.copies
         self._stages = pipeline_group(infos[0].mesh)
+        self._syncs = [info.sync for info in infos]  # (check_reduced: no no_sync window left open at a step)
         self.defaults = dict(self.experts.defaults)
         self._local = []  # the sharded experts' weights held here (not replicated)
         for part, info in zip(parts, infos):
@@ -107,6 +109,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         the rank's further instances of an expert)."""
         from .sharded_state import check_not_moved  # here: imported first, sharded_state meets its cycle via views
 
+        check_reduced(self._syncs, "ExpertOptimizer.step")
         check_not_moved([(layer.module, REPLICAS, layer.placement) for layer in self.layers])
         moved = self._gather()
         self._gathered = None
@@ -166,6 +169,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         and this rank's part of every replicated expert's gradient summed over the ranks."""
         from .clip import clip_together
 
+        check_reduced(self._syncs, "ExpertOptimizer.clip_grad_norm_")
         self._gather()
         local_ids = {id(p) for p in self._local}
         shared = [p.grad for d in self.denses if d is not None for g in d.param_groups for p in g["params"]

@@ -184,6 +184,14 @@ def holding(model, fsdp: bool):
             module.set_requires_gradient_sync(True, recurse=False)
 
 
+def check_reduced(syncs, what: str) -> None:
+    """Refuse ``what`` (clipping, a step) while a ``no_sync`` window's held gradients wait for the backward that
+    reduces them: each rank would read its own sum, not the mean."""
+    if any(h is not None and h.pending for sync in syncs if sync is not None for h in (sync.replicated, sync.experts)):
+        raise ValueError(f"{what}: gradients held by moecompile.no_sync are not reduced yet (not in .grad): run the "
+                         "backward that reduces them first, outside no_sync (the last micro-batch's), on every rank")
+
+
 def _syncs_and_fsdp(model) -> tuple[list[GradientSync], list[nn.Module]]:
     """The GradientSync of every module ``parallelize`` sharded in ``model`` (a module or a list of them), and the
     modules FSDP2's ``fully_shard`` wrapped there."""
