@@ -5,7 +5,8 @@ them, and layers chosen by hand; and four-layer DeepSeek-V3 (a dense first layer
 and 3, 1), over 9 tokens so that sliding windows of 4 cut in; each parameter is in exactly one
 stage under its name in the model, and the model is left whole. The six whose forward runs weights beside the
 embedding, layers and final norm (hyper-connections, per-layer inputs from token ids, weights of the decoder's own)
-are refused naming them, as are tied embeddings, bad indices and a model without decoder layers. A stage compiles
+are refused naming them, as are tied embeddings, bad indices, a model without decoder layers and one
+parallelized already (a compiled model is cut as its module). A stage compiles
 with the moe backend, its MoE layer rewritten. The distributed runs (pipeline schedules with expert parallelism
 inside each stage) cut Mixtral with it: ``tests/test_pipeline.py``."""
 
@@ -91,6 +92,11 @@ def test_bad_cuts_are_refused():
             moecompile.pipeline_stage(model, index, count, layers)
     with pytest.raises(ValueError, match="nor one of its children has a config and a ModuleList of decoder layers"):
         moecompile.pipeline_stage(handwritten.TinyMoELM("modulelist"), 0, 2)
+    model.model.layers[0].mlp._moe_parallel = object()  # (as parallelize marks what it sharded)
+    with pytest.raises(ValueError, match="parallelized already: cut it first, then parallelize each stage"):
+        moecompile.pipeline_stage(model, 0, 2)
+    compiled = torch.compile(hf.tiny_model("mixtral"), backend="moe")  # (not run: the wrapper is unwrapped)
+    assert moecompile.pipeline_stage(compiled, 1, 2).stage_layers == [1]
 
 
 def test_a_base_model_is_cut_too():

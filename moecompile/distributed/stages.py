@@ -45,6 +45,10 @@ def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] |
     embedding if ``index == 0``, its final norm and head if ``index == count - 1``. See the module docstring."""
     if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
         raise ValueError(f"pipeline_stage: index={index!r} of count={count!r}: need 0 <= index < count")
+    model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the stage is compiled after cutting)
+    if any(hasattr(m, "_moe_parallel") for m in model.modules()):
+        raise ValueError("pipeline_stage: the model was parallelized already: cut it first, then parallelize each "
+                         "stage module over the whole mesh (its outermost dimension \"pp\")")
     path, decoder, attr = _decoder(model)
     total = len(getattr(decoder, attr))
     if layers is None:
