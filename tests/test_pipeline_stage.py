@@ -7,12 +7,18 @@ stage under its name in the model, and the model is left whole. The six whose fo
 embedding, layers and final norm (hyper-connections, per-layer inputs from token ids, weights of the decoder's own)
 are refused naming them, as are tied embeddings, bad indices, a model without decoder layers and one
 parallelized already (a compiled model is cut as its module). A stage compiles
-with the moe backend, its MoE layer rewritten. The distributed runs (pipeline schedules with expert parallelism
+with the moe backend, its MoE layer rewritten; ``moecompile.PipelineStage`` of a stage ``parallelize`` did not shard
+trains as torch's class does (one rank, two microbatches). The distributed runs (pipeline schedules with expert parallelism
 inside each stage) cut Mixtral with it: ``tests/test_pipeline.py``."""
+
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import RecordingBackend
+from ranks import spawn
+from torch.distributed.pipelining import ScheduleGPipe
 
 import moecompile
 from moecompile.distributed import stages
@@ -154,3 +160,27 @@ def test_four_layers_cut_unevenly_give_the_models_logits_and_gradients(family, o
         assert got_grads.keys() == grads.keys()
         for name, g in grads.items():
             torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{cut} {name}: {m}")
+
+
+def _one_rank_pipeline(rank, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        model, ref = hf.tiny_model("mixtral").train(), hf.tiny_model("mixtral").train()
+        ids = torch.randint(0, model.config.vocab_size, (4, SEQ), generator=torch.Generator().manual_seed(0))
+        loss = lambda logits, target: logits.float().square().mean()  # noqa: E731
+        run = moecompile.PipelineStage(moecompile.pipeline_stage(model, 0, 1), 0, 1, torch.device("cpu"))
+        ScheduleGPipe(run, n_microbatches=2, loss_fn=loss).step(ids, target=ids)
+        (sum(loss(ref(half).logits, None) for half in ids.chunk(2)) / 2).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pipeline_stage_of_a_module_parallelize_did_not_shard_runs_as_torchs(tmp_path):
+    """``moecompile.PipelineStage`` defers the reductions of what ``parallelize`` sharded; a stage module it did not
+    shard (one rank, the whole model as one stage, two microbatches) has none and trains as under torch's class
+    (``no_sync`` itself refuses such a module)."""
+    spawn(_one_rank_pipeline, args=(str(tmp_path),), nprocs=1)

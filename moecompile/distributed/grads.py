@@ -159,16 +159,16 @@ def no_sync(model):
     parameter then holds what one process would after the same backwards. Until that backward the held gradients
     are not in ``.grad`` (the replicated parameters' read zero there): step the optimizer after it, on every rank.
     The experts' own gradients cross the ranks inside each backward (the exchange's), with or without it."""
-    with holding(model, fsdp=True):
+    with holding(model):
         yield
 
 
 @contextlib.contextmanager
-def holding(model, fsdp: bool):
-    """``no_sync``; with ``fsdp`` False, FSDP2's modules left as they are (``moecompile.PipelineStage``: torch's
-    schedule defers theirs itself)."""
-    syncs, wrapped = _syncs_and_fsdp(model)
-    wrapped = wrapped if fsdp else []
+def holding(model, stage: bool = False):
+    """``no_sync``; with ``stage`` (``moecompile.PipelineStage``'s), FSDP2's modules left as they are (torch's
+    schedule defers theirs itself) and a module ``parallelize`` did not shard left to run as it does."""
+    syncs, wrapped = _syncs_and_fsdp(model, required=not stage)
+    wrapped = wrapped if not stage else []
     held = [h for sync in syncs for h in (sync.replicated, sync.experts) if h is not None]
     before = [h.sync for h in held]
     for h in held:
@@ -192,16 +192,16 @@ def check_reduced(syncs, what: str) -> None:
                          "backward that reduces them first, outside no_sync (the last micro-batch's), on every rank")
 
 
-def _syncs_and_fsdp(model) -> tuple[list[GradientSync], list[nn.Module]]:
-    """The GradientSync of every module ``parallelize`` sharded in ``model`` (a module or a list of them), and the
-    modules FSDP2's ``fully_shard`` wrapped there."""
+def _syncs_and_fsdp(model, required: bool = True) -> tuple[list[GradientSync], list[nn.Module]]:
+    """The GradientSync of every module ``parallelize`` sharded in ``model`` (a module or a list of them; none:
+    ValueError if ``required``), and the modules FSDP2's ``fully_shard`` wrapped there."""
     from torch.distributed.fsdp import FSDPModule
 
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
     parts = [getattr(part, "_orig_mod", part) for part in parts]  # (torch.compile's wrapper)
     modules = [m for part in parts for m in part.modules()]
     syncs = [m._moe_parallel.sync for m in modules if getattr(getattr(m, "_moe_parallel", None), "sync", None)]
-    if not syncs:
+    if not syncs and required:
         raise ValueError(f"moecompile.no_sync: no module of {', '.join(type(p).__name__ for p in parts)} was "
                          "sharded by moecompile.parallelize; for DistributedDataParallel use model.no_sync()")
     return syncs, [m for m in modules if isinstance(m, FSDPModule)]

@@ -184,10 +184,10 @@ class PipelineStage(pipelining.PipelineStage):
     step, in the backward of the last microbatch, as torch's schedules do for a DistributedDataParallel or FSDP2
     stage module (``moecompile.no_sync`` around every other microbatch's backward). With torch's own class every
     microbatch's backward reduces the stage's replicated gradients: the same gradients, n_microbatches all-reduces a
-    step where one does."""
+    step where one does. A stage module ``parallelize`` did not shard runs as under torch's class."""
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if last_backward:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        with holding(self.submod, fsdp=False):  # (an FSDP2 stage module: the schedule defers its reduce-scatter)
+        with holding(self.submod, stage=True):  # (an FSDP2 stage module: the schedule defers its reduce-scatter)
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
