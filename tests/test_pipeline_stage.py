@@ -1,15 +1,14 @@
 """``moecompile.pipeline_stage``: a transformers model cut into pipeline stages, one process. For every MoE family of
-the installed transformers that can be cut (every one but six), its stages called one after the other give the
-model's logits and every parameter's gradient (2, 3 and 4 stages: the layers split evenly, an empty stage among
-them, and layers chosen by hand; and four-layer DeepSeek-V3 (a dense first layer), GPT-OSS and Qwen3-Next cut 1, 2, 1
-and 3, 1), over 9 tokens so that sliding windows of 4 cut in; each parameter is in exactly one
-stage under its name in the model, and the model is left whole. The six whose forward runs weights beside the
-embedding, layers and final norm (hyper-connections, per-layer inputs from token ids, weights of the decoder's own)
-are refused naming them, as are tied embeddings, bad indices, a model without decoder layers and one
-parallelized already (a compiled model is cut as its module). A stage compiles
-with the moe backend, its MoE layer rewritten; ``moecompile.PipelineStage`` of a stage ``parallelize`` did not shard
-trains as torch's class does (one rank, two microbatches). The distributed runs (pipeline schedules with expert parallelism
-inside each stage) cut Mixtral with it: ``tests/test_pipeline.py``."""
+the installed transformers that can be cut (every one but six), its stages called one after the other give the model's
+logits and every parameter's gradient (2, 3 and 4 stages: the layers split evenly, an empty stage among them, and layers
+chosen by hand; and four-layer DeepSeek-V3 (a dense first layer), GPT-OSS and Qwen3-Next cut 1, 2, 1 and 3, 1), over 9
+tokens so that sliding windows of 4 cut in; each parameter is in exactly one stage under its name in the model, and the
+model is left whole. The six whose forward runs weights beside the embedding, layers and final norm (hyper-connections,
+per-layer inputs from token ids, weights of the decoder's own) are refused naming them, as are tied embeddings, bad
+indices, a model without decoder layers and one parallelized already (a compiled model is cut as its module). A stage
+compiles with the moe backend, its MoE layer rewritten; ``moecompile.PipelineStage`` of a stage ``parallelize`` did not
+shard trains as torch's class does (one rank, two microbatches). The distributed runs (pipeline schedules with expert
+parallelism inside each stage) cut Mixtral with it: ``tests/test_pipeline.py``."""
 
 from datetime import timedelta
 
