@@ -5,10 +5,11 @@ chosen by hand; and four-layer DeepSeek-V3 (a dense first layer), GPT-OSS and Qw
 tokens so that sliding windows of 4 cut in; each parameter is in exactly one stage under its name in the model, and the
 model is left whole. The six whose forward runs weights beside the embedding, layers and final norm (hyper-connections,
 per-layer inputs from token ids, weights of the decoder's own) are refused naming them, as are tied embeddings, bad
-indices, a model without decoder layers and one parallelized already (a compiled model is cut as its module). A stage
-compiles with the moe backend, its MoE layer rewritten; ``moecompile.PipelineStage`` of a stage ``parallelize`` did not
-shard trains as torch's class does (one rank, two microbatches). The distributed runs (pipeline schedules with expert
-parallelism inside each stage) cut Mixtral with it: ``tests/test_pipeline.py``."""
+indices, a model without decoder layers and one parallelized already (a compiled model is cut as its module; router
+logits asked for: a warning). A stage compiles with the moe backend, its MoE layer rewritten;
+``moecompile.PipelineStage`` of a stage ``parallelize`` did not shard trains as torch's class does (one rank, two
+microbatches). The distributed runs (pipeline schedules with expert parallelism inside each stage) cut Mixtral with it:
+``tests/test_pipeline.py``."""
 
 from datetime import timedelta
 
@@ -100,6 +101,8 @@ def test_bad_cuts_are_refused():
     model.model.layers[0].mlp._moe_parallel = object()  # (as parallelize marks what it sharded)
     with pytest.raises(ValueError, match="parallelized already: cut it first, then parallelize each stage"):
         moecompile.pipeline_stage(model, 0, 2)
+    with pytest.warns(UserWarning, match="output_router_logits is on, but the router logits stay in each stage"):
+        moecompile.pipeline_stage(hf.tiny_model("mixtral", output_router_logits=True), 0, 2)
     compiled = torch.compile(hf.tiny_model("mixtral"), backend="moe")  # (not run: the wrapper is unwrapped)
     assert moecompile.pipeline_stage(compiled, 1, 2).stage_layers == [1]
 

@@ -22,13 +22,15 @@ forward runs weights beside its embedding, layers and final norm (``_check_cut``
 the head (``tie_word_embeddings``) across two stages, whose ranks would train two copies of it apart.
 
 Not carried between stages: a padding mask (each stage makes the causal mask; pack sequences), the router logits
-of ``output_router_logits`` (each stage sees its own layers only), key/value caches (training only).
+of ``output_router_logits`` (each stage sees its own layers only: a warning says so), key/value caches (training
+only).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -63,6 +65,10 @@ def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] |
         raise ValueError("pipeline_stage: the model's input embedding is tied to its head (tie_word_embeddings): "
                          "the first and last stages' ranks would train two copies of it apart. Build the model "
                          "with config.tie_word_embeddings=False (or copy lm_head.weight) before cutting it")
+    if count > 1 and getattr(decoder.config, "output_router_logits", False):
+        warnings.warn("pipeline_stage: config.output_router_logits is on, but the router logits stay in each stage "
+                      "(a stage passes on its hidden states only): the last stage gives the logits, and no stage the "
+                      "load-balancing loss of every layer's routers", UserWarning, stacklevel=2)
     stage = _shell(model, path, decoder, attr, list(layers), first, last)
     stage.__class__ = _stage_class(type(model))
     stage.stage_path, stage.stage_first, stage.stage_last, stage.stage_layers = path, first, last, list(layers)
