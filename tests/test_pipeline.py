@@ -4,7 +4,8 @@ layers are cut into stage modules that keep the model's parameter names (torchti
 modules for its layers). Each rank
 parallelizes its stage module over the mesh (the stage's experts sharded over the stage's 2 ranks, each of which runs
 the pipeline on its own batch), compiles it with the moe backend (strict: every MoE layer rewritten) and runs it with
-``PipelineStage`` over the "pp" group, under ``ScheduleGPipe`` (Mixtral, its experts swapping ranks inside each stage
+``moecompile.PipelineStage`` over the "pp" group (the stage's replicated gradients reduced once a step, counted;
+torch's class, for the "gather" model with automatic domains: once a microbatch), under ``ScheduleGPipe`` (Mixtral, its experts swapping ranks inside each stage
 after every step; ``Schedule1F1B`` for the second model, backwards between forwards, its dense weights sharded by
 FSDP2's ``fully_shard`` over the stage's ranks as well; ``ScheduleInterleaved1F1B`` for the third, cut into 4 stages,
 two a rank, the first the embedding alone, clipped as a list of the rank's stages, one optimizer over them whose
