@@ -43,8 +43,9 @@ _LAYERS = ("layers", "blocks")  # the decoder's ModuleList of layers (transforme
 
 def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] | None = None) -> nn.Module:
     """Stage ``index`` of ``count`` of a transformers causal LM (or its base model): its decoder layers ``layers``
-    (default: the layers split evenly, the first stages taking one more where they do not divide), its input
-    embedding if ``index == 0``, its final norm and head if ``index == count - 1``. See the module docstring."""
+    (default: the layers split evenly, the first stages taking one more where they do not divide; given, every
+    rank's together must take each layer once, in order), its input embedding if ``index == 0``, its final norm and
+    head if ``index == count - 1``; ``stage.stage_layers`` lists its layers. See the module docstring."""
     if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
         raise ValueError(f"pipeline_stage: index={index!r} of count={count!r}: need 0 <= index < count")
     model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the stage is compiled after cutting)
