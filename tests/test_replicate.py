@@ -20,7 +20,8 @@ gradients, in test_expert_state.py.
 Adaptive placements follow the routing (they differ from static's; with SGD, whose steps move the router, they change
 from step to step, and a static one does not); each slot holds the expert its placement names. A state_dict round trip
 leaves the slots as they are. Bad input (too few slots, options that do not go with replication, an ExpertOptimizer for
-a model without replicated experts or with an optimizer that cannot step on the host) raises ValueError naming the fix.
+a model without replicated experts or with an optimizer that cannot step on the host; a step or clip while
+``no_sync`` holds gradients) raises ValueError naming the fix.
 With "adaptive" and SGD, a torch.distributed.checkpoint saved after step 1 and loaded into a fresh model, optimizer and
 schedule continues bit for bit across the placement changes of steps 2 and 3 (the experts' lr as scheduled); world 2 (a
 1-D mesh) loads world 4's. World 2 and one rank also train dbrx (flat [E x ffn, H] expert weights: its state_dict
@@ -100,6 +101,13 @@ def _bad_input(mesh, world):
     with pytest.raises(ValueError, match="place_every must be a whole number of steps >= 1"):
         moecompile.ExpertOptimizer(replicated, torch.optim.AdamW, lr=1e-3, place_every=0)
     opt = moecompile.ExpertOptimizer(replicated, torch.optim.AdamW, lr=1e-3)
+    held = replicated._moe_parallel.sync.replicated
+    held.pending[0] = torch.zeros(1)  # (as a backward inside moecompile.no_sync leaves it: tests/test_no_sync.py)
+    for call in (opt.step, lambda: opt.clip_grad_norm_(1.0)):
+        with pytest.raises(ValueError, match="ExpertOptimizer.(step|clip_grad_norm_): gradients held by "
+                                             "moecompile.no_sync are not reduced yet"):
+            call()
+    held.pending.clear()
     replicated._apply(lambda t: t.clone())  # as a move to another device does: each buffer replaced by a copy
     with pytest.raises(RuntimeError, match="moved after moecompile.parallelize .*'moe_slot_experts'"):
         opt.step()  # else it would re-place the slots by a placement the graph no longer reads
