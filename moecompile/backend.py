@@ -23,6 +23,7 @@ from moecompile.passes.recompute import saves_exchanges
 from moecompile.passes.regather import RegathersEarly, regathers, start_regathers_early
 from moecompile.passes.report import PassReport
 
+from .distributed.grads import gradient_syncs
 from .tracing import ddp
 from .tracing.capture import MARK, RETRACE, install
 from .tracing.frames import frame_prefix, running_model
@@ -130,8 +131,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
 
 def _gradient_syncs(model: torch.nn.Module | None) -> list:
     """(ParallelInfo, GradientSync) of each module of ``model`` that ``moecompile.parallelize`` sharded."""
-    infos = [getattr(m, "_moe_parallel", None) for m in (model.modules() if model is not None else ())]
-    return [(info, info.sync) for info in infos if getattr(info, "sync", None) is not None]
+    return gradient_syncs(model.modules() if model is not None else ())
 
 
 def _refuse_adapted_experts(model: torch.nn.Module | None, error: str) -> None:

@@ -192,15 +192,22 @@ def check_reduced(syncs, what: str) -> None:
                          "backward that reduces them first, outside no_sync (the last micro-batch's), on every rank")
 
 
+def gradient_syncs(modules) -> list[tuple]:
+    """(ParallelInfo, GradientSync) of each of ``modules`` that ``moecompile.parallelize`` sharded."""
+    infos = [getattr(m, "_moe_parallel", None) for m in modules]
+    return [(info, info.sync) for info in infos if getattr(info, "sync", None) is not None]
+
+
 def _syncs_and_fsdp(model, required: bool = True) -> tuple[list[GradientSync], list[nn.Module]]:
     """The GradientSync of every module ``parallelize`` sharded in ``model`` (a module or a list of them; none:
     ValueError if ``required``), and the modules FSDP2's ``fully_shard`` wrapped there."""
     from torch.distributed.fsdp import FSDPModule
 
-    parts = list(model) if isinstance(model, (list, tuple)) else [model]
-    parts = [getattr(part, "_orig_mod", part) for part in parts]  # (torch.compile's wrapper)
+    from .sharded_state import unwrapped  # (here: sharded_state meets its import cycle via views first)
+
+    parts = [unwrapped(part) for part in (model if isinstance(model, (list, tuple)) else [model])]
     modules = [m for part in parts for m in part.modules()]
-    syncs = [m._moe_parallel.sync for m in modules if getattr(getattr(m, "_moe_parallel", None), "sync", None)]
+    syncs = [sync for _, sync in gradient_syncs(modules)]
     if not syncs and required:
         raise ValueError(f"moecompile.no_sync: no module of {', '.join(type(p).__name__ for p in parts)} was "
                          "sharded by moecompile.parallelize; for DistributedDataParallel use model.no_sync()")

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from .grads import holding
+from .sharded_state import unwrapped
 
 _LAYERS = ("layers", "blocks")  # the decoder's ModuleList of layers (transformers' name; dbrx's)
 
@@ -48,7 +49,7 @@ def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] |
     head if ``index == count - 1``; ``stage.stage_layers`` lists its layers. See the module docstring."""
     if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
         raise ValueError(f"pipeline_stage: index={index!r} of count={count!r}: need 0 <= index < count")
-    model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the stage is compiled after cutting)
+    model = unwrapped(model)  # (torch.compile's wrapper: the stage is compiled after cutting)
     if any(hasattr(m, "_moe_parallel") for m in model.modules()):
         raise ValueError("pipeline_stage: the model was parallelized already: cut it first, then parallelize each "
                          "stage module over the whole mesh (its outermost dimension \"pp\")")
