@@ -347,7 +347,8 @@ def _real_spec(model_type, hidden, inter, experts, top_k, extra):
 def test_auto_picks_by_x_moe_appendix_c_on_the_published_shapes():
     """SSMB for DeepSeek-V3 and Qwen3-30B-A3B, TED for Mixtral-8x7B at S = 4096 (a (8, 8) mesh: 64 ranks, each
     with 4096 tokens); the rule on Fig. 17's other models at 2048, 4096 and 8192 (c = 1): DeepSeek-MoE SSMB,
-    Mixtral-8x22B TED, Arctic TED then SSMB as S grows."""
+    Mixtral-8x22B TED, Arctic TED then SSMB as S grows. DeepSeek-V3 with an expert capacity: TED (its capacity holds
+    over each rank's tokens)."""
     from moecompile.distributed.moe_tp import TPSetup, choose, rule
 
     setup = TPSetup("auto", None, 8, None, 8)
@@ -362,6 +363,9 @@ def test_auto_picks_by_x_moe_appendix_c_on_the_published_shapes():
         assert rule(6, 1408, 1.0, S) == "ssmb"  # DeepSeek-MoE 16B
         assert rule(2, 16384, 1.0, S) == "ted"  # Mixtral-8x22B
     assert [rule(2, 4864, 1.0, S) for S in (2048, 4096, 8192)] == ["ted", "ted", "ssmb"]  # Arctic
+    capped = _real_spec(*REAL["DeepSeek-V3"])  # a capacity holds over a rank's tokens: not sequence-sharded
+    capped = capped.replace(routing=dataclasses.replace(capped.routing, capacity=4096))
+    assert choose(capped, 4096, 4096, setup, 64, 2).mode == "ted"
 
 
 def test_ted_refuses_what_it_cannot_cut():

@@ -47,6 +47,7 @@ from .mesh import (check_dedup, describe, ep_shape, expert_copies, level_names, 
                    stage_group)
 from moecompile.runtime.placement.replication import check_slots
 from .replicate import check_options, replicable, replicate_layer, setup as replicate_setup
+from .shardable import capacity_note, expert_tensors, unshardable
 from .sharded_state import DOMAIN_SLOTS, SLOTS, experts_module, global_state, list_prefix, local_state
 from .views import guard_owned, leave_out_of_fsdp, read_remote, read_through_view, refuse_ddp
 
@@ -99,7 +100,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     plans, left = [], []
     for rec in report.layers:
         rec.moe_tp = moe_tp_mod.layer_mode(rec, moe_tp, tp, example_args, world)
-        why = _unshardable(rec, tp.ep if rec.moe_tp == "ted" else world)
+        why = unshardable(rec, tp.ep if rec.moe_tp == "ted" else world)
         if why:
             left.append((rec.path, why))
             continue
@@ -122,10 +123,10 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         records = [rec for rec, _ in plans]
         pre = domains_mod.pre_expert_seconds(model, [r.path for r in records], example_args, group)
         # priced for a training step unless the experts take no gradient (a model served: requires_grad_(False))
-        training = any(p.requires_grad for rec in records for p in _expert_tensors(rec))
+        training = any(p.requires_grad for rec in records for p in expert_tensors(rec))
         domains_mod.choose(records, link, routing, mesh, group, pre, training, reshard_after_forward)
     for rec, params in plans:
-        why_not = replicable(params) if replication != "off" else "not asked"
+        why_not = (capacity_note(rec) or replicable(params)) if replication != "off" else "not asked"
         if why_not and replication != "off":
             rec.shard_note = f"not replicated: {why_not}"
         if not why_not:
@@ -143,6 +144,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             first[0] if isinstance(first, list) else first).device) if swap_every and world > 1 else None
         if slots is not None and isinstance(first, list) and list_prefix(first) is None:
             slots, rec.shard_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
+        if slots is not None and capacity_note(rec):
+            slots, rec.shard_note = None, f"not swapped: {capacity_note(rec)}"
         if rec.moe_tp == "ted":
             held = ted.shard(model, rec, params, mesh, tp)
         else:
@@ -229,6 +232,8 @@ def _choose_dedup(records, dedup: str, link, routing: dict, mesh, group) -> None
     for rec in records:
         if rec.spec.routing.weights_on_input and rec.dedup != "off":
             rec.dedup, rec.dedup_reason = "off", ONE_ROW_PER_EXPERT
+        elif capacity_note(rec) and rec.dedup != "off":
+            rec.dedup, rec.dedup_reason = "off", capacity_note(rec)
 
 
 def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
@@ -251,28 +256,6 @@ def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
         rec.dedup, rec.predicted_s = choose_dedup(times), times
         rec.dedup_reason = ("least predicted time of one dispatch and combine of the example routing: " +
                             ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in times.items()))
-
-
-def _unshardable(rec, world: int) -> str:
-    e, r = rec.spec.experts, rec.spec.routing
-    if e.num_experts % world:
-        raise ValueError(f"MoE layer {rec.path} has {e.num_experts} experts, which do not divide over the mesh's "
-                         f"{world} ranks: use a mesh whose size divides {e.num_experts}")
-    if e.storage not in ("stacked", "flat", "modulelist"):
-        return (f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters, flat [E * R, ...] ones "
-                "and ModuleLists are)")
-    if e.identity_experts or r.capacity >= 0:
-        what = "identity experts" if e.identity_experts else "an expert capacity"
-        return f"a layer with {what} is not sharded yet"
-    if any(not isinstance(p, nn.Parameter) for p in _expert_tensors(rec)):
-        return "its expert weights are not parameters of the model"
-    return ""
-
-
-def _expert_tensors(rec):
-    """Every expert weight of a layer record (a role holds one tensor, or a ModuleList's one per expert)."""
-    for w in rec.expert_weights.values():
-        yield from w if isinstance(w, list) else [w]
 
 
 def _check_ranks_agree(model: nn.Module, plans, group) -> None:

@@ -9,7 +9,10 @@ exchanged padding-free. Inserted by the ``distribute`` pass around ``moe::expert
     out_TH = combine(y_BH, tok, cw, T)               out_TH = combine(y_BH, tok, cw, T)
 
 Legend: T tokens here, B = T*K routed rows here (sorted by global expert, hence by destination rank), R rows
-received (sorted by source rank, then local expert), W ranks, E_l local experts, H hidden.
+received (sorted by source rank, then local expert), W ranks, E_l local experts, H hidden. A layer with an expert
+capacity drops rows on each rank before they are sent: ``build_pft`` leaves them at the tail of its B rows,
+uncounted in ``counts_E``; the dispatch sends only the counted rows and the combine gives the tail zeros (its
+combine weight is 0, as on one device), so a dropped row crosses no link.
 
 Each op's backward is the other direction's exchange. ``ep_global_view`` and ``ep_remote_expert`` stand for a
 sharded weight while Dynamo traces (its global shape, no value; running one raises); ``moe_tp`` and ``tp_group``
@@ -92,7 +95,7 @@ def ep_dispatch(x_TH: Tensor, token_ids_B: Tensor, counts_E: Tensor, group_name:
         world = dist.get_world_size(group)
         recv_WL = exchange_counts(counts_E, group)  # each rank's rows for my experts
         send, recv = _splits(counts_E, recv_WL, world)
-        x_RH = exchange(x_TH[token_ids_B], send, recv, group)
+        x_RH = exchange(x_TH[token_ids_B[:sum(send)]], send, recv, group)  # (a capacity's dropped tail stays)
         local = recv_WL.numel() // world
         expert_R = torch.arange(local, device=x_TH.device).repeat(world).repeat_interleave(recv_WL)
         perm_R = torch.argsort(expert_R, stable=True)
@@ -115,7 +118,8 @@ def ep_dispatch_backward(grad_x_RH: Tensor, token_ids_B: Tensor, counts_E: Tenso
     group = _group(group_name)
     send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
     grad_rows_BH = exchange(grad_x_RH, recv, send, group)
-    return grad_rows_BH.new_zeros(num_tokens, grad_rows_BH.shape[-1]).index_add_(0, token_ids_B, grad_rows_BH)
+    return grad_rows_BH.new_zeros(num_tokens, grad_rows_BH.shape[-1]).index_add_(0, token_ids_B[:sum(send)],
+                                                                                 grad_rows_BH)
 
 
 @register_fake("moe::ep_dispatch_backward")
@@ -151,7 +155,10 @@ def ep_combine(y_RH: Tensor, perm_R: Tensor, counts_E: Tensor, recv_WL: Tensor, 
         y_recv_RH = torch.empty_like(y_RH)
         y_recv_RH[perm_R] = y_RH  # expert order -> received order
         COMM.add_rows(layer, "combine", group, recv, y_RH.shape[-1] * y_RH.element_size())
-        return exchange(y_recv_RH, recv, send, group)
+        y_BH = exchange(y_recv_RH, recv, send, group)
+        if y_BH.size(0) == num_rows:
+            return y_BH
+        return torch.cat([y_BH, y_BH.new_zeros(num_rows - y_BH.size(0), y_BH.size(1))])  # a capacity's dropped tail
 
 
 @register_fake("moe::ep_combine")
@@ -164,7 +171,7 @@ def ep_combine_backward(grad_y_BH: Tensor, perm_R: Tensor, counts_E: Tensor, rec
                         ) -> Tensor:
     group = _group(group_name)
     send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
-    return exchange(grad_y_BH, send, recv, group)[perm_R]
+    return exchange(grad_y_BH[:sum(send)], send, recv, group)[perm_R]  # (a capacity's dropped tail: no gradient)
 
 
 @register_fake("moe::ep_combine_backward")
