@@ -110,11 +110,12 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     if not views:
         return  # a layer parallelize left whole (replicated)
     e = spec.experts
-    if e.storage not in ("stacked", "flat", "modulelist") or e.identity_experts:
-        raise NotImplementedError(f"{e.storage} expert storage{' with identity experts' if e.identity_experts else ''}"
-                                  " cannot run sharded yet")
+    if e.storage not in ("stacked", "flat", "modulelist"):
+        raise NotImplementedError(f"{e.storage} expert storage cannot run sharded yet")
     group_name, layer = views[0].args[2:4]
     dedup = view_arg(views[0], "dedup", "off")
+    if e.identity_experts and (e.storage != "stacked" or dedup != "off"):  # (moecompile/distributed/shardable.py)
+        raise NotImplementedError("identity experts run sharded with stacked experts and dedup='off' only")
     scale = node.args[9]  # the routing weights, when they scale each expert's input (Llama 4)
     if scale is not None and dedup != "off":
         raise NotImplementedError("experts that scale their input by the routing weight send one row per (token, "

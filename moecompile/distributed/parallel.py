@@ -47,7 +47,7 @@ from .mesh import (check_dedup, describe, ep_shape, expert_copies, level_names, 
                    stage_group)
 from moecompile.runtime.placement.replication import check_slots
 from .replicate import check_options, replicable, replicate_layer, setup as replicate_setup
-from .shardable import capacity_note, expert_tensors, unshardable
+from .shardable import expert_tensors, identity_shard, identity_slots, rows_home, unshardable
 from .sharded_state import DOMAIN_SLOTS, SLOTS, experts_module, global_state, list_prefix, local_state
 from .views import guard_owned, leave_out_of_fsdp, read_remote, read_through_view, refuse_ddp
 
@@ -100,7 +100,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     plans, left = [], []
     for rec in report.layers:
         rec.moe_tp = moe_tp_mod.layer_mode(rec, moe_tp, tp, example_args, world)
-        why = unshardable(rec, tp.ep if rec.moe_tp == "ted" else world)
+        why = unshardable(rec, tp.ep if rec.moe_tp == "ted" else world, domains is not None)
         if why:
             left.append((rec.path, why))
             continue
@@ -126,7 +126,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         training = any(p.requires_grad for rec in records for p in expert_tensors(rec))
         domains_mod.choose(records, link, routing, mesh, group, pre, training, reshard_after_forward)
     for rec, params in plans:
-        why_not = (capacity_note(rec) or replicable(params)) if replication != "off" else "not asked"
+        why_not = (rows_home(rec) or replicable(params)) if replication != "off" else "not asked"
         if why_not and replication != "off":
             rec.shard_note = f"not replicated: {why_not}"
         if not why_not:
@@ -144,8 +144,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             first[0] if isinstance(first, list) else first).device) if swap_every and world > 1 else None
         if slots is not None and isinstance(first, list) and list_prefix(first) is None:
             slots, rec.shard_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
-        if slots is not None and capacity_note(rec):
-            slots, rec.shard_note = None, f"not swapped: {capacity_note(rec)}"
+        if slots is not None and rows_home(rec):
+            slots, rec.shard_note = None, f"not swapped: {rows_home(rec)}"
         if rec.moe_tp == "ted":
             held = ted.shard(model, rec, params, mesh, tp)
         else:
@@ -232,8 +232,8 @@ def _choose_dedup(records, dedup: str, link, routing: dict, mesh, group) -> None
     for rec in records:
         if rec.spec.routing.weights_on_input and rec.dedup != "off":
             rec.dedup, rec.dedup_reason = "off", ONE_ROW_PER_EXPERT
-        elif capacity_note(rec) and rec.dedup != "off":
-            rec.dedup, rec.dedup_reason = "off", capacity_note(rec)
+        elif rows_home(rec) and rec.dedup != "off":
+            rec.dedup, rec.dedup_reason = "off", rows_home(rec)
 
 
 def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
@@ -289,7 +289,8 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     if isinstance(next(iter(params.values())), list):
         held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup, slots, views)
     else:
-        held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots, views, domains, E)
+        held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots, views, domains, E,
+                              rec.spec.experts.identity_experts)
     names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
     listed = names if len(names) <= 4 else names[:2] + [f"... {len(names)} in all"]
     how = "one row per (token, expert)" if dedup == "off" else (
@@ -319,7 +320,7 @@ def _swapped_tensors(model, params: dict, held: set[str]) -> list:
 
 
 def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, layer, dedup, slots, views,
-                   domains=None, num_experts=0) -> set[str]:
+                   domains=None, num_experts=0, identity=0) -> set[str]:
     """Stacked ``[E, ...]`` weights, or flat ``[E * R, ...]`` ones (R rows per expert): each rank keeps its
     consecutive 1 / world of dim 0 (its E / world experts). With ``domains`` the module reads them through views
     of its domain (gathered) and exchange groups."""
@@ -336,7 +337,12 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
         module = model.get_submodule(module_name)
         full = module._parameters[attr]
         per_rank = full.shape[0] // world
-        shard = nn.Parameter(full.detach()[rank * per_rank:(rank + 1) * per_rank].clone(), full.requires_grad)
+        rows = full.detach()[rank * per_rank:(rank + 1) * per_rank]
+        if identity and full.shape[0] == num_experts + identity:  # spare rows after the experts' (shardable.py)
+            rows = identity_shard(full.detach(), num_experts, rank, world)
+            module.__dict__.setdefault("_moe_row_slots", {})[attr] = identity_slots(num_experts, full.shape[0],
+                                                                                    world).to(full.device)
+        shard = nn.Parameter(rows.clone(), full.requires_grad)
         shard._moe_sharded = True
         module._parameters[attr] = shard
         attrs.setdefault(module, {})[attr] = full.shape[0]

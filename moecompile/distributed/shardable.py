@@ -6,18 +6,27 @@ the original model on its batch under data parallelism), ``moe::build_pft`` leav
 the dispatch sends only the kept rows and the combine gives the tail zeros (``runtime/comm/ops.py``). The forms
 that regroup the rows (dedup, expert swap, replication, sequence sharding over tp) do not carry that tail: such a
 layer runs without them, and the report says why.
+
+A layer with identity experts (LongCat-Flash's zero-computation experts: ids E..E+Z-1 return the token) sends only
+the rows of its E computed experts; the identity rows stay home at the tail, as a capacity's dropped rows, and the
+token's own share is added on its rank. Its fused ``gate_up`` weight keeps Z rows the model never reads (transformers
+allocates ``[E + Z, ...]``, ``down`` ``[E, ...]``): each rank holds its E / W computed experts' rows, then its
+Z / W of those spare rows (``identity_shard``), and the state_dict places them back in the model's order
+(``identity_slots``: the slot of each row, as an expert swap's placement), so a checkpoint holds the whole
+``[E + Z, ...]`` tensor.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 CAPACITY = "its expert capacity drops rows on each rank before the exchange, which sends the kept ones"
 
 
-def unshardable(rec, world: int) -> str:
+def unshardable(rec, world: int, domains: bool = False) -> str:
     """Why the layer of ``rec`` stays whole on every rank ("" when ``parallelize`` shards it over ``world``
-    ranks); experts that do not divide over the ranks raise ValueError."""
+    ranks, in expert domains when ``domains``); experts that do not divide over the ranks raise ValueError."""
     e, r = rec.spec.experts, rec.spec.routing
     if e.num_experts % world:
         raise ValueError(f"MoE layer {rec.path} has {e.num_experts} experts, which do not divide over the mesh's "
@@ -25,8 +34,12 @@ def unshardable(rec, world: int) -> str:
     if e.storage not in ("stacked", "flat", "modulelist"):
         return (f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters, flat [E * R, ...] ones "
                 "and ModuleLists are)")
-    if e.identity_experts:
-        return "a layer with identity experts is not sharded yet"
+    if e.identity_experts and (e.storage != "stacked" or e.identity_experts % world):
+        return (f"a layer with identity experts is sharded with stacked experts and a number of identity experts "
+                f"({e.identity_experts}) that divides over the {world} ranks")
+    if e.identity_experts and (getattr(rec, "moe_tp", "off") != "off" or domains):
+        return ("a layer with identity experts is not sharded over tp or in expert domains yet (plain expert "
+                "parallelism is)")
     if r.capacity >= 0 and getattr(rec, "moe_tp", "off") == "ssmb":
         return (f"{CAPACITY} of all its tokens: sequence-sharding them over tp (moe_tp='ssmb') would change which "
                 "rows it drops (moe_tp='off' or 'ted' shards it)")
@@ -35,9 +48,29 @@ def unshardable(rec, world: int) -> str:
     return ""
 
 
-def capacity_note(rec) -> str:
-    """Why the layer of ``rec`` runs without dedup, expert swap and replication: "" without a capacity."""
+def rows_home(rec) -> str:
+    """Why the layer of ``rec`` runs without dedup, expert swap and replication: "" without a capacity or identity
+    experts."""
+    if rec.spec.experts.identity_experts:
+        return "its identity experts' rows stay home, the rest cross one per (token, expert), in expert order"
     return "" if rec.spec.routing.capacity < 0 else f"{CAPACITY}, one row per (token, expert), in expert order"
+
+
+def identity_shard(full: torch.Tensor, E: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of a stacked weight with Z = ``len(full) - E`` spare rows after its E computed experts':
+    its E / W experts', then its Z / W spare rows."""
+    e, z = E // world, (full.shape[0] - E) // world
+    return torch.cat([full[rank * e:(rank + 1) * e], full[E + rank * z:E + (rank + 1) * z]])
+
+
+def identity_slots(E: int, total: int, world: int) -> torch.Tensor:
+    """The slot (place in the ranks' rows, ``identity_shard``'s layout) of each of the ``total`` rows of a stacked
+    weight with spare rows after its E experts'."""
+    e, z, c = E // world, (total - E) // world, total // world
+    rows = torch.arange(total)
+    live = rows // e * c + rows % e
+    spare = (rows - E) // max(z, 1) * c + e + (rows - E) % max(z, 1)
+    return torch.where(rows < E, live, spare)
 
 
 def expert_tensors(rec):

@@ -48,11 +48,17 @@ def to_local(value, total: int, slots, mesh, rank, group):
     return value  # anything else (Adam's step count) as it is
 
 
+def row_slots(module, attr: str):
+    """The placement of a sharded weight's rows (slot of each global row; None: in order): the layer's expert swap
+    placement, or a weight's own (spare rows of identity experts: ``moecompile/distributed/shardable.py``)."""
+    return getattr(module, "_moe_row_slots", {}).get(attr, module._buffers.get(SLOTS))
+
+
 def global_state(rows: dict[str, int], mesh, group):
     """``rows``: each sharded weight's name and global dim 0 (E, or E x R for flat weights)."""
     def hook(module, state_dict, prefix, local_metadata):
         for attr, total in rows.items():
-            state_dict[prefix + attr] = to_global(state_dict[prefix + attr], total, module._buffers.get(SLOTS), mesh,
+            state_dict[prefix + attr] = to_global(state_dict[prefix + attr], total, row_slots(module, attr), mesh,
                                                   group)
     return hook
 
@@ -62,7 +68,7 @@ def local_state(rows: dict[str, int], mesh, rank, group):
         for attr, total in rows.items():
             key = prefix + attr
             if key in state_dict:
-                state_dict[key] = to_local(state_dict[key], total, module._buffers.get(SLOTS), mesh, rank, group)
+                state_dict[key] = to_local(state_dict[key], total, row_slots(module, attr), mesh, rank, group)
     return hook
 
 
@@ -181,7 +187,8 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
             shard = part.get_parameter(fqn)
             for key, value in state.get(fqn, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == shard.shape:
-                    state[fqn][key] = to_global(value, total, module._buffers.get(SLOTS), info.mesh, info.group)
+                    state[fqn][key] = to_global(value, total, row_slots(module, fqn.rpartition(".")[2]), info.mesh,
+                                                info.group)
         for fqn, how in ted.parameters(part).items():  # tensor-expert parallel: whole along I, as the weight
             shard = part.get_parameter(fqn)
             for key, value in state.get(fqn, {}).items():
@@ -246,7 +253,8 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     for part in parts:
         for fqn, (total, module) in sharded_parameters(part).items():
             for key, value in state.get(fqn, {}).items():
-                state[fqn][key] = to_local(value, total, module._buffers.get(SLOTS), info.mesh, rank, info.group)
+                state[fqn][key] = to_local(value, total, row_slots(module, fqn.rpartition(".")[2]), info.mesh, rank,
+                                           info.group)
         for fqn, how in ted.parameters(part).items():
             for key, value in state.get(fqn, {}).items():
                 state[fqn][key] = ted.to_slice(value, part.get_parameter(fqn).shape, how)

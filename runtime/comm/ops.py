@@ -11,8 +11,9 @@ exchanged padding-free. Inserted by the ``distribute`` pass around ``moe::expert
 Legend: T tokens here, B = T*K routed rows here (sorted by global expert, hence by destination rank), R rows
 received (sorted by source rank, then local expert), W ranks, E_l local experts, H hidden. A layer with an expert
 capacity drops rows on each rank before they are sent: ``build_pft`` leaves them at the tail of its B rows,
-uncounted in ``counts_E``; the dispatch sends only the counted rows and the combine gives the tail zeros (its
-combine weight is 0, as on one device), so a dropped row crosses no link.
+uncounted in ``counts_E``, as the rows of identity experts (which only return the token); the dispatch sends only
+the counted rows and the combine gives the tail zeros (as on one device: a dropped row's combine weight is 0, an
+identity expert's share is added apart), so such a row crosses no link.
 
 Each op's backward is the other direction's exchange. ``ep_global_view`` and ``ep_remote_expert`` stand for a
 sharded weight while Dynamo traces (its global shape, no value; running one raises); ``moe_tp`` and ``tp_group``

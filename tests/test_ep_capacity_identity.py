@@ -1,0 +1,194 @@
+"""Expert parallelism of layers whose rows do not all cross (gloo, world 2), against one process: an expert
+capacity drops rows on each rank, identity experts return the token where it is.
+
+Each rank routes its own batch and drops its own rows past the capacity before the exchange, as each rank running
+the original model under data parallelism does: the one-process reference runs each rank's batch on its own (a
+capacity over all the tokens of a forward would drop other rows if the batches were run together) and averages the
+ranks' gradients. Four models, their experts halved over the ranks, trained 2 SGD steps (momentum 0.9):
+
+    longcat_flash  transformers' LongCat-Flash: 8 computed experts and 2 identity experts, the fused gate_up
+                   weight [10, ...] (2 rows never read), down [8, ...]
+    gshard         the hand-written GShard layer, 8 stacked experts, top-2, a capacity over the forward's tokens
+    bmm            the hand-written capacity buffer scattered into and read back (8 experts, torch.bmm)
+    switch         transformers' Switch Transformers (encoder and decoder), 4 nn.ModuleDict experts, top-1, a
+                   capacity of 2 per expert and sequence
+
+Each step's logits on each rank equal the one process's on that rank's batch, and after the steps every weight
+(LongCat's spare gate_up rows too) and the optimizer's momentum by name equal the one process's (fp32, 1e-5; an
+expert no row reached gets a zero gradient where the original leaves None, as on one device: docs/detection.md).
+A torch.distributed.checkpoint of the sharded model loads in one process as the one-process model, and the
+one-process model's initial state_dict loads into the sharded one. Every step keeps rows on each rank (dropped,
+or routed to identity experts), and the dispatch sends only the others (the bytes counted per layer: those rows x
+hidden x 4, the rows read from the routing recorded). With expert domains of both ranks (every expert gathered on
+each, the rows exchanged with no other rank) the gshard model trains the same. Asked to swap experts, the bmm
+layer does not swap, saying why. A failing rank fails the test; the group has a timeout.
+
+Without a process group: asked for dedup, a layer with a capacity or identity experts runs without it, saying
+why; asked for moe_tp="ssmb", a capacity layer stays whole, saying why (``moe_tp="auto"`` does not pick it:
+tests/test_moe_tp.py); identity experts stay whole under tp, in expert domains, in other storage than stacked, or
+when they do not divide over the ranks, saying why.
+"""
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from ranks import spawn
+from test_capacity import _switch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import moecompile
+from moecompile.models import hf
+from moecompile.models.handwritten import TinyMoELM
+from moecompile.runtime.comm.stats import COMM
+from moecompile.runtime.stats import DROPS, recording_routing
+
+TOL, STEPS, LR = 1e-5, 2, 0.1
+OPTIONS = {"inner": "aot_eager", "strict": True}
+
+
+def _build(kind):
+    if kind == "switch":
+        return _switch(capacity=2).train()
+    torch.manual_seed(0)
+    if kind == "longcat_flash":
+        return hf.build_model(hf.walk_config(kind)).train()
+    return TinyMoELM(kind, num_experts=8).train()
+
+
+def _forward(model, ids):
+    """(logits, loss) of a decoder-only model, or of Switch's encoder-decoder on ids both ways."""
+    out = model(ids, labels=ids)
+    return out.logits, out.loss
+
+
+def _check(kind, rank, world, mesh, tmp, **parallel):
+    batches = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(5))
+    model, ref = _build(kind), _build(kind)
+    example = (batches[rank], None, batches[rank]) if kind == "switch" else (batches[rank],)
+    moecompile.parallelize(model, mesh, *example, **parallel)
+    info = model._moe_parallel
+    assert not info.left and len(info.report.layers) == (4 if kind == "switch" else 2), info.left
+    for rec in info.report.layers:
+        assert ("2 of 4" if kind == "switch" else "4 of 8") + " experts on each of 2 ranks" in rec.sharding
+    computed = {rec.path: rec.spec.experts.num_experts for rec in info.report.layers}
+    options = {**OPTIONS, "strict": kind != "switch"}  # (Switch's graph breaks leave graphs without a layer)
+    compiled = torch.compile(model, backend="moe", options=options)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    hidden = model.config.d_model if kind == "switch" else model.config.hidden_size if hasattr(
+        model, "config") else model.embed.embedding_dim
+    for _ in range(STEPS):
+        DROPS.reset()
+        COMM.reset()
+        with recording_routing() as routing:
+            logits, loss = _forward(compiled, batches[rank])
+        loss.backward()
+        drops, sent = moecompile.token_drops(), COMM.snapshot()
+        assert routing.keys() == computed.keys()
+        if kind != "longcat_flash":  # the capacity drops rows on this rank
+            assert drops.keys() == computed.keys() and sum(d["dropped"] for d in drops.values()), drops
+        home = 0
+        for layer, ids in routing.items():  # rows to computed experts, less those dropped, are sent
+            kept = int((ids < computed[layer]).sum()) - drops.get(layer, {}).get("dropped", 0)
+            dispatched = sum(v for k, v in sent[layer].items() if k.startswith("dispatch."))
+            assert 0 < kept <= ids.numel() and dispatched == kept * hidden * 4, (layer, dispatched, kept)
+            home += ids.numel() - kept
+        assert home > 0  # rows stayed on this rank (dropped, or to identity experts)
+        for r in range(world):  # one process: each rank's batch on its own, the mean of their gradients
+            ref_logits, ref_loss = _forward(ref, batches[r])
+            (ref_loss / world).backward()
+            if r == rank:
+                torch.testing.assert_close(logits, ref_logits, atol=TOL, rtol=TOL, msg=f"{kind} logits")
+        for p in ref.parameters():  # an expert no row reached: a zero gradient where .grad was None, as the
+            if p.grad is None:  # rewritten layer gives on one device too (docs/detection.md): SGD's momentum moves it
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _equal(moecompile.full_state_dict(compiled), ref.state_dict(), kind)
+    _checkpoints(kind, model, compiled, opt, ref, ref_opt, rank, tmp)
+    return info
+
+
+def _equal(got: dict, expected: dict, what: str) -> None:
+    assert got.keys() == expected.keys(), (what, sorted(set(got) ^ set(expected))[:4])
+    whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    for name, value in expected.items():
+        torch.testing.assert_close(whole(got[name]), whole(value), atol=TOL, rtol=TOL,
+                                   msg=lambda m: f"{what} {name}: {m}")
+
+
+def _checkpoints(kind, model, compiled, opt, ref, ref_opt, rank, tmp):
+    """The optimizer's momentum by name as one process's; a torch.distributed.checkpoint of the model loads in one
+    process as the one-process model; the one-process model's initial state_dict loads into the sharded model."""
+    names = {p: n for n, p in ref.named_parameters()}
+    state = moecompile.get_optimizer_state_dict(compiled, opt)["state"]
+    momentum = {n: s["momentum_buffer"] for n, s in state.items()}
+    _equal(momentum, {names[p]: s["momentum_buffer"] for p, s in ref_opt.state.items() if names[p] in momentum}, kind)
+    path = f"{tmp}/{kind}"
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    dist.barrier()
+    if rank == 0:
+        loaded = _build(kind).state_dict()
+        dcp.load(loaded, checkpoint_id=path, no_dist=True)
+        _equal(loaded, ref.state_dict(), f"{kind} checkpoint")
+    first = _build(kind).state_dict()
+    model.load_state_dict(first)
+    _equal(moecompile.full_state_dict(compiled), first, f"{kind} loaded")
+
+
+def _ranks(rank, world, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        info = _check("longcat_flash", rank, world, mesh, tmp)
+        _check("gshard", rank, world, mesh, tmp)
+        local = init_device_mesh("cpu", (world,), mesh_dim_names=("local",))
+        info = _check("gshard", rank, world, local, tmp, expert_domains={"local": 2})  # every expert gathered here
+        assert all("domain" in rec.sharding for rec in info.report.layers), info.report.layers[0].sharding
+        _check("switch", rank, world, mesh, tmp)
+        info = _check("bmm", rank, world, mesh, tmp, swap_every=1)
+        assert info.swap is None
+        for rec in info.report.layers:
+            assert "not swapped: its expert capacity drops rows on each rank" in rec.sharding, rec.sharding
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layers_with_an_expert_capacity_train_expert_parallel_as_one_process(tmp_path):
+    spawn(_ranks, args=(2, str(tmp_path)), nprocs=2)
+
+
+def _record(capacity, moe_tp="off", identity=0, storage="stacked"):
+    from types import SimpleNamespace
+
+    experts = SimpleNamespace(num_experts=8, storage=storage, identity_experts=identity)
+    routing = SimpleNamespace(capacity=capacity, weights_on_input=False)
+    return SimpleNamespace(path="blocks.0", spec=SimpleNamespace(experts=experts, routing=routing), moe_tp=moe_tp,
+                           expert_weights={"up": torch.nn.Parameter(torch.zeros(8, 2, 2))})
+
+
+def test_capacity_and_identity_layers_run_without_dedup_and_tp_forms_saying_why():
+    from moecompile.distributed.parallel import _choose_dedup
+    from moecompile.distributed.shardable import unshardable
+
+    records = [_record(-1), _record(3)]
+    _choose_dedup(records, "node", None, {}, None, None)
+    assert [r.dedup for r in records] == ["node", "off"]
+    assert records[1].dedup_reason.startswith("its expert capacity drops rows on each rank")
+    assert unshardable(_record(3), 2) == "" and unshardable(_record(-1, "ssmb"), 2) == ""
+    assert "moe_tp='off' or 'ted' shards it" in unshardable(_record(3, "ssmb"), 2)
+    records = [_record(-1, identity=2)]
+    _choose_dedup(records, "node", None, {}, None, None)
+    assert records[0].dedup == "off" and records[0].dedup_reason.startswith("its identity experts' rows stay home")
+    assert unshardable(_record(-1, identity=2), 2) == ""
+    for why in (unshardable(_record(-1, identity=3), 2), unshardable(_record(-1, identity=2, storage="flat"), 2)):
+        assert "stacked experts and a number of identity experts" in why
+    assert "not sharded over tp or in expert domains" in unshardable(_record(-1, "ted", identity=2), 2)
+    assert "not sharded over tp or in expert domains" in unshardable(_record(-1, identity=2), 2, domains=True)
