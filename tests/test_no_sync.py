@@ -6,9 +6,11 @@ held gradients where there were three (counted), the replicated parameters' ``.g
 syncs. So on a (4,) "ep" mesh (the dense weights held), on a (2, 2) ("dp_replicate", "ep") mesh (the experts'
 copies held too: two reductions), twice in a row (the held gradients reduced once each time), with the decoder
 layers sharded by FSDP2's ``fully_shard`` (its reduce-scatter skipped inside, then the sharded gradients as one
-process's), and with a synced backward before the window (``.grad`` kept, as DDP's). Clipping inside the window
-(before the backward that reduces) is refused, saying why; a model ``parallelize`` did not shard is refused, naming
-DDP's own ``no_sync``."""
+process's), and with a synced backward before the window (``.grad`` kept, as DDP's). A backward that raises after
+holding gradients (an out-of-memory error caught) is found, warned about and its held gradients dropped: the windows
+after it reduce as before (they never reduced again: the reduction stayed queued on the dead backward). Clipping
+inside the window (before the backward that reduces) is refused, saying why; a model ``parallelize`` did not shard
+is refused, naming DDP's own ``no_sync``."""
 
 from contextlib import nullcontext
 from datetime import timedelta
@@ -43,9 +45,10 @@ def _whole(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _accumulate(mesh, rank, fsdp=False, before=False, windows=1):
+def _accumulate(mesh, rank, fsdp=False, before=False, windows=1, fail=False):
     """``windows`` rounds of MICRO backwards (all but the last inside no_sync; ``before``: one synced backward
-    first) and an SGD step, against one process; returns the reductions counted in each round's backwards."""
+    first) and an SGD step, against one process; returns the reductions counted in each round's backwards.
+    ``fail``: first a backward that raises after its replicated gradients were held (caught, then zero_grad())."""
     ref, model = tiny_model("mixtral").train(), tiny_model("mixtral").train()
     ids = torch.randint(0, ref.config.vocab_size, (windows, MICRO + before, 4, 2, 6),
                         generator=torch.Generator().manual_seed(5))  # round, micro-batch, rank, batch, seq
@@ -56,6 +59,19 @@ def _accumulate(mesh, rank, fsdp=False, before=False, windows=1):
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)
     dense = model.model.embed_tokens.weight
+    if fail:  # the embedding's gradient comes last: lm_head's and the norms' were held by then
+        def boom(grad):
+            raise RuntimeError("out of memory (a test's)")
+        hook = dense.register_hook(boom)
+        with pytest.raises(RuntimeError, match="a test's"):
+            compiled(ids[0, 0, rank], labels=ids[0, 0, rank]).loss.backward()
+        hook.remove()
+        model.zero_grad()
+        held = model._moe_parallel.sync.replicated
+        assert held.pending  # (the failed backward's, its reduction never ran)
+        with pytest.warns(UserWarning, match="a backward raised after holding gradients"):
+            assert not held.waiting()  # (the next backward's first held gradient, or a step's check, finds it)
+        assert held.failed == 1 and not held.pending and held.reductions == 0
     counted = []
     for window in ids:
         reductions = 0
@@ -95,7 +111,7 @@ def _ranks(rank, world, tmp):
                             timeout=timedelta(seconds=120))
     try:
         flat = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-        assert _accumulate(flat, rank, windows=2) == [1, 1]  # (three before: one per backward)
+        assert _accumulate(flat, rank, windows=2, fail=True) == [1, 1]  # (three before: one per backward)
         assert _accumulate(flat, rank, before=True) == [2]  # (the synced backward before the window, then the last)
         copies = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))
         assert _accumulate(copies, rank) == [2]  # (the dense weights' over all 4, the experts' over their copies)

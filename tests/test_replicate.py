@@ -102,12 +102,12 @@ def _bad_input(mesh, world):
         moecompile.ExpertOptimizer(replicated, torch.optim.AdamW, lr=1e-3, place_every=0)
     opt = moecompile.ExpertOptimizer(replicated, torch.optim.AdamW, lr=1e-3)
     held = replicated._moe_parallel.sync.replicated
-    held.pending[0] = torch.zeros(1)  # (as a backward inside moecompile.no_sync leaves it: tests/test_no_sync.py)
+    held.held[0] = torch.zeros(1)  # (as a backward inside moecompile.no_sync leaves it: tests/test_no_sync.py)
     for call in (opt.step, lambda: opt.clip_grad_norm_(1.0)):
         with pytest.raises(ValueError, match="ExpertOptimizer.(step|clip_grad_norm_): gradients held by "
                                              "moecompile.no_sync are not reduced yet"):
             call()
-    held.pending.clear()
+    held.held.clear()
     replicated._apply(lambda t: t.clone())  # as a move to another device does: each buffer replaced by a copy
     with pytest.raises(RuntimeError, match="moved after moecompile.parallelize .*'moe_slot_experts'"):
         opt.step()  # else it would re-place the slots by a placement the graph no longer reads

@@ -27,6 +27,7 @@ times).
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -99,28 +100,58 @@ class _HeldBack:
     A parameter to which no rank's backward sent a gradient (a routing bias that only chooses experts: its hook gets
     None) keeps its ``.grad`` as it was, as in one process: the all-reduce carries, beside the gradients, how many
     ranks had one for each parameter (a rank without one sends zeros, so the ranks' reductions keep the same size),
-    read back to the host once per backward. A parameter frozen since, or replaced (FSDP2's), is left out."""
+    read back to the host once per backward. A parameter frozen since, or replaced (FSDP2's), is left out.
+
+    A backward that raises after some gradients were held (an out-of-memory error caught, the batch retried
+    smaller) never ends: the callback it queued is released with it. The next backward sees that (a weak reference
+    to the callback), drops what the failed one held, as ``zero_grad()`` drops a failed backward's partial ``.grad``
+    in one process, and warns; before, its reduction stayed queued on the dead backward and no later one reduced."""
 
     def __init__(self, model: nn.Module, group):
         self.model, self.group = model, group
         self.params: list[nn.Parameter] = []
         self.divisor: dict[int, int] = {}
-        self.pending: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, torch.Tensor] = {}  # the running backward's gradients
+        self.held: dict[int, torch.Tensor] = {}  # those of backwards inside no_sync, summed, for the next that syncs
         self.sync = True  # False inside moecompile.no_sync: backward holds its gradients for the next that syncs
-        self.queued = False  # this backward's reduction is queued (the pending may be older: no_sync's)
+        self.ending = None  # a weak reference to the callback queued on the running backward (None: none queued)
         self.reductions = 0  # all-reduces made (one per backward, or per no_sync window)
+        self.failed = 0  # backwards that raised after holding gradients (theirs dropped)
 
     def add(self, p: nn.Parameter, divisor: int) -> None:
         self.params.append(p)
         self.divisor[id(p)] = divisor
         p.register_hook(self._hold(p))
 
-    def _finish(self) -> None:
-        self.queued = False
+    def waiting(self) -> bool:
+        """Whether gradients wait for a backward that reduces them (a no_sync window's)."""
+        self._drop_failed()
+        return bool(self.held)
+
+    def _drop_failed(self) -> None:
+        if self.ending is None or self.ending() is not None:
+            return  # no backward holds gradients, or it is running
+        self.ending = None
+        if self.pending:
+            self.failed += 1
+            warnings.warn("moecompile: a backward raised after holding gradients of replicated parameters for their "
+                          "data-parallel all-reduce; they are dropped, as zero_grad() drops a failed backward's "
+                          "partial .grad (the gradients held by moecompile.no_sync before it are kept)", stacklevel=3)
+        self.pending.clear()
+
+    def _end(self) -> None:
+        self.ending = None
+        for key, g in self.pending.items():
+            self.held[key] = g if key not in self.held else self.held[key] + g
+        self.pending.clear()
+        if self.sync:
+            self._reduce()
+
+    def _reduce(self) -> None:
         live = {id(p) for p in self.model.parameters() if p.requires_grad}  # FSDP2 replaced those it manages
         mine = [p for p in self.params if id(p) in live]
-        grads = [self.pending.pop(id(p), None) for p in mine]
-        self.pending.clear()
+        grads = [self.held.pop(id(p), None) for p in mine]
+        self.held.clear()
         if not mine:
             return
         had = torch.tensor([g is not None for g in grads], dtype=mine[0].dtype, device=_local(mine[0]).device)
@@ -140,12 +171,25 @@ class _HeldBack:
         def hook(grad):
             if grad is None:  # nothing flows to it in this backward
                 return None
-            if self.sync and not self.queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-                self.queued = True
+            if self.ending is None or self.ending() is None:  # this backward's first held gradient
+                self._drop_failed()
+                ending = _Ending(self)
+                torch.autograd.Variable._execution_engine.queue_callback(ending)
+                self.ending = weakref.ref(ending)
             self.pending[id(p)] = grad.detach().clone() if id(p) not in self.pending else self.pending[id(p)] + grad
             return torch.zeros_like(grad)
         return hook
+
+
+class _Ending:
+    """The callback a backward runs when it ends (an object: ``_HeldBack`` keeps a weak reference, which dies with
+    a backward that raised)."""
+
+    def __init__(self, held: _HeldBack):
+        self.held = held
+
+    def __call__(self) -> None:
+        self.held._end()
 
 
 @contextlib.contextmanager
@@ -187,7 +231,8 @@ def holding(model, stage: bool = False):
 def check_reduced(syncs, what: str) -> None:
     """Refuse ``what`` (clipping, a step) while a ``no_sync`` window's held gradients wait for the backward that
     reduces them: each rank would read its own sum, not the mean."""
-    if any(h is not None and h.pending for sync in syncs if sync is not None for h in (sync.replicated, sync.experts)):
+    held = [h for sync in syncs if sync is not None for h in (sync.replicated, sync.experts) if h is not None]
+    if any(h.waiting() for h in held):
         raise ValueError(f"{what}: gradients held by moecompile.no_sync are not reduced yet (not in .grad): run the "
                          "backward that reduces them first, outside no_sync (the last micro-batch's), on every rank")
 
