@@ -14,9 +14,9 @@ ranks' gradients. Four models, their experts halved over the ranks, trained 2 SG
                    capacity of 2 per expert and sequence
 
 Each step's logits on each rank equal the one process's on that rank's batch, and after the steps every weight
-(LongCat's spare gate_up rows too) and the optimizer's momentum by name equal the one process's (fp32, 1e-5; an
+(LongCat's spare gate_up rows too) equals the one process's, and so does LongCat's momentum by name (fp32, 1e-5; an
 expert no row reached gets a zero gradient where the original leaves None, as on one device: docs/detection.md).
-A torch.distributed.checkpoint of the sharded model loads in one process as the one-process model, and the
+A torch.distributed.checkpoint of the sharded LongCat loads in one process as the one-process model, and the
 one-process model's initial state_dict loads into the sharded one. Every step keeps rows on each rank (dropped,
 or routed to identity experts), and the dispatch sends only the others (the bytes counted per layer: those rows x
 hidden x 4, the rows read from the routing recorded). With expert domains of both ranks (every expert gathered on
@@ -110,7 +110,8 @@ def _check(kind, rank, world, mesh, tmp, **parallel):
         ref_opt.step()
         ref_opt.zero_grad()
     _equal(moecompile.full_state_dict(compiled), ref.state_dict(), kind)
-    _checkpoints(kind, model, compiled, opt, ref, ref_opt, rank, tmp)
+    if kind == "longcat_flash":  # (the spare gate_up rows: the others' storage is checked in test_parallelize)
+        _checkpoints(kind, model, compiled, opt, ref, ref_opt, rank, tmp)
     return info
 
 
