@@ -13,7 +13,7 @@ rank holds E/4 experts, the state_dict shows the global tensors), calibration an
 (Mixtral's stacked experts; the ModuleList model trains with swaps too), the report and plot, saves
 torch.distributed.checkpoints of Mixtral (stacked experts) and of the ModuleList model (after swaps: each expert
 under its own name), and refuses bad input (experts that do not divide over the mesh, unknown mesh dimension names
-or dedup levels, a mesh of some ranks, ranks holding different models) with ValueError.
+or dedup levels, a mesh of some ranks, ranks holding different models or training other parameters) with ValueError.
 
 One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, Mixtral with
 its experts frozen (they stay so, no gradient computed for them), Mixtral under gradient checkpointing
@@ -234,6 +234,10 @@ def _bad_input(mesh, rank):
         moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), swap_every=-1)
     with pytest.raises(ValueError, match="hold a different model than rank 0"):
         moecompile.parallelize(tiny_model("mixtral", seed=rank), mesh, torch.zeros(1, 4, dtype=torch.long))
+    partly = tiny_model("mixtral")
+    partly.model.layers[0].mlp.experts.requires_grad_(rank != 1)  # (its gradient reductions would differ in size)
+    with pytest.raises(ValueError, match=r"ranks \[1\] train other parameters than rank 0 \(requires_grad differs\)"):
+        moecompile.parallelize(partly, mesh, torch.zeros(1, 4, dtype=torch.long))
 
 
 def _links_and_auto(mesh, rank):

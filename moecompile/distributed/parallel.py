@@ -259,7 +259,7 @@ def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
 
 
 def _check_ranks_agree(model: nn.Module, plans, group) -> None:
-    """The same layers found and the same weights held on every rank, else ValueError."""
+    """The same layers found, the same weights held and the same ones trained on every rank, else ValueError."""
     digest = hashlib.sha256()
     for rec, params in plans:
         digest.update(f"{rec.path}|{rec.spec}|{sorted(params.items())}".encode())
@@ -269,14 +269,18 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
             p = p.full_tensor()
         if p.is_floating_point():
             digest.update(repr(float(p.detach().sum(dtype=torch.float64))).encode())  # no float64 copy of p
-    mine = digest.hexdigest()
+    trained = sorted(name for name, p in model.named_parameters() if p.requires_grad)
     every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    if len(set(every)) > 1:
-        differ = [i for i, d in enumerate(every) if d != every[0]]
+    dist.all_gather_object(every, (digest.hexdigest(), hashlib.sha256(repr(trained).encode()).hexdigest()), group=group)
+    differ = [i for i, d in enumerate(every) if d[0] != every[0][0]]
+    if differ:
         raise ValueError(f"ranks {differ} hold a different model than rank 0 (other MoE layers, shapes or weights): "
                          "build the same model with the same seed on every rank (torch.manual_seed(s) before "
                          "creating it) before moecompile.parallelize")
+    differ = [i for i, d in enumerate(every) if d[1] != every[0][1]]
+    if differ:  # (each rank's gradient reductions would differ in size: a hang or an error in backward)
+        raise ValueError(f"ranks {differ} train other parameters than rank 0 (requires_grad differs): freeze the same "
+                         "parameters on every rank before moecompile.parallelize")
 
 
 def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, slots=None, tp=None, domains=None
