@@ -110,7 +110,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
     if replication != "off":  # every layer's slots checked before any layer changes
         for rec, params in plans:
-            if not replicable(params):
+            if not (rows_home(rec) or replicable(params)):  # (the layers that replicate)
                 check_slots(rec.spec.experts.num_experts, world, slots_per_rank)
         hosts = replicate_setup(mesh, group)  # (every rank, every stage's: groups made together)
     divisors, swapping, replicas = {}, [], []  # sharded expert parameter held here -> its gradient's divisor

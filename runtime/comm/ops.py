@@ -96,7 +96,7 @@ def ep_dispatch(x_TH: Tensor, token_ids_B: Tensor, counts_E: Tensor, group_name:
         world = dist.get_world_size(group)
         recv_WL = exchange_counts(counts_E, group)  # each rank's rows for my experts
         send, recv = _splits(counts_E, recv_WL, world)
-        x_RH = exchange(x_TH[token_ids_B[:sum(send)]], send, recv, group)  # (a capacity's dropped tail stays)
+        x_RH = exchange(x_TH[token_ids_B[:sum(send)]], send, recv, group)  # (the uncounted tail stays here)
         local = recv_WL.numel() // world
         expert_R = torch.arange(local, device=x_TH.device).repeat(world).repeat_interleave(recv_WL)
         perm_R = torch.argsort(expert_R, stable=True)
@@ -159,7 +159,7 @@ def ep_combine(y_RH: Tensor, perm_R: Tensor, counts_E: Tensor, recv_WL: Tensor, 
         y_BH = exchange(y_recv_RH, recv, send, group)
         if y_BH.size(0) == num_rows:
             return y_BH
-        return torch.cat([y_BH, y_BH.new_zeros(num_rows - y_BH.size(0), y_BH.size(1))])  # a capacity's dropped tail
+        return torch.cat([y_BH, y_BH.new_zeros(num_rows - y_BH.size(0), y_BH.size(1))])  # the uncounted tail: zeros
 
 
 @register_fake("moe::ep_combine")
@@ -172,7 +172,7 @@ def ep_combine_backward(grad_y_BH: Tensor, perm_R: Tensor, counts_E: Tensor, rec
                         ) -> Tensor:
     group = _group(group_name)
     send, recv = _splits(counts_E, recv_WL, dist.get_world_size(group))
-    return exchange(grad_y_BH[:sum(send)], send, recv, group)[perm_R]  # (a capacity's dropped tail: no gradient)
+    return exchange(grad_y_BH[:sum(send)], send, recv, group)[perm_R]  # (the uncounted tail: no gradient)
 
 
 @register_fake("moe::ep_combine_backward")
