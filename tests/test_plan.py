@@ -20,7 +20,8 @@ import pytest
 
 from moecompile.plan import read_cluster, read_config
 from moecompile.plan.cli import NO_FIT
-from moecompile.plan.cost import MoEShape, best_domain, domain_times, moe_layer_activations, xmoe_rule
+from moecompile.plan.cost import (MoEShape, Plan, best_domain, domain_times, evaluate, moe_layer_activations,
+                                  stage_cluster, stage_shape, xmoe_rule)
 from moecompile.plan.search import plan
 from moecompile.runtime.comm import expected
 
@@ -207,11 +208,16 @@ def test_cli_writes_plan_json_and_exits_3_when_nothing_fits(tmp_path):
     assert any(p["expert_domains"] for p in result["plans"]) and any(p["replication"] for p in result["plans"])
     fitting = [p["step_s"] for p in result["plans"] if p["fits"]]
     assert result["plans"][0]["step_s"] == min(fitting)
-    # how to run it: 4 copies of a 256-rank group of 32 nodes x 8 tp ranks (tests/test_dp_replicate.py runs each
-    # runnable layout of a small cluster)
-    assert result["plans"][0]["run"] == {"mesh_shape": [4, 32, 8], "mesh_dim_names": ["dp_replicate", "node", "tp"],
-                                         "options": {"moe_tp": "ssmb", "dedup": "node"}}, result["plans"][0]["run"]
-    assert "run it: mesh = init_device_mesh('cuda', (4, 32, 8)" in run.stdout, run.stdout
+    # the same global batch a step (1024 sequences, one a GPU): each plan's pipelines run it in micro-batches
+    assert all(p["dp"] * p["microbatches"] == 1024 and p["tokens_per_s"] == pytest.approx(1024 * 4096 / p["step_s"])
+               for p in result["plans"])
+    # how to run it: 16 pipeline stages of 64 GPUs, in each 8 copies of an 8-rank group of 2 GPUs x 4 tp ranks
+    # (tests/test_dp_replicate.py runs each runnable layout of a small cluster without stages)
+    assert result["plans"][0]["run"] == {"mesh_shape": [16, 8, 2, 4],
+                                         "mesh_dim_names": ["pp", "dp_replicate", "local", "tp"],
+                                         "options": {"moe_tp": "ssmb"}}, result["plans"][0]["run"]
+    assert "run it: mesh = init_device_mesh('cuda', (16, 8, 2, 4)" in run.stdout, run.stdout
+    assert "stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), 16)" in run.stdout
     tiny = tmp_path / "tiny.json"  # 8 GPUs of 8 GB cannot hold DeepSeek-V3
     tiny.write_text(json.dumps({"gpu": {"name": "small", "bf16_tflops": 100, "hbm_TBps": 1, "memory_GB": 8},
                                 "levels": [{"name": "local", "count": 8, "alpha_s": 1e-6, "GBps": 100}]}))
@@ -219,6 +225,43 @@ def test_cli_writes_plan_json_and_exits_3_when_nothing_fits(tmp_path):
     assert run.returncode == NO_FIT, run.stdout + run.stderr
     assert "no plan fits in memory" in run.stdout and "GB more per GPU" in run.stdout
     assert json.loads(out.read_text())["chosen"] is None
+
+
+def test_pipeline_stages_priced_at_the_same_global_batch():
+    """A step is the same global batch for every plan: a plan's data-parallel ranks (pipelines) each run
+    global / dp micro-batches, one after another (gradient accumulation: tp 8 runs 8 where tp 1 runs 1; before,
+    each plan was priced for one micro-batch a data-parallel rank, and a tp 8 plan's step did 1/8 of the work), or
+    under pp stages 1F1B's M + pp - 1 slots of its busiest stage (ceil(L / pp) layers, the head and one embedding
+    matrix), each micro-batch's activations and gradient sent between stages; the gradient all-reduce once a step;
+    the first stage holds min(pp, M) micro-batches' activations. DeepSeek-V3 on 128 x 8 GPUs of 32 GB: no plan
+    without stages fits; the chosen one has stages, and its run cuts the model with pipeline_stage."""
+    shape = read_config(os.path.join(CONFIGS, "deepseek_v3.json"))
+    cluster = read_cluster(CLUSTER)
+    p1, p16 = Plan(ep=8, tp=4, dp=256, moe_tp="ssmb"), Plan(ep=8, tp=4, dp=16, moe_tp="ssmb", pp=16)
+    whole, staged = evaluate(shape, cluster, p1, 4096, 1), evaluate(shape, cluster, p16, 4096, 1)
+    assert (whole["microbatches"], staged["microbatches"]) == (4, 64)
+    stage = stage_shape(shape, 16)
+    assert (stage.layers, stage.moe_layers, stage.embeddings) == (4, 4, 1)  # (61 layers, 58 MoE: the busiest)
+    # the busiest stage's GPUs on their own, 64 and 32 micro-batches in turn: a micro-batch's time, the all-reduce's
+    alone, half = (evaluate(stage, stage_cluster(cluster, 16), Plan(ep=8, tp=4, dp=16, moe_tp="ssmb"), 4096, 1,
+                            global_batch=16 * m) for m in (64, 32))
+    per_micro = (alone["step_s"] - half["step_s"]) / 32
+    reduce_s = alone["step_s"] - 64 * per_micro
+    assert per_micro > 0 and reduce_s > 0
+    hop = 2 * cluster.levels[0].seconds(4096 * shape.hidden * 2)  # activations out, their gradient back
+    assert staged["step_s"] == pytest.approx((64 + 15) * (per_micro + hop) + reduce_s, rel=1e-9)
+    weights = staged["memory_GB"]["weights"]
+    assert weights < whole["memory_GB"]["weights"] / 8 and weights == pytest.approx(alone["memory_GB"]["weights"])
+    assert staged["memory_GB"]["activations"] == pytest.approx(16 * alone["memory_GB"]["activations"])  # in flight
+    small = read_cluster({"gpu": {"name": "H100-32", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 32},
+                          "levels": [{"name": "node", "count": 128, "alpha_s": 1e-5, "GBps": 25},
+                                     {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
+    result = plan(shape, small, 4096)
+    fitting = [p for p in result["plans"] if p["fits"]]
+    assert fitting and all(p["pp"] > 1 for p in fitting) and result["chosen"] == 0
+    assert any(not p["fits"] and p["pp"] == 1 for p in result["plans"])
+    run = result["plans"][0]["run"]
+    assert run["mesh_dim_names"][0] == "pp" and run["mesh_shape"][0] == result["plans"][0]["pp"], run
 
 
 def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
@@ -232,7 +275,7 @@ def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
                                        {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
     shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
     plans = plan(shape, cluster, 4096)["plans"]
-    key = lambda p: (p["ep"], p["tp"], p["moe_tp"], str(p["expert_domains"]))  # noqa: E731
+    key = lambda p: (p["pp"], p["ep"], p["tp"], p["moe_tp"], str(p["expert_domains"]))  # noqa: E731
     kept = {key(p): p for p in plans if p["expert_domains"] and not p["reshard_after_forward"]}
     again = {key(p): p for p in plans if p["reshard_after_forward"]}
     assert kept and set(kept) == set(again)
@@ -242,8 +285,11 @@ def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
         own = shape.num_experts // b["ep"] * shape.expert_params() * 2  # a rank's experts of a layer, bf16 bytes
         others = own * (math.prod(b["expert_domains"].values()) - 1)  # a layer's gathered copies of the others'
         saved = b["memory_GB"]["weights"] - a["memory_GB"]["weights"]
-        assert saved == pytest.approx((shape.moe_layers - 2) * others / 1e9, rel=1e-6), (k, saved)
-        assert a["step_s"] - b["step_s"] == pytest.approx(shape.moe_layers * a["layer_s"]["regather"], rel=1e-6)
+        stage = stage_shape(shape, a["pp"])  # (the busiest stage's layers; every micro-batch regathers)
+        assert saved == pytest.approx((stage.moe_layers - 2) * others / 1e9, rel=1e-6), (k, saved)
+        slots = a["microbatches"] + a["pp"] - 1
+        assert a["step_s"] - b["step_s"] == pytest.approx(slots * stage.moe_layers * a["layer_s"]["regather"],
+                                                          rel=1e-6)
         gather, regather = a["layer_s"]["allgather"], a["layer_s"]["regather"]
         assert gather == b["layer_s"]["allgather"] and b["layer_s"]["regather"] == 0
         assert (regather < gather) if gather else regather == 0, (k, regather, gather)

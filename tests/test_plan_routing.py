@@ -70,7 +70,8 @@ def test_skewed_routing_prices_the_busiest_rank_and_replication_balances_it():
     cluster = read_cluster(SMALL)
     uniform, measured = plan(shape, cluster, 4096), plan(shape, cluster, 4096, routing=routing)
     assert measured["routing"]["layers"] == 2 and measured["routing"]["busiest_expert"] > 3
-    key = lambda p: (p["ep"], p["tp"], p["moe_tp"], p["dedup"], str(p["expert_domains"]), str(p["replication"]))  # noqa
+    key = lambda p: (p["pp"], p["ep"], p["tp"], p["moe_tp"], p["dedup"], str(p["expert_domains"]),  # noqa: E731
+                     str(p["replication"]))
     u = {key(p): p for p in uniform["plans"]}
     for p in measured["plans"]:
         if p["ep"] == 32 and p["dedup"] == "off" and not p["expert_domains"] and not p["replication"]:

@@ -1,6 +1,7 @@
-"""``python -m moecompile plan config.json --cluster cluster.json --seq 4096 --micro-batch 1 [--json plan.json]
-[--plot plan.png] [--top 10] [--calibration links.json] [--routing routing.pt]``: the ranked table of the
-``--top`` best plans; exit status 3 (and the smallest shortfall) where no plan fits in memory."""
+"""``python -m moecompile plan config.json --cluster cluster.json --seq 4096 --micro-batch 1 [--global-batch G]
+[--json plan.json] [--plot plan.png] [--top 10] [--calibration links.json] [--routing routing.pt]``: the ranked
+table of the ``--top`` best plans (``x M mb``: M micro-batches a data-parallel rank and step); exit status 3 (and
+the smallest shortfall) where no plan fits in memory."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ NO_FIT = 3
 
 
 def describe(p: dict) -> str:
-    parts = [f"ep {p['ep']}", f"tp {p['tp']}", f"dp {p['dp']}"]
+    parts = ([f"pp {p['pp']}"] if p["pp"] > 1 else []) + [f"ep {p['ep']}", f"tp {p['tp']}", f"dp {p['dp']}"]
+    if p["microbatches"] > 1:
+        parts.append(f"x{p['microbatches']} mb")
     if p["tp"] > 1:
         parts.append(p["moe_tp"])
     if p["dedup"] != "off":
@@ -41,7 +44,8 @@ def table(result: dict, top: int) -> str:
     m = result["model"]
     lines = [f"{m['name']}: {m['moe_layers']} MoE layers of {m['num_experts']} experts (top-{m['top_k']}, hidden "
              f"{m['hidden']}, expert intermediate {m['intermediate']}) on {result['cluster']['gpus']} x "
-             f"{result['cluster']['gpu']}, seq {result['seq']}, micro-batch {result['micro_batch']}",
+             f"{result['cluster']['gpu']}, seq {result['seq']}, micro-batch {result['micro_batch']}, global batch "
+             f"{result['global_batch']} sequences a step",
              f"x-moe.md App. C: r = k / H_FFN = {result['moe_tp_rule']['r']:.3g} vs 2 / (c S) = "
              f"{result['moe_tp_rule']['bound']:.3g} (c = 1): {result['moe_tp_rule']['choice'].upper()} saves more "
              "memory where tp > 1",
@@ -105,7 +109,7 @@ def main(args) -> int:
     shape = read_config(args.config)
     cluster = read_cluster(args.cluster, args.calibration or None)
     routing = read_routing(args.routing, shape.num_experts) if args.routing else None
-    result = plan(shape, cluster, args.seq, args.micro_batch, routing)
+    result = plan(shape, cluster, args.seq, args.micro_batch, routing, args.global_batch or None)
     result["cluster"]["memory_GB"] = cluster.memory_GB
     result["seconds"] = time.perf_counter() - start
     print(table(result, args.top))
@@ -127,6 +131,8 @@ def add_parser(sub) -> None:
                                                  "uniform routing")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step, every plan's the same "
+                                                                "(default: one micro-batch a GPU)")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     p.add_argument("--top", type=int, default=10)

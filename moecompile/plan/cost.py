@@ -24,6 +24,7 @@ flash attention; a MoE layer's by ``moe_layer_activations``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -50,9 +51,10 @@ class Plan:
     expert_domains: tuple | None = None  # ((level, size), ...)
     slots_per_rank: int = 0
     reshard: bool = False  # expert domains: the gathered copies freed after forward, gathered again in backward
+    pp: int = 1  # pipeline stages over the outermost level (ep, tp, dp: inside one stage's GPUs)
 
     def as_dict(self) -> dict:
-        return {"ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
+        return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
                 "expert_domains": dict(self.expert_domains) if self.expert_domains else None,
                 "reshard_after_forward": self.reshard,
                 "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None}
@@ -85,10 +87,40 @@ def moe_layer_activations(shape: MoEShape, tokens: float, tp_rows: int = 1, tp_i
     return rows * ELEM * (2 * shape.hidden + (shape.mats - 1) * inter + inter)
 
 
-def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batch: int, routing=None) -> dict:
-    """The plan's entry of plan.json (``layer_s``, ``step_s``, ``bytes_per_link``, ``memory_GB``, ``fits``), or
-    ``{"invalid": why}`` where the cluster cannot lay it out. ``routing``: a measured ``plan.routing.Routing``
-    (uniform routing where None): the exchanges' busiest rank and the experts' busiest rank's rows."""
+def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
+    """The GPUs of one of ``pp`` pipeline stages: the outermost level's count divided by ``pp`` (None where it does
+    not divide)."""
+    if cluster.counts[0] % pp:
+        return None
+    return dataclasses.replace(cluster, levels=(dataclasses.replace(cluster.levels[0], count=cluster.counts[0] // pp),
+                                                *cluster.levels[1:]))
+
+
+def stage_shape(shape: MoEShape, pp: int) -> MoEShape:
+    """The busiest of ``pp`` pipeline stages' part of the model: ceil(L / pp) layers, ceil(L_moe / pp) of them MoE,
+    the head (its compute) and one vocab x hidden matrix (the first stage's embedding or the last's head)."""
+    if pp == 1:
+        return shape
+    layers = -(-shape.layers // pp)
+    return dataclasses.replace(shape, layers=layers, moe_layers=min(layers, -(-shape.moe_layers // pp)), embeddings=1)
+
+
+def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batch: int, routing=None,
+             global_batch: int | None = None) -> dict:
+    """The plan's entry of plan.json (``layer_s``, ``step_s``, ``microbatches``, ``tokens_per_s``,
+    ``bytes_per_link``, ``memory_GB``, ``fits``), or ``{"invalid": why}`` where the cluster cannot lay it out.
+    ``routing``: a measured ``plan.routing.Routing`` (uniform routing where None): the exchanges' busiest rank and
+    the experts' busiest rank's rows. A step is ``global_batch`` sequences (default: one micro-batch a GPU), each of
+    the plan's ``dp`` pipelines (data-parallel ranks) running M micro-batches of ``micro_batch``: M after another
+    (gradient accumulation), or under ``pp`` stages 1F1B's M + pp - 1 slots of its busiest stage."""
+    whole, shape, cluster = cluster, stage_shape(shape, plan.pp), stage_cluster(cluster, plan.pp)
+    if cluster is None:
+        return {"invalid": f"{plan.pp} pipeline stages do not divide the outermost level ({whole.counts[0]})"}
+    sequences = global_batch or whole.gpus * micro_batch
+    if sequences % (plan.dp * micro_batch):
+        return {"invalid": f"a global batch of {sequences} sequences is no whole number of micro-batches of "
+                           f"{micro_batch} for each of {plan.dp} pipelines"}
+    micro = sequences // (plan.dp * micro_batch)
     N, levels = cluster.gpus, cluster.levels
     ted = plan.moe_tp == "ted"
     ep_counts = group_counts(cluster, plan.ep, plan.tp if ted else 1)
@@ -154,19 +186,24 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     experts = _roofline(cluster, flops, held + rows * busiest * ELEM * (2 * H + shape.mats * inter))
     layer = {"dispatch": dispatch, "experts": experts, "combine": combine, "allgather": allgather,
              "total": dispatch + experts + combine + allgather, "regather": regather}
-    step, grads_level = _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes)
-    # per step: each MoE layer's exchange (its dispatch and combine) twice (forward, backward), its gather once
-    # each way (the backward's reduce-scatter; reshard: and the gather again), the tp collective each way; the
-    # gradient all-reduces
-    bytes_per_link = {lv.name: shape.moe_layers * ((2 + plan.reshard) * g + 2 * (x + t)) + r for lv, x, g, t, r in
-                      zip(levels, sent["exchange"], sent["gather"], sent["tp"], grads_level)}
+    per_micro, reduce_s, grads_level = _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes)
+    hop = T * H * ELEM if plan.pp > 1 else 0.0  # a micro-batch's activations to the next stage (its gradient back)
+    per_micro += 2 * whole.levels[0].seconds(hop)
+    step = (micro + plan.pp - 1) * per_micro + reduce_s
+    # per micro-batch: each MoE layer's exchange (its dispatch and combine) twice (forward, backward), its gather once
+    # each way (the backward's reduce-scatter; reshard: and the gather again), the tp collective each way, the
+    # stages' activations and gradients; per step: the gradient all-reduces
+    bytes_per_link = {lv.name: micro * (shape.moe_layers * ((2 + plan.reshard) * g + 2 * (x + t)) + 2 * hop * (j == 0))
+                      + r for j, (lv, x, g, t, r) in enumerate(zip(levels, sent["exchange"], sent["gather"],
+                                                                    sent["tp"], grads_level))}
     # layers' gathered copies at once: kept, every layer's at the end of forward; freed, the running layer's and the
     # next one's, started ahead
     copies = 2 if plan.reshard else max(2, shape.moe_layers)
     memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter,
-                     0.0 if plan.slots_per_rank else copies * (held - expert_bytes), busiest)
-    return {**plan.as_dict(), "layer_s": layer, "step_s": step, "bytes_per_link": bytes_per_link,
-            "memory_GB": memory, "fits": memory["total"] <= cluster.memory_GB}
+                     0.0 if plan.slots_per_rank else copies * (held - expert_bytes), busiest, min(plan.pp, micro))
+    return {**plan.as_dict(), "microbatches": micro, "layer_s": layer, "step_s": step,
+            "tokens_per_s": sequences * seq / step, "bytes_per_link": bytes_per_link, "memory_GB": memory,
+            "fits": memory["total"] <= cluster.memory_GB}
 
 
 def link_model(levels, counts) -> tuple[LinkModel, tuple[str, ...]]:
@@ -266,9 +303,9 @@ def _roofline(cluster: Cluster, flops: float, nbytes: float) -> float:
     return max(flops / (cluster.tflops * 1e12), nbytes / (cluster.hbm_TBps * 1e12))
 
 
-def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float, list[float]]:
-    """Seconds of one optimizer step of one micro-batch per data-parallel rank, and the gradient all-reduces'
-    bytes per level."""
+def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float, float, list[float]]:
+    """Seconds of one micro-batch's forward and backward on a data-parallel rank, of the gradient all-reduces once
+    a step, and their bytes per level."""
     H = shape.hidden
     dense_mlp = _roofline(cluster, 2 * T * shape.mats * H * shape.dense_intermediate / plan.tp,
                           shape.mats * H * shape.dense_intermediate * ELEM / plan.tp)
@@ -278,8 +315,8 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
     moe = layer["dispatch"] + layer["combine"] + layer["allgather"]
     compute = 3 * (shape.layers * pre + (shape.layers - shape.moe_layers) * dense_mlp + shape.moe_layers *
                    (shared + layer["experts"]) + head)
-    step = compute + 2 * shape.moe_layers * moe + shape.moe_layers * layer["regather"]
-    grads = [0.0] * len(cluster.levels)
+    micro = compute + 2 * shape.moe_layers * moe + shape.moe_layers * layer["regather"]
+    reduce_s, grads = 0.0, [0.0] * len(cluster.levels)
     dense_bytes = shape.dense_params() / plan.tp * ELEM
     replicas = (plan.dp if plan.moe_tp == "ted" else cluster.gpus) // plan.ep
     if plan.slots_per_rank:  # replication's copies sum each rank's fp32 master part, 1/ep of every expert
@@ -294,15 +331,16 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
         span = [j for j, c in enumerate(counts) if c > 1]
         slowest = min(span, key=lambda j: cluster.levels[j].GBps) if span else len(counts) - 1
         grads[slowest] += ring
-        step += cluster.levels[slowest].seconds(ring)
-    return step, grads
+        reduce_s += cluster.levels[slowest].seconds(ring)
+    return micro, reduce_s, grads
 
 
-def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float, busiest: float = 1.0) -> dict:
+def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float, busiest: float = 1.0,
+            in_flight: int = 1) -> dict:
     """GB per GPU; ``gathered``: bytes of other ranks' experts held at once (expert domains: every layer's copies
     kept for backward, or with reshard two, the running one's and the next one's gather started ahead), counted
     with the weights; ``busiest``: the busiest rank's routed rows over the mean (its MoE activations grow with
-    them)."""
+    them); ``in_flight``: micro-batches whose activations are held at once (1F1B's first stage: min(pp, M))."""
     GB = 1e9
     dense = shape.dense_params() / plan.tp
     replicas = (plan.dp if plan.moe_tp == "ted" else N) // plan.ep
@@ -317,7 +355,8 @@ def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float,
     attention = T * H * (4 + 11 / plan.tp)
     mlp = 19 * T * shape.dense_intermediate / 4 / plan.tp
     moe_layer = moe_layer_activations(shape, T * busiest, tp_rows, tp_inter)
-    activations = shape.layers * attention + (shape.layers - shape.moe_layers) * mlp + shape.moe_layers * moe_layer
+    activations = in_flight * (shape.layers * attention + (shape.layers - shape.moe_layers) * mlp +
+                               shape.moe_layers * moe_layer)
     out = {"weights": weights / GB, "grads": (weights - gathered) / GB, "optimizer": optimizer / GB,
            "activations": activations / GB, "moe_layer_activations": moe_layer / GB}
     out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]

@@ -6,20 +6,27 @@ ranks; the expert-parallel group ``ep`` consecutive ranks (``moe_tp`` "off" and 
 the ranks of one tp index (TED), repeated over the rest. As a mesh: an outermost ``"dp_replicate"`` dimension for
 the copies of the group (``N / ep``; none where ep spans every rank), then the group's levels of more than one
 rank, innermost ``"local"`` and outward ``"node"``, ``"rack"``, ``"pod"`` (the names ``parallelize`` knows; a
-single level keeps the cluster's name), then ``"tp"``.
+single level keeps the cluster's name), then ``"tp"``; pipeline stages: ``"pp"`` before all, each stage's ranks
+laid out so (``moecompile.pipeline_stage`` cuts the model, each stage module parallelized on the mesh).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from moecompile.runtime.comm.levels import LEVELS
 
 from .cluster import Cluster
-from .cost import Plan, group_counts
+from .cost import Plan, group_counts, stage_cluster
 
 
 def how_to_run(plan: Plan, cluster: Cluster) -> dict:
     """``{"mesh_shape": [...], "mesh_dim_names": [...], "options": {...}}`` (``parallelize``'s keyword arguments),
-    or ``{"not_runnable": why}``."""
+    or ``{"not_runnable": why}``. Pipeline stages: an outermost ``"pp"`` dimension, each stage's mesh after it."""
+    if plan.pp > 1:
+        run = how_to_run(dataclasses.replace(plan, pp=1), stage_cluster(cluster, plan.pp))
+        return run if "not_runnable" in run else {**run, "mesh_shape": [plan.pp, *run["mesh_shape"]],
+                                                  "mesh_dim_names": ["pp", *run["mesh_dim_names"]]}
     N, tp, ted = cluster.gpus, plan.tp, plan.moe_tp == "ted"
     copies = (plan.dp if ted else N) // plan.ep
     if plan.expert_domains and tp > 1:
@@ -59,6 +66,9 @@ def code(run: dict, device: str = "cuda") -> str:
     if "not_runnable" in run:
         return f"not runnable with moecompile yet: {run['not_runnable']}"
     args = "".join(f", {k}={v!r}" for k, v in run["options"].items())
-    return (f"mesh = init_device_mesh({device!r}, {tuple(run['mesh_shape'])}, "
-            f"mesh_dim_names={tuple(run['mesh_dim_names'])}); "
-            f"moecompile.parallelize(model, mesh, example_ids{args})")
+    mesh = (f"mesh = init_device_mesh({device!r}, {tuple(run['mesh_shape'])}, "
+            f"mesh_dim_names={tuple(run['mesh_dim_names'])}); ")
+    if run["mesh_dim_names"][0] == "pp":  # each rank's stage (docs/expert-parallelism.md, Pipeline stages)
+        return (mesh + f"stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), {run['mesh_shape'][0]}); "
+                f"moecompile.parallelize(stage, mesh, example_stage_input{args})")
+    return mesh + f"moecompile.parallelize(model, mesh, example_ids{args})"

@@ -1,27 +1,40 @@
-"""Every plan for a model on a cluster, priced by ``cost.py``, ranked by step time among those that fit. Considered:
-tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel degree dividing
-the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level its group
-spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size its group
-allows per level (their copies kept for backward, or gathered again there); and replication over a group of every
-power-of-two size (every rank holds S slots, each an instance of some expert: S the least that holds every expert
-once in the group, and twice that; copies of the group over the rest). Dedup and
-replication are not combined with TED (``parallelize`` refuses them).
+"""Every plan for a model on a cluster, priced by ``cost.py``, ranked by the time of a step of the same global batch
+among those that fit. Considered: pipeline stages (``pp``, a power of two dividing the outermost level), and in one
+stage's GPUs tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel
+degree dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level
+its group spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size
+its group allows per level (their copies kept for backward, or gathered again there); and replication over a group of
+every power-of-two size (every rank holds S slots, each an instance of some expert: S the least that holds every
+expert once in the group, and twice that; copies of the group over the rest). Dedup and replication are not combined
+with TED (``parallelize`` refuses them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 from moecompile.runtime.comm import expected
 
 from .cluster import Cluster
-from .cost import Plan, evaluate, group_counts, xmoe_rule
+from .cost import Plan, evaluate, group_counts, stage_cluster, xmoe_rule
 from .run import how_to_run
 from .shapes import MoEShape
 
 
 def candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
+    """Every plan: for each number of pipeline stages (a power of two dividing the outermost level, at most the
+    layers), the plans of one stage's GPUs."""
+    out = []
+    for pp in (1 << i for i in range(int(math.log2(cluster.counts[0])) + 1)):
+        stage = stage_cluster(cluster, pp)
+        if stage is not None and pp <= shape.layers:
+            out += [dataclasses.replace(p, pp=pp) for p in _stage_candidates(shape, stage)]
+    return out
+
+
+def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
     N, inner = cluster.gpus, cluster.counts[-1]
     names = [lv.name for lv in cluster.levels]
     out = []
@@ -68,7 +81,8 @@ def duplication(shape: MoEShape, cluster: Cluster, routing=None) -> dict[str, fl
     return out
 
 
-def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1, routing=None) -> dict:
+def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1, routing=None,
+         global_batch: int | None = None) -> dict:
     """plan.json's object: ``model``, ``moe_tp_rule`` (x-moe.md App. C at this sequence length, dropless: c = 1),
     ``routing`` (None: uniform; a measured ``routing.Routing``: its layers and tokens), ``duplication``, ``plans``
     (each with ``run``: the mesh and ``parallelize`` options that run it, ``run.py``; ranked: fitting ones by step
@@ -77,24 +91,29 @@ def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1, rout
     memory over the GPU's of any plan, where none fits)."""
     if seq < 1 or micro_batch < 1:
         raise ValueError(f"--seq and --micro-batch must be >= 1, got {seq} and {micro_batch}")
+    global_batch = global_batch or cluster.gpus * micro_batch  # (one micro-batch a GPU)
+    if global_batch < 1:
+        raise ValueError(f"--global-batch must be >= 1 sequences, got {global_batch}")
     if routing is not None and routing.top_k != shape.top_k:
         raise ValueError(f"the routing file's tokens chose {routing.top_k} experts each; the config's top-k is "
                          f"{shape.top_k}: record the routing on the model the config describes")
     plans = []
     for candidate in candidates(shape, cluster):
-        priced = evaluate(shape, cluster, candidate, seq, micro_batch, routing)
+        priced = evaluate(shape, cluster, candidate, seq, micro_batch, routing, global_batch)
         if "invalid" not in priced:
             plans.append({**priced, "run": how_to_run(candidate, cluster)})
     if not plans:
         raise ValueError(f"no expert-parallel degree of {shape.num_experts} experts tiles {cluster.gpus} GPUs "
-                         f"laid out as {cluster.counts}")
+                         f"laid out as {cluster.counts} with a global batch of {global_batch} sequences in "
+                         f"micro-batches of {micro_batch}: give a global batch that a data-parallel degree divides")
     plans.sort(key=lambda p: (not p["fits"], p["step_s"] if p["fits"] else p["memory_GB"]["total"]))
     fits = plans[0]["fits"]
     rule = {"r": shape.top_k / shape.intermediate, "bound": 2 / seq,
             "choice": xmoe_rule(shape.top_k, shape.intermediate, 1.0, seq)}
     out = {"model": shape.as_dict(), "moe_tp_rule": rule, "cluster": {"gpu": cluster.gpu_name, "gpus": cluster.gpus,
                                                   "levels": [lv.name for lv in cluster.levels]},
-           "seq": seq, "micro_batch": micro_batch, "duplication": duplication(shape, cluster, routing),
+           "seq": seq, "micro_batch": micro_batch, "global_batch": global_batch,
+           "duplication": duplication(shape, cluster, routing),
            "routing": None if routing is None else routing.summary(), "plans": plans,
            "chosen": 0 if fits else None}
     if not fits:

@@ -43,6 +43,7 @@ class MoEShape:
     qk_nope: int = 0
     qk_rope: int = 0
     v_head: int = 0
+    embeddings: int = 2  # vocab x hidden matrices held: the input embedding and the head (a pipeline stage's: 1)
 
     @property
     def mats(self) -> int:
@@ -75,7 +76,7 @@ class MoEShape:
         return (self.layers * self.attention_params() + dense_layers * self.mats * self.hidden *
                 self.dense_intermediate + self.moe_layers * (self.mats * self.hidden * self.shared_intermediate +
                                                              self.hidden * self.num_experts)
-                + 2 * self.vocab * self.hidden)
+                + self.embeddings * self.vocab * self.hidden)
 
     def as_dict(self) -> dict:
         return asdict(self)
