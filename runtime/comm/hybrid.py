@@ -18,6 +18,7 @@ spanning a level gathers every expert over it (AG only).
 
 from __future__ import annotations
 
+import functools
 import math
 
 
@@ -73,7 +74,12 @@ def groups(m: int, sizes, domain_sizes) -> tuple[list[int], list[int]]:
     """(the ranks whose experts rank ``m`` gathers: the same domain at every level, itself included; the ranks it
     exchanges tokens with: the same offset at every level, itself included), each in rank order. Chained over the
     levels, Algorithm 1's all-gathers reach the first set and its all-to-alls the second."""
-    sizes, domain_sizes = check(sizes, domain_sizes)
+    gather, exchange = _groups(m, *check(sizes, domain_sizes))
+    return list(gather), list(exchange)
+
+
+@functools.lru_cache(maxsize=4096)  # (the planner asks for the same meshes' groups thousands of times)
+def _groups(m: int, sizes: tuple, domain_sizes: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
     mine = locations(m, sizes)
     gather, exchange = [], []
     for n in range(math.prod(sizes)):
@@ -82,4 +88,4 @@ def groups(m: int, sizes, domain_sizes) -> tuple[list[int], list[int]]:
             gather.append(n)
         if all(x % s == y % s for x, y, s in zip(loc, mine, domain_sizes)):
             exchange.append(n)
-    return gather, exchange
+    return tuple(gather), tuple(exchange)
