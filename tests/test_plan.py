@@ -264,6 +264,25 @@ def test_pipeline_stages_priced_at_the_same_global_batch():
     assert run["mesh_dim_names"][0] == "pp" and run["mesh_shape"][0] == result["plans"][0]["pp"], run
 
 
+def test_replication_phases_counted_once_a_step():
+    """Replication moves each slot's weights in and its gradient out once a step, however many micro-batches the
+    step runs: its host link's time (the only term ``pcie_GBps`` changes) adds the same to a step of 1 and of 3
+    micro-batches, 2 x its MoE layers' share."""
+    shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
+    slow, fast = (read_cluster({"gpu": {"name": "H100", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 80,
+                                        "pcie_GBps": pcie},
+                                "levels": [{"name": "node", "count": 128, "alpha_s": 1e-5, "GBps": 25},
+                                           {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
+                  for pcie in (5, 50))
+    replicated = Plan(ep=32, tp=1, dp=1024, slots_per_rank=4)
+    moved = 4 * shape.expert_params() * 2 / (32 * 4 / shape.num_experts)  # a rank's slots over its class's copies
+    once = 2 * shape.moe_layers * (moved / 5e9 - moved / 50e9)
+    for micro in (1, 3):
+        a, b = (evaluate(shape, cluster, replicated, 4096, 1, global_batch=1024 * micro) for cluster in (slow, fast))
+        assert a["microbatches"] == micro
+        assert a["step_s"] - b["step_s"] == pytest.approx(once, rel=1e-6), micro
+
+
 def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
     """Each expert-domain plan twice: its gathered copies kept for backward (every MoE layer's at the end of
     forward) or freed after forward (two layers' at most: the running one's and the next one's, started ahead) and

@@ -133,7 +133,7 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     rows = T * K / tp_rows
     row_bytes = H * ELEM
     expert_bytes = (E // plan.ep) * shape.expert_params() // tp_inter * ELEM  # (replication: its slots, below)
-    sent = {"exchange": [0.0] * len(levels), "gather": [0.0] * len(levels), "tp": [0.0] * len(levels)}
+    sent = {what: [0.0] * len(levels) for what in ("exchange", "gather", "tp", "replication")}
 
     def phase(what: str, bytes_per_level) -> float:
         for j, b in enumerate(bytes_per_level):
@@ -142,7 +142,7 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
 
     pre = _roofline(cluster, (2 * T * shape.attention_params() + shape.attention_core_flops(T, seq)) / plan.tp,
                     T * H * ELEM * 4)
-    allgather = regather = 0.0  # (regather: the backward's gather again, reshard_after_forward)
+    allgather = regather = replication = 0.0  # (regather: the backward's gather again, reshard_after_forward)
     held = expert_bytes
     if plan.expert_domains:
         sizes = dict(plan.expert_domains)
@@ -176,7 +176,8 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         slot = [0.0] * len(levels)
         slot[slow] = moved
         replicas = plan.ep * plan.slots_per_rank / E
-        allgather += phase("gather", slot) + moved / replicas / (cluster.pcie_GBps * 1e9)
+        replication = phase("replication", slot) + moved / replicas / (cluster.pcie_GBps * 1e9)
+        allgather += replication  # (shown with the layer's gather; once a step, not a micro-batch: below)
         held = plan.slots_per_rank * shape.expert_params() * ELEM
     if plan.tp > 1 and plan.moe_tp != "off":  # SSMB: the output all-gathered; TED: the partial sums reduced
         tp_bytes = [0.0] * (len(levels) - 1) + [(plan.tp - 1) / plan.tp * T * H * ELEM * (2 if ted else 1)]
@@ -187,15 +188,16 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     layer = {"dispatch": dispatch, "experts": experts, "combine": combine, "allgather": allgather,
              "total": dispatch + experts + combine + allgather, "regather": regather}
     per_micro, reduce_s, grads_level = _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes)
+    per_step = 2 * shape.moe_layers * replication  # replication's weights in, gradients out: once a step
     hop = T * H * ELEM if plan.pp > 1 else 0.0  # a micro-batch's activations to the next stage (its gradient back)
-    per_micro += 2 * whole.levels[0].seconds(hop)
-    step = (micro + plan.pp - 1) * per_micro + reduce_s
+    per_micro += 2 * whole.levels[0].seconds(hop) - per_step
+    step = (micro + plan.pp - 1) * per_micro + per_step + reduce_s
     # per micro-batch: each MoE layer's exchange (its dispatch and combine) twice (forward, backward), its gather once
     # each way (the backward's reduce-scatter; reshard: and the gather again), the tp collective each way, the
-    # stages' activations and gradients; per step: the gradient all-reduces
+    # stages' activations and gradients; per step: replication's phases, the gradient all-reduces
     bytes_per_link = {lv.name: micro * (shape.moe_layers * ((2 + plan.reshard) * g + 2 * (x + t)) + 2 * hop * (j == 0))
-                      + r for j, (lv, x, g, t, r) in enumerate(zip(levels, sent["exchange"], sent["gather"],
-                                                                    sent["tp"], grads_level))}
+                      + 2 * shape.moe_layers * rep + r for j, (lv, x, g, t, rep, r) in enumerate(zip(
+                          levels, sent["exchange"], sent["gather"], sent["tp"], sent["replication"], grads_level))}
     # layers' gathered copies at once: kept, every layer's at the end of forward; freed, the running layer's and the
     # next one's, started ahead
     copies = 2 if plan.reshard else max(2, shape.moe_layers)
