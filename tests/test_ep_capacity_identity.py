@@ -129,6 +129,7 @@ def _checkpoints(kind, model, compiled, opt, ref, ref_opt, rank, tmp):
     names = {p: n for n, p in ref.named_parameters()}
     state = moecompile.get_optimizer_state_dict(compiled, opt)["state"]
     momentum = {n: s["momentum_buffer"] for n, s in state.items()}
+    assert sum(n.endswith("experts.gate_up_proj") for n in momentum) == 2, sorted(momentum)  # (both layers' spare rows)
     _equal(momentum, {names[p]: s["momentum_buffer"] for p, s in ref_opt.state.items() if names[p] in momentum}, kind)
     path = f"{tmp}/{kind}"
     dcp.save(model.state_dict(), checkpoint_id=path)
