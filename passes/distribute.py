@@ -114,8 +114,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         raise NotImplementedError(f"{e.storage} expert storage cannot run sharded yet")
     group_name, layer = views[0].args[2:4]
     dedup = view_arg(views[0], "dedup", "off")
-    if e.identity_experts and (e.storage != "stacked" or dedup != "off"):  # (moecompile/distributed/shardable.py)
-        raise NotImplementedError("identity experts run sharded with stacked experts and dedup='off' only")
+    if e.identity_experts and e.storage != "stacked":  # (moecompile/distributed/shardable.py)
+        raise NotImplementedError("identity experts run sharded with stacked experts only")
     scale = node.args[9]  # the routing weights, when they scale each expert's input (Llama 4)
     if scale is not None and dedup != "off":
         raise NotImplementedError("experts that scale their input by the routing weight send one row per (token, "

@@ -143,3 +143,25 @@ def test_rows_sorted_by_slot_after_a_swap():
     tok_S, counts_S, order, inverse = torch.ops.moe.ep_to_slots(tok, counts, slots, 0, "")
     assert counts_S.tolist() == [1, 1, 1, 2] and tok_S.tolist() == [0, 1, 2, 0, 2]  # slots 0, 1, 2, 3, 3
     assert torch.equal(tok_S[inverse], tok) and torch.equal(tok[order], tok_S)
+
+
+def test_rows_that_stay_home_cost_nothing_and_keep_their_place():
+    """An id below 0 (an identity expert's row, or one dropped past a capacity) is priced as a row to the token's
+    own rank: it crosses no link, with dedup or without. ``moe.ep_to_slots`` sorts the counted rows by slot and
+    leaves the uncounted tail where it was; the swap's routing gives the tail id -1."""
+    from moecompile.runtime.comm.cost_model import messages
+    from moecompile.runtime.placement.swap import RECENT
+
+    placement = Placement.contiguous(8, (2, 2))
+    source = torch.tensor([0, 1, 2, 3])
+    home = torch.tensor([[4, 0], [5, 2], [0, 4], [6, 6]])  # each token's second row to an expert of its own rank
+    kept = torch.tensor([[4, -1], [5, -1], [0, -1], [6, -1]])
+    assert messages(kept, placement, source, 16) == messages(home, placement, source, 16)
+    assert messages(kept, placement, source, 16) != messages(torch.tensor([[4, 2], [5, 6], [0, 1], [6, 4]]),
+                                                            placement, source, 16)
+    tok = torch.tensor([0, 2, 1, 2, 0, 1])  # experts 0, 0, 1, 2, 3 (counts 2, 1, 1, 1), then one uncounted row
+    slots = torch.tensor([3, 1, 2, 0])
+    tok_S, counts_S, order, inverse = torch.ops.moe.ep_to_slots(tok, torch.tensor([2, 1, 1, 1]), slots, 3, "l")
+    assert tok_S.tolist() == [0, 1, 2, 0, 2, 1] and counts_S.tolist() == [1, 1, 1, 2]
+    assert torch.equal(tok_S[inverse], tok) and torch.equal(tok[order], tok_S)
+    assert RECENT.pop("l").tolist() == [[0, 3], [1, -1], [0, 2]]  # (each token's rows, by token)

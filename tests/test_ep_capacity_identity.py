@@ -19,14 +19,18 @@ expert no row reached gets a zero gradient where the original leaves None, as on
 A torch.distributed.checkpoint of the sharded LongCat loads in one process as the one-process model, and the
 one-process model's initial state_dict loads into the sharded one. Every step keeps rows on each rank (dropped,
 or routed to identity experts), and the dispatch sends only the others (the bytes counted per layer: those rows x
-hidden x 4, the rows read from the routing recorded). With expert domains of both ranks (every expert gathered on
-each, the rows exchanged with no other rank) the gshard model trains the same. Asked to swap experts, the bmm
-layer does not swap, saying why. A failing rank fails the test; the group has a timeout.
+hidden x 4, the rows read from the routing recorded). LongCat (its routers drawn anew: the tiny one follows its
+score bias, one computed expert a token) and gshard train the same deduplicated per node on a (2, 1) ("node",
+"local") mesh, their experts swapping ranks after every step: the kept rows' routing is what crosses (20 bytes
+each), LongCat's remote (token, node) pairs and rows are those of its routing under the placement of the step,
+and some pairs stand for several rows. With expert domains of both ranks (every expert gathered on each, the rows
+exchanged with no other rank) the gshard model trains the same; the bmm layer swaps experts on a 1-D mesh. A
+failing rank fails the test; the group has a timeout.
 
-Without a process group: asked for dedup, a layer with a capacity or identity experts runs without it, saying
-why; asked for moe_tp="ssmb", a capacity layer stays whole, saying why (``moe_tp="auto"`` does not pick it:
-tests/test_moe_tp.py); identity experts stay whole under tp, in expert domains, in other storage than stacked, or
-when they do not divide over the ranks, saying why.
+Without a process group: asked for dedup, a layer with a capacity or identity experts takes it, and does not
+replicate, saying why; asked for moe_tp="ssmb", a capacity layer stays whole, saying why (``moe_tp="auto"`` does
+not pick it: tests/test_moe_tp.py); identity experts stay whole under tp, in expert domains, in other storage than
+stacked, or when they do not divide over the ranks, saying why.
 """
 
 from datetime import timedelta
@@ -54,7 +58,11 @@ def _build(kind):
         return _switch(capacity=2).train()
     torch.manual_seed(0)
     if kind == "longcat_flash":
-        return hf.build_model(hf.walk_config(kind)).train()
+        model = hf.build_model(hf.walk_config(kind)).train()
+        with torch.no_grad():  # (its tiny router follows the drawn score bias: each token one computed expert)
+            for layer in model.model.layers:
+                layer.mlp.router.classifier.weight.normal_()
+        return model
     return TinyMoELM(kind, num_experts=8).train()
 
 
@@ -80,6 +88,8 @@ def _check(kind, rank, world, mesh, tmp, **parallel):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
     hidden = model.config.d_model if kind == "switch" else model.config.hidden_size if hasattr(
         model, "config") else model.embed.embedding_dim
+    pairs = [0, 0]  # with dedup: remote (token, node) pairs sent, and the remote rows they stand for
+    places = {rec.path: slots for rec, _, slots in info.swap.layers} if info.swap else {}  # expert -> slot
     for _ in range(STEPS):
         DROPS.reset()
         COMM.reset()
@@ -93,8 +103,21 @@ def _check(kind, rank, world, mesh, tmp, **parallel):
         home = 0
         for layer, ids in routing.items():  # rows to computed experts, less those dropped, are sent
             kept = int((ids < computed[layer]).sum()) - drops.get(layer, {}).get("dropped", 0)
-            dispatched = sum(v for k, v in sent[layer].items() if k.startswith("dispatch."))
-            assert 0 < kept <= ids.numel() and dispatched == kept * hidden * 4, (layer, dispatched, kept)
+            dispatched = sum(v for k, v in sent[layer].items() if k.startswith("dispatch.")) // (hidden * 4)
+            assert 0 < kept <= ids.numel(), (layer, kept)
+            if parallel.get("dedup", "off") == "off":
+                assert dispatched == kept, (layer, dispatched, kept)
+            else:  # the kept rows' routing crosses (16 bytes of ids, 4 of weight each), one row per (token, node)
+                routed = sum(v for k, v in sent[layer].items() if k.startswith("routing."))
+                assert routed == kept * 20, (layer, routed, kept)
+                pairs[0] += sent[layer]["dedup.remote_pairs"]
+                pairs[1] += sent[layer]["dedup.remote_assignments"]
+                if not drops:  # (which rows a capacity dropped is not recorded)
+                    E, slots = computed[layer], places.get(layer, torch.arange(computed[layer]))
+                    remote = [(t, n) for t, row in enumerate(ids.tolist()) for i in row if i < E
+                              for n in [int(slots[i]) // (E // world)] if n != rank]  # (a rank per node)
+                    assert (sent[layer]["dedup.remote_pairs"], sent[layer]["dedup.remote_assignments"]) == (
+                        len(set(remote)), len(remote)), layer
             home += ids.numel() - kept
         assert home > 0  # rows stayed on this rank (dropped, or to identity experts)
         for r in range(world):  # one process: each rank's batch on its own, the mean of their gradients
@@ -109,9 +132,10 @@ def _check(kind, rank, world, mesh, tmp, **parallel):
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
+    assert pairs[0] < pairs[1] or "dedup" not in parallel, pairs  # rows deduplicated
     _equal(moecompile.full_state_dict(compiled), ref.state_dict(), kind)
     if kind == "longcat_flash":  # (the spare gate_up rows: the others' storage is checked in test_parallelize)
-        _checkpoints(kind, model, compiled, opt, ref, ref_opt, rank, tmp)
+        _checkpoints("-".join([kind, *parallel]), model, compiled, opt, ref, ref_opt, rank, tmp)
     return info
 
 
@@ -125,7 +149,8 @@ def _equal(got: dict, expected: dict, what: str) -> None:
 
 def _checkpoints(kind, model, compiled, opt, ref, ref_opt, rank, tmp):
     """The optimizer's momentum by name as one process's; a torch.distributed.checkpoint of the model loads in one
-    process as the one-process model; the one-process model's initial state_dict loads into the sharded model."""
+    process as the one-process model; the one-process model's initial state_dict loads into the sharded model.
+    ``kind``: the model's, then the options (a checkpoint's directory)."""
     names = {p: n for n, p in ref.named_parameters()}
     state = moecompile.get_optimizer_state_dict(compiled, opt)["state"]
     momentum = {n: s["momentum_buffer"] for n, s in state.items()}
@@ -135,10 +160,10 @@ def _checkpoints(kind, model, compiled, opt, ref, ref_opt, rank, tmp):
     dcp.save(model.state_dict(), checkpoint_id=path)
     dist.barrier()
     if rank == 0:
-        loaded = _build(kind).state_dict()
+        loaded = _build(kind.partition("-")[0]).state_dict()
         dcp.load(loaded, checkpoint_id=path, no_dist=True)
         _equal(loaded, ref.state_dict(), f"{kind} checkpoint")
-    first = _build(kind).state_dict()
+    first = _build(kind.partition("-")[0]).state_dict()
     model.load_state_dict(first)
     _equal(moecompile.full_state_dict(compiled), first, f"{kind} loaded")
 
@@ -149,16 +174,18 @@ def _ranks(rank, world, tmp):
                             timeout=timedelta(seconds=120))
     try:
         mesh = init_device_mesh("cpu", (world,))
-        info = _check("longcat_flash", rank, world, mesh, tmp)
-        _check("gshard", rank, world, mesh, tmp)
+        _check("longcat_flash", rank, world, mesh, tmp)
+        nodes = init_device_mesh("cpu", (world, 1), mesh_dim_names=("node", "local"))  # a rank per node
+        for kind in ("longcat_flash", "gshard"):  # deduplicated per node, the experts swapping ranks
+            info = _check(kind, rank, world, nodes, tmp, dedup="node", swap_every=1)
+            assert all("dedup='node'" in rec.sharding for rec in info.report.layers), info.report.layers[0].sharding
+            assert info.swap.history, kind  # (swaps chosen: the checks after them run on moved experts)
         local = init_device_mesh("cpu", (world,), mesh_dim_names=("local",))
         info = _check("gshard", rank, world, local, tmp, expert_domains={"local": 2})  # every expert gathered here
         assert all("domain" in rec.sharding for rec in info.report.layers), info.report.layers[0].sharding
         _check("switch", rank, world, mesh, tmp)
         info = _check("bmm", rank, world, mesh, tmp, swap_every=1)
-        assert info.swap is None
-        for rec in info.report.layers:
-            assert "not swapped: its expert capacity drops rows on each rank" in rec.sharding, rec.sharding
+        assert info.swap.history
     finally:
         dist.destroy_process_group()
 
@@ -176,19 +203,16 @@ def _record(capacity, moe_tp="off", identity=0, storage="stacked"):
                            expert_weights={"up": torch.nn.Parameter(torch.zeros(8, 2, 2))})
 
 
-def test_capacity_and_identity_layers_run_without_dedup_and_tp_forms_saying_why():
+def test_capacity_and_identity_layers_dedup_and_run_without_replicas_and_tp_forms_saying_why():
     from moecompile.distributed.parallel import _choose_dedup
-    from moecompile.distributed.shardable import unshardable
+    from moecompile.distributed.shardable import rows_home, unshardable
 
-    records = [_record(-1), _record(3)]
+    records = [_record(-1), _record(3), _record(-1, identity=2)]  # (dedup carries the rows that stay home)
     _choose_dedup(records, "node", None, {}, None, None)
-    assert [r.dedup for r in records] == ["node", "off"]
-    assert records[1].dedup_reason.startswith("its expert capacity drops rows on each rank")
+    assert [r.dedup for r in records] == ["node", "node", "node"]
+    assert [rows_home(r).split(": ")[-1] for r in records] == ["", *["replicas are not built for such a layer yet"] * 2]
     assert unshardable(_record(3), 2) == "" and unshardable(_record(-1, "ssmb"), 2) == ""
     assert "moe_tp='off' or 'ted' shards it" in unshardable(_record(3, "ssmb"), 2)
-    records = [_record(-1, identity=2)]
-    _choose_dedup(records, "node", None, {}, None, None)
-    assert records[0].dedup == "off" and records[0].dedup_reason.startswith("its identity experts' rows stay home")
     assert unshardable(_record(-1, identity=2), 2) == ""
     for why in (unshardable(_record(-1, identity=3), 2), unshardable(_record(-1, identity=2, storage="flat"), 2)):
         assert "stacked experts and a number of identity experts" in why

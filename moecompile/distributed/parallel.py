@@ -28,6 +28,7 @@ both eagerly and while Dynamo traces; plain local shards behind a global-shaped 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -144,8 +145,6 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             first[0] if isinstance(first, list) else first).device) if swap_every and world > 1 else None
         if slots is not None and isinstance(first, list) and list_prefix(first) is None:
             slots, rec.shard_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
-        if slots is not None and rows_home(rec):
-            slots, rec.shard_note = None, f"not swapped: {rows_home(rec)}"
         if rec.moe_tp == "ted":
             held = ted.shard(model, rec, params, mesh, tp)
         else:
@@ -232,8 +231,6 @@ def _choose_dedup(records, dedup: str, link, routing: dict, mesh, group) -> None
     for rec in records:
         if rec.spec.routing.weights_on_input and rec.dedup != "off":
             rec.dedup, rec.dedup_reason = "off", ONE_ROW_PER_EXPERT
-        elif rows_home(rec) and rec.dedup != "off":
-            rec.dedup, rec.dedup_reason = "off", rows_home(rec)
 
 
 def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
@@ -251,7 +248,10 @@ def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
         weight = next(iter(rec.expert_weights.values()))
         elem = (weight[0] if isinstance(weight, list) else weight).element_size()  # a ModuleList: its first expert
         source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
-        times = dispatch_times(torch.cat(ids), Placement.contiguous(e.num_experts, ep_shape(mesh)), source,
+        ids = torch.cat(ids)
+        if e.identity_experts:  # their rows stay home (an id < 0: cost_model.messages)
+            ids = torch.where(ids < e.num_experts, ids, -1)
+        times = dispatch_times(ids, Placement.contiguous(e.num_experts, ep_shape(mesh)), source,
                                e.hidden, elem, link, names=level_names(mesh))
         rec.dedup, rec.predicted_s = choose_dedup(times), times
         rec.dedup_reason = ("least predicted time of one dispatch and combine of the example routing: " +
@@ -344,8 +344,8 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
         rows = full.detach()[rank * per_rank:(rank + 1) * per_rank]
         if identity and full.shape[0] == num_experts + identity:  # spare rows after the experts' (shardable.py)
             rows = identity_shard(full.detach(), num_experts, rank, world)
-            module.__dict__.setdefault("_moe_row_slots", {})[attr] = identity_slots(num_experts, full.shape[0],
-                                                                                    world).to(full.device)
+            module.__dict__.setdefault("_moe_row_slots", {})[attr] = functools.partial(  # (after swaps too)
+                identity_slots, num_experts, full.shape[0], world, device=full.device)
         shard = nn.Parameter(rows.clone(), full.requires_grad)
         shard._moe_sharded = True
         module._parameters[attr] = shard

@@ -3,9 +3,10 @@
 A layer with an expert capacity (GShard's, Switch Transformers' per sequence) is sharded: each rank drops its own
 rows past the capacity before they are sent (its capacity holds over the tokens it routes, as when each rank runs
 the original model on its batch under data parallelism), ``moe::build_pft`` leaves them at the tail of its rows,
-the dispatch sends only the kept rows and the combine gives the tail zeros (``runtime/comm/ops.py``). The forms
-that regroup the rows (dedup, expert swap, replication, sequence sharding over tp) do not carry that tail: such a
-layer runs without them, and the report says why.
+the dispatch sends only the kept rows and the combine gives the tail zeros (``runtime/comm/ops.py``). Dedup
+(``runtime/comm/dedup.py``) and expert swap (``moe.ep_to_slots``) carry that tail too (its rows are no pair and
+keep their place); replication and sequence sharding over tp do not: such a layer runs without them, and the
+report says why.
 
 A layer with identity experts (LongCat-Flash's zero-computation experts: ids E..E+Z-1 return the token) sends only
 the rows of its E computed experts; the identity rows stay home at the tail, as a capacity's dropped rows, and the
@@ -13,7 +14,7 @@ token's own share is added on its rank. Its fused ``gate_up`` weight keeps Z row
 allocates ``[E + Z, ...]``, ``down`` ``[E, ...]``): each rank holds its E / W computed experts' rows, then its
 Z / W of those spare rows (``identity_shard``), and the state_dict places them back in the model's order
 (``identity_slots``: the slot of each row, as an expert swap's placement), so a checkpoint holds the whole
-``[E + Z, ...]`` tensor.
+``[E + Z, ...]`` tensor. An expert swap moves the E experts' rows; the spare ones stay where they are.
 """
 
 from __future__ import annotations
@@ -49,11 +50,10 @@ def unshardable(rec, world: int, domains: bool = False) -> str:
 
 
 def rows_home(rec) -> str:
-    """Why the layer of ``rec`` runs without dedup, expert swap and replication: "" without a capacity or identity
-    experts."""
+    """Why the layer of ``rec`` does not replicate its experts: "" without a capacity or identity experts."""
     if rec.spec.experts.identity_experts:
-        return "its identity experts' rows stay home, the rest cross one per (token, expert), in expert order"
-    return "" if rec.spec.routing.capacity < 0 else f"{CAPACITY}, one row per (token, expert), in expert order"
+        return "its identity experts' rows stay home: replicas are not built for such a layer yet"
+    return "" if rec.spec.routing.capacity < 0 else f"{CAPACITY}: replicas are not built for such a layer yet"
 
 
 def identity_shard(full: torch.Tensor, E: int, rank: int, world: int) -> torch.Tensor:
@@ -63,14 +63,15 @@ def identity_shard(full: torch.Tensor, E: int, rank: int, world: int) -> torch.T
     return torch.cat([full[rank * e:(rank + 1) * e], full[E + rank * z:E + (rank + 1) * z]])
 
 
-def identity_slots(E: int, total: int, world: int) -> torch.Tensor:
+def identity_slots(E: int, total: int, world: int, slots: torch.Tensor | None = None, device=None) -> torch.Tensor:
     """The slot (place in the ranks' rows, ``identity_shard``'s layout) of each of the ``total`` rows of a stacked
-    weight with spare rows after its E experts'."""
+    weight with spare rows after its E experts'; with ``slots`` (an expert swap's placement: expert e in slot
+    ``slots[e]`` of the E computed experts' slots), the experts' rows where the swaps put them."""
     e, z, c = E // world, (total - E) // world, total // world
-    rows = torch.arange(total)
-    live = rows // e * c + rows % e
-    spare = (rows - E) // max(z, 1) * c + e + (rows - E) % max(z, 1)
-    return torch.where(rows < E, live, spare)
+    rows = torch.arange(total, device=device if slots is None else slots.device)
+    placed = rows[:E] if slots is None else slots
+    spare = rows[E:] - E
+    return torch.cat([placed // e * c + placed % e, spare // max(z, 1) * c + e + spare % max(z, 1)])
 
 
 def expert_tensors(rec):

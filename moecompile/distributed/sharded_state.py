@@ -50,8 +50,10 @@ def to_local(value, total: int, slots, mesh, rank, group):
 
 def row_slots(module, attr: str):
     """The placement of a sharded weight's rows (slot of each global row; None: in order): the layer's expert swap
-    placement, or a weight's own (spare rows of identity experts: ``moecompile/distributed/shardable.py``)."""
-    return getattr(module, "_moe_row_slots", {}).get(attr, module._buffers.get(SLOTS))
+    placement, or a weight's own, made from it (spare rows of identity experts: ``moecompile/distributed/
+    shardable.py``)."""
+    own = getattr(module, "_moe_row_slots", {}).get(attr)
+    return module._buffers.get(SLOTS) if own is None else own(module._buffers.get(SLOTS))
 
 
 def global_state(rows: dict[str, int], mesh, group):

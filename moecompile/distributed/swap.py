@@ -91,8 +91,9 @@ class ExpertSwap:
             a, b, before, after = best
             new = slots.clone()
             new[a], new[b] = slots[b], slots[a]
+            live = e.num_experts // W if e.identity_experts else None  # (the spare gate_up rows stay: shardable.py)
             for p in params:
-                _move_param(p, slots, new, self.group, optimizer)
+                _move_param(p, slots, new, self.group, optimizer, live)
             slots.copy_(new)
             self.history.append((self.steps, rec.path, a, b, before, after))
         for rec, _, _ in self.layers:
@@ -107,17 +108,18 @@ def _listed(weight) -> list:
     return weight if isinstance(weight, list) else [weight]
 
 
-def _move_param(weight, old, new, group, optimizer) -> None:
-    """Re-place a stacked or flat shard (``weight``, its rows), or a ModuleList layer's local experts' weights of
-    one role (a list, stacked to move: entry i goes with slot i), with their gradients and optimizer state. Every
-    rank holds gradients, and state of the same keys, alike (they all step together)."""
+def _move_param(weight, old, new, group, optimizer, live: int | None = None) -> None:
+    """Re-place a stacked or flat shard (``weight``, its rows; its first ``live`` rows where it holds more, the
+    spare rows of a layer with identity experts), or a ModuleList layer's local experts' weights of one role (a
+    list, stacked to move: entry i goes with slot i), with their gradients and optimizer state. Every rank holds
+    gradients, and state of the same keys, alike (they all step together)."""
     params, one_list = _listed(weight), isinstance(weight, list)
 
     def move(tensors):
-        rows = torch.stack(tensors) if one_list else tensors[0]
+        rows = torch.stack(tensors) if one_list else tensors[0][:live]
         moved = move_rows(rows, old, new, group)
         for t, m in zip(tensors, moved.unbind(0) if one_list else [moved]):
-            t.copy_(m)
+            (t if one_list else t[:live]).copy_(m)
 
     with torch.no_grad():
         move([p.detach() for p in params])

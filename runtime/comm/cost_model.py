@@ -113,15 +113,17 @@ def messages(ids_TK: torch.Tensor, placement: Placement, source_rank_T: torch.Te
     """Per dedup choice (``off`` and each level of ``names`` but the innermost), the (collective kind, busiest
     rank's bytes) of each all-to-all of one dispatch and combine of this routing (the tokens of every rank:
     ``source_rank_T[t]`` is where token t starts); with ``gamma``, the smooth max over the ranks (``smooth_max``)
-    in place of the busiest. ``names``: the mesh's level names, outermost first (``placement.mesh_shape``'s)."""
+    in place of the busiest. ``names``: the mesh's level names, outermost first (``placement.mesh_shape``'s).
+    An id below 0 is a row that stays on its rank (an identity expert's, or one dropped past a capacity)."""
     names = tuple(names)
     if len(names) != len(placement.mesh_shape):
         raise ValueError(f"mesh levels {names} do not match the placement's mesh shape {placement.mesh_shape}")
     ranks, E = math.prod(placement.mesh_shape), placement.num_experts
     T, K = ids_TK.shape
-    src = source_rank_T.repeat_interleave(K)  # per assignment
-    dest = placement.expert_rank[ids_TK].reshape(-1)
-    token = torch.arange(T).repeat_interleave(K)
+    sent = ids_TK.reshape(-1) >= 0
+    src = source_rank_T.repeat_interleave(K)[sent]  # per assignment
+    dest = placement.expert_rank[ids_TK.reshape(-1)[sent]]
+    token = torch.arange(T).repeat_interleave(K)[sent]
     everyone = torch.ones(ranks, ranks, dtype=torch.float64) - torch.eye(ranks, dtype=torch.float64)
     rows = _matrix(src, dest, ranks, row_bytes)
     plan = {"off": [("flat", _busiest(everyone * (E // ranks) * 8, gamma)), ("flat", _busiest(rows, gamma)),

@@ -19,6 +19,11 @@ that level (its "cross" collective) and "local" as the ranks of one such group (
     source rank
     8 out[t] = sum of the token's pair sums (one per node it was routed to)
 
+A layer with an expert capacity or identity experts (``moecompile/distributed/shardable.py``): the rows past
+``sum(counts_E)`` (dropped past the capacity, or routed to an identity expert) are no assignment of any pair:
+they stay on the source rank, cross no link, and their rows of the output are the combine's zeros there (as in
+``ops.py``'s exchange without dedup).
+
 Inter-node bytes are the distinct (token, remote node) pairs x H x element size, each way (``COMM`` counts them
 as ``dispatch.node`` and ``combine.node``); the routing (16 bytes of ids and the weight per assignment) is counted
 apart as ``routing.*``.
@@ -69,12 +74,15 @@ def ep_node_plan(token_ids_B: Tensor, counts_E: Tensor, num_tokens: int, node_gr
     nodes, me = dist.get_world_size(group), dist.get_rank(group)
     E = counts_E.numel()
     expert_B = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E)
+    counted = expert_B.numel()  # (rows past it: the uncounted tail, dropped or identity rows, which stay here)
     node_B = expert_B // (E // nodes)
-    keys, pair_B = torch.unique(node_B * num_tokens + token_ids_B, sorted=True, return_inverse=True)
+    keys, pair_B = torch.unique(node_B * num_tokens + token_ids_B[:counted], sorted=True, return_inverse=True)
     pairs_N = torch.bincount(keys // num_tokens, minlength=nodes)
     assign_N = counts_E.view(nodes, -1).sum(1)
     first_pair_N = torch.cumsum(pairs_N, 0) - pairs_N
     meta_B2 = torch.stack([expert_B, pair_B - first_pair_N[node_B]], 1)
+    if counted < token_ids_B.numel():  # the tail's rows: never sent (ep_exchange sends the counted ones)
+        meta_B2 = torch.cat([meta_B2, meta_B2.new_zeros(token_ids_B.numel() - counted, 2)])
     COMM.add(layer, "dedup.remote_assignments", assign_N.sum() - assign_N[me])  # summed on the device
     COMM.add(layer, "dedup.remote_pairs", pairs_N.sum() - pairs_N[me])
     return keys % num_tokens, meta_B2, torch.stack([pairs_N, assign_N], 1)
@@ -127,15 +135,23 @@ def _ep_counts_fake(send_WC, group_name):
 @moe_op("moe::ep_exchange", mutates_args=())
 def ep_exchange(rows: Tensor, send_W: Tensor, recv_W: Tensor, num_rows: int, group_name: str, layer: str,
                 phase: str) -> Tensor:
-    """``send_W[r]`` of ``rows`` (in order) to rank r of the group, ``recv_W[r]`` rows from it; ``num_rows`` is
-    ``sum(recv_W)`` when the caller knows it (-1: a new size). Counted in ``COMM`` under ``phase`` unless empty."""
+    """``send_W[r]`` of ``rows`` (in order) to rank r of the group, ``recv_W[r]`` rows from it; ``num_rows``, when
+    the caller knows it, is ``sum(recv_W)`` or more (-1: a new size). Rows past ``sum(send_W)`` stay here (the
+    uncounted tail of a layer with a capacity or identity experts), and rows past ``sum(recv_W)`` up to
+    ``num_rows`` are zeros (the tail's gradient, in backward). Counted in ``COMM`` under ``phase`` unless empty."""
     group = _group(group_name)
     send = send_W.tolist()
     if not phase:  # a backward exchange: not counted
-        return exchange(rows, send, recv_W.tolist(), group)
+        return _padded(exchange(rows[:sum(send)], send, recv_W.tolist(), group), num_rows)
     with COMM.timed(layer, rows.device):
         COMM.add_rows(layer, phase, group, send, math.prod(rows.shape[1:]) * rows.element_size())
-        return exchange(rows, send, recv_W.tolist(), group)
+        return _padded(exchange(rows[:sum(send)], send, recv_W.tolist(), group), num_rows)
+
+
+def _padded(rows: Tensor, num_rows: int) -> Tensor:
+    if num_rows <= rows.size(0):
+        return rows
+    return torch.cat([rows, rows.new_zeros(num_rows - rows.size(0), *rows.shape[1:])])
 
 
 @register_fake("moe::ep_exchange")

@@ -34,10 +34,14 @@ RECENT: dict[str, Tensor] = {}  # layer -> [T, K] expert ids of its last forward
 def ep_to_slots(token_ids_B: Tensor, counts_E: Tensor, slots_E: Tensor, num_tokens: int, layer: str
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The routed rows (sorted by expert) sorted by slot: (token_ids_S, counts per slot, order_S: the row of
-    each, inverse_B: where each row went)."""
-    E = counts_E.numel()
+    each, inverse_B: where each row went). Rows past ``sum(counts_E)`` (the uncounted tail of a layer with a
+    capacity or identity experts: they stay on this rank) stay at the tail, in order; ``RECENT`` gives them id -1."""
+    E, B = counts_E.numel(), token_ids_B.numel()
     expert_B = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E)
     order_S = torch.argsort(slots_E[expert_B], stable=True)
+    if expert_B.numel() < B:
+        order_S = torch.cat([order_S, torch.arange(expert_B.numel(), B, device=order_S.device)])
+        expert_B = torch.cat([expert_B, expert_B.new_full((B - expert_B.numel(),), -1)])
     inverse_B = torch.empty_like(order_S)
     inverse_B[order_S] = torch.arange(order_S.numel(), device=order_S.device)
     counts_S = torch.empty_like(counts_E)
@@ -74,7 +78,8 @@ def choose_swap(ids_TK: Tensor, source_rank_T: Tensor, slots_E: Tensor, mesh_sha
     before = objective(ids_TK, source_rank_T, expert_rank, mesh_shape, hidden, elem_bytes, link, dedup, gamma, names)
     pairs = [(a, b) for a in range(E) for b in range(a + 1, E) if expert_rank[a] != expert_rank[b]]
     if len(pairs) > max_pairs:
-        load = torch.bincount(expert_rank[ids_TK.reshape(-1)], minlength=ranks)
+        ids = ids_TK.reshape(-1)
+        load = torch.bincount(expert_rank[ids[ids >= 0]], minlength=ranks)  # (an id < 0 stays home)
         busiest = int(load.argmax())
         pairs = [(a, b) for a, b in pairs if (int(expert_rank[a]) == busiest) != (int(expert_rank[b]) == busiest)]
         pairs = pairs[:max_pairs]
