@@ -5,10 +5,11 @@ tokens, from the block's input on, router and shared experts included (``runtime
 
 A node of the block that works token by token then runs on the rows: it holds the physical [n, *rest] of its
 logical [*lead, *rest] (``Rows``). Such nodes are views and reshapes that keep the tokens leading, casts,
-pointwise ops, linear, softmax over a feature dimension, top-k over the last, ``moe.route``, and the canonical
-``moe.build_pft`` / ``moe.expert_mlp`` / ``moe.combine`` (its token count: the rows). Whatever else reads rows (the
-residual add after the block, the graph's output, an op not listed here) reads their ``moe.tp_gather``, reshaped
-back to the logical shape: exact, so an op not listed costs a gather, never a wrong value.
+pointwise ops and comparisons, linear, softmax and sums over a feature dimension (identity experts' share),
+top-k over the last, ``moe.route``, and the canonical ``moe.build_pft`` / ``moe.expert_mlp`` / ``moe.combine``
+(its token count: the rows). Whatever else reads rows (the residual add after the block, the graph's output, an
+op not listed here) reads their ``moe.tp_gather``, reshaped back to the logical shape: exact, so an op not listed
+costs a gather, never a wrong value.
 
 Gradients (x-moe.md Fig. 8): the slice's adjoint gathers the token gradients whole on every tp rank, the gather's
 takes this rank's slice. A replicated tensor that needs a gradient and meets rows (the router's weight, a shared
@@ -38,8 +39,11 @@ SAME_METHODS = {"to", "type", "float", "half", "bfloat16", "double", "contiguous
                 "tanh", "clone", "rsqrt", "sqrt", "abs"}
 SAME_FUNCTIONS = {torch.sigmoid, torch.exp, torch.neg, torch.relu, torch.tanh, torch.rsqrt, torch.sqrt, torch.abs,
                   F.silu, F.gelu, F.relu, F.sigmoid, operator.neg}
-BINARY = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul, torch.div}
-BINARY_METHODS = {"add", "sub", "mul", "div"}
+COMPARE = {operator.ge, operator.gt, operator.le, operator.lt, operator.eq, operator.ne}
+BINARY = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul, torch.div,
+          *COMPARE}
+BINARY_METHODS = {"add", "sub", "mul", "div", "ge", "gt", "le", "lt", "eq", "ne"}
+SUM = {torch.sum}
 SOFTMAX = {torch.softmax, F.softmax, torch.log_softmax, F.log_softmax}
 LINEAR = {F.linear, torch._C._nn.linear}
 TOPK = {torch.topk}
@@ -219,6 +223,8 @@ class Cut:
                 return False
             out = Rows(r.lead, (*r.rest[:-1], k))
             return self._set(n, [out, out], [self.phys.get(x, x), *args[1:]], kw)
+        if n.target in SUM or (n.op == "call_method" and n.target == "sum"):
+            return self._sum(n, r, args, kw)
         if n.target in LINEAR:
             return self._linear(n, r, args, kw)
         if n.target in BINARY or (n.op == "call_method" and n.target in BINARY_METHODS):
@@ -265,6 +271,16 @@ class Cut:
             return False
         args[0] = self.phys.get(args[0], args[0])
         return self._set(n, out, args, kw)
+
+    def _sum(self, n, r: Rows, args, kw) -> bool:
+        """A sum over one feature dimension (identity experts' share of a token's routing weights)."""
+        keep = args[2] if len(args) > 2 else kw.get("keepdim", False)
+        dim = _phys_dim(args[1] if len(args) > 1 else kw.get("dim"), r)
+        if dim is None or not isinstance(keep, bool) or set(kw) - {"dim", "keepdim"} or len(args) > 3:
+            return False
+        d = dim - 1 if dim > 0 else len(r.rest) + dim  # (in r.rest)
+        out = Rows(r.lead, (*r.rest[:d], *([1] if keep else []), *r.rest[d + 1:]))
+        return self._along(n, r, args, kw, "dim", out)
 
     def _linear(self, n, r: Rows, args, kw) -> bool:
         w = args[1] if len(args) > 1 else kw.get("weight")

@@ -74,6 +74,8 @@ def _forward(model, ids):
 
 def _check(kind, rank, world, mesh, tmp, **parallel):
     batches = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(5))
+    if "moe_tp" in parallel:  # a (1, world) ("dp", "tp") mesh: every rank the same batch
+        batches[:] = batches[0]
     model, ref = _build(kind), _build(kind)
     example = (batches[rank], None, batches[rank]) if kind == "switch" else (batches[rank],)
     moecompile.parallelize(model, mesh, *example, **parallel)
@@ -101,6 +103,8 @@ def _check(kind, rank, world, mesh, tmp, **parallel):
         if kind != "longcat_flash":  # the capacity drops rows on this rank
             assert drops.keys() == computed.keys() and sum(d["dropped"] for d in drops.values()), drops
         home = 0
+        if parallel.get("moe_tp") == "ssmb":  # gathered over tp: the block's output and its router logits, no more
+            assert all(sent[layer]["calls.tp_gather"] == 2 for layer in computed), sent
         for layer, ids in routing.items():  # rows to computed experts, less those dropped, are sent
             kept = int((ids < computed[layer]).sum()) - drops.get(layer, {}).get("dropped", 0)
             dispatched = sum(v for k, v in sent[layer].items() if k.startswith("dispatch.")) // (hidden * 4)
@@ -173,6 +177,9 @@ def _ranks(rank, world, tmp):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
+        tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+        info = _check("longcat_flash", rank, world, tp, tmp, moe_tp="ssmb")
+        assert all("sequence-sharded over tp" in rec.sharding for rec in info.report.layers)
         mesh = init_device_mesh("cpu", (world,))
         _check("longcat_flash", rank, world, mesh, tmp)
         nodes = init_device_mesh("cpu", (world, 1), mesh_dim_names=("node", "local"))  # a rank per node
@@ -216,5 +223,6 @@ def test_capacity_and_identity_layers_dedup_and_run_without_replicas_and_tp_form
     assert unshardable(_record(-1, identity=2), 2) == ""
     for why in (unshardable(_record(-1, identity=3), 2), unshardable(_record(-1, identity=2, storage="flat"), 2)):
         assert "stacked experts and a number of identity experts" in why
-    assert "not sharded over tp or in expert domains" in unshardable(_record(-1, "ted", identity=2), 2)
-    assert "not sharded over tp or in expert domains" in unshardable(_record(-1, identity=2), 2, domains=True)
+    assert unshardable(_record(-1, "ssmb", identity=2), 2) == ""
+    assert "not sharded by TED or in expert domains" in unshardable(_record(-1, "ted", identity=2), 2)
+    assert "not sharded by TED or in expert domains" in unshardable(_record(-1, identity=2), 2, domains=True)

@@ -348,7 +348,7 @@ def test_auto_picks_by_x_moe_appendix_c_on_the_published_shapes():
     """SSMB for DeepSeek-V3 and Qwen3-30B-A3B, TED for Mixtral-8x7B at S = 4096 (a (8, 8) mesh: 64 ranks, each
     with 4096 tokens); the rule on Fig. 17's other models at 2048, 4096 and 8192 (c = 1): DeepSeek-MoE SSMB,
     Mixtral-8x22B TED, Arctic TED then SSMB as S grows. DeepSeek-V3 with an expert capacity: TED (its capacity holds
-    over each rank's tokens)."""
+    over each rank's tokens); 64 of Mixtral's experts: TED, SSMB with identity experts (TED does not cut them)."""
     from moecompile.distributed.moe_tp import TPSetup, choose, rule
 
     setup = TPSetup("auto", None, 8, None, 8)
@@ -366,6 +366,11 @@ def test_auto_picks_by_x_moe_appendix_c_on_the_published_shapes():
     capped = _real_spec(*REAL["DeepSeek-V3"])  # a capacity holds over a rank's tokens: not sequence-sharded
     capped = capped.replace(routing=dataclasses.replace(capped.routing, capacity=4096))
     assert choose(capped, 4096, 4096, setup, 64, 2).mode == "ted"
+    wide = _real_spec(*REAL["Mixtral-8x7B"])  # 64 experts (the rule: TED), 8 of them identity experts
+    wide = wide.replace(experts=dataclasses.replace(wide.experts, num_experts=64))
+    assert choose(wide, 4096, 4096, setup, 64, 2).mode == "ted"
+    wide = wide.replace(experts=dataclasses.replace(wide.experts, identity_experts=8))
+    assert choose(wide, 4096, 4096, setup, 64, 2).mode == "ssmb"  # (TED does not cut identity experts)
 
 
 def test_ted_refuses_what_it_cannot_cut():

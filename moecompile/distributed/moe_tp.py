@@ -136,10 +136,12 @@ def choose(spec, S: int, tokens: int, setup: TPSetup, world: int, elem: int) -> 
     choice = Choice(rule(r.top_k, e.intermediate, c, S), r.top_k, e.intermediate, c, S,
                     {"ssmb": int(rows * -(-tokens // G)), "ted": int(rows * tokens)},
                     {"ssmb": whole // min(e.num_experts, world), "ted": whole // (setup.ep * G)})
-    # (a capacity holds over all the tokens a rank routes: moecompile/distributed/shardable.py)
+    # (a capacity holds over all the tokens a rank routes; identity experts are not cut by TED yet:
+    # moecompile/distributed/shardable.py)
     possible = {"ssmb": e.num_experts % world == 0 and r.capacity < 0,
                 "ted": e.num_experts % setup.ep == 0 and e.intermediate % G == 0 and e.storage in ("stacked",
-                                                                                                     "modulelist")}
+                                                                                                     "modulelist")
+                and not e.identity_experts}
     if not possible[choice.mode] and possible["ted" if choice.mode == "ssmb" else "ssmb"]:
         other = "ted" if choice.mode == "ssmb" else "ssmb"
         choice.note = f"; {choice.mode} cannot cut this layer on this mesh, {other} taken"

@@ -5,8 +5,8 @@ rows past the capacity before they are sent (its capacity holds over the tokens 
 the original model on its batch under data parallelism), ``moe::build_pft`` leaves them at the tail of its rows,
 the dispatch sends only the kept rows and the combine gives the tail zeros (``runtime/comm/ops.py``). Dedup
 (``runtime/comm/dedup.py``) and expert swap (``moe.ep_to_slots``) carry that tail too (its rows are no pair and
-keep their place); replication and sequence sharding over tp do not: such a layer runs without them, and the
-report says why.
+keep their place); replication does not, and sequence sharding over tp would drop other rows (a capacity over a
+slice of the tokens): such a layer runs without them, and the report says why.
 
 A layer with identity experts (LongCat-Flash's zero-computation experts: ids E..E+Z-1 return the token) sends only
 the rows of its E computed experts; the identity rows stay home at the tail, as a capacity's dropped rows, and the
@@ -14,7 +14,9 @@ token's own share is added on its rank. Its fused ``gate_up`` weight keeps Z row
 allocates ``[E + Z, ...]``, ``down`` ``[E, ...]``): each rank holds its E / W computed experts' rows, then its
 Z / W of those spare rows (``identity_shard``), and the state_dict places them back in the model's order
 (``identity_slots``: the slot of each row, as an expert swap's placement), so a checkpoint holds the whole
-``[E + Z, ...]`` tensor. An expert swap moves the E experts' rows; the spare ones stay where they are.
+``[E + Z, ...]`` tensor. An expert swap moves the E experts' rows; the spare ones stay where they are. Under
+``moe_tp="ssmb"`` each tp rank adds the identity share of its slice of the tokens (``passes/sequence_shard.py``
+cuts the comparisons and the sum); TED (each expert cut over tp) and expert domains leave it whole.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ def unshardable(rec, world: int, domains: bool = False) -> str:
     if e.identity_experts and (e.storage != "stacked" or e.identity_experts % world):
         return (f"a layer with identity experts is sharded with stacked experts and a number of identity experts "
                 f"({e.identity_experts}) that divides over the {world} ranks")
-    if e.identity_experts and (getattr(rec, "moe_tp", "off") != "off" or domains):
-        return ("a layer with identity experts is not sharded over tp or in expert domains yet (plain expert "
-                "parallelism is)")
+    if e.identity_experts and (getattr(rec, "moe_tp", "off") == "ted" or domains):
+        return ("a layer with identity experts is not sharded by TED or in expert domains yet (plain expert "
+                "parallelism and moe_tp='ssmb' are)")
     if r.capacity >= 0 and getattr(rec, "moe_tp", "off") == "ssmb":
         return (f"{CAPACITY} of all its tokens: sequence-sharding them over tp (moe_tp='ssmb') would change which "
                 "rows it drops (moe_tp='off' or 'ted' shards it)")
