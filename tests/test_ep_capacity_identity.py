@@ -24,11 +24,12 @@ score bias, one computed expert a token) and gshard train the same deduplicated 
 "local") mesh, their experts swapping ranks after every step: the kept rows' routing is what crosses (20 bytes
 each), LongCat's remote (token, node) pairs and rows are those of its routing under the placement of the step,
 and some pairs stand for several rows. With expert domains of both ranks (every expert gathered on each, the rows
-exchanged with no other rank) the gshard model trains the same; the bmm layer swaps experts on a 1-D mesh. A
-failing rank fails the test; the group has a timeout.
+exchanged with no other rank) the gshard model trains the same, and so it does with its experts replicated
+(replication="adaptive", 5 slots a rank, moecompile.ExpertOptimizer's SGD: the kept rows to instances); the bmm
+layer swaps experts on a 1-D mesh. A failing rank fails the test; the group has a timeout.
 
-Without a process group: asked for dedup, a layer with a capacity or identity experts takes it, and does not
-replicate, saying why; asked for moe_tp="ssmb", a capacity layer stays whole, saying why (``moe_tp="auto"`` does
+Without a process group: asked for dedup, a layer with a capacity or identity experts takes it; identity experts
+do not replicate, saying why; asked for moe_tp="ssmb", a capacity layer stays whole, saying why (``moe_tp="auto"`` does
 not pick it: tests/test_moe_tp.py); identity experts stay whole under tp, in expert domains, in other storage than
 stacked, or when they do not divide over the ranks, saying why.
 """
@@ -82,11 +83,17 @@ def _check(kind, rank, world, mesh, tmp, **parallel):
     info = model._moe_parallel
     assert not info.left and len(info.report.layers) == (4 if kind == "switch" else 2), info.left
     for rec in info.report.layers:
+        if "replication" in parallel:
+            assert "5 expert slots on each of 2 ranks" in rec.sharding and "adaptive" in rec.sharding, rec.sharding
+            continue
         assert ("2 of 4" if kind == "switch" else "4 of 8") + " experts on each of 2 ranks" in rec.sharding
     computed = {rec.path: rec.spec.experts.num_experts for rec in info.report.layers}
     options = {**OPTIONS, "strict": kind != "switch"}  # (Switch's graph breaks leave graphs without a layer)
     compiled = torch.compile(model, backend="moe", options=options)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    if "replication" in parallel:  # (the experts' host optimizer, the others' SGD)
+        opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
     hidden = model.config.d_model if kind == "switch" else model.config.hidden_size if hasattr(
         model, "config") else model.embed.embedding_dim
@@ -190,6 +197,7 @@ def _ranks(rank, world, tmp):
         local = init_device_mesh("cpu", (world,), mesh_dim_names=("local",))
         info = _check("gshard", rank, world, local, tmp, expert_domains={"local": 2})  # every expert gathered here
         assert all("domain" in rec.sharding for rec in info.report.layers), info.report.layers[0].sharding
+        _check("gshard", rank, world, mesh, tmp, replication="adaptive", slots_per_rank=5)  # ExpertOptimizer's SGD
         _check("switch", rank, world, mesh, tmp)
         info = _check("bmm", rank, world, mesh, tmp, swap_every=1)
         assert info.swap.history
@@ -210,14 +218,14 @@ def _record(capacity, moe_tp="off", identity=0, storage="stacked"):
                            expert_weights={"up": torch.nn.Parameter(torch.zeros(8, 2, 2))})
 
 
-def test_capacity_and_identity_layers_dedup_and_run_without_replicas_and_tp_forms_saying_why():
+def test_capacity_and_identity_layers_dedup_and_say_which_forms_they_run_without():
     from moecompile.distributed.parallel import _choose_dedup
     from moecompile.distributed.shardable import rows_home, unshardable
 
     records = [_record(-1), _record(3), _record(-1, identity=2)]  # (dedup carries the rows that stay home)
     _choose_dedup(records, "node", None, {}, None, None)
     assert [r.dedup for r in records] == ["node", "node", "node"]
-    assert [rows_home(r).split(": ")[-1] for r in records] == ["", *["replicas are not built for such a layer yet"] * 2]
+    assert [rows_home(r).split(": ")[-1] for r in records] == ["", "", "replicas are not built for such a layer yet"]
     assert unshardable(_record(3), 2) == "" and unshardable(_record(-1, "ssmb"), 2) == ""
     assert "moe_tp='off' or 'ted' shards it" in unshardable(_record(3, "ssmb"), 2)
     assert unshardable(_record(-1, identity=2), 2) == ""

@@ -4,9 +4,9 @@ A layer with an expert capacity (GShard's, Switch Transformers' per sequence) is
 rows past the capacity before they are sent (its capacity holds over the tokens it routes, as when each rank runs
 the original model on its batch under data parallelism), ``moe::build_pft`` leaves them at the tail of its rows,
 the dispatch sends only the kept rows and the combine gives the tail zeros (``runtime/comm/ops.py``). Dedup
-(``runtime/comm/dedup.py``) and expert swap (``moe.ep_to_slots``) carry that tail too (its rows are no pair and
-keep their place); replication does not, and sequence sharding over tp would drop other rows (a capacity over a
-slice of the tokens): such a layer runs without them, and the report says why.
+(``runtime/comm/dedup.py``), expert swap (``moe.ep_to_slots``) and replication (``moe.ep_to_instances``) carry
+that tail too (its rows are no pair, keep their place, go to no instance); sequence sharding over tp would drop
+other rows (a capacity over a slice of the tokens): such a layer is not sequence-sharded, and the report says why.
 
 A layer with identity experts (LongCat-Flash's zero-computation experts: ids E..E+Z-1 return the token) sends only
 the rows of its E computed experts; the identity rows stay home at the tail, as a capacity's dropped rows, and the
@@ -16,7 +16,8 @@ Z / W of those spare rows (``identity_shard``), and the state_dict places them b
 (``identity_slots``: the slot of each row, as an expert swap's placement), so a checkpoint holds the whole
 ``[E + Z, ...]`` tensor. An expert swap moves the E experts' rows; the spare ones stay where they are. Under
 ``moe_tp="ssmb"`` each tp rank adds the identity share of its slice of the tokens (``passes/sequence_shard.py``
-cuts the comparisons and the sum); TED (each expert cut over tp) and expert domains leave it whole.
+cuts the comparisons and the sum); TED (each expert cut over tp) and expert domains leave it whole, and it does
+not replicate its experts (the replicas' slots hold ``[E, ...]`` weights).
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ def unshardable(rec, world: int, domains: bool = False) -> str:
 
 
 def rows_home(rec) -> str:
-    """Why the layer of ``rec`` does not replicate its experts: "" without a capacity or identity experts."""
+    """Why the layer of ``rec`` does not replicate its experts: "" without identity experts (a layer with a capacity
+    replicates: its kept rows go to the instances, its tail stays home)."""
     if rec.spec.experts.identity_experts:
-        return "its identity experts' rows stay home: replicas are not built for such a layer yet"
-    return "" if rec.spec.routing.capacity < 0 else f"{CAPACITY}: replicas are not built for such a layer yet"
+        return ("its identity experts' rows stay home and its gate_up weight holds spare rows: replicas are not built "
+                "for such a layer yet")
+    return ""
 
 
 def identity_shard(full: torch.Tensor, E: int, rank: int, world: int) -> torch.Tensor:
