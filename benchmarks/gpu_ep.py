@@ -9,8 +9,10 @@ one GPU.
 World 4 as a (2, 2) ("node", "local") mesh, a tiny Mixtral (8 experts, top-2) in fp32, each rank on its own batch,
 beside one process training the same model on the four batches together (the same mean loss), on the same device.
 Cases: ``off`` (expert parallelism, one row per (token, expert)), ``node`` (hierarchical dedup: a token crosses to a
-node once) and ``adaptive`` (replication="adaptive", E/W + 1 expert slots per rank, moecompile.ExpertOptimizer
-with the optimizer state on the host). Two SGD steps (lr 0.1, momentum 0.9): each step's logits on each rank
+node once), ``adaptive`` (replication="adaptive", E/W + 1 expert slots per rank, moecompile.ExpertOptimizer
+with the optimizer state on the host) and ``identity`` (LongCat-Flash's walk model with 4 identity experts, its
+routers drawn anew so that tokens reach several computed experts: the identity rows stay home, the others
+deduplicated per node, the experts swapping ranks after each step). Two SGD steps (lr 0.1, momentum 0.9): each step's logits on each rank
 against the one-process logits of its batch, then every parameter of the state_dict (made whole) against the
 one-process parameters. Passed within 1e-5 (fp32, normwise max relative). Each case is its own group of processes
 (a case that fails cannot stall the next); the table has each case's errors, time and status.
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CASES = ("off", "node", "adaptive")
+CASES = ("off", "node", "adaptive", "identity")
 WORLD, MESH, STEPS, LR, TOL = 4, (2, 2), 2, 0.1, 1e-5
 
 
@@ -44,13 +46,12 @@ def _rank(rank: int, case: str, device: str, inner: str, tmp: str) -> None:
     from torch.distributed.tensor import DTensor
 
     import moecompile
-    from moecompile.models.hf import tiny_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     try:
-        ref, model = tiny_model("mixtral").to(device).train(), tiny_model("mixtral").to(device).train()
+        ref, model = _model(case).to(device).train(), _model(case).to(device).train()
         gen = torch.Generator().manual_seed(7)
         batches = torch.randint(0, model.config.vocab_size, (WORLD, 2, 6), generator=gen).to(device)
         mine, together = batches[rank], batches.flatten(0, 1)
@@ -60,7 +61,8 @@ def _rank(rank: int, case: str, device: str, inner: str, tmp: str) -> None:
             moecompile.parallelize(model, mesh, mine, replication="adaptive", slots_per_rank=E // WORLD + 1)
             opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
         else:
-            moecompile.parallelize(model, mesh, mine, dedup=case)
+            swap = {"dedup": "node", "swap_every": 1} if case == "identity" else {"dedup": case}
+            moecompile.parallelize(model, mesh, mine, **swap)
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
         compiled = torch.compile(model, backend="moe", options={"strict": True, "inner": inner})
@@ -80,6 +82,21 @@ def _rank(rank: int, case: str, device: str, inner: str, tmp: str) -> None:
             Path(f"{tmp}/result").write_text(repr((max(e[0] for e in errors), max(e[1] for e in errors))))
     finally:
         dist.destroy_process_group()
+
+
+def _model(case: str):
+    from moecompile.models import hf
+
+    if case != "identity":
+        return hf.tiny_model("mixtral")
+    config = hf.walk_config("longcat_flash")
+    config.zero_expert_num = 4  # (identity experts divide over the 4 ranks)
+    torch.manual_seed(0)
+    model = hf.build_model(config)
+    with torch.no_grad():  # (the tiny router follows its drawn score bias: each token one computed expert)
+        for layer in model.model.layers:
+            layer.mlp.router.classifier.weight.normal_()
+    return model
 
 
 def run_case(case: str, device: str, inner: str = "inductor", spawn=mp.spawn) -> dict:
