@@ -131,7 +131,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         local_experts = e.num_experts * first.meta["example_value"].shape[0] // views[0].args[1]
     domain_group = view_arg(views[0], "domain_group", "")  # expert domains: the domain's experts gathered here
     domain_size = dist.get_world_size(resolve_group(domain_group)) if domain_group else 1
-    local_experts *= domain_size
+    own, local_experts = local_experts, local_experts * domain_size
     ted = moe_tp == "ted"  # each expert's intermediate size cut over tp (moecompile/distributed/ted.py)
     inter = e.intermediate // dist.get_world_size(resolve_group(tp_group)) if ted else e.intermediate
     local_spec = spec.replace(experts=dataclasses.replace(e, num_experts=local_experts, intermediate=inter))
@@ -146,6 +146,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked weights
         if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
+            if e.identity_experts:  # the experts' rows gathered, the spare gate_up rows left (shardable.py)
+                mine = {r: p[:own] for r, p in mine.items()}
             mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
             reshard = view_arg(views[0], "reshard", False)  # gathered again in backward (_start_gathers_early)
             for gathered in mine.values():

@@ -24,14 +24,17 @@ score bias, one computed expert a token) and gshard train the same deduplicated 
 "local") mesh, their experts swapping ranks after every step: the kept rows' routing is what crosses (20 bytes
 each), LongCat's remote (token, node) pairs and rows are those of its routing under the placement of the step,
 and some pairs stand for several rows. With expert domains of both ranks (every expert gathered on each, the rows
-exchanged with no other rank) the gshard model trains the same, and so it does with its experts replicated
-(replication="adaptive", 5 slots a rank, moecompile.ExpertOptimizer's SGD: the kept rows to instances); the bmm
-layer swaps experts on a 1-D mesh. A failing rank fails the test; the group has a timeout.
+exchanged with no other rank) the gshard and LongCat models train the same (LongCat's spare rows not gathered;
+its checkpoints as above), and gshard does with its experts replicated (replication="adaptive", 5 slots a rank,
+moecompile.ExpertOptimizer's SGD: the kept rows to instances). LongCat sequence-sharded over tp (moe_tp="ssmb" on
+a (1, 2) ("dp", "tp") mesh, both ranks on one batch) trains the same, with two all-gathers over tp a layer (its
+output and its router logits; five before SSMB's cut kept the identity share's comparison and sum on the rows).
+The bmm layer swaps experts on a 1-D mesh. A failing rank fails the test; the group has a timeout.
 
 Without a process group: asked for dedup, a layer with a capacity or identity experts takes it; identity experts
-do not replicate, saying why; asked for moe_tp="ssmb", a capacity layer stays whole, saying why (``moe_tp="auto"`` does
-not pick it: tests/test_moe_tp.py); identity experts stay whole under tp, in expert domains, in other storage than
-stacked, or when they do not divide over the ranks, saying why.
+do not replicate, saying why; asked for moe_tp="ssmb", a capacity layer stays whole, saying why (``moe_tp="auto"``
+does not pick it: tests/test_moe_tp.py); identity experts stay whole under TED, in other storage than stacked, or
+when they do not divide over the ranks, saying why.
 """
 
 from datetime import timedelta
@@ -195,8 +198,9 @@ def _ranks(rank, world, tmp):
             assert all("dedup='node'" in rec.sharding for rec in info.report.layers), info.report.layers[0].sharding
             assert info.swap.history, kind  # (swaps chosen: the checks after them run on moved experts)
         local = init_device_mesh("cpu", (world,), mesh_dim_names=("local",))
-        info = _check("gshard", rank, world, local, tmp, expert_domains={"local": 2})  # every expert gathered here
-        assert all("domain" in rec.sharding for rec in info.report.layers), info.report.layers[0].sharding
+        for kind in ("gshard", "longcat_flash"):
+            info = _check(kind, rank, world, local, tmp, expert_domains={"local": 2})  # every expert gathered here
+            assert all("domain" in rec.sharding for rec in info.report.layers), info.report.layers[0].sharding
         _check("gshard", rank, world, mesh, tmp, replication="adaptive", slots_per_rank=5)  # ExpertOptimizer's SGD
         _check("switch", rank, world, mesh, tmp)
         info = _check("bmm", rank, world, mesh, tmp, swap_every=1)
@@ -232,5 +236,4 @@ def test_capacity_and_identity_layers_dedup_and_say_which_forms_they_run_without
     for why in (unshardable(_record(-1, identity=3), 2), unshardable(_record(-1, identity=2, storage="flat"), 2)):
         assert "stacked experts and a number of identity experts" in why
     assert unshardable(_record(-1, "ssmb", identity=2), 2) == ""
-    assert "not sharded by TED or in expert domains" in unshardable(_record(-1, "ted", identity=2), 2)
-    assert "not sharded by TED or in expert domains" in unshardable(_record(-1, identity=2), 2, domains=True)
+    assert "not sharded by TED yet" in unshardable(_record(-1, "ted", identity=2), 2)

@@ -125,6 +125,9 @@ def check_layer(rec, params: dict, compress=None) -> None:
     if compress is not None and rec.spec.experts.storage != "stacked":
         raise ValueError(f"compress= works on stacked [E, ...] expert weights; MoE layer {rec.path} stores them "
                          f"{rec.spec.experts.storage}: drop compress")
+    if compress is not None and rec.spec.experts.identity_experts:
+        raise ValueError(f"compress= does not take identity experts yet (MoE layer {rec.path}, "
+                         f"{rec.spec.experts.identity_experts} of them): drop compress")
 
 
 _GROUPS: dict[tuple, tuple] = {}
@@ -195,6 +198,8 @@ def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | No
         expert_bytes = mats * e.hidden * e.intermediate * (e.num_experts // W) * elem
         source = torch.cat([torch.full((len(i),), r) for r, i in enumerate(ids)])
         every_ids = torch.cat(ids)
+        if e.identity_experts:  # their rows stay home: priced as rows to an expert of the token's own rank
+            every_ids = torch.where(every_ids < e.num_experts, every_ids, (source * (e.num_experts // W))[:, None])
         rate = compute_rate(e.hidden, e.intermediate, max(1, every_ids.numel() // W), weight.dtype, group,
                             device=weight.device)
         pe = pre.get(rec.path, 0.0)

@@ -101,7 +101,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     plans, left = [], []
     for rec in report.layers:
         rec.moe_tp = moe_tp_mod.layer_mode(rec, moe_tp, tp, example_args, world)
-        why = unshardable(rec, tp.ep if rec.moe_tp == "ted" else world, domains is not None)
+        why = unshardable(rec, tp.ep if rec.moe_tp == "ted" else world)
         if why:
             left.append((rec.path, why))
             continue

@@ -16,7 +16,8 @@ Z / W of those spare rows (``identity_shard``), and the state_dict places them b
 (``identity_slots``: the slot of each row, as an expert swap's placement), so a checkpoint holds the whole
 ``[E + Z, ...]`` tensor. An expert swap moves the E experts' rows; the spare ones stay where they are. Under
 ``moe_tp="ssmb"`` each tp rank adds the identity share of its slice of the tokens (``passes/sequence_shard.py``
-cuts the comparisons and the sum); TED (each expert cut over tp) and expert domains leave it whole, and it does
+cuts the comparisons and the sum); in expert domains each rank gathers its domain's experts' rows, the spare
+ones left where they are (``passes/distribute.py``); TED (each expert cut over tp) leaves it whole, and it does
 not replicate its experts (the replicas' slots hold ``[E, ...]`` weights).
 """
 
@@ -28,9 +29,9 @@ from torch import nn
 CAPACITY = "its expert capacity drops rows on each rank before the exchange, which sends the kept ones"
 
 
-def unshardable(rec, world: int, domains: bool = False) -> str:
+def unshardable(rec, world: int) -> str:
     """Why the layer of ``rec`` stays whole on every rank ("" when ``parallelize`` shards it over ``world``
-    ranks, in expert domains when ``domains``); experts that do not divide over the ranks raise ValueError."""
+    ranks); experts that do not divide over the ranks raise ValueError."""
     e, r = rec.spec.experts, rec.spec.routing
     if e.num_experts % world:
         raise ValueError(f"MoE layer {rec.path} has {e.num_experts} experts, which do not divide over the mesh's "
@@ -41,9 +42,9 @@ def unshardable(rec, world: int, domains: bool = False) -> str:
     if e.identity_experts and (e.storage != "stacked" or e.identity_experts % world):
         return (f"a layer with identity experts is sharded with stacked experts and a number of identity experts "
                 f"({e.identity_experts}) that divides over the {world} ranks")
-    if e.identity_experts and (getattr(rec, "moe_tp", "off") == "ted" or domains):
-        return ("a layer with identity experts is not sharded by TED or in expert domains yet (plain expert "
-                "parallelism and moe_tp='ssmb' are)")
+    if e.identity_experts and getattr(rec, "moe_tp", "off") == "ted":
+        return ("a layer with identity experts is not sharded by TED yet (plain expert parallelism, moe_tp='ssmb' "
+                "and expert domains are)")
     if r.capacity >= 0 and getattr(rec, "moe_tp", "off") == "ssmb":
         return (f"{CAPACITY} of all its tokens: sequence-sharding them over tp (moe_tp='ssmb') would change which "
                 "rows it drops (moe_tp='off' or 'ted' shards it)")
