@@ -21,8 +21,8 @@ that level (its "cross" collective) and "local" as the ranks of one such group (
 
 A layer with an expert capacity or identity experts (``moecompile/distributed/shardable.py``): the rows past
 ``sum(counts_E)`` (dropped past the capacity, or routed to an identity expert) are no assignment of any pair:
-they stay on the source rank, cross no link, and their rows of the output are the combine's zeros there (as in
-``ops.py``'s exchange without dedup).
+they stay on the source rank, cross no link and add nothing to their token's sum (as the zeros the exchange
+without dedup gives them, ``ops.py``; an identity expert's share is added apart, ``passes/canonical.py``).
 
 Inter-node bytes are the distinct (token, remote node) pairs x H x element size, each way (``COMM`` counts them
 as ``dispatch.node`` and ``combine.node``); the routing (16 bytes of ids and the weight per assignment) is counted
