@@ -24,8 +24,8 @@ score bias, one computed expert a token) and gshard train the same deduplicated 
 "local") mesh, their experts swapping ranks after every step: the kept rows' routing is what crosses (20 bytes
 each), LongCat's remote (token, node) pairs and rows are those of its routing under the placement of the step,
 and some pairs stand for several rows. With expert domains of both ranks (every expert gathered on each, the rows
-exchanged with no other rank) the gshard and LongCat models train the same (LongCat's spare rows not gathered;
-its checkpoints as above), and gshard does with its experts replicated (replication="adaptive", 5 slots a rank,
+exchanged with no other rank) the gshard and LongCat models train the same (LongCat's spare rows not gathered,
+its experts' gathered again in backward: reshard_after_forward; its checkpoints as above), and gshard does with its experts replicated (replication="adaptive", 5 slots a rank,
 moecompile.ExpertOptimizer's SGD: the kept rows to instances). LongCat sequence-sharded over tp (moe_tp="ssmb" on
 a (1, 2) ("dp", "tp") mesh, both ranks on one batch) trains the same, with two all-gathers over tp a layer (its
 output and its router logits; five before SSMB's cut kept the identity share's comparison and sum on the rows).
@@ -198,9 +198,11 @@ def _ranks(rank, world, tmp):
             assert all("dedup='node'" in rec.sharding for rec in info.report.layers), info.report.layers[0].sharding
             assert info.swap.history, kind  # (swaps chosen: the checks after them run on moved experts)
         local = init_device_mesh("cpu", (world,), mesh_dim_names=("local",))
-        for kind in ("gshard", "longcat_flash"):
-            info = _check(kind, rank, world, local, tmp, expert_domains={"local": 2})  # every expert gathered here
-            assert all("domain" in rec.sharding for rec in info.report.layers), info.report.layers[0].sharding
+        for kind, again in (("gshard", False), ("longcat_flash", True)):  # every expert gathered here (LongCat's
+            info = _check(kind, rank, world, local, tmp, expert_domains={"local": 2},  # again in backward)
+                          reshard_after_forward=again)
+            assert all("domain" in rec.sharding and again == ("gathered again in backward" in rec.sharding)
+                       for rec in info.report.layers), info.report.layers[0].sharding
         _check("gshard", rank, world, mesh, tmp, replication="adaptive", slots_per_rank=5)  # ExpertOptimizer's SGD
         _check("switch", rank, world, mesh, tmp)
         info = _check("bmm", rank, world, mesh, tmp, swap_every=1)
