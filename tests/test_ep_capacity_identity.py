@@ -15,21 +15,22 @@ ranks' gradients. Four models, their experts halved over the ranks, trained 2 SG
 
 Each step's logits on each rank equal the one process's on that rank's batch, and after the steps every weight
 (LongCat's spare gate_up rows too) equals the one process's, and so does LongCat's momentum by name (fp32, 1e-5; an
-expert no row reached gets a zero gradient where the original leaves None, as on one device: docs/detection.md).
-A torch.distributed.checkpoint of the sharded LongCat loads in one process as the one-process model, and the
-one-process model's initial state_dict loads into the sharded one. Every step keeps rows on each rank (dropped,
-or routed to identity experts), and the dispatch sends only the others (the bytes counted per layer: those rows x
-hidden x 4, the rows read from the routing recorded). LongCat (its routers drawn anew: the tiny one follows its
-score bias, one computed expert a token) and gshard train the same deduplicated per node on a (2, 1) ("node",
-"local") mesh, their experts swapping ranks after every step: the kept rows' routing is what crosses (20 bytes
-each), LongCat's remote (token, node) pairs and rows are those of its routing under the placement of the step,
-and some pairs stand for several rows. With expert domains of both ranks (every expert gathered on each, the rows
-exchanged with no other rank) the gshard and LongCat models train the same (LongCat's spare rows not gathered,
-its experts' gathered again in backward: reshard_after_forward; its checkpoints as above), and gshard does with its experts replicated (replication="adaptive", 5 slots a rank,
-moecompile.ExpertOptimizer's SGD: the kept rows to instances). LongCat sequence-sharded over tp (moe_tp="ssmb" on
-a (1, 2) ("dp", "tp") mesh, both ranks on one batch) trains the same, with two all-gathers over tp a layer (its
-output and its router logits; five before SSMB's cut kept the identity share's comparison and sum on the rows).
-The bmm layer swaps experts on a 1-D mesh. A failing rank fails the test; the group has a timeout.
+expert no row reached gets a zero gradient where the original leaves None, as on one device: docs/detection.md). A
+torch.distributed.checkpoint of the sharded LongCat loads in one process as the one-process model, and the one-process
+model's initial state_dict loads into the sharded one. Every step keeps rows on each rank (dropped, or routed to
+identity experts), and the dispatch sends only the others (the bytes counted per layer: those rows x hidden x 4, the
+rows read from the routing recorded). LongCat (its routers drawn anew: the tiny one follows its score bias, one
+computed expert a token) and gshard train the same deduplicated per node on a (2, 1) ("node", "local") mesh, their
+experts swapping ranks after every step: the kept rows' routing is what crosses (20 bytes each), LongCat's remote
+(token, node) pairs and rows are those of its routing under the placement of the step, and some pairs stand for
+several rows. With expert domains of both ranks (every expert gathered on each, the rows exchanged with no other rank)
+the gshard and LongCat models train the same (LongCat's spare rows not gathered, its experts' gathered again in
+backward: reshard_after_forward; its checkpoints as above), and gshard does with its experts replicated
+(replication="adaptive", 5 slots a rank, moecompile.ExpertOptimizer's SGD: the kept rows to instances). LongCat
+sequence-sharded over tp (moe_tp="ssmb" on a (1, 2) ("dp", "tp") mesh, both ranks on one batch) trains the same, with
+two all-gathers over tp a layer (its output and its router logits; five before SSMB's cut kept the identity share's
+comparison and sum on the rows). The bmm layer swaps experts on a 1-D mesh. A failing rank fails the test; the group
+has a timeout.
 
 Without a process group: asked for dedup, a layer with a capacity or identity experts takes it; identity experts
 do not replicate, saying why; asked for moe_tp="ssmb", a capacity layer stays whole, saying why (``moe_tp="auto"``
