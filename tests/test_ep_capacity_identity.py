@@ -35,11 +35,12 @@ has a timeout.
 Without a process group: asked for dedup, a layer with a capacity or identity experts takes it; identity experts
 do not replicate, saying why; asked for moe_tp="ssmb", a capacity layer stays whole, saying why (``moe_tp="auto"``
 does not pick it: tests/test_moe_tp.py); identity experts stay whole under TED, in other storage than stacked, or
-when they do not divide over the ranks, saying why.
+when they do not divide over the ranks, saying why; compress= with identity experts raises, naming the fix.
 """
 
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -240,3 +241,8 @@ def test_capacity_and_identity_layers_dedup_and_say_which_forms_they_run_without
         assert "stacked experts and a number of identity experts" in why
     assert unshardable(_record(-1, "ssmb", identity=2), 2) == ""
     assert "not sharded by TED yet" in unshardable(_record(-1, "ted", identity=2), 2)
+    from moecompile.distributed.domains import check_layer
+
+    check_layer(_record(-1, identity=2), {"up": "blocks.0.up"})  # gathered in expert domains; not compressed:
+    with pytest.raises(ValueError, match="compress= does not take identity experts yet .*drop compress"):
+        check_layer(_record(-1, identity=2), {"up": "blocks.0.up"}, compress=0.5)
