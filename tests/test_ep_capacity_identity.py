@@ -26,7 +26,8 @@ experts swapping ranks after every step: the kept rows' routing is what crosses 
 several rows. With expert domains of both ranks (every expert gathered on each, the rows exchanged with no other rank)
 the gshard and LongCat models train the same (LongCat's spare rows not gathered, its experts' gathered again in
 backward: reshard_after_forward; its checkpoints as above), and gshard does with its experts replicated
-(replication="adaptive", 5 slots a rank, moecompile.ExpertOptimizer's SGD: the kept rows to instances). LongCat
+(replication="adaptive", 5 slots a rank, moecompile.ExpertOptimizer's SGD: the kept rows to instances), and so does
+switch (3 slots a rank: its nn.ModuleDict experts' weights stacked into the slots). LongCat
 sequence-sharded over tp (moe_tp="ssmb" on a (1, 2) ("dp", "tp") mesh, both ranks on one batch) trains the same, with
 two all-gathers over tp a layer (its output and its router logits; five before SSMB's cut kept the identity share's
 comparison and sum on the rows). The bmm layer swaps experts on a 1-D mesh. A failing rank fails the test; the group
@@ -89,7 +90,9 @@ def _check(kind, rank, world, mesh, tmp, **parallel):
     assert not info.left and len(info.report.layers) == (4 if kind == "switch" else 2), info.left
     for rec in info.report.layers:
         if "replication" in parallel:
-            assert "5 expert slots on each of 2 ranks" in rec.sharding and "adaptive" in rec.sharding, rec.sharding
+            slots = parallel["slots_per_rank"]
+            assert f"{slots} expert slots on each of 2 ranks" in rec.sharding and "adaptive" in rec.sharding, \
+                rec.sharding
             continue
         assert ("2 of 4" if kind == "switch" else "4 of 8") + " experts on each of 2 ranks" in rec.sharding
     computed = {rec.path: rec.spec.experts.num_experts for rec in info.report.layers}
@@ -207,6 +210,7 @@ def _ranks(rank, world, tmp):
                        for rec in info.report.layers), info.report.layers[0].sharding
         _check("gshard", rank, world, mesh, tmp, replication="adaptive", slots_per_rank=5)  # ExpertOptimizer's SGD
         _check("switch", rank, world, mesh, tmp)
+        _check("switch", rank, world, mesh, tmp, replication="adaptive", slots_per_rank=3)  # (a ModuleDict's experts)
         info = _check("bmm", rank, world, mesh, tmp, swap_every=1)
         assert info.swap.history
     finally:

@@ -138,7 +138,7 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral", co
     info = model._moe_parallel
     assert len(info.replicas) == len(info.report.layers) and not info.left, str(info)
     slots = {n: p for n, p in model.named_parameters() if getattr(p, "_moe_replicated", False)}
-    assert slots and all(p.shape[0] == S * ref.get_parameter(n).shape[0] // E for n, p in slots.items())
+    assert slots and all(p.shape[0] == S * _rows(ref, n) // E for n, p in slots.items())
     cls, kwargs = OPTIMIZERS[optimizer]
     ref_opt = cls(ref.parameters(), **kwargs)
     rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
@@ -176,12 +176,14 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral", co
             static = tuple(torch.bincount(uniform(E, group, S), minlength=E).tolist())
             assert any(p != static for p in placed), placed
         here = layer.placement[ep_rank * S:(ep_rank + 1) * S]  # each slot holds the expert its placement names
-        for slot in layer.slot_parameters():
+        for k, slot in enumerate(layer.slot_parameters()):
             name = next(n for n, p in model.named_parameters() if p is slot)
-            want = _whole(state[name]).reshape(E, -1)[here].reshape(slot.shape)
+            whole = _whole(state[name]) if layer.experts is None else torch.stack(  # (a ModuleList's: per expert)
+                [_whole(state[f"{name.rpartition('.')[0]}.{rel}"]) for rel in layer.experts[k]])
+            want = whole.reshape(E, -1)[here].reshape(slot.shape)
             torch.testing.assert_close(slot.detach(), want, rtol=TOL, atol=TOL, msg=lambda m: f"slots of {name}: {m}")
-    if mode == "adaptive" and optimizer == "sgd":  # and not the same every step, in some layer (AdamW's lr moves
-        # the router too little in three steps)
+    if mode == "adaptive" and optimizer == "sgd" and family != "loop":  # and not the same every step, in some
+        # layer (AdamW's lr moves the router too little in three steps, and SGD the hand-written model's)
         assert any(len(set(placed)) > 1 for placed in placements), placements
     if copies > 1:  # each copy placed by its own routing; their parts' gradients summed over the copies
         every = [None] * world
@@ -194,6 +196,12 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral", co
     if checkpoint:
         _resume(mesh, mine, group, ckpt, saved_sched, logits[1:], held, opt, family)
     return state
+
+
+def _rows(ref, name) -> int:
+    """The global dim 0 of a slot weight ``name``: its weight's in ``ref``, or E for a ModuleList's slots
+    (``<list>.moe_slots_<weight>``: each expert's weight stacked)."""
+    return E if ".moe_slots_" in name else ref.get_parameter(name).shape[0]
 
 
 def _check_stats(model, opt, world, S, tokens):
@@ -252,9 +260,31 @@ def _worker(rank, world, tmp):
         else:  # (Mixtral's runs above on a 1-D mesh: test_one_rank_replication)
             _load_saved_on_4(mesh, rank, world, tmp)
             _train(mesh, rank, world, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights
+            _train(mesh, rank, world, "adaptive", tmp, "sgd", "loop")  # an nn.ModuleList of experts
+            _module_list(mesh, rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _module_list(mesh, rank, world):
+    """A replicated ModuleList layer keeps the model's names in its state_dict (each expert's weight, a DTensor of its
+    rows over the ranks' hosts; one process's state_dict loads into it), and run eagerly its experts refuse,
+    naming the fix."""
+    ref = _build("loop")
+    model, compiled, opt = _replicated(mesh, _batches(ref, world)[rank], world, "adaptive", "sgd", "loop")
+    state = model.state_dict()
+    assert state.keys() == ref.state_dict().keys(), sorted(set(state) ^ set(ref.state_dict()))[:4]
+    piece = state["blocks.0.experts.3.w1.weight"]
+    assert isinstance(piece, DTensor) and piece.to_local().shape[0] == piece.shape[0] // world, piece.placements
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(2)
+    model.load_state_dict(ref.state_dict())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(_whole(value), ref.state_dict()[name], rtol=0, atol=0, msg=name)
+    with pytest.raises(RuntimeError, match="only run in a graph the moe backend rewrote"):
+        model(torch.zeros(1, 4, dtype=torch.long))
 
 
 def _load_saved_on_4(mesh, rank, world, tmp):
@@ -319,3 +349,25 @@ def _accumulate(mesh):
         assert opt.history[-1][layer.path]["popularity"] == both.tolist()
         assert torch.equal(layer.placement, schedule(both, 1, E + 1)), (layer.placement, both)
         assert layer.path not in POPULARITY
+
+
+def test_which_module_list_layers_replicate():
+    """A ModuleList (or ModuleDict) layer replicates where each role's weights are ``<list>.<expert>.<weight>`` in one
+    list, alike in shape, dtype and requires_grad; otherwise it is sharded without replication, saying why."""
+    from moecompile.distributed.replicate import replicable
+    from moecompile.distributed.replicate_list import container
+
+    assert container(["b.experts.0.w1.weight", "b.experts.1.w1.weight"]) == ("b.experts", ["0.w1.weight",
+                                                                                           "1.w1.weight"])
+    assert container(["m.experts.expert_0.wi.weight", "m.experts.expert_1.wi.weight"])[0] == "m.experts"
+    for names in (["b.experts.0.w1.weight", "b.experts.0.w1.weight"], ["b.experts.0.w1.weight", "c.experts.1.w1.weight"],
+                  ["b.experts.0.w1.weight", "b.experts.1.w2.weight"], ["b.experts.0.w1.weight"]):
+        assert container(names) is None, names
+    model = _build("loop")
+    params = {role: [f"blocks.0.experts.{i}.{w}.weight" for i in range(E)] for role, w in
+              (("gate", "w1"), ("up", "w3"), ("down", "w2"))}
+    assert replicable(model, params) == ""
+    model.blocks[0].experts[5].w1.weight.requires_grad_(False)  # one expert frozen, the others not
+    assert "differ in shape, dtype or requires_grad" in replicable(model, params)
+    params["gate"] = [n.replace("blocks.0", f"blocks.{i % 2}") for i, n in enumerate(params["gate"])]
+    assert "not named <list>.<expert>.<weight> alike" in replicable(model, params)

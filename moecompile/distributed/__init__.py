@@ -15,6 +15,7 @@
     sharded_state.py      state_dict / optimizer state of sharded experts as DTensors in expert order
     swap.py               expert swap every N optimizer steps (HierMoE's HierD-ES), driven by the cost model
     replicate.py          adaptive replication: slots per rank, the layer's placement buffers
+    replicate_list.py     replication of an ``nn.ModuleList``'s experts: their weights stacked into slots on the list
     expert_optimizer.py   ``ExpertOptimizer``: the host-side optimizer of replicated experts, ``replication_report``
     calibrate.py          ``python -m moecompile calibrate``: fit the link model (alpha, beta per mesh level)
     comm.py               ``comm_report``, ``comm_rows``, ``plot_comm``: bytes and time per layer and link

@@ -111,7 +111,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
     if replication != "off":  # every layer's slots checked before any layer changes
         for rec, params in plans:
-            if not (rows_home(rec) or replicable(params)):  # (the layers that replicate)
+            if not (rows_home(rec) or replicable(model, params)):  # (the layers that replicate)
                 check_slots(rec.spec.experts.num_experts, world, slots_per_rank)
         hosts = replicate_setup(mesh, group)  # (every rank, every stage's: groups made together)
     divisors, swapping, replicas = {}, [], []  # sharded expert parameter held here -> its gradient's divisor
@@ -127,7 +127,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         training = any(p.requires_grad for rec in records for p in expert_tensors(rec))
         domains_mod.choose(records, link, routing, mesh, group, pre, training, reshard_after_forward)
     for rec, params in plans:
-        why_not = (rows_home(rec) or replicable(params)) if replication != "off" else "not asked"
+        why_not = (rows_home(rec) or replicable(model, params)) if replication != "off" else "not asked"
         if why_not and replication != "off":
             rec.shard_note = f"not replicated: {why_not}"
         if not why_not:
@@ -135,7 +135,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
                                           capacity_factor)
             read_through_view(layer.module, rows, group.group_name, rec.path, "off", layer.capacity_factor,
                               extra=moe_tp_mod.view_args(rec.moe_tp, tp))
-            divisors.update(dict.fromkeys(params.values(), _divisor(tp, rec.moe_tp, world, copies)))
+            divisors.update(dict.fromkeys(layer.names, _divisor(tp, rec.moe_tp, world, copies)))
             replicas.append(layer)
             if tp is not None:
                 rec.sharding += "; " + moe_tp_mod.describe(rec.moe_tp, tp)
@@ -163,8 +163,9 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
     model._moe_parallel.sync = sync
     model._moe_parallel.copies = copies
-    model._moe_parallel.module_list_experts = {n for _, params in plans for names in params.values()
-                                               if isinstance(names, list) for n in names}
+    replicated = {layer.path for layer in replicas}  # (a replicated ModuleList's weights: in its slots)
+    model._moe_parallel.module_list_experts = {n for rec, params in plans if rec.path not in replicated
+                                               for names in params.values() if isinstance(names, list) for n in names}
     model._moe_parallel.replicas = replicas
     model._moe_parallel.fsdp_left_out = leave_out_of_fsdp(model)
     refuse_ddp(model)  # DistributedDataParallel would overwrite every rank's experts with rank 0's

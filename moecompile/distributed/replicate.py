@@ -5,8 +5,8 @@ live in S slots on each rank, as many instances of an expert as the placement gi
 expert weights on the ranks' devices; each expert's fp32 master weights and optimizer state are a fixed 1/W part on
 each rank's host (``runtime/placement/expert_state.py``), stepped by ``moecompile.ExpertOptimizer``, which also
 sends the updated weights to the slots of the next placement. Stacked ``[E, ...]`` and flat ``[E x R, ...]`` expert
-weights replicate; an ``nn.ModuleList`` layer is sharded as without replication (its experts train with the other
-parameters).
+weights replicate, and so do the experts of an ``nn.ModuleList`` (or ``ModuleDict``): each weight role's slots are
+registered on the list and its experts read them (``replicate_list.py``).
 
 The module reads each slot weight ``[S, ...]`` as ``moe.ep_global_view`` (the global ``[E, ...]`` shape, as
 without replication) with the placement buffer (``REPLICAS``); the ``distribute`` pass sends each routed row to
@@ -28,6 +28,7 @@ import moecompile.runtime.placement.replicas  # noqa: F401  (registers moe::ep_t
 from moecompile.runtime.placement.expert_state import ExpertPartition, Groups
 from moecompile.runtime.placement.replication import uniform
 
+from . import replicate_list
 from .mesh import _timeout, ep_groups, replicate_group, replicate_groups
 
 REPLICAS = "moe_slot_experts"  # the buffer holding a replicating layer's placement (slot -> expert)
@@ -72,6 +73,8 @@ class ReplicaLayer:
     adaptive: bool
     capacity_factor: float
     hosts: Hosts  # the expert-parallel group's hosts and the groups that sum the instances' gradients
+    names: list[str] = None  # the slot weights' parameter names in the model
+    experts: list[list[str]] | None = None  # a ModuleList's: per weight, each expert's name in the list
 
     @property
     def host_mesh(self):
@@ -105,11 +108,12 @@ def check_options(replication, slots_per_rank, capacity_factor, dedup: str, swap
         raise ValueError(f"capacity_factor must be a number > 0 (None: dropless); got {capacity_factor!r}")
 
 
-def replicable(params: dict) -> str:
-    """Why a layer's experts cannot replicate ("" when they can): stacked or flat weights of one module."""
+def replicable(model, params: dict) -> str:
+    """Why a layer's experts cannot replicate ("" when they can): stacked or flat weights of one module, or the
+    modules of one ``nn.ModuleList`` (``replicate_list.check``)."""
     names = list(params.values())
     if isinstance(names[0], list):
-        return "its experts are an nn.ModuleList (sharded without replication)"
+        return replicate_list.check(model, params)
     if len({n.rpartition(".")[0] for n in names}) > 1:
         return "its expert weights live in several modules (sharded without replication)"
     return ""
@@ -122,10 +126,16 @@ def replicate_layer(model, rec, params: dict[str, str], hosts: Hosts, slots_per_
     group, rank, world = hosts.groups.group, hosts.groups.rank, hosts.groups.world
     E = rec.spec.experts.num_experts
     S = slots_per_rank
-    names = list(params.values())
-    module = model.get_submodule(names[0].rpartition(".")[0])
-    attrs = [n.rpartition(".")[2] for n in names]
-    full = [module._parameters[a] for a in attrs]
+    names, experts = list(params.values()), None
+    if isinstance(names[0], list):  # a ModuleList's experts: their weights stacked, the slots on the list
+        module, attrs, full, experts, grads = replicate_list.stack(model, params)
+        prefix = next(n for n, m in model.named_modules() if m is module)
+        names = [f"{prefix}.{a}" for a in attrs]
+    else:
+        module = model.get_submodule(names[0].rpartition(".")[0])
+        attrs = [n.rpartition(".")[2] for n in names]
+        full = [module._parameters[a] for a in attrs]
+        grads = [w.requires_grad for w in full]
     per_expert = [w.detach() if w.shape[0] == E and w.dim() > 1 else w.detach().reshape(E, w.shape[0] // E,
                                                                                           *w.shape[1:])
                   for w in full]  # [E, R, ...]: a stacked weight as it is, a flat one's rows per expert
@@ -133,15 +143,18 @@ def replicate_layer(model, rec, params: dict[str, str], hosts: Hosts, slots_per_
     placement = uniform(E, world, S)
     mine = placement[rank * S:(rank + 1) * S]
     rows = {}
-    for attr, w, grouped in zip(attrs, full, per_expert):
+    for attr, w, grouped, grad in zip(attrs, full, per_expert, grads):
         local = grouped[mine].reshape(-1, *w.shape[1:]).clone()
-        slot = nn.Parameter(local, w.requires_grad)
+        slot = nn.Parameter(local, grad)
         slot._moe_sharded = slot._moe_replicated = True
         module._parameters[attr] = slot
         rows[attr] = w.shape[0]
     module.register_buffer(REPLICAS, placement, persistent=False)
+    if experts is not None:
+        replicate_list.read_from_slots(module, attrs, experts, rec.path, group.group_name)
     _refuse_other_optimizers()
-    layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0, hosts)
+    layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0, hosts,
+                         names, experts)
     module.register_state_dict_post_hook(_state(layer, group))
     module._register_load_state_dict_pre_hook(_load(layer, group), with_module=True)
     module._moe_rows = {}  # not sharded by rows: the optimizer state is ExpertOptimizer's
@@ -221,6 +234,10 @@ def _state(layer: ReplicaLayer, group):
     def hook(module, state_dict, prefix, local_metadata):
         stacked = _stacked(layer)
         pieces = layer.part.dtensors(layer.part.master.detach(), layer.host_mesh)
+        if layer.experts is not None:  # each expert's weights under their own names
+            pieces = [piece.to(dtype) for piece, dtype in zip(pieces, layer.part.dtypes)]
+            replicate_list.to_experts(state_dict, prefix, layer.attrs, layer.experts, pieces, layer.host_mesh)
+            return
         whole = _whole(layer, group) if not all(stacked) else [None] * len(stacked)
         for attr, piece, w, dtype, slot, is_stacked in zip(layer.attrs, pieces, whole, layer.part.dtypes,
                                                            layer.slot_parameters(), stacked):
@@ -239,6 +256,9 @@ def _load(layer: ReplicaLayer, group):
         from moecompile.runtime.placement.expert_state import distribute
 
         keys = [prefix + a for a in layer.attrs]
+        if layer.experts is not None and not replicate_list.from_experts(state_dict, prefix, layer.attrs,
+                                                                         layer.experts, layer.host_mesh, layer.path):
+            return  # (each expert's weights under their own names, as the layer's [E, ...] under the slots' names)
         if not any(k in state_dict for k in keys):
             return
         if not all(k in state_dict for k in keys):
