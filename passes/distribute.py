@@ -145,14 +145,22 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     with gm.graph.inserting_before(replaced):
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked weights
+        again = set()  # gathered weights whose uses up to the experts are computed again in backward
         if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
             if e.identity_experts:  # the experts' rows gathered, the spare gate_up rows left (shardable.py)
                 mine = {r: p[:own] for r, p in mine.items()}
+            listed = {r for r, p in mine.items() if isinstance(p, list)}  # a ModuleList's: gathered stacked
+            mine = {r: torch.stack(p) if r in listed else p for r, p in mine.items()}
             mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
             reshard = view_arg(views[0], "reshard", False)  # gathered again in backward (_start_gathers_early)
             for gathered in mine.values():
                 gathered.node.meta["moe_reshard"] = reshard
+            if listed and reshard:  # the ModuleList's copies unbound and stacked again: not kept either
+                again = {p.node for p in mine.values()}
+            mine = {r: [p[i] for i in range(local_experts)] if r in listed else p for r, p in mine.items()}
         tensors = expert_tensors(local_spec, mine)
+        if again:
+            _recompute_between(again, [t.node for t in tensors if t is not None])
         if domain_size > 1 and q:  # in canonical layout, so that the experts can decode with use (_decode_with_use)
             world = view_arg(views[0], "compress_group")
             tensors = [None if t is None else torch.ops.moe.domain_gather_compressed(
@@ -283,7 +291,17 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
         if node.target not in GATHER + COMPRESSED:
             continue
         w = node.args[0]
-        after = max((n for n in (w, previous, last_input) if isinstance(n, fx.Node)), key=order.get)
+        ready = [w]  # the weights' own preparation (a ModuleList's stack, identity's slice) moves with the start
+        if w.op == "call_function" and w.all_input_nodes and list(w.users) == [node] and all(
+                a.op in ("placeholder", "get_attr") for a in w.all_input_nodes):
+            ready = w.all_input_nodes
+        after = max((n for n in (*ready, previous, last_input) if isinstance(n, fx.Node)), key=order.get)
+        if ready != [w]:
+            after.append(w)
+            order[w] = order[after]
+            after = w
+            if node.meta.get("moe_reshard"):
+                w.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
         if node.target in GATHER:
             group, layer = node.args[1], node.args[2] if len(node.args) > 2 else ""
             start_op, start_args, wait_op = ops.domain_gather_start.default, (w, group), ops.domain_gather_wait
@@ -312,6 +330,25 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
         if node.target in COMPRESSED:
             _erase_unused(graph, [mean])
         report.counters["distribute.gathers_started_early"] += 1
+
+
+def _recompute_between(sources: set[fx.Node], outputs: list[fx.Node]) -> None:
+    """Mark every node on a path from ``sources`` (not themselves) to ``outputs`` for AOT autograd's partitioner to
+    compute again in backward, as ``_start_gathers_early`` marks a gather of ``reshard_after_forward``."""
+    reaches: dict[fx.Node, bool] = {}
+
+    def visit(n: fx.Node) -> bool:
+        if n in sources:
+            return True
+        if n not in reaches:
+            reaches[n] = False  # (a DAG: no cycle reaches it again)
+            reaches[n] = any([visit(a) for a in n.all_input_nodes])  # (a list: every input visited)
+            if reaches[n]:
+                n.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
+        return reaches[n]
+
+    for out in outputs:
+        visit(out)
 
 
 def _decode_with_use(graph: fx.Graph, report: PassReport) -> None:

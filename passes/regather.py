@@ -63,8 +63,16 @@ def start_regathers_early(graph: fx.Graph) -> int:
         for start in (w.args[0] for w in waits):
             if not (isinstance(start, fx.Node) and start.target is START):
                 continue
-            after = max(n for n in (*inputs, *start.all_input_nodes, last_use, placed) if n is not None)
-            if after < start and after.next is not start:
+            ready, prep = start.all_input_nodes, None  # a ModuleList's stack of the experts moves with its start
+            if len(ready) == 1 and ready[0].op == "call_function" and all(  # (read by its start and wait only)
+                    u.target in (START, WAIT) for u in ready[0].users) and all(
+                    a.op == "placeholder" for a in ready[0].all_input_nodes):
+                prep, ready = ready[0], ready[0].all_input_nodes
+            after = max(n for n in (*inputs, *ready, last_use, placed) if n is not None)
+            if after < (prep or start) and after.next is not (prep or start):
+                if prep is not None:
+                    after.append(prep)
+                    after = prep
                 after.append(start)
                 moved += 1
             placed = start

@@ -67,6 +67,11 @@ def gathered_copies_saved(compiled, ids, model, world: int) -> tuple[int, int]:
     """The bytes one training step of ``compiled`` saves for backward: (those with a whole domain's rows of expert
     weights, [world x E_l, ...]: the copies one domain of every rank gathers, or views of them; all of them)."""
     rows = {world * p.shape[0] for p in model.parameters() if getattr(p, "_moe_sharded", False) and p.dim() == 3}
+    held = {}  # a ModuleList layer's: the experts it holds here (world x as many stacked, gathered)
+    for name in model._moe_parallel.module_list_experts & dict(model.named_parameters()).keys():
+        layer, _, rest = name.partition(".experts.")
+        held.setdefault(layer, set()).add(rest.split(".")[0])
+    rows |= {world * len(experts) for experts in held.values()}
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
         loss = compiled(ids, labels=ids).loss

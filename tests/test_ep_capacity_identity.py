@@ -247,6 +247,6 @@ def test_capacity_and_identity_layers_dedup_and_say_which_forms_they_run_without
     assert "not sharded by TED yet" in unshardable(_record(-1, "ted", identity=2), 2)
     from moecompile.distributed.domains import check_layer
 
-    check_layer(_record(-1, identity=2), {"up": "blocks.0.up"})  # gathered in expert domains; not compressed:
+    check_layer(_record(-1, identity=2))  # gathered in expert domains; not compressed:
     with pytest.raises(ValueError, match="compress= does not take identity experts yet .*drop compress"):
-        check_layer(_record(-1, identity=2), {"up": "blocks.0.up"}, compress=0.5)
+        check_layer(_record(-1, identity=2), compress=0.5)

@@ -50,25 +50,60 @@ def test_gathers_start_after_the_previous_layers_experts():
     assert report.counters["distribute.gathers_again_in_backward"] == 1
 
 
+def test_a_module_lists_stacked_experts_move_with_their_gather():
+    """A ModuleList layer's experts are stacked for the gather (the distribute pass puts the stack before the
+    experts, after the pre-expert part): the stack moves with the gather's start, right after the graph's inputs, so
+    the gather still runs while the pre-expert part computes; with reshard_after_forward the stack is computed
+    again in backward too. A weight preparation with other users stays where it is."""
+    import torch.fx as fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from moecompile.passes.distribute import _start_gathers_early
+    from moecompile.passes.report import PassReport
+
+    graph, ops = fx.Graph(), torch.ops.moe
+    x, a, b = (graph.placeholder(name) for name in ("x", "a", "b"))
+    pre = graph.call_function(torch.relu, (x,))
+    stacked = graph.call_function(torch.stack, ([a, b],))
+    gather = graph.call_function(ops.domain_gather.default, (stacked, "g", "l0"))
+    gather.meta["moe_reshard"] = True
+    experts = graph.call_function(ops.expert_mlp.default, (pre, gather))
+    kept = graph.call_function(torch.stack, ([a, b],))  # (read by the gather and the output: not moved)
+    pre1 = graph.call_function(torch.relu, (experts,))
+    experts1 = graph.call_function(ops.expert_mlp.default, (pre1, graph.call_function(ops.domain_gather.default,
+                                                                                       (kept, "g", "l1"))))
+    graph.output((experts1, kept))
+    for n in (experts, experts1):
+        n.meta["moe_local_experts"] = 2
+    _start_gathers_early(graph, PassReport())
+    order = [getattr(n.target, "__name__", n.op).replace(".default", "") for n in graph.nodes]
+    assert order == ["placeholder"] * 3 + ["stack", "domain_gather_start", "relu", "domain_gather_wait", "expert_mlp",
+                                           "stack", "domain_gather_start", "relu", "domain_gather_wait",
+                                           "expert_mlp", "output"], order
+    assert stacked.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE and "recompute" not in kept.meta
+
+
 def test_gathers_again_in_backward_start_after_the_later_layers_experts():
     """reshard_after_forward's gathers again in backward (passes/regather.py): AOT autograd's partitioner puts each
     recomputed start right before its wait; the pass moves a layer's starts (one a weight) as the forward has them:
     the first layer's right after their weights, the next layer's right after the last use of the copies the layer
     before it gathered (its experts' backward), never later than they were. Forward graphs (no tangents) are left
-    as they are."""
+    as they are. A ModuleList layer's experts, stacked for their gather (recomputed right before the start), move
+    with it."""
     import torch.fx as fx
 
     from moecompile.passes.regather import start_regathers_early
 
-    def backward_graph(tangent: str):
+    def backward_graph(tangent: str, stacked=False):
         graph, ops = fx.Graph(), torch.ops.moe
         g, *weights = (graph.placeholder(name) for name in (tangent, "up1", "down1", "up0", "down0"))
         g = graph.call_function(torch.relu, (g,))
         for layer, pair in (("l1", weights[:2]), ("l0", weights[2:])):  # backward order: the later layer first
             g = graph.call_function(torch.neg, (g,))  # the rows' gradients, the pre-expert part's backward
-            starts = [graph.call_function(ops.domain_gather_start.default, (w, "g")) for w in pair]
+            read = [graph.call_function(torch.stack, ([w],)) if stacked else w for w in pair]
+            starts = [graph.call_function(ops.domain_gather_start.default, (w, "g")) for w in read]
             copies = [graph.call_function(ops.domain_gather_wait.default, (s, w, "g", layer))
-                      for s, w in zip(starts, pair)]
+                      for s, w in zip(starts, read)]
             g = graph.call_function(ops.expert_mlp_backward.default, (g, *copies))
         graph.output(g)
         return graph
@@ -83,6 +118,11 @@ def test_gathers_again_in_backward_start_after_the_later_layers_experts():
     assert names(graph) == ["placeholder"] * 5 + [*start, "relu", "neg", *wait, "expert_mlp_backward", *start, "neg",
                                                   *wait, "expert_mlp_backward", "output"], names(graph)
     assert start_regathers_early(graph) == 0  # where they are now
+    graph = backward_graph("tangents_1", stacked=True)
+    assert start_regathers_early(graph) == 4
+    start = ["stack", "domain_gather_start"] * 2
+    assert names(graph) == ["placeholder"] * 5 + [*start, "relu", "neg", *wait, "expert_mlp_backward", *start, "neg",
+                                                  *wait, "expert_mlp_backward", "output"], names(graph)
     forward = backward_graph("primals_1")
     before = names(forward)
     assert start_regathers_early(forward) == 0 and names(forward) == before

@@ -2,15 +2,16 @@
 ordered pair of ranks, checked against the paper's Table VII (the communication frequency of one level of 8, 16 and
 32 workers at every domain size), Fig. 8(b)'s two-level example, and bad input. On gloo: the all-gather of a
 domain's experts and its gradient (runtime/comm/domains.py); training with expert domains (parallelize(...,
-expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "node", "local", both; 1-D: sizes 1
-and 4) and world 8 (1-D, one expert per rank: domain sizes 2 and 8), gradients clipped by moecompile.clip_grad_norm_
-to the one-process norm; the bytes with one domain and with domain size 1; bad input. The stream model
-(runtime/comm/stream.py; pure: tests/test_hybrid_stream.py) under emulated links: every candidate's predicted
-communication against the measured one, and expert_domains="auto" training as one process (world 4; where each
-gather starts: tests/test_gather_order.py); the gathered copies kept for backward, or with
-reshard_after_forward=True gathered again there (training as one process, the bytes, nothing whole-domain saved,
-each gather again started ahead of its wait); compress=q (q = 1 as one process; the bytes at q = 0.25; the decoded
-copies not kept for backward). Every collective has a timeout; a failing rank fails the test."""
+expert_domains=...)) against one process on world 4 ((2, 2) mesh: domains over "node", "local", both, and over
+"node" for the hand-written model whose experts are an nn.ModuleList; 1-D: sizes 1 and 4) and world 8 (1-D, one
+expert per rank: domain sizes 2 and 8), gradients clipped by moecompile.clip_grad_norm_ to the one-process norm; the
+bytes with one domain and with domain size 1; bad input. The stream model (runtime/comm/stream.py; pure:
+tests/test_hybrid_stream.py) under emulated links: every candidate's predicted communication against the measured
+one, and expert_domains="auto" training as one process (world 4; where each gather starts:
+tests/test_gather_order.py); the gathered copies kept for backward, or with reshard_after_forward=True gathered
+again there (training as one process, the bytes, nothing whole-domain saved, each gather again started ahead of its
+wait; Mixtral and the ModuleList model); compress=q (q = 1 as one process; the bytes at q = 0.25; the decoded copies
+not kept for backward). Every collective has a timeout; a failing rank fails the test."""
 
 import itertools
 import re
@@ -126,19 +127,18 @@ def _train(family, mesh, expert_domains, check=None, **options):
     expert weights; returns the bytes this rank sent per phase and link in the last step. ``check(compiled, ids,
     model)`` runs last."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from moecompile.models.hf import tiny_model
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    ref, model = tiny_model(family).train(), tiny_model(family).train()
-    batches = torch.randint(0, ref.config.vocab_size, (world, 2, 5), generator=torch.Generator().manual_seed(3))
+    ref, model = _build(family), _build(family)
+    vocab = ref.config.vocab_size if hasattr(ref, "config") else ref.embed.num_embeddings
+    batches = torch.randint(0, vocab, (world, 2, 5), generator=torch.Generator().manual_seed(3))
     mine, together = batches[rank], batches.flatten(0, 1)
     moecompile.parallelize(model, mesh, mine, expert_domains=expert_domains, **options)
     info = model._moe_parallel
     assert not info.left and all(("expert domains" in r.sharding) == (expert_domains is not None)
                                  for r in info.report.layers), str(info)
-    held = sum(p.numel() for p in model.parameters() if getattr(p, "_moe_sharded", False))
+    held = sum(p.numel() for n, p in model.named_parameters()  # (a ModuleList's: the experts it kept)
+               if getattr(p, "_moe_sharded", False) or n in info.module_list_experts)
     assert held * world == sum(p.numel() for n, p in ref.named_parameters() if ".experts." in n)
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
@@ -151,10 +151,11 @@ def _train(family, mesh, expert_domains, check=None, **options):
         out.loss.backward(), ref_out.loss.backward(), clip_as_one_process(model, ref, step)  # (tests/clipping.py)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     assert not RECENT, list(RECENT)  # kept for expert swap only: a domain layer's sort by slot keeps no routing
-    state = model.state_dict()
+    state = moecompile.full_state_dict(model)  # (a ModuleList's experts: from the ranks holding them)
+    assert state.keys() == ref.state_dict().keys(), sorted(set(state) ^ set(ref.state_dict()))[:4]
     for name, value in ref.state_dict().items():
-        got = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
-        torch.testing.assert_close(got, value, rtol=TOL, atol=TOL, msg=lambda m: f"{expert_domains} {name}: {m}")
+        torch.testing.assert_close(state[name], value, rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{expert_domains} {name}: {m}")
     sent = {}
     for layer in moecompile.comm_stats().values():
         for k, v in layer.items():
@@ -163,6 +164,17 @@ def _train(family, mesh, expert_domains, check=None, **options):
     if check is not None:
         check(compiled, mine, model)
     return sent, held * 4  # (fp32)
+
+
+def _build(family):
+    """A tiny transformers family, or the hand-written model whose experts are an nn.ModuleList ("loop")."""
+    from moecompile.models.handwritten import TinyMoELM
+    from moecompile.models.hf import tiny_model
+
+    if family == "loop":
+        torch.manual_seed(0)
+        return TinyMoELM(family).train()
+    return tiny_model(family).train()
 
 
 def _init(rank, world, tmp, seconds):
@@ -189,6 +201,8 @@ def _domains_world4(rank, world, tmp):
         _stream_measured(two)
         _compressed(world, init_device_mesh("cpu", (4,)))
         _resharded(world, init_device_mesh("cpu", (4,)))
+        _train("loop", two, {"node": 2})  # an nn.ModuleList's experts (gathered stacked; not in expert order)
+        _resharded(world, init_device_mesh("cpu", (4,)), "loop")
         _bad_input(two)
     finally:
         dist.destroy_process_group()
@@ -280,7 +294,7 @@ def _copies_saved(kept: bool, world: int):
     return check
 
 
-def _resharded(world, flat):
+def _resharded(world, flat, family="mixtral"):
     """reshard_after_forward=True trains as one process, keeps no gathered copy for backward, and gathers each
     layer's experts twice a step (forward, and again in backward), summing their gradients back once. In backward,
     each gather again runs while other ops of the step do (passes/regather.py): never waited for right after its
@@ -292,7 +306,7 @@ def _resharded(world, flat):
         assert starts and len(starts) == ran.count("domain_gather_wait"), ran
         assert all(ran[i + 1] != "domain_gather_wait" for i in starts), ran
 
-    sent, own = _train("mixtral", flat, {"ep": world}, check=check, reshard_after_forward=True)
+    sent, own = _train(family, flat, {"ep": world}, check=check, reshard_after_forward=True)
     assert sent["domain_gather.peer"] == 2 * (world - 1) * own and sent["domain_reduce.peer"] == (world - 1) * own
 
 
@@ -335,8 +349,8 @@ def _bad_input(mesh):
         moecompile.parallelize(tiny_model("mixtral"), tp, ids, expert_domains={"dp": 2}, moe_tp="ssmb")
     from moecompile.models.handwritten import TinyMoELM
 
-    with pytest.raises(ValueError, match="nn.ModuleList, which is not built"):
-        moecompile.parallelize(TinyMoELM("loop"), mesh, ids, expert_domains={"node": 2})
+    with pytest.raises(ValueError, match="compress= works on stacked .* stores them modulelist: drop compress"):
+        moecompile.parallelize(TinyMoELM("loop"), mesh, ids, expert_domains={"node": 2}, compress=0.5)
 
 
 def _domains_world8(rank, world, tmp):

@@ -116,18 +116,28 @@ def check(expert_domains, compress, reshard, mesh, link_model=None, **others) ->
     return sizes
 
 
-def check_layer(rec, params: dict, compress=None) -> None:
-    """ValueError where a layer's experts cannot be gathered (an ``nn.ModuleList`` of them: not built), or not
-    compressed (flat [E * R, ...] weights: the shared expert is the mean of whole experts)."""
-    if any(isinstance(names, list) for names in params.values()):
-        raise ValueError(f"expert_domains gathers stacked [E, ...] or flat expert weights; MoE layer {rec.path} "
-                         "keeps its experts in an nn.ModuleList, which is not built: drop expert_domains")
+def check_layer(rec, compress=None) -> None:
+    """ValueError where a layer's experts cannot be compressed (flat [E * R, ...] weights or an ``nn.ModuleList``'s:
+    the shared expert is the mean of stacked experts; identity experts)."""
     if compress is not None and rec.spec.experts.storage != "stacked":
         raise ValueError(f"compress= works on stacked [E, ...] expert weights; MoE layer {rec.path} stores them "
                          f"{rec.spec.experts.storage}: drop compress")
     if compress is not None and rec.spec.experts.identity_experts:
         raise ValueError(f"compress= does not take identity experts yet (MoE layer {rec.path}, "
                          f"{rec.spec.experts.identity_experts} of them): drop compress")
+
+
+def view_args(domains, group, views: dict) -> tuple[str, dict]:
+    """(the group the rows are exchanged over, the views' keyword arguments): with ``domains`` its exchange group and
+    the domain's (compression and gathering again in backward too), else ``group`` and ``views`` as they are."""
+    if domains is None:
+        return group.group_name, views
+    views = {**views, "domain_group": domains.domain_group.group_name}
+    if domains.compress is not None:  # SR compression: the shared expert is the mean over every rank's
+        views.update(compress=float(domains.compress), compress_group=group.group_name)
+    if domains.reshard:  # the distribute pass has the gather computed again in backward
+        views.update(reshard=True)
+    return domains.exchange_group.group_name, views
 
 
 _GROUPS: dict[tuple, tuple] = {}
@@ -193,6 +203,7 @@ def choose(records, link, routing: dict, mesh, group, pre: dict[str, float] | No
             continue
         e = rec.spec.experts
         weight = next(iter(rec.expert_weights.values()))
+        weight = weight[0] if isinstance(weight, list) else weight  # (a ModuleList: its first expert's)
         elem = weight.element_size()
         mats = 3 if e.gated else 2
         expert_bytes = mats * e.hidden * e.intermediate * (e.num_experts // W) * elem

@@ -119,7 +119,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if rec.moe_tp == "ted":
             ted.check(rec, tp)
         if domains is not None:
-            domains_mod.check_layer(rec, params, compress)
+            domains_mod.check_layer(rec, compress)
     if domains == "auto":
         records = [rec for rec, _ in plans]
         pre = domains_mod.pre_expert_seconds(model, [r.path for r in records], example_args, group)
@@ -292,7 +292,7 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     local_E = E // world
     mine = range(rank * local_E, (rank + 1) * local_E)
     if isinstance(next(iter(params.values())), list):
-        held = _shard_module_list(model, params, mine, group.group_name, rec.path, dedup, slots, views)
+        held = _shard_module_list(model, params, mine, group, rec.path, dedup, slots, views, domains, E)
     else:
         held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots, views, domains, E,
                               rec.spec.experts.identity_experts)
@@ -329,13 +329,7 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
     """Stacked ``[E, ...]`` weights, or flat ``[E * R, ...]`` ones (R rows per expert): each rank keeps its
     consecutive 1 / world of dim 0 (its E / world experts). With ``domains`` the module reads them through views
     of its domain (gathered) and exchange groups."""
-    exchange = group.group_name
-    if domains is not None:
-        exchange, views = domains.exchange_group.group_name, {**views, "domain_group": domains.domain_group.group_name}
-        if domains.compress is not None:  # SR compression: the shared expert is the mean over every rank's
-            views.update(compress=float(domains.compress), compress_group=group.group_name)
-        if domains.reshard:  # the distribute pass has the gather computed again in backward
-            views.update(reshard=True)
+    exchange, views = domains_mod.view_args(domains, group, views)
     attrs = {}
     for role, name in params.items():
         module_name, _, attr = name.rpartition(".")
@@ -366,14 +360,20 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
     return set(params.values())
 
 
-def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_name, layer, dedup, slots, views
-                       ) -> set[str]:
+def _shard_module_list(model, params: dict[str, list[str]], mine: range, group, layer, dedup, slots, views,
+                       domains=None, num_experts=0) -> set[str]:
     """An ``nn.ModuleList`` layer: the weights of the experts other ranks hold are dropped (not parameters here,
     not in this rank's state_dict: ``torch.distributed.checkpoint`` gets each expert from the rank holding it);
     while Dynamo traces, the module reads each as ``moe.ep_remote_expert`` (its shape, no value). With ``slots``
-    (the layer swaps experts) the list's entry i is slot i: the state_dict names each by the expert it holds."""
+    (the layer swaps experts) the list's entry i is slot i: the state_dict names each by the expert it holds. With
+    ``domains`` the remote experts' views name the domain and exchange groups (the distribute pass gathers the
+    domain's experts, stacked, and unbinds them again)."""
     if slots is not None:
         experts_module(model, next(iter(params.values())), slots)
+    group_name, views = domains_mod.view_args(domains, group, views)
+    order = domains.slots(num_experts) if domains is not None else None
+    if order is not None and torch.equal(order, torch.arange(num_experts)):
+        order = None  # the gathered order is expert order: nothing to sort
     held = set()
     for role, names in params.items():
         like = model.get_parameter(names[mine.start])  # a local expert's weight of this role: the shape
@@ -389,5 +389,7 @@ def _shard_module_list(model, params: dict[str, list[str]], mine: range, group_n
             del module._parameters[attr]
             if slots is not None:  # the placement, a graph input read by the ops (as a stacked layer's)
                 module.register_buffer(SLOTS, slots, persistent=False)
+            if order is not None:  # each expert's slot in the exchange group's order (as a stacked layer's)
+                module.register_buffer(DOMAIN_SLOTS, order.to(like[2]), persistent=False)
             read_remote(module, attr, like, expert, name, group_name, layer, dedup, views)
     return held

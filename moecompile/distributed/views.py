@@ -25,7 +25,8 @@ def read_remote(module, attr, like, expert, name, group_name, layer, dedup, extr
 
     def read(self):
         if torch.compiler.is_compiling():
-            return torch.ops.moe.ep_remote_expert(*args, self._buffers.get(SLOTS), **extra)
+            domain = {"domain_slots": self._buffers[DOMAIN_SLOTS]} if DOMAIN_SLOTS in self._buffers else {}
+            return torch.ops.moe.ep_remote_expert(*args, self._buffers.get(SLOTS), **extra, **domain)
         return torch.empty(shape, dtype=dtype, device="meta")
 
     def refuse_eager(mod, args_):

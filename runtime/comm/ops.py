@@ -70,8 +70,8 @@ def _ep_global_view_fake(local, num_experts, group_name, layer, dedup="off", slo
 def ep_remote_expert(shape: list[int], expert: int, group_name: str, layer: str, dedup: str, like_name: str,
                      name: str, dtype: torch.dtype, device: torch.device, slots: Tensor | None = None,
                      moe_tp: str = "off", tp_group: str = "", full_shape: list[int] | None = None,
-                   domain_group: str = "", domain_slots: Tensor | None = None, compress: float = 0.0,
-                   compress_group: str = "") -> Tensor:
+                     domain_group: str = "", domain_slots: Tensor | None = None, compress: float = 0.0,
+                     compress_group: str = "", reshard: bool = False) -> Tensor:
     raise RuntimeError(
         f"expert {expert} of MoE layer {layer!r} lives on another rank (moecompile.parallelize sharded the "
         "layer's nn.ModuleList experts): the layer only runs in a graph the moe backend rewrote: compile the model "
@@ -81,7 +81,8 @@ def ep_remote_expert(shape: list[int], expert: int, group_name: str, layer: str,
 
 @register_fake("moe::ep_remote_expert")
 def _ep_remote_expert_fake(shape, expert, group_name, layer, dedup, like_name, name, dtype, device, slots=None,
-                           moe_tp="off", tp_group=""):
+                           moe_tp="off", tp_group="", full_shape=None, domain_group="", domain_slots=None,
+                           compress=0.0, compress_group="", reshard=False):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
