@@ -10,8 +10,9 @@ tests/test_hybrid_stream.py) under emulated links: every candidate's predicted c
 one, and expert_domains="auto" training as one process (world 4; where each gather starts:
 tests/test_gather_order.py); the gathered copies kept for backward, or with reshard_after_forward=True gathered
 again there (training as one process, the bytes, nothing whole-domain saved, each gather again started ahead of its
-wait; Mixtral and the ModuleList model); compress=q (q = 1 as one process; the bytes at q = 0.25; the decoded copies
-not kept for backward). Every collective has a timeout; a failing rank fails the test."""
+wait; Mixtral and the ModuleList model); compress=q (q = 1 as one process, Mixtral and the ModuleList model; the
+bytes at q = 0.25; the decoded copies not kept for backward). Every collective has a timeout; a failing rank fails
+the test."""
 
 import itertools
 import re
@@ -86,6 +87,18 @@ def test_bad_input_names_the_fix():
         moecompile.hybrid_topology([4], [3])
     with pytest.raises(ValueError, match="whole number >= 1"):
         moecompile.hybrid_topology([0], [1])
+    from types import SimpleNamespace
+
+    from moecompile.distributed.domains import check_layer
+
+    def layer(storage):
+        experts = SimpleNamespace(storage=storage, identity_experts=0)
+        return SimpleNamespace(path="blocks.0", spec=SimpleNamespace(experts=experts))
+
+    for storage in ("stacked", "modulelist"):  # compressed as they are gathered: stacked
+        check_layer(layer(storage), compress=0.5)
+    with pytest.raises(ValueError, match="compress= works on stacked .* stores them flat: drop compress"):
+        check_layer(layer("flat"), compress=0.5)
 
 
 def _gather_ranks(rank, world, tmp):
@@ -260,6 +273,7 @@ def _compressed(world, flat):
     from moecompile.runtime.comm.compress import encoded_bytes
 
     _train("mixtral", flat, {"ep": world}, compress=1.0)
+    _train("loop", flat, {"ep": world}, compress=1.0)  # an nn.ModuleList's experts, stacked and compressed
     model = tiny_model("mixtral").train()
     ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
     moecompile.parallelize(model, flat, ids, expert_domains={"ep": world}, compress=0.25)
@@ -347,10 +361,6 @@ def _bad_input(mesh):
     tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match="expert_domains with moe_tp is not built"):
         moecompile.parallelize(tiny_model("mixtral"), tp, ids, expert_domains={"dp": 2}, moe_tp="ssmb")
-    from moecompile.models.handwritten import TinyMoELM
-
-    with pytest.raises(ValueError, match="compress= works on stacked .* stores them modulelist: drop compress"):
-        moecompile.parallelize(TinyMoELM("loop"), mesh, ids, expert_domains={"node": 2}, compress=0.5)
 
 
 def _domains_world8(rank, world, tmp):

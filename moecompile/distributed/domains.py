@@ -119,9 +119,9 @@ def check(expert_domains, compress, reshard, mesh, link_model=None, **others) ->
 def check_layer(rec, compress=None) -> None:
     """ValueError where a layer's experts cannot be compressed (flat [E * R, ...] weights or an ``nn.ModuleList``'s:
     the shared expert is the mean of stacked experts; identity experts)."""
-    if compress is not None and rec.spec.experts.storage != "stacked":
-        raise ValueError(f"compress= works on stacked [E, ...] expert weights; MoE layer {rec.path} stores them "
-                         f"{rec.spec.experts.storage}: drop compress")
+    if compress is not None and rec.spec.experts.storage not in ("stacked", "modulelist"):
+        raise ValueError(f"compress= works on stacked [E, ...] expert weights or nn.ModuleList experts; MoE layer "
+                         f"{rec.path} stores them {rec.spec.experts.storage}: drop compress")
     if compress is not None and rec.spec.experts.identity_experts:
         raise ValueError(f"compress= does not take identity experts yet (MoE layer {rec.path}, "
                          f"{rec.spec.experts.identity_experts} of them): drop compress")

@@ -21,7 +21,7 @@ entries largest in magnitude, as (value, index) pairs; a receiver decodes S + th
                                                    at a time: moe::expert_mlp_sr, sr_experts.py); marked to be
                                                    computed again in backward: only the pairs are kept
 
-``parallelize(..., expert_domains=..., compress=q)`` (stacked experts): it changes the forward (the gathered
+``parallelize(..., expert_domains=..., compress=q)`` (stacked or ``nn.ModuleList`` experts): it changes the forward (the gathered
 copies are approximate), so it is never on by default and the report says so.
 """
 
