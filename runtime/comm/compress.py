@@ -21,8 +21,8 @@ entries largest in magnitude, as (value, index) pairs; a receiver decodes S + th
                                                    at a time: moe::expert_mlp_sr, sr_experts.py); marked to be
                                                    computed again in backward: only the pairs are kept
 
-``parallelize(..., expert_domains=..., compress=q)`` (stacked or ``nn.ModuleList`` experts): it changes the forward (the gathered
-copies are approximate), so it is never on by default and the report says so.
+``parallelize(..., expert_domains=..., compress=q)`` (stacked or ``nn.ModuleList`` experts): it changes the forward
+(the gathered copies are approximate), so it is never on by default and the report says so.
 """
 
 from __future__ import annotations
