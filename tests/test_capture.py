@@ -118,14 +118,17 @@ def test_jetmoe_split_loop_captured_and_rewritten():
     assert len(report.layers) == model.config.num_hidden_layers, report.skipped
 
 
-def test_after_dynamo_reset_the_backend_registers_its_scope_again():
-    """torch._dynamo.reset() drops every compile callback, ours too: the first frame compiled right after it is
-    traced with Dynamo's defaults, so that compile breaks at the first expert loop (the output is still eager's,
-    that layer is not rewritten); the backend registers the scope again as it compiles that first graph, so the
-    frames after it, and the next model, capture."""
-    torch._dynamo.reset()  # no install() after it, as in a user's program
-    model = hf.build_model(hf.shrink_config("jetmoe"))
-    report = compile_and_compare(model, IDS, grads=False)
-    assert report.graphs_seen > 1 and len(report.layers) < model.config.num_hidden_layers
-    report = compile_and_compare(hf.build_model(hf.shrink_config("jetmoe")), IDS, grads=False)
-    assert report.graphs_seen == 1 and len(report.layers) == model.config.num_hidden_layers, report.skipped
+def test_after_dynamo_reset_the_first_compile_captures():
+    """torch._dynamo.reset() clears every compile callback, ours too: moecompile registers its scope again as they
+    are cleared, so the first frame compiled right after it captures (one graph, every layer rewritten), and so
+    does the next; a callback of someone else's is cleared as torch clears it."""
+    from moecompile.tracing import capture as capture_mod
+
+    torch._dynamo.callback_handler.register_start_callback(print)
+    for _ in range(2):
+        torch._dynamo.reset()  # no install() after it, as in a user's program
+        handler = torch._dynamo.callback_handler
+        assert handler.start_callbacks == [capture_mod.compile_scope_start], handler.start_callbacks
+        model = hf.build_model(hf.shrink_config("jetmoe"))
+        report = compile_and_compare(model, IDS, grads=False)
+        assert report.graphs_seen == 1 and len(report.layers) == model.config.num_hidden_layers, report.skipped

@@ -18,7 +18,8 @@ or dedup levels, a mesh of some ranks, ranks holding different models or trainin
 One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, Mixtral with
 its experts frozen (they stay so, no gradient computed for them), Mixtral under gradient checkpointing
 (checkpoint_exchanges "recompute": the exchanges run twice a step; "save": once), loads both world-4 checkpoints and
-finds exactly the parameters saved, then one rank dies: the other raises within the process group's timeout. The
+finds exactly the parameters saved, trains at four sequence lengths in two graphs after torch._dynamo.reset(), then
+one rank dies: the other raises within the process group's timeout. The
 test process itself trains Mixtral on a one-rank mesh against one process, then loads the checkpoints (the one saved
 after expert swaps too) without any process group. A failing rank fails the test.
 """
@@ -364,7 +365,7 @@ def _world2(rank, world, tmp):
             assert report.layers and all(saved in r.checkpointed for r in report.layers), str(report)
             del model, report  # the next run checks that no full-size expert tensor is alive
         model = _load_checkpoints_on_world2(mesh, rank, world, tmp)
-        compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
+        compiled = _lengths_after_dynamo_reset(model, rank)
         ids = _batches(model, world)[rank]
         compiled(ids)
         dist.barrier()
@@ -377,6 +378,28 @@ def _world2(rank, world, tmp):
     finally:
         if rank == 0:
             dist.destroy_process_group()
+
+
+def _lengths_after_dynamo_reset(model, rank):
+    """After a user's torch._dynamo.reset() (which clears Dynamo's compile callbacks: moecompile registers its own
+    again), the sharded ModuleList model compiles (its expert loop captured), and trains at four sequence lengths (each rank its own) in at most two
+    graphs (the first length's, then one dynamic in it, as plain torch.compile makes), each forward's logits those
+    of one process holding the whole model. Returns the compiled model."""
+    from torch._dynamo.utils import counters
+
+    whole = _build("loop")  # (what _load_checkpoints_on_world2 loaded last: the ModuleList model)
+    whole.load_state_dict(moecompile.full_state_dict(model))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    for length in range(5 + rank, 13, 2):
+        ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+        out = compiled(ids, labels=ids)
+        torch.testing.assert_close(out.logits, whole(ids).logits, rtol=TOL, atol=TOL, msg=lambda m: f"{length}: {m}")
+        out.loss.backward()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    model.zero_grad()
+    return compiled
 
 
 def test_expert_parallel_training_equals_one_process(tmp_path):

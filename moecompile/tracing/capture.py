@@ -11,9 +11,9 @@
       Dynamo compile-end callback    ->  put back the settings
 
 Why callbacks: torch.compile in torch 2.13 gives a custom backend no hook around Dynamo's trace, and without the
-two settings an expert loop breaks the graph before any backend sees the experts. ``install()`` (re)registers
-the callbacks (``torch._dynamo.reset()`` removes them); ``capture()`` turns the settings on for a ``with`` block,
-for any backend. A trace that fails only because the settings are on (``.tolist()`` of a tensor whose length
+two settings an expert loop breaks the graph before any backend sees the experts. ``install()`` registers the
+callbacks, and again whenever ``torch._dynamo.reset()`` clears them; ``capture()`` turns the settings on for a
+``with`` block, for any backend. A trace that fails only because the settings are on (``.tolist()`` of a tensor whose length
 depends on the data) is traced again with Dynamo's defaults: Dynamo's ``convert_frame.trace_frame`` is wrapped for
 the moe compiles only, and raises Dynamo's own ``RestartAnalysis`` after putting the settings back. Why the other
 ways fail, what happens if torch moves the hooks, and what no setting captures: ``docs/detection.md``, Expert
@@ -215,12 +215,24 @@ def _first_line(exc: Exception, n: int = 200) -> str:
 
 
 def install() -> None:
-    """Register the two callbacks once per process (importing moecompile does it)."""
+    """Register the two callbacks once per process (importing moecompile does it), and again whenever Dynamo's
+    callbacks are cleared: ``torch._dynamo.reset()`` clears them (to a fresh process's state, in which moecompile,
+    imported, has them), and a compile right after it would trace without capture; a sharded layer's exchange could
+    not even be compiled then (its rows' count is data-dependent)."""
     handler = torch._dynamo.callback_handler
     if compile_scope_start not in handler.start_callbacks:
         handler.register_start_callback(compile_scope_start)
     if compile_scope_end not in handler.end_callbacks:
         handler.register_end_callback(compile_scope_end)
+    clear = handler.clear
+    if not getattr(clear, "_moecompile_installs", False):
+        @functools.wraps(clear)
+        def clear_and_install() -> None:
+            clear()
+            install()
+
+        clear_and_install._moecompile_installs = True
+        handler.clear = clear_and_install  # (on the instance: torch's class is left as it is)
 
 
 _NONZERO_LOOP = (
