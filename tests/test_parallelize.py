@@ -382,9 +382,9 @@ def _world2(rank, world, tmp):
 
 def _lengths_after_dynamo_reset(model, rank):
     """After a user's torch._dynamo.reset() (which clears Dynamo's compile callbacks: moecompile registers its own
-    again), the sharded ModuleList model compiles (its expert loop captured), and trains at four sequence lengths (each rank its own) in at most two
-    graphs (the first length's, then one dynamic in it, as plain torch.compile makes), each forward's logits those
-    of one process holding the whole model. Returns the compiled model."""
+    again), the sharded ModuleList model compiles (its expert loop captured), and trains at four sequence lengths
+    (each rank its own) in at most two graphs (the first length's, then one dynamic in it, as plain torch.compile
+    makes), each forward's logits those of one process holding the whole model. Returns the compiled model."""
     from torch._dynamo.utils import counters
 
     whole = _build("loop")  # (what _load_checkpoints_on_world2 loaded last: the ModuleList model)

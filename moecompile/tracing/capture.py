@@ -10,14 +10,13 @@
                                           defaults (RestartAnalysis), and the frame is listed in ``retraced``
       Dynamo compile-end callback    ->  put back the settings
 
-Why callbacks: torch.compile in torch 2.13 gives a custom backend no hook around Dynamo's trace, and without the
-two settings an expert loop breaks the graph before any backend sees the experts. ``install()`` registers the
-callbacks, and again whenever ``torch._dynamo.reset()`` clears them; ``capture()`` turns the settings on for a
-``with`` block, for any backend. A trace that fails only because the settings are on (``.tolist()`` of a tensor whose length
-depends on the data) is traced again with Dynamo's defaults: Dynamo's ``convert_frame.trace_frame`` is wrapped for
-the moe compiles only, and raises Dynamo's own ``RestartAnalysis`` after putting the settings back. Why the other
-ways fail, what happens if torch moves the hooks, and what no setting captures: ``docs/detection.md``, Expert
-loops.
+Why callbacks: torch.compile in torch 2.13 gives a custom backend no hook around Dynamo's trace, and without the two
+settings an expert loop breaks the graph before any backend sees the experts. ``install()`` registers the callbacks,
+and again whenever ``torch._dynamo.reset()`` clears them; ``capture()`` turns the settings on for a ``with`` block,
+for any backend. A trace that fails only because the settings are on (``.tolist()`` of a tensor whose length depends
+on the data) is traced again with Dynamo's defaults: Dynamo's ``convert_frame.trace_frame`` is wrapped for the moe
+compiles only, and raises Dynamo's own ``RestartAnalysis`` after putting the settings back. Why the other ways fail,
+what happens if torch moves the hooks, and what no setting captures: ``docs/detection.md``, Expert loops.
 """
 
 from __future__ import annotations
