@@ -144,9 +144,9 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         replaced = _only_combine(node, dedup)
     with gm.graph.inserting_before(replaced):
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
-        q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked weights
+        q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked, ModuleList
         again = set()  # gathered weights whose uses up to the experts are computed again in backward
-        if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked and flat weights: parallelize checked)
+        if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked, flat and ModuleList experts)
             if e.identity_experts:  # the experts' rows gathered, the spare gate_up rows left (shardable.py)
                 mine = {r: p[:own] for r, p in mine.items()}
             listed = {r for r, p in mine.items() if isinstance(p, list)}  # a ModuleList's: gathered stacked
