@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ranks import spawn
 from clipping import clip_as_one_process
+from test_recompiles import lengths_after_dynamo_reset
 from ep_checkpoints import TOL, check_after_swaps, loads_in_one_process, optimizer_loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -365,7 +366,7 @@ def _world2(rank, world, tmp):
             assert report.layers and all(saved in r.checkpointed for r in report.layers), str(report)
             del model, report  # the next run checks that no full-size expert tensor is alive
         model = _load_checkpoints_on_world2(mesh, rank, world, tmp)
-        compiled = _lengths_after_dynamo_reset(model, rank)
+        compiled = lengths_after_dynamo_reset(model, _build("loop"), TOL)  # (tests/test_recompiles.py)
         ids = _batches(model, world)[rank]
         compiled(ids)
         dist.barrier()
@@ -378,28 +379,6 @@ def _world2(rank, world, tmp):
     finally:
         if rank == 0:
             dist.destroy_process_group()
-
-
-def _lengths_after_dynamo_reset(model, rank):
-    """After a user's torch._dynamo.reset() (which clears Dynamo's compile callbacks: moecompile registers its own
-    again), the sharded ModuleList model compiles (its expert loop captured), and trains at four sequence lengths
-    (each rank its own) in at most two graphs (the first length's, then one dynamic in it, as plain torch.compile
-    makes), each forward's logits those of one process holding the whole model. Returns the compiled model."""
-    from torch._dynamo.utils import counters
-
-    whole = _build("loop")  # (what _load_checkpoints_on_world2 loaded last: the ModuleList model)
-    whole.load_state_dict(moecompile.full_state_dict(model))
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
-    for length in range(5 + rank, 13, 2):
-        ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
-        out = compiled(ids, labels=ids)
-        torch.testing.assert_close(out.logits, whole(ids).logits, rtol=TOL, atol=TOL, msg=lambda m: f"{length}: {m}")
-        out.loss.backward()
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
-    model.zero_grad()
-    return compiled
 
 
 def test_expert_parallel_training_equals_one_process(tmp_path):

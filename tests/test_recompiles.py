@@ -84,3 +84,26 @@ def test_a_rewrite_lost_to_the_recompile_limit_is_warned_about():
     assert "recompile_limit (2)" in why and "(" in where
     report = moecompile.explain(model, torch.randint(0, 128, (1, 5)), inner="aot_eager")
     assert report.lost_to_recompiles == {where: why} and f"{where} hit {why}" in str(report)
+
+
+def lengths_after_dynamo_reset(model, whole, tol: float):
+    """A helper of the expert-parallel tests (tests/test_parallelize.py, world 2): after a user's
+    torch._dynamo.reset() (which clears Dynamo's compile callbacks: moecompile registers its own again), the sharded
+    ``model`` compiles (a ModuleList model's expert loop captured), and trains at four sequence lengths (each rank
+    its own) in at most two graphs (the first length's, then one dynamic in it, as plain torch.compile makes), each
+    forward's logits those of ``whole``, one process's model, loaded with the sharded one's weights. Returns the
+    compiled model."""
+    import torch.distributed as dist
+
+    whole.load_state_dict(moecompile.full_state_dict(model))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    for length in range(5 + dist.get_rank(), 13, 2):
+        ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+        out = compiled(ids, labels=ids)
+        torch.testing.assert_close(out.logits, whole(ids).logits, rtol=tol, atol=tol, msg=lambda m: f"{length}: {m}")
+        out.loss.backward()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    model.zero_grad()
+    return compiled

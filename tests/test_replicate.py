@@ -269,8 +269,8 @@ def _worker(rank, world, tmp):
 
 def _module_list(mesh, rank, world):
     """A replicated ModuleList layer keeps the model's names in its state_dict (each expert's weight, a DTensor of its
-    rows over the ranks' hosts; one process's state_dict loads into it), and run eagerly its experts refuse,
-    naming the fix."""
+    rows over the ranks' hosts; one process's state_dict loads into it); eagerly each expert's weight reads as a
+    meta tensor of its own shape, and its experts refuse to run, naming the fix."""
     ref = _build("loop")
     model, compiled, opt = _replicated(mesh, _batches(ref, world)[rank], world, "adaptive", "sgd", "loop")
     state = model.state_dict()
@@ -283,6 +283,9 @@ def _module_list(mesh, rank, world):
     model.load_state_dict(ref.state_dict())
     for name, value in model.state_dict().items():
         torch.testing.assert_close(_whole(value), ref.state_dict()[name], rtol=0, atol=0, msg=name)
+    for name, p in ref.named_parameters():  # read eagerly, each expert's weight has its own shape (no value)
+        if ".experts." in name:
+            assert model.get_submodule(name.rpartition(".")[0]).weight.shape == p.shape, name
     with pytest.raises(RuntimeError, match="only run in a graph the moe backend rewrote"):
         model(torch.zeros(1, 4, dtype=torch.long))
 

@@ -73,11 +73,10 @@ def read_from_slots(module: nn.Module, attrs: list[str], experts: list[list[str]
             shapes[name] = (tuple(w.shape), w.dtype)
         owner.__dict__["_moe_slots_of"] = module  # (not a child: no second path to the list's parameters)
 
-        def read(name, attr, i):
+        def read(attr, i, shape, dtype):
             def get(self):
                 if torch.compiler.is_compiling():
                     return getattr(self._moe_slots_of, attr)[i]
-                shape, dtype = shapes[name]
                 return torch.empty(shape, dtype=dtype, device="meta")
             return property(get)
 
@@ -88,7 +87,7 @@ def read_from_slots(module: nn.Module, attrs: list[str], experts: list[list[str]
 
         cls = owner.__class__
         owner.__class__ = type(f"Replicated{cls.__name__}", (cls,),
-                               {name: read(name, attr, i) for name, (attr, i) in reads.items()})
+                               {name: read(attr, i, *shapes[name]) for name, (attr, i) in reads.items()})
         owner.register_forward_pre_hook(refuse_eager)
 
 
