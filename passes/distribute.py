@@ -36,7 +36,7 @@ from moecompile.runtime.comm.dedup import hierarchical_experts
 from moecompile.runtime.comm.exchange import resolve_group
 
 from .canonical import expert_tensors
-from .graph_utils import example
+from .graph_utils import example, recompute_between, weight_chain
 from .report import PassReport, block
 from .sequence_shard import cut_before_router
 from .sharded import EP_VIEWS, view_arg
@@ -160,7 +160,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             mine = {r: [p[i] for i in range(local_experts)] if r in listed else p for r, p in mine.items()}
         tensors = expert_tensors(local_spec, mine)
         if again:
-            _recompute_between(again, [t.node for t in tensors if t is not None])
+            recompute_between(again, [t.node for t in tensors if t is not None])
         if domain_size > 1 and q:  # in canonical layout, so that the experts can decode with use (_decode_with_use)
             world = view_arg(views[0], "compress_group")
             tensors = [None if t is None else torch.ops.moe.domain_gather_compressed(
@@ -291,17 +291,18 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
         if node.target not in GATHER + COMPRESSED:
             continue
         w = node.args[0]
-        ready = [w]  # the weights' own preparation (a ModuleList's stack, identity's slice) moves with the start
-        if w.op == "call_function" and w.all_input_nodes and list(w.users) == [node] and all(
-                a.op in ("placeholder", "get_attr") for a in w.all_input_nodes):
-            ready = w.all_input_nodes
-        after = max((n for n in (*ready, previous, last_input) if isinstance(n, fx.Node)), key=order.get)
-        if ready != [w]:
-            after.append(w)
-            order[w] = order[after]
-            after = w
+        after = max((n for n in (previous, last_input) if isinstance(n, fx.Node)), key=order.get)
+        chain = weight_chain(w)  # w's own preparation from the weights (a ModuleList's stack, identity's slice, a
+        if chain is None:  # compressed gather's canonical views) moves up with the start; from activations: stays
+            after = max(after, w, key=order.get)
+        for n in sorted(chain or (), key=order.get):
+            if order[n] > order[after]:
+                after.append(n)
+                order[n] = order[after] + 1e-6
+            if order[n] >= order[after]:
+                after = n
             if node.meta.get("moe_reshard"):
-                w.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
+                n.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
         if node.target in GATHER:
             group, layer = node.args[1], node.args[2] if len(node.args) > 2 else ""
             start_op, start_args, wait_op = ops.domain_gather_start.default, (w, group), ops.domain_gather_wait
@@ -330,25 +331,6 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
         if node.target in COMPRESSED:
             _erase_unused(graph, [mean])
         report.counters["distribute.gathers_started_early"] += 1
-
-
-def _recompute_between(sources: set[fx.Node], outputs: list[fx.Node]) -> None:
-    """Mark every node on a path from ``sources`` (not themselves) to ``outputs`` for AOT autograd's partitioner to
-    compute again in backward, as ``_start_gathers_early`` marks a gather of ``reshard_after_forward``."""
-    reaches: dict[fx.Node, bool] = {}
-
-    def visit(n: fx.Node) -> bool:
-        if n in sources:
-            return True
-        if n not in reaches:
-            reaches[n] = False  # (a DAG: no cycle reaches it again)
-            reaches[n] = any([visit(a) for a in n.all_input_nodes])  # (a list: every input visited)
-            if reaches[n]:
-                n.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
-        return reaches[n]
-
-    for out in outputs:
-        visit(out)
 
 
 def _decode_with_use(graph: fx.Graph, report: PassReport) -> None:

@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 
 def op_name(n: fx.Node) -> str:
@@ -312,3 +313,43 @@ def code_signature(gm: fx.GraphModule) -> str:
     named = lambda a: f"%{index[a]}"  # noqa: E731
     return "\n".join(f"{n.op} {getattr(n.target, '__name__', n.target) if n.op != 'placeholder' else ''} "
                      f"{fx.node.map_arg(n.args, named)} {fx.node.map_arg(n.kwargs, named)}" for n in gm.graph.nodes)
+
+
+LAYOUT = {"stack", "getitem", "chunk", "transpose", "to", "contiguous", "view", "reshape", "unsqueeze", "permute"}
+
+
+def weight_chain(w, limit: int = 16) -> set[fx.Node] | None:
+    """The nodes that lay out ``w`` from the graph's inputs (the weights) alone, by ``LAYOUT`` ops only (the
+    distribute pass's stacks, slices and canonical views of the expert weights), at most ``limit``; none where
+    ``w`` is an input; None where ``w`` is computed otherwise (from activations)."""
+    if not isinstance(w, fx.Node):
+        return None
+    chain, todo = set(), [w]
+    while todo:
+        n = todo.pop()
+        if n.op in ("placeholder", "get_attr") or n in chain:
+            continue
+        if n.op not in ("call_function", "call_method") or _short_name(n) not in LAYOUT or len(chain) >= limit:
+            return None
+        chain.add(n)
+        todo += n.all_input_nodes
+    return chain
+
+
+def recompute_between(sources: set[fx.Node], outputs: list[fx.Node]) -> None:
+    """Mark every node on a path from ``sources`` (not themselves) to ``outputs`` for AOT autograd's partitioner to
+    compute again in backward, as ``distribute`` marks a gather of ``reshard_after_forward``."""
+    reaches: dict[fx.Node, bool] = {}
+
+    def visit(n: fx.Node) -> bool:
+        if n in sources:
+            return True
+        if n not in reaches:
+            reaches[n] = False  # (a DAG: no cycle reaches it again)
+            reaches[n] = any([visit(a) for a in n.all_input_nodes])  # (a list: every input visited)
+            if reaches[n]:
+                n.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
+        return reaches[n]
+
+    for out in outputs:
+        visit(out)

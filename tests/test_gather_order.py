@@ -2,6 +2,8 @@
 ahead of its experts in forward (hybridep.md §IV-B), and with ``reshard_after_forward=True`` the backward graph's
 gathers again are started ahead the same way (``passes/regather.py``). Run end to end: ``tests/test_hybrid.py``."""
 
+import operator
+
 import torch
 
 
@@ -50,37 +52,44 @@ def test_gathers_start_after_the_previous_layers_experts():
     assert report.counters["distribute.gathers_again_in_backward"] == 1
 
 
-def test_a_module_lists_stacked_experts_move_with_their_gather():
-    """A ModuleList layer's experts are stacked for the gather (the distribute pass puts the stack before the
-    experts, after the pre-expert part): the stack moves with the gather's start, right after the graph's inputs, so
-    the gather still runs while the pre-expert part computes; with reshard_after_forward the stack is computed
-    again in backward too. A weight preparation with other users stays where it is."""
+def test_weights_prepared_for_a_gather_move_with_its_start():
+    """What the distribute pass computes from the weights for a gather, where the layer's experts are (after its
+    pre-expert part), moves with the gather's start, so that it still starts ahead: a ModuleList layer's stack of
+    its experts (layer 0 here; with reshard_after_forward it is computed again in backward too), and a compressed
+    gather's canonical views of a stacked weight (layer 1: gate/up chunked, moved right after layer 0's experts).
+    A gather of something computed from activations starts after it."""
     import torch.fx as fx
     from torch.utils.checkpoint import CheckpointPolicy
 
+    import moecompile.runtime.comm.compress  # noqa: F401  (registers the ops)
     from moecompile.passes.distribute import _start_gathers_early
     from moecompile.passes.report import PassReport
 
     graph, ops = fx.Graph(), torch.ops.moe
-    x, a, b = (graph.placeholder(name) for name in ("x", "a", "b"))
+    x, a, b, gate_up = (graph.placeholder(name) for name in ("x", "a", "b", "gate_up"))
     pre = graph.call_function(torch.relu, (x,))
     stacked = graph.call_function(torch.stack, ([a, b],))
     gather = graph.call_function(ops.domain_gather.default, (stacked, "g", "l0"))
     gather.meta["moe_reshard"] = True
     experts = graph.call_function(ops.expert_mlp.default, (pre, gather))
-    kept = graph.call_function(torch.stack, ([a, b],))  # (read by the gather and the output: not moved)
     pre1 = graph.call_function(torch.relu, (experts,))
-    experts1 = graph.call_function(ops.expert_mlp.default, (pre1, graph.call_function(ops.domain_gather.default,
-                                                                                       (kept, "g", "l1"))))
-    graph.output((experts1, kept))
-    for n in (experts, experts1):
+    gate = graph.call_function(operator.getitem, (graph.call_method("chunk", (gate_up, 2, 1)), 0))
+    mean = graph.call_function(ops.expert_mean.default, (graph.call_method("detach", (gate,)), 8, "world", "l1"))
+    compressed = graph.call_function(ops.domain_gather_compressed.default, (gate, mean, 0.25, "g", "l1"))
+    experts1 = graph.call_function(ops.expert_mlp.default, (pre1, compressed))
+    late = graph.call_function(ops.domain_gather.default, (graph.call_function(torch.neg, (experts1,)), "g", "l2"))
+    experts2 = graph.call_function(ops.expert_mlp.default, (experts1, late))
+    graph.output(experts2)
+    for n in (experts, experts1, experts2):
         n.meta["moe_local_experts"] = 2
     _start_gathers_early(graph, PassReport())
-    order = [getattr(n.target, "__name__", n.op).replace(".default", "") for n in graph.nodes]
-    assert order == ["placeholder"] * 3 + ["stack", "domain_gather_start", "relu", "domain_gather_wait", "expert_mlp",
-                                           "stack", "domain_gather_start", "relu", "domain_gather_wait",
-                                           "expert_mlp", "output"], order
-    assert stacked.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE and "recompute" not in kept.meta
+    order = [getattr(n.target, "__name__", n.target if n.op == "call_method" else n.op).replace(".default", "")
+             for n in graph.nodes]
+    assert order[:11] == ["placeholder"] * 4 + ["stack", "domain_gather_start", "relu", "domain_gather_wait",
+                                                "expert_mlp", "chunk", "getitem"], order
+    assert order[11] == "domain_gather_compressed_start" and order.index("relu", 7) > 11, order
+    assert order.index("domain_gather_start", 12) > order.index("neg"), order  # (computed from activations)
+    assert stacked.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE and "recompute" not in gate.meta
 
 
 def test_gathers_again_in_backward_start_after_the_later_layers_experts():
