@@ -15,58 +15,108 @@ sharding never reads, cost more than the MoE blocks themselves (a tiny Mixtral: 
 The whole model is explained instead, as before, where no holder is found (experts stored flat as ``[E * I, H]``,
 as DBRX does), where a climb reaches the model itself, where a module it needs never ran in the example, or where
 one raised when run alone.
+
+A model on the meta device (``meta.py``) runs step 2 on shapes only (fake tensors), each holder's parent on random
+weights of the mesh's device (or, where the model still reads values outside them, their parents, and so on up), and
+step 3 on random weights too. It has no whole model to explain instead: a holder no block up to the model explains
+is left whole and reported (``report.skipped``), and where no block finds a layer, ``ValueError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from moecompile.passes.report import SkipRecord
 from moecompile.passes.verify import SHARED_PROOFS
 
+from . import meta as meta_mod
 
-def explain_blocks(model: nn.Module, example_args: tuple, **options):
+ON_META_LEFT = "a model on the meta device: not found by its blocks traced alone, left whole"
+ON_META = ("moecompile.parallelize of a model on the meta device traces its MoE blocks alone, on random weights "
+           "(moecompile/distributed/meta.py), and could not here: {why}. Build the model on a device instead, or "
+           "file the model's code with this message")
+
+
+def explain_blocks(model: nn.Module, example_args: tuple, device=None, **options):
     """The ``ExplainReport`` of the model's MoE blocks, each traced alone (module docstring), or of the whole
-    model where the blocks cannot be told from the module tree."""
+    model where the blocks cannot be told from the module tree. ``device``: where a model on the meta device
+    runs its blocks (``meta.py``); None: the model is not on meta."""
     from ..explain import explain
 
     holders = _holders(model)
     if not holders:
+        if device is not None:
+            raise ValueError(ON_META.format(why="no module holds experts (stacked [E, ...] weights or a list of "
+                                                "expert modules)"))
         return explain(model, *example_args, **options)
-    inputs = _first_inputs(model, {parent for h in holders for parent in _ancestors(h)}, example_args)
+    paths = {parent for h in holders for parent in _ancestors(h)}
+    inputs = _first_inputs(model, paths, example_args) if device is None else _first_inputs_meta(
+        model, holders, paths, example_args, device)
     shared = SHARED_PROOFS.set({})  # a layer of the code and shapes of one proved before: proved (as in one graph)
+    unexplained: dict[str, str] = {}  # (a model on meta) holder -> why no block holding it was explained
     try:
-        explained = _explain_holders(model, holders, inputs, options)
+        explained = _explain_holders(model, holders, inputs, options, device, unexplained)
     finally:
         SHARED_PROOFS.reset(shared)
     if explained is None:
         return explain(model, *example_args, **options)
-    return _merged(list(explained.values()), model)
+    if not any(report.layers for report in explained.values()):
+        raise ValueError(ON_META.format(why="no block found an MoE layer alone: " + "; ".join(
+            f"{h}: {why}" for h, why in unexplained.items())))
+    report = _merged(list(explained.values()), model)
+    report.skipped += [SkipRecord(h, f"{ON_META_LEFT}: {why}") for h, why in unexplained.items()]
+    return report
 
 
-def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options: dict) -> dict | None:
-    """path -> the report of each module explained alone (module docstring, 3.); None: explain the whole model."""
-    from ..explain import explain_calls
-
+def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options: dict, device=None,
+                     unexplained=None) -> dict | None:
+    """path -> the report of each module explained alone (module docstring, 3.); None: explain the whole model.
+    A model on meta cannot be explained whole: a holder no block explains goes to ``unexplained`` (-> why), and a
+    module that never ran as a call (a block calling its experts' other methods) is climbed past."""
     explained: dict[str, object] = {}
     for holder in holders:
         if _covered(model.get_submodule(holder), explained.values()):
             continue
         for path in _ancestors(holder):
+            if device is not None and path and path not in inputs:
+                continue
             if path == "" or path not in inputs:
-                return None
-            if path not in explained:
-                args, kwargs = inputs[path]
-                try:
-                    explained[path] = explain_calls(model, [(model.get_submodule(path), args, kwargs)], **options)
-                except Exception:  # (run again alone, a module may meet state its first run left: a KV cache)
+                if device is None:
                     return None
+                unexplained[holder] = "traced alone up to the model, no block holding it was proved an MoE layer"
+                break
+            if path not in explained:
+                try:
+                    explained[path] = _explain_one(model, path, inputs[path], options, device)
+                except Exception as e:  # (run again alone, a module may meet state its first run left: a KV cache)
+                    if device is None:
+                        return None
+                    unexplained[holder] = f"{path} raised {type(e).__name__}: {e}"
+                    break
             if explained[path].layers:
                 break
     return explained
+
+
+def _explain_one(model: nn.Module, path: str, inputs: tuple, options: dict, device):
+    """The report of the module at ``path`` explained alone with its recorded inputs; on random weights and inputs
+    of ``device`` for a model on meta, the layers' expert weights named by the meta parameters again."""
+    from ..explain import explain_calls
+
+    module = model.get_submodule(path)
+    if device is None:
+        return explain_calls(model, [(module, *inputs)], **options)
+    with meta_mod.materialized(module, device) as standing:
+        args, kwargs = meta_mod.real(*inputs, device)
+        report = explain_calls(model, [(module, args, kwargs)], **options)
+        for rec in report.layers:  # (inside: the random parameters' ids stay theirs)
+            rec.expert_weights = tree_map(lambda w: standing.get(id(w), w), rec.expert_weights)
+    return report
 
 
 def _holders(model: nn.Module) -> list[str]:
@@ -100,23 +150,51 @@ def _ancestors(path: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
 
 
-def _first_inputs(model: nn.Module, paths: set[str], example_args: tuple) -> dict[str, tuple]:
-    """path -> (args, kwargs) of the module's first call while the model runs the example (tensors copied)."""
+def _first_inputs_meta(model: nn.Module, holders: list[str], paths: set[str], example_args: tuple, device
+                       ) -> dict[str, tuple]:
+    """``_first_inputs`` of a model on meta: the holders' parents run on random weights (``meta.run_materialized``),
+    or where the model still reads values elsewhere (a block calling its experts' methods other than ``forward``,
+    its router's ``nonzero()`` outside them: JetMoE's attention), their parents, and so on up to the model."""
+    error: Exception = ValueError("its experts' holders are the model's own children")
+    for level in range(max(len(_ancestors(h)) for h in holders) - 1):
+        up = {(_ancestors(h) + [""] * level)[level] for h in holders}
+        run = {p for p in up if not any(a in up for a in _ancestors(p))}  # the outermost
+        if "" in run:
+            break
+        try:
+            return _first_inputs(model, paths, example_args, run, device)
+        except Exception as e:
+            error = e
+    raise ValueError(ON_META.format(why=f"the model raised on meta ({type(error).__name__}: {error})")) from error
+
+
+def _first_inputs(model: nn.Module, paths: set[str], example_args: tuple, run=(), device=None
+                  ) -> dict[str, tuple]:
+    """path -> (args, kwargs) of the module's first call while the model runs the example (tensors copied). A
+    model on meta runs on meta, the modules of ``run`` on random weights of ``device`` (``meta.run_materialized``)."""
     seen: dict[str, tuple] = {}
     copy = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
 
     def hook(path):
         def record(module, args, kwargs):
-            seen.setdefault(path, (tree_map(copy, args), tree_map(copy, kwargs)))
+            if path not in seen:  # (a model on meta: shapes only)
+                seen[path] = (meta_mod.as_meta(args), meta_mod.as_meta(kwargs)) if device is not None else (
+                    tree_map(copy, args), tree_map(copy, kwargs))
         return record
 
     handles = [model.get_submodule(p).register_forward_pre_hook(hook(p), with_kwargs=True) for p in paths if p]
+    for p in run:
+        model.get_submodule(p).forward = meta_mod.run_materialized(model.get_submodule(p), device)
+    if device is not None:
+        example_args = meta_mod.as_meta(example_args)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), meta_mod.shapes_only() if device is not None else contextlib.nullcontext():
             model(*example_args)
     finally:
         for h in handles:
             h.remove()
+        for p in run:
+            del model.get_submodule(p).forward  # (the class's again)
     return seen
 
 

@@ -39,6 +39,7 @@ import moecompile.runtime.comm.ops  # noqa: F401  (registers moe::ep_global_view
 from moecompile.runtime.stats import recording_routing
 
 from . import domains as domains_mod
+from . import meta as meta_mod
 from . import moe_tp as moe_tp_mod
 from . import ted
 from .find_blocks import explain_blocks
@@ -90,13 +91,14 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     domains = domains_mod.prepare(mesh, domains, *gathers)  # its Domains, None or "auto"
     check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
+    device = meta_mod.check(model, mesh, dedup, domains, replication)  # a model built on meta: its device (meta.py)
     if not isinstance(swap_every, int) or swap_every < 0:
         raise ValueError(f"swap_every must be a whole number of optimizer steps >= 0 (0: never); got {swap_every!r}")
     link = _link_model(link_model) if dedup == "auto" or link_model is not None else None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     auto = dedup == "auto" or domains == "auto"  # (the choice reads the example's routing)
     with recording_routing() as routing:  # the torch references record it (Triton kernels would not)
-        report = explain_blocks(model, example_args, **({**options, "lowering": "torch"} if auto else options))
+        report = explain_blocks(model, example_args, device, **({**options, "lowering": "torch"} if auto else options))
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     plans, left = [], []
     for rec in report.layers:
@@ -126,6 +128,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         # priced for a training step unless the experts take no gradient (a model served: requires_grad_(False))
         training = any(p.requires_grad for rec in records for p in expert_tensors(rec))
         domains_mod.choose(records, link, routing, mesh, group, pre, training, reshard_after_forward)
+    # (a model built on meta) every weight on the device before anything holds one; the experts cut stay unallocated
+    meta_mod.materialize(model, device, lazy={id(w) for rec, _ in plans for w in expert_tensors(rec)})
     for rec, params in plans:
         why_not = (rows_home(rec) or replicable(model, params)) if replication != "off" else "not asked"
         if why_not and replication != "off":
@@ -155,14 +159,14 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         divisors.update(dict.fromkeys(held, _divisor(tp, rec.moe_tp, world, copies)))
         if slots is not None:
             swapping.append((rec, _swapped_tensors(model, params, held), slots))
+    meta_mod.finish(model)  # (a model built on meta: what the sharding left whole)
     for rec in report.layers:  # the full expert weights it holds would stay alive (the sharding freeing nothing)
         rec.expert_weights = {}
     dense = stage_group(mesh)  # the ranks holding the same dense weights: the world, or a pipeline stage's ranks
     sync = GradientSync(model, divisors, *((tp.dp_group, tp.dp) if tp is not None else (dense, dist.get_world_size(
                         dense))), expert_group=replicate_group(mesh), copies=copies)
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
-    model._moe_parallel.sync = sync
-    model._moe_parallel.copies = copies
+    model._moe_parallel.sync, model._moe_parallel.copies = sync, copies
     replicated = {layer.path for layer in replicas}  # (a replicated ModuleList's weights: in its slots)
     model._moe_parallel.module_list_experts = {n for rec, params in plans if rec.path not in replicated
                                                for names in params.values() if isinstance(names, list) for n in names}
@@ -268,7 +272,7 @@ def _check_ranks_agree(model: nn.Module, plans, group) -> None:
         digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
         if hasattr(p, "full_tensor"):  # a DTensor (tensor parallelism): the whole weight, not this rank's shard
             p = p.full_tensor()
-        if p.is_floating_point():
+        if p.is_floating_point() and not p.is_meta:  # (a model built on meta: shapes only)
             digest.update(repr(float(p.detach().sum(dtype=torch.float64))).encode())  # no float64 copy of p
     trained = sorted(name for name, p in model.named_parameters() if p.requires_grad)
     every = [None] * dist.get_world_size(group)
@@ -382,6 +386,7 @@ def _shard_module_list(model, params: dict[str, list[str]], mine: range, group, 
             if expert in mine:
                 held.add(name)
                 module_name, _, attr = name.rpartition(".")
+                meta_mod.realize(model.get_submodule(module_name), attr)  # (a model built on meta: meta.py)
                 guard_owned(model.get_submodule(module_name), attr, layer)  # FSDP2 must not take it over
                 continue
             module_name, _, attr = name.rpartition(".")

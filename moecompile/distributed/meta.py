@@ -1,0 +1,165 @@
+"""``parallelize`` of a model built on the meta device (``with torch.device("meta"): model = ...``): the way a model
+too large for one host (DeepSeek-V3: 1.3 TB of bf16 weights) is sharded, as torchtitan does, each rank allocating
+only what it holds.
+
+Detection proves what the code computes, not what the weights hold (``passes/verify.py`` probes each block with
+random tokens). So each MoE block is traced alone (``find_blocks.py``) on random weights of its real shapes, made
+on the mesh's device for that block and dropped after (``materialized``): one block at a time, as the stand-ins of
+a sharded layer are (``passes/sharded.py``). The model runs the example once on the meta device to record each
+block's inputs (their shapes), each MoE block run on such random weights and inputs, its output put back on meta
+(``shapes_only``).
+
+Then, before anything holds a parameter (gradient hooks, views, guards), ``materialize`` gives every weight the
+mesh's device: uninitialized memory, except the expert weights the sharding will cut, which become zero-stride
+views of one element (``LAZY``) until the sharding copies this rank's rows out of them (``realize``); ``finish``
+allocates what the sharding left. Each rank so allocates its shard of the experts and the dense weights, never a
+layer's whole experts. The weights hold no values after ``parallelize``: initialize them in place, or load them
+(``model.load_state_dict``, ``torch.distributed.checkpoint.load``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._pytree import tree_map
+
+LAZY = "_moe_lazy"  # a parameter of the mesh's device that holds one element, expanded: the sharding copies rows
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the meta device."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def check(model: nn.Module, mesh, dedup: str, domains, replication: str) -> torch.device | None:
+    """The device a model on meta is allocated on (``device_of``), None for a model not on meta; ValueError naming
+    the fix for what a model on meta cannot ask (its weights hold no values to route by)."""
+    if not on_meta(model):
+        return None
+    asked = [f"dedup={dedup!r}" if dedup == "auto" else "", "expert_domains='auto'" if domains == "auto" else ""]
+    if any(asked):
+        raise ValueError(f"{' and '.join(a for a in asked if a)} chooses from the routing of the example, which a "
+                         "model on the meta device does not have (its weights hold no values): name the level "
+                         "(dedup='node', expert_domains={level: size}) or build the model on a device")
+    if replication != "off":
+        raise ValueError(f"replication={replication!r} copies each expert's weights to the hosts as parallelize "
+                         "runs, and a model on the meta device holds none: build the model on a device (or "
+                         "replication='off')")
+    return device_of(mesh)
+
+
+def device_of(mesh) -> torch.device:
+    """The device the ranks of ``mesh`` compute on: the current CUDA device for a CUDA mesh."""
+    kind = mesh.device_type if mesh is not None else "cpu"
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def _random_like(t: torch.Tensor, device, gen: torch.Generator) -> torch.Tensor:
+    """Values for a meta tensor while a block is proved: a weight's usual scale (probes neither vanish nor saturate),
+    zeros for integers (expert ids of hash tables, positions), True for masks."""
+    if t.dtype == torch.bool:
+        return torch.ones(t.shape, dtype=t.dtype, device=device)
+    if not t.is_floating_point():
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
+    scale = 1.0 / max(1, t.shape[-1]) ** 0.5 if t.dim() >= 2 else 0.1
+    return torch.randn(t.shape, generator=gen, device=device, dtype=t.dtype).mul_(scale)  # (no host copy)
+
+
+def real(args, kwargs, device, seed: int = 0):
+    """``args``, ``kwargs`` with each meta tensor replaced by random values on ``device`` (``_random_like``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    make = lambda t: _random_like(t, device, gen) if isinstance(t, torch.Tensor) and t.is_meta else t  # noqa: E731
+    return tree_map(make, args), tree_map(make, kwargs)
+
+
+def as_meta(out):
+    """``out`` with each tensor an empty one of its shape on the meta device (a plain one, not a fake tensor)."""
+    with unset_fake_temporarily():
+        return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                        if isinstance(t, torch.Tensor) else t, out)
+
+
+def shapes_only():
+    """Where a model on meta runs the example: tensors with shapes, no values, that transformers' code takes for a
+    trace (a fake tensor: it then skips the checks that read values, as its packed-sequence test of the positions),
+    each MoE block run on random weights (``run_materialized``)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def materialized(module: nn.Module, device, seed: int = 0):
+    """While inside: each meta parameter and buffer of ``module`` holds random values on ``device``
+    (``_random_like``); yields {id(the random parameter): the meta one} to map what was found back. The meta
+    tensors are put back after."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    saved, standing = [], {}
+    try:
+        for owner in module.modules():
+            for store in (owner._parameters, owner._buffers):
+                for name, t in list(store.items()):
+                    if t is None or not t.is_meta:
+                        continue
+                    value = _random_like(t, device, gen)
+                    if isinstance(t, nn.Parameter):
+                        value = nn.Parameter(value, t.requires_grad)
+                        standing[id(value)] = t
+                    saved.append((store, name, t))
+                    store[name] = value
+        yield standing
+    finally:
+        for store, name, t in saved:
+            store[name] = t
+
+
+def run_materialized(module: nn.Module, device, seed: int = 0):
+    """A forward for ``module`` inside a model running on the meta device: the module runs on random weights and
+    inputs on ``device`` (``materialized``), its output given back on meta."""
+    forward = module.forward
+
+    def run(*args, **kwargs):
+        with unset_fake_temporarily():
+            args, kwargs = real(args, kwargs, device, seed)
+            with torch.no_grad(), materialized(module, device, seed):
+                return as_meta(forward(*args, **kwargs))
+    return run
+
+
+def materialize(model: nn.Module, device, lazy: set[int]) -> None:
+    """Each meta parameter and buffer of ``model`` is allocated on ``device``, uninitialized; those of ``lazy``
+    (ids of parameters the sharding cuts) become zero-stride views of one element (``LAZY``). ``device`` None:
+    nothing to do (the model is not on meta)."""
+    if device is None:
+        return
+    for owner in model.modules():
+        for store in (owner._parameters, owner._buffers):
+            for name, t in list(store.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) in lazy:
+                    one = torch.empty((1,) * t.dim(), dtype=t.dtype, device=device)
+                    store[name] = nn.Parameter(one.expand(t.shape), t.requires_grad)
+                    setattr(store[name], LAZY, True)
+                else:
+                    value = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    store[name] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+
+
+def realize(module: nn.Module, attr: str) -> None:
+    """A lazy parameter (``materialize``) this rank keeps whole: allocated, uninitialized."""
+    p = module._parameters[attr]
+    if getattr(p, LAZY, False):
+        module._parameters[attr] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                                                p.requires_grad)
+
+
+def finish(model: nn.Module) -> None:
+    """Allocate the lazy parameters the sharding left whole (``realize``)."""
+    for owner in model.modules():
+        for name in list(owner._parameters):
+            if owner._parameters[name] is not None:
+                realize(owner, name)

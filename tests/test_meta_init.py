@@ -1,0 +1,162 @@
+"""``moecompile.parallelize`` of a model built on the meta device (gloo, world 2), against one process.
+
+Each rank builds the model under ``torch.device("meta")`` (no weight allocated), parallelizes it with a token
+batch (its MoE blocks traced alone on random weights of the mesh's device: moecompile/distributed/meta.py), then
+initializes it (transformers' ``init_weights()``: the rotary buffers, which no state_dict holds) and loads the
+one-process model's state_dict, as a user loads a checkpoint. Every weight then lives on the mesh's device in
+storage of its own size (the experts' shards, never a layer's whole experts), and the model trains 2 SGD steps
+(momentum 0.9), each rank on its own batch, as one process on both: each step's logits on each rank equal the one
+process's on that batch, and after the steps every weight does (fp32, 1e-5). Two models:
+
+    mixtral   transformers' Mixtral, stacked experts (grouped_mm, whose meta kernel refuses fp32), swapping experts
+              after every step
+    loop      the hand-written nn.ModuleList experts run in a loop over the experts that received tokens
+              (``nonzero()``: no meta kernel can say how many)
+
+Bad input, on the ranks: ``dedup="auto"`` and ``replication`` on a meta model raise, naming the fix; a model whose
+experts the module tree does not show raises, saying why. DBRX's flat ``[E * ffn, H]`` experts, on meta: found
+through its list of decoder blocks (each block run on random weights), sharded; JetMoE's MLPs are sharded, its
+attention experts (routed outside their module, which they call by other methods than forward) left whole. A failing rank
+fails the test; the group has a timeout. Mixtral trains the same under TED (``moe_tp="ted"`` on a (1, 2) ("dp", "tp")
+mesh: the experts' intermediate size cut over tp, from the unallocated weights).
+
+Without a process group: the expert weights the sharding cuts are zero-stride views of one element until it copies
+a rank's rows out; those it leaves whole are allocated after.
+"""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import spawn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+import moecompile
+from moecompile.models import hf
+from moecompile.distributed import meta
+from moecompile.models.handwritten import TinyMoELM
+
+TOL, STEPS, LR = 1e-5, 2, 0.1
+OPTIONS = {"inner": "aot_eager", "strict": True}
+
+
+def _build(kind: str, meta: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        if kind == "mixtral":
+            cfg = hf.tiny_config(kind)
+            model = AutoModelForCausalLM.from_config(cfg) if meta else hf.build_model(cfg)
+        else:
+            model = TinyMoELM(kind)
+    return model.train()
+
+
+def _check(kind: str, rank: int, world: int, mesh, **parallel) -> None:
+    batches = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(5))
+    if "moe_tp" in parallel:  # a (1, world) ("dp", "tp") mesh: every rank the same batch
+        batches[:] = batches[0]
+    ref, model = _build(kind, meta=False), _build(kind, meta=True)
+    assert all(p.is_meta for p in model.parameters())
+    moecompile.parallelize(model, mesh, batches[rank], **parallel)
+    info = model._moe_parallel
+    assert not info.left and len(info.report.layers) == 2, info.left
+    want = "intermediate size 16 cut over tp" if "moe_tp" in parallel else "4 of 8 experts on each of 2 ranks"
+    assert all(want in rec.sharding for rec in info.report.layers), str(info)
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:  # allocated, each its own size
+        assert p.device.type == "cpu" and p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
+    if kind == "mixtral":
+        model.init_weights()  # transformers' initialization: the rotary buffers too
+    model.load_state_dict(ref.state_dict())
+    compiled = torch.compile(model, backend="moe", options=OPTIONS)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    for _ in range(STEPS):
+        out = compiled(batches[rank], labels=batches[rank])
+        out.loss.backward()
+        ref_out = ref(batches.flatten(0, 1), labels=batches.flatten(0, 1))
+        ref_out.loss.backward()
+        torch.testing.assert_close(out.logits, ref_out.logits.view(world, *out.logits.shape)[rank], atol=TOL,
+                                   rtol=TOL, msg=lambda m: f"{kind} logits: {m}")
+        for p in ref.parameters():  # an expert no row reached: a zero gradient where .grad was None, as the
+            if p.grad is None:  # rewritten layer gives on one device too (docs/detection.md)
+                p.grad = torch.zeros_like(p)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    got = moecompile.full_state_dict(compiled)
+    for name, value in ref.state_dict().items():
+        value = got[name].full_tensor() if isinstance(got[name], DTensor) else got[name]
+        torch.testing.assert_close(value, ref.state_dict()[name], atol=TOL, rtol=TOL,
+                                   msg=lambda m: f"{kind} {name}: {m}")
+
+
+def _refusals(mesh) -> None:
+    for asked, says in [({"dedup": "auto"}, "does not have"), ({"replication": "adaptive", "slots_per_rank": 5},
+                                                               "holds none")]:
+        with pytest.raises(ValueError, match=says):
+            moecompile.parallelize(_build("mixtral", meta=True), mesh, torch.ones(1, 4, dtype=torch.long), **asked)
+    with torch.device("meta"):
+        dense = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    with pytest.raises(ValueError, match="traces its MoE blocks alone.*no module holds experts"):
+        moecompile.parallelize(dense, mesh, torch.ones(1, 4, dtype=torch.long))
+
+
+def _dbrx(mesh) -> None:
+    """DBRX's flat experts: the module tree shows only the list of decoder blocks, each run on random weights."""
+    with torch.device("meta"):
+        dbrx = AutoModelForCausalLM.from_config(hf.walk_config("dbrx"))
+    moecompile.parallelize(dbrx, mesh, torch.ones(1, 4, dtype=torch.long))
+    assert [rec.path for rec in dbrx._moe_parallel.report.layers] == [f"transformer.blocks.{i}.ffn" for i in (0, 1)]
+    assert dbrx.transformer.blocks[0].ffn.experts.mlp.w1.shape == (64, 32)  # 4 of 8 experts, 16 rows each
+
+
+def _jetmoe(mesh) -> None:
+    """JetMoE's attention routes outside its experts' module and calls it by other methods than ``forward``: run on
+    shapes only, the router's ``nonzero()`` has no value, so its decoder layers run on random weights instead. Its
+    MLPs are sharded; its attention experts (no expert MLP over the tokens) are left whole, allocated."""
+    with torch.device("meta"):
+        jetmoe = AutoModelForCausalLM.from_config(hf.walk_config("jetmoe"))
+    moecompile.parallelize(jetmoe, mesh, torch.ones(1, 4, dtype=torch.long))
+    assert [rec.path for rec in jetmoe._moe_parallel.report.layers] == [f"model.layers.{i}.mlp" for i in (0, 1)]
+    layer = jetmoe.model.layers[0]
+    assert layer.mlp.input_linear.weight.shape[0] == 4 and layer.self_attention.experts.input_linear.weight.shape[0] == 8
+    assert not any(t.is_meta for t in [*jetmoe.parameters(), *jetmoe.buffers()])
+
+
+def _ranks(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        _check("mixtral", rank, world, mesh, swap_every=1)
+        _check("loop", rank, world, mesh)
+        tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+        _check("mixtral", rank, world, tp, moe_tp="ted")  # (the intermediate size cut too)
+        _refusals(mesh)
+        _dbrx(mesh)
+        _jetmoe(mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_built_on_meta_parallelizes_and_trains_as_one_process(tmp_path):
+    spawn(_ranks, args=(2, str(tmp_path)), nprocs=2)
+
+
+def test_the_experts_the_sharding_cuts_are_never_allocated_whole():
+    with torch.device("meta"):
+        model = TinyMoELM("gshard")
+    experts = model.blocks[0].wi
+    meta.materialize(model, torch.device("cpu"), lazy={id(experts)})
+    assert not meta.on_meta(model)
+    lazy = model.blocks[0].wi
+    assert lazy.shape == experts.shape and lazy.untyped_storage().nbytes() == lazy.element_size()
+    shard = lazy[:2].clone()  # what the sharding keeps: this rank's rows, allocated
+    assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
+    meta.finish(model)  # what the sharding left whole: allocated
+    assert model.blocks[0].wi.untyped_storage().nbytes() == experts.numel() * experts.element_size()
+    assert model.embed.weight.untyped_storage().nbytes() == model.embed.weight.numel() * 4
