@@ -13,7 +13,8 @@ process's on that batch, and after the steps every weight does (fp32, 1e-5). Two
     loop      the hand-written nn.ModuleList experts run in a loop over the experts that received tokens
               (``nonzero()``: no meta kernel can say how many)
 
-Bad input, on the ranks: ``dedup="auto"`` and ``replication`` on a meta model raise, naming the fix; a model whose
+Bad input, on the ranks: ``model.to_empty()`` after ``parallelize`` raises (it would reset the expert placement
+tables too; the weights are allocated already); ``dedup="auto"`` and ``replication`` on a meta model raise, naming the fix; a model whose
 experts the module tree does not show raises, saying why. DBRX's flat ``[E * ffn, H]`` experts, on meta: found
 through its list of decoder blocks (each block run on random weights), sharded; JetMoE's MLPs are sharded, its
 attention experts (routed outside their module, which they call by other methods than forward) left whole. A failing rank
@@ -21,7 +22,8 @@ fails the test; the group has a timeout. Mixtral trains the same under TED (``mo
 mesh: the experts' intermediate size cut over tp, from the unallocated weights).
 
 Without a process group: the expert weights the sharding cuts are zero-stride views of one element until it copies
-a rank's rows out; those it leaves whole are allocated after.
+a rank's rows out; those it leaves whole are allocated after. Tied weights stay one tensor, on random values and
+once allocated.
 """
 
 from datetime import timedelta
@@ -67,6 +69,8 @@ def _check(kind: str, rank: int, world: int, mesh, **parallel) -> None:
     assert all(want in rec.sharding for rec in info.report.layers), str(info)
     for name, p in [*model.named_parameters(), *model.named_buffers()]:  # allocated, each its own size
         assert p.device.type == "cpu" and p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
+    with pytest.raises(ValueError, match="to_empty.. would reset the expert placement tables"):
+        model.to_empty(device="cpu")  # (the habit after building on meta: parallelize has allocated)
     if kind == "mixtral":
         model.init_weights()  # transformers' initialization: the rotary buffers too
     model.load_state_dict(ref.state_dict())
@@ -160,3 +164,14 @@ def test_the_experts_the_sharding_cuts_are_never_allocated_whole():
     meta.finish(model)  # what the sharding left whole: allocated
     assert model.blocks[0].wi.untyped_storage().nbytes() == experts.numel() * experts.element_size()
     assert model.embed.weight.untyped_storage().nbytes() == model.embed.weight.numel() * 4
+
+
+def test_tied_weights_stay_tied_on_random_values_and_once_allocated():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight  # (tie_word_embeddings)
+    with meta.materialized(model, torch.device("cpu")):
+        assert model[1].weight is model[0].weight and not model[0].weight.is_meta
+    assert model[1].weight is model[0].weight and model[0].weight.is_meta  # (put back)
+    meta.materialize(model, torch.device("cpu"), lazy=set())
+    assert model[1].weight is model[0].weight and not model[0].weight.is_meta

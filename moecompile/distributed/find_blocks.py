@@ -65,7 +65,7 @@ def explain_blocks(model: nn.Module, example_args: tuple, device=None, **options
         SHARED_PROOFS.reset(shared)
     if explained is None:
         return explain(model, *example_args, **options)
-    if not any(report.layers for report in explained.values()):
+    if device is not None and not any(report.layers for report in explained.values()):
         raise ValueError(ON_META.format(why="no block found an MoE layer alone: " + "; ".join(
             f"{h}: {why}" for h, why in unexplained.items())))
     report = _merged(list(explained.values()), model)

@@ -97,19 +97,21 @@ def materialized(module: nn.Module, device, seed: int = 0):
     (``_random_like``); yields {id(the random parameter): the meta one} to map what was found back. The meta
     tensors are put back after."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    saved, standing = [], {}
+    saved, standing, made = [], {}, {}  # (made: a tensor held twice, tied weights, gets one value)
     try:
         for owner in module.modules():
             for store in (owner._parameters, owner._buffers):
                 for name, t in list(store.items()):
                     if t is None or not t.is_meta:
                         continue
-                    value = _random_like(t, device, gen)
-                    if isinstance(t, nn.Parameter):
-                        value = nn.Parameter(value, t.requires_grad)
-                        standing[id(value)] = t
+                    if id(t) not in made:
+                        value = _random_like(t, device, gen)
+                        if isinstance(t, nn.Parameter):
+                            value = nn.Parameter(value, t.requires_grad)
+                            standing[id(value)] = t
+                        made[id(t)] = value
                     saved.append((store, name, t))
-                    store[name] = value
+                    store[name] = made[id(t)]
         yield standing
     finally:
         for store, name, t in saved:
@@ -135,31 +137,45 @@ def materialize(model: nn.Module, device, lazy: set[int]) -> None:
     nothing to do (the model is not on meta)."""
     if device is None:
         return
+    model.to_empty = _refuse_to_empty  # (the habit after building on meta: parallelize has done it)
+    made: dict[int, torch.Tensor] = {}  # a tensor held twice (tied weights) stays one
     for owner in model.modules():
         for store in (owner._parameters, owner._buffers):
             for name, t in list(store.items()):
                 if t is None or not t.is_meta:
                     continue
-                if id(t) in lazy:
+                if id(t) not in made and id(t) in lazy:
                     one = torch.empty((1,) * t.dim(), dtype=t.dtype, device=device)
-                    store[name] = nn.Parameter(one.expand(t.shape), t.requires_grad)
-                    setattr(store[name], LAZY, True)
-                else:
+                    made[id(t)] = nn.Parameter(one.expand(t.shape), t.requires_grad)
+                    setattr(made[id(t)], LAZY, True)
+                elif id(t) not in made:
                     value = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    store[name] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+                    made[id(t)] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+                store[name] = made[id(t)]
 
 
-def realize(module: nn.Module, attr: str) -> None:
-    """A lazy parameter (``materialize``) this rank keeps whole: allocated, uninitialized."""
+def _refuse_to_empty(*args, **kwargs):
+    raise ValueError("moecompile.parallelize allocated this model's weights on the mesh's device (the model was "
+                     "built on the meta device); to_empty() would reset the expert placement tables parallelize made "
+                     "too. Skip it: initialize the weights in place (transformers' model.init_weights(), "
+                     "module.reset_parameters()) or load them (load_state_dict, torch.distributed.checkpoint.load)")
+
+
+def realize(module: nn.Module, attr: str, made: dict | None = None) -> None:
+    """A lazy parameter (``materialize``) this rank keeps whole: allocated, uninitialized (``made``: id(lazy) -> its
+    allocation, for one held twice)."""
     p = module._parameters[attr]
     if getattr(p, LAZY, False):
-        module._parameters[attr] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device),
-                                                p.requires_grad)
+        made = {} if made is None else made
+        if id(p) not in made:
+            made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device), p.requires_grad)
+        module._parameters[attr] = made[id(p)]
 
 
 def finish(model: nn.Module) -> None:
     """Allocate the lazy parameters the sharding left whole (``realize``)."""
+    made: dict[int, nn.Parameter] = {}
     for owner in model.modules():
         for name in list(owner._parameters):
             if owner._parameters[name] is not None:
-                realize(owner, name)
+                realize(owner, name, made)
