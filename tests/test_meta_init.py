@@ -13,13 +13,13 @@ process's on that batch, and after the steps every weight does (fp32, 1e-5). Two
     loop      the hand-written nn.ModuleList experts run in a loop over the experts that received tokens
               (``nonzero()``: no meta kernel can say how many)
 
-Bad input, on the ranks: ``model.to_empty()`` after ``parallelize`` raises (it would reset the expert placement
-tables too; the weights are allocated already); ``dedup="auto"`` and ``replication`` on a meta model raise, naming the fix; a model whose
-experts the module tree does not show raises, saying why. DBRX's flat ``[E * ffn, H]`` experts, on meta: found
-through its list of decoder blocks (each block run on random weights), sharded; JetMoE's MLPs are sharded, its
-attention experts (routed outside their module, which they call by other methods than forward) left whole. A failing rank
-fails the test; the group has a timeout. Mixtral trains the same under TED (``moe_tp="ted"`` on a (1, 2) ("dp", "tp")
-mesh: the experts' intermediate size cut over tp, from the unallocated weights).
+Mixtral trains the same under TED (``moe_tp="ted"`` on a (1, 2) ("dp", "tp") mesh: the experts' intermediate size
+cut over tp, from the unallocated weights). DBRX's flat ``[E * ffn, H]`` experts, on meta: found through its list of
+decoder blocks (each block run on random weights), sharded; JetMoE's MLPs are sharded, its attention experts (routed
+outside their module, which they call by other methods than forward) left whole. Bad input, on the ranks:
+``model.to_empty()`` after ``parallelize`` raises (it would reset the expert placement tables too; the weights are
+allocated already); ``dedup="auto"`` and ``replication`` on a meta model raise, naming the fix; a model whose experts
+the module tree does not show raises, saying why. A failing rank fails the test; the group has a timeout.
 
 Without a process group: the expert weights the sharding cuts are zero-stride views of one element until it copies
 a rank's rows out; those it leaves whole are allocated after. Tied weights stay one tensor, on random values and
@@ -126,7 +126,8 @@ def _jetmoe(mesh) -> None:
     moecompile.parallelize(jetmoe, mesh, torch.ones(1, 4, dtype=torch.long))
     assert [rec.path for rec in jetmoe._moe_parallel.report.layers] == [f"model.layers.{i}.mlp" for i in (0, 1)]
     layer = jetmoe.model.layers[0]
-    assert layer.mlp.input_linear.weight.shape[0] == 4 and layer.self_attention.experts.input_linear.weight.shape[0] == 8
+    assert layer.mlp.input_linear.weight.shape[0] == 4  # 4 of 8 experts
+    assert layer.self_attention.experts.input_linear.weight.shape[0] == 8  # whole
     assert not any(t.is_meta for t in [*jetmoe.parameters(), *jetmoe.buffers()])
 
 
