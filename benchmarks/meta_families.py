@@ -3,7 +3,7 @@ found against those ``parallelize`` finds on the model built on a device, and th
 the model built on a device (each rank its own batch; transformers' init, then the device model's state_dict
 loaded; eval mode: phimoe's router draws jitter in training). Writes a markdown table.
 
-    python benchmarks/meta_families.py --out benchmarks/meta_families.md       # the 57 families, ~40 min, 2 cores
+    python benchmarks/meta_families.py --out benchmarks/meta_families.md       # the 57 families, 5 min on 2 cores
     python benchmarks/meta_families.py --families mixtral,jetmoe
 """
 
