@@ -133,8 +133,9 @@ def run_materialized(module: nn.Module, device, seed: int = 0):
 
 def materialize(model: nn.Module, device, lazy: set[int]) -> None:
     """Each meta parameter and buffer of ``model`` is allocated on ``device``, uninitialized; those of ``lazy``
-    (ids of parameters the sharding cuts) become zero-stride views of one element (``LAZY``). ``device`` None:
-    nothing to do (the model is not on meta)."""
+    (ids of parameters the sharding cuts) become zero-stride views of one element (``LAZY``). Called before the
+    sharding, so that what holds a parameter (gradient hooks, views, guards) holds the allocated one. ``device``
+    None: nothing to do (the model is not on meta)."""
     if device is None:
         return
     model.to_empty = _refuse_to_empty  # (the habit after building on meta: parallelize has done it)

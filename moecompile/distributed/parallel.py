@@ -80,7 +80,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``reshard_after_forward=True``: the gathered copies freed after forward and gathered again in backward.
     ``mesh``: an outermost dimension named ``"dp_replicate"`` keeps copies of the experts, one per index (each group
     over the other dimensions; ``mesh.py``); one named ``"pp"`` holds pipeline stages, each index its own stage module
-    (``model``; a ``"dp_replicate"`` may follow it). Other keyword arguments are backend options."""
+    (``model``; a ``"dp_replicate"`` may follow it). A ``model`` on the meta device: each rank allocates its share
+    on the mesh's device, uninitialized (``meta.py``). Other keyword arguments are backend options."""
     group = setup_mesh(mesh)
     copies = expert_copies(mesh)
     tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
@@ -128,8 +129,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         # priced for a training step unless the experts take no gradient (a model served: requires_grad_(False))
         training = any(p.requires_grad for rec in records for p in expert_tensors(rec))
         domains_mod.choose(records, link, routing, mesh, group, pre, training, reshard_after_forward)
-    # (a model built on meta) every weight on the device before anything holds one; the experts cut stay unallocated
-    meta_mod.materialize(model, device, lazy={id(w) for rec, _ in plans for w in expert_tensors(rec)})
+    meta_mod.materialize(model, device, lazy={id(w) for rec, _ in plans for w in expert_tensors(rec)})  # (meta.py)
     for rec, params in plans:
         why_not = (rows_home(rec) or replicable(model, params)) if replication != "off" else "not asked"
         if why_not and replication != "off":
