@@ -6,7 +6,8 @@ initializes it (transformers' ``init_weights()``: the rotary buffers, which no s
 one-process model's state_dict, as a user loads a checkpoint. Every weight then lives on the mesh's device in
 storage of its own size (the experts' shards, never a layer's whole experts), and the model trains 2 SGD steps
 (momentum 0.9), each rank on its own batch, as one process on both: each step's logits on each rank equal the one
-process's on that batch, and after the steps every weight does (fp32, 1e-5). Two models:
+process's on that batch, and after the steps every weight does (fp32, 1e-5); Mixtral's torch.distributed.checkpoint
+(after swaps) loads into another model built on meta and parallelized as those weights. Two models:
 
     mixtral   transformers' Mixtral, stacked experts (grouped_mm, whose meta kernel refuses fp32), swapping experts
               after every step
@@ -31,9 +32,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import moecompile
@@ -56,7 +57,7 @@ def _build(kind: str, meta: bool) -> torch.nn.Module:
     return model.train()
 
 
-def _check(kind: str, rank: int, world: int, mesh, **parallel) -> None:
+def _check(kind: str, rank: int, world: int, mesh, tmp=None, **parallel) -> None:
     batches = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(5))
     if "moe_tp" in parallel:  # a (1, world) ("dp", "tp") mesh: every rank the same batch
         batches[:] = batches[0]
@@ -90,11 +91,21 @@ def _check(kind: str, rank: int, world: int, mesh, **parallel) -> None:
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    got = moecompile.full_state_dict(compiled)
-    for name, value in ref.state_dict().items():
-        value = got[name].full_tensor() if isinstance(got[name], DTensor) else got[name]
-        torch.testing.assert_close(value, ref.state_dict()[name], atol=TOL, rtol=TOL,
-                                   msg=lambda m: f"{kind} {name}: {m}")
+    _equal(moecompile.full_state_dict(compiled), ref.state_dict(), kind)
+    if tmp is not None:  # its checkpoint (after swaps) loads into another model built on meta and parallelized
+        dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/{kind}")
+        other = _build(kind, meta=True)
+        moecompile.parallelize(other, mesh, batches[rank], **parallel)
+        state = other.state_dict()
+        dcp.load(state, checkpoint_id=f"{tmp}/{kind}")
+        other.load_state_dict(state)
+        _equal(moecompile.full_state_dict(other), ref.state_dict(), f"{kind} checkpoint")
+
+
+def _equal(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), (what, sorted(set(got) ^ set(want))[:4])
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=TOL, rtol=TOL, msg=lambda m: f"{what} {name}: {m}")
 
 
 def _refusals(mesh) -> None:
@@ -137,7 +148,7 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
                             timeout=timedelta(seconds=120))
     try:
         mesh = init_device_mesh("cpu", (world,))
-        _check("mixtral", rank, world, mesh, swap_every=1)
+        _check("mixtral", rank, world, mesh, tmp, swap_every=1)
         _check("loop", rank, world, mesh)
         tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
         _check("mixtral", rank, world, tp, moe_tp="ted")  # (the intermediate size cut too)
