@@ -7,7 +7,8 @@ one-process model's state_dict, as a user loads a checkpoint. Every weight then 
 storage of its own size (the experts' shards, never a layer's whole experts), and the model trains 2 SGD steps
 (momentum 0.9), each rank on its own batch, as one process on both: each step's logits on each rank equal the one
 process's on that batch, and after the steps every weight does (fp32, 1e-5); Mixtral's torch.distributed.checkpoint
-(after swaps) loads into another model built on meta and parallelized as those weights. Two models:
+(after swaps) loads into another model built on meta and parallelized as those weights, and Mixtral trains the same
+with FSDP2's ``fully_shard`` of its decoder layers and of the model after ``parallelize``. Two models:
 
     mixtral   transformers' Mixtral, stacked experts (grouped_mm, whose meta kernel refuses fp32), swapping experts
               after every step
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import moecompile
@@ -57,7 +59,7 @@ def _build(kind: str, meta: bool) -> torch.nn.Module:
     return model.train()
 
 
-def _check(kind: str, rank: int, world: int, mesh, tmp=None, **parallel) -> None:
+def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **parallel) -> None:
     batches = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(5))
     if "moe_tp" in parallel:  # a (1, world) ("dp", "tp") mesh: every rank the same batch
         batches[:] = batches[0]
@@ -75,6 +77,11 @@ def _check(kind: str, rank: int, world: int, mesh, tmp=None, **parallel) -> None
     if kind == "mixtral":
         model.init_weights()  # transformers' initialization: the rotary buffers too
     model.load_state_dict(ref.state_dict())
+    if fsdp:  # FSDP2 of the dense weights after parallelize, as for a model built on a device
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert "FSDP2's fully_shard leaves out" in str(model._moe_parallel)
     compiled = torch.compile(model, backend="moe", options=OPTIONS)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
@@ -150,6 +157,7 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
         _check("mixtral", rank, world, mesh, tmp, swap_every=1)
         _check("loop", rank, world, mesh)
+        _check("mixtral", rank, world, mesh, fsdp=True)
         tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
         _check("mixtral", rank, world, tp, moe_tp="ted")  # (the intermediate size cut too)
         _refusals(mesh)
