@@ -1,7 +1,7 @@
 """Every MoE family of the README's table built on the meta device and parallelized (gloo, 2 ranks, CPU): the layers
 found against those ``parallelize`` finds on the model built on a device, and the sharded model's logits against
-the model built on a device (each rank its own batch; transformers' init, then the device model's state_dict
-loaded; eval mode: phimoe's router draws jitter in training). Writes a markdown table.
+the model built on a device (each rank its own batch; allocated by ``to_empty``, transformers' init, then the device
+model's state_dict loaded; eval mode: phimoe's router draws jitter in training). Writes a markdown table.
 
     python benchmarks/meta_families.py --out benchmarks/meta_families.md       # the 57 families, 5 min on 2 cores
     python benchmarks/meta_families.py --families mixtral,jetmoe
@@ -35,7 +35,7 @@ def _family(fam: str, mesh, rank: int) -> str:
     on_device = [rec.path for rec in explain_blocks(ref, (ids,)).layers]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    moecompile.parallelize(model, mesh, ids)
+    moecompile.parallelize(model, mesh, ids).to_empty(device="cpu")  # (the experts' shards allocated already)
     info = model._moe_parallel
     found = [rec.path for rec in info.report.layers]
     model.init_weights()

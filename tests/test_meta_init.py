@@ -1,14 +1,17 @@
 """``moecompile.parallelize`` of a model built on the meta device (gloo, world 2), against one process.
 
-Each rank builds the model under ``torch.device("meta")`` (no weight allocated), parallelizes it with a token
-batch (its MoE blocks traced alone on random weights of the mesh's device: moecompile/distributed/meta.py), then
-initializes it (transformers' ``init_weights()``: the rotary buffers, which no state_dict holds) and loads the
-one-process model's state_dict, as a user loads a checkpoint. Every weight then lives on the mesh's device in
-storage of its own size (the experts' shards, never a layer's whole experts), and the model trains 2 SGD steps
-(momentum 0.9), each rank on its own batch, as one process on both: each step's logits on each rank equal the one
-process's on that batch, and after the steps every weight does (fp32, 1e-5); Mixtral's torch.distributed.checkpoint
-(after swaps) loads into another model built on meta and parallelized as those weights, and Mixtral trains the same
-with FSDP2's ``fully_shard`` of its decoder layers and of the model after ``parallelize``. Two models:
+Each rank builds the model under ``torch.device("meta")`` (no weight allocated) and parallelizes it with a token
+batch (its MoE blocks traced alone on random weights of the mesh's device: moecompile/distributed/meta.py), which
+allocates only this rank's expert shards (and its placement tables); the rest stays on meta until the user's
+``model.to_empty(device=...)``, which keeps what parallelize allocated (the same tensors). Then transformers'
+``init_weights()`` (the rotary buffers, which no state_dict holds) and the one-process model's state_dict, as a user
+loads a checkpoint. Every weight then lives on the mesh's device in storage of its own size (the experts' shards,
+never a layer's whole experts), and the model trains 2 SGD steps (momentum 0.9), each rank on its own batch, as one
+process on both: each step's logits on each rank equal the one process's on that batch, and after the steps every
+weight does (fp32, 1e-5). Mixtral's torch.distributed.checkpoint (after swaps) loads into another model built on meta,
+parallelized and allocated, as those weights; Mixtral trains the same with FSDP2's ``fully_shard`` of its decoder
+layers and of the model between ``parallelize`` and ``to_empty`` (torchtitan's order: the dense weights are
+allocated sharded; the full state_dict loaded with ``set_model_state_dict``). Two models:
 
     mixtral   transformers' Mixtral, stacked experts (grouped_mm, whose meta kernel refuses fp32), swapping experts
               after every step
@@ -18,14 +21,14 @@ with FSDP2's ``fully_shard`` of its decoder layers and of the model after ``para
 Mixtral trains the same under TED (``moe_tp="ted"`` on a (1, 2) ("dp", "tp") mesh: the experts' intermediate size
 cut over tp, from the unallocated weights). DBRX's flat ``[E * ffn, H]`` experts, on meta: found through its list of
 decoder blocks (each block run on random weights), sharded; JetMoE's MLPs are sharded, its attention experts (routed
-outside their module, which they call by other methods than forward) left whole. Bad input, on the ranks:
-``model.to_empty()`` after ``parallelize`` raises (it would reset the expert placement tables too; the weights are
-allocated already); ``dedup="auto"`` and ``replication`` on a meta model raise, naming the fix; a model whose experts
-the module tree does not show raises, saying why. A failing rank fails the test; the group has a timeout.
+outside their module, which they call by other methods than forward) left whole, allocated by ``to_empty``. Bad
+input, on the ranks: ``dedup="auto"`` and ``replication`` on a meta model raise, naming the fix; so does a model whose
+experts the module tree does not show, ``to_empty`` to another device than the experts', and a forward before
+``to_empty``. A failing rank fails the test; the group has a timeout.
 
 Without a process group: the expert weights the sharding cuts are zero-stride views of one element until it copies
-a rank's rows out; those it leaves whole are allocated after. Tied weights stay one tensor, on random values and
-once allocated.
+a rank's rows out, those it leaves whole are allocated after, the rest stays on meta for ``to_empty``, which keeps
+what was allocated. Tied weights stay one tensor, on random values and when cut.
 """
 
 from datetime import timedelta
@@ -36,7 +39,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import moecompile
@@ -70,18 +75,26 @@ def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **paral
     assert not info.left and len(info.report.layers) == 2, info.left
     want = "intermediate size 16 cut over tp" if "moe_tp" in parallel else "4 of 8 experts on each of 2 ranks"
     assert all(want in rec.sharding for rec in info.report.layers), str(info)
-    for name, p in [*model.named_parameters(), *model.named_buffers()]:  # allocated, each its own size
-        assert p.device.type == "cpu" and p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
-    with pytest.raises(ValueError, match="to_empty.. would reset the expert placement tables"):
-        model.to_empty(device="cpu")  # (the habit after building on meta: parallelize has allocated)
-    if kind == "mixtral":
-        model.init_weights()  # transformers' initialization: the rotary buffers too
-    model.load_state_dict(ref.state_dict())
-    if fsdp:  # FSDP2 of the dense weights after parallelize, as for a model built on a device
+    experts = moecompile.expert_parameters(model)  # allocated (this rank's shards); the rest still on meta
+    allocated = [t for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
+    assert experts and experts <= set(allocated) and all(t in experts or t.dtype == torch.long for t in allocated)
+    if fsdp:  # FSDP2 of the dense weights after parallelize, before allocating them (torchtitan's order)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         assert "FSDP2's fully_shard leaves out" in str(model._moe_parallel)
+    model.to_empty(device="cpu")  # the rest allocated; what parallelize allocated kept as it is
+    now = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    assert all(id(t) in now for t in allocated)
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:  # allocated, each its own size
+        p = p.to_local() if isinstance(p, DTensor) else p
+        assert p.device.type == "cpu" and p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
+    if kind == "mixtral":
+        model.init_weights()  # transformers' initialization: the rotary buffers too
+    if fsdp:  # (FSDP2's weights are DTensors: the full state_dict distributed)
+        set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(ref.state_dict())
     compiled = torch.compile(model, backend="moe", options=OPTIONS)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
@@ -102,7 +115,7 @@ def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **paral
     if tmp is not None:  # its checkpoint (after swaps) loads into another model built on meta and parallelized
         dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/{kind}")
         other = _build(kind, meta=True)
-        moecompile.parallelize(other, mesh, batches[rank], **parallel)
+        moecompile.parallelize(other, mesh, batches[rank], **parallel).to_empty(device="cpu")
         state = other.state_dict()
         dcp.load(state, checkpoint_id=f"{tmp}/{kind}")
         other.load_state_dict(state)
@@ -124,6 +137,11 @@ def _refusals(mesh) -> None:
         dense = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
     with pytest.raises(ValueError, match="traces its MoE blocks alone.*no module holds experts"):
         moecompile.parallelize(dense, mesh, torch.ones(1, 4, dtype=torch.long))
+    model = moecompile.parallelize(_build("mixtral", meta=True), mesh, torch.ones(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="allocated this model's experts on cpu"):
+        model.to_empty(device="meta")
+    with pytest.raises(ValueError, match=r"still on meta \(model.embed_tokens.weight, ...\): allocate them with "):
+        torch.compile(model, backend="moe")(torch.ones(1, 4, dtype=torch.long))  # (to_empty forgotten)
 
 
 def _dbrx(mesh) -> None:
@@ -146,6 +164,8 @@ def _jetmoe(mesh) -> None:
     layer = jetmoe.model.layers[0]
     assert layer.mlp.input_linear.weight.shape[0] == 4  # 4 of 8 experts
     assert layer.self_attention.experts.input_linear.weight.shape[0] == 8  # whole
+    assert layer.self_attention.experts.input_linear.weight.is_meta  # (the user's to_empty allocates it)
+    jetmoe.to_empty(device="cpu")
     assert not any(t.is_meta for t in [*jetmoe.parameters(), *jetmoe.buffers()])
 
 
@@ -176,22 +196,25 @@ def test_the_experts_the_sharding_cuts_are_never_allocated_whole():
         model = TinyMoELM("gshard")
     experts = model.blocks[0].wi
     meta.materialize(model, torch.device("cpu"), lazy={id(experts)})
-    assert not meta.on_meta(model)
     lazy = model.blocks[0].wi
     assert lazy.shape == experts.shape and lazy.untyped_storage().nbytes() == lazy.element_size()
+    assert model.embed.weight.is_meta  # (the rest: the user's to_empty)
     shard = lazy[:2].clone()  # what the sharding keeps: this rank's rows, allocated
     assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
     meta.finish(model)  # what the sharding left whole: allocated
-    assert model.blocks[0].wi.untyped_storage().nbytes() == experts.numel() * experts.element_size()
+    whole = model.blocks[0].wi
+    assert whole.untyped_storage().nbytes() == experts.numel() * experts.element_size()
+    model.to_empty(device="cpu")
+    assert model.blocks[0].wi is whole and not meta.on_meta(model)  # (kept as parallelize allocated it)
     assert model.embed.weight.untyped_storage().nbytes() == model.embed.weight.numel() * 4
 
 
-def test_tied_weights_stay_tied_on_random_values_and_once_allocated():
+def test_tied_weights_stay_tied_on_random_values_and_when_cut():
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
     model[1].weight = model[0].weight  # (tie_word_embeddings)
     with meta.materialized(model, torch.device("cpu")):
         assert model[1].weight is model[0].weight and not model[0].weight.is_meta
     assert model[1].weight is model[0].weight and model[0].weight.is_meta  # (put back)
-    meta.materialize(model, torch.device("cpu"), lazy=set())
-    assert model[1].weight is model[0].weight and not model[0].weight.is_meta
+    meta.materialize(model, torch.device("cpu"), lazy={id(model[0].weight)})
+    assert model[1].weight is model[0].weight and getattr(model[0].weight, meta.LAZY)

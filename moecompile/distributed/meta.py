@@ -5,21 +5,24 @@ only what it holds.
 Detection proves what the code computes, not what the weights hold (``passes/verify.py`` probes each block with
 random tokens). So each MoE block is traced alone (``find_blocks.py``) on random weights of its real shapes, made
 on the mesh's device for that block and dropped after (``materialized``): one block at a time, as the stand-ins of
-a sharded layer are (``passes/sharded.py``). The model runs the example once on the meta device to record each
-block's inputs (their shapes), each MoE block run on such random weights and inputs, its output put back on meta
-(``shapes_only``).
+a sharded layer are (``passes/sharded.py``). The model runs the example once on shapes only to record each block's
+inputs (``shapes_only``), each MoE block run on such random weights and inputs, its output put back on meta.
 
-Then, before anything holds a parameter (gradient hooks, views, guards), ``materialize`` gives every weight the
-mesh's device: uninitialized memory, except the expert weights the sharding will cut, which become zero-stride
-views of one element (``LAZY``) until the sharding copies this rank's rows out of them (``realize``); ``finish``
-allocates what the sharding left. Each rank so allocates its shard of the experts and the dense weights, never a
-layer's whole experts. The weights hold no values after ``parallelize``: initialize them in place, or load them
-(``model.load_state_dict``, ``torch.distributed.checkpoint.load``).
+Then, before anything holds a parameter (gradient hooks, views, guards), ``materialize`` makes the expert weights
+the sharding will cut zero-stride views of one element on the mesh's device (``LAZY``) until the sharding copies this
+rank's rows out of them (``realize``); ``finish`` allocates what the sharding left of them whole. Every other weight
+stays on meta: the user allocates it with ``model.to_empty(device=...)``, after FSDP2's ``fully_shard`` where wanted
+(torchtitan's order: the dense weights then allocated sharded); on this model ``to_empty`` keeps what ``parallelize``
+allocated (``_to_empty``: torch's would give the experts and the placement tables their ops read new, uninitialized
+memory), and a forward before it raises, naming it. Each rank so allocates its shard of the experts, never a layer's
+whole experts. The weights hold no values after ``to_empty``: initialize them in place (transformers'
+``init_weights()``), or load them (``load_state_dict``, ``torch.distributed.checkpoint.load``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -132,34 +135,51 @@ def run_materialized(module: nn.Module, device, seed: int = 0):
 
 
 def materialize(model: nn.Module, device, lazy: set[int]) -> None:
-    """Each meta parameter and buffer of ``model`` is allocated on ``device``, uninitialized; those of ``lazy``
-    (ids of parameters the sharding cuts) become zero-stride views of one element (``LAZY``). Called before the
-    sharding, so that what holds a parameter (gradient hooks, views, guards) holds the allocated one. ``device``
-    None: nothing to do (the model is not on meta)."""
+    """The parameters of ``lazy`` (ids of the meta parameters the sharding cuts) become zero-stride views of one
+    element on ``device`` (``LAZY``); every other weight stays on meta for the user's ``model.to_empty()`` (after
+    FSDP2's ``fully_shard`` where wanted), which then keeps what ``parallelize`` allocated (``_to_empty``). Called
+    before the sharding, so that what holds a parameter (gradient hooks, views, guards) holds the allocated one.
+    ``device`` None: nothing to do (the model is not on meta)."""
     if device is None:
         return
-    model.to_empty = _refuse_to_empty  # (the habit after building on meta: parallelize has done it)
+    model.to_empty = functools.partial(_to_empty, model, device)
+    model._moe_unallocated = model.register_forward_pre_hook(_refuse_unallocated)
     made: dict[int, torch.Tensor] = {}  # a tensor held twice (tied weights) stays one
     for owner in model.modules():
-        for store in (owner._parameters, owner._buffers):
-            for name, t in list(store.items()):
-                if t is None or not t.is_meta:
-                    continue
-                if id(t) not in made and id(t) in lazy:
+        for name, t in list(owner._parameters.items()):
+            if t is not None and id(t) in lazy:
+                if id(t) not in made:
                     one = torch.empty((1,) * t.dim(), dtype=t.dtype, device=device)
                     made[id(t)] = nn.Parameter(one.expand(t.shape), t.requires_grad)
                     setattr(made[id(t)], LAZY, True)
-                elif id(t) not in made:
-                    value = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    made[id(t)] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
-                store[name] = made[id(t)]
+                owner._parameters[name] = made[id(t)]
 
 
-def _refuse_to_empty(*args, **kwargs):
-    raise ValueError("moecompile.parallelize allocated this model's weights on the mesh's device (the model was "
-                     "built on the meta device); to_empty() would reset the expert placement tables parallelize made "
-                     "too. Skip it: initialize the weights in place (transformers' model.init_weights(), "
-                     "module.reset_parameters()) or load them (load_state_dict, torch.distributed.checkpoint.load)")
+def _to_empty(model: nn.Module, allocated_on: torch.device, *, device, recurse: bool = True) -> nn.Module:
+    """``model.to_empty(device=...)`` of a model ``parallelize`` sharded on meta: torch's, then each tensor
+    ``parallelize`` allocated (the experts' shards, the placement tables its ops read) put back as it was (torch's
+    would give them new, uninitialized memory, the placement tables too)."""
+    if torch.device(device).type != allocated_on.type:
+        raise ValueError(f"to_empty(device={device!r}): moecompile.parallelize allocated this model's experts on "
+                         f"{allocated_on} (the mesh's device); give that device")
+    kept = [(store, name, t) for owner in model.modules() for store in (owner._parameters, owner._buffers)
+            for name, t in store.items() if t is not None and not t.is_meta]
+    nn.Module.to_empty(model, device=device, recurse=recurse)
+    for store, name, t in kept:
+        store[name] = t
+    return model
+
+
+def _refuse_unallocated(model: nn.Module, args) -> None:
+    """Before the first forward of a model ``parallelize`` sharded on meta: ValueError, naming the fix, if weights
+    are still on meta (else the hook goes)."""
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{len(left)} weight(s) of a model moecompile.parallelize sharded on the meta device are "
+                         f"still on meta ({left[0]}{', ...' if len(left) > 1 else ''}): allocate them with "
+                         "model.to_empty(device=...) (after FSDP2's fully_shard where wanted), then initialize or "
+                         "load them")
+    model._moe_unallocated.remove()
 
 
 def realize(module: nn.Module, attr: str, made: dict | None = None) -> None:

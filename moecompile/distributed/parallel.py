@@ -80,8 +80,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``reshard_after_forward=True``: the gathered copies freed after forward and gathered again in backward.
     ``mesh``: an outermost dimension named ``"dp_replicate"`` keeps copies of the experts, one per index (each group
     over the other dimensions; ``mesh.py``); one named ``"pp"`` holds pipeline stages, each index its own stage module
-    (``model``; a ``"dp_replicate"`` may follow it). A ``model`` on the meta device: each rank allocates its share
-    on the mesh's device, uninitialized (``meta.py``). Other keyword arguments are backend options."""
+    (``model``; a ``"dp_replicate"`` may follow it). A ``model`` on the meta device: each rank allocates its expert
+    shards, the rest on ``model.to_empty(device=...)`` (``meta.py``). Other keyword arguments are backend options."""
     group = setup_mesh(mesh)
     copies = expert_copies(mesh)
     tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
