@@ -53,12 +53,12 @@ TOL, STEPS, LR = 1e-5, 2, 0.1
 OPTIONS = {"inner": "aot_eager", "strict": True}
 
 
-def _build(kind: str, meta: bool) -> torch.nn.Module:
+def _build(kind: str, on_meta: bool) -> torch.nn.Module:
     torch.manual_seed(0)
-    with torch.device("meta" if meta else "cpu"):
+    with torch.device("meta" if on_meta else "cpu"):
         if kind == "mixtral":
             cfg = hf.tiny_config(kind)
-            model = AutoModelForCausalLM.from_config(cfg) if meta else hf.build_model(cfg)
+            model = AutoModelForCausalLM.from_config(cfg) if on_meta else hf.build_model(cfg)
         else:
             model = TinyMoELM(kind)
     return model.train()
@@ -68,7 +68,7 @@ def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **paral
     batches = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(5))
     if "moe_tp" in parallel:  # a (1, world) ("dp", "tp") mesh: every rank the same batch
         batches[:] = batches[0]
-    ref, model = _build(kind, meta=False), _build(kind, meta=True)
+    ref, model = _build(kind, on_meta=False), _build(kind, on_meta=True)
     assert all(p.is_meta for p in model.parameters())
     moecompile.parallelize(model, mesh, batches[rank], **parallel)
     info = model._moe_parallel
@@ -114,7 +114,7 @@ def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **paral
     _equal(moecompile.full_state_dict(compiled), ref.state_dict(), kind)
     if tmp is not None:  # its checkpoint (after swaps) loads into another model built on meta and parallelized
         dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/{kind}")
-        other = _build(kind, meta=True)
+        other = _build(kind, on_meta=True)
         moecompile.parallelize(other, mesh, batches[rank], **parallel).to_empty(device="cpu")
         state = other.state_dict()
         dcp.load(state, checkpoint_id=f"{tmp}/{kind}")
@@ -132,12 +132,12 @@ def _refusals(mesh) -> None:
     for asked, says in [({"dedup": "auto"}, "does not have"), ({"replication": "adaptive", "slots_per_rank": 5},
                                                                "holds none")]:
         with pytest.raises(ValueError, match=says):
-            moecompile.parallelize(_build("mixtral", meta=True), mesh, torch.ones(1, 4, dtype=torch.long), **asked)
+            moecompile.parallelize(_build("mixtral", on_meta=True), mesh, torch.ones(1, 4, dtype=torch.long), **asked)
     with torch.device("meta"):
         dense = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
     with pytest.raises(ValueError, match="traces its MoE blocks alone.*no module holds experts"):
         moecompile.parallelize(dense, mesh, torch.ones(1, 4, dtype=torch.long))
-    model = moecompile.parallelize(_build("mixtral", meta=True), mesh, torch.ones(1, 4, dtype=torch.long))
+    model = moecompile.parallelize(_build("mixtral", on_meta=True), mesh, torch.ones(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="allocated this model's experts on cpu"):
         model.to_empty(device="meta")
     with pytest.raises(ValueError, match=r"still on meta \(model.embed_tokens.weight, ...\): allocate them with "):
