@@ -96,7 +96,7 @@ def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options
                 except Exception as e:  # (run again alone, a module may meet state its first run left: a KV cache)
                     if device is None:
                         return None
-                    unexplained[holder] = f"{path} raised {type(e).__name__}: {e}"
+                    unexplained[holder] = f"{path} raised {_first_line(e)}"
                     break
             if explained[path].layers:
                 break
@@ -165,7 +165,12 @@ def _first_inputs_meta(model: nn.Module, holders: list[str], paths: set[str], ex
             return _first_inputs(model, paths, example_args, run, device)
         except Exception as e:
             error = e
-    raise ValueError(ON_META.format(why=f"the model raised on meta ({type(error).__name__}: {error})")) from error
+    raise ValueError(ON_META.format(why=f"the model raised on meta ({_first_line(error)})")) from error
+
+
+def _first_line(error: Exception) -> str:
+    """``Type: message``, the message's first line, at most 200 characters (Dynamo's run to dozens of lines)."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
 def _first_inputs(model: nn.Module, paths: set[str], example_args: tuple, run=(), device=None
