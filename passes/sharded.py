@@ -71,10 +71,14 @@ def materialize(ph: fx.Node) -> torch.nn.Parameter:
     global expert weights on each rank."""
     shape, dtype = ph.meta["ep_standin"].shape, ph.meta["ep_standin"].dtype
     device, seed = ph.meta["ep_standin_at"]
-    std = 1.0 / max(1, shape[-1]) ** 0.5  # a layer's usual scale: probes neither vanish nor saturate
     gen = torch.Generator(device=device).manual_seed(seed)
-    value = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(std)
-    return torch.nn.Parameter(value, requires_grad=False)
+    return torch.nn.Parameter(random_weight(shape, dtype, gen), requires_grad=False)
+
+
+def random_weight(shape, dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random values at a layer's usual scale (probes neither vanish nor saturate), drawn on ``gen``'s device."""
+    std = 1.0 / max(1, shape[-1]) ** 0.5
+    return torch.randn(shape, generator=gen, device=gen.device, dtype=dtype).mul_(std)
 
 
 def view_arg(view: fx.Node, name: str, default=None):

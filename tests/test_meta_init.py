@@ -201,7 +201,7 @@ def test_the_experts_the_sharding_cuts_are_never_allocated_whole():
     assert model.embed.weight.is_meta  # (the rest: the user's to_empty)
     shard = lazy[:2].clone()  # what the sharding keeps: this rank's rows, allocated
     assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
-    meta.finish(model)  # what the sharding left whole: allocated
+    meta.finish(model, torch.device("cpu"))  # what the sharding left whole: allocated
     whole = model.blocks[0].wi
     assert whole.untyped_storage().nbytes() == experts.numel() * experts.element_size()
     model.to_empty(device="cpu")

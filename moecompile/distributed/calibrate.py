@@ -26,7 +26,7 @@ from moecompile.runtime.comm import exchange
 from moecompile.runtime.comm.cost_model import LinkModel
 from moecompile.runtime.comm.levels import LEVELS
 
-from .mesh import level_groups, setup_mesh
+from .mesh import device_of, level_groups, setup_mesh
 
 DEFAULT_SIZES = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20)  # bytes each rank sends each other rank
 
@@ -61,8 +61,7 @@ def calibrate(mesh, sizes=DEFAULT_SIZES, repeats: int = 5, progress: bool = True
         raise ValueError(f"calibration needs two message sizes at least; got {list(sizes)}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1; got {repeats}")
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
-        torch.device("cpu")
+    device = device_of(mesh)
     groups = level_groups(mesh)
     steps = [(kind, size) for kind in groups for size in sizes]
     if progress and dist.get_rank() == 0:

@@ -52,6 +52,13 @@ def setup_mesh(mesh):
     return group
 
 
+def device_of(mesh) -> torch.device:
+    """The device the ranks of ``mesh`` compute on: the current CUDA device for a CUDA mesh."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def tp_dim(mesh) -> int | None:
     """The index of the mesh's ``"tp"`` dimension, or None."""
     names = tuple(mesh.mesh_dim_names or ())

@@ -29,6 +29,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_map
 
+from moecompile.passes.sharded import random_weight
+
+from .mesh import device_of
+
 LAZY = "_moe_lazy"  # a parameter of the mesh's device that holds one element, expanded: the sharding copies rows
 
 
@@ -54,12 +58,13 @@ def check(model: nn.Module, mesh, dedup: str, domains, replication: str) -> torc
     return device_of(mesh)
 
 
-def device_of(mesh) -> torch.device:
-    """The device the ranks of ``mesh`` compute on: the current CUDA device for a CUDA mesh."""
-    kind = mesh.device_type if mesh is not None else "cpu"
-    if kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(kind)
+def _tensors(module: nn.Module, buffers: bool = True):
+    """(the dict holding it, its name, the tensor) for each parameter (and buffer) of ``module`` and below."""
+    for owner in module.modules():
+        for store in (owner._parameters, owner._buffers) if buffers else (owner._parameters,):
+            for name, t in list(store.items()):
+                if t is not None:
+                    yield store, name, t
 
 
 def _random_like(t: torch.Tensor, device, gen: torch.Generator) -> torch.Tensor:
@@ -69,8 +74,9 @@ def _random_like(t: torch.Tensor, device, gen: torch.Generator) -> torch.Tensor:
         return torch.ones(t.shape, dtype=t.dtype, device=device)
     if not t.is_floating_point():
         return torch.zeros(t.shape, dtype=t.dtype, device=device)
-    scale = 1.0 / max(1, t.shape[-1]) ** 0.5 if t.dim() >= 2 else 0.1
-    return torch.randn(t.shape, generator=gen, device=device, dtype=t.dtype).mul_(scale)  # (no host copy)
+    if t.dim() >= 2:
+        return random_weight(t.shape, t.dtype, gen)  # (as verify's stand-ins: on the device, no host copy)
+    return torch.randn(t.shape, generator=gen, device=device, dtype=t.dtype).mul_(0.1)
 
 
 def real(args, kwargs, device, seed: int = 0):
@@ -102,19 +108,17 @@ def materialized(module: nn.Module, device, seed: int = 0):
     gen = torch.Generator(device=device).manual_seed(seed)
     saved, standing, made = [], {}, {}  # (made: a tensor held twice, tied weights, gets one value)
     try:
-        for owner in module.modules():
-            for store in (owner._parameters, owner._buffers):
-                for name, t in list(store.items()):
-                    if t is None or not t.is_meta:
-                        continue
-                    if id(t) not in made:
-                        value = _random_like(t, device, gen)
-                        if isinstance(t, nn.Parameter):
-                            value = nn.Parameter(value, t.requires_grad)
-                            standing[id(value)] = t
-                        made[id(t)] = value
-                    saved.append((store, name, t))
-                    store[name] = made[id(t)]
+        for store, name, t in _tensors(module):
+            if not t.is_meta:
+                continue
+            if id(t) not in made:
+                value = _random_like(t, device, gen)
+                if isinstance(t, nn.Parameter):
+                    value = nn.Parameter(value, t.requires_grad)
+                    standing[id(value)] = t
+                made[id(t)] = value
+            saved.append((store, name, t))
+            store[name] = made[id(t)]
         yield standing
     finally:
         for store, name, t in saved:
@@ -145,14 +149,13 @@ def materialize(model: nn.Module, device, lazy: set[int]) -> None:
     model.to_empty = functools.partial(_to_empty, model, device)
     model._moe_unallocated = model.register_forward_pre_hook(_refuse_unallocated)
     made: dict[int, torch.Tensor] = {}  # a tensor held twice (tied weights) stays one
-    for owner in model.modules():
-        for name, t in list(owner._parameters.items()):
-            if t is not None and id(t) in lazy:
-                if id(t) not in made:
-                    one = torch.empty((1,) * t.dim(), dtype=t.dtype, device=device)
-                    made[id(t)] = nn.Parameter(one.expand(t.shape), t.requires_grad)
-                    setattr(made[id(t)], LAZY, True)
-                owner._parameters[name] = made[id(t)]
+    for store, name, t in _tensors(model, buffers=False):
+        if id(t) in lazy:
+            if id(t) not in made:
+                one = torch.empty((1,) * t.dim(), dtype=t.dtype, device=device)
+                made[id(t)] = nn.Parameter(one.expand(t.shape), t.requires_grad)
+                setattr(made[id(t)], LAZY, True)
+            store[name] = made[id(t)]
 
 
 def _to_empty(model: nn.Module, allocated_on: torch.device, *, device, recurse: bool = True) -> nn.Module:
@@ -162,8 +165,7 @@ def _to_empty(model: nn.Module, allocated_on: torch.device, *, device, recurse: 
     if torch.device(device).type != allocated_on.type:
         raise ValueError(f"to_empty(device={device!r}): moecompile.parallelize allocated this model's experts on "
                          f"{allocated_on} (the mesh's device); give that device")
-    kept = [(store, name, t) for owner in model.modules() for store in (owner._parameters, owner._buffers)
-            for name, t in store.items() if t is not None and not t.is_meta]
+    kept = [(store, name, t) for store, name, t in _tensors(model) if not t.is_meta]
     nn.Module.to_empty(model, device=device, recurse=recurse)
     for store, name, t in kept:
         store[name] = t
@@ -193,10 +195,13 @@ def realize(module: nn.Module, attr: str, made: dict | None = None) -> None:
         module._parameters[attr] = made[id(p)]
 
 
-def finish(model: nn.Module) -> None:
-    """Allocate the lazy parameters the sharding left whole (``realize``)."""
+def finish(model: nn.Module, device) -> None:
+    """Allocate the lazy parameters the sharding left whole (``realize``); ``device`` None: nothing to do (the
+    model is not on meta)."""
+    if device is None:
+        return
     made: dict[int, nn.Parameter] = {}
     for owner in model.modules():
-        for name in list(owner._parameters):
-            if owner._parameters[name] is not None:
+        for name, p in list(owner._parameters.items()):
+            if p is not None:
                 realize(owner, name, made)

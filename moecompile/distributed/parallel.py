@@ -159,7 +159,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         divisors.update(dict.fromkeys(held, _divisor(tp, rec.moe_tp, world, copies)))
         if slots is not None:
             swapping.append((rec, _swapped_tensors(model, params, held), slots))
-    meta_mod.finish(model)  # (a model built on meta: what the sharding left whole)
+    meta_mod.finish(model, device)  # (a model built on meta: what the sharding left whole)
     for rec in report.layers:  # the full expert weights it holds would stay alive (the sharding freeing nothing)
         rec.expert_weights = {}
     dense = stage_group(mesh)  # the ranks holding the same dense weights: the world, or a pipeline stage's ranks
