@@ -1,7 +1,9 @@
 """Every MoE family of the README's table built on the meta device and parallelized (gloo, 2 ranks, CPU): the layers
 found against those ``parallelize`` finds on the model built on a device, and the sharded model's logits against
 the model built on a device (each rank its own batch; allocated by ``to_empty``, transformers' init, then the device
-model's state_dict loaded; eval mode: phimoe's router draws jitter in training). Writes a markdown table.
+model's ``save_pretrained`` checkpoint loaded by ``moecompile.load_hf_checkpoint``, each rank reading what it holds:
+the table gives the largest share of the checkpoint's elements a rank read; eval mode: phimoe's router draws jitter
+in training). Writes a markdown table.
 
     python benchmarks/meta_families.py --out benchmarks/meta_families.md       # the 57 families, 5 min on 2 cores
     python benchmarks/meta_families.py --families mixtral,jetmoe
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import socket
 import tempfile
@@ -21,11 +24,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _family(fam: str, mesh, rank: int) -> str:
+def _family(fam: str, mesh, rank: int, tmp: str) -> str:
     """One row of the table."""
     import moecompile
     from transformers import AutoModelForCausalLM
 
+    from moecompile.distributed import hf_checkpoint
     from moecompile.distributed.find_blocks import explain_blocks
     from moecompile.models import hf
 
@@ -39,7 +43,14 @@ def _family(fam: str, mesh, rank: int) -> str:
     info = model._moe_parallel
     found = [rec.path for rec in info.report.layers]
     model.init_weights()
-    model.load_state_dict(ref.state_dict())
+    path = os.path.join(tmp, fam)
+    if rank == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    with hf_checkpoint.reads() as reads:
+        moecompile.load_hf_checkpoint(model, path)
+    share = [None] * dist.get_world_size()
+    dist.all_gather_object(share, sum(map(sum, reads.values())) / _elements(path))
     compiled = torch.compile(model.eval(), backend="moe", options={"inner": "aot_eager"})
     with torch.no_grad():
         diff = float((compiled(ids).logits - ref(ids).logits).abs().max())
@@ -48,10 +59,25 @@ def _family(fam: str, mesh, rank: int) -> str:
     left = "; ".join(f"{path}: {why}" for path, why in info.left) or "-"
     skipped = "; ".join(f"{s.region}" for s in info.report.skipped if "meta device" in s.reason) or "-"
     return (f"| {fam} | {len(found)} | {len(on_device)} | {'yes' if found == on_device else 'no'} | "
-            f"{sum(bool(r.sharding) for r in info.report.layers)} | {max(diffs):.1e} | {left[:80]} | {skipped} |")
+            f"{sum(bool(r.sharding) for r in info.report.layers)} | {max(diffs):.1e} | {max(share):.0%} | "
+            f"{left[:80]} | {skipped} |")
+
+
+def _elements(path: str) -> int:
+    """Elements of every tensor of the checkpoint in ``path``."""
+    from safetensors import safe_open
+
+    from moecompile.distributed.hf_checkpoint import checkpoint_files
+
+    total = 0
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
 
 
 def _ranks(rank: int, families: list[str], port: int, out: str) -> None:
+    tmp = os.path.dirname(out)  # (rank 0 writes each family's checkpoint there)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
@@ -62,9 +88,9 @@ def _ranks(rank: int, families: list[str], port: int, out: str) -> None:
     try:
         for fam in families:
             try:
-                row = _family(fam, mesh, rank)
+                row = _family(fam, mesh, rank, tmp)
             except Exception as e:  # (every rank raises alike: the same model and code)
-                row = f"| {fam} | - | - | - | - | - | {type(e).__name__}: {str(e)[:120]} | - |"
+                row = f"| {fam} | - | - | - | - | - | - | {type(e).__name__}: {str(e)[:120]} | - |"
             rows.append(row)
             if rank == 0:
                 print(row, flush=True)
@@ -97,8 +123,8 @@ def main() -> None:
     text = (f"# MoE families built on the meta device and parallelized\n\n{datetime.date.today()}, torch "
             f"{torch.__version__}, transformers {transformers.__version__}, 2 gloo ranks on CPU, "
             f"`python benchmarks/meta_families.py`. Layers found on meta as on a device: {same} of {len(families)}.\n\n"
-            "| family | layers (meta) | layers (device) | same | sharded | max abs logits diff | left whole (why) | "
-            "left whole on meta |\n|---|---|---|---|---|---|---|---|\n" + rows)
+            "| family | layers (meta) | layers (device) | same | sharded | max abs logits diff | read by a rank | "
+            "left whole (why) | left whole on meta |\n|---|---|---|---|---|---|---|---|---|\n" + rows)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

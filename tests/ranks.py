@@ -5,8 +5,12 @@ measured here (2 cores), 4 ranks took 15 s to start, 0.5 s from the fork server 
 test process). The server is a fresh interpreter that only imports (no thread, no compile), so each rank starts
 as clean as a spawned one: nothing of the test process (Dynamo's caches, process groups) reaches it."""
 
+import contextlib
 import multiprocessing
+from datetime import timedelta
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PRELOAD = ["torch", "torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx", "torch.distributed",
@@ -20,3 +24,15 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
     """``fn(rank, *args)`` for rank 0 .. nprocs - 1, each in its own process; returns when all have finished."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # (read when the server starts)
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+@contextlib.contextmanager
+def gloo(rank: int, world: int, tmp: str, timeout: float = 120):
+    """A rank's gloo process group (rendezvous through a file in ``tmp``, one intra-op thread), destroyed on exit."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -31,13 +31,10 @@ a rank's rows out, those it leaves whole are allocated after, the rest stays on 
 what was allocated. Tied weights stay one tensor, on random values and when cut.
 """
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ranks import spawn
+from ranks import gloo, spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -170,10 +167,7 @@ def _jetmoe(mesh) -> None:
 
 
 def _ranks(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo(rank, world, tmp):
         mesh = init_device_mesh("cpu", (world,))
         _check("mixtral", rank, world, mesh, tmp, swap_every=1)
         _check("loop", rank, world, mesh)
@@ -183,8 +177,6 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
         _refusals(mesh)
         _dbrx(mesh)
         _jetmoe(mesh)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_model_built_on_meta_parallelizes_and_trains_as_one_process(tmp_path):

@@ -1,0 +1,223 @@
+"""``moecompile.load_hf_checkpoint``: a transformers checkpoint (the safetensors files ``save_pretrained`` writes and
+the Hub holds) loaded into a model, each rank reading from disk only what it holds.
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    moecompile.parallelize(model, mesh, example_ids).to_empty(device="cuda")
+    model.init_weights()                                   # what no checkpoint holds (rotary buffers)
+    moecompile.load_hf_checkpoint(model, path)             # every rank, together
+
+The checkpoint keeps transformers' names and layouts on disk (Mixtral: each expert's ``w1``, ``w2``, ``w3``; the
+model holds them stacked, ``gate_up_proj`` the concatenation of ``w1`` and ``w3``). transformers' own conversion
+of the model's family maps them (``get_model_conversion_mapping``, the renamings and converters ``from_pretrained``
+applies), and its ``DtensorShardOperation`` cuts each read to what a DTensor of the model's ``state_dict()`` holds on
+this rank: an expert another rank holds is not read at all, a stacked checkpoint tensor is read in this rank's rows
+(safetensors reads slices from the file's memory map), FSDP2's dense shards likewise; a weight the model holds whole
+is read whole. The pieces go through the model's ``load_state_dict``, so swapped experts go to their slots, TED cuts
+the intermediate size, ``"dp_replicate"`` copies each take theirs, as for any checkpoint (``sharded_state.py``).
+
+Reads are cast to the dtype of the model's weight and made on its device, one weight at a time (read, converted,
+loaded, dropped: the peak is one weight's pieces, not a second copy of the model). A head tied to the input
+embedding, which checkpoints leave out, is loaded from it. Refused: weights the checkpoint lacks (``strict``: after
+``to_empty`` they would hold whatever memory held) and quantized tensors for floating-point weights (fp8 and
+integers: a cast would load other values; dequantize such a checkpoint once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+
+import torch
+from torch.nn.modules.module import _IncompatibleKeys
+
+from .sharded_state import unwrapped
+
+INDEX = "model.safetensors.index.json"
+
+
+def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys:
+    """Load the transformers checkpoint in directory ``path`` into ``model`` (a transformers model, parallelized
+    or not, or its ``torch.compile`` wrapper or pipeline stage), each rank reading only what it holds; call it on
+    every rank together (a layer that swaps experts exchanges them in ``state_dict()`` and ``load_state_dict``).
+    Returns torch's ``(missing_keys, unexpected_keys)``: the model's weights the checkpoint lacks (``strict``: a
+    ``ValueError`` instead) and the checkpoint's tensors this rank's model has no weight for (a pipeline stage's: the
+    other stages')."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from transformers import core_model_loading as hf_loading
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.distributed.sharding_utils import DtensorShardOperation
+    except ImportError as e:  # (a transformers too old for shard-on-read: before 5.x)
+        raise ImportError(f"load_hf_checkpoint needs transformers>=5 with shard-on-read loading: {e}") from e
+    model = unwrapped(model)
+    files = checkpoint_files(path)
+    target = {name: _shape_of(value) for name, value in model.state_dict().items()}  # (values dropped)
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, hf_loading.WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, hf_loading.WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", None)
+    loaded = set()
+    with _opened(files) as tensors:
+        loads, unexpected = {}, []
+        for key in sorted(tensors, key=hf_loading.dot_natural_key):  # (each expert list in expert order)
+            name, pattern = hf_loading.rename_source_key(key, renamings, converters, prefix, target)
+            if name not in target:
+                unexpected.append(key)
+                continue
+            ref, device = target[name]
+            _check_dtype(key, tensors[key], ref, path)
+            if pattern is None:
+                load, pattern, index = loads.setdefault(name, hf_loading.WeightRenaming(key, name)), key, None
+            else:  # the n-th tensor of a converter's list: its sharding tells whether this rank holds it
+                load = loads.setdefault(name, copy.deepcopy(by_pattern[pattern]))
+                index = len(load.collected_tensors.get(pattern, []))
+            cut = DtensorShardOperation(ref) if isinstance(ref, DTensor) else None
+            load.add_tensor(name, key, pattern,
+                            hf_loading.spawn_materialize(None, tensors[key], device, ref.dtype, cut, index))
+        for first, load in loads.items():  # one weight (or a few, split from one tensor) read and loaded at a time
+            try:
+                converted = load.convert(first, model=model, config=getattr(model, "config", None))
+            except Exception as e:
+                raise ValueError(f"{path}: transformers' conversion of the checkpoint into {first} failed "
+                                 f"({type(e).__name__}: {e}): is it a checkpoint of this model's family and "
+                                 "configuration?") from e
+            state = {name: _as_target(name, value[0] if isinstance(value, list) else value, target[name][0], path)
+                     for name, value in converted.items()}
+            model.load_state_dict(state, strict=False)  # (every rank in the same order: swapped layers exchange)
+            loaded |= state.keys()
+    loaded |= _tie(model, loaded, target)
+    missing = sorted(set(target) - loaded)
+    if strict and missing:
+        raise ValueError(f"{path} lacks {len(missing)} weights of the model ({', '.join(missing[:6])}"
+                         f"{', ...' if len(missing) > 6 else ''}): after to_empty they would hold whatever memory "
+                         "held. Load a checkpoint of this model's family and configuration, or pass strict=False "
+                         "to load the rest and initialize those yourself")
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def checkpoint_files(path) -> list[str]:
+    """The safetensors files of the checkpoint directory ``path`` (sharded: those its index names)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a directory: load_hf_checkpoint reads a checkpoint directory as "
+                         "save_pretrained writes it (for a Hub model: huggingface_hub.snapshot_download(repo_id) "
+                         "first)")
+    if os.path.exists(os.path.join(path, INDEX)):
+        with open(os.path.join(path, INDEX)) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, name) for name in names]
+    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if names:
+        return [os.path.join(path, name) for name in names]
+    bins = [n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth"))]
+    raise ValueError(f"{path} holds no safetensors files{f' (it holds {bins[0]})' if bins else ''}: "
+                     "load_hf_checkpoint reads slices of safetensors files; convert a pickled checkpoint once "
+                     "(transformers' from_pretrained, then save_pretrained, writes safetensors)")
+
+
+_RECORDS: list[dict] = []  # reads() blocks running
+
+
+@contextlib.contextmanager
+def reads():
+    """Every read ``load_hf_checkpoint`` makes from the files in the block: checkpoint key -> the elements each
+    read gave (what a rank read: tests and ``benchmarks/meta_families.py``)."""
+    _RECORDS.append({})
+    try:
+        yield _RECORDS[-1]
+    finally:
+        _RECORDS.pop()
+
+
+class _Recorded:
+    """A safetensors slice that records how many elements each read gives."""
+
+    def __init__(self, key: str, piece, into: dict):
+        self.key, self.piece, self.into = key, piece, into
+
+    def get_shape(self):
+        return self.piece.get_shape()
+
+    def get_dtype(self):
+        return self.piece.get_dtype()
+
+    def __getitem__(self, index):
+        out = self.piece[index]
+        self.into.setdefault(self.key, []).append(out.numel())
+        return out
+
+
+class _opened:
+    """Every tensor of ``files`` by name, as safetensors slices (read when indexed), the files closed on exit."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+
+    def __enter__(self) -> dict:
+        from safetensors import safe_open
+
+        self.handles, tensors = [], {}
+        for file in self.files:
+            self.handles.append(safe_open(file, framework="pt", device="cpu"))
+            tensors.update({key: self.handles[-1].get_slice(key) for key in self.handles[-1].keys()})
+        if _RECORDS:
+            tensors = {key: _Recorded(key, piece, _RECORDS[-1]) for key, piece in tensors.items()}
+        return tensors
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.__exit__(None, None, None)
+
+
+def _as_target(name: str, value: torch.Tensor, ref, path) -> torch.Tensor:
+    """``value`` (this rank's piece of weight ``name``) as ``load_state_dict`` takes it for ``ref``, the model's
+    state_dict entry: a DTensor's local shard wrapped as that DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    want = ref.to_local().shape if isinstance(ref, DTensor) else ref.shape
+    if value.shape != want:
+        raise ValueError(f"{path}: {name} is {tuple(value.shape)} on this rank from the checkpoint, the model "
+                         f"holds {tuple(want)}: a checkpoint of another configuration?")
+    if isinstance(ref, DTensor):
+        return DTensor.from_local(value, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
+                                  stride=ref.stride())
+    return value
+
+
+def _tie(model, loaded: set, target: dict) -> set:
+    """A weight tied to another (the head to the input embedding: ``all_tied_weights_keys``, target -> source),
+    which checkpoints leave out, takes its source's value: the names so loaded."""
+    tied = {name: source for name, source in (getattr(model, "all_tied_weights_keys", None) or {}).items()
+            if name in target and name not in loaded and source in loaded}
+    if tied:
+        model.load_state_dict({name: model.get_parameter(source).detach() for name, source in tied.items()},
+                              strict=False)
+    return set(tied)
+
+
+def _shape_of(value) -> tuple:
+    """A state_dict entry as the loading needs it, its values dropped: (a meta tensor of its shape and dtype, or the
+    DTensor of such a local shard on its mesh; the device its values live on)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return torch.empty_like(value, device="meta"), value.device
+    local = value.to_local()
+    shell = DTensor.from_local(torch.empty_like(local, device="meta"), value.device_mesh, value.placements,
+                               run_check=False, shape=value.shape, stride=value.stride())
+    return shell, local.device
+
+
+def _check_dtype(key: str, piece, ref, path) -> None:
+    """A quantized tensor (fp8, integers) for a floating-point weight: casting it would load other values."""
+    stored = piece.get_dtype()
+    if ref.is_floating_point() and stored.startswith(("F8", "I", "U")) and not str(ref.dtype).startswith(
+            "torch.float8"):
+        raise ValueError(f"{path}: {key} is stored as {stored} (a quantized checkpoint), the model's weight is "
+                         f"{ref.dtype}: load_hf_checkpoint casts, it does not dequantize. Dequantize the checkpoint "
+                         "once (transformers' from_pretrained with its quantization config, then save_pretrained)")

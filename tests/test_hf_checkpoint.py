@@ -1,0 +1,217 @@
+"""``moecompile.load_hf_checkpoint``: a transformers checkpoint (``save_pretrained``'s safetensors, transformers'
+names and layouts on disk) loaded into a parallelized model, each rank reading only what it holds (gloo, world 2).
+
+Each model is built on meta, parallelized, allocated by ``to_empty`` and initialized by transformers'
+``init_weights()`` (other values than the checkpoint's), then loaded; every weight then equals the one-process
+model's (``full_state_dict`` against its state_dict, fp32, exact: loading copies). What each rank read is recorded
+at the safetensors slices (elements per tensor):
+
+    mixtral    per-expert checkpoint (w1, w2, w3 of each expert, stacked and concatenated on load); swapping experts,
+               loaded again after a training step moved them (a layer's slots no longer in expert order): each rank
+               reads its own experts' tensors (4 of 8), each once and whole, no other expert's; the dense weights
+               whole; the logits then equal the one process's
+    fsdp       Mixtral with FSDP2's ``fully_shard`` before ``to_empty``: each rank reads its half of the embedding
+    ted        Mixtral under TED on a (1, 2) ("dp", "tp") mesh: each expert's whole intermediate size read, the
+               load keeps the rank's cut
+    gpt_oss    a stacked checkpoint (``experts.gate_up_proj`` [E, ...] on disk): each rank reads its rows, half
+    loop       the hand-written ``nn.ModuleList`` experts (a state_dict saved by safetensors, no transformers
+               names): each rank reads its experts' tensors only; the others' come back as unexpected keys
+
+Without a process group: a plain model loads whole (12 experts: stacked in their order, 10 after 9), and so does a
+pipeline stage (its layers; the others' tensors returned as unexpected); a head tied to the embedding (left out of
+the checkpoint) is loaded from it; bad input raises, naming it: not a directory, a pickled checkpoint, weights
+missing (``strict``; ``strict=False`` returns them), a quantized (fp8) tensor, a checkpoint of another
+configuration (shapes).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import gloo, spawn
+from safetensors.torch import save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+
+import moecompile
+from moecompile.distributed import hf_checkpoint
+from moecompile.models import hf
+from moecompile.models.handwritten import TinyMoELM
+
+OPTIONS = {"inner": "aot_eager", "strict": True}
+
+
+def _config(kind: str):
+    return hf.walk_config("gpt_oss") if kind == "gpt_oss" else hf.tiny_config("mixtral")
+
+
+def _reference(kind: str, tmp: str, rank: int) -> tuple[torch.nn.Module, str]:
+    """The one-process model (the same on every rank) and its checkpoint (written by rank 0)."""
+    torch.manual_seed(0)
+    ref = TinyMoELM("loop") if kind == "loop" else hf.build_model(_config(kind))
+    path = f"{tmp}/{kind}"
+    if rank == 0:
+        if kind == "loop":
+            os.makedirs(path)
+            save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, f"{path}/model.safetensors")
+        else:
+            ref.save_pretrained(path)
+    dist.barrier()
+    return ref, path
+
+
+def _built(kind: str, mesh, ids, fsdp=False, **parallel) -> torch.nn.Module:
+    """Built on meta, parallelized, allocated, initialized with other values than the checkpoint's."""
+    torch.manual_seed(1)
+    with torch.device("meta"):
+        model = TinyMoELM("loop") if kind == "loop" else AutoModelForCausalLM.from_config(_config(kind))
+    moecompile.parallelize(model.train(), mesh, ids, **parallel)
+    if fsdp:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    if kind == "loop":
+        for p in model.parameters():
+            torch.nn.init.normal_(p)
+    else:
+        model.init_weights()
+    return model
+
+
+def _equal(model, ref, what: str) -> None:
+    got, want = moecompile.full_state_dict(model), ref.state_dict()
+    assert got.keys() == want.keys(), (what, sorted(set(got) ^ set(want))[:4])
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{what}: {name} differs after loading"
+
+
+def _expert_reads(reads: dict, layer: int) -> dict[int, list[int]]:
+    """Expert index -> the reads of its tensors, of one layer of a per-expert checkpoint."""
+    out = {}
+    for key, sizes in reads.items():
+        head = f"model.layers.{layer}.block_sparse_moe.experts."
+        if key.startswith(head):
+            out.setdefault(int(key[len(head):].split(".")[0]), []).extend(sizes)
+    return out
+
+
+def _mixtral(rank: int, world: int, mesh, tmp: str) -> None:
+    ref, path = _reference("mixtral", tmp, rank)
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    model = _built("mixtral", mesh, ids, swap_every=1)
+    with hf_checkpoint.reads() as reads:
+        missing, unexpected = moecompile.load_hf_checkpoint(model, path)
+    assert not missing and not unexpected, (missing, unexpected)
+    _equal(model, ref, "mixtral")
+    mine = range(4 * rank, 4 * rank + 4)
+    for layer in (0, 1):
+        experts = _expert_reads(reads, layer)
+        assert sorted(experts) == list(mine), (layer, sorted(experts))  # its own experts only
+        each = ref.config.intermediate_size * ref.config.hidden_size
+        assert all(sizes == [each] * 3 for sizes in experts.values()), experts  # w1, w2, w3, each once, whole
+    assert reads["model.embed_tokens.weight"] == [ref.model.embed_tokens.weight.numel()]  # a dense weight: whole
+    compiled = torch.compile(model, backend="moe", options=OPTIONS)
+    torch.testing.assert_close(compiled(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(3):  # train until a layer's experts moved, then load again: each goes to its slot
+        compiled(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    slots = [m._buffers["moe_expert_slots"] for m in model.modules() if "moe_expert_slots" in m._buffers]
+    assert any(not torch.equal(s, torch.arange(len(s))) for s in slots), slots
+    moecompile.load_hf_checkpoint(model, path)
+    _equal(model, ref, "mixtral after its experts moved")
+
+
+def _fsdp_ted_stacked_loop(rank: int, world: int, mesh, tmp: str) -> None:
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    torch.manual_seed(0)
+    ref, path = hf.build_model(_config("mixtral")), f"{tmp}/mixtral"  # (rank 0 wrote it in _mixtral)
+    model = _built("mixtral", mesh, ids, fsdp=True)
+    with hf_checkpoint.reads() as reads:
+        moecompile.load_hf_checkpoint(model, path)
+    half = ref.model.embed_tokens.weight.numel() // 2
+    assert reads["model.embed_tokens.weight"] == [half], reads["model.embed_tokens.weight"]  # its half
+    _equal(model, ref, "mixtral under FSDP2")
+    tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    model = _built("mixtral", tp, ids, moe_tp="ted")
+    with hf_checkpoint.reads() as reads:
+        moecompile.load_hf_checkpoint(model, path)
+    assert sorted(_expert_reads(reads, 0)) == list(range(8))  # (one dp rank: every expert, each whole along I)
+    _equal(model, ref, "mixtral under TED")
+    ref, path = _reference("gpt_oss", tmp, rank)
+    model = _built("gpt_oss", mesh, ids)
+    with hf_checkpoint.reads() as reads:
+        moecompile.load_hf_checkpoint(model, path)
+    whole = ref.model.layers[0].mlp.experts.gate_up_proj.numel()
+    assert reads["model.layers.0.mlp.experts.gate_up_proj"] == [whole // 2]  # its rows of the stacked tensor
+    _equal(model, ref, "gpt_oss")
+    ref, path = _reference("loop", tmp, rank)
+    model = _built("loop", mesh, ids)
+    with hf_checkpoint.reads() as reads:
+        missing, unexpected = moecompile.load_hf_checkpoint(model, path)
+    theirs = {e for e in range(8) if e // 4 != rank}
+    assert not missing and {k.split(".")[3] for k in unexpected} == {str(e) for e in theirs}, unexpected
+    assert not any(f".experts.{e}." in key for key in reads for e in theirs), sorted(reads)
+    _equal(model, ref, "loop")
+
+
+def _ranks(rank: int, world: int, tmp: str) -> None:
+    with gloo(rank, world, tmp):
+        mesh = init_device_mesh("cpu", (world,))
+        _mixtral(rank, world, mesh, tmp)
+        _fsdp_ted_stacked_loop(rank, world, mesh, tmp)
+
+
+def test_each_rank_loads_what_it_holds_of_a_transformers_checkpoint(tmp_path):
+    spawn(_ranks, args=(2, str(tmp_path)), nprocs=2)
+
+
+def test_a_plain_model_and_a_tied_head_load(tmp_path):
+    config = hf.tiny_config("mixtral", num_local_experts=12)  # (expert 10 stacked after expert 9, not after 1)
+    ref = hf.build_model(config, seed=0)
+    ref.save_pretrained(tmp_path / "plain")
+    model = hf.build_model(config, seed=1)
+    assert moecompile.load_hf_checkpoint(model, tmp_path / "plain") == ([], [])
+    _equal(model, ref, "plain")
+    stage = moecompile.pipeline_stage(hf.build_model(config, seed=1), 1, 2)  # its layer 1, final norm and head
+    missing, unexpected = moecompile.load_hf_checkpoint(stage, tmp_path / "plain")
+    assert not missing and unexpected, (missing, unexpected)
+    assert all(key.startswith(("model.embed_tokens.", "model.layers.0.")) for key in unexpected), unexpected
+    assert all(torch.equal(value, ref.state_dict()[name]) for name, value in stage.state_dict().items())
+    tied = hf.build_model(hf.tiny_config("mixtral", tie_word_embeddings=True))
+    tied.save_pretrained(tmp_path / "tied")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.tiny_config("mixtral", tie_word_embeddings=True))
+    model.to_empty(device="cpu")
+    moecompile.load_hf_checkpoint(model, tmp_path / "tied")
+    assert torch.equal(model.lm_head.weight, tied.model.embed_tokens.weight)
+
+
+def test_bad_checkpoints_are_refused_naming_the_fix(tmp_path):
+    model = hf.tiny_model("mixtral", seed=1)
+    with pytest.raises(ValueError, match="is not a directory.*snapshot_download"):
+        moecompile.load_hf_checkpoint(model, tmp_path / "nowhere")
+    (tmp_path / "pickled").mkdir()
+    torch.save(model.state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"no safetensors files \(it holds pytorch_model.bin\).*save_pretrained"):
+        moecompile.load_hf_checkpoint(model, tmp_path / "pickled")
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.norm.weight"}
+    (tmp_path / "short").mkdir()
+    save_file(state, tmp_path / "short" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks 1 weights of the model \(model.norm.weight\).*strict=False"):
+        moecompile.load_hf_checkpoint(model, tmp_path / "short")
+    assert moecompile.load_hf_checkpoint(model, tmp_path / "short", strict=False).missing_keys == ["model.norm.weight"]
+    (tmp_path / "fp8").mkdir()
+    save_file({**state, "model.norm.weight": model.model.norm.weight.detach().to(torch.float8_e4m3fn)},
+              tmp_path / "fp8" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.norm.weight is stored as F8_E4M3 \(a quantized checkpoint\).*"
+                                         "it does not dequantize"):
+        moecompile.load_hf_checkpoint(model, tmp_path / "fp8")
+    hf.build_model(hf.tiny_config("mixtral", intermediate_size=24)).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match=r"is \(8, 48, 32\) on this rank from the checkpoint, the model holds "
+                                         r"\(8, 32, 32\): a checkpoint of another configuration"):
+        moecompile.load_hf_checkpoint(model, tmp_path / "other")
