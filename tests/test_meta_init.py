@@ -210,3 +210,21 @@ def test_tied_weights_stay_tied_on_random_values_and_when_cut():
     assert model[1].weight is model[0].weight and model[0].weight.is_meta  # (put back)
     meta.materialize(model, torch.device("cpu"), lazy={id(model[0].weight)})
     assert model[1].weight is model[0].weight and getattr(model[0].weight, meta.LAZY)
+
+
+def test_a_kv_cache_is_recorded_as_the_call_met_it():
+    """A block's recorded call keeps its KV cache as it was then (the model fills it on as it runs: Gemma 4's first
+    layer, run alone again, met 6 tokens more), the cache's tensors as meta ones; run alone, random ones."""
+    from transformers import DynamicCache
+
+    with meta.shapes_only():
+        cache = DynamicCache()
+        cache.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 0)
+        args, kwargs = meta.recorded((torch.ones(2),)), meta.recorded({"past_key_values": cache, "flag": True})
+        cache.update(torch.ones(1, 2, 6, 4), torch.ones(1, 2, 6, 4), 0)  # (the rest of the model's run)
+    kept = kwargs["past_key_values"]
+    assert kept is not cache and kept.layers[0].keys.shape == (1, 2, 3, 4) and kept.layers[0].keys.is_meta
+    assert args[0].is_meta and kwargs["flag"] is True
+    _, real = meta.real(args, kwargs, torch.device("cpu"))
+    assert real["past_key_values"].layers[0].keys.device.type == "cpu"
+    assert real["past_key_values"].layers[0].keys.shape == (1, 2, 3, 4)

@@ -183,7 +183,7 @@ def _first_inputs(model: nn.Module, paths: set[str], example_args: tuple, run=()
     def hook(path):
         def record(module, args, kwargs):
             if path not in seen:  # (a model on meta: shapes only)
-                seen[path] = (meta_mod.as_meta(args), meta_mod.as_meta(kwargs)) if device is not None else (
+                seen[path] = (meta_mod.recorded(args), meta_mod.recorded(kwargs)) if device is not None else (
                     tree_map(copy, args), tree_map(copy, kwargs))
         return record
 

@@ -6,7 +6,8 @@ Detection proves what the code computes, not what the weights hold (``passes/ver
 random tokens). So each MoE block is traced alone (``find_blocks.py``) on random weights of its real shapes, made
 on the mesh's device for that block and dropped after (``materialized``): one block at a time, as the stand-ins of
 a sharded layer are (``passes/sharded.py``). The model runs the example once on shapes only to record each block's
-inputs (``shapes_only``), each MoE block run on such random weights and inputs, its output put back on meta.
+inputs (``shapes_only``, ``recorded``: a KV cache as the call met it), each MoE block run on such random weights and
+inputs, its output put back on meta.
 
 Then, before anything holds a parameter (gradient hooks, views, guards), ``materialize`` makes the expert weights
 the sharding will cut zero-stride views of one element on the mesh's device (``LAZY``) until the sharding copies this
@@ -16,13 +17,17 @@ stays on meta: the user allocates it with ``model.to_empty(device=...)``, after 
 allocated (``_to_empty``: torch's would give the experts and the placement tables their ops read new, uninitialized
 memory), and a forward before it raises, naming it. Each rank so allocates its shard of the experts, never a layer's
 whole experts. The weights hold no values after ``to_empty``: initialize them in place (transformers'
-``init_weights()``), or load them (``load_state_dict``, ``torch.distributed.checkpoint.load``).
+``init_weights()``), or load them (``moecompile.load_hf_checkpoint``, ``load_state_dict``,
+``torch.distributed.checkpoint.load``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import functools
+import sys
 
 import torch
 from torch import nn
@@ -80,10 +85,12 @@ def _random_like(t: torch.Tensor, device, gen: torch.Generator) -> torch.Tensor:
 
 
 def real(args, kwargs, device, seed: int = 0):
-    """``args``, ``kwargs`` with each meta tensor replaced by random values on ``device`` (``_random_like``)."""
+    """``args``, ``kwargs`` with each meta tensor replaced by random values on ``device`` (``_random_like``), those
+    of a KV cache too (``recorded``)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     make = lambda t: _random_like(t, device, gen) if isinstance(t, torch.Tensor) and t.is_meta else t  # noqa: E731
-    return tree_map(make, args), tree_map(make, kwargs)
+    deep = lambda leaf: _copied(leaf, make) if _call_state(leaf) else make(leaf)  # noqa: E731
+    return tree_map(deep, args), tree_map(deep, kwargs)
 
 
 def as_meta(out):
@@ -91,6 +98,36 @@ def as_meta(out):
     with unset_fake_temporarily():
         return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
                         if isinstance(t, torch.Tensor) else t, out)
+
+
+def recorded(out):
+    """``as_meta(out)`` (a module's call, recorded), each per-call state object in it copied as it is now: a KV cache
+    or KV-sharing dict the model fills as it runs (``_call_state``), which the block run alone again must meet as its
+    first call did, not as the rest of the model left it (Gemma 4's sliding-window cache: 6 tokens more)."""
+    return as_meta(tree_map(lambda leaf: _copied(leaf, as_meta) if _call_state(leaf) else leaf, out))
+
+
+def _call_state(leaf) -> bool:
+    """A transformers ``Cache``, or a dict-like object pytree does not open (Gemma 4's ``KVSharingDict``)."""
+    caches = sys.modules.get("transformers.cache_utils")  # (loaded by any transformers model that has one)
+    return isinstance(leaf, collections.UserDict) or (caches is not None and isinstance(leaf, caches.Cache))
+
+
+def _copied(state, make):
+    """A deep copy of ``state`` whose tensors are ``make(tensor)`` (never copied themselves: a fake tensor's copy
+    reads its data pointer)."""
+    found: dict[int, torch.Tensor] = {}
+    todo, seen = [state], set()
+    while todo:  # (the objects, lists, tuples and dicts that hold a cache's tensors)
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            found[id(obj)] = obj
+        elif id(obj) not in seen and (isinstance(obj, (list, tuple, dict, collections.UserDict)) or (
+                hasattr(obj, "__dict__") and not isinstance(obj, (type, nn.Module)))):
+            seen.add(id(obj))
+            todo.extend(obj.values() if isinstance(obj, (dict, collections.UserDict)) else
+                        obj if isinstance(obj, (list, tuple)) else vars(obj).values())
+    return copy.deepcopy(state, {key: make(t) for key, t in found.items()})
 
 
 def shapes_only():
