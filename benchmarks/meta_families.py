@@ -5,7 +5,7 @@ model's ``save_pretrained`` checkpoint loaded by ``moecompile.load_hf_checkpoint
 the table gives the largest share of the checkpoint's elements a rank read; eval mode: phimoe's router draws jitter
 in training). Writes a markdown table.
 
-    python benchmarks/meta_families.py --out benchmarks/meta_families.md       # the 57 families, 5 min on 2 cores
+    python benchmarks/meta_families.py --out benchmarks/meta_families.md       # the 57 families, 8 min on 2 cores
     python benchmarks/meta_families.py --families mixtral,jetmoe
 """
 

@@ -2,9 +2,13 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train_ep.py            # a 2x2 ("node", "local") mesh
     torchrun --standalone --nproc-per-node 2 examples/train_ep.py --family qwen3_moe --steps 5
+    torchrun --standalone --nproc-per-node 4 examples/train_ep.py --checkpoint DIR     # a save_pretrained directory
 
 CPU ranks talk over gloo, CUDA ranks over NCCL. Every rank builds the same model from the same seed and trains on
-its own batches; parallelize shards the experts, the moe backend exchanges the routed rows between ranks.
+its own batches; parallelize shards the experts, the moe backend exchanges the routed rows between ranks. With
+--checkpoint the model is built on the meta device from DIR's config (nothing allocated), parallelized (each rank
+allocating its experts' shards), allocated by to_empty and loaded by moecompile.load_hf_checkpoint, each rank reading
+only what it holds: the way a model too large for one host starts.
 """
 
 import argparse
@@ -14,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import moecompile
 from moecompile.models.hf import tiny_model
@@ -22,6 +27,7 @@ from moecompile.models.hf import tiny_model
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="mixtral", help="a tiny transformers MoE family (moecompile.models.hf)")
+    ap.add_argument("--checkpoint", help="a transformers checkpoint directory: its model, built on meta, loaded")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"),
                     help="the compiler of the rest of each graph")
@@ -38,11 +44,19 @@ def main():
     try:
         shape, names = ((2, world // 2), ("node", "local")) if world % 2 == 0 and world > 2 else ((world,), ("ep",))
         mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-        model = tiny_model(args.family, seed=0).train().to(device)  # the same model on every rank
+        if args.checkpoint:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.checkpoint)).train()
+        else:
+            model = tiny_model(args.family, seed=0).train().to(device)  # the same model on every rank
         gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
         batch = lambda: torch.randint(0, model.config.vocab_size, (2, args.seq), generator=gen).to(device)  # noqa: E731
         dedup = args.dedup if len(shape) == 2 else "off"
         model = moecompile.parallelize(model, mesh, batch(), dedup=dedup)
+        if args.checkpoint:  # the rest allocated, then every weight loaded: each rank reads what it holds
+            model.to_empty(device=device)
+            model.init_weights()  # (what no checkpoint holds: the rotary buffers)
+            moecompile.load_hf_checkpoint(model, args.checkpoint)
         if rank == 0:
             print(model._moe_parallel)
         compiled = torch.compile(model, backend="moe", options={"inner": args.inner})

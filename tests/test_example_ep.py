@@ -1,15 +1,33 @@
-"""The expert-parallel example runs as the README says (torchrun, 4 ranks on a 2x2 mesh, gloo), and so does the
-pipeline example, here with one step and aot_eager to keep them short; torchrun and its ranks are killed as a group
-if it hangs."""
+"""The expert-parallel example runs as the README says (torchrun, 4 ranks on a 2x2 mesh, gloo; from a checkpoint),
+and so does the pipeline example, here with one step and aot_eager to keep them short; torchrun and its ranks are
+killed as a group if it hangs."""
 
+import re
+
+import torch
 from torchrun import ROOT, torchrun
 
+from moecompile.models.hf import tiny_model
 
-def test_train_ep_example_runs_under_torchrun():
-    out = torchrun(ROOT / "examples" / "train_ep.py", "--steps", "1", "--inner", "aot_eager", nproc=4, timeout=300)
+
+def test_train_ep_example_runs_under_torchrun(tmp_path):
+    """From a checkpoint (``--checkpoint``: the model built on meta, parallelized, allocated and loaded by
+    ``load_hf_checkpoint``): its first step's loss is the one process's on the 4 ranks' batches."""
+    model = tiny_model("mixtral", seed=0)
+    model.save_pretrained(tmp_path)
+    out = torchrun(ROOT / "examples" / "train_ep.py", "--steps", "1", "--inner", "aot_eager", "--checkpoint", tmp_path,
+                   nproc=4, timeout=300)
     assert "sharded model.layers.0.mlp" in out and "dedup='node'" in out, out[-4000:]
     assert "step 0: mean loss over 4 ranks" in out and "dispatch.node=" in out, out[-4000:]
     assert "expert-parallel communication" in out and "dedup node" in out, out[-4000:]
+    losses = []
+    with torch.no_grad():
+        for rank in range(4):  # (the example's batches: 2 x 16 tokens from seed 1000 + rank, after parallelize's)
+            gen = torch.Generator().manual_seed(1000 + rank)
+            ids = [torch.randint(0, model.config.vocab_size, (2, 16), generator=gen) for _ in range(2)][1]
+            losses.append(float(model.train()(ids, labels=ids).loss))
+    printed = float(re.search(r"step 0: mean loss over 4 ranks (\S+)", out).group(1))
+    assert abs(printed - sum(losses) / 4) < 2e-4, (printed, losses)
 
 
 def test_train_pp_example_runs_under_torchrun():

@@ -17,11 +17,11 @@ at the safetensors slices (elements per tensor):
     loop       the hand-written ``nn.ModuleList`` experts (a state_dict saved by safetensors, no transformers
                names): each rank reads its experts' tensors only; the others' come back as unexpected keys
 
-Without a process group: a plain model loads whole (12 experts: stacked in their order, 10 after 9), and so does a
-pipeline stage (its layers; the others' tensors returned as unexpected); a head tied to the embedding (left out of
-the checkpoint) is loaded from it; bad input raises, naming it: not a directory, a pickled checkpoint, weights
-missing (``strict``; ``strict=False`` returns them), a quantized (fp8) tensor, a checkpoint of another
-configuration (shapes).
+Without a process group: a plain model loads whole (12 experts: stacked in their order, 10 after 9; DeepSeek-V4,
+whose renamings match a key that needs none), and so does a pipeline stage (its layers; the others' tensors
+returned as unexpected); a head tied to the embedding (left out of the checkpoint) is loaded from it; bad input
+raises, naming it: not a directory, a pickled checkpoint, weights missing (``strict``; ``strict=False`` returns
+them), a quantized (fp8) tensor, a checkpoint of another configuration (shapes).
 """
 
 import os
@@ -177,6 +177,11 @@ def test_a_plain_model_and_a_tied_head_load(tmp_path):
     model = hf.build_model(config, seed=1)
     assert moecompile.load_hf_checkpoint(model, tmp_path / "plain") == ([], [])
     _equal(model, ref, "plain")
+    dsv4 = hf.build_model(hf.walk_config("deepseek_v4"), seed=0)  # (its renamings would rename model.norm too)
+    dsv4.save_pretrained(tmp_path / "dsv4")
+    model = hf.build_model(hf.walk_config("deepseek_v4"), seed=1)
+    moecompile.load_hf_checkpoint(model, tmp_path / "dsv4")
+    _equal(model, dsv4, "deepseek_v4")
     stage = moecompile.pipeline_stage(hf.build_model(config, seed=1), 1, 2)  # its layer 1, final norm and head
     missing, unexpected = moecompile.load_hf_checkpoint(stage, tmp_path / "plain")
     assert not missing and unexpected, (missing, unexpected)

@@ -13,8 +13,8 @@ of the model's family maps them (``get_model_conversion_mapping``, the renamings
 applies), and its ``DtensorShardOperation`` cuts each read to what a DTensor of the model's ``state_dict()`` holds on
 this rank: an expert another rank holds is not read at all, a stacked checkpoint tensor is read in this rank's rows
 (safetensors reads slices from the file's memory map), FSDP2's dense shards likewise; a weight the model holds whole
-is read whole. The pieces go through the model's ``load_state_dict``, so swapped experts go to their slots, TED cuts
-the intermediate size, ``"dp_replicate"`` copies each take theirs, as for any checkpoint (``sharded_state.py``).
+is read whole. The pieces go through the model's ``load_state_dict``, so swapped experts go to their slots and TED
+cuts the intermediate size, as for any checkpoint (``sharded_state.py``, ``ted.py``).
 
 Reads are cast to the dtype of the model's weight and made on its device, one weight at a time (read, converted,
 loaded, dropped: the peak is one weight's pieces, not a second copy of the model). A head tied to the input
@@ -66,6 +66,8 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
         loads, unexpected = {}, []
         for key in sorted(tensors, key=hf_loading.dot_natural_key):  # (each expert list in expert order)
             name, pattern = hf_loading.rename_source_key(key, renamings, converters, prefix, target)
+            if name not in target and key in target:  # (a renaming meant for another key: from_pretrained's rule)
+                name, pattern = hf_loading.rename_source_key(key, [], [], prefix, target)
             if name not in target:
                 unexpected.append(key)
                 continue
