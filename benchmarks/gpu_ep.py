@@ -12,7 +12,10 @@ Cases: ``off`` (expert parallelism, one row per (token, expert)), ``node`` (hier
 node once), ``adaptive`` (replication="adaptive", E/W + 1 expert slots per rank, moecompile.ExpertOptimizer with the
 optimizer state on the host) and ``identity`` (LongCat-Flash's walk model with 4 identity experts, its routers drawn
 anew so that tokens reach several computed experts: the identity rows stay home, the others deduplicated per node, the
-experts swapping ranks after each step). Two SGD steps (lr 0.1, momentum 0.9): each step's logits on each rank against
+experts swapping ranks after each step) and ``meta`` (the Mixtral built on the meta device, parallelized with
+``dedup="node"`` and swapping, its MoE blocks traced alone on random weights drawn on the device, allocated by
+``to_empty`` and loaded by ``moecompile.load_hf_checkpoint`` from the one-process model's ``save_pretrained``
+checkpoint, each rank reading its experts). Two SGD steps (lr 0.1, momentum 0.9): each step's logits on each rank against
 the one-process logits of its batch, then every parameter of the state_dict (made whole) against the one-process
 parameters. Passed within 1e-5 (fp32, normwise max relative). Each case is its own group of processes (a case that
 fails cannot stall the next); the table has each case's errors, time and status.
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CASES = ("off", "node", "adaptive", "identity")
+CASES = ("off", "node", "adaptive", "identity", "meta")
 WORLD, MESH, STEPS, LR, TOL = 4, (2, 2), 2, 0.1, 1e-5
 
 
@@ -44,6 +47,7 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
 def _rank(rank: int, case: str, device: str, inner: str, tmp: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
 
     import moecompile
 
@@ -51,7 +55,15 @@ def _rank(rank: int, case: str, device: str, inner: str, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     try:
-        ref, model = _model(case).to(device).train(), _model(case).to(device).train()
+        ref = _model(case).to(device).train()
+        if case == "meta":  # built on meta, loaded from the one-process model's checkpoint once parallelized
+            if rank == 0:
+                ref.save_pretrained(f"{tmp}/checkpoint")
+            dist.barrier()
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(ref.config).train()
+        else:
+            model = _model(case).to(device).train()
         gen = torch.Generator().manual_seed(7)
         batches = torch.randint(0, model.config.vocab_size, (WORLD, 2, 6), generator=gen).to(device)
         mine, together = batches[rank], batches.flatten(0, 1)
@@ -61,8 +73,12 @@ def _rank(rank: int, case: str, device: str, inner: str, tmp: str) -> None:
             moecompile.parallelize(model, mesh, mine, replication="adaptive", slots_per_rank=E // WORLD + 1)
             opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
         else:
-            swap = {"dedup": "node", "swap_every": 1} if case == "identity" else {"dedup": case}
+            swap = {"dedup": "node", "swap_every": 1} if case in ("identity", "meta") else {"dedup": case}
             moecompile.parallelize(model, mesh, mine, **swap)
+            if case == "meta":  # (each rank allocated its experts' shards; the rest now, then every weight read)
+                model.to_empty(device=device)
+                model.init_weights()
+                moecompile.load_hf_checkpoint(model, f"{tmp}/checkpoint")
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
         compiled = torch.compile(model, backend="moe", options={"strict": True, "inner": inner})

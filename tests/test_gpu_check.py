@@ -173,15 +173,16 @@ def test_parity_names_a_graph_that_failed_at_its_first_run(monkeypatch):
 
 
 def test_expert_parallel_step_on_cpu():
-    """gpu_ep.py's dedup case on 4 gloo ranks with CPU tensors (what the GPU step runs with CUDA tensors): trained
-    against one process within 1e-5; a case that fails is reported as such, not raised."""
+    """gpu_ep.py's meta case (dedup, swaps; built on meta, loaded from a checkpoint) on 4 gloo ranks with CPU tensors
+    (what the GPU step runs with CUDA tensors): trained against one process within 1e-5; a case that fails is
+    reported as such, not raised."""
     pytest.importorskip("transformers")
-    result = gpu_ep.run_case("node", "cpu", inner="aot_eager", spawn=spawn)
+    result = gpu_ep.run_case("meta", "cpu", inner="aot_eager", spawn=spawn)
     assert result["status"] == "passed" and result["logits"] <= gpu_ep.TOL and result["params"] <= gpu_ep.TOL, result
     broken = gpu_ep.run_case("no such dedup level", "cpu", inner="aot_eager", spawn=spawn)
     assert broken["status"] == "error" and "dedup" in broken["detail"], broken
     text = gpu_ep.table([result, broken], "cpu")
-    assert "| node | 4 on (2, 2) | cpu |" in text and "| no such dedup level |" in text
+    assert "| meta | 4 on (2, 2) | cpu |" in text and "| no such dedup level |" in text
 
 
 def test_a_step_stopped_at_its_limit_says_where_each_thread_was(tmp_path):
