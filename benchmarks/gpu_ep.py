@@ -10,15 +10,15 @@ World 4 as a (2, 2) ("node", "local") mesh, a tiny Mixtral (8 experts, top-2) in
 beside one process training the same model on the four batches together (the same mean loss), on the same device.
 Cases: ``off`` (expert parallelism, one row per (token, expert)), ``node`` (hierarchical dedup: a token crosses to a
 node once), ``adaptive`` (replication="adaptive", E/W + 1 expert slots per rank, moecompile.ExpertOptimizer with the
-optimizer state on the host) and ``identity`` (LongCat-Flash's walk model with 4 identity experts, its routers drawn
+optimizer state on the host), ``identity`` (LongCat-Flash's walk model with 4 identity experts, its routers drawn
 anew so that tokens reach several computed experts: the identity rows stay home, the others deduplicated per node, the
 experts swapping ranks after each step) and ``meta`` (the Mixtral built on the meta device, parallelized with
 ``dedup="node"`` and swapping, its MoE blocks traced alone on random weights drawn on the device, allocated by
 ``to_empty`` and loaded by ``moecompile.load_hf_checkpoint`` from the one-process model's ``save_pretrained``
-checkpoint, each rank reading its experts). Two SGD steps (lr 0.1, momentum 0.9): each step's logits on each rank against
-the one-process logits of its batch, then every parameter of the state_dict (made whole) against the one-process
-parameters. Passed within 1e-5 (fp32, normwise max relative). Each case is its own group of processes (a case that
-fails cannot stall the next); the table has each case's errors, time and status.
+checkpoint, each rank reading its experts). Two SGD steps (lr 0.1, momentum 0.9): each step's logits on each rank
+against the one-process logits of its batch, then every parameter of the state_dict (made whole) against the
+one-process parameters. Passed within 1e-5 (fp32, normwise max relative). Each case is its own group of processes (a
+case that fails cannot stall the next); the table has each case's errors, time and status.
 """
 
 from __future__ import annotations
