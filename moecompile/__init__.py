@@ -23,7 +23,7 @@ from .distributed.views import expert_parameters
 from .distributed.clip import clip_grad_norm_
 from .distributed.grads import no_sync
 from .distributed.sharded_state import full_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
-from .distributed.hf_checkpoint import load_hf_checkpoint
+from .distributed.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from moecompile.runtime.comm.stats import comm_stats
 from moecompile.runtime.comm.hybrid import hybrid_topology
 from moecompile.runtime.stats import token_drops
@@ -32,8 +32,8 @@ from .plan.routing import record_routing
 __all__ = ["moe_backend", "capture", "parallelize", "pipeline_stage", "PipelineStage", "expert_parameters",
            "clip_grad_norm_", "no_sync", "ExpertOptimizer", "replication_report", "MoEOptions", "ExplainReport",
            "explain", "token_drops", "comm_stats", "comm_report", "comm_rows", "plot_comm", "get_optimizer_state_dict",
-           "set_optimizer_state_dict", "full_state_dict", "load_hf_checkpoint", "hybrid_topology", "record_routing",
-           "MoECompileError", "MoEFallbackWarning"]
+           "set_optimizer_state_dict", "full_state_dict", "load_hf_checkpoint", "save_hf_checkpoint", "hybrid_topology",
+           "record_routing", "MoECompileError", "MoEFallbackWarning"]
 
 from . import recompiles as _recompiles
 

@@ -1,5 +1,6 @@
 """``moecompile.load_hf_checkpoint``: a transformers checkpoint (``save_pretrained``'s safetensors, transformers'
-names and layouts on disk) loaded into a parallelized model, each rank reading only what it holds (gloo, world 2).
+names and layouts on disk) loaded into a parallelized model, each rank reading only what it holds (gloo, world 2);
+``moecompile.save_hf_checkpoint``: a parallelized model written as one, a decoder layer at a time.
 
 Each model is built on meta, parallelized, allocated by ``to_empty`` and initialized by transformers'
 ``init_weights()`` (other values than the checkpoint's), then loaded; every weight then equals the one-process
@@ -9,22 +10,28 @@ at the safetensors slices (elements per tensor):
     mixtral    per-expert checkpoint (w1, w2, w3 of each expert, stacked and concatenated on load); swapping experts,
                loaded again after a training step moved them (a layer's slots no longer in expert order): each rank
                reads its own experts' tensors (4 of 8), each once and whole, no other expert's; the dense weights
-               whole; the logits then equal the one process's
-    fsdp       Mixtral with FSDP2's ``fully_shard`` before ``to_empty``: each rank reads its half of the embedding
+               whole; the logits then equal the one process's. Saved (files of a layer at most, an index): the
+               names of transformers' own checkpoint, and its from_pretrained reads the one-process weights
+    fsdp       Mixtral with FSDP2's ``fully_shard`` before ``to_empty``, from the saved checkpoint (several files):
+               each rank reads its half of the embedding
     ted        Mixtral under TED on a (1, 2) ("dp", "tp") mesh: each expert's whole intermediate size read, the
                load keeps the rank's cut
     gpt_oss    a stacked checkpoint (``experts.gate_up_proj`` [E, ...] on disk): each rank reads its rows, half
     loop       the hand-written ``nn.ModuleList`` experts (a state_dict saved by safetensors, no transformers
-               names): each rank reads its experts' tensors only; the others' come back as unexpected keys
+               names): each rank reads its experts' tensors only; the others' come back as unexpected keys;
+               saved (every rank's experts sent to the writer) and loaded into another such model
 
 Without a process group: a plain model loads whole (12 experts: stacked in their order, 10 after 9; DeepSeek-V4,
-whose renamings match a key that needs none), and so does a pipeline stage (its layers; the others' tensors
-returned as unexpected); a head tied to the embedding (left out of the checkpoint) is loaded from it; bad input
-raises, naming it: not a directory, a pickled checkpoint, weights missing (``strict``; ``strict=False`` returns
-them), a quantized (fp8) tensor, a checkpoint of another configuration (shapes).
+whose renamings match a key that needs none) and saves under save_pretrained's names (from_pretrained reads it
+back); a pipeline stage loads its layers (the others' tensors returned as unexpected); a head tied to the embedding
+(left out of the checkpoint) is loaded from it, and left out when saved; bad input raises, naming it: not a
+directory, a pickled checkpoint, weights missing (``strict``; ``strict=False`` returns them), a quantized (fp8)
+tensor, a checkpoint of another configuration (shapes).
 """
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,6 +95,17 @@ def _equal(model, ref, what: str) -> None:
         assert torch.equal(got[name], value), f"{what}: {name} differs after loading"
 
 
+def _names(path) -> set[str]:
+    """The tensor names of the checkpoint in ``path``."""
+    from safetensors import safe_open
+
+    names = set()
+    for file in hf_checkpoint.checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            names |= set(f.keys())
+    return names
+
+
 def _expert_reads(reads: dict, layer: int) -> dict[int, list[int]]:
     """Expert index -> the reads of its tensors, of one layer of a per-expert checkpoint."""
     out = {}
@@ -124,12 +142,18 @@ def _mixtral(rank: int, world: int, mesh, tmp: str) -> None:
     assert any(not torch.equal(s, torch.arange(len(s))) for s in slots), slots
     moecompile.load_hf_checkpoint(model, path)
     _equal(model, ref, "mixtral after its experts moved")
+    moecompile.save_hf_checkpoint(model, f"{tmp}/saved", max_shard_size=1 << 14)  # (a layer a file at most)
+    index = json.loads(Path(f"{tmp}/saved/model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == _names(path)  # (transformers' names and layouts on disk: each expert's w1, w2, w3)
+    assert len(set(index.values())) > 1, index  # (several files, read through the index below)
+    if rank == 0:  # transformers reads it as its own
+        _equal(AutoModelForCausalLM.from_pretrained(f"{tmp}/saved"), ref, "mixtral saved, read by from_pretrained")
 
 
 def _fsdp_ted_stacked_loop(rank: int, world: int, mesh, tmp: str) -> None:
     ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
     torch.manual_seed(0)
-    ref, path = hf.build_model(_config("mixtral")), f"{tmp}/mixtral"  # (rank 0 wrote it in _mixtral)
+    ref, path = hf.build_model(_config("mixtral")), f"{tmp}/saved"  # (written by save_hf_checkpoint in _mixtral)
     model = _built("mixtral", mesh, ids, fsdp=True)
     with hf_checkpoint.reads() as reads:
         moecompile.load_hf_checkpoint(model, path)
@@ -157,6 +181,11 @@ def _fsdp_ted_stacked_loop(rank: int, world: int, mesh, tmp: str) -> None:
     assert not missing and {k.split(".")[3] for k in unexpected} == {str(e) for e in theirs}, unexpected
     assert not any(f".experts.{e}." in key for key in reads for e in theirs), sorted(reads)
     _equal(model, ref, "loop")
+    moecompile.save_hf_checkpoint(model, f"{tmp}/loop_saved")  # (each rank's experts sent to the writer)
+    assert _names(f"{tmp}/loop_saved") == set(ref.state_dict())
+    other = _built("loop", mesh, ids)
+    moecompile.load_hf_checkpoint(other, f"{tmp}/loop_saved")
+    _equal(other, ref, "loop saved and loaded again")
 
 
 def _ranks(rank: int, world: int, tmp: str) -> None:
@@ -177,6 +206,9 @@ def test_a_plain_model_and_a_tied_head_load(tmp_path):
     model = hf.build_model(config, seed=1)
     assert moecompile.load_hf_checkpoint(model, tmp_path / "plain") == ([], [])
     _equal(model, ref, "plain")
+    moecompile.save_hf_checkpoint(model, tmp_path / "saved")
+    assert _names(tmp_path / "saved") == _names(tmp_path / "plain")  # (transformers' names and layouts on disk)
+    _equal(AutoModelForCausalLM.from_pretrained(tmp_path / "saved"), ref, "plain saved, read by from_pretrained")
     dsv4 = hf.build_model(hf.walk_config("deepseek_v4"), seed=0)  # (its renamings would rename model.norm too)
     dsv4.save_pretrained(tmp_path / "dsv4")
     model = hf.build_model(hf.walk_config("deepseek_v4"), seed=1)
@@ -194,6 +226,9 @@ def test_a_plain_model_and_a_tied_head_load(tmp_path):
     model.to_empty(device="cpu")
     moecompile.load_hf_checkpoint(model, tmp_path / "tied")
     assert torch.equal(model.lm_head.weight, tied.model.embed_tokens.weight)
+    moecompile.save_hf_checkpoint(tied, tmp_path / "tied_saved")  # (the head left out, as save_pretrained does)
+    assert _names(tmp_path / "tied_saved") == _names(tmp_path / "tied")
+    assert "lm_head.weight" not in _names(tmp_path / "tied_saved")
 
 
 def test_bad_checkpoints_are_refused_naming_the_fix(tmp_path):

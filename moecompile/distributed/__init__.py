@@ -13,7 +13,8 @@
     moe_tp.py             ``moe_tp``: how the MoE blocks meet a "tp" mesh dimension (SSMB, TED, "auto")
     ted.py                tensor-expert parallelism: experts over dp, their intermediate size over tp
     sharded_state.py      state_dict / optimizer state of sharded experts as DTensors in expert order
-    hf_checkpoint.py      ``moecompile.load_hf_checkpoint``: a transformers checkpoint, each rank reading what it holds
+    hf_checkpoint.py      ``load_hf_checkpoint``: a transformers checkpoint, each rank reading what it holds;
+                          ``save_hf_checkpoint``: written as one, a decoder layer at a time
     swap.py               expert swap every N optimizer steps (HierMoE's HierD-ES), driven by the cost model
     replicate.py          adaptive replication: slots per rank, the layer's placement buffers
     replicate_list.py     replication of an ``nn.ModuleList``'s experts: their weights stacked into slots on the list

@@ -1,5 +1,6 @@
 """``moecompile.load_hf_checkpoint``: a transformers checkpoint (the safetensors files ``save_pretrained`` writes and
-the Hub holds) loaded into a model, each rank reading from disk only what it holds.
+the Hub holds) loaded into a model, each rank reading from disk only what it holds; ``save_hf_checkpoint``: a model
+written as one, a decoder layer at a time.
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -31,9 +32,11 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .sharded_state import unwrapped
+from .mesh import stage_group
+from .sharded_state import unwrapped, whole_groups
 
 INDEX = "model.safetensors.index.json"
 
@@ -100,6 +103,61 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
                          "held. Load a checkpoint of this model's family and configuration, or pass strict=False "
                          "to load the rest and initialize those yourself")
     return _IncompatibleKeys(missing, unexpected)
+
+
+def save_hf_checkpoint(model, path, *, max_shard_size: int = 5 << 30) -> None:
+    """Write ``model`` (parallelized or not, its ``torch.compile`` wrapper or pipeline stages) to directory ``path``
+    as a transformers checkpoint (``save_pretrained``'s: safetensors in transformers' names and layouts on disk, an
+    index, the config), a decoder layer at a time: each layer's weights gathered whole (``whole_groups``), turned
+    into the disk layout (transformers' ``revert_weight_conversion``), written by the first rank of each stage and
+    dropped, files of at most about ``max_shard_size`` bytes. Every rank calls it together; the host holds one
+    file's weights, never the model (``full_state_dict`` + ``save_pretrained`` hold it whole on every rank)."""
+    model = unwrapped(model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    info = getattr(model, "_moe_parallel", None)
+    group = stage_group(info.mesh) if info is not None and world > 1 else None
+    writes = not dist.is_initialized() or dist.get_rank(group) == 0  # (rank 0 of the world, or of its stage)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    tied = _tied_away(model)
+    weight_map, pending, size, total = {}, {}, 0, 0
+
+    def flush():
+        nonlocal pending, size
+        if pending:
+            from safetensors.torch import save_file
+
+            name = f"model-rank{me:05d}-{len({*weight_map.values()}) + 1:05d}.safetensors"
+            save_file(pending, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(pending, name))
+        pending, size = {}, 0
+
+    if writes:
+        os.makedirs(path, exist_ok=True)
+    for _, weights in whole_groups(model):
+        if not writes:
+            continue  # (the gathers are collectives: every rank walks the groups)
+        weights = {name: value for name, value in weights.items() if name not in tied}
+        for name, value in _disk_layout(model, weights).items():
+            pending[name] = value.contiguous().clone()  # (views of one tensor: safetensors writes each alone)
+            size += value.numel() * value.element_size()
+            total += value.numel() * value.element_size()
+        if size >= max_shard_size:
+            flush()
+    flush()
+    maps = [(weight_map, total)]
+    if dist.is_initialized():
+        maps = [None] * world
+        dist.all_gather_object(maps, (weight_map, total) if writes else ({}, 0))
+    if me == 0:
+        index = {"metadata": {"total_size": sum(t for _, t in maps)},
+                 "weight_map": dict(sorted(kv for m, _ in maps for kv in m.items()))}
+        with open(os.path.join(path, INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+        for part in ("config", "generation_config"):
+            if getattr(model, part, None) is not None:
+                getattr(model, part).save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()  # (every file written before any rank returns)
 
 
 def checkpoint_files(path) -> list[str]:
@@ -223,3 +281,27 @@ def _check_dtype(key: str, piece, ref, path) -> None:
         raise ValueError(f"{path}: {key} is stored as {stored} (a quantized checkpoint), the model's weight is "
                          f"{ref.dtype}: load_hf_checkpoint casts, it does not dequantize. Dequantize the checkpoint "
                          "once (transformers' from_pretrained with its quantization config, then save_pretrained)")
+
+
+def _tied_away(model) -> set[str]:
+    """The weights a checkpoint leaves out: those tied to another (the head to the input embedding), the same
+    tensor (``all_tied_weights_keys``: target -> source; ``save_pretrained`` drops them too)."""
+    out = set()
+    for name, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        try:
+            if model.get_parameter(name) is model.get_parameter(source):
+                out.add(name)
+        except AttributeError:  # (not a parameter of this stage)
+            continue
+    return out
+
+
+def _disk_layout(model, weights: dict) -> dict:
+    """``weights`` (a decoder layer's, whole) in transformers' names and layouts on disk (its conversion of the
+    model's family reverted, as ``save_pretrained`` does); a model transformers does not know: as they are."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return weights
+    return revert_weight_conversion(model, weights) if isinstance(model, PreTrainedModel) else weights

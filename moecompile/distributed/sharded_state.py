@@ -325,22 +325,43 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     """Every weight of ``model`` (or of the model its ``torch.compile`` wrapper holds) whole, in expert order, as one
     process holding the whole model has it: CPU tensors, on every rank (every rank calls it together). For
     transformers' ``save_pretrained(path, state_dict=...)`` or ``torch.save``, where the model fits in host memory
-    (else ``torch.distributed.checkpoint``). Stacked, flat and tensor-parallel weights are DTensors in
-    ``state_dict()``: each is gathered whole; an ``nn.ModuleList`` layer's experts are each in their own rank's: they
-    are sent to every rank (one ``all_gather_object``). Under pipeline stages (``"pp"``): the stage module's,
-    on the stage's ranks."""
+    (else ``moecompile.save_hf_checkpoint``, a layer at a time, or ``torch.distributed.checkpoint``). Stacked, flat
+    and tensor-parallel weights are DTensors in ``state_dict()``: each is gathered whole; an ``nn.ModuleList``
+    layer's experts are each in their own rank's: they are sent to every rank (an ``all_gather_object`` per decoder
+    layer: ``whole_groups``). Under pipeline stages (``"pp"``): the stage module's, on the stage's ranks."""
+    return {name: value for _, weights in whole_groups(model) for name, value in weights.items()}
+
+
+def whole_groups(model):
+    """``full_state_dict``'s weights a group at a time, for a writer that holds one group, not the model: (the
+    group's name, {name: whole CPU tensor}), each decoder layer's weights (``<...>.layers.<i>.``) a group, the others
+    one each, in ``state_dict()`` order (every rank iterates them together: the gathers are collectives)."""
     from torch.distributed.tensor import DTensor
 
     model = unwrapped(model)  # (a compiled model's state_dict names its weights "_orig_mod.<name>")
-    state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-             for name, value in model.state_dict().items()}
+    state = model.state_dict()
     info = getattr(model, "_moe_parallel", None)
-    if info is None or not info.module_list_experts or not dist.is_initialized():
-        return state
-    mine = {name: state[name] for name in info.module_list_experts if name in state}
-    group = stage_group(info.mesh)  # the world (a "dp_replicate" copy sends the same experts again), or the stage
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    for theirs in every:
-        state.update(theirs)
-    return state
+    listed = set(info.module_list_experts) if info is not None and info.module_list_experts and \
+        dist.is_initialized() else set()
+    groups: dict[str, list[str]] = {}
+    for name in state:
+        groups.setdefault(_layer_of(name), []).append(name)
+    for prefix, names in groups.items():
+        out = {name: (state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]).detach().cpu()
+               for name in names}
+        if listed:  # an nn.ModuleList layer's experts, each in its own rank's: sent to every rank
+            group = stage_group(info.mesh)  # the world (a "dp_replicate" copy sends the same ones again), the stage
+            every = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, {name: out[name] for name in names if name in listed}, group=group)
+            for theirs in every:
+                out.update(theirs)
+        yield prefix, out
+
+
+def _layer_of(name: str) -> str:
+    """``<...>.layers.<i>.`` of a decoder layer's weight, else the name itself."""
+    parts = name.split(".")
+    for i in range(len(parts) - 2):
+        if parts[i] in ("layers", "blocks", "h") and parts[i + 1].isdigit():
+            return ".".join(parts[:i + 2]) + "."
+    return name
