@@ -20,6 +20,8 @@ at the safetensors slices (elements per tensor):
     loop       the hand-written ``nn.ModuleList`` experts (a state_dict saved by safetensors, no transformers
                names): each rank reads its experts' tensors only; the others' come back as unexpected keys;
                saved (every rank's experts sent to the writer) and loaded into another such model
+    stages     two pipeline stages of Mixtral (a (2, 1) ("pp", "ep") mesh), each loaded and saved by its rank: each
+               stage's first rank writes its files, rank 0 the index; from_pretrained reads the whole model
 
 Without a process group: a plain model loads whole (12 experts: stacked in their order, 10 after 9; DeepSeek-V4,
 whose renamings match a key that needs none) and saves under save_pretrained's names (from_pretrained reads it
@@ -188,11 +190,31 @@ def _fsdp_ted_stacked_loop(rank: int, world: int, mesh, tmp: str) -> None:
     _equal(other, ref, "loop saved and loaded again")
 
 
+def _stages(rank: int, world: int, tmp: str) -> None:
+    """Two pipeline stages (a ("pp", "ep") = (2, 1) mesh), each parallelized, loaded and saved by its rank: each
+    stage's first rank writes its weights, rank 0 the index; transformers reads the model whole."""
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "ep"))
+    torch.manual_seed(0)
+    ref = hf.build_model(_config("mixtral"))
+    torch.manual_seed(1)
+    stage = moecompile.pipeline_stage(hf.build_model(_config("mixtral")), rank, world)
+    example = torch.ones(2, 6, dtype=torch.long) if rank == 0 else torch.randn(2, 6, ref.config.hidden_size)
+    moecompile.parallelize(stage, mesh, example)
+    missing, _ = moecompile.load_hf_checkpoint(stage, f"{tmp}/mixtral")
+    assert not missing
+    moecompile.save_hf_checkpoint(stage, f"{tmp}/stages", max_shard_size=1 << 14)
+    if rank == 0:
+        files = {Path(f).name for f in hf_checkpoint.checkpoint_files(f"{tmp}/stages")}
+        assert {f.split("-")[1] for f in files} == {"rank00000", "rank00001"}, files  # (each stage's writer)
+        _equal(AutoModelForCausalLM.from_pretrained(f"{tmp}/stages"), ref, "two stages saved")
+
+
 def _ranks(rank: int, world: int, tmp: str) -> None:
     with gloo(rank, world, tmp):
         mesh = init_device_mesh("cpu", (world,))
         _mixtral(rank, world, mesh, tmp)
         _fsdp_ted_stacked_loop(rank, world, mesh, tmp)
+        _stages(rank, world, tmp)
 
 
 def test_each_rank_loads_what_it_holds_of_a_transformers_checkpoint(tmp_path):
