@@ -335,7 +335,8 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 def whole_groups(model):
     """``full_state_dict``'s weights a group at a time, for a writer that holds one group, not the model: (the
     group's name, {name: whole CPU tensor}), each decoder layer's weights (``<...>.layers.<i>.``) a group, the others
-    one each, in ``state_dict()`` order (every rank iterates them together: the gathers are collectives)."""
+    one each (the experts of an ``nn.ModuleList`` outside decoder layers, rank by rank different: one group, last),
+    in ``state_dict()`` order (every rank iterates them together: the gathers are collectives)."""
     from torch.distributed.tensor import DTensor
 
     model = unwrapped(model)  # (a compiled model's state_dict names its weights "_orig_mod.<name>")
@@ -344,8 +345,11 @@ def whole_groups(model):
     listed = set(info.module_list_experts) if info is not None and info.module_list_experts and \
         dist.is_initialized() else set()
     groups: dict[str, list[str]] = {}
-    for name in state:
-        groups.setdefault(_layer_of(name), []).append(name)
+    for name in state:  # (the same groups on every rank, in the same order: each holds experts of every list)
+        layer = _layer_of(name)
+        groups.setdefault(LISTS if layer == name and name in listed else layer, []).append(name)
+    if LISTS in groups:  # (the experts of lists outside any decoder layer: one group, last)
+        groups[LISTS] = groups.pop(LISTS)
     for prefix, names in groups.items():
         out = {name: (state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]).detach().cpu()
                for name in names}
@@ -356,6 +360,9 @@ def whole_groups(model):
             for theirs in every:
                 out.update(theirs)
         yield prefix, out
+
+
+LISTS = "(nn.ModuleList experts outside decoder layers)"
 
 
 def _layer_of(name: str) -> str:
