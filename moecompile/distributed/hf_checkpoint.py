@@ -111,7 +111,9 @@ def save_hf_checkpoint(model, path, *, max_shard_size: int = 5 << 30) -> None:
     index, the config), a decoder layer at a time: each layer's weights gathered whole (``whole_groups``), turned
     into the disk layout (transformers' ``revert_weight_conversion``), written by the first rank of each stage and
     dropped, files of at most about ``max_shard_size`` bytes. Every rank calls it together; the host holds one
-    file's weights, never the model (``full_state_dict`` + ``save_pretrained`` hold it whole on every rank)."""
+    file's weights, never the model (``full_state_dict`` + ``save_pretrained`` hold it whole on every rank), each
+    device one weight whole at a time (a layer's stacked experts, gathered). Under pipeline stages each stage's
+    writer writes its own files: ``path`` must be a directory they all see (a shared filesystem)."""
     model = unwrapped(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     info = getattr(model, "_moe_parallel", None)
