@@ -113,7 +113,9 @@ def save_hf_checkpoint(model, path, *, max_shard_size: int = 5 << 30) -> None:
     dropped, files of at most about ``max_shard_size`` bytes. Every rank calls it together; the host holds one
     file's weights, never the model (``full_state_dict`` + ``save_pretrained`` hold it whole on every rank), each
     device one weight whole at a time (a layer's stacked experts, gathered). Under pipeline stages each stage's
-    writer writes its own files: ``path`` must be a directory they all see (a shared filesystem)."""
+    writer writes its own files: ``path`` must be a directory they all see (a shared filesystem). A model
+    ``parallelize`` did not shard is written by rank 0 alone: every rank must hold all of it (replicated, or FSDP2
+    over the world), not one pipeline stage of it."""
     model = unwrapped(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     info = getattr(model, "_moe_parallel", None)
