@@ -5,7 +5,8 @@ each rank on its own batch, beside one process training on the four batches toge
 the parameters and their momentum after the steps are equal (fp32, 1e-5); each rank holds the E / 2 experts of its index in its
 group, and exchanges rows only inside its group. The state_dict gives each stacked expert weight as a DTensor
 Replicate over "dp_replicate" and Shard(0) over "ep"; a torch.distributed.checkpoint saved by the 4 ranks loads in
-one process exactly. A (1, 2, 2) ("dp_replicate", "node", "local") mesh dedups over "node" inside its group the
+one process exactly, and so does ``save_hf_checkpoint``'s (each of the 4 ranks writing layers in turn, the copy it
+is in sending the experts). A (1, 2, 2) ("dp_replicate", "node", "local") mesh dedups over "node" inside its group the
 same way, and a (2, 2) ("dp_replicate", "tp") mesh runs two copies of a sequence-sharded (SSMB) group, and of a
 TED one (each rank every expert, cut over tp; the state_dict's Replicate over both dimensions). Expert
 domains work inside each copy's group: Mixtral with {"ep": 2} trains as one process (each rank gathers its copy's
@@ -13,6 +14,7 @@ experts), and "auto" chooses per copy, every rank making every copy's candidate 
 (swap_every=1) trains Mixtral as one process, every copy making the same swaps (chosen on every copy's routing).
 A "dp_replicate" not outermost is refused with ValueError."""
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -177,6 +179,7 @@ def _world4(rank, world, tmp):
                 assert state[name].placements == (Replicate(), Shard(0)), (name, state[name].placements)
             assert bool(stacked) == (family == "mixtral")
             save(model, tmp, rank, family)
+            moecompile.save_hf_checkpoint(model, f"{tmp}/hf_{family}", max_shard_size=1 << 14)  # (writers: all 4)
         levels = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "node", "local"))
         model, _ = _train("mixtral", levels, rank, world, dedup="node")
         stats = moecompile.comm_stats()[model._moe_parallel.report.layers[0].path]
@@ -199,3 +202,8 @@ def test_experts_replicated_over_dp_replicate_train_as_one_process(tmp_path):
     spawn(_world4, args=(4, tmp), nprocs=4)
     for family in ("mixtral", "loop"):  # the 4 ranks' checkpoint, in one process with no group
         loads_in_one_process(_build(family), tmp, f"ckpt_{family}", f"saved_{family}.pt")
+        one = _build(family)  # and save_hf_checkpoint's files (the layers written by the 4 ranks in turn)
+        moecompile.load_hf_checkpoint(one, f"{tmp}/hf_{family}")
+        whole = torch.load(f"{tmp}/saved_{family}.pt")
+        assert all(torch.equal(p, whole[name]) for name, p in one.named_parameters()), family
+        assert len({f.split("-")[1] for f in os.listdir(f"{tmp}/hf_{family}") if f.endswith(".safetensors")}) == 4

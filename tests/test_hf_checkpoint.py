@@ -10,8 +10,9 @@ at the safetensors slices (elements per tensor):
     mixtral    per-expert checkpoint (w1, w2, w3 of each expert, stacked and concatenated on load); swapping experts,
                loaded again after a training step moved them (a layer's slots no longer in expert order): each rank
                reads its own experts' tensors (4 of 8), each once and whole, no other expert's; the dense weights
-               whole; the logits then equal the one process's. Saved (files of a layer at most, an index): the
-               names of transformers' own checkpoint, and its from_pretrained reads the one-process weights
+               whole; the logits then equal the one process's. Saved (files of a layer at most, an index; no
+               weight all-gathered, the layers written by the two ranks in turn): the names of transformers' own
+               checkpoint, and its from_pretrained reads the one-process weights
     fsdp       Mixtral with FSDP2's ``fully_shard`` before ``to_empty``, from the saved checkpoint (several files):
                each rank reads its half of the embedding
     ted        Mixtral under TED on a (1, 2) ("dp", "tp") mesh: each expert's whole intermediate size read, the
@@ -22,6 +23,8 @@ at the safetensors slices (elements per tensor):
                saved (every rank's experts sent to the writer) and loaded into another such model
     stages     two pipeline stages of Mixtral (a (2, 1) ("pp", "ep") mesh), each loaded and saved by its rank: each
                stage's first rank writes its files, rank 0 the index; from_pretrained reads the whole model
+
+``gather.whole_on`` (a DTensor whole on one rank's host) for even, uneven, replicated and 2-D cuts.
 
 Without a process group: a plain model loads whole (12 experts: stacked in their order, 10 after 9; DeepSeek-V4,
 whose renamings match a key that needs none) and saves under save_pretrained's names (from_pretrained reads it
@@ -34,6 +37,7 @@ tensor, a checkpoint of another configuration (shapes).
 import json
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -42,10 +46,11 @@ from ranks import gloo, spawn
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from transformers import AutoModelForCausalLM
 
 import moecompile
-from moecompile.distributed import hf_checkpoint
+from moecompile.distributed import gather, hf_checkpoint
 from moecompile.models import hf
 from moecompile.models.handwritten import TinyMoELM
 
@@ -144,10 +149,11 @@ def _mixtral(rank: int, world: int, mesh, tmp: str) -> None:
     assert any(not torch.equal(s, torch.arange(len(s))) for s in slots), slots
     moecompile.load_hf_checkpoint(model, path)
     _equal(model, ref, "mixtral after its experts moved")
-    moecompile.save_hf_checkpoint(model, f"{tmp}/saved", max_shard_size=1 << 14)  # (a layer a file at most)
+    with mock.patch.object(DTensor, "full_tensor", side_effect=AssertionError("all-gathered on every rank")):
+        moecompile.save_hf_checkpoint(model, f"{tmp}/saved", max_shard_size=1 << 14)  # (a layer a file at most)
     index = json.loads(Path(f"{tmp}/saved/model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == _names(path)  # (transformers' names and layouts on disk: each expert's w1, w2, w3)
-    assert len(set(index.values())) > 1, index  # (several files, read through the index below)
+    assert {f.split("-")[1] for f in index.values()} == {"rank00000", "rank00001"}, index  # (layers in turn)
     if rank == 0:  # transformers reads it as its own
         _equal(AutoModelForCausalLM.from_pretrained(f"{tmp}/saved"), ref, "mixtral saved, read by from_pretrained")
 
@@ -209,9 +215,22 @@ def _stages(rank: int, world: int, tmp: str) -> None:
         _equal(AutoModelForCausalLM.from_pretrained(f"{tmp}/stages"), ref, "two stages saved")
 
 
+def _whole_on(rank: int, world: int) -> None:
+    """``gather.whole_on``: a DTensor whole on one rank, None on the other, for cuts of every kind."""
+    full = torch.arange(5 * 6, dtype=torch.float32).view(5, 6)
+    for mesh, placements in (((world,), [Shard(0)]), ((world,), [Shard(1)]), ((world,), [Replicate()]),
+                             ((1, world), [Replicate(), Shard(0)]), ((world, 1), [Shard(1), Replicate()])):
+        value = distribute_tensor(full, init_device_mesh("cpu", mesh), placements)  # (5 rows: an uneven cut)
+        for dst in range(world):
+            got = gather.whole_on(value, dst)
+            assert (got is None) == (rank != dst) and (got is None or torch.equal(got, full)), (mesh, placements, dst)
+    assert torch.equal(gather.whole_on(value, None), full)  # (every rank)
+
+
 def _ranks(rank: int, world: int, tmp: str) -> None:
     with gloo(rank, world, tmp):
         mesh = init_device_mesh("cpu", (world,))
+        _whole_on(rank, world)
         _mixtral(rank, world, mesh, tmp)
         _fsdp_ted_stacked_loop(rank, world, mesh, tmp)
         _stages(rank, world, tmp)

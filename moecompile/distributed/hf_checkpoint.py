@@ -26,6 +26,7 @@ integers: a cast would load other values; dequantize such a checkpoint once).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import json
@@ -108,50 +109,56 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
 def save_hf_checkpoint(model, path, *, max_shard_size: int = 5 << 30) -> None:
     """Write ``model`` (parallelized or not, its ``torch.compile`` wrapper or pipeline stages) to directory ``path``
     as a transformers checkpoint (``save_pretrained``'s: safetensors in transformers' names and layouts on disk, an
-    index, the config), a decoder layer at a time: each layer's weights gathered whole (``whole_groups``), turned
-    into the disk layout (transformers' ``revert_weight_conversion``), written by the first rank of each stage and
-    dropped, files of at most about ``max_shard_size`` bytes. Every rank calls it together; the host holds one
-    file's weights, never the model (``full_state_dict`` + ``save_pretrained`` hold it whole on every rank), each
-    device one weight whole at a time (a layer's stacked experts, gathered). Under pipeline stages each stage's
-    writer writes its own files: ``path`` must be a directory they all see (a shared filesystem). A model
-    ``parallelize`` did not shard is written by rank 0 alone: every rank must hold all of it (replicated, or FSDP2
-    over the world), not one pipeline stage of it."""
+    index, the config), a decoder layer at a time: the layers dealt out in turn to the ranks holding them (of each
+    stage under pipeline stages), each layer's weights sent whole to its rank's host alone (``whole_groups``: each
+    shard sent once, no device holding more than its shards and one shard more), turned into the disk layout
+    (transformers' ``revert_weight_conversion``) and written there in files of at most about ``max_shard_size``
+    bytes, each rank writing its files while the others go on (a thread). Every rank calls it together; a host
+    holds a layer and the files it is writing, never the model (``full_state_dict`` + ``save_pretrained`` hold it
+    whole on every rank); rank 0 writes the index and the config. ``path`` must be a directory every rank sees (a
+    shared filesystem across hosts). A model ``parallelize`` did not shard is written by every rank, a layer each in
+    turn: every rank must hold all of it (replicated, or FSDP2 over the world), not one pipeline stage of it."""
+    from safetensors.torch import save_file
+
     model = unwrapped(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     info = getattr(model, "_moe_parallel", None)
     group = stage_group(info.mesh) if info is not None and world > 1 else None
-    writes = not dist.is_initialized() or dist.get_rank(group) == 0  # (rank 0 of the world, or of its stage)
+    writers = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     me = dist.get_rank() if dist.is_initialized() else 0
     tied = _tied_away(model)
     weight_map, pending, size, total = {}, {}, 0, 0
+    os.makedirs(path, exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        writing = None
 
-    def flush():
-        nonlocal pending, size
-        if pending:
-            from safetensors.torch import save_file
+        def flush():
+            nonlocal pending, size, writing
+            if writing is not None:
+                writing.result()  # (one file in flight: the host holds it and the next)
+            if pending:
+                name = f"model-rank{me:05d}-{len({*weight_map.values()}) + 1:05d}.safetensors"
+                writing = thread.submit(save_file, pending, os.path.join(path, name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(pending, name))
+            pending, size = {}, 0
 
-            name = f"model-rank{me:05d}-{len({*weight_map.values()}) + 1:05d}.safetensors"
-            save_file(pending, os.path.join(path, name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(pending, name))
-        pending, size = {}, 0
-
-    if writes:
-        os.makedirs(path, exist_ok=True)
-    for _, weights in whole_groups(model):
-        if not writes:
-            continue  # (the gathers are collectives: every rank walks the groups)
-        weights = {name: value for name, value in weights.items() if name not in tied}
-        for name, value in _disk_layout(model, weights).items():
-            pending[name] = value.contiguous().clone()  # (views of one tensor: safetensors writes each alone)
-            size += value.numel() * value.element_size()
-            total += value.numel() * value.element_size()
-        if size >= max_shard_size:
-            flush()
-    flush()
+        for _, weights in whole_groups(model, writers):
+            if weights is None:
+                continue  # (another rank's layer: this rank sent its shards)
+            weights = {name: value for name, value in weights.items() if name not in tied}
+            for name, value in _disk_layout(model, weights).items():
+                pending[name] = value.contiguous().clone()  # (views of one tensor: safetensors writes each alone)
+                size += value.numel() * value.element_size()
+                total += value.numel() * value.element_size()
+            if size >= max_shard_size:
+                flush()
+        flush()
+        if writing is not None:
+            writing.result()  # (the last file written; its error raised here)
     maps = [(weight_map, total)]
     if dist.is_initialized():
         maps = [None] * world
-        dist.all_gather_object(maps, (weight_map, total) if writes else ({}, 0))
+        dist.all_gather_object(maps, (weight_map, total))
     if me == 0:
         index = {"metadata": {"total_size": sum(t for _, t in maps)},
                  "weight_map": dict(sorted(kv for m, _ in maps for kv in m.items()))}

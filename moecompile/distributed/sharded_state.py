@@ -15,6 +15,7 @@ import torch.distributed as dist
 from moecompile.runtime.layouts import contiguous_stride
 
 from . import ted
+from .gather import whole_on
 from .mesh import REPLICATE, stage_group, state_mesh
 
 SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
@@ -332,13 +333,13 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     return {name: value for _, weights in whole_groups(model) for name, value in weights.items()}
 
 
-def whole_groups(model):
+def whole_groups(model, writers: list[int] | None = None):
     """``full_state_dict``'s weights a group at a time, for a writer that holds one group, not the model: (the
     group's name, {name: whole CPU tensor}), each decoder layer's weights (``<...>.layers.<i>.``) a group, the others
     one each (the experts of an ``nn.ModuleList`` outside decoder layers, rank by rank different: one group, last),
-    in ``state_dict()`` order (every rank iterates them together: the gathers are collectives)."""
-    from torch.distributed.tensor import DTensor
-
+    in ``state_dict()`` order (every rank iterates them together: the gathers are collectives). ``writers`` (global
+    ranks): the i-th group is sent to ``writers[i % len(writers)]`` alone (``gather.whole_on``: no device holds more
+    than its shards and one shard more), the others get None for it; None: every rank gets every group."""
     model = unwrapped(model)  # (a compiled model's state_dict names its weights "_orig_mod.<name>")
     state = model.state_dict()
     info = getattr(model, "_moe_parallel", None)
@@ -350,16 +351,20 @@ def whole_groups(model):
         groups.setdefault(LISTS if layer == name and name in listed else layer, []).append(name)
     if LISTS in groups:  # (the experts of lists outside any decoder layer: one group, last)
         groups[LISTS] = groups.pop(LISTS)
-    for prefix, names in groups.items():
-        out = {name: (state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]).detach().cpu()
-               for name in names}
-        if listed:  # an nn.ModuleList layer's experts, each in its own rank's: sent to every rank
+    me = dist.get_rank() if dist.is_initialized() else 0
+    for i, (prefix, names) in enumerate(groups.items()):
+        dst = writers[i % len(writers)] if writers else None
+        out = {name: whole_on(state[name], None if name in listed else dst) for name in names}
+        if listed:  # an nn.ModuleList layer's experts, each in its own rank's: sent to every rank, or to dst
             group = stage_group(info.mesh)  # the world (a "dp_replicate" copy sends the same ones again), the stage
-            every = [None] * dist.get_world_size(group)
-            dist.all_gather_object(every, {name: out[name] for name in names if name in listed}, group=group)
-            for theirs in every:
+            mine, every = {name: out[name] for name in names if name in listed}, [None] * dist.get_world_size(group)
+            if dst is None:
+                dist.all_gather_object(every, mine, group=group)
+            else:
+                dist.gather_object(mine, every if me == dst else None, dst=dst, group=group)
+            for theirs in every if dst in (None, me) else ():
                 out.update(theirs)
-        yield prefix, out
+        yield prefix, (out if dst in (None, me) else None)
 
 
 LISTS = "(nn.ModuleList experts outside decoder layers)"
