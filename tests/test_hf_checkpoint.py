@@ -24,14 +24,19 @@ at the safetensors slices (elements per tensor):
     stages     two pipeline stages of Mixtral (a (2, 1) ("pp", "ep") mesh), each loaded and saved by its rank: each
                stage's first rank writes its files, rank 0 the index; from_pretrained reads the whole model
 
-``gather.whole_on`` (a DTensor whole on one rank's host) for even, uneven, replicated and 2-D cuts.
+``gather.whole_on`` (a DTensor whole on one rank's host) for even, uneven, replicated and 2-D cuts. DeepSeek-V3's
+checkpoint block-quantized as its official one is (fp8, a scale per block of 8 x 8, cut short at the edges), loaded
+into a meta-built model (experts sharded, FSDP2 over the layers): the weights of the same checkpoint dequantized
+whole, each rank reading its experts' scales only and the scale blocks its rows fall in.
 
 Without a process group: a plain model loads whole (12 experts: stacked in their order, 10 after 9; DeepSeek-V4,
 whose renamings match a key that needs none) and saves under save_pretrained's names (from_pretrained reads it
 back); a pipeline stage loads its layers (the others' tensors returned as unexpected); a head tied to the embedding
-(left out of the checkpoint) is loaded from it, and left out when saved; bad input raises, naming it: not a
+(left out of the checkpoint) is loaded from it, and left out when saved; a Mixtral with exponent-byte (ue8m0) fp8
+scales and no block size in its config loads dequantized; bad input raises, naming it: not a
 directory, a pickled checkpoint, weights missing (``strict``; ``strict=False`` returns them), a quantized (fp8)
-tensor, a checkpoint of another configuration (shapes).
+tensor without scales, an fp8 checkpoint whose block size neither its config nor its shapes give, a checkpoint of
+another configuration (shapes).
 """
 
 import json
@@ -121,6 +126,66 @@ def _expert_reads(reads: dict, layer: int) -> dict[int, list[int]]:
         if key.startswith(head):
             out.setdefault(int(key[len(head):].split(".")[0]), []).extend(sizes)
     return out
+
+
+def _fp8(ref, tmp: str, rank: int, block=(8, 8), ue8m0=False) -> tuple[str, str]:
+    """``ref``'s checkpoint block-quantized as DeepSeek-V3's official one (each matrix but the embedding, head and
+    router in fp8 e4m3, a float32 ``weight_scale_inv`` per block of ``block``, the last blocks cut short: 20 rows in
+    3 blocks), and the same dequantized whole in float32 (what loading it must give): their two paths. ``ue8m0``:
+    the scales powers of two stored as exponent bytes, the block size not in config.json."""
+    from safetensors.torch import load_file
+
+    quantized, dequantized = f"{tmp}/fp8", f"{tmp}/fp8_dequantized"
+    if rank == 0:
+        ref.save_pretrained(dequantized)
+        state, fp8 = load_file(f"{dequantized}/model.safetensors"), {}
+        for key, w in list(state.items()):
+            if w.ndim != 2 or key.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight")):  # (as is)
+                continue
+            grid = [-(-n // b) for n, b in zip(w.shape, block)]
+            padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+            padded[:w.shape[0], :w.shape[1]] = w
+            scale = padded.view(grid[0], block[0], grid[1], block[1]).abs().amax((1, 3)).clamp(min=1e-12) / 448
+            scale = scale.log2().ceil().exp2() if ue8m0 else scale
+            every = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+            q = (padded / every).to(torch.float8_e4m3fn)
+            fp8[key], fp8[f"{key}_scale_inv"] = q[:w.shape[0], :w.shape[1]], scale
+            if ue8m0:
+                fp8[f"{key}_scale_inv"] = (scale.log2() + 127).to(torch.uint8)
+            state[key] = (q.float() * every)[:w.shape[0], :w.shape[1]]
+        save_file(state, f"{dequantized}/model.safetensors", metadata={"format": "pt"})
+        ref.save_pretrained(quantized)
+        save_file({**state, **fp8}, f"{quantized}/model.safetensors", metadata={"format": "pt"})
+        config = json.loads(Path(f"{quantized}/config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         **({"scale_fmt": "ue8m0"} if ue8m0 else {"weight_block_size": list(block)})}
+        Path(f"{quantized}/config.json").write_text(json.dumps(config))
+    if dist.is_initialized():
+        dist.barrier()
+    return quantized, dequantized
+
+
+def _deepseek_fp8(rank: int, world: int, mesh, tmp: str) -> None:
+    """DeepSeek-V3 built on meta, experts sharded, dense weights under FSDP2 (a rank's 10 of kv_a_proj's 20 rows:
+    blocks cut across), loaded from an fp8 checkpoint: the dequantized weights, each rank reading its experts'
+    weights and scales only."""
+    ref = hf.build_model(hf.tiny_config("deepseek_v3"), seed=0)
+    quantized, dequantized = _fp8(ref, tmp, rank)
+    want = AutoModelForCausalLM.from_pretrained(dequantized)
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.tiny_config("deepseek_v3"))
+    moecompile.parallelize(model.train(), mesh, ids)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    with hf_checkpoint.reads() as reads:
+        assert moecompile.load_hf_checkpoint(model, quantized) == ([], [])  # (the scales taken, not unexpected)
+    _equal(model, want, "deepseek_v3 from fp8")
+    theirs = {f".experts.{e}." for e in range(8) if e // 4 != rank}
+    assert not any(t in key for key in reads for t in theirs), sorted(reads)  # (nor their scales)
+    assert reads["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"] == [2 * 4], reads  # (its 2 blocks)
 
 
 def _mixtral(rank: int, world: int, mesh, tmp: str) -> None:
@@ -231,6 +296,7 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
     with gloo(rank, world, tmp):
         mesh = init_device_mesh("cpu", (world,))
         _whole_on(rank, world)
+        _deepseek_fp8(rank, world, mesh, tmp)
         _mixtral(rank, world, mesh, tmp)
         _fsdp_ted_stacked_loop(rank, world, mesh, tmp)
         _stages(rank, world, tmp)
@@ -255,6 +321,10 @@ def test_a_plain_model_and_a_tied_head_load(tmp_path):
     model = hf.build_model(hf.walk_config("deepseek_v4"), seed=1)
     moecompile.load_hf_checkpoint(model, tmp_path / "dsv4")
     _equal(model, dsv4, "deepseek_v4")
+    quantized, dequantized = _fp8(ref, str(tmp_path), 0, ue8m0=True)  # (exponent-byte scales, blocks from shapes)
+    model = hf.build_model(config, seed=1)
+    assert moecompile.load_hf_checkpoint(model, quantized) == ([], [])
+    _equal(model, AutoModelForCausalLM.from_pretrained(dequantized), "mixtral from fp8 with ue8m0 scales")
     stage = moecompile.pipeline_stage(hf.build_model(config, seed=1), 1, 2)  # its layer 1, final norm and head
     missing, unexpected = moecompile.load_hf_checkpoint(stage, tmp_path / "plain")
     assert not missing and unexpected, (missing, unexpected)
@@ -290,8 +360,13 @@ def test_bad_checkpoints_are_refused_naming_the_fix(tmp_path):
     save_file({**state, "model.norm.weight": model.model.norm.weight.detach().to(torch.float8_e4m3fn)},
               tmp_path / "fp8" / "model.safetensors")
     with pytest.raises(ValueError, match=r"model.norm.weight is stored as F8_E4M3 \(a quantized checkpoint\).*"
-                                         "it does not dequantize"):
-        moecompile.load_hf_checkpoint(model, tmp_path / "fp8")
+                                         "dequantizes fp8 weights with their block scales beside them"):
+        moecompile.load_hf_checkpoint(model, tmp_path / "fp8")  # (no scales: not block-quantized)
+    deepseek = hf.build_model(hf.tiny_config("deepseek_v3"), seed=0)
+    quantized, _ = _fp8(deepseek, str(tmp_path / "dsv3"), 0, ue8m0=True)  # (no block size in its config)
+    with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa.weight is \[20, 32\] with scales \[3, 4\]: the block "
+                                         "size is not in the checkpoint's config.json"):
+        moecompile.load_hf_checkpoint(hf.build_model(hf.tiny_config("deepseek_v3"), seed=1), quantized)
     hf.build_model(hf.tiny_config("mixtral", intermediate_size=24)).save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match=r"is \(8, 48, 32\) on this rank from the checkpoint, the model holds "
                                          r"\(8, 32, 32\): a checkpoint of another configuration"):

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.module import _IncompatibleKeys
 
+from . import fp8_read
 from .mesh import stage_group
 from .sharded_state import unwrapped, whole_groups
 
@@ -66,12 +67,23 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", None)
     loaded = set()
+
+    def name_of(key: str) -> tuple[str, str | None]:
+        """The model's name for checkpoint ``key``, and the converter's pattern it matched (None: renamed only)."""
+        name, pattern = hf_loading.rename_source_key(key, renamings, converters, prefix, target)
+        if name not in target and key in target:  # (a renaming meant for another key: from_pretrained's rule)
+            name, pattern = hf_loading.rename_source_key(key, [], [], prefix, target)
+        return name, pattern
+
+    def float_weight(key: str) -> bool:
+        ref = target.get(name_of(key)[0], (None,))[0]
+        return ref is not None and ref.is_floating_point() and ref.element_size() > 1  # (not an fp8 one)
+
     with _opened(files) as tensors:
+        tensors, scales = fp8_read.dequantized(tensors, float_weight, path)  # (fp8 blocks read as floats)
         loads, unexpected = {}, []
-        for key in sorted(tensors, key=hf_loading.dot_natural_key):  # (each expert list in expert order)
-            name, pattern = hf_loading.rename_source_key(key, renamings, converters, prefix, target)
-            if name not in target and key in target:  # (a renaming meant for another key: from_pretrained's rule)
-                name, pattern = hf_loading.rename_source_key(key, [], [], prefix, target)
+        for key in sorted(set(tensors) - scales, key=hf_loading.dot_natural_key):  # (each list in expert order)
+            name, pattern = name_of(key)
             if name not in target:
                 unexpected.append(key)
                 continue
@@ -285,13 +297,16 @@ def _shape_of(value) -> tuple:
 
 
 def _check_dtype(key: str, piece, ref, path) -> None:
-    """A quantized tensor (fp8, integers) for a floating-point weight: casting it would load other values."""
+    """A quantized tensor for a floating-point weight that ``fp8_read`` does not dequantize (integers, packed fp4,
+    fp8 without block scales beside it): casting it would load other values."""
     stored = piece.get_dtype()
     if ref.is_floating_point() and stored.startswith(("F8", "I", "U")) and not str(ref.dtype).startswith(
             "torch.float8"):
         raise ValueError(f"{path}: {key} is stored as {stored} (a quantized checkpoint), the model's weight is "
-                         f"{ref.dtype}: load_hf_checkpoint casts, it does not dequantize. Dequantize the checkpoint "
-                         "once (transformers' from_pretrained with its quantization config, then save_pretrained)")
+                         f"{ref.dtype}: load_hf_checkpoint dequantizes fp8 weights with their block scales beside "
+                         f"them ({', '.join(fp8_read.SCALES)}), and this is not one. Dequantize the checkpoint once "
+                         "(transformers' from_pretrained with its quantization config, dequantize=True, then "
+                         "save_pretrained)")
 
 
 def _tied_away(model) -> set[str]:
