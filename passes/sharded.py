@@ -16,12 +16,15 @@ puts the local shards back and removes these placeholders.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
 import torch.fx as fx
 
 import moecompile.runtime.comm.ops  # noqa: F401  (registers moe::ep_global_view)
+
+from moecompile.runtime.layouts import contiguous_stride
 
 from .graph_utils import example, hint
 from .report import PassReport
@@ -65,20 +68,31 @@ def expose_sharded_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
 
 def materialize(ph: fx.Node) -> torch.nn.Parameter:
     """The random weights a stand-in placeholder holds while verify proves its layer: made here, on the layer's
-    device and in its dtype by that device's generator (no host copy: DeepSeek-V3's stand-ins are 21 GiB a layer,
-    45 GB in float32 on the host), from the placeholder's own seed (the same each time), and dropped with the
-    proof. Made for every layer at once, the stand-ins of a large model sharded over many ranks would be its whole
-    global expert weights on each rank."""
+    device and in its dtype by that device's generator (no host copy), from the placeholder's own seed (the same
+    each time), and dropped with the proof; stacked experts as overlapping windows of one buffer (``random_weight``:
+    about one expert's bytes, where DeepSeek-V3's global experts are 21 GiB a layer). Made for every layer at once,
+    the stand-ins of a large model sharded over many ranks would be its whole global expert weights on each rank."""
     shape, dtype = ph.meta["ep_standin"].shape, ph.meta["ep_standin"].dtype
     device, seed = ph.meta["ep_standin_at"]
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.nn.Parameter(random_weight(shape, dtype, gen), requires_grad=False)
 
 
+WINDOW_SHIFT = 1048  # elements between one expert's window and the next's (a multiple of 8: 16-byte aligned strides)
+
+
 def random_weight(shape, dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random values at a layer's usual scale (probes neither vanish nor saturate), drawn on ``gen``'s device."""
+    """Random values at a layer's usual scale (probes neither vanish nor saturate), drawn on ``gen``'s device. Stacked
+    experts (``[E, ...]``, 3 or more dimensions) are windows of one buffer, expert ``e`` starting ``WINDOW_SHIFT``
+    elements after expert ``e - 1`` (``as_strided``): each expert its own values, yet the buffer about one expert's
+    size, not E times it. For what only reads them: proofs and the traced run of a block (no gradient, no write)."""
     std = 1.0 / max(1, shape[-1]) ** 0.5
-    return torch.randn(shape, generator=gen, device=gen.device, dtype=dtype).mul_(std)
+    if len(shape) < 3 or shape[0] < 2:
+        return torch.randn(shape, generator=gen, device=gen.device, dtype=dtype).mul_(std)
+    one = math.prod(shape[1:])
+    shift = min(WINDOW_SHIFT, one)
+    flat = torch.randn(one + shift * (shape[0] - 1), generator=gen, device=gen.device, dtype=dtype).mul_(std)
+    return flat.as_strided(tuple(shape), (shift, *contiguous_stride(shape[1:])))
 
 
 def view_arg(view: fx.Node, name: str, default=None):

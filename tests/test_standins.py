@@ -1,8 +1,9 @@
 """The stand-ins for sharded expert weights (passes/sharded.py) cost nothing until verify proves their layer: each
 graph holds a meta-device parameter of the global shape, and verify makes the random weights of one layer at a time,
-dropping them before the next (and none for a layer another layer's proof serves: the same code and shapes). Made
-for every layer at once, they were the whole model's global expert weights on each rank. A one-rank mesh (gloo, in
-this process) runs the sharded path; the compiled model still equals the model it was sharded from."""
+dropping them before the next (and none for a layer another layer's proof serves: the same code and shapes), stacked
+experts as windows of one buffer, about one expert's bytes. Made for every layer at once, they were the whole model's
+global expert weights on each rank. A one-rank mesh (gloo, in this process) runs the sharded path; the compiled model
+still equals the model it was sharded from."""
 
 import gc
 import weakref
@@ -83,3 +84,18 @@ def test_a_standin_is_made_on_its_device_in_its_dtype(monkeypatch):
     assert drawn == [(torch.device("cpu"), torch.bfloat16, torch.device("cpu"))] * 2
     assert a.dtype == torch.bfloat16 and a.shape == (4, 64, 256) and torch.equal(a, b)
     assert 0.5 < float(a.float().std() * 256 ** 0.5) < 2
+
+
+def test_stacked_standins_are_windows_of_one_buffer():
+    """Stacked experts' stand-ins (and a meta block's random experts) hold about one expert's bytes, not E times
+    them, and still give every expert values of its own: a proof that mixed up two experts would fail."""
+    shape = (256, 128, 512)  # (DeepSeek-V3's 256 experts, each smaller)
+    w = sharded.random_weight(shape, torch.float32, torch.Generator().manual_seed(0))
+    one = 128 * 512
+    assert w.shape == shape and w.untyped_storage().nbytes() == 4 * (one + 255 * sharded.WINDOW_SHIFT)
+    assert w.untyped_storage().nbytes() < 256 * one * 4 / 50  # (under 2% of the whole)
+    assert w.stride(0) % 8 == 0 and w[3].is_contiguous()  # (16-byte aligned experts, each contiguous)
+    assert float((w[1:] - w[:-1]).abs().flatten(1).amax(1).min()) > 0.1  # (each expert differs from the next)
+    assert not torch.equal(w[0], w[255]) and 0.5 < float(w.std() * 512 ** 0.5) < 2
+    assert torch.equal(w, sharded.random_weight(shape, torch.float32, torch.Generator().manual_seed(0)))
+    assert sharded.random_weight((256, 512), torch.float32, torch.Generator()).is_contiguous()  # (2-D: whole)
