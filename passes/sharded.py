@@ -81,13 +81,14 @@ def materialize(ph: fx.Node) -> torch.nn.Parameter:
 WINDOW_SHIFT = 1048  # elements between one expert's window and the next's (a multiple of 8: 16-byte aligned strides)
 
 
-def random_weight(shape, dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random values at a layer's usual scale (probes neither vanish nor saturate), drawn on ``gen``'s device. Stacked
-    experts (``[E, ...]``, 3 or more dimensions) are windows of one buffer, expert ``e`` starting ``WINDOW_SHIFT``
-    elements after expert ``e - 1`` (``as_strided``): each expert its own values, yet the buffer about one expert's
-    size, not E times it. For what only reads them: proofs and the traced run of a block (no gradient, no write)."""
+def random_weight(shape, dtype, gen: torch.Generator, windows: bool = True) -> torch.Tensor:
+    """Random values at a layer's usual scale (probes neither vanish nor saturate), drawn on ``gen``'s device. With
+    ``windows``, stacked experts (``[E, ...]``, 3 or more dimensions) are windows of one buffer, expert ``e`` starting
+    ``WINDOW_SHIFT`` elements after expert ``e - 1`` (``as_strided``): each expert its own values, yet the buffer about
+    one expert's size, not E times it. For weights only read (proofs, the traced run of a block: no gradient, no
+    write); never for activations, whose code may ``view`` them."""
     std = 1.0 / max(1, shape[-1]) ** 0.5
-    if len(shape) < 3 or shape[0] < 2:
+    if not windows or len(shape) < 3 or shape[0] < 2:
         return torch.randn(shape, generator=gen, device=gen.device, dtype=dtype).mul_(std)
     one = math.prod(shape[1:])
     shift = min(WINDOW_SHIFT, one)

@@ -99,3 +99,16 @@ def test_stacked_standins_are_windows_of_one_buffer():
     assert not torch.equal(w[0], w[255]) and 0.5 < float(w.std() * 512 ** 0.5) < 2
     assert torch.equal(w, sharded.random_weight(shape, torch.float32, torch.Generator().manual_seed(0)))
     assert sharded.random_weight((256, 512), torch.float32, torch.Generator()).is_contiguous()  # (2-D: whole)
+
+
+def test_inputs_of_a_meta_block_are_drawn_whole():
+    """A block of a meta model run alone gets random inputs drawn whole (its code may view them: windows were seen
+    failing Mixtral's ``view(-1, H)`` at hidden 1024), its stacked parameters as windows."""
+    from moecompile.distributed import meta
+
+    (x,), _ = meta.real((torch.empty(2, 6, 2048, device="meta"),), {}, "cpu")
+    assert x.is_contiguous() and x.view(-1, 2048).shape == (12, 2048)
+    experts = torch.nn.Linear(1, 1)  # (a module holding a stacked meta parameter)
+    experts.w = torch.nn.Parameter(torch.empty(8, 64, 2048, device="meta"))
+    with meta.materialized(experts, "cpu"):
+        assert experts.w.stride(0) == sharded.WINDOW_SHIFT and experts.weight.is_contiguous()

@@ -74,13 +74,14 @@ def _tensors(module: nn.Module, buffers: bool = True):
 
 def _random_like(t: torch.Tensor, device, gen: torch.Generator) -> torch.Tensor:
     """Values for a meta tensor while a block is proved: a weight's usual scale (probes neither vanish nor saturate),
-    zeros for integers (expert ids of hash tables, positions), True for masks."""
+    zeros for integers (expert ids of hash tables, positions), True for masks. A parameter's stacked experts as
+    windows of one buffer (``random_weight``), an input whole."""
     if t.dtype == torch.bool:
         return torch.ones(t.shape, dtype=t.dtype, device=device)
     if not t.is_floating_point():
         return torch.zeros(t.shape, dtype=t.dtype, device=device)
     if t.dim() >= 2:
-        return random_weight(t.shape, t.dtype, gen)  # (as verify's stand-ins: on the device, no host copy)
+        return random_weight(t.shape, t.dtype, gen, windows=isinstance(t, nn.Parameter))  # (as verify's stand-ins)
     return torch.randn(t.shape, generator=gen, device=device, dtype=t.dtype).mul_(0.1)
 
 
