@@ -14,14 +14,17 @@ def whole_on(value, dst: int | None):
     None on the other ranks (every rank of the DTensor's mesh calls it together); ``dst=None``: on every rank (an
     all-gather: ``full_tensor()``). A plain tensor is this rank's own, not sent. A DTensor on a mesh without
     ``dst`` (another copy's mesh, whose ranks hold the same weight) gives None on its ranks. Placements other than
-    ``Shard`` and ``Replicate`` (``_StridedShard``: FSDP2 over a tensor-parallel one) are all-gathered, then kept on
-    ``dst`` only."""
+    ``Shard`` and ``Replicate`` (``_StridedShard``: FSDP2 over a tensor-parallel one), and host shards where the
+    default process group is NCCL alone, are all-gathered, then kept on ``dst`` only. Shards are sent over the
+    default group: on the device with NCCL, through the host with gloo."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     me = dist.get_rank() if dist.is_initialized() else 0
     if not isinstance(value, DTensor):
         return value.detach().cpu() if dst in (None, me) else None
-    if dst is None or any(type(p) not in (Shard, Replicate) for p in value.placements):
+    backend, on_host = str(dist.get_backend()), value.to_local().device.type == "cpu"
+    if dst is None or any(type(p) not in (Shard, Replicate) for p in value.placements) or (
+            on_host and "gloo" not in backend):  # (host shards where the world's group moves no CPU tensor)
         whole = value.full_tensor().detach()
         return whole.cpu() if dst in (None, me) else None
     mesh, placements = value.device_mesh, value.placements
@@ -32,7 +35,7 @@ def whole_on(value, dst: int | None):
     spans = [range(at[d], at[d] + 1) if isinstance(p, Replicate) else range(n)
              for d, (p, n) in enumerate(zip(placements, mesh.shape))]
     local = value.to_local().detach()
-    device = local.device if local.device.type != "cpu" and "nccl" in str(dist.get_backend()) else "cpu"
+    device = local.device if not on_host and "nccl" in backend else "cpu"  # (gloo: through the host)
     if me != dst:  # a sender: the rank along each dimension the weight is replicated over where dst is
         if all(c in span for c, span in zip(mesh.get_coordinate(), spans)) and local.numel():
             dist.send(local.to(device).contiguous(), dst)
