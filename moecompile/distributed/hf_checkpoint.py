@@ -235,26 +235,20 @@ class _Recorded:
         return out
 
 
-class _opened:
-    """Every tensor of ``files`` by name, as safetensors slices (read when indexed), the files closed on exit."""
+@contextlib.contextmanager
+def _opened(files: list[str]):
+    """Every tensor of ``files`` by name, as safetensors slices (read when indexed); the files closed on exit, those
+    opened before one that fails to open too."""
+    from safetensors import safe_open
 
-    def __init__(self, files: list[str]):
-        self.files = files
-
-    def __enter__(self) -> dict:
-        from safetensors import safe_open
-
-        self.handles, tensors = [], {}
-        for file in self.files:
-            self.handles.append(safe_open(file, framework="pt", device="cpu"))
-            tensors.update({key: self.handles[-1].get_slice(key) for key in self.handles[-1].keys()})
+    with contextlib.ExitStack() as stack:
+        tensors = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            tensors.update({key: handle.get_slice(key) for key in handle.keys()})
         if _RECORDS:
             tensors = {key: _Recorded(key, piece, _RECORDS[-1]) for key, piece in tensors.items()}
-        return tensors
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.__exit__(None, None, None)
+        yield tensors
 
 
 def _as_target(name: str, value: torch.Tensor, ref, path) -> torch.Tensor:
