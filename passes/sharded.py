@@ -85,8 +85,8 @@ def random_weight(shape, dtype, gen: torch.Generator, windows: bool = True) -> t
     """Random values at a layer's usual scale (probes neither vanish nor saturate), drawn on ``gen``'s device. With
     ``windows``, stacked experts (``[E, ...]``, 3 or more dimensions) are windows of one buffer, expert ``e`` starting
     ``WINDOW_SHIFT`` elements after expert ``e - 1`` (``as_strided``): each expert its own values, yet the buffer about
-    one expert's size, not E times it. For weights only read (proofs, the traced run of a block: no gradient, no
-    write); never for activations, whose code may ``view`` them."""
+    one expert's size, not E times it. For weights only read, never written (proofs, the traced run of a block; a
+    gradient taken of one is a whole tensor of its own); never for activations, whose code may ``view`` them."""
     std = 1.0 / max(1, shape[-1]) ** 0.5
     if not windows or len(shape) < 3 or shape[0] < 2:
         return torch.randn(shape, generator=gen, device=gen.device, dtype=dtype).mul_(std)

@@ -81,6 +81,8 @@ class _Dequantized:
         if any(not isinstance(s, range) or s.step != 1 for s in spans):
             raise ValueError(f"{self.what}: a read of {index} (load_hf_checkpoint reads slices of fp8 weights)")
         value = self.piece[index].to(torch.float32)
+        if not value.numel():  # (an uneven cut leaves this rank no rows)
+            return value
         cut = [slice(s.start // b, -(-s.stop // b)) if len(s) else slice(0, 0) for s, b in zip(spans[-2:], self.block)]
         scale = self.scales[(*index[:-2], *cut)]
         scale = (scale.to(torch.float32) - 127).exp2() if scale.dtype == torch.uint8 else scale.to(torch.float32)
