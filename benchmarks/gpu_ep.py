@@ -16,8 +16,8 @@ experts swapping ranks after each step) and ``meta`` (the Mixtral built on the m
 ``dedup="node"`` and swapping, its MoE blocks traced alone on random weights drawn on the device, allocated by
 ``to_empty`` and loaded by ``moecompile.load_hf_checkpoint`` from the one-process model's ``save_pretrained``
 checkpoint, each rank reading its experts). Two SGD steps (lr 0.1, momentum 0.9): each step's logits on each rank
-against the one-process logits of its batch, then every parameter of the state_dict (made whole) against the
-one-process parameters. Passed within 1e-5 (fp32, normwise max relative). Each case is its own group of processes (a
+against the one-process logits of its batch, then every parameter of the state_dict (made whole; for ``meta``, as
+``moecompile.save_hf_checkpoint`` wrote it and ``from_pretrained`` read it back) against the one-process parameters. Passed within 1e-5 (fp32, normwise max relative). Each case is its own group of processes (a
 case that fails cannot stall the next); the table has each case's errors, time and status.
 """
 
@@ -89,8 +89,11 @@ def _rank(rank: int, case: str, device: str, inner: str, tmp: str) -> None:
             logits_err = max(logits_err, _error(out.logits, ref_out.logits[rows]))
             out.loss.backward(), ref_out.loss.backward()
             opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-        state = model.state_dict()
-        whole = {n: v.full_tensor() if isinstance(v, DTensor) else v for n, v in state.items()}
+        if case == "meta":  # the trained model written by save_hf_checkpoint (each layer sent to one rank), read back
+            moecompile.save_hf_checkpoint(model, f"{tmp}/saved")
+            whole = dict(AutoModelForCausalLM.from_pretrained(f"{tmp}/saved").named_parameters())
+        else:
+            whole = {n: v.full_tensor() if isinstance(v, DTensor) else v for n, v in model.state_dict().items()}
         param_err = max(_error(whole[n], p) for n, p in ref.named_parameters())
         errors = [None] * WORLD
         dist.all_gather_object(errors, (logits_err, param_err))

@@ -173,9 +173,9 @@ def test_parity_names_a_graph_that_failed_at_its_first_run(monkeypatch):
 
 
 def test_expert_parallel_step_on_cpu():
-    """gpu_ep.py's meta case (dedup, swaps; built on meta, loaded from a checkpoint) on 4 gloo ranks with CPU tensors
-    (what the GPU step runs with CUDA tensors): trained against one process within 1e-5; a case that fails is
-    reported as such, not raised."""
+    """gpu_ep.py's meta case (dedup, swaps; built on meta, loaded from a checkpoint, saved by save_hf_checkpoint and
+    read back) on 4 gloo ranks with CPU tensors (what the GPU step runs with CUDA tensors): trained against one
+    process within 1e-5; a case that fails is reported as such, not raised."""
     pytest.importorskip("transformers")
     result = gpu_ep.run_case("meta", "cpu", inner="aot_eager", spawn=spawn)
     assert result["status"] == "passed" and result["logits"] <= gpu_ep.TOL and result["params"] <= gpu_ep.TOL, result
