@@ -17,8 +17,9 @@ experts swapping ranks after each step) and ``meta`` (the Mixtral built on the m
 ``to_empty`` and loaded by ``moecompile.load_hf_checkpoint`` from the one-process model's ``save_pretrained``
 checkpoint, each rank reading its experts). Two SGD steps (lr 0.1, momentum 0.9): each step's logits on each rank
 against the one-process logits of its batch, then every parameter of the state_dict (made whole; for ``meta``, as
-``moecompile.save_hf_checkpoint`` wrote it and ``from_pretrained`` read it back) against the one-process parameters. Passed within 1e-5 (fp32, normwise max relative). Each case is its own group of processes (a
-case that fails cannot stall the next); the table has each case's errors, time and status.
+``moecompile.save_hf_checkpoint`` wrote it and ``from_pretrained`` read it back) against the one-process parameters.
+Passed within 1e-5 (fp32, normwise max relative). Each case is its own group of processes (a case that fails cannot
+stall the next); the table has each case's errors, time and status.
 """
 
 from __future__ import annotations
