@@ -11,7 +11,8 @@ at the safetensors slices (elements per tensor):
                loaded again after a training step moved them (a layer's slots no longer in expert order): each rank
                reads its own experts' tensors (4 of 8), each once and whole, no other expert's; the dense weights
                whole; the logits then equal the one process's. Saved (files of a layer at most, an index; no
-               weight all-gathered, the layers written by the two ranks in turn): the names of transformers' own
+               weight all-gathered, the layers written by the two ranks in turn, a layer's experts put in expert
+               order only in its turn): the names of transformers' own
                checkpoint, and its from_pretrained reads the one-process weights
     fsdp       Mixtral with FSDP2's ``fully_shard`` before ``to_empty``, from the saved checkpoint (several files):
                each rank reads its half of the embedding
@@ -55,7 +56,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from transformers import AutoModelForCausalLM
 
 import moecompile
-from moecompile.distributed import gather, hf_checkpoint
+from moecompile.distributed import gather, hf_checkpoint, sharded_state
 from moecompile.models import hf
 from moecompile.models.handwritten import TinyMoELM
 
@@ -214,6 +215,9 @@ def _mixtral(rank: int, world: int, mesh, tmp: str) -> None:
     assert any(not torch.equal(s, torch.arange(len(s))) for s in slots), slots
     moecompile.load_hf_checkpoint(model, path)
     _equal(model, ref, "mixtral after its experts moved")
+    made, real = [], sharded_state.to_global  # (a swapping layer's experts put in expert order: one layer at a time)
+    with mock.patch.object(sharded_state, "to_global", lambda *args: made.append(args[0].shape) or real(*args)):
+        assert [len(made) for _ in sharded_state.whole_groups(model, [0, 1])] == [0, 0, 0, 2, 4], made
     with mock.patch.object(DTensor, "full_tensor", side_effect=AssertionError("all-gathered on every rank")):
         moecompile.save_hf_checkpoint(model, f"{tmp}/saved", max_shard_size=1 << 14)  # (a layer a file at most)
     index = json.loads(Path(f"{tmp}/saved/model.safetensors.index.json").read_text())["weight_map"]

@@ -9,6 +9,8 @@ The optimizer state of those weights likewise (``get_optimizer_state_dict``, ``s
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -335,29 +337,31 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 
 def whole_groups(model, writers: list[int] | None = None):
     """``full_state_dict``'s weights a group at a time, for a writer that holds one group, not the model: (the
-    group's name, {name: whole CPU tensor}), each decoder layer's weights (``<...>.layers.<i>.``) a group, the others
-    one each (the experts of an ``nn.ModuleList`` outside decoder layers, rank by rank different: one group, last),
-    in ``state_dict()`` order (every rank iterates them together: the gathers are collectives). ``writers`` (global
-    ranks): the i-th group is sent to ``writers[i % len(writers)]`` alone (``gather.whole_on``: no device holds more
-    than its shards and one shard more), the others get None for it; None: every rank gets every group."""
+    group's name, {name: whole CPU tensor}): each weight outside the decoder layers alone, then each decoder layer's
+    (``<...>.layers.<i>.``, its own ``state_dict()`` taken in its turn: a swapping layer's experts put in expert order
+    one layer at a time), then the experts of ``nn.ModuleList`` layers outside decoder layers (rank by rank different:
+    one group, last); every rank iterates them together (the gathers are collectives). ``writers`` (global ranks):
+    the i-th group is sent to ``writers[i % len(writers)]`` alone (``gather.whole_on``: no device holds more than its
+    shards and one shard more), the others get None for it; None: every rank gets every group."""
     model = unwrapped(model)  # (a compiled model's state_dict names its weights "_orig_mod.<name>")
-    state = model.state_dict()
     info = getattr(model, "_moe_parallel", None)
     listed = set(info.module_list_experts) if info is not None and info.module_list_experts and \
         dist.is_initialized() else set()
-    groups: dict[str, list[str]] = {}
-    for name in state:  # (the same groups on every rank, in the same order: each holds experts of every list)
-        layer = _layer_of(name)
-        groups.setdefault(LISTS if layer == name and name in listed else layer, []).append(name)
-    if LISTS in groups:  # (the experts of lists outside any decoder layer: one group, last)
-        groups[LISTS] = groups.pop(LISTS)
+    layers = [(name, module) for name, module in model.named_modules() if name and _layer_of(f"{name}.w") == f"{name}."]
+    with _without(model, layers):  # (the weights outside the layers; no layer's hooks run)
+        rest = model.state_dict()
+    groups = [(name, lambda name=name: {name: rest[name]}) for name in rest if name not in listed]
+    groups += [(f"{name}.", lambda m=module, p=f"{name}.": m.state_dict(prefix=p)) for name, module in layers]
+    if any(name in listed for name in rest):  # (the experts of lists outside any decoder layer: one group, last)
+        groups.append((LISTS, lambda: {name: value for name, value in rest.items() if name in listed}))
     me = dist.get_rank() if dist.is_initialized() else 0
-    for i, (prefix, names) in enumerate(groups.items()):
-        dst = writers[i % len(writers)] if writers else None
-        out = {name: whole_on(state[name], None if name in listed else dst) for name in names}
+    for i, (prefix, take) in enumerate(groups):
+        dst, state = writers[i % len(writers)] if writers else None, take()
+        out = {name: whole_on(value, None if name in listed else dst) for name, value in state.items()}
+        del state  # (a swapping layer's experts in expert order: dropped before the next layer's are made)
         if listed:  # an nn.ModuleList layer's experts, each in its own rank's: sent to every rank, or to dst
             group = stage_group(info.mesh)  # the world (a "dp_replicate" copy sends the same ones again), the stage
-            mine, every = {name: out[name] for name in names if name in listed}, [None] * dist.get_world_size(group)
+            mine, every = {name: out[name] for name in out if name in listed}, [None] * dist.get_world_size(group)
             if dst is None:
                 dist.all_gather_object(every, mine, group=group)
             else:
@@ -365,6 +369,20 @@ def whole_groups(model, writers: list[int] | None = None):
             for theirs in every if dst in (None, me) else ():
                 out.update(theirs)
         yield prefix, (out if dst in (None, me) else None)
+
+
+@contextlib.contextmanager
+def _without(model, layers: list):
+    """While inside, the lists of ``model`` holding ``layers`` ((name, module) each) hold none of them."""
+    lists = {id(p): p for p in (model.get_submodule(name.rsplit(".", 1)[0]) for name, _ in layers)}
+    kept = {key: parent._modules for key, parent in lists.items()}
+    try:
+        for parent in lists.values():
+            parent._modules = {k: v for k, v in parent._modules.items() if all(v is not m for _, m in layers)}
+        yield
+    finally:
+        for key, parent in lists.items():
+            parent._modules = kept[key]
 
 
 LISTS = "(nn.ModuleList experts outside decoder layers)"
