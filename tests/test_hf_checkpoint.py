@@ -12,8 +12,8 @@ at the safetensors slices (elements per tensor):
                reads its own experts' tensors (4 of 8), each once and whole, no other expert's; the dense weights
                whole; the logits then equal the one process's. Saved (files of a layer at most, an index; no
                weight all-gathered, the layers written by the two ranks in turn, a layer's experts put in expert
-               order only in its turn): the names of transformers' own
-               checkpoint, and its from_pretrained reads the one-process weights
+               order only in its turn): the names of transformers' own checkpoint, and its from_pretrained reads
+               the one-process weights
     fsdp       Mixtral with FSDP2's ``fully_shard`` before ``to_empty``, from the saved checkpoint (several files):
                each rank reads its half of the embedding
     ted        Mixtral under TED on a (1, 2) ("dp", "tp") mesh: each expert's whole intermediate size read, the
@@ -34,10 +34,10 @@ Without a process group: a plain model loads whole (12 experts: stacked in their
 whose renamings match a key that needs none) and saves under save_pretrained's names (from_pretrained reads it
 back); a pipeline stage loads its layers (the others' tensors returned as unexpected); a head tied to the embedding
 (left out of the checkpoint) is loaded from it, and left out when saved; a Mixtral with exponent-byte (ue8m0) fp8
-scales and no block size in its config loads dequantized; bad input raises, naming it: not a
-directory, a pickled checkpoint, weights missing (``strict``; ``strict=False`` returns them), a quantized (fp8)
-tensor without scales, an fp8 checkpoint whose block size neither its config nor its shapes give, a checkpoint of
-another configuration (shapes).
+scales and no block size in its config loads dequantized; bad input raises, naming it: not a directory, a pickled
+checkpoint, weights missing (``strict``; ``strict=False`` returns them), a quantized (fp8) tensor without scales,
+an fp8 checkpoint whose block size neither its config nor its shapes give, a checkpoint of another configuration
+(shapes).
 """
 
 import json
