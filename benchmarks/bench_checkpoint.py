@@ -53,7 +53,9 @@ def _same(a: str, b: str) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def _rank(rank: int, world: int, port: int, tmp: str, args, out: dict) -> None:
+def _rank(rank: int, world: int, port: int, tmp: str, args, result_file: str) -> None:
+    """One rank: rank 0 writes the checkpoint, every rank loads it (timed) and saves it; rank 0 saves the figures to
+    ``result_file``."""
     import moecompile
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
@@ -86,16 +88,10 @@ def _rank(rank: int, world: int, port: int, tmp: str, args, out: dict) -> None:
         saved = time.perf_counter() - start
         if rank == 0:  # (what was loaded and saved again is the checkpoint, tensor for tensor)
             size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".safetensors"))
-            out.update(times=times, saved=saved, size=size, same=_same(path, os.path.join(tmp, "saved")))
+            torch.save(dict(times=times, saved=saved, size=size, same=_same(path, os.path.join(tmp, "saved"))),
+                       result_file)
     finally:
         dist.destroy_process_group()
-
-
-def _run(rank, world, port, tmp, args, result_file):
-    out = {}
-    _rank(rank, world, port, tmp, args, out)
-    if rank == 0:
-        torch.save(out, result_file)
 
 
 def main() -> None:
@@ -114,7 +110,7 @@ def main() -> None:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.pt")
-        mp.spawn(_run, args=(args.world, port, tmp, args, result_file), nprocs=args.world)
+        mp.spawn(_rank, args=(args.world, port, tmp, args, result_file), nprocs=args.world)
         out = torch.load(result_file)
     lines = [
         "# Loading and saving a transformers checkpoint of an expert-parallel model",

@@ -25,7 +25,7 @@ def dequantized(tensors: dict, float_weight, path) -> tuple[dict, set[str]]:
     pairs = {}
     for key, piece in tensors.items():
         if key.endswith(".weight") and piece.get_dtype().startswith("F8") and float_weight(key):
-            found = [f"{key[:-len('weight')]}{s}" for s in SCALES if f"{key[:-len('weight')]}{s}" in tensors]
+            found = [_beside(key, s) for s in SCALES if _beside(key, s) in tensors]
             if found:
                 pairs[key] = found[0]
     if not pairs:
@@ -34,8 +34,13 @@ def dequantized(tensors: dict, float_weight, path) -> tuple[dict, set[str]]:
     out = dict(tensors)
     for key, scale in pairs.items():
         out[key] = _Dequantized(tensors[key], tensors[scale], block, f"{path}: {key}")
-    skipped = {*pairs.values(), *(f"{key[:-len('weight')]}{u}" for key in pairs for u in UNUSED)}
+    skipped = {*pairs.values(), *(_beside(key, u) for key in pairs for u in UNUSED)}
     return out, skipped & set(tensors)
+
+
+def _beside(key: str, name: str) -> str:
+    """``X.<name>`` for the weight ``X.weight``."""
+    return key[:-len("weight")] + name
 
 
 def _block_size(path) -> tuple[int, int] | None:

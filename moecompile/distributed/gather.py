@@ -22,7 +22,8 @@ def whole_on(value, dst: int | None):
     me = dist.get_rank() if dist.is_initialized() else 0
     if not isinstance(value, DTensor):
         return value.detach().cpu() if dst in (None, me) else None
-    backend, on_host = str(dist.get_backend()), value.to_local().device.type == "cpu"
+    local = value.to_local().detach()
+    backend, on_host = str(dist.get_backend()), local.device.type == "cpu"
     if dst is None or any(type(p) not in (Shard, Replicate) for p in value.placements) or (
             on_host and "gloo" not in backend):  # (host shards where the world's group moves no CPU tensor)
         whole = value.full_tensor().detach()
@@ -34,7 +35,6 @@ def whole_on(value, dst: int | None):
     at = [int(c) for c in (ranks == dst).nonzero()[0]]  # dst's coordinate: the copies it holds are the ones used
     spans = [range(at[d], at[d] + 1) if isinstance(p, Replicate) else range(n)
              for d, (p, n) in enumerate(zip(placements, mesh.shape))]
-    local = value.to_local().detach()
     device = local.device if not on_host and "nccl" in backend else "cpu"  # (gloo: through the host)
     if me != dst:  # a sender: the rank along each dimension the weight is replicated over where dst is
         if all(c in span for c, span in zip(mesh.get_coordinate(), spans)) and local.numel():
