@@ -364,7 +364,7 @@ def test_bad_checkpoints_are_refused_naming_the_fix(tmp_path):
     save_file({**state, "model.norm.weight": model.model.norm.weight.detach().to(torch.float8_e4m3fn)},
               tmp_path / "fp8" / "model.safetensors")
     with pytest.raises(ValueError, match=r"model.norm.weight is stored as F8_E4M3 \(a quantized checkpoint\).*"
-                                         "dequantizes fp8 weights with their block scales beside them"):
+                                         "dequantizes fp8 and fp4 weights with their block scales beside them"):
         moecompile.load_hf_checkpoint(model, tmp_path / "fp8")  # (no scales: not block-quantized)
     deepseek = hf.build_model(hf.tiny_config("deepseek_v3"), seed=0)
     quantized, _ = _fp8(deepseek, str(tmp_path / "dsv3"), 0, ue8m0=True)  # (no block size in its config)

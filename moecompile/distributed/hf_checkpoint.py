@@ -19,9 +19,11 @@ cuts the intermediate size, as for any checkpoint (``sharded_state.py``, ``ted.p
 
 Reads are cast to the dtype of the model's weight and made on its device, one weight at a time (read, converted,
 loaded, dropped: the peak is one weight's pieces, not a second copy of the model). A head tied to the input
-embedding, which checkpoints leave out, is loaded from it. Refused: weights the checkpoint lacks (``strict``: after
-``to_empty`` they would hold whatever memory held) and quantized tensors for floating-point weights (fp8 and
-integers: a cast would load other values; dequantize such a checkpoint once).
+embedding, which checkpoints leave out, is loaded from it. fp8 and fp4 weights with block scales beside them
+(DeepSeek-V3's and V4's official checkpoints) are read dequantized (``fp8_read.py``). Refused: weights the checkpoint
+lacks (``strict``: after ``to_empty`` they would hold whatever memory held) and other quantized tensors for
+floating-point weights (integers, fp8 without scales: a cast would load other values; dequantize such a checkpoint
+once).
 """
 
 from __future__ import annotations
@@ -75,12 +77,8 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
             name, pattern = hf_loading.rename_source_key(key, [], [], prefix, target)
         return name, pattern
 
-    def float_weight(key: str) -> bool:
-        ref = target.get(name_of(key)[0], (None,))[0]
-        return ref is not None and ref.is_floating_point() and ref.element_size() > 1  # (not an fp8 one)
-
-    with _opened(files) as tensors:
-        tensors, scales = fp8_read.dequantized(tensors, float_weight, path)  # (fp8 blocks read as floats)
+    with _opened(files) as tensors:  # (fp8 and fp4 blocks read as floats)
+        tensors, scales = fp8_read.dequantized(tensors, lambda key: target.get(name_of(key)[0], (None,))[0], path)
         loads, unexpected = {}, []
         for key in sorted(set(tensors) - scales, key=hf_loading.dot_natural_key):  # (each list in expert order)
             name, pattern = name_of(key)
@@ -246,6 +244,8 @@ def _opened(files: list[str]):
         for file in files:
             handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             tensors.update({key: handle.get_slice(key) for key in handle.keys()})
+            tensors.update({key: fp8_read.Fp4Whole(handle, key) for key in handle.keys()
+                            if tensors[key].get_dtype() == "F4"})
         if _RECORDS:
             tensors = {key: _Recorded(key, piece, _RECORDS[-1]) for key, piece in tensors.items()}
         yield tensors
@@ -291,15 +291,15 @@ def _shape_of(value) -> tuple:
 
 
 def _check_dtype(key: str, piece, ref, path) -> None:
-    """A quantized tensor for a floating-point weight that ``fp8_read`` does not dequantize (integers, packed fp4,
-    fp8 without block scales beside it): casting it would load other values."""
+    """A quantized tensor for a floating-point weight that ``fp8_read`` does not dequantize (integers, fp8 or fp4
+    without block scales beside it): casting it would load other values."""
     stored = piece.get_dtype()
-    if ref.is_floating_point() and stored.startswith(("F8", "I", "U")) and not str(ref.dtype).startswith(
+    if ref.is_floating_point() and stored.startswith(("F8", "F4", "I", "U")) and not str(ref.dtype).startswith(
             "torch.float8"):
         raise ValueError(f"{path}: {key} is stored as {stored} (a quantized checkpoint), the model's weight is "
-                         f"{ref.dtype}: load_hf_checkpoint dequantizes fp8 weights with their block scales beside "
-                         f"them ({', '.join(fp8_read.SCALES)}), and this is not one. Dequantize the checkpoint once "
-                         "(transformers' from_pretrained with its quantization config, dequantize=True, then "
+                         f"{ref.dtype}: load_hf_checkpoint dequantizes fp8 and fp4 weights with their block scales "
+                         f"beside them ({', '.join(fp8_read.SCALES)}), and this is not one. Dequantize the checkpoint "
+                         "once (transformers' from_pretrained with its quantization config, dequantize=True, then "
                          "save_pretrained)")
 
 
