@@ -18,12 +18,13 @@ import torch
 import torch.fx as fx
 
 from moecompile.passes import forms
+from moecompile.passes.experts import PARAM_DTYPES
 from moecompile.passes.graph_utils import FRAME_PREFIX, FRAME_TYPE
 from moecompile.passes.recompute import saves_exchanges
 from moecompile.passes.regather import RegathersEarly, regathers, start_regathers_early
 from moecompile.passes.report import PassReport
 
-from .distributed.grads import gradient_syncs
+from .distributed.grads import fsdp_param_dtypes, gradient_syncs
 from .tracing import ddp
 from .tracing.capture import MARK, RETRACE, install
 from .tracing.frames import frame_prefix, running_model
@@ -104,14 +105,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEOptions, report
     inner = inner or compile_inner
     install()  # torch._dynamo.reset() drops Dynamo's compile callbacks: the next compile captures again
     checkpoint = Checkpoint.take(gm, report)
-    _sync_new_parameters(running_model())
+    model = running_model()
+    _sync_new_parameters(model)
     path, kind = frame_prefix()
     prefix, typ = FRAME_PREFIX.set(path), FRAME_TYPE.set(kind)  # layers named by their path in the model
+    dtypes = PARAM_DTYPES.set(fsdp_param_dtypes(model) if model is not None else {})  # (FSDP2's bf16 policy)
     try:
         gm = rewrite(gm, example_inputs, config, report, checkpoint)
     finally:
         FRAME_PREFIX.reset(prefix)
         FRAME_TYPE.reset(typ)
+        PARAM_DTYPES.reset(dtypes)
     if not checkpoint.rewrote(report):
         return inner(gm, example_inputs, config)
     try:

@@ -36,6 +36,7 @@ from moecompile.runtime.comm.dedup import hierarchical_experts
 from moecompile.runtime.comm.exchange import resolve_group
 
 from .canonical import expert_tensors
+from .experts import in_param_dtype
 from .graph_utils import example, recompute_between, weight_chain
 from .report import PassReport, block
 from .sequence_shard import cut_before_router
@@ -114,6 +115,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         raise NotImplementedError(f"{e.storage} expert storage cannot run sharded yet")
     group_name, layer = views[0].args[2:4]
     dedup = view_arg(views[0], "dedup", "off")
+    first = next(iter(local.values()))
+    spec, cast = in_param_dtype(spec, layer, example(first[0] if isinstance(first, list) else first).dtype, report)
     if e.identity_experts and e.storage != "stacked":  # (moecompile/distributed/shardable.py)
         raise NotImplementedError("identity experts run sharded with stacked experts only")
     scale = node.args[9]  # the routing weights, when they scale each expert's input (Llama 4)
@@ -124,7 +127,6 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     if moe_tp == "ssmb":
         _sequence_shard(gm, node, tp_group, layer, report)
         report.counters["distribute.sequence_sharded_layers"] += 1
-    first = next(iter(local.values()))
     if isinstance(first, list):  # a ModuleList: its local experts
         local_experts = len(first)
     else:  # a stacked [E_l, ...] or flat [E_l * R, ...] shard of the view's global dim 0 (E or E * R)
@@ -143,6 +145,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     if dedup != "off":
         replaced = _only_combine(node, dedup)
     with gm.graph.inserting_before(replaced):
+        if cast:  # the rows the experts take in their compute dtype (sent so: fewer bytes)
+            x = x.to(getattr(torch, spec.compute_dtype))
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked, ModuleList
         again = set()  # gathered weights whose uses up to the experts are computed again in backward

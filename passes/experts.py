@@ -3,6 +3,7 @@ which layout, with which activation. Ambiguities become candidates (most likely 
 
 from __future__ import annotations
 
+import contextvars
 import re
 
 import torch
@@ -42,6 +43,10 @@ def modulelist_indices(params, E: int) -> dict[fx.Node, tuple[int, str]]:
     return {}
 
 
+# layer path -> the dtype its sharded experts compute in, where a wrapper sets one: FSDP2's
+# MixedPrecisionPolicy(param_dtype) above the layer, which leaves the expert shards out (the backend sets it from the
+# model it compiles: moecompile/distributed/grads.py, fsdp_param_dtypes)
+PARAM_DTYPES: contextvars.ContextVar[dict] = contextvars.ContextVar("moe_param_dtypes", default={})
 # the GEMMs autocast runs in its dtype (torch._grouped_mm, transformers' default experts, is not one of them)
 _AUTOCAST_GEMMS = {"linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "einsum"}
 
@@ -56,6 +61,21 @@ def compute_dtype(nodes, params) -> str:
         return ""
     (w,), (d,) = weights, ran
     return str(d).removeprefix("torch.") if d.is_floating_point and d.itemsize < w.itemsize else ""
+
+
+def in_param_dtype(spec, layer: str, weights: torch.dtype, report):
+    """``spec`` computing its experts in the dtype ``PARAM_DTYPES`` gives the layer where it is less precise than
+    their weights' (``weights``: FSDP2's bf16 over float32 expert shards), and whether it changed; the layer's record
+    (in ``report``) takes the spec, and ``explain()`` shows it."""
+    dtype = PARAM_DTYPES.get().get(layer)
+    if dtype is None or spec.compute_dtype or not dtype.is_floating_point or dtype.itemsize >= weights.itemsize:
+        return spec, False
+    spec = spec.replace(compute_dtype=str(dtype).removeprefix("torch."))
+    for rec in report.layers:
+        if rec.path == layer:
+            rec.spec = spec
+    report.counters["distribute.param_dtype_layers"] += 1
+    return spec, True
 
 
 def flat_stacked(p: fx.Node, values, E: int) -> bool:

@@ -268,6 +268,31 @@ def fsdp_wraps(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def fsdp_param_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """Layer path -> ``param_dtype`` of FSDP2's ``MixedPrecisionPolicy`` on the innermost module above the layer
+    that ``fully_shard`` wrapped, for each layer of a model in ``model`` that ``parallelize`` sharded, where FSDP2
+    leaves its expert shards out (``views.leave_out_of_fsdp``). FSDP2 would compute in that dtype with the weights it
+    holds; the sharded experts compute in it too (``passes/distribute.py``), not in their float32."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    out = {}
+    for info, sync in gradient_syncs(model.modules()):
+        if not info.fsdp_left_out:
+            continue
+        for rec in info.report.layers:
+            parts, dtype = rec.path.split("."), None
+            for i in range(len(parts) + 1):
+                module = sync.model.get_submodule(".".join(parts[:i]))
+                if isinstance(module, FSDPModule):
+                    policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+                    dtype = getattr(policy, "param_dtype", None)
+            if dtype is not None:
+                out[rec.path] = dtype
+    return out
+
+
 def _fsdp_held(model: nn.Module) -> set[int]:
     """The parameters FSDP2's ``fully_shard`` holds in ``model`` (sharded, or unsharded mid-forward): those under a
     module it wrapped, but for the modules ``parallelize`` marked for it to leave out (expert shards)."""
