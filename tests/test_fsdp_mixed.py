@@ -1,11 +1,12 @@
 """Expert parallelism under FSDP2's mixed precision (gloo, world 2): ``fully_shard(layer, mesh=mesh,
 mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` of a Mixtral that
 ``moecompile.parallelize`` sharded. FSDP2 computes with bf16 copies of the weights it holds and leaves the expert
-shards to moecompile; the experts compute in bf16 too (their GEMMs seen at ``torch._grouped_mm``: bf16 in forward
-and backward, where they ran in float32 before), as they do when FSDP2 holds them. Two SGD steps equal, at bf16's
+shards to moecompile; the experts compute in bf16 too (their GEMMs seen at ``torch._grouped_mm``: bf16 in forward and
+backward, where they ran in float32 before), as they do when FSDP2 holds them. Two SGD steps equal, at bf16's
 tolerance, the same model sharded by FSDP2 alone (experts and all, each rank its own batch), and the float32 master
-weights stay float32; ``explain()`` says the experts compute in bf16. Without a policy the experts stay in float32
-(``tests/test_data_parallel.py``, ``tests/test_meta_init.py``)."""
+weights stay float32; ``explain()`` says the experts compute in bf16. The same with each decoder layer compiled in
+place (torchtitan's way). Without a policy the experts stay in float32 (``tests/test_data_parallel.py``,
+``tests/test_meta_init.py``)."""
 
 import pytest
 import torch
@@ -31,9 +32,10 @@ def _model():
     return hf.tiny_model("mixtral", hidden_size=64, intermediate_size=128).train()
 
 
-def _trained(rank: int, world: int, ep: bool, batches):
-    """Two SGD steps of the model under FSDP2's bf16 policy (``ep``: its experts sharded by parallelize first):
-    the logits of each step, the model, the dtypes its expert GEMMs ran in at the second step, the backend."""
+def _trained(rank: int, world: int, ep: bool, batches, per_layer: bool = False):
+    """Two SGD steps of the model under FSDP2's bf16 policy (``ep``: its experts sharded by parallelize first;
+    ``per_layer``: each decoder layer compiled in place, torchtitan's way, else the model whole): the logits of each
+    step, the model, the dtypes its expert GEMMs ran in at the second step, the backend."""
     model, mesh = _model(), init_device_mesh("cpu", (world,))
     if ep:
         moecompile.parallelize(model, mesh, batches[0][rank])
@@ -42,7 +44,10 @@ def _trained(rank: int, world: int, ep: bool, batches):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     backend = RecordingBackend(inner="aot_eager", lowering="grouped")
-    compiled, opt = torch.compile(model, backend=backend), torch.optim.SGD(model.parameters(), lr=0.5)
+    for layer in model.model.layers if per_layer else ():
+        layer.compile(backend=backend)
+    compiled = model if per_layer else torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     logits, ran, real = [], set(), torch._grouped_mm
 
     def grouped_mm(a, b, **kwargs):
@@ -98,6 +103,9 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
         assert all(rec.spec.compute_dtype == "bfloat16" for rec in rep.layers), [r.spec for r in rep.layers]
         report = str(moecompile.explain(ep, batches[0][rank], labels=batches[0][rank], lowering="grouped"))
         assert report.count("(experts compute in bfloat16)") == 2, report
+        got, _, ran, backend = _trained(rank, world, True, batches, per_layer=True)
+        assert ran == {(torch.bfloat16, torch.bfloat16)} and backend.report.counters["distribute.param_dtype_layers"]
+        _close(got[0], want[0], "first logits", "(each layer compiled)")
 
 
 def test_sharded_experts_compute_in_fsdp2s_param_dtype(tmp_path):
