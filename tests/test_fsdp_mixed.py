@@ -1,14 +1,15 @@
 """Expert parallelism under FSDP2's mixed precision (gloo, world 2): ``fully_shard(layer, mesh=mesh,
-mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` of a Mixtral that
+mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` of a model that
 ``moecompile.parallelize`` sharded. FSDP2 computes with bf16 copies of the weights it holds and leaves the expert
 shards to moecompile; the experts compute in bf16 too (their GEMMs seen at ``torch._grouped_mm``: bf16 in forward and
-backward, where they ran in float32 before), as they do when FSDP2 holds them. Two SGD steps equal, at bf16's
-tolerance, the same model sharded by FSDP2 alone (experts and all, each rank its own batch), and the float32 master
-weights stay float32; ``explain()`` says the experts compute in bf16. The same with each decoder layer compiled in
-place (torchtitan's way). Without a policy the experts stay in float32 (``tests/test_data_parallel.py``,
-``tests/test_meta_init.py``)."""
+backward, where they ran in float32 before), as they do when FSDP2 holds them. Mixtral: two SGD steps equal, at
+bf16's tolerance, the same model sharded by FSDP2 alone (experts and all, each rank its own batch), the float32
+master weights stay float32, and ``explain()`` says the experts compute in bf16; the same with each decoder layer
+compiled in place (torchtitan's way). Mixtral with a linear per expert (``experts_implementation="eager"``) and the
+hand-written ``nn.ModuleList`` of ``nn.Linear`` experts, whose code reads the expert weights in bf16 as under FSDP2
+alone (it stopped before: a bf16 input times a float32 shard), likewise at the first step. Without a policy the
+experts stay in float32 (``tests/test_data_parallel.py``, ``tests/test_meta_init.py``)."""
 
-import pytest
 import torch
 import torch.distributed as dist
 from conftest import RecordingBackend
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import moecompile
 from moecompile.models import hf
+from moecompile.models.handwritten import TinyMoELM
 
 # normwise relative errors against FSDP2 alone: bf16 rounding in different places (measured: 0 at the first step's
 # logits, 5e-3 at the second's, after a step at lr 0.5; 7e-5 in the expert weights after two). The experts in float32
@@ -27,43 +29,58 @@ TOL = {"first logits": 2e-3, "second logits": 1.2e-2, "weights": 1.5e-4}
 EXPERTS = ("gate_up_proj", "down_proj")
 
 
-def _model():
+class _Ran(set):
+    """The (dtype, dtype) pairs ``torch._grouped_mm`` ran on while ``counting``."""
+
+    counting = False
+
+
+RAN, _REAL = _Ran(), torch._grouped_mm
+
+
+def _grouped_mm(a, b, **kwargs):  # (one function for the whole run: Dynamo guards the model's calls of it)
+    if RAN.counting:
+        RAN.add((a.dtype, b.dtype))
+    return _REAL(a, b, **kwargs)
+
+
+def _model(kind: str):
+    """Mixtral (its experts in ``torch._grouped_mm``, or ``"eager"``: a linear per expert over the stacked weights) or
+    the hand-written ``nn.ModuleList`` of ``nn.Linear`` experts (``"loop"``)."""
     torch.manual_seed(0)
-    return hf.tiny_model("mixtral", hidden_size=64, intermediate_size=128).train()
+    if kind == "loop":
+        return TinyMoELM("loop", hidden=64, inter=128).train()
+    eager = {"experts_implementation": "eager"} if kind == "eager" else {}
+    return hf.tiny_model("mixtral", hidden_size=64, intermediate_size=128, **eager).train()
 
 
-def _trained(rank: int, world: int, ep: bool, batches, per_layer: bool = False):
+def _trained(rank: int, world: int, kind: str, ep: bool, batches, per_layer: bool = False):
     """Two SGD steps of the model under FSDP2's bf16 policy (``ep``: its experts sharded by parallelize first;
     ``per_layer``: each decoder layer compiled in place, torchtitan's way, else the model whole): the logits of each
     step, the model, the dtypes its expert GEMMs ran in at the second step, the backend."""
-    model, mesh = _model(), init_device_mesh("cpu", (world,))
+    model, mesh = _model(kind), init_device_mesh("cpu", (world,))
+    layers = model.blocks if kind == "loop" else model.model.layers
     if ep:
         moecompile.parallelize(model, mesh, batches[0][rank])
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     backend = RecordingBackend(inner="aot_eager", lowering="grouped")
-    for layer in model.model.layers if per_layer else ():
+    for layer in layers if per_layer else ():
         layer.compile(backend=backend)
     compiled = model if per_layer else torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    logits, ran, real = [], set(), torch._grouped_mm
-
-    def grouped_mm(a, b, **kwargs):
-        ran.add((a.dtype, b.dtype))
-        return real(a, b, **kwargs)
-
+    logits = []
+    RAN.clear()
     for step, ids in enumerate(batches):
-        with pytest.MonkeyPatch.context() as patch:
-            if step:
-                patch.setattr(torch, "_grouped_mm", grouped_mm)  # (after the first: the compile's proofs aside)
-            out = compiled(ids[rank], labels=ids[rank])
-            out.loss.backward()
+        RAN.counting = step > 0  # (after the first step: the compile's proofs aside)
+        out = compiled(ids[rank], labels=ids[rank])
+        out.loss.backward()
         logits.append(out.logits.detach().float())
         opt.step()
         opt.zero_grad()
-    return logits, model, ran, backend
+    return logits, model, set(RAN), backend
 
 
 def _experts(model, rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -86,10 +103,11 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, name: str = "") -> 
 
 
 def _ranks(rank: int, world: int, tmp: str) -> None:
+    torch._grouped_mm = _grouped_mm  # (this rank's process only)
     with gloo(rank, world, tmp):
         batches = [torch.randint(0, 64, (world, 2, 9), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
-        want, fsdp, ran_fsdp, _ = _trained(rank, world, False, batches)
-        got, ep, ran_ep, backend = _trained(rank, world, True, batches)
+        want, fsdp, ran_fsdp, _ = _trained(rank, world, "mixtral", False, batches)
+        got, ep, ran_ep, backend = _trained(rank, world, "mixtral", True, batches)
         assert ran_fsdp == {(torch.bfloat16, torch.bfloat16)}, ran_fsdp  # (FSDP2 holding the experts)
         assert ran_ep == {(torch.bfloat16, torch.bfloat16)}, ran_ep  # (forward and backward)
         for what, g, w in zip(("first logits", "second logits"), got, want):
@@ -103,9 +121,16 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
         assert all(rec.spec.compute_dtype == "bfloat16" for rec in rep.layers), [r.spec for r in rep.layers]
         report = str(moecompile.explain(ep, batches[0][rank], labels=batches[0][rank], lowering="grouped"))
         assert report.count("(experts compute in bfloat16)") == 2, report
-        got, _, ran, backend = _trained(rank, world, True, batches, per_layer=True)
+        got, _, ran, backend = _trained(rank, world, "mixtral", True, batches, per_layer=True)
         assert ran == {(torch.bfloat16, torch.bfloat16)} and backend.report.counters["distribute.param_dtype_layers"]
         _close(got[0], want[0], "first logits", "(each layer compiled)")
+        got, _, ran, backend = _trained(rank, world, "eager", True, batches)  # (the model's code: bf16 linears)
+        assert ran == {(torch.bfloat16, torch.bfloat16)} and len(backend.report.layers) == 2, ran
+        _close(got[0], want[0], "first logits", "(a linear per expert)")
+        want, *_ = _trained(rank, world, "loop", False, batches)
+        got, _, ran, backend = _trained(rank, world, "loop", True, batches)  # (it stopped: float32 nn.Linear experts)
+        assert ran == {(torch.bfloat16, torch.bfloat16)} and len(backend.report.layers) == 2, ran
+        _close(got[0], want[0], "first logits", "(nn.ModuleList experts)")
 
 
 def test_sharded_experts_compute_in_fsdp2s_param_dtype(tmp_path):

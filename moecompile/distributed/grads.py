@@ -269,28 +269,33 @@ def fsdp_wraps(model: nn.Module) -> bool:
 
 
 def fsdp_param_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
-    """Layer path -> ``param_dtype`` of FSDP2's ``MixedPrecisionPolicy`` on the innermost module above the layer
-    that ``fully_shard`` wrapped, for each layer of a model in ``model`` that ``parallelize`` sharded, where FSDP2
-    leaves its expert shards out (``views.leave_out_of_fsdp``). FSDP2 would compute in that dtype with the weights it
-    holds; the sharded experts compute in it too (``passes/distribute.py``), not in their float32."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return {}
+    """Layer path -> ``param_dtype`` of FSDP2's ``MixedPrecisionPolicy`` above the layer (``param_dtype_above``),
+    for each layer of a model in ``model`` that ``parallelize`` sharded, where FSDP2 leaves its expert shards out
+    (``views.leave_out_of_fsdp``). FSDP2 computes in that dtype with the weights it holds; the sharded experts
+    compute in it too (``passes/distribute.py``), not in their float32."""
     out = {}
     for info, sync in gradient_syncs(model.modules()):
         if not info.fsdp_left_out:
             continue
         for rec in info.report.layers:
-            parts, dtype = rec.path.split("."), None
-            for i in range(len(parts) + 1):
-                module = sync.model.get_submodule(".".join(parts[:i]))
-                if isinstance(module, FSDPModule):
-                    policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
-                    dtype = getattr(policy, "param_dtype", None)
+            parts = rec.path.split(".")
+            dtype = param_dtype_above([sync.model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)])
             if dtype is not None:
                 out[rec.path] = dtype
     return out
+
+
+def param_dtype_above(modules) -> torch.dtype | None:
+    """The ``param_dtype`` of FSDP2's ``MixedPrecisionPolicy`` on the innermost of ``modules`` (a module's
+    ancestors, the root first; None for one gone) that ``fully_shard`` wrapped, or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    for module in reversed(modules):
+        if isinstance(module, FSDPModule):
+            return getattr(getattr(module._get_fsdp_state(), "_mp_policy", None), "param_dtype", None)
+    return None
 
 
 def _fsdp_held(model: nn.Module) -> set[int]:

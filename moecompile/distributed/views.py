@@ -2,13 +2,18 @@
 the stand-in ops of ``runtime/comm/ops.py`` (``moe.ep_global_view`` of a local shard, ``moe.ep_remote_expert`` of
 another rank's ``nn.ModuleList`` expert), which carry the global shape and the layer's distribution to the
 backend's passes; eagerly, they refuse to run (the model's own code would read global expert ids from a shard).
+Under FSDP2's mixed precision the weights are read cast to its ``param_dtype``, as FSDP2 presents its own
+(``in_param_dtype``).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
+from .grads import param_dtype_above
 from .replicate import REPLICAS
 from .sharded_state import DOMAIN_SLOTS, SLOTS, unwrapped
 
@@ -26,7 +31,8 @@ def read_remote(module, attr, like, expert, name, group_name, layer, dedup, extr
     def read(self):
         if torch.compiler.is_compiling():
             domain = {"domain_slots": self._buffers[DOMAIN_SLOTS]} if DOMAIN_SLOTS in self._buffers else {}
-            return torch.ops.moe.ep_remote_expert(*args, self._buffers.get(SLOTS), **extra, **domain)
+            return in_param_dtype(self, torch.ops.moe.ep_remote_expert(*args, self._buffers.get(SLOTS), **extra,
+                                                                       **domain))
         return torch.empty(shape, dtype=dtype, device="meta")
 
     def refuse_eager(mod, args_):
@@ -38,6 +44,7 @@ def read_remote(module, attr, like, expert, name, group_name, layer, dedup, extr
 
     cls = module.__class__
     module.__class__ = type(f"Remote{cls.__name__}", (cls,), {attr: property(read)})
+    module.__dict__[ABOVE] = None
     module.register_forward_pre_hook(refuse_eager)
     module._register_load_state_dict_pre_hook(drop_remote)
 
@@ -62,9 +69,9 @@ def read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, 
                 taken_over(layer, attr)
             if torch.compiler.is_compiling():
                 domain = {"domain_slots": self._buffers[DOMAIN_SLOTS]} if DOMAIN_SLOTS in self._buffers else {}
-                return torch.ops.moe.ep_global_view(local, rows[attr], group_name, layer, dedup,
-                                                    self._buffers.get(SLOTS), self._buffers.get(REPLICAS),
-                                                    capacity_factor, **extra, **full.get(attr, {}), **domain)
+                return in_param_dtype(self, torch.ops.moe.ep_global_view(
+                    local, rows[attr], group_name, layer, dedup, self._buffers.get(SLOTS),
+                    self._buffers.get(REPLICAS), capacity_factor, **extra, **full.get(attr, {}), **domain))
             return local
         return property(read)
 
@@ -75,6 +82,7 @@ def read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, 
 
     cls = module.__class__
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {n: view(n) for n in rows})
+    module.__dict__[ABOVE] = None
     module.register_forward_pre_hook(refuse_eager)
 
 
@@ -98,10 +106,44 @@ def guard_owned(module: nn.Module, attr: str, layer: str) -> None:
         local = self._parameters[attr]
         if local is not owned:
             taken_over(layer, attr)
-        return local
+        return in_param_dtype(self, local) if torch.compiler.is_compiling() else local
 
     cls = module.__class__
     module.__class__ = type(f"Held{cls.__name__}", (cls,), {attr: property(read)})
+    module.__dict__[ABOVE] = None
+
+
+ABOVE = "_moe_modules_above"  # (in a module reading expert weights: the key of the modules above it, note_above)
+_ABOVE: dict[str, tuple] = {}  # key -> weak references to a module's ancestors in its model, the root first
+
+
+def note_above(model: nn.Module) -> None:
+    """Note, for each module of ``model`` that reads expert weights through the properties above, the modules above
+    it (weakly): ``param_dtype`` finds FSDP2's ``fully_shard`` modules among them when the model compiles."""
+    for name, module in model.named_modules():
+        if ABOVE in module.__dict__:
+            parts = name.split(".") if name else []
+            key = f"{id(module)}"
+            _ABOVE[key] = tuple(weakref.ref(model.get_submodule(".".join(parts[:i]))) for i in range(len(parts)))
+            module.__dict__[ABOVE] = key
+
+
+@torch._dynamo.assume_constant_result
+def param_dtype(key: str):
+    """The ``param_dtype`` of FSDP2's ``MixedPrecisionPolicy`` above the module ``key`` names (``note_above``), or
+    None. Read while Dynamo traces, as a constant: a policy set after the first compile is not seen."""
+    return param_dtype_above([ref() for ref in _ABOVE.get(key, ())])
+
+
+def in_param_dtype(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """An expert weight as the model's code reads it while Dynamo traces: cast to FSDP2's ``param_dtype`` above its
+    module where that is less precise (bf16 over a float32 shard), as FSDP2 presents the weights it holds; FSDP2
+    leaves the expert shards out (``leave_out_of_fsdp``), and its policy reaches them so. Else as it is."""
+    key = module.__dict__.get(ABOVE)
+    dtype = param_dtype(key) if key is not None else None
+    if dtype is None or not weight.is_floating_point() or dtype.itemsize >= weight.dtype.itemsize:
+        return weight
+    return weight.to(dtype)
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
@@ -123,7 +165,9 @@ def leave_out_of_fsdp(model: nn.Module) -> list[str]:
     marked modules' other parameters, if any, are averaged over the data-parallel group by moecompile
     (``grads.py``) as any parameter FSDP2 does not hold. Returns the modules marked; none where this torch has no
     such mark (a ``fully_shard`` then needs ``ignored_params=moecompile.expert_parameters(model)``, and one without
-    it raises ``taken_over`` at its first run)."""
+    it raises ``taken_over`` at its first run). The modules reading expert weights note the modules above them
+    (``note_above``): FSDP2's mixed precision policy there reaches the experts it leaves out."""
+    note_above(model)
     try:
         from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
         from torch.distributed.fsdp._fully_shard._fsdp_common import _is_composable_with_fsdp
