@@ -1,15 +1,18 @@
 """``moecompile.pipeline_stage``: a transformers model cut into pipeline stages, one process. For every MoE family of
-the installed transformers that can be cut (every one but six), its stages called one after the other give the model's
-logits and every parameter's gradient (2, 3 and 4 stages: the layers split evenly, an empty stage among them, and layers
-chosen by hand; and four-layer DeepSeek-V3 (a dense first layer), GPT-OSS and Qwen3-Next cut 1, 2, 1 and 3, 1), over 9
-tokens so that sliding windows of 4 cut in; each parameter is in exactly one stage under its name in the model, and the
-model is left whole. The six whose forward runs weights beside the embedding, layers and final norm (hyper-connections,
-per-layer inputs from token ids, weights of the decoder's own) are refused naming them, as are tied embeddings, bad
-indices, a model without decoder layers and one parallelized already (a compiled model is cut as its module; router
-logits asked for: a warning). A stage compiles with the moe backend, its MoE layer rewritten;
-``moecompile.PipelineStage`` of a stage ``parallelize`` did not shard trains as torch's class does (one rank, two
-microbatches). The distributed runs (pipeline schedules with expert parallelism inside each stage) cut Mixtral with it:
-``tests/test_pipeline.py``."""
+the installed transformers that can be cut (every one but four), its stages called one after the other give the
+model's logits and every parameter's gradient (2, 3 and 4 stages: the layers split evenly, an empty stage among them,
+and layers chosen by hand; and four-layer DeepSeek-V3 (a dense first layer), GPT-OSS and Qwen3-Next cut 1, 2, 1 and
+3, 1), over 9 tokens so that sliding windows of 4 cut in; each parameter is in exactly one stage under its name in
+the model, and the model is left whole. DeepSeek-V4's stages hand on its 4 streams of hidden states and the token ids
+its hash-routed layer reads; HY-V4's its streams, cut before layers with an indexer of their own (a stage starting at
+a "shared" one is refused). The four whose forward runs weights beside the embedding, layers and final norm
+(per-layer inputs from token ids, states mixed across layers, weights of the decoder's own) are refused naming them,
+as are tied embeddings, bad indices, a model without decoder layers and one parallelized already (a compiled model is
+cut as its module; router logits asked for: a warning). A stage compiles with the moe backend, its MoE layer
+rewritten; ``moecompile.PipelineStage`` of a stage ``parallelize`` did not shard trains as torch's class does (one
+rank, two microbatches), and DeepSeek-V4's (streams, ids) cross torch's ``ScheduleGPipe`` on two ranks, each stage
+compiled, as one process. The distributed runs (pipeline schedules with expert parallelism inside each stage) cut
+Mixtral with it: ``tests/test_pipeline.py``."""
 
 from datetime import timedelta
 
@@ -17,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import RecordingBackend
-from ranks import spawn
+from ranks import gloo, spawn
 from torch.distributed.pipelining import ScheduleGPipe
 
 import moecompile
@@ -25,10 +28,9 @@ from moecompile.distributed import stages
 from moecompile.models import handwritten, hf
 
 SEQ = 9  # > the walk configs' sliding windows (4): a stage reading the wrong layer's mask type differs
-REFUSED = {"deepseek_v4": "hc_head", "hy_v4": "hc_head", "qwen4_exp_text": "hyper_connection_mixer",
-           "inkling2_text": "final_input", "gemma4_text": "embed_tokens_per_layer",
-           "zaya": "input_hidden_states_scale"}
-FAMILIES = [f for f in hf.moe_families_in_transformers() if f not in REFUSED]
+REFUSED = {"qwen4_exp_text": "hyper_connection_mixer", "inkling2_text": "final_input",
+           "gemma4_text": "embed_tokens_per_layer", "zaya": "input_hidden_states_scale"}
+FAMILIES = [f for f in hf.moe_families_in_transformers() if f not in REFUSED and f != "hy_v4"]  # (hy_v4: below)
 
 
 def _untied(family: str):
@@ -44,7 +46,7 @@ def _run(parts, ids, weight):
     torch.manual_seed(1)
     x = ids
     for part in parts:
-        x = part(x)
+        x = part(*x) if isinstance(x, tuple) else part(x)  # (streams and token ids: DeepSeek-V4)
         x = getattr(x, "logits", x)  # (the whole model's output)
     loss = (x * weight).sum()
     loss.backward()
@@ -62,11 +64,15 @@ def test_stages_in_order_give_the_models_logits_and_gradients(family):
     names = [n for n, _ in model.named_parameters()]
     weight = torch.randn(2, SEQ, model.get_output_embeddings().out_features, generator=torch.Generator().manual_seed(1))
     logits, grads = _run([model], ids, weight)
-    total = len(moecompile.pipeline_stage(model, 0, 1).stage_layers)  # (one stage: every layer)
+    whole = moecompile.pipeline_stage(model, 0, 1)  # (one stage: every layer)
+    total = len(whole.stage_layers)
+    by_hand = [[], list(range(total - 1)), [total - 1], []]
+    if whole.stage_streams:  # (streams of hidden states: the last stage needs a layer to take them)
+        by_hand = [[], list(range(total - 1)), [], [total - 1]]
     cuts = {"2": [moecompile.pipeline_stage(model, i, 2) for i in range(2)],
-            "3": [moecompile.pipeline_stage(model, i, 3) for i in range(3)],  # (2 layers: one stage with none)
-            "4 by hand": [moecompile.pipeline_stage(model, i, 4, layers=chosen) for i, chosen in
-                          enumerate([[], list(range(total - 1)), [total - 1], []])]}
+            "3": [moecompile.pipeline_stage(model, i, 3, layers=chosen) for i, chosen in  # (2 layers: one empty)
+                  enumerate([[0], [], list(range(1, total))] if whole.stage_streams else [None] * 3)],
+            "4 by hand": [moecompile.pipeline_stage(model, i, 4, layers=chosen) for i, chosen in enumerate(by_hand)]}
     for cut, parts in cuts.items():
         held = [n for part in parts for n, _ in part.named_parameters()]
         assert sorted(held) == sorted(names), f"{cut}: each parameter in one stage under its name"
@@ -133,13 +139,34 @@ def test_a_stage_compiles_with_its_moe_layer_rewritten():
 
 
 def test_a_stage_whose_layers_pass_on_more_than_hidden_states_stops_naming_the_shape(monkeypatch):
-    """Were hy_v4 not refused (its hyper-connections: 4 streams of hidden states between layers), its first stage
-    would hand on a tensor the next cannot take: it stops there, saying so, rather than feed it on."""
+    """Were qwen4_exp_text not refused (its hyper-connections: 4 streams of hidden states side by side between
+    layers, mixed by a module after them), its first stage would hand on a tensor the next cannot take: it stops
+    there, saying so, rather than feed it on."""
     monkeypatch.setattr(stages, "_check_cut", lambda decoder, attr: None)
-    model = _untied("hy_v4")
+    model = _untied("qwen4_exp_text")
     first = moecompile.pipeline_stage(model, 0, 2)
-    with pytest.raises(ValueError, match=r"pass a tensor of shape \(2, 9, 4, 32\) on, not the hidden states"):
+    width = model.config.get_text_config().hidden_size * model.config.get_text_config().hc_count
+    with pytest.raises(ValueError, match=rf"pass a tensor of shape \(2, 9, {width}\) on, not the hidden states"):
         first(torch.zeros(2, SEQ, dtype=torch.long))
+
+
+def test_hy_v4_is_cut_before_layers_with_an_indexer_of_their_own():
+    """HY-V4: 4 streams of hidden states between layers (its hyper-connection head on the last stage); a layer
+    whose indexer is "shared" reuses the top-k of the layer before it, which no stage hands on: stages start at
+    "full" layers (its walk config: full, full, shared), and one starting at the shared layer is refused."""
+    model = _untied("hy_v4")
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(2, SEQ, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    logits, grads = _run([model], ids, weight)
+    for cut in ([[0], [1, 2]], [[], [0], [1, 2]]):
+        got, got_grads = _run([moecompile.pipeline_stage(model, i, len(cut), layers=chosen)
+                               for i, chosen in enumerate(cut)], ids, weight)
+        torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-6, msg=lambda m: f"{cut}: {m}")
+        assert got_grads.keys() == grads.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{cut} {name}: {m}")
+    with pytest.raises(ValueError, match="layer 2 reuses the top-k of the indexer layer before it.*'full' layer"):
+        moecompile.pipeline_stage(model, 1, 2, layers=[2])
 
 
 @pytest.mark.parametrize("family, overrides", [
@@ -186,3 +213,28 @@ def test_pipeline_stage_of_a_module_parallelize_did_not_shard_runs_as_torchs(tmp
     shard (one rank, the whole model as one stage, two microbatches) has none and trains as under torch's class
     (``no_sync`` itself refuses such a module)."""
     spawn(_one_rank_pipeline, args=(str(tmp_path),), nprocs=1)
+
+
+def _streams_pipeline(rank, tmp):
+    """DeepSeek-V4 cut [embedding], [layers 0 and 1, head]: rank 0's stage hands on the 4 streams and the token ids,
+    rank 1's layer 0 (hash-routed) reads the ids; each stage compiled with the moe backend."""
+    with gloo(rank, 2, tmp):
+        model, ref = _untied("deepseek_v4"), _untied("deepseek_v4")
+        ids = torch.randint(0, model.config.vocab_size, (4, SEQ), generator=torch.Generator().manual_seed(0))
+        loss = lambda logits, target: logits.float().square().mean()  # noqa: E731
+        backend = RecordingBackend(inner="aot_eager", lowering="grouped")
+        stage = moecompile.pipeline_stage(model, rank, 2, layers=[[], [0, 1]][rank])
+        run = moecompile.PipelineStage(torch.compile(stage, backend=backend), rank, 2, torch.device("cpu"))
+        schedule = ScheduleGPipe(run, n_microbatches=2, loss_fn=loss)
+        schedule.step(ids) if rank == 0 else schedule.step(target=ids)
+        (sum(loss(ref(half).logits, None) for half in ids.chunk(2)) / 2).backward()
+        want = dict(ref.named_parameters())
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert len(backend.report.layers) == 2 * rank and not backend.report.failures, backend.report.failures
+
+
+def test_streams_and_token_ids_cross_a_pipeline_schedule(tmp_path):
+    """torch's ``ScheduleGPipe`` on 2 ranks passes a stage's (streams, token ids) on to the next and the streams'
+    gradient back: every gradient equals one process's over the two microbatches."""
+    spawn(_streams_pipeline, args=(str(tmp_path),), nprocs=2)

@@ -17,9 +17,17 @@ config of the stage's own.
 A stage is a shallow copy of the model (its class a subclass of the model's, ``_Stage`` first: the stage's
 forward) and of its decoder (``model.model``), each with lists of children of its own, so the model itself is
 left as it was and stays whole; Dynamo traces the stage with the sources it would give the model.
+Layers that hand on streams of hidden states (DeepSeek-V4's and HY-V4's hyper-connections, [B, T, 4, H], collapsed
+by the decoder's ``hc_head``, which goes with the final norm to the last stage) have a stage hand its streams on as
+they are, and layers that read the token ids (DeepSeek-V4's hash routing) have every stage but the last hand on
+``(hidden, ids)``: the next stage runs its decoder's forward on one stream (its masks and positions), and a forward
+pre-hook on each of the model's layers (``_carried``: inert unless a stage passes ``_CARRY`` through the decoder's
+keyword arguments) gives its first layer the streams and every layer the ids.
 Where the model cannot be cut so, a ``ValueError`` says why: no ``ModuleList`` of decoder layers, a decoder whose
-forward runs weights beside its embedding, layers and final norm (``_check_cut``), or the input embedding tied to
-the head (``tie_word_embeddings``) across two stages, whose ranks would train two copies of it apart.
+forward runs weights beside its embedding, layers, final norm and hyper-connection head (``_check_cut``), the input
+embedding tied to the head (``tie_word_embeddings``) across two stages, whose ranks would train two copies of it
+apart, a stage starting at a layer that reuses the top-k of the layer before it (a "shared" indexer layer), or a
+stream model's last stage without a layer.
 
 Not carried between stages: a padding mask (each stage makes the causal mask; pack sequences), the router logits
 of ``output_router_logits`` (each stage sees its own layers only: a warning says so), key/value caches (training
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import warnings
 
 import torch
@@ -40,6 +49,9 @@ from .grads import holding
 from .sharded_state import unwrapped
 
 _LAYERS = ("layers", "blocks")  # the decoder's ModuleList of layers (transformers' name; dbrx's)
+_AFTER = ("hc_head",)  # weights a decoder runs after its layers beside the final norm, on the last stage (DeepSeek-V4's
+# hyper-connection head: its layers hand on the hidden states as streams, [B, T, hc_mult, H], which it collapses)
+_CARRY = ("moe_stage_first", "moe_stage_hidden", "moe_stage_ids")  # (what a stage passes its layers: _carried)
 
 
 def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] | None = None) -> nn.Module:
@@ -71,29 +83,71 @@ def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] |
         warnings.warn("pipeline_stage: config.output_router_logits is on, but the router logits stay in each stage "
                       "(a stage passes on its hidden states only): the last stage gives the logits, and no stage the "
                       "load-balancing loss of every layer's routers", UserWarning, stacklevel=2)
+    every = getattr(decoder, attr)
+    if not first and layers and getattr(getattr(every[layers[0]], "self_attn", None), "skip_topk", False):
+        raise ValueError(f"pipeline_stage: layer {layers[0]} reuses the top-k of the indexer layer before it "
+                         "(config.indexer_types: 'shared'), which a stage does not hand on: start each stage at a "
+                         "'full' layer (layers=[...])")
+    streams = any(name in _AFTER for name, _ in decoder.named_children())
+    if streams and count > 1 and last and not layers:
+        raise ValueError("pipeline_stage: the last stage of a model whose layers hand on streams of hidden states "
+                         f"({', '.join(_AFTER)}) needs a layer: give it one (layers=[...])")
     stage = _shell(model, path, decoder, attr, list(layers), first, last)
     stage.__class__ = _stage_class(type(model))
     stage.stage_path, stage.stage_first, stage.stage_last, stage.stage_layers = path, first, last, list(layers)
     stage.stage_width = decoder.get_input_embeddings().embedding_dim
+    stage.stage_streams = streams
+    stage.stage_ids = count > 1 and not last and len(every) > 0 and "input_ids" in inspect.signature(
+        type(every[0]).forward).parameters  # (the decoder gives its layers the token ids: every stage hands them on)
+    for i in layers:
+        if not every[i].__dict__.get("_moe_stage_hook"):  # (the model's own layer: hooked once, inert without _CARRY)
+            every[i].register_forward_pre_hook(functools.partial(_carried, i), with_kwargs=True)
+            every[i].__dict__["_moe_stage_hook"] = True
     return stage
 
 
 class _Stage:
     """Put before the model's class in the stage's own class (``_stage_class``): the model's forward, called on the
     stage's input (token ids on the first stage, hidden states after), giving the logits on the last stage of a
-    causal LM and the hidden states before the final norm on the others."""
+    causal LM and the hidden states before the final norm on the others. A model whose layers take the token ids
+    (DeepSeek-V4's hash routing) has every stage but the last hand them on beside the hidden states (``ids``); one
+    whose layers hand on streams of hidden states (DeepSeek-V4's hyper-connections, [B, T, n, H]) has them go to its
+    next stage's first layer as they are (the decoder's own start makes them from one stream, ignored there)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inputs = {"input_ids": x} if self.stage_first else {"inputs_embeds": x}
-        if self.stage_last and self.stage_path:  # a causal LM: its own forward applies the head (and logit scaling)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None):
+        first, last = self.stage_first, self.stage_last
+        ids = x if first else ids
+        streams = self.stage_streams and not first
+        if streams and not self.stage_layers:  # (a middle stage without layers: handed on as it came)
+            return (x, ids) if self.stage_ids else x
+        inputs = {"input_ids": x} if first else {"inputs_embeds": x[:, :, 0] if streams else x}
+        if not first and self.stage_layers and (streams or ids is not None):
+            inputs.update(moe_stage_first=self.stage_layers[0], moe_stage_hidden=x if streams else None,
+                          moe_stage_ids=ids)
+        if last and self.stage_path:  # a causal LM: its own forward applies the head (and logit scaling)
             return super().forward(**inputs, use_cache=False).logits
         decoder = self.get_submodule(self.stage_path) if self.stage_path else super()
         out = decoder.forward(**inputs, use_cache=False).last_hidden_state
-        if not self.stage_last and out.shape != (*x.shape[:2], self.stage_width):
+        if not last and not self.stage_streams and out.shape != (*x.shape[:2], self.stage_width):
             raise ValueError(f"pipeline_stage: the decoder's layers pass a tensor of shape {tuple(out.shape)} on, "
                              f"not the hidden states ({tuple(x.shape[:2])} by {self.stage_width}) its next stage "
                              "takes as inputs_embeds: cut this model into stage modules by hand")
-        return out
+        return (out, ids) if self.stage_ids and not last else out
+
+
+def _carried(index: int, layer: nn.Module, args: tuple, kwargs: dict):
+    """A forward pre-hook of decoder layer ``index`` (the model's own module): where a stage passes ``_CARRY``
+    through its decoder's keyword arguments, it takes them out, gives the layer the token ids, and the stage's
+    first layer the hidden states it received (streams). Without them (the model called whole), nothing."""
+    if _CARRY[0] not in kwargs:
+        return None
+    carried = {k: kwargs[k] for k in _CARRY}
+    kwargs = {k: v for k, v in kwargs.items() if k not in _CARRY}
+    if carried["moe_stage_ids"] is not None:
+        kwargs["input_ids"] = carried["moe_stage_ids"]
+    if index == carried["moe_stage_first"] and carried["moe_stage_hidden"] is not None:
+        args = (carried["moe_stage_hidden"], *args[1:])
+    return args, kwargs
 
 
 @functools.cache
@@ -122,7 +176,7 @@ def _check_cut(decoder: nn.Module, attr: str) -> None:
     weighted = [name for name, child in decoder.named_children()
                 if child is not embedding and name != attr and any(True for _ in child.parameters())]
     norms = [name for name in weighted if "Norm" in type(getattr(decoder, name)).__name__]
-    extra = [name for name in weighted if name not in norms[:1]] + list(decoder._parameters)
+    extra = [name for name in weighted if name not in norms[:1] and name not in _AFTER] + list(decoder._parameters)
     if extra:
         raise ValueError(f"pipeline_stage: {type(decoder).__name__}'s forward runs weights beside its input "
                          f"embedding, its {attr} and one final norm ({', '.join(extra)}): what passes from layer to "
@@ -193,6 +247,14 @@ class PipelineStage(pipelining.PipelineStage):
     stage module (``moecompile.no_sync`` around every other microbatch's backward). With torch's own class every
     microbatch's backward reduces the stage's replicated gradients: the same gradients, n_microbatches all-reduces a
     step where one does. A stage module ``parallelize`` did not shard runs as under torch's class."""
+
+    def _to_tensor(self, arg):
+        """torch's metadata inference runs a stage on tensors made from the previous stage's metadata, uninitialized:
+        integer ones are made zeros here, valid token ids (a stage handed DeepSeek-V4's ids indexes with them)."""
+        out = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and type(out) is torch.Tensor and not out.is_floating_point():
+            out = out.zero_()
+        return out
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if last_backward:
