@@ -1,18 +1,19 @@
 """``moecompile.pipeline_stage``: a transformers model cut into pipeline stages, one process. For every MoE family of
-the installed transformers that can be cut (every one but four), its stages called one after the other give the
+the installed transformers that can be cut (every one but three), its stages called one after the other give the
 model's logits and every parameter's gradient (2, 3 and 4 stages: the layers split evenly, an empty stage among them,
 and layers chosen by hand; and four-layer DeepSeek-V3 (a dense first layer), GPT-OSS and Qwen3-Next cut 1, 2, 1 and
 3, 1), over 9 tokens so that sliding windows of 4 cut in; each parameter is in exactly one stage under its name in
 the model, and the model is left whole. DeepSeek-V4's stages hand on its 4 streams of hidden states and the token ids
 its hash-routed layer reads; HY-V4's its streams, cut before layers with an indexer of their own (a stage starting at
-a "shared" one is refused). The four whose forward runs weights beside the embedding, layers and final norm
-(per-layer inputs from token ids, states mixed across layers, weights of the decoder's own) are refused naming them,
-as are tied embeddings, bad indices, a model without decoder layers and one parallelized already (a compiled model is
-cut as its module; router logits asked for: a warning). A stage compiles with the moe backend, its MoE layer
-rewritten; ``moecompile.PipelineStage`` of a stage ``parallelize`` did not shard trains as torch's class does (one
-rank, two microbatches), and DeepSeek-V4's (streams, ids) cross torch's ``ScheduleGPipe`` on two ranks, each stage
-compiled, as one process. The distributed runs (pipeline schedules with expert parallelism inside each stage) cut
-Mixtral with it: ``tests/test_pipeline.py``."""
+a "shared" one is refused); Qwen4-exp's its streams side by side, and the token ids its decoder makes per-layer
+embeddings of. The three whose forward runs weights beside the embedding, layers and final norm (per-layer inputs
+from token ids, states mixed across layers, weights of the decoder's own) are refused naming them, as are tied
+embeddings, bad indices, a model without decoder layers and one parallelized already (a compiled model is cut as its
+module; router logits asked for: a warning). A stage compiles with the moe backend, its MoE layer rewritten;
+``moecompile.PipelineStage`` of a stage ``parallelize`` did not shard trains as torch's class does (one rank, two
+microbatches), and DeepSeek-V4's (streams, ids) cross torch's ``ScheduleGPipe`` on two ranks, each stage compiled, as
+one process. The distributed runs (pipeline schedules with expert parallelism inside each stage) cut Mixtral with it:
+``tests/test_pipeline.py``."""
 
 from datetime import timedelta
 
@@ -28,8 +29,7 @@ from moecompile.distributed import stages
 from moecompile.models import handwritten, hf
 
 SEQ = 9  # > the walk configs' sliding windows (4): a stage reading the wrong layer's mask type differs
-REFUSED = {"qwen4_exp_text": "hyper_connection_mixer", "inkling2_text": "final_input",
-           "gemma4_text": "embed_tokens_per_layer", "zaya": "input_hidden_states_scale"}
+REFUSED = {"inkling2_text": "final_input", "gemma4_text": "embed_tokens_per_layer", "zaya": "input_hidden_states_scale"}
 FAMILIES = [f for f in hf.moe_families_in_transformers() if f not in REFUSED and f != "hy_v4"]  # (hy_v4: below)
 
 
@@ -139,15 +139,33 @@ def test_a_stage_compiles_with_its_moe_layer_rewritten():
 
 
 def test_a_stage_whose_layers_pass_on_more_than_hidden_states_stops_naming_the_shape(monkeypatch):
-    """Were qwen4_exp_text not refused (its hyper-connections: 4 streams of hidden states side by side between
-    layers, mixed by a module after them), its first stage would hand on a tensor the next cannot take: it stops
-    there, saying so, rather than feed it on."""
+    """Were Qwen4-exp's hyper-connection mixer not known (its layers hand on 4 streams side by side, [B, T, 4 * H]),
+    its first stage would hand on a tensor the next takes for hidden states: it stops there, saying so."""
     monkeypatch.setattr(stages, "_check_cut", lambda decoder, attr: None)
+    monkeypatch.setattr(stages, "_AFTER", ("hc_head",))
     model = _untied("qwen4_exp_text")
     first = moecompile.pipeline_stage(model, 0, 2)
-    width = model.config.get_text_config().hidden_size * model.config.get_text_config().hc_count
-    with pytest.raises(ValueError, match=rf"pass a tensor of shape \(2, 9, {width}\) on, not the hidden states"):
+    with pytest.raises(ValueError, match=r"pass a tensor of shape \(2, 9, 128\) on, not the hidden states"):
         first(torch.zeros(2, SEQ, dtype=torch.long))
+
+
+def test_per_layer_embeddings_of_the_token_ids_reach_a_later_stage():
+    """Qwen4-exp with per-layer embeddings (``ple_layer_ids``: its decoder makes them from the token ids): every
+    stage hands the ids on, and a later stage's decoder takes them as ``ple_input_ids``."""
+    config = hf.walk_config("qwen4_exp_text")
+    values = {k: v for k, v in config.to_dict().items()
+              if k not in ("model_type", "transformers_version", "number_of_conv_states")}
+    model = hf.build_model(type(config)(**{**values, "ple_layer_ids": [1], "tie_word_embeddings": False})).train()
+    assert hasattr(model.model.layers[0], "ple")
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(2, SEQ, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    logits, grads = _run([model], ids, weight)
+    cut = [[], [0, 1]]
+    got, got_grads = _run([moecompile.pipeline_stage(model, i, 2, layers=chosen) for i, chosen in enumerate(cut)],
+                          ids, weight)
+    torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_hy_v4_is_cut_before_layers_with_an_indexer_of_their_own():

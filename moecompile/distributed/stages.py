@@ -17,12 +17,13 @@ config of the stage's own.
 A stage is a shallow copy of the model (its class a subclass of the model's, ``_Stage`` first: the stage's
 forward) and of its decoder (``model.model``), each with lists of children of its own, so the model itself is
 left as it was and stays whole; Dynamo traces the stage with the sources it would give the model.
-Layers that hand on streams of hidden states (DeepSeek-V4's and HY-V4's hyper-connections, [B, T, 4, H], collapsed
-by the decoder's ``hc_head``, which goes with the final norm to the last stage) have a stage hand its streams on as
-they are, and layers that read the token ids (DeepSeek-V4's hash routing) have every stage but the last hand on
-``(hidden, ids)``: the next stage runs its decoder's forward on one stream (its masks and positions), and a forward
-pre-hook on each of the model's layers (``_carried``: inert unless a stage passes ``_CARRY`` through the decoder's
-keyword arguments) gives its first layer the streams and every layer the ids.
+Layers that hand on streams of hidden states (hyper-connections: DeepSeek-V4's and HY-V4's [B, T, 4, H], Qwen4-exp's
+[B, T, 4 * H], collapsed by a head after the layers, ``_AFTER``, which goes with the final norm to the last stage)
+have a stage hand its streams on as they are, and layers or a decoder that read the token ids (DeepSeek-V4's hash
+routing, Qwen4-exp's per-layer embeddings) have every stage but the last hand on ``(hidden, ids)``: the next stage
+runs its decoder's forward on the first stream (its masks and positions; the ids as ``ple_input_ids`` where the
+decoder takes them), and a forward pre-hook on each of the model's layers (``_carried``: inert unless a stage
+passes ``_CARRY`` through the decoder's keyword arguments) gives its first layer the streams and every layer the ids.
 Where the model cannot be cut so, a ``ValueError`` says why: no ``ModuleList`` of decoder layers, a decoder whose
 forward runs weights beside its embedding, layers, final norm and hyper-connection head (``_check_cut``), the input
 embedding tied to the head (``tie_word_embeddings``) across two stages, whose ranks would train two copies of it
@@ -49,8 +50,11 @@ from .grads import holding
 from .sharded_state import unwrapped
 
 _LAYERS = ("layers", "blocks")  # the decoder's ModuleList of layers (transformers' name; dbrx's)
-_AFTER = ("hc_head",)  # weights a decoder runs after its layers beside the final norm, on the last stage (DeepSeek-V4's
-# hyper-connection head: its layers hand on the hidden states as streams, [B, T, hc_mult, H], which it collapses)
+_AFTER = ("hc_head", "hyper_connection_mixer")  # weights a decoder runs after its layers beside the final norm, on the
+# last stage: hyper-connection heads (its layers hand on the hidden states as streams, DeepSeek-V4's [B, T, 4, H],
+# Qwen4-exp's [B, T, 4 * H], which they collapse)
+_IDS = "ple_input_ids"  # a decoder's argument for the token ids where it is given inputs_embeds (Qwen4-exp's per-layer
+# embeddings read them)
 _CARRY = ("moe_stage_first", "moe_stage_hidden", "moe_stage_ids")  # (what a stage passes its layers: _carried)
 
 
@@ -97,11 +101,12 @@ def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] |
     stage.stage_path, stage.stage_first, stage.stage_last, stage.stage_layers = path, first, last, list(layers)
     stage.stage_width = decoder.get_input_embeddings().embedding_dim
     stage.stage_streams = streams
-    stage.stage_ids = count > 1 and not last and len(every) > 0 and "input_ids" in inspect.signature(
-        type(every[0]).forward).parameters  # (the decoder gives its layers the token ids: every stage hands them on)
+    takes_ids = len(every) > 0 and "input_ids" in inspect.signature(type(every[0]).forward).parameters
+    stage.stage_ple = bool(getattr(decoder.config, "ple_layer_ids", None))  # (per-layer inputs of the ids: _IDS)
+    stage.stage_ids = count > 1 and not last and (takes_ids or stage.stage_ple)  # (every stage hands the ids on)
     for i in layers:
         if not every[i].__dict__.get("_moe_stage_hook"):  # (the model's own layer: hooked once, inert without _CARRY)
-            every[i].register_forward_pre_hook(functools.partial(_carried, i), with_kwargs=True)
+            every[i].register_forward_pre_hook(functools.partial(_carried, i, takes_ids), with_kwargs=True)
             every[i].__dict__["_moe_stage_hook"] = True
     return stage
 
@@ -120,7 +125,10 @@ class _Stage:
         streams = self.stage_streams and not first
         if streams and not self.stage_layers:  # (a middle stage without layers: handed on as it came)
             return (x, ids) if self.stage_ids else x
-        inputs = {"input_ids": x} if first else {"inputs_embeds": x[:, :, 0] if streams else x}
+        inputs = {"input_ids": x} if first else {"inputs_embeds": x.flatten(2)[..., :self.stage_width] if streams
+                                                 else x}  # (streams: the first one)
+        if not first and ids is not None and self.stage_ple:
+            inputs[_IDS] = ids
         if not first and self.stage_layers and (streams or ids is not None):
             inputs.update(moe_stage_first=self.stage_layers[0], moe_stage_hidden=x if streams else None,
                           moe_stage_ids=ids)
@@ -135,15 +143,16 @@ class _Stage:
         return (out, ids) if self.stage_ids and not last else out
 
 
-def _carried(index: int, layer: nn.Module, args: tuple, kwargs: dict):
+def _carried(index: int, takes_ids: bool, layer: nn.Module, args: tuple, kwargs: dict):
     """A forward pre-hook of decoder layer ``index`` (the model's own module): where a stage passes ``_CARRY``
-    through its decoder's keyword arguments, it takes them out, gives the layer the token ids, and the stage's
-    first layer the hidden states it received (streams). Without them (the model called whole), nothing."""
+    through its decoder's keyword arguments, it takes them out, gives the layer the token ids (``takes_ids``: its
+    forward reads ``input_ids``), and the stage's first layer the hidden states it received (streams). Without them
+    (the model called whole), nothing."""
     if _CARRY[0] not in kwargs:
         return None
     carried = {k: kwargs[k] for k in _CARRY}
     kwargs = {k: v for k, v in kwargs.items() if k not in _CARRY}
-    if carried["moe_stage_ids"] is not None:
+    if takes_ids and carried["moe_stage_ids"] is not None:
         kwargs["input_ids"] = carried["moe_stage_ids"]
     if index == carried["moe_stage_first"] and carried["moe_stage_hidden"] is not None:
         args = (carried["moe_stage_hidden"], *args[1:])
