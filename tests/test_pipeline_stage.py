@@ -11,9 +11,9 @@ from token ids, states mixed across layers, weights of the decoder's own) are re
 embeddings, bad indices, a model without decoder layers and one parallelized already (a compiled model is cut as its
 module; router logits asked for: a warning). A stage compiles with the moe backend, its MoE layer rewritten;
 ``moecompile.PipelineStage`` of a stage ``parallelize`` did not shard trains as torch's class does (one rank, two
-microbatches), and DeepSeek-V4's (streams, ids) cross torch's ``ScheduleGPipe`` on two ranks, each stage compiled, as
-one process. The distributed runs (pipeline schedules with expert parallelism inside each stage) cut Mixtral with it:
-``tests/test_pipeline.py``."""
+microbatches), and DeepSeek-V4's (streams, ids) cross torch's ``ScheduleGPipe`` on a (2, 2) ("pp", "ep") mesh, each
+stage compiled, its experts sharded over the stage's ranks, as one process. The distributed runs (pipeline schedules
+with expert parallelism inside each stage) cut Mixtral with it: ``tests/test_pipeline.py``."""
 
 from datetime import timedelta
 
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from conftest import RecordingBackend
 from ranks import gloo, spawn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import ScheduleGPipe
 
 import moecompile
@@ -234,25 +235,40 @@ def test_pipeline_stage_of_a_module_parallelize_did_not_shard_runs_as_torchs(tmp
 
 
 def _streams_pipeline(rank, tmp):
-    """DeepSeek-V4 cut [embedding], [layers 0 and 1, head]: rank 0's stage hands on the 4 streams and the token ids,
-    rank 1's layer 0 (hash-routed) reads the ids; each stage compiled with the moe backend."""
-    with gloo(rank, 2, tmp):
+    """DeepSeek-V4 cut [embedding], [layers 0 and 1, head] on a (2, 2) ("pp", "ep") mesh: stage 0's ranks hand on the
+    4 streams and the token ids, stage 1's layer 0 (hash-routed) reads the ids, its experts sharded over its 2 ranks;
+    each rank its own batch, each stage compiled with the moe backend."""
+    with gloo(rank, 4, tmp):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+        pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
         model, ref = _untied("deepseek_v4"), _untied("deepseek_v4")
-        ids = torch.randint(0, model.config.vocab_size, (4, SEQ), generator=torch.Generator().manual_seed(0))
+        batches = torch.randint(0, model.config.vocab_size, (2, 4, SEQ), generator=torch.Generator().manual_seed(0))
         loss = lambda logits, target: logits.float().square().mean()  # noqa: E731
+        stage = moecompile.pipeline_stage(model, pp, 2, layers=[[], [0, 1]][pp])
+        example = (batches[ep][:2],) if pp == 0 else (torch.randn(2, SEQ, 4, model.config.hidden_size),
+                                                      batches[ep][:2])  # (streams and ids)
+        moecompile.parallelize(stage, mesh, *example)
         backend = RecordingBackend(inner="aot_eager", lowering="grouped")
-        stage = moecompile.pipeline_stage(model, rank, 2, layers=[[], [0, 1]][rank])
-        run = moecompile.PipelineStage(torch.compile(stage, backend=backend), rank, 2, torch.device("cpu"))
+        run = moecompile.PipelineStage(torch.compile(stage, backend=backend), pp, 2, torch.device("cpu"),
+                                       group=mesh.get_group("pp"))
         schedule = ScheduleGPipe(run, n_microbatches=2, loss_fn=loss)
-        schedule.step(ids) if rank == 0 else schedule.step(target=ids)
-        (sum(loss(ref(half).logits, None) for half in ids.chunk(2)) / 2).backward()
+        schedule.step(batches[ep]) if pp == 0 else schedule.step(target=batches[ep])
+        (sum(loss(ref(half).logits, None) for batch in batches for half in batch.chunk(2)) / 4).backward()
         want = dict(ref.named_parameters())
         for name, p in stage.named_parameters():
-            torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        assert len(backend.report.layers) == 2 * rank and not backend.report.failures, backend.report.failures
+            grad = p.grad
+            if grad is not None and getattr(p, "_moe_sharded", False):  # (this rank's experts: all of them gathered)
+                parts = [torch.empty_like(grad) for _ in range(2)]
+                dist.all_gather(parts, grad.contiguous(), group=mesh.get_group("ep"))
+                grad = torch.cat(parts)
+            assert (grad is None) == (want[name].grad is None), name  # (the hash layer's router takes none)
+            if grad is not None:
+                torch.testing.assert_close(grad, want[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert len(backend.report.layers) == 2 * pp and not backend.report.failures, backend.report.failures
 
 
 def test_streams_and_token_ids_cross_a_pipeline_schedule(tmp_path):
-    """torch's ``ScheduleGPipe`` on 2 ranks passes a stage's (streams, token ids) on to the next and the streams'
-    gradient back: every gradient equals one process's over the two microbatches."""
-    spawn(_streams_pipeline, args=(str(tmp_path),), nprocs=2)
+    """torch's ``ScheduleGPipe`` over "pp" passes a stage's (streams, token ids) on to the next and the streams'
+    gradient back, with expert parallelism inside the stage: every gradient equals one process's over the four
+    microbatches."""
+    spawn(_streams_pipeline, args=(str(tmp_path),), nprocs=4)
