@@ -26,8 +26,9 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # (an fp4 value's magnitude by 
 def dequantized(tensors: dict, reference, path) -> tuple[dict, set[str]]:
     """``tensors`` (checkpoint key -> safetensors slice) with each quantized weight read dequantized where
     ``reference(key)`` (the model's weight the key loads into: a tensor, or None) is a float weight, and the keys
-    of its scales, which such a model does not hold, to be skipped. An ``int8`` weight is fp4 where the model's
-    last dimension is twice the stored one; otherwise it is left (and refused by the loading)."""
+    of its scales, which such a model does not hold, to be skipped. An ``int8`` weight (or safetensors' ``F4``, as
+    ``Fp4Whole``'s bytes) is fp4 where the model's last dimension is twice the stored one; otherwise it is left (and
+    refused by the loading)."""
     pairs = {}
     for key, piece in tensors.items():
         dtype = piece.get_dtype()
