@@ -36,7 +36,7 @@ from moecompile.runtime.comm.dedup import hierarchical_experts
 from moecompile.runtime.comm.exchange import resolve_group
 
 from .canonical import expert_tensors
-from .experts import in_param_dtype
+from .experts import with_param_dtype
 from .graph_utils import example, recompute_between, weight_chain
 from .report import PassReport, block
 from .sequence_shard import cut_before_router
@@ -116,7 +116,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     group_name, layer = views[0].args[2:4]
     dedup = view_arg(views[0], "dedup", "off")
     first = next(iter(local.values()))
-    spec, cast = in_param_dtype(spec, layer, example(first[0] if isinstance(first, list) else first).dtype, report)
+    spec, cast = with_param_dtype(spec, layer, example(first[0] if isinstance(first, list) else first).dtype, report)
     if e.identity_experts and e.storage != "stacked":  # (moecompile/distributed/shardable.py)
         raise NotImplementedError("identity experts run sharded with stacked experts only")
     scale = node.args[9]  # the routing weights, when they scale each expert's input (Llama 4)

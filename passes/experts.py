@@ -63,7 +63,7 @@ def compute_dtype(nodes, params) -> str:
     return str(d).removeprefix("torch.") if d.is_floating_point and d.itemsize < w.itemsize else ""
 
 
-def in_param_dtype(spec, layer: str, weights: torch.dtype, report):
+def with_param_dtype(spec, layer: str, weights: torch.dtype, report):
     """``spec`` computing its experts in the dtype ``PARAM_DTYPES`` gives the layer where it is less precise than
     their weights' (``weights``: FSDP2's bf16 over float32 expert shards), and whether it changed; the layer's record
     (in ``report``) takes the spec, and ``explain()`` shows it."""
