@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from quantize import fp8_blocks
 from ranks import gloo, spawn
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
@@ -39,19 +40,6 @@ def _fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return packed, scale.squeeze(-1).to(torch.float8_e8m0fnu), values.view(w.shape)
 
 
-def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``w`` in fp8 e4m3 with a power-of-two scale per ``BLOCK`` (the last blocks cut short): (values, scales,
-    dequantized)."""
-    grid = [-(-n // b) for n, b in zip(w.shape, BLOCK)]
-    padded = torch.zeros(grid[0] * BLOCK[0], grid[1] * BLOCK[1])
-    padded[:w.shape[0], :w.shape[1]] = w
-    scale = (padded.view(grid[0], BLOCK[0], grid[1], BLOCK[1]).abs().amax((1, 3)).clamp(min=1e-12) / 448)
-    scale = scale.log2().ceil().exp2()
-    every = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[:w.shape[0], :w.shape[1]]
-    q = (w / every).to(torch.float8_e4m3fn)
-    return q, scale.to(torch.float8_e8m0fnu), q.float() * every
-
-
 def _quantized(ref, tmp: str, f4: bool = False) -> tuple[str, str]:
     """``ref``'s checkpoint quantized as DeepSeek-V4's official one (``f4``: the fp4 bytes as safetensors' F4), and
     the same dequantized whole (what loading it must give): their two paths."""
@@ -62,7 +50,8 @@ def _quantized(ref, tmp: str, f4: bool = False) -> tuple[str, str]:
         if w.ndim != 2 or not key.endswith(".weight") or key.endswith(("embed.weight", "head.weight", "gate.weight")):
             continue
         routed = ".ffn.experts." in key
-        q, scale, state[key] = (_fp4 if routed else _fp8)(w)
+        q, scale, state[key] = _fp4(w) if routed else fp8_blocks(w, BLOCK, pow2=True)
+        scale = scale.to(torch.float8_e8m0fnu)
         if routed and f4:
             q = q.view(torch.float4_e2m1fn_x2)
         stored[key], stored[key[:-len("weight")] + "scale"] = q, scale

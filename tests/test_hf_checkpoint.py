@@ -48,6 +48,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from quantize import fp8_blocks
 from ranks import gloo, spawn
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
@@ -143,17 +144,8 @@ def _fp8(ref, tmp: str, rank: int, block=(8, 8), ue8m0=False) -> tuple[str, str]
         for key, w in list(state.items()):
             if w.ndim != 2 or key.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight")):  # (as is)
                 continue
-            grid = [-(-n // b) for n, b in zip(w.shape, block)]
-            padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
-            padded[:w.shape[0], :w.shape[1]] = w
-            scale = padded.view(grid[0], block[0], grid[1], block[1]).abs().amax((1, 3)).clamp(min=1e-12) / 448
-            scale = scale.log2().ceil().exp2() if ue8m0 else scale
-            every = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-            q = (padded / every).to(torch.float8_e4m3fn)
-            fp8[key], fp8[f"{key}_scale_inv"] = q[:w.shape[0], :w.shape[1]], scale
-            if ue8m0:
-                fp8[f"{key}_scale_inv"] = (scale.log2() + 127).to(torch.uint8)
-            state[key] = (q.float() * every)[:w.shape[0], :w.shape[1]]
+            fp8[key], scale, state[key] = fp8_blocks(w, block, pow2=ue8m0)
+            fp8[f"{key}_scale_inv"] = (scale.log2() + 127).to(torch.uint8) if ue8m0 else scale
         save_file(state, f"{dequantized}/model.safetensors", metadata={"format": "pt"})
         ref.save_pretrained(quantized)
         save_file({**state, **fp8}, f"{quantized}/model.safetensors", metadata={"format": "pt"})
