@@ -150,6 +150,15 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked, ModuleList
         again = set()  # gathered weights whose uses up to the experts are computed again in backward
+        for role, w in weights.items():  # a "dp_shard" copy's pieces, gathered (moecompile/distributed/copies.py)
+            group = view_arg(_view(w), "copy_group", "") if _view(w) is not None else ""
+            if group:  # (the cut dimension, the one the piece lacks, gathered as dim 0; backward reduce-scatters)
+                piece, whole = example(local[role]).shape, view_arg(_view(w), "full_shape")
+                d = next(d for d in range(1, len(whole)) if piece[d] != whole[d])
+                gathered = torch.ops.moe.domain_gather(mine[role].transpose(0, d), group, layer)
+                gathered.node.meta["moe_reshard"] = reshard = view_arg(_view(w), "reshard", False)
+                again |= {gathered.node} if reshard else set()
+                mine[role] = gathered.transpose(0, d).contiguous()
         if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked, flat and ModuleList experts)
             if e.identity_experts:  # the experts' rows gathered, the spare gate_up rows left (shardable.py)
                 mine = {r: p[:own] for r, p in mine.items()}

@@ -349,7 +349,8 @@ def _bad_input(mesh):
              ({"expert_domains": "auto"}, "'auto' sizes each layer's domains .* pass link_model="),
              ({"expert_domains": {"node": 2}, "compress": 1.5}, r"compress=1.5: .* must be in \(0, 1\]"),
              ({"compress": 0.1}, "compress=0.1 compresses the experts an expert domain gathers"),
-             ({"reshard_after_forward": True}, "frees the exact copies an expert domain gathers: give expert_domains"),
+             ({"reshard_after_forward": True}, "frees the exact copies an expert domain .or a 'dp_shard' mesh "
+                                               "dimension's copies. gathers: give expert_domains"),
              ({"expert_domains": {"node": 2}, "compress": 0.5, "reshard_after_forward": True}, "with compress is not"),
              ({"expert_domains": {"node": 2}, "reshard_after_forward": "yes"}, "'yes': give True"),
              ({"expert_domains": {"node": 2}, "dedup": "node"}, "expert_domains with dedup is not built"),

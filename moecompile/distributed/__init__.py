@@ -6,6 +6,7 @@
                           ``moecompile.PipelineStage``: torch's, the stage's gradients reduced once a step
     find_blocks.py        parallelize's detection: the MoE blocks traced alone (the whole model where it must)
     mesh.py               mesh level names, the process groups of each collective kind (made once, with timeouts)
+    copies.py             a ``"dp_shard"`` mesh dimension: each copy's ranks hold pieces of its experts' weights
     views.py              how a module reads the expert weights it no longer holds whole (while Dynamo traces)
     grads.py              data-parallel gradients of the parameters that are not sharded, the experts' divisors,
                           ``moecompile.no_sync`` (gradient accumulation without the reductions)

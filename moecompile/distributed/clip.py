@@ -7,7 +7,8 @@ the dense weights drift apart from the first step (a tiny Mixtral on 2 ranks: no
 process has 3.16). Here the norm is made of three parts:
 
     expert weights held here       (``expert_parameters``) summed over the expert-parallel group, each expert
-                                   held once in it (a ``"dp_replicate"`` copy is another group's)
+                                   held once in it (a ``"dp_replicate"`` copy is another group's; the pieces
+                                   of a ``"dp_shard"`` copy summed over the copies too)
     tensor-parallel / FSDP2 weights their gradients are DTensors: each group of the same mesh and placements
                                    reduced by DTensor, as torch's clip does for FSDP2
     every other weight             replicated, its gradient the same on every rank after backward: counted once
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .grads import check_reduced
-from .mesh import pipeline_group
+from .copies import pieces
+from .mesh import pipeline_group, replicate_group
 from .views import expert_parameters
 
 
@@ -56,20 +58,23 @@ def clip_grad_norm_(model: nn.Module | list[nn.Module], max_norm: float, norm_ty
                          "are summed over the instances by moecompile.ExpertOptimizer; clip with its "
                          "opt.clip_grad_norm_(max_norm) instead")
     experts = {id(p) for part in parts for p in expert_parameters(part)}
+    split = {id(p) for part in parts for p in pieces(part)}  # ("dp_shard": held once over the copies too)
     with_grad = [p for part in parts for p in part.parameters() if p.grad is not None]
     return clip_together([p.grad for p in with_grad if id(p) not in experts],
-                         [p.grad for p in with_grad if id(p) in experts], infos[0].group, max_norm, norm_type,
-                         error_if_nonfinite, stages=pipeline_group(infos[0].mesh))
+                         [p.grad for p in with_grad if id(p) in experts and id(p) not in split], infos[0].group,
+                         max_norm, norm_type, error_if_nonfinite, stages=pipeline_group(infos[0].mesh),
+                         split=([p.grad for p in with_grad if id(p) in split], replicate_group(infos[0].mesh)))
 
 
 @torch.no_grad()
 def clip_together(once: list[torch.Tensor], summed: list[torch.Tensor], group, max_norm: float,
-                  norm_type: float = 2.0, error_if_nonfinite: bool = False, stages=None) -> torch.Tensor:
+                  norm_type: float = 2.0, error_if_nonfinite: bool = False, stages=None, split=None) -> torch.Tensor:
     """Scale ``once`` and ``summed`` so that their total norm is at most ``max_norm``; returns that norm (float32,
     the same on every rank of ``group``). ``once``: gradients the same on every rank (plain tensors, counted once)
     or DTensors (whole by DTensor, per mesh and placements); ``summed``: this rank's part of gradients held once over
     ``group`` (expert shards; ``ExpertOptimizer``'s master parts). Every rank of ``group`` calls it together.
-    ``stages``: under pipeline stages, one rank of each stage (each stage's norm is its part of the model's)."""
+    ``stages``: under pipeline stages, one rank of each stage (each stage's norm is its part of the model's);
+    ``split``: (gradients of pieces held once over ``group`` and over the copies, the copies' group)."""
     norm_type = float(norm_type)
     if not (norm_type > 0 or norm_type == math.inf):  # (nan is neither)
         raise ValueError(f"norm_type must be a positive number or inf; got {norm_type!r}")
@@ -79,11 +84,17 @@ def clip_together(once: list[torch.Tensor], summed: list[torch.Tensor], group, m
             by_mesh.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
         else:
             plain.append(g)
-    grads = summed + once
+    pieces, copies = split if split is not None and split[0] else ([], None)
+    grads = summed + once + pieces
     device = next((g.device for g in grads if g.device.type != "cpu"), torch.device("cpu"))
     # the summed part on the device of the model (NCCL reduces no CPU tensor; host parts' norms are moved there)
     mine = _norm(summed, norm_type, device)
     parts = [_norm(plain, norm_type, device)] + [_norm(same, norm_type, device) for same in by_mesh.values()]
+    if pieces:  # ("dp_shard") each copy's rank holds another piece of the same experts: summed over them first
+        split_norm = _norm(pieces, norm_type, device) ** (1.0 if norm_type == math.inf else norm_type)
+        dist.all_reduce(split_norm, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=copies)
+        mine = torch.maximum(mine, split_norm) if norm_type == math.inf else (mine ** norm_type + split_norm) ** (
+            1.0 / norm_type)
     if norm_type == math.inf:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
         total = torch.stack(parts + [mine]).max()

@@ -29,7 +29,7 @@ from moecompile.runtime.comm import hybrid, stream
 from moecompile.runtime.comm.exchange import register_group_kind
 from moecompile.runtime.comm.levels import kind
 
-from .mesh import ep_group, ep_groups, ep_shape, level_names
+from .mesh import copies_split, ep_group, ep_groups, ep_shape, level_names
 
 
 @dataclass
@@ -80,9 +80,9 @@ def check(expert_domains, compress, reshard, mesh, link_model=None, **others) ->
     if not isinstance(reshard, bool):
         raise ValueError(f"reshard_after_forward={reshard!r}: give True (free the gathered experts after forward and "
                          "gather them again in backward) or False (keep them for backward)")
-    if reshard and expert_domains is None:
-        raise ValueError("reshard_after_forward=True frees the exact copies an expert domain gathers: give "
-                         "expert_domains too")
+    if reshard and expert_domains is None and not copies_split(mesh):
+        raise ValueError("reshard_after_forward=True frees the exact copies an expert domain (or a 'dp_shard' mesh "
+                         "dimension's copies) gathers: give expert_domains or a 'dp_shard' dimension too")
     if reshard and compress is not None:
         raise ValueError("reshard_after_forward=True with compress is not built: compressed domains keep only the "
                          "residual pairs for backward and decode them again there; drop one of them")

@@ -11,6 +11,8 @@ process training on all of them would.
 
 Experts held by several ranks (a mesh's ``"dp_replicate"`` dimension: each expert-parallel group holds every
 expert) are held back the same way and summed over those ranks, then divided by the copies times their divisor.
+Under ``"dp_shard"`` each rank holds a piece of its copy's weights, whose gradient the gather's backward already
+summed over the copies (``copies.py``): divided only.
 Inside ``no_sync`` (gradient accumulation, as DDP's) the held-back gradients wait, summed, for the first backward
 after it, which reduces them all at once.
 
@@ -73,9 +75,9 @@ class GradientSync:
             if n not in self.expert_divisors:
                 if self.replicated is not None:
                     self.replicated.add(p, self.size)
-            elif self.experts is not None and not getattr(p, "_moe_replicated", False):
+            elif self.experts is not None and not getattr(p, "_moe_replicated", False) and not _split(self.model, n):
                 self.experts.add(p, self.copies * self.expert_divisors[n])
-            elif self.copies * self.expert_divisors[n] > 1:  # (a replicated expert's slots: see above)
+            elif self.copies * self.expert_divisors[n] > 1:  # (a replicated expert's slots: see above; a piece)
                 divisor = self.copies * self.expert_divisors[n]
                 p.register_hook(lambda grad, d=divisor: None if grad is None else grad / d)
         self.late += added
@@ -320,6 +322,13 @@ def _fsdp_held(model: nn.Module) -> set[int]:
 
     walk(model, False)
     return held
+
+
+def _split(model: nn.Module, name: str) -> bool:
+    """Whether expert weight ``name`` is this rank's piece of its copy's (``copies.py``): its gradient is already
+    summed over the copies (the gather's backward reduce-scatters it), to be divided only."""
+    module_name, _, attr = name.rpartition(".")
+    return attr in getattr(model.get_submodule(module_name), "_moe_cuts", {})
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:

@@ -15,7 +15,8 @@ whole world, in rank order (a mesh of some ranks only is refused). A dimension n
 same experts (expert data parallelism, as Megatron's and torchtitan's expert-parallel degree below the world
 size): the experts are sharded over the other dimensions (the expert-parallel group, ``setup_mesh``'s group: one
 per index of ``"dp_replicate"``), each rank exchanges rows only inside its group, and the experts' gradients are
-averaged over ``"dp_replicate"`` (``replicate_group``). An outermost dimension named ``"pp"`` holds pipeline
+averaged over ``"dp_replicate"`` (``replicate_group``); named ``"dp_shard"`` instead, the copies' ranks each hold a
+piece of its copy's expert weights (``copies.py``). An outermost dimension named ``"pp"`` holds pipeline
 stages: each index holds another part of the model (its stage module), whose experts are sharded over the other
 dimensions (``setup_mesh``'s group again, the stage's ranks); nothing is reduced or checked across stages but the
 gradient norm of ``clip_grad_norm_`` (``pipeline_group``), and the state_dict's DTensors live on the stage's
@@ -37,6 +38,8 @@ _GROUPS: dict[tuple, tuple] = {}
 
 TP = "tp"  # the mesh dimension of tensor parallelism: its ranks' MoE-block inputs are identical
 REPLICATE = "dp_replicate"  # the outermost mesh dimension whose ranks hold the same experts
+SHARD = "dp_shard"  # as REPLICATE, each of its ranks holding a part of each weight (FSDP over the copies)
+COPIES = (REPLICATE, SHARD)
 STAGES = "pp"  # the outermost mesh dimension whose ranks hold different parts of the model (pipeline stages)
 
 
@@ -77,10 +80,21 @@ def tp_groups(mesh):
     return _group(mesh, (d,)), dp_group, _group(mesh, copy) if copy != dp else dp_group
 
 
+def copies_name(mesh) -> str | None:
+    """The name of the mesh's dimension of expert copies (``"dp_replicate"`` or ``"dp_shard"``), or None."""
+    return next((name for name in _outers(mesh) if name in COPIES), None)
+
+
 def expert_copies(mesh) -> int:
-    """The size of the mesh's ``"dp_replicate"`` dimension (1 without one): how many copies of each expert."""
-    outers = _outers(mesh)
-    return mesh.shape[outers.index(REPLICATE)] if REPLICATE in outers else 1
+    """The size of the mesh's ``"dp_replicate"`` (or ``"dp_shard"``) dimension (1 without one): how many copies of
+    each expert."""
+    name = copies_name(mesh)
+    return mesh.shape[_outers(mesh).index(name)] if name else 1
+
+
+def copies_split(mesh) -> bool:
+    """Whether the copies of each expert split its weights over their ranks (a ``"dp_shard"`` dimension)."""
+    return copies_name(mesh) == SHARD
 
 
 def stage_group(mesh):
@@ -105,21 +119,24 @@ def describe(mesh, world: int, copies: int) -> str:
     """The first line of ``ParallelInfo``'s report."""
     where = f", the ranks of index {mesh.get_local_rank(STAGES)} of {STAGES!r} (a pipeline stage's)" if _staged(
         mesh) else ""
+    split = f"{SHARD!r}: its weights split over them, gathered where the layer runs, its gradient reduce-scattered"
+    how = split if copies_split(mesh) else f"{REPLICATE!r}: its gradient averaged over them"
     return f"expert parallelism over {world} rank(s){where}" + (
-        f", each expert on {copies} ranks ({REPLICATE!r}: its gradient averaged over them)" if copies > 1 else "") + ":"
+        f", each expert on {copies} ranks ({how})" if copies > 1 else "") + ":"
 
 
 def replicate_group(mesh):
-    """This rank's group of the ranks holding the same experts (differing only in ``"dp_replicate"``), or None."""
-    outers = _outers(mesh)
-    return _group(mesh, (outers.index(REPLICATE),)) if REPLICATE in outers else None
+    """This rank's group of the ranks holding the same experts (differing only in ``"dp_replicate"`` or
+    ``"dp_shard"``), or None."""
+    name = copies_name(mesh)
+    return _group(mesh, (_outers(mesh).index(name),)) if name else None
 
 
 def replicate_groups(mesh) -> list[list[int]]:
-    """Every group of ranks holding the same experts (differing only in ``"dp_replicate"``; global ranks, in
-    order), or [] without that dimension."""
-    outers = _outers(mesh)
-    return levels.partition(mesh.mesh, (outers.index(REPLICATE),)) if REPLICATE in outers else []
+    """Every group of ranks holding the same experts (differing only in ``"dp_replicate"`` or ``"dp_shard"``;
+    global ranks, in order), or [] without that dimension."""
+    name = copies_name(mesh)
+    return levels.partition(mesh.mesh, (_outers(mesh).index(name),)) if name else []
 
 
 def ep_groups(mesh) -> list[list[int]]:
@@ -136,9 +153,9 @@ def ep_shape(mesh) -> tuple[int, ...]:
 
 def _outers(mesh) -> tuple[str, ...]:
     """The mesh's outer dimensions: ``("pp", "dp_replicate")``, ``("pp",)``, ``("dp_replicate",)`` or ``()``
-    (the names its first dimensions have, in that order)."""
+    (the names its first dimensions have, in that order; ``"dp_shard"`` where ``"dp_replicate"`` would be)."""
     names = tuple(mesh.mesh_dim_names or ())
-    for outers in ((STAGES, REPLICATE), (STAGES,), (REPLICATE,)):
+    for outers in ((STAGES, REPLICATE), (STAGES, SHARD), (STAGES,), (REPLICATE,), (SHARD,)):
         if names[:len(outers)] == outers:
             return outers
     return ()
@@ -169,9 +186,14 @@ def _check_mesh(mesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
     offset = _offset(mesh)
-    for outer, size in ((REPLICATE, "copies"), (STAGES, "stages")):
+    if REPLICATE in names and SHARD in names:
+        raise ValueError(f"a mesh with both {REPLICATE!r} and {SHARD!r} (copies of the experts kept whole over one, "
+                         f"split over the other) is not supported yet; got {names}: name the copies' dimension "
+                         f"{SHARD!r} (each rank holds a part of its copy's experts) or {REPLICATE!r} (each holds them "
+                         "whole)")
+    for outer, size in ((REPLICATE, "copies"), (SHARD, "copies"), (STAGES, "stages")):
         if outer in names[offset:]:
-            after = f", or right after {STAGES!r}" if outer == REPLICATE else ""
+            after = f", or right after {STAGES!r}" if outer in COPIES else ""
             raise ValueError(f"mesh dimension {outer!r} must come first (outermost{after}: the expert-parallel "
                              f"groups are consecutive ranks); got {names}: e.g. init_device_mesh(device, ({size}, "
                              f"nodes, gpus_per_node), mesh_dim_names=({outer!r}, 'node', 'local'))")

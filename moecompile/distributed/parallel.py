@@ -29,7 +29,6 @@ both eagerly and while Dynamo traces; plain local shards behind a global-shaped 
 from __future__ import annotations
 
 import functools
-import hashlib
 
 import torch
 import torch.distributed as dist
@@ -38,6 +37,7 @@ from torch import nn
 import moecompile.runtime.comm.ops  # noqa: F401  (registers moe::ep_global_view)
 from moecompile.runtime.stats import recording_routing
 
+from . import copies as copies_mod
 from . import domains as domains_mod
 from . import meta as meta_mod
 from . import moe_tp as moe_tp_mod
@@ -49,7 +49,7 @@ from .mesh import (check_dedup, describe, ep_shape, expert_copies, level_names, 
                    stage_group)
 from moecompile.runtime.placement.replication import check_slots
 from .replicate import check_options, replicable, replicate_layer, setup as replicate_setup
-from .shardable import expert_tensors, identity_shard, identity_slots, rows_home, unshardable
+from .shardable import check_ranks_agree, expert_tensors, identity_shard, identity_slots, rows_home, unshardable
 from .sharded_state import DOMAIN_SLOTS, SLOTS, experts_module, global_state, list_prefix, local_state
 from .views import guard_owned, leave_out_of_fsdp, read_remote, read_through_view, refuse_ddp
 
@@ -90,6 +90,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     domains = domains_mod.check(expert_domains, *gathers, mesh, link_model, dedup=dedup != "off",
                                 swap_every=bool(swap_every), replication=replication != "off", moe_tp=tp is not None)
     domains = domains_mod.prepare(mesh, domains, *gathers)  # its Domains, None or "auto"
+    split = copies_mod.setup(mesh, reshard_after_forward, expert_domains=domains is not None, replication=replication
+                             != "off", moe_tp=moe_tp in ("ted", "auto") and tp is not None)  # ("dp_shard": copies.py)
     check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     device = meta_mod.check(model, mesh, dedup, domains, replication)  # a model built on meta: its device (meta.py)
@@ -110,7 +112,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             continue
         plans.append((rec, {role: [names[id(p)] for p in w] if isinstance(w, list) else names[id(w)]
                             for role, w in rec.expert_weights.items()}))
-    _check_ranks_agree(model, plans, stage_group(mesh))  # every rank (the copies of each expert too) or the stage's
+    check_ranks_agree(model, plans, stage_group(mesh))  # every rank (the copies of each expert too) or the stage's
     _choose_dedup([rec for rec, _ in plans], dedup, link, routing, mesh, group)
     if replication != "off":  # every layer's slots checked before any layer changes
         for rec, params in plans:
@@ -153,7 +155,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             held = ted.shard(model, rec, params, mesh, tp)
         else:
             layer_domains = domains_mod.setup(mesh, rec.domain_sizes, *gathers) if domains == "auto" else domains
-            held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, layer_domains)
+            held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, layer_domains, split)
             if domains == "auto":
                 rec.sharding += "; " + rec.domain_reason
         divisors.update(dict.fromkeys(held, _divisor(tp, rec.moe_tp, world, copies)))
@@ -263,33 +265,8 @@ def _choose_by_time(records, link, routing: dict, mesh, group) -> None:
                             ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in times.items()))
 
 
-def _check_ranks_agree(model: nn.Module, plans, group) -> None:
-    """The same layers found, the same weights held and the same ones trained on every rank, else ValueError."""
-    digest = hashlib.sha256()
-    for rec, params in plans:
-        digest.update(f"{rec.path}|{rec.spec}|{sorted(params.items())}".encode())
-    for name, p in model.state_dict().items():
-        digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
-        if hasattr(p, "full_tensor"):  # a DTensor (tensor parallelism): the whole weight, not this rank's shard
-            p = p.full_tensor()
-        if p.is_floating_point() and not p.is_meta:  # (a model built on meta: shapes only)
-            digest.update(repr(float(p.detach().sum(dtype=torch.float64))).encode())  # no float64 copy of p
-    trained = sorted(name for name, p in model.named_parameters() if p.requires_grad)
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (digest.hexdigest(), hashlib.sha256(repr(trained).encode()).hexdigest()), group=group)
-    differ = [i for i, d in enumerate(every) if d[0] != every[0][0]]
-    if differ:
-        raise ValueError(f"ranks {differ} hold a different model than rank 0 (other MoE layers, shapes or weights): "
-                         "build the same model with the same seed on every rank (torch.manual_seed(s) before "
-                         "creating it) before moecompile.parallelize")
-    differ = [i for i, d in enumerate(every) if d[1] != every[0][1]]
-    if differ:  # (each rank's gradient reductions would differ in size: a hang or an error in backward)
-        raise ValueError(f"ranks {differ} train other parameters than rank 0 (requires_grad differs): freeze the same "
-                         "parameters on every rank before moecompile.parallelize")
-
-
-def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, slots=None, tp=None, domains=None
-                 ) -> set[str]:
+def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, slots=None, tp=None, domains=None,
+                 split=None) -> set[str]:
     """Keep this rank's experts of one layer; returns the names of the expert parameters it still holds."""
     dedup, E = rec.dedup, rec.spec.experts.num_experts
     views = moe_tp_mod.view_args(rec.moe_tp, tp)  # the views' moe_tp and tp_group
@@ -299,7 +276,7 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
         held = _shard_module_list(model, params, mine, group, rec.path, dedup, slots, views, domains, E)
     else:
         held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots, views, domains, E,
-                              rec.spec.experts.identity_experts)
+                              rec.spec.experts.identity_experts, split and split.for_layer(rec.spec.experts))
     names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
     listed = names if len(names) <= 4 else names[:2] + [f"... {len(names)} in all"]
     how = "one row per (token, expert)" if dedup == "off" else (
@@ -314,6 +291,8 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
             rec.sharding += f"; {rec.moe_tp_choice}"
     if domains is not None:
         rec.sharding += "; " + domains.describe()
+    if split is not None:
+        rec.sharding += "; " + split.describe(model, held, isinstance(next(iter(params.values())), list))
     if slots is not None:
         rec.sharding += "; experts swap ranks during training (swap_every)"
     elif getattr(rec, "shard_note", None):
@@ -329,7 +308,7 @@ def _swapped_tensors(model, params: dict, held: set[str]) -> list:
 
 
 def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, layer, dedup, slots, views,
-                   domains=None, num_experts=0, identity=0) -> set[str]:
+                   domains=None, num_experts=0, identity=0, split=None) -> set[str]:
     """Stacked ``[E, ...]`` weights, or flat ``[E * R, ...]`` ones (R rows per expert): each rank keeps its
     consecutive 1 / world of dim 0 (its E / world experts). With ``domains`` the module reads them through views
     of its domain (gathered) and exchange groups."""
@@ -345,6 +324,7 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
             rows = identity_shard(full.detach(), num_experts, rank, world)
             module.__dict__.setdefault("_moe_row_slots", {})[attr] = functools.partial(  # (after swaps too)
                 identity_slots, num_experts, full.shape[0], world, device=full.device)
+        rows = split.cut(module, attr, rows, role) if split is not None else rows  # ("dp_shard": this rank's piece)
         shard = nn.Parameter(rows.clone(), full.requires_grad)
         shard._moe_sharded = True
         module._parameters[attr] = shard

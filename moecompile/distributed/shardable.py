@@ -23,7 +23,10 @@ not replicate its experts (the replicas' slots hold ``[E, ...]`` weights).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 CAPACITY = "its expert capacity drops rows on each rank before the exchange, which sends the kept ones"
@@ -84,3 +87,28 @@ def expert_tensors(rec):
     """Every expert weight of a layer record (a role holds one tensor, or a ModuleList's one per expert)."""
     for w in rec.expert_weights.values():
         yield from w if isinstance(w, list) else [w]
+
+
+def check_ranks_agree(model: nn.Module, plans, group) -> None:
+    """The same layers found, the same weights held and the same ones trained on every rank, else ValueError."""
+    digest = hashlib.sha256()
+    for rec, params in plans:
+        digest.update(f"{rec.path}|{rec.spec}|{sorted(params.items())}".encode())
+    for name, p in model.state_dict().items():
+        digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        if hasattr(p, "full_tensor"):  # a DTensor (tensor parallelism): the whole weight, not this rank's shard
+            p = p.full_tensor()
+        if p.is_floating_point() and not p.is_meta:  # (a model built on meta: shapes only)
+            digest.update(repr(float(p.detach().sum(dtype=torch.float64))).encode())  # no float64 copy of p
+    trained = sorted(name for name, p in model.named_parameters() if p.requires_grad)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (digest.hexdigest(), hashlib.sha256(repr(trained).encode()).hexdigest()), group=group)
+    differ = [i for i, d in enumerate(every) if d[0] != every[0][0]]
+    if differ:
+        raise ValueError(f"ranks {differ} hold a different model than rank 0 (other MoE layers, shapes or weights): "
+                         "build the same model with the same seed on every rank (torch.manual_seed(s) before "
+                         "creating it) before moecompile.parallelize")
+    differ = [i for i, d in enumerate(every) if d[1] != every[0][1]]
+    if differ:  # (each rank's gradient reductions would differ in size: a hang or an error in backward)
+        raise ValueError(f"ranks {differ} train other parameters than rank 0 (requires_grad differs): freeze the same "
+                         "parameters on every rank before moecompile.parallelize")

@@ -1,10 +1,10 @@
 """The state_dict of a layer ``moecompile.parallelize`` sharded: each stacked (or flat) expert weight as a DTensor
-``Shard(0)`` over the mesh (``Replicate`` over its ``"dp_replicate"`` dimension), in expert order (its global
-``[E, ...]`` or ``[E * R, ...]`` identity, for ``torch.distributed.checkpoint``), and back on load (a DTensor of
-this mesh, one of another layout gathered
-whole, or a full tensor). A layer that swaps
-experts holds its rows in slot order: they are exchanged to expert order for the state_dict and back on load.
-The optimizer state of those weights likewise (``get_optimizer_state_dict``, ``set_optimizer_state_dict``).
+``Shard(0)`` over the mesh (``Replicate`` over its ``"dp_replicate"`` dimension, ``Shard(1)`` over ``"dp_shard"``:
+``copies.py``), in expert order (its global ``[E, ...]`` or ``[E * R, ...]`` identity, for
+``torch.distributed.checkpoint``), and back on load (a DTensor of this mesh, one of another layout gathered whole,
+or a full tensor). A layer that swaps experts holds its rows in slot order: they are exchanged to expert order for
+the state_dict and back on load. The optimizer state of those weights likewise (``get_optimizer_state_dict``,
+``set_optimizer_state_dict``).
 """
 
 from __future__ import annotations
@@ -16,29 +16,31 @@ import torch.distributed as dist
 
 from moecompile.runtime.layouts import contiguous_stride
 
-from . import ted
+from . import copies, ted
 from .gather import whole_on
-from .mesh import REPLICATE, stage_group, state_mesh
+from .mesh import stage_group, state_mesh
 
 SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
 DOMAIN_SLOTS = "moe_domain_slots"  # expert domains: each expert's slot in the exchange group's gathered order
 
 
-def to_global(local, total: int, slots, mesh, group):
-    """This rank's shard (slot order when ``slots``) as the DTensor ``Shard(0)`` of the global ``[total, ...]``
-    tensor in expert order (every rank calls it together), on ``mesh`` (a pipeline stage's sub-mesh under "pp")."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def to_global(local, total: int, held, mesh, group):
+    """This rank's shard of weight ``held`` (module, name: its placement's slot order, its piece of its copy's:
+    ``copies.py``) as the DTensor ``Shard(0)`` of the global ``[total, ...]`` tensor in expert order (every rank
+    calls it together), on ``mesh`` (a pipeline stage's sub-mesh under "pp"; ``Shard(1)`` over ``"dp_shard"``)."""
+    from torch.distributed.tensor import DTensor
 
-    mesh = state_mesh(mesh)
-    local = _placed(local, slots, group, to_slots=False)
-    shape = (total, *local.shape[1:])
-    placements = [Replicate() if name == REPLICATE else Shard(0) for name in mesh.mesh_dim_names or [None]]
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
+    mesh, cut = state_mesh(mesh), copies.cut_of(*held)
+    local = _placed(local, row_slots(*held), group, to_slots=False)
+    shape = copies.whole_shape((total, *local.shape[1:]), cut)
+    return DTensor.from_local(local, mesh, copies.placements(mesh, cut), run_check=False, shape=shape,
+                              stride=contiguous_stride(shape))
 
 
-def to_local(value, total: int, slots, mesh, rank, group):
-    """This rank's shard (slot order when ``slots``) of ``value``: a DTensor of this mesh, one of another layout
-    (gathered whole), a full ``[total, ...]`` tensor, or this rank's rows; anything else (a scalar) as it is."""
+def to_local(value, total: int, held, mesh, rank, group):
+    """This rank's shard of weight ``held`` (as ``to_global``'s) from ``value``: a DTensor of this mesh, one of
+    another layout (gathered whole), a full ``[total, ...]`` tensor, or this rank's rows; anything else (a scalar)
+    as it is."""
     from torch.distributed.tensor import DTensor
 
     per_rank, mesh = total // group.size(), state_mesh(mesh)
@@ -46,8 +48,9 @@ def to_local(value, total: int, slots, mesh, rank, group):
         value = value.to_local() if value.device_mesh == mesh else value.full_tensor()
     if isinstance(value, torch.Tensor) and value.shape[:1] == (total,):  # a full tensor: this rank's rows
         value = value[rank * per_rank:(rank + 1) * per_rank]
+    value = copies.mine(value, copies.cut_of(*held))  # (its copy's whole shard: this rank's piece)
     if isinstance(value, torch.Tensor) and value.shape[:1] == (per_rank,):  # rows: into this rank's placement
-        return _placed(value, slots, group, to_slots=True)
+        return _placed(value, row_slots(*held), group, to_slots=True)
     return value  # anything else (Adam's step count) as it is
 
 
@@ -63,8 +66,7 @@ def global_state(rows: dict[str, int], mesh, group):
     """``rows``: each sharded weight's name and global dim 0 (E, or E x R for flat weights)."""
     def hook(module, state_dict, prefix, local_metadata):
         for attr, total in rows.items():
-            state_dict[prefix + attr] = to_global(state_dict[prefix + attr], total, row_slots(module, attr), mesh,
-                                                  group)
+            state_dict[prefix + attr] = to_global(state_dict[prefix + attr], total, (module, attr), mesh, group)
     return hook
 
 
@@ -73,7 +75,7 @@ def local_state(rows: dict[str, int], mesh, rank, group):
         for attr, total in rows.items():
             key = prefix + attr
             if key in state_dict:
-                state_dict[key] = to_local(state_dict[key], total, row_slots(module, attr), mesh, rank, group)
+                state_dict[key] = to_local(state_dict[key], total, (module, attr), mesh, rank, group)
     return hook
 
 
@@ -192,8 +194,8 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
             shard = part.get_parameter(fqn)
             for key, value in state.get(fqn, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == shard.shape:
-                    state[fqn][key] = to_global(value, total, row_slots(module, fqn.rpartition(".")[2]), info.mesh,
-                                                info.group)
+                    held = (module, fqn.rpartition(".")[2])
+                    state[fqn][key] = to_global(value, total, held, info.mesh, info.group)
         for fqn, how in ted.parameters(part).items():  # tensor-expert parallel: whole along I, as the weight
             shard = part.get_parameter(fqn)
             for key, value in state.get(fqn, {}).items():
@@ -258,7 +260,7 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     for part in parts:
         for fqn, (total, module) in sharded_parameters(part).items():
             for key, value in state.get(fqn, {}).items():
-                state[fqn][key] = to_local(value, total, row_slots(module, fqn.rpartition(".")[2]), info.mesh, rank,
+                state[fqn][key] = to_local(value, total, (module, fqn.rpartition(".")[2]), info.mesh, rank,
                                            info.group)
         for fqn, how in ted.parameters(part).items():
             for key, value in state.get(fqn, {}).items():

@@ -1,0 +1,139 @@
+"""Expert copies split over their ranks: a mesh's outermost ``"dp_shard"`` dimension (FSDP over the copies of the
+experts, torchtitan's ``dp_shard_mod_ep``; ``"dp_replicate"`` keeps each copy whole).
+
+As under ``"dp_replicate"``, each index of ``"dp_shard"`` is one expert-parallel group holding every expert once
+(E / group experts a rank) and rows are exchanged only inside it; but the ``R`` ranks holding the same experts (one
+per index) each keep 1 / R of each of those weights: a stacked ``[E_l, A, B]`` (or flat ``[E_l x F, H]``) shard is
+cut along its dimension 1 (2 for a fused gate/up weight ``[E_l, 2I, H]``: a checkpoint concatenates its gate and up
+along 2I), rank ``s`` of the copies keeping ``[:, s A / R:(s + 1) A / R]``. Parameters, gradients and optimizer
+state are 1 / R of the copy's. Where the layer runs, the ``distribute`` pass all-gathers the pieces over the copies
+(``moe.domain_gather`` of the piece transposed, so that the cut dimension is gathered: its backward reduce-scatters
+the gradient, the sum over the copies of each piece); with ``reshard_after_forward=True`` the
+gathered weights are not kept from forward to backward (gathered again there), as FSDP2's default. Both gathers
+start ahead of the layer (``distribute._start_gathers_early``). The pieces' gradients are then divided as
+``"dp_replicate"``'s averaged ones are (``grads.py``): the mean loss's gradient.
+
+A weight none of whose dimensions after the experts' the copies divide (a fused gate/up bias: only 2I), or with one
+dimension (a per-expert scale), stays whole on each copy and is averaged as under ``"dp_replicate"``; so do
+``nn.ModuleList`` experts (each an ``nn.Linear`` of its own: not cut). The state_dict gives a cut weight (and its
+optimizer state) as the DTensor ``Shard(d)`` (its cut dimension) over ``"dp_shard"`` and ``Shard(0)`` over the
+expert-parallel dimensions: ``torch.distributed.checkpoint`` saves each
+piece once and loads on any layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from .mesh import COPIES, REPLICATE, SHARD, copies_split, expert_copies, replicate_group
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """How one weight is split over its copies: along ``dim``, ``parts`` pieces of ``size``, this rank's the
+    ``index``-th; ``group``: the copies' process group's name (the distribute pass gathers over it); ``reshard``:
+    gathered again in backward (``reshard_after_forward``)."""
+    dim: int
+    parts: int
+    index: int
+    size: int
+    group: str
+    reshard: bool = False
+
+    def piece(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``whole`` (its copy's shard, or the same shaped optimizer state)."""
+        return whole.narrow(self.dim, self.index * self.size, self.size)
+
+
+class Split:
+    """The copies of a ``"dp_shard"`` mesh (``setup``): ``cut`` keeps this rank's piece of a shard."""
+
+    def __init__(self, mesh, reshard: bool):
+        self.group = replicate_group(mesh)
+        self.parts, self.index, self.reshard = expert_copies(mesh), dist.get_rank(self.group), reshard
+        self.up_transposed = False  # (the layer's: ``for_layer``)
+
+    def for_layer(self, experts) -> Split:
+        """This split for a layer of expert spec ``experts`` (where its fused gate/up weight holds 2I)."""
+        out = copy.copy(self)
+        out.up_transposed = experts.up_transposed
+        return out
+
+    def cut(self, module, attr: str, rows: torch.Tensor, role: str) -> torch.Tensor:
+        """This rank's piece of ``rows`` (the copy's shard of ``module``'s weight ``attr`` of ``role``, noted as
+        ``_moe_cuts``), cut along the first dimension after the experts' that the copies divide, but a fused
+        gate/up weight's 2I (a checkpoint's gate and up weights are concatenated along it: a piece of each would
+        not be a piece of the whole); ``rows`` where none is (a 1-D weight, a fused bias)."""
+        fused = (2 if self.up_transposed else 1) if role == "gate_up" else 1 if role == "gate_up_bias" else None
+        dims = [d for d in range(1, rows.dim()) if d != fused and rows.shape[d] % self.parts == 0]
+        if not dims:
+            return rows
+        cut = Cut(dims[0], self.parts, self.index, rows.shape[dims[0]] // self.parts, self.group.group_name,
+                  self.reshard)
+        module.__dict__.setdefault("_moe_cuts", {})[attr] = cut
+        return cut.piece(rows)
+
+    def describe(self, model, held, listed: bool) -> str:
+        """What ``explain()`` says of a layer's experts (``listed``: an ``nn.ModuleList``'s): which weights are
+        split, which whole on each copy."""
+        split, whole = [], []
+        for name in sorted(held):
+            module_name, _, attr = name.rpartition(".")
+            (split if cut_of(model.get_submodule(module_name), attr) else whole).append(attr)
+        again = "again in backward" if self.reshard else "kept for backward"
+        out = (f"{', '.join(split)} split over the {self.parts} copies ({SHARD!r}: 1/{self.parts} each), gathered "
+               f"where the layer runs ({again})") if split else ""
+        why = "nn.ModuleList experts are not split" if listed else f"no dimension {self.parts} divides, or 1-D"
+        kept = f"{len(whole)} weight(s) whole on each copy ({why}), averaged over the copies" if whole else ""
+        return "; ".join(part for part in (out, kept) if part)
+
+
+def setup(mesh, reshard_after_forward: bool, **options) -> Split | None:
+    """The ``Split`` of a ``"dp_shard"`` mesh, else None. ValueError, naming the fix, for the options not built
+    beside it (``options``: each option's name -> whether it is asked)."""
+    if not copies_split(mesh):
+        return None
+    asked = [name for name, on in options.items() if on]
+    if asked:
+        raise ValueError(f"{', '.join(asked)} beside a {SHARD!r} mesh dimension (each rank holding a part of its copy "
+                         f"of the experts) is not built yet: name the dimension {REPLICATE!r} (each copy whole) for "
+                         f"{'them' if len(asked) > 1 else 'it'}, or leave {'them' if len(asked) > 1 else 'it'} out")
+    return Split(mesh, reshard_after_forward)
+
+
+def cut_of(module, attr: str) -> Cut | None:
+    """The ``Cut`` of a sharded weight ``attr`` of ``module``, or None (whole on each copy)."""
+    return getattr(module, "_moe_cuts", {}).get(attr)
+
+
+def pieces(model) -> list:
+    """The expert weights of ``model`` that are this rank's pieces of its copy's."""
+    return [module._parameters[attr] for module in model.modules() for attr in getattr(module, "_moe_cuts", {})]
+
+
+def placements(mesh, cut: Cut | None) -> list:
+    """A sharded weight's DTensor placements on ``mesh``: ``Shard(0)`` over the expert-parallel dimensions, over
+    the copies' dimension ``Shard(cut.dim)`` where it is cut there, else ``Replicate()``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [(Shard(cut.dim) if cut is not None and name == SHARD else Replicate()) if name in COPIES else Shard(0)
+            for name in mesh.mesh_dim_names or [None]]
+
+
+def whole_shape(shape, cut: Cut | None) -> tuple:
+    """The copy's shard shape of a piece of ``shape``."""
+    shape = list(shape)
+    if cut is not None:
+        shape[cut.dim] = cut.size * cut.parts
+    return tuple(shape)
+
+
+def mine(value, cut: Cut | None):
+    """This rank's piece of ``value`` where it is its copy's whole shard (a checkpoint's), else ``value``."""
+    if cut is None or not isinstance(value, torch.Tensor) or value.dim() <= cut.dim:
+        return value
+    return cut.piece(value) if value.shape[cut.dim] == cut.size * cut.parts else value

@@ -1,0 +1,179 @@
+"""Expert copies split over a mesh's outermost ``"dp_shard"`` dimension (FSDP over the copies of the experts,
+torchtitan's dp_shard_mod_ep): world 4 as a (2, 2) ("dp_shard", "ep") mesh. Each expert-parallel group of 2 ranks
+holds every expert once, and the 2 ranks holding the same experts each keep half of each stacked weight (cut along
+dim 1; gate_up_proj along dim 2, H: a checkpoint concatenates gate and up along 2I). Mixtral (stacked experts)
+trains three SGD steps with momentum, each rank on its own batch, beside one process training on the four batches:
+every step's logits, the clipped gradients' norm, the parameters and their momentum after the steps are equal (fp32,
+1e-5), the gathered weights kept for backward and, with ``reshard_after_forward=True``, gathered again there. Each
+rank holds a quarter of the experts' bytes (where "dp_replicate" holds half), its piece's rows and columns of the
+one-process weight. The state_dict gives each expert weight as a DTensor Shard(1) (gate_up_proj: Shard(2)) over
+"dp_shard" and Shard(0) over "ep"; a torch.distributed.checkpoint of the weights and of the optimizer saved by the 4
+ranks loads in one process exactly, and a one-process state_dict loads into the pieces. The hand-written ModuleList
+model trains as one process with its experts whole on each copy (not split: said in explain()). Expert swap
+(swap_every=1) trains Mixtral as one process, the copies' pieces swapped alike. Options not built beside "dp_shard"
+(replication, expert domains) and a mesh with both "dp_replicate" and "dp_shard" raise ValueError. save_hf_checkpoint's
+files load by load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly,
+and it then computes the same gradients."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from clipping import clip_as_one_process
+from ep_checkpoints import TOL, loads_in_one_process, optimizer_loads_in_one_process, save
+from ranks import gloo, spawn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from transformers import AutoModelForCausalLM
+
+import moecompile
+from moecompile.models.handwritten import TinyMoELM
+from moecompile.models.hf import tiny_config, tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+STEPS, LR = 3, 0.1
+
+
+def _build(family):
+    torch.manual_seed(0)
+    return TinyMoELM(family) if family == "loop" else tiny_model(family)
+
+
+def _piece(model, name, whole, ep_rank):
+    """The rows (this rank's experts in its group) and, for a split weight, its copy's half of the dimension cut
+    (the first after the experts' but a fused gate/up weight's 2I) of ``whole`` that ``model``'s ``name`` holds."""
+    p = model.get_parameter(name)
+    rows = whole[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]]
+    cut = [d for d in range(1, p.dim()) if p.shape[d] != rows.shape[d]]
+    assert len(cut) <= 1 and (cut == [2]) == name.endswith("gate_up_proj"), (name, p.shape, rows.shape)
+    return rows.narrow(cut[0], dist.get_rank() // 2 * p.shape[cut[0]], p.shape[cut[0]]) if cut else rows
+
+
+def _train(family, mesh, rank, world, tmp, **options):
+    """Three steps over ``mesh`` and in one process, every step checked; returns (sharded model, one-process
+    model). Plain Mixtral's optimizer state is saved (torch.distributed.checkpoint) for the parent to load."""
+    ref, model = _build(family).train(), _build(family).train()
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
+    batches = torch.randint(0, vocab, (world, 2, 6), generator=torch.Generator().manual_seed(7))
+    mine, together = batches[rank], batches.flatten(0, 1)
+    moecompile.parallelize(model, mesh, mine, **options)
+    info = model._moe_parallel
+    assert (info.world, info.copies, info.left) == (2, 2, []), str(info)
+    assert "'dp_shard': its weights split over them" in str(info), str(info)
+    ep_rank, every = dist.get_rank(info.group), dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if getattr(p, "_moe_sharded", False):  # a quarter of the experts' bytes: half the experts, half of each
+            assert p.numel() * 4 == every[name].numel(), (name, p.shape)
+            assert torch.equal(p, _piece(model, name, every[name], ep_rank)), name
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
+    moecompile.comm_stats(reset=True)
+    for step in range(STEPS):
+        out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
+        torch.testing.assert_close(out.logits, ref_out.logits[rank * 2:rank * 2 + 2], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family} step {step}: {m}")
+        out.loss.backward()
+        ref_out.loss.backward()
+        clip_as_one_process(model, ref, step)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    full = moecompile.full_state_dict(model)  # (in expert order: after swaps too)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{family} {name}: {m}")
+    state = moecompile.get_optimizer_state_dict(model, opt)
+    momentum = {}
+    for name, p in model.named_parameters():
+        got = state["state"][name]["momentum_buffer"]
+        momentum[name] = got = got.full_tensor() if isinstance(got, DTensor) else got
+        torch.testing.assert_close(got, ref_opt.state[every[name]]["momentum_buffer"], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{family} momentum of {name}: {m}")
+    if family == "mixtral" and not options:  # (the parent loads it in one process)
+        dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
+        if rank == 0:
+            torch.save(momentum, f"{tmp}/saved_swap_optim.pt")
+    return model, ref
+
+
+def _gathers(model, reshard: bool) -> None:
+    """Every stacked expert weight gathered over the copies once a forward, and once more a backward where resharded
+    (counted as domain gathers: the same collective), its gradient reduce-scattered once a backward."""
+    assert all("split over the 2 copies" in r.sharding and ("again in backward" in r.sharding) == reshard
+               for r in model._moe_parallel.report.layers), str(model._moe_parallel)
+    for layer, stats in moecompile.comm_stats().items():
+        weights = 2  # (Mixtral's gate_up_proj and down_proj)
+        assert stats["calls.domain_gather"] == weights * STEPS * (2 if reshard else 1), (layer, reshard, stats)
+        assert stats["calls.domain_reduce"] == weights * STEPS, (layer, stats)
+
+
+def _hf_checkpoint(model, mesh, tmp) -> None:
+    """``save_hf_checkpoint`` of the split model (each piece sent to the writer once), loaded by
+    ``load_hf_checkpoint`` into Mixtral built on meta, parallelized over the same mesh (each rank allocating its
+    pieces only) under FSDP2 over the world (the dense weights): the same weights exactly, and the same
+    gradients of a step."""
+    moecompile.save_hf_checkpoint(model, f"{tmp}/hf_mixtral", max_shard_size=1 << 14)
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(tiny_config("mixtral")).train()
+    moecompile.parallelize(fresh, mesh, torch.zeros(1, 4, dtype=torch.long))
+    for layer in fresh.model.layers:
+        fully_shard(layer, mesh=init_device_mesh("cpu", (4,)))
+    fresh.to_empty(device="cpu")
+    fresh.init_weights()  # (its buffers: the rotary frequencies; the weights are the checkpoint's below)
+    pieces = dict(fresh.named_parameters())  # (allocated as the trained model's pieces: a quarter of the experts)
+    assert all(pieces[n].shape == w.shape for n, w in model.named_parameters() if getattr(w, "_moe_sharded", False))
+    assert moecompile.load_hf_checkpoint(fresh, f"{tmp}/hf_mixtral") == ([], [])
+    want, got = moecompile.full_state_dict(model), moecompile.full_state_dict(fresh)
+    assert want.keys() == got.keys(), (sorted(want), sorted(got))
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, differ
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for m in (model, fresh):  # and trains under FSDP2 as the model it was saved from
+        torch.compile(m, backend="moe", options={"inner": "aot_eager", "strict": True})(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        got = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+        torch.testing.assert_close(got, p.grad, rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _refused():
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    with pytest.raises(ValueError, match="replication beside a 'dp_shard' mesh dimension .* is not built yet"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, replication="static", slots_per_rank=5)
+    with pytest.raises(ValueError, match="expert_domains beside a 'dp_shard'"):
+        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, expert_domains={"ep": 2})
+    both = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "ep"))
+    with pytest.raises(ValueError, match="both 'dp_replicate' and 'dp_shard'"):
+        moecompile.parallelize(tiny_model("mixtral"), both, ids)
+
+
+def _world4(rank, world, tmp):
+    with gloo(rank, world, tmp):
+        _refused()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+        model, ref = _train("mixtral", mesh, rank, world, tmp)
+        _gathers(model, reshard=False)
+        state = model.state_dict()
+        stacked = [n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)]
+        assert stacked and all(state[n].placements == (Shard(2 if n.endswith("gate_up_proj") else 1), Shard(0))
+                               for n in stacked), stacked
+        save(model, tmp, rank, "mixtral")
+        _hf_checkpoint(model, mesh, tmp)
+        for p in model.parameters():
+            p.data.zero_()
+        model.load_state_dict(ref.state_dict())  # one process's whole weights: each rank takes its pieces
+        ep_rank = dist.get_rank(model._moe_parallel.group)
+        assert all(torch.equal(p, _piece(model, n, w.detach(), ep_rank) if n in stacked else w)
+                   for (n, p), w in zip(model.named_parameters(), ref.parameters()))
+        model, _ = _train("mixtral", mesh, rank, world, tmp, reshard_after_forward=True)
+        _gathers(model, reshard=True)
+        model, _ = _train("mixtral", mesh, rank, world, tmp, swap_every=1)
+        assert model._moe_parallel.swap.history, "no expert was swapped"
+        model, _ = _train("loop", mesh, rank, world, tmp)  # ModuleList experts: whole on each copy
+        assert all("whole on each copy (nn.ModuleList experts are not split)" in r.sharding
+                   for r in model._moe_parallel.report.layers), str(model._moe_parallel)
+
+
+def test_experts_split_over_dp_shard_train_as_one_process(tmp_path):
+    tmp = str(tmp_path)
+    spawn(_world4, args=(4, tmp), nprocs=4)
+    loads_in_one_process(_build("mixtral"), tmp, "ckpt_mixtral", "saved_mixtral.pt")
+    optimizer_loads_in_one_process(_build("mixtral"), tmp, LR)  # (every momentum exactly as the 4 ranks held it)
