@@ -1,14 +1,17 @@
 """Memory of expert parallelism, per rank: parameter, gradient and optimizer-state bytes and process memory, with the
-experts sharded (``moecompile.parallelize``) against every rank holding the whole model (plain data parallelism).
+experts sharded (``moecompile.parallelize``) against every rank holding the whole model (plain data parallelism), and
+with ``--copies C`` > 1 also C copies of the experts over an outermost mesh dimension, each expert-parallel group of
+RANKS / C ranks: kept whole on each copy (``"dp_replicate"``) or split over the copies' ranks (``"dp_shard"``, its
+gathered weights kept for backward or gathered again there: ``reshard_after_forward``).
 
-    python benchmarks/bench_ep_memory.py [--ranks 4] [--out benchmarks/ep_memory.md]
+    python benchmarks/bench_ep_memory.py [--ranks 4] [--copies 2] [--out benchmarks/ep_memory.md]
 
-runs ``torchrun --standalone --nproc-per-node RANKS`` twice, once per mode, each in fresh processes (so one mode's
-peak is not the other's), and prints a table of rank 0's figures. Each rank builds the same Mixtral-style model
-(experts are most of its bytes), compiles it with ``backend="moe"`` (aot_eager) and trains a few AdamW steps on
-its own batch. Process memory is the resident set (``VmRSS``) after building the model, after parallelize (or
-not), after the steps, and its peak (``VmHWM``); tensors of a few hundred kB and more are ``mmap``-ed, so the
-resident set falls when the experts of other ranks are dropped.
+runs ``torchrun --standalone --nproc-per-node RANKS`` once per mode, each in fresh processes (so one mode's peak is
+not the other's), and prints a table of rank 0's figures, with the mean time of the steps after the first. Each rank
+builds the same Mixtral-style model (experts are most of its bytes), compiles it with ``backend="moe"`` (aot_eager)
+and trains a few AdamW steps on its own batch. Process memory is the resident set (``VmRSS``) after building the
+model, after parallelize (or not), after the steps, and its peak (``VmHWM``); tensors of a few hundred kB and more
+are ``mmap``-ed, so the resident set falls when the experts of other ranks are dropped.
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import timedelta
 
-MODES = ("replicated", "sharded")
+MODES = ("replicated", "sharded", "dp_replicate", "dp_shard", "dp_shard_reshard")
+LABELS = {"replicated": "every rank holds the whole model", "sharded": "experts sharded over all",
+          "dp_replicate": "copies whole (dp_replicate)", "dp_shard": "copies split (dp_shard)",
+          "dp_shard_reshard": "split, gathered again in backward"}
 
 
 def _rss_mb() -> dict[str, float]:
@@ -56,12 +63,21 @@ def _run(mode: str, args) -> None:
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
     if mode == "sharded":
         moecompile.parallelize(model, init_device_mesh("cpu", (world,)), ids)
+    elif mode != "replicated":  # copies of the experts over the outermost dimension
+        names = ("dp_shard" if "shard" in mode else "dp_replicate", "ep")
+        mesh = init_device_mesh("cpu", (args.copies, world // args.copies), mesh_dim_names=names)
+        moecompile.parallelize(model, mesh, ids, reshard_after_forward=mode.endswith("reshard"))
     out["rss_parallelized"] = _rss_mb()["VmRSS"]
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
     for _ in range(args.steps):
+        start = time.perf_counter()
         compiled(ids, labels=ids).loss.backward()
         opt.step()
+        opt.zero_grad(set_to_none=False)
+        times.append(time.perf_counter() - start)
+    out["step_s"] = sum(times[1:]) / max(1, len(times) - 1)
     out.update(param_bytes=_nbytes(model.parameters()), grad_bytes=_nbytes(p.grad for p in model.parameters()),
                optim_bytes=_nbytes(v for s in opt.state.values() for v in s.values()
                                    if isinstance(v, torch.Tensor) and v.dim() > 0))
@@ -81,18 +97,21 @@ def _table(results: dict, args) -> str:
             ("AdamW state (MiB)", "optim_bytes", mb), ("resident after build (MiB)", "rss_built", "{:.0f}".format),
             ("resident after parallelize (MiB)", "rss_parallelized", "{:.0f}".format),
             ("resident after the steps (MiB)", "rss_trained", "{:.0f}".format),
-            ("peak resident (MiB)", "rss_peak", "{:.0f}".format)]
+            ("peak resident (MiB)", "rss_peak", "{:.0f}".format),
+            ("step after the first (s)", "step_s", "{:.2f}".format)]
+    modes = [m for m in MODES if m in results]
     first = results[MODES[0]][0]
+    copies = f"; copies: {args.copies} of a {args.ranks // args.copies}-rank expert-parallel group" if len(
+        modes) > 2 else ""
     lines = [f"Mixtral-style model, {args.layers} layers, {args.experts} experts, hidden {args.hidden}, intermediate "
              f"{args.intermediate}, fp32 ({mb(first['whole_model_bytes'])} MiB of parameters); {args.ranks} ranks on "
-             f"gloo, {args.steps} AdamW steps, batch {args.batch} x {args.seq} per rank; rank 0's figures, and the "
-             "largest peak of any rank.", "",
-             "| per rank | every rank holds the whole model | experts sharded | sharded / whole |", "|---|---|---|---|"]
-    for label, key, fmt in rows:
-        a, b = results["replicated"][0][key], results["sharded"][0][key]
-        lines.append(f"| {label} | {fmt(a)} | {fmt(b)} | {b / a:.2f} |")
-    a, b = (max(r["rss_peak"] for r in results[mode]) for mode in MODES)
-    lines.append(f"| peak resident, largest of the ranks (MiB) | {a:.0f} | {b:.0f} | {b / a:.2f} |")
+             f"gloo, {args.steps} AdamW steps, batch {args.batch} x {args.seq} per rank{copies}; rank 0's figures, and "
+             "the largest peak of any rank; in brackets, the ratio to the first column.", "",
+             "| per rank | " + " | ".join(LABELS[m] for m in modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for label, key, fmt in rows + [("peak resident, largest of the ranks (MiB)", "", "{:.0f}".format)]:
+        values = [max(r["rss_peak"] for r in results[m]) if not key else results[m][0][key] for m in modes]
+        lines.append(f"| {label} | {fmt(values[0])} | " + " | ".join(f"{fmt(v)} ({v / values[0]:.2f})"
+                                                                    for v in values[1:]) + " |")
     return "\n".join(lines)
 
 
@@ -105,7 +124,8 @@ def main() -> int:
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--copies", type=int, default=2, help="copies of the experts (1: no copy modes)")
     p.add_argument("--out", default="")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # set for the torchrun children
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -115,7 +135,7 @@ def main() -> int:
         return 0
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
+        for mode in MODES if args.copies > 1 else MODES[:2]:
             path = os.path.join(tmp, f"{mode}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                    __file__, "--mode", mode, "--json", path] + sys.argv[1:]

@@ -150,12 +150,13 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked, ModuleList
         again = set()  # gathered weights whose uses up to the experts are computed again in backward
+        sent = getattr(torch, spec.compute_dtype) if cast else None  # (gathered weights: in it, half the bytes)
         for role, w in weights.items():  # a "dp_shard" copy's pieces, gathered (moecompile/distributed/copies.py)
             group = view_arg(_view(w), "copy_group", "") if _view(w) is not None else ""
             if group:  # (the cut dimension, the one the piece lacks, gathered as dim 0; backward reduce-scatters)
                 piece, whole = example(local[role]).shape, view_arg(_view(w), "full_shape")
                 d = next(d for d in range(1, len(whole)) if piece[d] != whole[d])
-                gathered = torch.ops.moe.domain_gather(mine[role].transpose(0, d), group, layer)
+                gathered = torch.ops.moe.domain_gather(mine[role].transpose(0, d), group, layer, sent)
                 gathered.node.meta["moe_reshard"] = reshard = view_arg(_view(w), "reshard", False)
                 again |= {gathered.node} if reshard else set()
                 mine[role] = gathered.transpose(0, d).contiguous()
@@ -164,7 +165,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
                 mine = {r: p[:own] for r, p in mine.items()}
             listed = {r for r, p in mine.items() if isinstance(p, list)}  # a ModuleList's: gathered stacked
             mine = {r: torch.stack(p) if r in listed else p for r, p in mine.items()}
-            mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer) for r, p in mine.items()}
+            mine = {r: torch.ops.moe.domain_gather(p, domain_group, layer, sent) for r, p in mine.items()}
             reshard = view_arg(views[0], "reshard", False)  # gathered again in backward (_start_gathers_early)
             for gathered in mine.values():
                 gathered.node.meta["moe_reshard"] = reshard
@@ -317,8 +318,8 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
             if node.meta.get("moe_reshard"):
                 n.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
         if node.target in GATHER:
-            group, layer = node.args[1], node.args[2] if len(node.args) > 2 else ""
-            start_op, start_args, wait_op = ops.domain_gather_start.default, (w, group), ops.domain_gather_wait
+            group, layer, dtype = (*node.args[1:], *("", None)[len(node.args) - 2:])
+            start_op, start_args, wait_op = ops.domain_gather_start.default, (w, group, dtype), ops.domain_gather_wait
         else:  # (w, expert_mean(w.detach(), E, mean_group, layer), q, group, layer)
             mean, q, group, layer = node.args[1:5]
             start_op, wait_op = ops.domain_gather_compressed_start.default, ops.domain_gather_compressed_wait
@@ -327,7 +328,7 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
             start = graph.call_function(start_op, start_args)
         with graph.inserting_before(node):
             if node.target in GATHER:
-                new = [graph.call_function(wait_op.default, (start, w, group, layer))]
+                new = [graph.call_function(wait_op.default, (start, w, group, layer, dtype))]
             else:  # the pairs waited for, then decoded (computed again in backward: only the pairs are kept)
                 new = [graph.call_function(wait_op.default, (start, w, q, group, layer))]
                 new += [graph.call_function(operator.getitem, (new[0], i)) for i in range(3)]

@@ -1,14 +1,16 @@
 """Expert parallelism under FSDP2's mixed precision (gloo, world 2): ``fully_shard(layer, mesh=mesh,
 mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` of a model that
 ``moecompile.parallelize`` sharded. FSDP2 computes with bf16 copies of the weights it holds and leaves the expert
-shards to moecompile; the experts compute in bf16 too (their GEMMs seen at ``torch._grouped_mm``: bf16 in forward and
-backward, where they ran in float32 before), as they do when FSDP2 holds them. Mixtral: two SGD steps equal, at
+shards to moecompile; the experts compute in bf16 too (their GEMMs seen at ``torch._grouped_mm``: bf16 in forward
+and backward, where they ran in float32 before), as they do when FSDP2 holds them. Mixtral: two SGD steps equal, at
 bf16's tolerance, the same model sharded by FSDP2 alone (experts and all, each rank its own batch), the float32
 master weights stay float32, and ``explain()`` says the experts compute in bf16; the same with each decoder layer
 compiled in place (torchtitan's way). Mixtral with a linear per expert (``experts_implementation="eager"``) and the
 hand-written ``nn.ModuleList`` of ``nn.Linear`` experts, whose code reads the expert weights in bf16 as under FSDP2
-alone (it stopped before: a bf16 input times a float32 shard), likewise at the first step. Without a policy the
-experts stay in float32 (``tests/test_data_parallel.py``, ``tests/test_meta_init.py``)."""
+alone (it stopped before: a bf16 input times a float32 shard), likewise at the first step. With the experts' copies
+split over a "dp_shard" mesh dimension, the pieces are gathered in bf16 (half the bytes) and their gradients
+reduce-scattered in float32; two steps as FSDP2 alone. Without a policy the experts stay in float32
+(``tests/test_data_parallel.py``, ``tests/test_meta_init.py``)."""
 
 import torch
 import torch.distributed as dist
@@ -54,14 +56,17 @@ def _model(kind: str):
     return hf.tiny_model("mixtral", hidden_size=64, intermediate_size=128, **eager).train()
 
 
-def _trained(rank: int, world: int, kind: str, ep: bool, batches, per_layer: bool = False):
+def _trained(rank: int, world: int, kind: str, ep: bool, batches, per_layer: bool = False, split: bool = False):
     """Two SGD steps of the model under FSDP2's bf16 policy (``ep``: its experts sharded by parallelize first;
-    ``per_layer``: each decoder layer compiled in place, torchtitan's way, else the model whole): the logits of each
-    step, the model, the dtypes its expert GEMMs ran in at the second step, the backend."""
+    ``per_layer``: each decoder layer compiled in place, torchtitan's way, else the model whole; ``split``: the
+    experts' copies over a ("dp_shard", "ep") mesh instead, one rank a group, each holding half of each weight): the
+    logits of each step, the model, the dtypes its expert GEMMs ran in at the second step, the backend."""
     model, mesh = _model(kind), init_device_mesh("cpu", (world,))
     layers = model.blocks if kind == "loop" else model.model.layers
     if ep:
-        moecompile.parallelize(model, mesh, batches[0][rank])
+        copies = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard", "ep")) if split else mesh
+        moecompile.parallelize(model, copies, batches[0][rank])
+    moecompile.comm_stats(reset=True)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -131,6 +136,30 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
         got, _, ran, backend = _trained(rank, world, "loop", True, batches)  # (it stopped: float32 nn.Linear experts)
         assert ran == {(torch.bfloat16, torch.bfloat16)} and len(backend.report.layers) == 2, ran
         _close(got[0], want[0], "first logits", "(nn.ModuleList experts)")
+        _split(rank, world, batches)
+
+
+def _split(rank: int, world: int, batches) -> None:
+    """Mixtral with its experts' copies split over "dp_shard" (each rank half of each weight): gathered in bf16, half
+    the bytes of the float32 pieces, their gradients reduce-scattered in float32 to float32 master pieces; both steps
+    as FSDP2 alone, at bf16's tolerance."""
+    want, fsdp, _, _ = _trained(rank, world, "mixtral", False, batches)
+    got, split, ran, backend = _trained(rank, world, "mixtral", True, batches, split=True)
+    assert ran == {(torch.bfloat16, torch.bfloat16)} and backend.report.counters["distribute.param_dtype_layers"], ran
+    for what, g, w in zip(("first logits", "second logits"), got, want):
+        _close(g, w, what, "(dp_shard)")
+    whole = moecompile.full_state_dict(split)
+    for name, value in _experts(fsdp, rank, world).items():
+        _close(whole[name], value, "weights", f"{name} (dp_shard)")
+    layer = "model.layers.0.mlp.experts."
+    pieces = [p for n, p in split.named_parameters() if n.startswith(layer) and getattr(p, "_moe_sharded", False)]
+    assert len(pieces) == 2 and all(p.dtype == torch.float32 for p in pieces), [(p.shape, p.dtype) for p in pieces]
+    stats = moecompile.comm_stats()[layer.removesuffix(".experts.")]
+    sent = sum(v for k, v in stats.items() if k.startswith("domain_gather."))
+    bf16 = sum(p.numel() * world * 2 for p in pieces)  # a step's gathers: the whole weights, 2 bytes an element
+    assert stats["calls.domain_gather"] == 2 * len(batches) and sent == bf16 * len(batches), (sent, bf16, stats)
+    reduced = sum(v for k, v in stats.items() if k.startswith("domain_reduce."))  # (float32: twice the bytes)
+    assert reduced == 2 * bf16 * len(batches), (reduced, bf16, stats)
 
 
 def test_sharded_experts_compute_in_fsdp2s_param_dtype(tmp_path):

@@ -5,6 +5,8 @@ computes its own tokens for every expert of the domain; only tokens for other do
     moe::domain_gather(w, group)    this rank's [E_l, ...] experts -> the domain's [S x E_l, ...], in the group's
                                     rank order                     backward: each copy's gradient summed back to
                                                                    the owner (a reduce-scatter)
+                                    (``dtype``: sent and gathered cast to it, FSDP2's bf16 compute dtype; the
+                                    gradient summed in ``w``'s own)
 
     moe::domain_gather_start(w, group) -> key     the same all-gather, started (asynchronously) where the
     moe::domain_gather_wait(key, w, group)         distribute pass puts it, ahead of the experts; waited for at
@@ -37,29 +39,30 @@ def _size(group_name: str) -> int:
     return dist.get_world_size(resolve_group(group_name))
 
 
-def _launch(w: Tensor, group) -> tuple:
+def _launch(w: Tensor, group, dtype: torch.dtype | None = None) -> tuple:
+    w = w if dtype is None else w.to(dtype)  # (the experts' compute dtype: FSDP2's bf16, half the bytes)
     parts = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
     return dist.all_gather(parts, w.contiguous(), group=group, async_op=True), parts, time.perf_counter()
 
 
 def _finish(work, parts, started: float, w: Tensor, group, layer: str) -> Tensor:
     work.wait()
-    wait_as_link(group, (len(parts) - 1) * w.numel() * w.element_size(), since=started)
+    size = parts[0].element_size()
+    wait_as_link(group, (len(parts) - 1) * w.numel() * size, since=started)
     if layer:
-        COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * len(parts),
-                      math.prod(w.shape[1:]) * w.element_size())
+        COMM.add_rows(layer, "domain_gather", group, [w.shape[0]] * len(parts), math.prod(w.shape[1:]) * size)
     return torch.cat(parts)
 
 
 @moe_op("moe::domain_gather", mutates_args=())
-def domain_gather(w: Tensor, group_name: str, layer: str = "") -> Tensor:
+def domain_gather(w: Tensor, group_name: str, layer: str = "", dtype: torch.dtype | None = None) -> Tensor:
     group = resolve_group(group_name)
-    return _finish(*_launch(w, group), w, group, layer)
+    return _finish(*_launch(w, group, dtype), w, group, layer)
 
 
 @register_fake("moe::domain_gather")
-def _domain_gather_fake(w, group_name, layer=""):
-    return w.new_empty((w.shape[0] * _size(group_name), *w.shape[1:]))
+def _domain_gather_fake(w, group_name, layer="", dtype=None):
+    return w.new_empty((w.shape[0] * _size(group_name), *w.shape[1:]), dtype=dtype or w.dtype)
 
 
 in_flight: dict[int, tuple] = {}  # key -> what a gather started ahead needs at its wait (compress.py's too)
@@ -67,27 +70,28 @@ new_key = itertools.count().__next__
 
 
 @moe_op("moe::domain_gather_start", mutates_args=())
-def domain_gather_start(w: Tensor, group_name: str) -> Tensor:
+def domain_gather_start(w: Tensor, group_name: str, dtype: torch.dtype | None = None) -> Tensor:
     """Starts ``domain_gather(w)`` (asynchronously); returns the key ``domain_gather_wait`` takes."""
     key = new_key()
-    in_flight[key] = _launch(w, resolve_group(group_name))
+    in_flight[key] = _launch(w, resolve_group(group_name), dtype)
     return torch.tensor([key], dtype=torch.int64)
 
 
 @register_fake("moe::domain_gather_start")
-def _domain_gather_start_fake(w, group_name):
+def _domain_gather_start_fake(w, group_name, dtype=None):
     return torch.empty(1, dtype=torch.int64)
 
 
 @moe_op("moe::domain_gather_wait", mutates_args=())
-def domain_gather_wait(key: Tensor, w: Tensor, group_name: str, layer: str = "") -> Tensor:
+def domain_gather_wait(key: Tensor, w: Tensor, group_name: str, layer: str = "", dtype: torch.dtype | None = None
+                       ) -> Tensor:
     """``domain_gather(w)``, started by ``domain_gather_start`` (its ``key``): waits for it here."""
     return _finish(*in_flight.pop(int(key[0])), w, resolve_group(group_name), layer)
 
 
 @register_fake("moe::domain_gather_wait")
-def _domain_gather_wait_fake(key, w, group_name, layer=""):
-    return w.new_empty((w.shape[0] * _size(group_name), *w.shape[1:]))
+def _domain_gather_wait_fake(key, w, group_name, layer="", dtype=None):
+    return w.new_empty((w.shape[0] * _size(group_name), *w.shape[1:]), dtype=dtype or w.dtype)
 
 
 @moe_op("moe::domain_reduce", mutates_args=())
@@ -115,19 +119,19 @@ def _domain_reduce_fake(grad, group_name, layer=""):
 
 
 def _gather_setup(ctx, inputs, output):
-    ctx.group_name, ctx.layer = inputs[1], inputs[2]
+    ctx.group_name, ctx.layer, ctx.dtype = inputs[1], inputs[2], inputs[0].dtype
 
 
-def _gather_bwd(ctx, grad):
-    return torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None
+def _gather_bwd(ctx, grad):  # (summed in the weight's own dtype: float32 under FSDP2's bf16 compute)
+    return torch.ops.moe.domain_reduce(grad.to(ctx.dtype), ctx.group_name, ctx.layer), None, None, None
 
 
 def _wait_setup(ctx, inputs, output):
-    ctx.group_name, ctx.layer = inputs[2], inputs[3]
+    ctx.group_name, ctx.layer, ctx.dtype = inputs[2], inputs[3], inputs[1].dtype
 
 
 def _wait_bwd(ctx, grad):
-    return None, torch.ops.moe.domain_reduce(grad, ctx.group_name, ctx.layer), None, None
+    return None, torch.ops.moe.domain_reduce(grad.to(ctx.dtype), ctx.group_name, ctx.layer), None, None, None
 
 
 register_autograd("moe::domain_gather", _gather_bwd, setup_context=_gather_setup)
