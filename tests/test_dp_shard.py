@@ -10,7 +10,8 @@ one-process weight. The state_dict gives each expert weight as a DTensor Shard(1
 "dp_shard" and Shard(0) over "ep"; a torch.distributed.checkpoint of the weights and of the optimizer saved by the 4
 ranks loads in one process exactly, and a one-process state_dict loads into the pieces. The hand-written ModuleList
 model trains as one process with its experts whole on each copy (not split: said in explain()). Expert swap
-(swap_every=1) trains Mixtral as one process, the copies' pieces swapped alike. Options not built beside "dp_shard"
+(swap_every=1) trains Mixtral as one process, the copies' pieces swapped alike; LongCat-Flash (identity experts: its
+fused gate_up holds 2 spare rows, split too) trains as one process. Options not built beside "dp_shard"
 (replication, expert domains) and a mesh with both "dp_replicate" and "dp_shard" raise ValueError. save_hf_checkpoint's
 files load by load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly,
 and it then computes the same gradients."""
@@ -29,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 import moecompile
 from moecompile.models.handwritten import TinyMoELM
-from moecompile.models.hf import tiny_config, tiny_model
+from moecompile.models.hf import build_model, tiny_config, tiny_model, walk_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 STEPS, LR = 3, 0.1
@@ -37,6 +38,8 @@ STEPS, LR = 3, 0.1
 
 def _build(family):
     torch.manual_seed(0)
+    if family == "longcat_flash":  # (walk's config: 8 computed experts, 2 identity ones)
+        return build_model(walk_config(family))
     return TinyMoELM(family) if family == "loop" else tiny_model(family)
 
 
@@ -65,7 +68,8 @@ def _train(family, mesh, rank, world, tmp, **options):
     for name, p in model.named_parameters():
         if getattr(p, "_moe_sharded", False):  # a quarter of the experts' bytes: half the experts, half of each
             assert p.numel() * 4 == every[name].numel(), (name, p.shape)
-            assert torch.equal(p, _piece(model, name, every[name], ep_rank)), name
+            spare = every[name].shape[0] != model.config.n_routed_experts if family == "longcat_flash" else False
+            assert spare or torch.equal(p, _piece(model, name, every[name], ep_rank)), name  # (spare rows: after)
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
     moecompile.comm_stats(reset=True)
@@ -167,6 +171,7 @@ def _world4(rank, world, tmp):
         _gathers(model, reshard=True)
         model, _ = _train("mixtral", mesh, rank, world, tmp, swap_every=1)
         assert model._moe_parallel.swap.history, "no expert was swapped"
+        _train("longcat_flash", mesh, rank, world, tmp)  # identity experts: gate_up's spare rows cut too
         model, _ = _train("loop", mesh, rank, world, tmp)  # ModuleList experts: whole on each copy
         assert all("whole on each copy (nn.ModuleList experts are not split)" in r.sharding
                    for r in model._moe_parallel.report.layers), str(model._moe_parallel)
