@@ -14,9 +14,13 @@ Per MoE layer and micro-batch (forward; backward counts twice the compute and on
                         kept for backward (every MoE layer's copies in memory at the end of forward), or freed
                         after forward and gathered again in backward (``reshard``: two layers' copies at most, and
                         one more gather a layer, started ahead as in forward: less the pre-expert part's backward,
-                        twice its forward compute, that it overlaps)
+                        twice its forward compute, that it overlaps); split copies (``shard_copies``, a
+                        ``"dp_shard"`` dimension): the group's experts gathered from the N / ep copies' ranks,
+                        (R - 1) / R of them over the slowest level those span, less the pre-expert compute, kept or
+                        gathered again likewise; their gradients reduce-scattered back in each backward
 The step: every layer's forward and backward, the language-model head, and the gradient all-reduce (a ring:
-2 (n - 1) / n of the bytes over the slowest level the replicas span). Memory: bf16 weights and gradients, Adam
+2 (n - 1) / n of the bytes over the slowest level the replicas span; split copies' experts: none, reduce-scattered
+already). Memory: bf16 weights and gradients (split copies' experts: 1 / R, and their gathered copies), Adam
 (fp32 master, m, v: 12 bytes a parameter) sharded over the data-parallel replicas (ZeRO-1), activations of every
 layer (attention ``T H (4 + 11 / tp)`` bytes and a dense MLP's ``19 T H I / (4 H) / tp``, Korthikanti et al. with
 flash attention; a MoE layer's by ``moe_layer_activations``).
@@ -50,13 +54,14 @@ class Plan:
     dedup: str = "off"
     expert_domains: tuple | None = None  # ((level, size), ...)
     slots_per_rank: int = 0
-    reshard: bool = False  # expert domains: the gathered copies freed after forward, gathered again in backward
+    reshard: bool = False  # expert domains, split copies: the gathered weights freed after forward, gathered again
     pp: int = 1  # pipeline stages over the outermost level (ep, tp, dp: inside one stage's GPUs)
+    shard_copies: bool = False  # the N / ep copies of the group each split over its copies' ranks ("dp_shard")
 
     def as_dict(self) -> dict:
         return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
                 "expert_domains": dict(self.expert_domains) if self.expert_domains else None,
-                "reshard_after_forward": self.reshard,
+                "reshard_after_forward": self.reshard, "shard_copies": self.shard_copies,
                 "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None}
 
 
@@ -179,6 +184,15 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         replication = phase("replication", slot) + moved / replicas / (cluster.pcie_GBps * 1e9)
         allgather += replication  # (shown with the layer's gather; once a step, not a micro-batch: below)
         held = plan.slots_per_rank * shape.expert_params() * ELEM
+    if plan.shard_copies:  # "dp_shard": the layer's experts gathered from the copies' ranks (their gradients
+        # reduce-scattered back in backward), started ahead as expert domains' are, less the pre-expert compute
+        replicas = N // plan.ep
+        counts = [c // e for c, e in zip(cluster.counts, ep_counts)]  # (the levels the group leaves)
+        slow = min((j for j, c in enumerate(counts) if c > 1), key=lambda j: levels[j].GBps, default=len(levels) - 1)
+        piece = [0.0] * len(levels)
+        piece[slow] = (replicas - 1) / replicas * expert_bytes
+        allgather = max(0.0, phase("gather", piece) - pre)
+        regather = max(0.0, allgather - pre) if plan.reshard else 0.0
     if plan.tp > 1 and plan.moe_tp != "off":  # SSMB: the output all-gathered; TED: the partial sums reduced
         tp_bytes = [0.0] * (len(levels) - 1) + [(plan.tp - 1) / plan.tp * T * H * ELEM * (2 if ted else 1)]
         combine += phase("tp", tp_bytes)
@@ -201,8 +215,9 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     # layers' gathered copies at once: kept, every layer's at the end of forward; freed, the running layer's and the
     # next one's, started ahead
     copies = 2 if plan.reshard else max(2, shape.moe_layers)
-    memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter,
-                     0.0 if plan.slots_per_rank else copies * (held - expert_bytes), busiest, min(plan.pp, micro))
+    gathered = copies * (expert_bytes if plan.shard_copies else held - expert_bytes)  # (a copy's whole experts)
+    memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, 0.0 if plan.slots_per_rank else gathered,
+                     busiest, min(plan.pp, micro))
     return {**plan.as_dict(), "microbatches": micro, "layer_s": layer, "step_s": step,
             "tokens_per_s": sequences * seq / step, "bytes_per_link": bytes_per_link, "memory_GB": memory,
             "fits": memory["total"] <= cluster.memory_GB}
@@ -320,7 +335,7 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
     micro = compute + 2 * shape.moe_layers * moe + shape.moe_layers * layer["regather"]
     reduce_s, grads = 0.0, [0.0] * len(cluster.levels)
     dense_bytes = shape.dense_params() / plan.tp * ELEM
-    replicas = (plan.dp if plan.moe_tp == "ted" else cluster.gpus) // plan.ep
+    replicas = 1 if plan.shard_copies else (plan.dp if plan.moe_tp == "ted" else cluster.gpus) // plan.ep
     if plan.slots_per_rank:  # replication's copies sum each rank's fp32 master part, 1/ep of every expert
         expert_bytes = shape.num_experts * shape.expert_params() * 4 / plan.ep
     expert_stride = plan.ep * (plan.tp if plan.moe_tp == "ted" else 1)
@@ -351,6 +366,8 @@ def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float,
     else:
         experts = shape.moe_layers * expert_bytes / ELEM
         expert_optimizer = experts / replicas
+        if plan.shard_copies:  # ("dp_shard": the weights and gradients too; their gathered copies apart)
+            experts = expert_optimizer
     weights = (dense + experts) * ELEM + gathered
     optimizer = ADAM_BYTES * (dense / plan.dp + expert_optimizer)
     H = shape.hidden

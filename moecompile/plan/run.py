@@ -4,7 +4,8 @@ priced them, and the options, or why it cannot run yet.
 The planner's layout: ranks innermost first over the cluster's levels; tensor parallelism the innermost ``tp``
 ranks; the expert-parallel group ``ep`` consecutive ranks (``moe_tp`` "off" and "ssmb": the tp ranks included) or
 the ranks of one tp index (TED), repeated over the rest. As a mesh: an outermost ``"dp_replicate"`` dimension for
-the copies of the group (``N / ep``; none where ep spans every rank), then the group's levels of more than one
+the copies of the group (``N / ep``; none where ep spans every rank; ``"dp_shard"`` where they split the experts),
+then the group's levels of more than one
 rank, innermost ``"local"`` and outward ``"node"``, ``"rack"``, ``"pod"`` (the names ``parallelize`` knows; a
 single level keeps the cluster's name), then ``"tp"``; pipeline stages: ``"pp"`` before all, each stage's ranks
 laid out so (``moecompile.pipeline_stage`` cuts the model, each stage module parallelized on the mesh).
@@ -45,7 +46,10 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
               for i, (name, _) in enumerate(used)}
     if plan.dedup != "off" and plan.dedup not in rename:
         return {"not_runnable": f"dedup at {plan.dedup!r}, a level the expert-parallel group does not span"}
-    dims = ([("dp_replicate", copies)] if copies > 1 else []) + [(rename[n], c) for n, c in used] + \
+    if plan.shard_copies and (copies == 1 or ted or plan.expert_domains or plan.slots_per_rank):
+        return {"not_runnable": "split copies need copies of a group without TED, expert domains or replication"}
+    outer = "dp_shard" if plan.shard_copies else "dp_replicate"
+    dims = ([(outer, copies)] if copies > 1 else []) + [(rename[n], c) for n, c in used] + \
         ([("tp", tp)] if tp > 1 else [])
     options = {}
     if tp > 1:
@@ -54,8 +58,8 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
         options["dedup"] = rename[plan.dedup]
     if plan.expert_domains:
         options["expert_domains"] = {rename[n]: s for n, s in plan.expert_domains}
-        if plan.reshard:
-            options["reshard_after_forward"] = True
+    if plan.reshard:
+        options["reshard_after_forward"] = True
     if plan.slots_per_rank:
         options.update(replication="adaptive", slots_per_rank=plan.slots_per_rank)
     return {"mesh_shape": [c for _, c in dims], "mesh_dim_names": [n for n, _ in dims], "options": options}

@@ -3,7 +3,8 @@ among those that fit. Considered: pipeline stages (``pp``, a power of two dividi
 stage's GPUs tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel
 degree dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level
 its group spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size
-its group allows per level (their copies kept for backward, or gathered again there); and replication over a group of
+its group allows per level (their copies kept for backward, or gathered again there), and where the group has copies
+(tp 1) those split over their ranks ("dp_shard": gathered, kept or again); and replication over a group of
 every power-of-two size (every rank holds S slots, each an instance of some expert: S the least that holds every
 expert once in the group, and twice that; copies of the group over the rest). Dedup and replication are not combined
 with TED (``parallelize`` refuses them).
@@ -51,6 +52,8 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                 out.append(Plan(ep, tp, dp, moe_tp))
                 if moe_tp == "ted":
                     continue
+                if N > ep and tp == 1:  # the copies split ("dp_shard"), their gathers kept or made again
+                    out += [Plan(ep, tp, dp, moe_tp, shard_copies=True, reshard=r) for r in (False, True)]
                 for j, name in enumerate(names[:-1]):
                     if counts[j] > 1 and math.prod(counts[j + 1:]) > 1:
                         out.append(Plan(ep, tp, dp, moe_tp, dedup=name))

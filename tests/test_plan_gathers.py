@@ -1,0 +1,80 @@
+"""The planner's plans that gather experts (``moecompile/plan/cost.py``): expert domains and copies of the
+expert-parallel group split over their ranks (``"dp_shard"``), each priced with its gathered weights kept for
+backward or gathered again there: memory, the step's gathers and the bytes per link, and the run that lays it out."""
+
+import math
+import os
+
+import pytest
+
+from moecompile.plan import read_cluster, read_config
+from moecompile.plan.cost import Plan, evaluate, stage_shape
+from moecompile.plan.run import how_to_run
+from moecompile.plan.search import plan
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "configs")
+
+
+def test_split_copies_priced_with_their_pieces_and_gathers():
+    """Copies of the expert-parallel group split over their ranks ("dp_shard", R = N / ep of them): a rank holds 1/R
+    of its group's expert weights and gradients, and the copy gathered whole for the layers that hold it at once
+    (every MoE layer's kept for backward, or two: gathered again there); each micro-batch gathers (R - 1) / R of them
+    over the slowest level the copies span and reduce-scatters their gradients back, where the copies kept whole
+    all-reduce the gradients once a step: the same bytes at one micro-batch a step, one more gather a layer gathering
+    again; run names the dimension "dp_shard"."""
+    cluster = read_cluster({"gpu": {"name": "H100", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 80},
+                            "levels": [{"name": "node", "count": 4, "alpha_s": 1e-5, "GBps": 25},
+                                       {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
+    shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
+    whole, kept, again = (evaluate(shape, cluster, Plan(8, 1, 32, shard_copies=split, reshard=r), 4096, 1)
+                          for split, r in ((False, False), (True, False), (True, True)))
+    R, L, GB = 4, shape.moe_layers, 1e9
+    eb = shape.num_experts // 8 * shape.expert_params() * 2  # a rank's group share of the experts, bf16
+    for split, gathered in ((kept, L * eb), (again, 2 * eb)):
+        assert whole["memory_GB"]["grads"] - split["memory_GB"]["grads"] == pytest.approx(L * eb * (1 - 1 / R) / GB)
+        assert split["memory_GB"]["weights"] - split["memory_GB"]["grads"] == pytest.approx(gathered / GB)
+        assert split["memory_GB"]["optimizer"] == pytest.approx(whole["memory_GB"]["optimizer"])
+        assert split["layer_s"]["allgather"] > 0 == whole["layer_s"]["allgather"]
+    node = {name: p["bytes_per_link"]["node"] for name, p in (("whole", whole), ("kept", kept), ("again", again))}
+    assert whole["microbatches"] == 1 and node["kept"] == pytest.approx(node["whole"])
+    assert node["again"] - node["kept"] == pytest.approx(L * (R - 1) / R * eb)
+    assert how_to_run(Plan(8, 1, 32, shard_copies=True), cluster) == {
+        "mesh_shape": [4, 8], "mesh_dim_names": ["dp_shard", "local"], "options": {}}
+    assert how_to_run(Plan(8, 1, 32, shard_copies=True, reshard=True), cluster)["options"] == {
+        "reshard_after_forward": True}
+    assert any(p["shard_copies"] for p in plan(shape, cluster, 4096)["plans"])
+
+
+def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
+    """Each expert-domain plan twice: its gathered copies kept for backward (every MoE layer's at the end of
+    forward) or freed after forward (two layers' at most: the running one's and the next one's, started ahead) and
+    gathered again in backward (one more gather a layer: its bytes, and its time less the pre-expert part's
+    backward, twice the forward's, that it runs beside: what the forward's gather leaves unhidden, less once more the
+    pre-expert time, which is never 0); run says which."""
+    cluster = read_cluster({"gpu": {"name": "H100", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 80},
+                            "levels": [{"name": "node", "count": 4, "alpha_s": 1e-5, "GBps": 25},
+                                       {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
+    shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
+    plans = plan(shape, cluster, 4096)["plans"]
+    key = lambda p: (p["pp"], p["ep"], p["tp"], p["moe_tp"], str(p["expert_domains"]))  # noqa: E731
+    kept = {key(p): p for p in plans if p["expert_domains"] and not p["reshard_after_forward"]}
+    again = {key(p): p for p in plans if p["expert_domains"] and p["reshard_after_forward"]}
+    assert kept and set(kept) == set(again)
+    assert any(p["layer_s"]["regather"] > 0 for p in again.values())  # (not every gather again hidden here)
+    for k, a in again.items():
+        b = kept[k]
+        own = shape.num_experts // b["ep"] * shape.expert_params() * 2  # a rank's experts of a layer, bf16 bytes
+        others = own * (math.prod(b["expert_domains"].values()) - 1)  # a layer's gathered copies of the others'
+        saved = b["memory_GB"]["weights"] - a["memory_GB"]["weights"]
+        stage = stage_shape(shape, a["pp"])  # (the busiest stage's layers; every micro-batch regathers)
+        assert saved == pytest.approx((stage.moe_layers - 2) * others / 1e9, rel=1e-6), (k, saved)
+        slots = a["microbatches"] + a["pp"] - 1
+        assert a["step_s"] - b["step_s"] == pytest.approx(slots * stage.moe_layers * a["layer_s"]["regather"],
+                                                          rel=1e-6)
+        gather, regather = a["layer_s"]["allgather"], a["layer_s"]["regather"]
+        assert gather == b["layer_s"]["allgather"] and b["layer_s"]["regather"] == 0
+        assert (regather < gather) if gather else regather == 0, (k, regather, gather)
+        assert sum(a["bytes_per_link"].values()) > sum(b["bytes_per_link"].values())
+        if "not_runnable" not in a["run"]:
+            assert a["run"]["options"]["reshard_after_forward"] is True
+            assert "reshard_after_forward" not in b["run"]["options"]
