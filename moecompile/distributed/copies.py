@@ -1,24 +1,24 @@
 """Expert copies split over their ranks: a mesh's outermost ``"dp_shard"`` dimension (FSDP over the copies of the
 experts, torchtitan's ``dp_shard_mod_ep``; ``"dp_replicate"`` keeps each copy whole).
 
-As under ``"dp_replicate"``, each index of ``"dp_shard"`` is one expert-parallel group holding every expert once
-(E / group experts a rank) and rows are exchanged only inside it; but the ``R`` ranks holding the same experts (one
-per index) each keep 1 / R of each of those weights: a stacked ``[E_l, A, B]`` (or flat ``[E_l x F, H]``) shard is
-cut along its dimension 1 (2 for a fused gate/up weight ``[E_l, 2I, H]``: a checkpoint concatenates its gate and up
+As under ``"dp_replicate"``, each index of ``"dp_shard"`` is one expert-parallel group holding every expert once (E
+/ group experts a rank) and rows are exchanged only inside it; but the ``R`` ranks holding the same experts (one per
+index) each keep 1 / R of each of those weights: a stacked ``[E_l, A, B]`` (or flat ``[E_l x F, H]``) shard is cut
+along its dimension 1 (2 for a fused gate/up weight ``[E_l, 2I, H]``: a checkpoint concatenates its gate and up
 along 2I), rank ``s`` of the copies keeping ``[:, s A / R:(s + 1) A / R]``. Parameters, gradients and optimizer
 state are 1 / R of the copy's. Where the layer runs, the ``distribute`` pass all-gathers the pieces over the copies
 (``moe.domain_gather`` of the piece transposed, so that the cut dimension is gathered: its backward reduce-scatters
-the gradient, the sum over the copies of each piece); with ``reshard_after_forward=True`` the
-gathered weights are not kept from forward to backward (gathered again there), as FSDP2's default. Both gathers
-start ahead of the layer (``distribute._start_gathers_early``). The pieces' gradients are then divided as
-``"dp_replicate"``'s averaged ones are (``grads.py``): the mean loss's gradient.
+the gradient, the sum over the copies of each piece); with ``reshard_after_forward=True`` the gathered weights are
+not kept from forward to backward (gathered again there), as FSDP2's default. Both gathers start ahead of the layer
+(``distribute._start_gathers_early``). The pieces' gradients are then divided as ``"dp_replicate"``'s averaged ones
+are (``grads.py``): the mean loss's gradient. Under FSDP2's bf16 ``param_dtype`` the pieces are sent cast to it
+(half the bytes), their gradients summed in the pieces' float32.
 
 A weight none of whose dimensions after the experts' the copies divide (a fused gate/up bias: only 2I), or with one
 dimension (a per-expert scale), stays whole on each copy and is averaged as under ``"dp_replicate"``; so do
 ``nn.ModuleList`` experts (each an ``nn.Linear`` of its own: not cut). The state_dict gives a cut weight (and its
 optimizer state) as the DTensor ``Shard(d)`` (its cut dimension) over ``"dp_shard"`` and ``Shard(0)`` over the
-expert-parallel dimensions: ``torch.distributed.checkpoint`` saves each
-piece once and loads on any layout.
+expert-parallel dimensions: ``torch.distributed.checkpoint`` saves each piece once and loads on any layout.
 """
 
 from __future__ import annotations

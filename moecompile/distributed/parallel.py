@@ -197,7 +197,7 @@ class ParallelInfo:
         self.module_list_experts: set[str] = set()  # every weight name of the sharded ModuleList experts (all ranks')
         self.replicas: list = []  # the ReplicaLayer of each layer whose experts replicate (replicate.py)
         self.fsdp_left_out: list[str] = []  # the modules holding expert shards that FSDP2's fully_shard leaves out
-        self.copies = 1  # the ranks holding each expert (a mesh's "dp_replicate" size)
+        self.copies = 1  # the ranks holding each expert (a mesh's "dp_replicate" or "dp_shard" size)
         self.sync = None  # the GradientSync of its parameters' gradients (grads.py)
 
     def __str__(self) -> str:
