@@ -21,7 +21,7 @@ form); elsewhere op by op, an upper bound.
 
 A layer sharded by moecompile.parallelize (never "original": the exchange needs the rewrite) is timed by its local
 expert MLP alone (``expert_candidate``: torch against grouped, on T*K random rows spread evenly over the local
-experts; no collective runs, so ranks need not time in step), on CPU and CUDA alike.
+experts; no collective runs, a gather of other ranks' weights neither: ranks time apart), on CPU and CUDA alike.
 
 ``choose="memory"`` (default) keeps the fastest candidate that saves no more bytes than the original,
 ``choose="speed"`` the fastest. Timings are cached on disk (``runtime/disk_cache.py``): one file per device model
@@ -52,15 +52,15 @@ import torch.fx as fx
 from ..runtime import disk_cache
 from .graph_utils import example, extract
 from .lowering_proof import probe_value
+from .regather import local_gathers
 
 FORMS = ("original", "torch", "grouped", "triton")  # the order ties are broken in
 # where the original is timed as Inductor compiles it (inner="inductor"): on CUDA Inductor's fusions make it up to
 # 12% faster than op by op (H100, 2026-11-26: Mixtral 16384 tokens 57.8 vs 64.9 ms), enough to pick a slower form;
 # on CPU the two were within noise, and compiling costs more than the timing (2 cores)
 COMPILE_ORIGINAL_ON = ("cuda",)
-MIN_ROUNDS = 3
-MAX_ROUNDS = 25
-BUDGET_S = 0.5  # per layer, after the warm-up: more rounds while under it (noisy shared machines)
+MIN_ROUNDS, MAX_ROUNDS = 3, 25
+BUDGET_S = 0.5  # per layer, after the warm-up: more rounds while under it (noisy shared machines; rank by rank)
 # whether the program being compiled computes gradients: set by the backend from the caller's grad mode (the passes
 # themselves run under enable_grad, for verify), or by explain() from its caller's; None: unknown, taken as training
 TRAINING: contextvars.ContextVar[bool | None] = contextvars.ContextVar("moecompile_training", default=None)
@@ -69,7 +69,6 @@ TRAINING: contextvars.ContextVar[bool | None] = contextvars.ContextVar("moecompi
 @dataclass
 class Timing:
     """One candidate: median milliseconds of a call (forward, or forward+backward), bytes saved for backward."""
-
     ms: float | None  # None: it raised (``error``)
     saved_bytes: int = 0
     error: str = ""
@@ -104,8 +103,8 @@ def canonical_candidate(nodes: list[fx.Node], transform: Callable[[fx.Graph, lis
 def expert_candidate(mlp: fx.Node, transform: Callable[[fx.Graph, list[fx.Node]], object] | None,
                      example_of: Callable[[fx.Node], torch.Tensor]) -> Candidate:
     """A sharded layer's local expert MLP alone, with the views and stacks that make its weights from this rank's
-    parameters (the exchange around it is not run: timing it would run collectives), ``transform``ed.
-    ``example_of`` gives an example tensor (its dtype and device) of an input that carries none."""
+    parameters, ``transform``ed; a gather of other ranks' weights stands as this rank's own repeated (no collective
+    runs: ranks time apart). ``example_of`` gives an example tensor (its dtype and device) of an input carrying none."""
     region, todo = {mlp}, [a for a in mlp.args[3:9] if isinstance(a, fx.Node)]
     while todo:
         n = todo.pop()
@@ -114,6 +113,7 @@ def expert_candidate(mlp: fx.Node, transform: Callable[[fx.Graph, list[fx.Node]]
         region.add(n)
         todo += n.all_input_nodes
     gm, inputs = extract(region, mlp)
+    local_gathers(gm)
     for ph, n in zip([p for p in gm.graph.nodes if p.op == "placeholder"], inputs):
         ph.meta.setdefault("example_value", example_of(n))
     if transform is not None:

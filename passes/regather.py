@@ -14,11 +14,14 @@ pre-expert part computes its backward; two layers' copies at most are alive at o
     before (backward order)                        after
     start_1  wait_1  experts_1'  ...               start_1  ...  wait_1  experts_1'  start_0  ...
     start_0  wait_0  experts_0'                    ...  wait_0  experts_0'
+
+``local_gathers``: the gathers of a layer cut out for the lower pass's timing stand as local copies (no collective).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
@@ -26,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import moecompile.runtime.comm.domains  # noqa: F401  (registers moe::domain_gather_start, moe::domain_gather_wait)
 
 START = torch.ops.moe.domain_gather_start.default
+GATHER = torch.ops.moe.domain_gather.default
 WAIT = torch.ops.moe.domain_gather_wait.default
 
 
@@ -89,3 +93,29 @@ class RegathersEarly(CustomGraphPass):
 
     def uuid(self):
         return get_hash_for_files((__file__,))
+
+
+def local_gathers(gm: fx.GraphModule) -> None:
+    """``gm`` (a layer's local experts cut out to be timed: ``forms.expert_candidate``) with each gather of other
+    ranks' weights (``moe.domain_gather``, or its start and wait) standing as this rank's own weights repeated, in the
+    dtype the gather sends: the same shapes and work, no collective. Each rank times its forms as often as its own
+    time budget allows (or not at all, its choice cached): a collective there would pair one rank's extra gather
+    with another's next, or wait for ever (seen on 8 gloo ranks with a cold cache, 2026-12-06)."""
+    from moecompile.runtime.comm.exchange import resolve_group
+
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in (GATHER, WAIT, START):
+            continue
+        if n.target is START:
+            continue  # (erased below, once its wait is)
+        rest = n.args[1:] if n.target is WAIT else n.args  # (w, group, layer, dtype)
+        w, group, dtype = rest[0], rest[1], rest[3] if len(rest) > 3 else n.kwargs.get("dtype")
+        with gm.graph.inserting_before(n):
+            own = gm.graph.call_method("to", (w, dtype)) if dtype is not None else w
+            whole = gm.graph.call_function(torch.cat, ([own] * dist.get_world_size(resolve_group(group)),))
+        n.replace_all_uses_with(whole)
+        gm.graph.erase_node(n)
+    for n in list(gm.graph.nodes):
+        if n.target is START and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()

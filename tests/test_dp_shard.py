@@ -16,6 +16,8 @@ fused gate_up holds 2 spare rows, split too) trains as one process. Options not 
 files load by load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly,
 and it then computes the same gradients."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,7 +72,8 @@ def _train(family, mesh, rank, world, tmp, **options):
             assert p.numel() * 4 == every[name].numel(), (name, p.shape)
             spare = every[name].shape[0] != model.config.n_routed_experts if family == "longcat_flash" else False
             assert spare or torch.equal(p, _piece(model, name, every[name], ep_rank)), name  # (spare rows: after)
-    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    auto = {"lowering": "auto"} if family == "mixtral" and not options else {}  # (forms timed: _gathers)
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True, **auto})
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
     moecompile.comm_stats(reset=True)
     for step in range(STEPS):
@@ -100,7 +103,10 @@ def _train(family, mesh, rank, world, tmp, **options):
 
 def _gathers(model, reshard: bool) -> None:
     """Every stacked expert weight gathered over the copies once a forward, and once more a backward where resharded
-    (counted as domain gathers: the same collective), its gradient reduce-scattered once a backward."""
+    (counted as domain gathers: the same collective), its gradient reduce-scattered once a backward; none while the
+    compile times the layer's forms (each rank with a cache of its own, empty: the timing runs, as often as each
+    rank's time budget allows; it ran the gathers until 2026-12-06, ranks pairing one's extra gathers with
+    another's next)."""
     assert all("split over the 2 copies" in r.sharding and ("again in backward" in r.sharding) == reshard
                for r in model._moe_parallel.report.layers), str(model._moe_parallel)
     for layer, stats in moecompile.comm_stats().items():
@@ -150,6 +156,8 @@ def _refused():
 
 
 def _world4(rank, world, tmp):
+    os.environ["MOECOMPILE_CACHE_DIR"] = f"{tmp}/cache{rank}"  # (each rank times its layers' forms: lowering="auto"
+    # in the first run, tests/conftest.py's default being "grouped")
     with gloo(rank, world, tmp):
         _refused()
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
@@ -167,10 +175,9 @@ def _world4(rank, world, tmp):
         ep_rank = dist.get_rank(model._moe_parallel.group)
         assert all(torch.equal(p, _piece(model, n, w.detach(), ep_rank) if n in stacked else w)
                    for (n, p), w in zip(model.named_parameters(), ref.parameters()))
-        model, _ = _train("mixtral", mesh, rank, world, tmp, reshard_after_forward=True)
+        model, _ = _train("mixtral", mesh, rank, world, tmp, reshard_after_forward=True, swap_every=1)
         _gathers(model, reshard=True)
-        model, _ = _train("mixtral", mesh, rank, world, tmp, swap_every=1)
-        assert model._moe_parallel.swap.history, "no expert was swapped"
+        assert model._moe_parallel.swap.history, "no expert was swapped"  # (the copies' pieces swapped alike)
         _train("longcat_flash", mesh, rank, world, tmp)  # identity experts: gate_up's spare rows cut too
         model, _ = _train("loop", mesh, rank, world, tmp)  # ModuleList experts: whole on each copy
         assert all("whole on each copy (nn.ModuleList experts are not split)" in r.sharding
