@@ -1,6 +1,6 @@
 """The state_dict of a layer ``moecompile.parallelize`` sharded: each stacked (or flat) expert weight as a DTensor
-``Shard(0)`` over the mesh (``Replicate`` over its ``"dp_replicate"`` dimension, ``Shard(1)`` over ``"dp_shard"``:
-``copies.py``), in expert order (its global ``[E, ...]`` or ``[E * R, ...]`` identity, for
+``Shard(0)`` over the mesh (``Replicate`` over its ``"dp_replicate"`` dimension, ``Shard`` of its cut dimension over
+``"dp_shard"``: ``copies.py``), in expert order (its global ``[E, ...]`` or ``[E * R, ...]`` identity, for
 ``torch.distributed.checkpoint``), and back on load (a DTensor of this mesh, one of another layout gathered whole,
 or a full tensor). A layer that swaps experts holds its rows in slot order: they are exchanged to expert order for
 the state_dict and back on load. The optimizer state of those weights likewise (``get_optimizer_state_dict``,
@@ -27,7 +27,8 @@ DOMAIN_SLOTS = "moe_domain_slots"  # expert domains: each expert's slot in the e
 def to_global(local, total: int, held, mesh, group):
     """This rank's shard of weight ``held`` (module, name: its placement's slot order, its piece of its copy's:
     ``copies.py``) as the DTensor ``Shard(0)`` of the global ``[total, ...]`` tensor in expert order (every rank
-    calls it together), on ``mesh`` (a pipeline stage's sub-mesh under "pp"; ``Shard(1)`` over ``"dp_shard"``)."""
+    calls it together), on ``mesh`` (a pipeline stage's sub-mesh under "pp"; over ``"dp_shard"``, ``Shard`` of the
+    piece's cut dimension)."""
     from torch.distributed.tensor import DTensor
 
     mesh, cut = state_mesh(mesh), copies.cut_of(*held)
