@@ -318,7 +318,8 @@ def _start_gathers_early(graph: fx.Graph, report: PassReport) -> None:
             if node.meta.get("moe_reshard"):
                 n.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
         if node.target in GATHER:
-            group, layer, dtype = (*node.args[1:], *("", None)[len(node.args) - 2:])
+            group = node.args[1]
+            layer, dtype = (node.args[2] if len(node.args) > 2 else ""), (node.args[3] if len(node.args) > 3 else None)
             start_op, start_args, wait_op = ops.domain_gather_start.default, (w, group, dtype), ops.domain_gather_wait
         else:  # (w, expert_mean(w.detach(), E, mean_group, layer), q, group, layer)
             mean, q, group, layer = node.args[1:5]

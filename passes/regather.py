@@ -104,10 +104,8 @@ def local_gathers(gm: fx.GraphModule) -> None:
     from moecompile.runtime.comm.exchange import resolve_group
 
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target not in (GATHER, WAIT, START):
+        if n.op != "call_function" or n.target not in (GATHER, WAIT):  # (a start: erased below, once its wait is)
             continue
-        if n.target is START:
-            continue  # (erased below, once its wait is)
         rest = n.args[1:] if n.target is WAIT else n.args  # (w, group, layer, dtype)
         w, group, dtype = rest[0], rest[1], rest[3] if len(rest) > 3 else n.kwargs.get("dtype")
         with gm.graph.inserting_before(n):

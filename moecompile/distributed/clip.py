@@ -88,25 +88,20 @@ def clip_together(once: list[torch.Tensor], summed: list[torch.Tensor], group, m
     grads = summed + once + pieces
     device = next((g.device for g in grads if g.device.type != "cpu"), torch.device("cpu"))
     # the summed part on the device of the model (NCCL reduces no CPU tensor; host parts' norms are moved there)
-    mine = _norm(summed, norm_type, device)
+    inf = norm_type == math.inf  # norms combine as their max, or as the sum of their p-th powers
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    power = (lambda n: n) if inf else (lambda n: n ** norm_type)  # noqa: E731
+    mine = power(_norm(summed, norm_type, device))
     parts = [_norm(plain, norm_type, device)] + [_norm(same, norm_type, device) for same in by_mesh.values()]
     if pieces:  # ("dp_shard") each copy's rank holds another piece of the same experts: summed over them first
-        split_norm = _norm(pieces, norm_type, device) ** (1.0 if norm_type == math.inf else norm_type)
-        dist.all_reduce(split_norm, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=copies)
-        mine = torch.maximum(mine, split_norm) if norm_type == math.inf else (mine ** norm_type + split_norm) ** (
-            1.0 / norm_type)
-    if norm_type == math.inf:
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-        total = torch.stack(parts + [mine]).max()
-        if stages is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=stages)
-    else:
-        mine = mine ** norm_type
-        dist.all_reduce(mine, group=group)
-        total = torch.stack(parts).pow(norm_type).sum() + mine
-        if stages is not None:
-            dist.all_reduce(total, group=stages)
-        total = total ** (1.0 / norm_type)
+        split_part = power(_norm(pieces, norm_type, device))
+        dist.all_reduce(split_part, op=op, group=copies)
+        mine = torch.maximum(mine, split_part) if inf else mine + split_part
+    dist.all_reduce(mine, op=op, group=group)
+    total = torch.stack(parts + [mine]).max() if inf else torch.stack(parts).pow(norm_type).sum() + mine
+    if stages is not None:
+        dist.all_reduce(total, op=op, group=stages)
+    total = total if inf else total ** (1.0 / norm_type)
     total = total.float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "

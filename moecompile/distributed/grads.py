@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .copies import cut_of
+
 
 class GradientSync:
     """The gradient hooks of a model ``parallelize`` sharded. ``expert_divisors`` maps the name of each sharded
@@ -328,7 +330,7 @@ def _split(model: nn.Module, name: str) -> bool:
     """Whether expert weight ``name`` is this rank's piece of its copy's (``copies.py``): its gradient is already
     summed over the copies (the gather's backward reduce-scatters it), to be divided only."""
     module_name, _, attr = name.rpartition(".")
-    return attr in getattr(model.get_submodule(module_name), "_moe_cuts", {})
+    return cut_of(model.get_submodule(module_name), attr) is not None
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:
