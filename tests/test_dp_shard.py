@@ -12,9 +12,12 @@ ranks loads in one process exactly, and a one-process state_dict loads into the 
 model trains as one process with its experts whole on each copy (not split: said in explain()). Expert swap
 (swap_every=1) trains Mixtral as one process, the copies' pieces swapped alike; LongCat-Flash (identity experts: its
 fused gate_up holds 2 spare rows, split too) trains as one process. Options not built beside "dp_shard"
-(replication, expert domains) and a mesh with both "dp_replicate" and "dp_shard" raise ValueError. save_hf_checkpoint's
-files load by load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly,
-and it then computes the same gradients."""
+(replication, expert domains) and "dp_shard" before "dp_replicate" raise ValueError. save_hf_checkpoint's files load
+by load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
+computes the same gradients. HSDP, a (2, 2, 1) ("dp_replicate", "dp_shard", "ep") mesh: each weight split over
+"dp_shard", each piece whole over "dp_replicate" (its gradient reduce-scattered, then averaged over it), trains as
+one process (reshard_after_forward too), its state_dict Replicate() over "dp_replicate", its checkpoint loading in
+one process."""
 
 import os
 
@@ -27,10 +30,11 @@ from ep_checkpoints import TOL, loads_in_one_process, optimizer_loads_in_one_pro
 from ranks import gloo, spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoModelForCausalLM
 
 import moecompile
+from moecompile.distributed.copies import cut_of
 from moecompile.models.handwritten import TinyMoELM
 from moecompile.models.hf import build_model, tiny_config, tiny_model, walk_config
 
@@ -52,7 +56,10 @@ def _piece(model, name, whole, ep_rank):
     rows = whole[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]]
     cut = [d for d in range(1, p.dim()) if p.shape[d] != rows.shape[d]]
     assert len(cut) <= 1 and (cut == [2]) == name.endswith("gate_up_proj"), (name, p.shape, rows.shape)
-    return rows.narrow(cut[0], dist.get_rank() // 2 * p.shape[cut[0]], p.shape[cut[0]]) if cut else rows
+    index = cut_of(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]).index if cut else 0
+    assert index == model._moe_parallel.mesh.get_local_rank("dp_shard"), index
+    return rows.narrow(cut[0], index * p.shape[cut[0]], p.shape[cut[0]]) if cut else rows
+
 
 
 def _train(family, mesh, rank, world, tmp, **options):
@@ -64,12 +71,15 @@ def _train(family, mesh, rank, world, tmp, **options):
     mine, together = batches[rank], batches.flatten(0, 1)
     moecompile.parallelize(model, mesh, mine, **options)
     info = model._moe_parallel
-    assert (info.world, info.copies, info.left) == (2, 2, []), str(info)
-    assert "'dp_shard': its weights split over them" in str(info), str(info)
+    hsdp = "dp_replicate" in mesh.mesh_dim_names  # (HSDP: each weight in halves over "dp_shard" too)
+    assert (info.world, info.copies, info.left) == (mesh.shape[-1], mesh.size() // mesh.shape[-1], []), str(info)
+    how = ("'dp_replicate' x 'dp_shard': its weights split over the 2 of 'dp_shard'" if hsdp else
+           "'dp_shard': its weights split over them")
+    assert how in str(info), str(info)
     ep_rank, every = dist.get_rank(info.group), dict(ref.named_parameters())
     for name, p in model.named_parameters():
         if getattr(p, "_moe_sharded", False):  # a quarter of the experts' bytes: half the experts, half of each
-            assert p.numel() * 4 == every[name].numel(), (name, p.shape)
+            assert p.numel() * 2 * info.world == every[name].numel(), (name, p.shape)
             spare = every[name].shape[0] != model.config.n_routed_experts if family == "longcat_flash" else False
             assert spare or torch.equal(p, _piece(model, name, every[name], ep_rank)), name  # (spare rows: after)
     auto = {"lowering": "auto"} if family == "mixtral" and not options else {}  # (forms timed: _gathers)
@@ -107,7 +117,7 @@ def _gathers(model, reshard: bool) -> None:
     compile times the layer's forms (each rank with a cache of its own, empty: the timing runs, as often as each
     rank's time budget allows; it ran the gathers until 2026-12-06, ranks pairing one's extra gathers with
     another's next)."""
-    assert all("split over the 2 copies" in r.sharding and ("again in backward" in r.sharding) == reshard
+    assert all("split over 2 ranks" in r.sharding and ("again in backward" in r.sharding) == reshard
                for r in model._moe_parallel.report.layers), str(model._moe_parallel)
     for layer, stats in moecompile.comm_stats().items():
         weights = 2  # (Mixtral's gate_up_proj and down_proj)
@@ -150,9 +160,9 @@ def _refused():
         moecompile.parallelize(tiny_model("mixtral"), mesh, ids, replication="static", slots_per_rank=5)
     with pytest.raises(ValueError, match="expert_domains beside a 'dp_shard'"):
         moecompile.parallelize(tiny_model("mixtral"), mesh, ids, expert_domains={"ep": 2})
-    both = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "ep"))
-    with pytest.raises(ValueError, match="both 'dp_replicate' and 'dp_shard'"):
-        moecompile.parallelize(tiny_model("mixtral"), both, ids)
+    after = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_shard", "dp_replicate", "ep"))
+    with pytest.raises(ValueError, match="'dp_replicate' must come first .*'dp_shard' right after 'dp_replicate'"):
+        moecompile.parallelize(tiny_model("mixtral"), after, ids)
 
 
 def _world4(rank, world, tmp):
@@ -182,10 +192,18 @@ def _world4(rank, world, tmp):
         model, _ = _train("loop", mesh, rank, world, tmp)  # ModuleList experts: whole on each copy
         assert all("whole on each copy (nn.ModuleList experts are not split)" in r.sharding
                    for r in model._moe_parallel.report.layers), str(model._moe_parallel)
+        hsdp = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "ep"))
+        model, _ = _train("mixtral", hsdp, rank, world, tmp, reshard_after_forward=True)
+        _gathers(model, reshard=True)
+        state = model.state_dict()
+        assert all(state[n].placements == (Replicate(), Shard(2 if n.endswith("gate_up_proj") else 1), Shard(0))
+                   for n in stacked), stacked
+        save(model, tmp, rank, "hsdp")
 
 
 def test_experts_split_over_dp_shard_train_as_one_process(tmp_path):
     tmp = str(tmp_path)
     spawn(_world4, args=(4, tmp), nprocs=4)
     loads_in_one_process(_build("mixtral"), tmp, "ckpt_mixtral", "saved_mixtral.pt")
+    loads_in_one_process(_build("mixtral"), tmp, "ckpt_hsdp", "saved_hsdp.pt")
     optimizer_loads_in_one_process(_build("mixtral"), tmp, LR)  # (every momentum exactly as the 4 ranks held it)

@@ -45,6 +45,35 @@ def test_split_copies_priced_with_their_pieces_and_gathers():
     assert any(p["shard_copies"] for p in plan(shape, cluster, 4096)["plans"])
 
 
+def test_hsdp_copies_split_inside_a_node_priced_and_laid_out():
+    """HSDP (``shard_over``): a group of 4 ranks in a node of 8 leaves 2 copies in each node and 4 across nodes; split
+    over the 2 inside the node, each layer gathers and reduce-scatters half a copy over the node's link alone, and
+    the pieces' gradients are all-reduced over the 4 copies holding the same (a ring over the nodes' link, half the
+    bytes of the copies kept whole); a rank holds half the group's experts, their gradients and optimizer state; the
+    gathers over the node's fast link hide under the pre-expert compute, over all 8 copies they do not; run lays it
+    out as ("dp_replicate", "dp_shard", "local"); the search prices it; 3 copies do not divide 8."""
+    cluster = read_cluster({"gpu": {"name": "H100", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 80},
+                            "levels": [{"name": "node", "count": 4, "alpha_s": 1e-5, "GBps": 25},
+                                       {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
+    shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
+    whole, hsdp, every = (evaluate(shape, cluster, Plan(4, 1, 32, shard_copies=split, shard_over=over), 4096, 1)
+                          for split, over in ((False, 0), (True, 2), (True, 0)))
+    L, GB = shape.moe_layers, 1e9
+    eb = shape.num_experts // 4 * shape.expert_params() * 2  # a rank's group share of the experts, bf16
+    link = {n: hsdp["bytes_per_link"][n] - whole["bytes_per_link"][n] for n in ("node", "local")}
+    assert link["local"] == pytest.approx(L * 2 * eb / 2)  # (gather, reduce-scatter: half a copy each)
+    assert link["node"] == pytest.approx(2 * 3 / 4 * L * eb / 2 - 2 * 7 / 8 * L * eb)  # (ring of 4, of 8 before)
+    for p, split in ((hsdp, 2), (every, 8)):
+        assert whole["memory_GB"]["grads"] - p["memory_GB"]["grads"] == pytest.approx(L * eb * (1 - 1 / split) / GB)
+    optimizer = [p["memory_GB"]["optimizer"] for p in (whole, hsdp, every)]
+    assert optimizer[1] - optimizer[2] == pytest.approx(6 * L * eb * (1 / 2 - 1 / 8) / GB)  # (12 bytes a parameter)
+    assert 0 == hsdp["layer_s"]["allgather"] < every["layer_s"]["allgather"]  # (hidden by the pre-expert compute)
+    assert how_to_run(Plan(4, 1, 32, shard_copies=True, shard_over=2), cluster) == {
+        "mesh_shape": [4, 2, 4], "mesh_dim_names": ["dp_replicate", "dp_shard", "local"], "options": {}}
+    assert "invalid" in evaluate(shape, cluster, Plan(4, 1, 32, shard_copies=True, shard_over=3), 4096, 1)
+    assert {p["shard_over"] for p in plan(shape, cluster, 4096)["plans"] if p["ep"] == 4} >= {0, 2, 4}
+
+
 def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
     """Each expert-domain plan twice: its gathered copies kept for backward (every MoE layer's at the end of
     forward) or freed after forward (two layers' at most: the running one's and the next one's, started ahead) and

@@ -30,7 +30,7 @@ from torch import nn
 
 from .grads import check_reduced
 from .copies import pieces
-from .mesh import pipeline_group, replicate_group
+from .mesh import pipeline_group, shard_group
 from .views import expert_parameters
 
 
@@ -63,7 +63,7 @@ def clip_grad_norm_(model: nn.Module | list[nn.Module], max_norm: float, norm_ty
     return clip_together([p.grad for p in with_grad if id(p) not in experts],
                          [p.grad for p in with_grad if id(p) in experts and id(p) not in split], infos[0].group,
                          max_norm, norm_type, error_if_nonfinite, stages=pipeline_group(infos[0].mesh),
-                         split=([p.grad for p in with_grad if id(p) in split], replicate_group(infos[0].mesh)))
+                         split=([p.grad for p in with_grad if id(p) in split], shard_group(infos[0].mesh)))
 
 
 @torch.no_grad()
@@ -74,7 +74,7 @@ def clip_together(once: list[torch.Tensor], summed: list[torch.Tensor], group, m
     or DTensors (whole by DTensor, per mesh and placements); ``summed``: this rank's part of gradients held once over
     ``group`` (expert shards; ``ExpertOptimizer``'s master parts). Every rank of ``group`` calls it together.
     ``stages``: under pipeline stages, one rank of each stage (each stage's norm is its part of the model's);
-    ``split``: (gradients of pieces held once over ``group`` and over the copies, the copies' group)."""
+    ``split``: (gradients of pieces held once over ``group`` and over the ranks splitting a copy, their group)."""
     norm_type = float(norm_type)
     if not (norm_type > 0 or norm_type == math.inf):  # (nan is neither)
         raise ValueError(f"norm_type must be a positive number or inf; got {norm_type!r}")

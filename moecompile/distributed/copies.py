@@ -19,6 +19,12 @@ dimension (a per-expert scale), stays whole on each copy and is averaged as unde
 ``nn.ModuleList`` experts (each an ``nn.Linear`` of its own: not cut). The state_dict gives a cut weight (and its
 optimizer state) as the DTensor ``Shard(d)`` (its cut dimension) over ``"dp_shard"`` and ``Shard(0)`` over the
 expert-parallel dimensions: ``torch.distributed.checkpoint`` saves each piece once and loads on any layout.
+
+Both ``"dp_replicate"`` and ``"dp_shard"`` (in that order, HSDP: e.g. ``("dp_replicate", "dp_shard", "ep")``, the
+copies inside a node splitting their experts, whole over the nodes): each index of the two together is one
+expert-parallel group, the weights are cut over the ``"dp_shard"`` ranks alone, and each piece is held whole by the
+``"dp_replicate"`` ranks, which average its gradient after the reduce-scatter (``grads.py``: summed over them,
+divided by every copy); the state_dict's DTensors are ``Replicate()`` over ``"dp_replicate"``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .mesh import COPIES, REPLICATE, SHARD, copies_split, expert_copies, replicate_group
+from .mesh import COPIES, REPLICATE, SHARD, copies_split, shard_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +59,8 @@ class Split:
     """The copies of a ``"dp_shard"`` mesh (``setup``): ``cut`` keeps this rank's piece of a shard."""
 
     def __init__(self, mesh, reshard: bool):
-        self.group = replicate_group(mesh)
-        self.parts, self.index, self.reshard = expert_copies(mesh), dist.get_rank(self.group), reshard
+        self.group = shard_group(mesh)
+        self.parts, self.index, self.reshard = dist.get_world_size(self.group), dist.get_rank(self.group), reshard
         self.up_transposed = False  # (the layer's: ``for_layer``)
 
     def for_layer(self, experts) -> Split:
@@ -85,7 +91,7 @@ class Split:
             module_name, _, attr = name.rpartition(".")
             (split if cut_of(model.get_submodule(module_name), attr) else whole).append(attr)
         again = "again in backward" if self.reshard else "kept for backward"
-        out = (f"{', '.join(split)} split over the {self.parts} copies ({SHARD!r}: 1/{self.parts} each), gathered "
+        out = (f"{', '.join(split)} split over {self.parts} ranks ({SHARD!r}: 1/{self.parts} each), gathered "
                f"where the layer runs ({again})") if split else ""
         why = "nn.ModuleList experts are not split" if listed else f"no dimension {self.parts} divides, or 1-D"
         kept = f"{len(whole)} weight(s) whole on each copy ({why}), averaged over the copies" if whole else ""

@@ -12,7 +12,8 @@ process training on all of them would.
 Experts held by several ranks (a mesh's ``"dp_replicate"`` dimension: each expert-parallel group holds every
 expert) are held back the same way and summed over those ranks, then divided by the copies times their divisor.
 Under ``"dp_shard"`` each rank holds a piece of its copy's weights, whose gradient the gather's backward already
-summed over the copies (``copies.py``): divided only.
+summed over the copies (``copies.py``): divided only; with ``"dp_replicate"`` too (HSDP) the ranks holding the same
+piece sum it (held back as above, over ``piece_group``), then divide.
 Inside ``no_sync`` (gradient accumulation, as DDP's) the held-back gradients wait, summed, for the first backward
 after it, which reduces them all at once.
 
@@ -46,6 +47,7 @@ class GradientSync:
     that many ranks (``expert_group``, a mesh's ``"dp_replicate"``): its gradient is averaged over them too (a
     replicated expert's slots' gradients are divided by ``copies`` here, and summed over the copies by
     ``ExpertOptimizer`` as its master parts' gradients: each copy places its experts in its slots its own way).
+    ``piece_group``: under HSDP, the ranks holding the same pieces of split experts (``mesh.piece_copies_group``).
 
     ``refresh()`` hooks each parameter that takes a gradient and has no hook yet: one added or unfrozen since
     (peft's adapters, a resized embedding, experts trained after a frozen start), which would otherwise keep each
@@ -54,10 +56,11 @@ class GradientSync:
     Parameters FSDP2's ``fully_shard`` holds are its to reduce."""
 
     def __init__(self, model: nn.Module, expert_divisors: dict[str, int], group, size: int, expert_group=None,
-                 copies: int = 1):
+                 copies: int = 1, piece_group=None):
         self.model, self.expert_divisors, self.size, self.copies = model, expert_divisors, size, copies
         self.replicated = _HeldBack(model, group) if size > 1 else None
         self.experts = _HeldBack(model, expert_group) if copies > 1 else None  # divided after the sum over copies
+        self.pieces = _HeldBack(model, piece_group) if piece_group is not None else None  # (HSDP)
         self.hooked: dict[int, weakref.ref] = {}
         self.late: list[str] = []
         self.start = {n for n, _ in model.named_parameters()}  # the names parallelize saw
@@ -79,11 +82,17 @@ class GradientSync:
                     self.replicated.add(p, self.size)
             elif self.experts is not None and not getattr(p, "_moe_replicated", False) and not _split(self.model, n):
                 self.experts.add(p, self.copies * self.expert_divisors[n])
+            elif self.pieces is not None and _split(self.model, n):  # (summed over the other dimension of copies)
+                self.pieces.add(p, self.copies * self.expert_divisors[n])
             elif self.copies * self.expert_divisors[n] > 1:  # (a replicated expert's slots: see above; a piece)
                 divisor = self.copies * self.expert_divisors[n]
                 p.register_hook(lambda grad, d=divisor: None if grad is None else grad / d)
         self.late += added
         return added
+
+    def held_backs(self) -> list:
+        """The ``_HeldBack`` of each kind of gradient this sync reduces when backward ends."""
+        return [h for h in (self.replicated, self.experts, self.pieces) if h is not None]
 
     def added_to_experts(self, expert_names) -> list[str]:
         """Parameters added since ``parallelize`` inside a module holding expert weights (``expert_names``: the
@@ -217,7 +226,7 @@ def holding(model, stage: bool = False):
     schedule defers theirs itself) and a module ``parallelize`` did not shard left to run as it does."""
     syncs, wrapped = _syncs_and_fsdp(model, required=not stage)
     wrapped = wrapped if not stage else []
-    held = [h for sync in syncs for h in (sync.replicated, sync.experts) if h is not None]
+    held = [h for sync in syncs for h in sync.held_backs()]
     before = [h.sync for h in held]
     for h in held:
         h.sync = False
@@ -235,7 +244,7 @@ def holding(model, stage: bool = False):
 def check_reduced(syncs, what: str) -> None:
     """Refuse ``what`` (clipping, a step) while a ``no_sync`` window's held gradients wait for the backward that
     reduces them: each rank would read its own sum, not the mean."""
-    held = [h for sync in syncs if sync is not None for h in (sync.replicated, sync.experts) if h is not None]
+    held = [h for sync in syncs if sync is not None for h in sync.held_backs()]
     if any(h.waiting() for h in held):
         raise ValueError(f"{what}: gradients held by moecompile.no_sync are not reduced yet (not in .grad): run the "
                          "backward that reduces them first, outside no_sync (the last micro-batch's), on every rank")

@@ -16,15 +16,18 @@ same experts (expert data parallelism, as Megatron's and torchtitan's expert-par
 size): the experts are sharded over the other dimensions (the expert-parallel group, ``setup_mesh``'s group: one
 per index of ``"dp_replicate"``), each rank exchanges rows only inside its group, and the experts' gradients are
 averaged over ``"dp_replicate"`` (``replicate_group``); named ``"dp_shard"`` instead, the copies' ranks each hold a
-piece of its copy's expert weights (``copies.py``). An outermost dimension named ``"pp"`` holds pipeline
-stages: each index holds another part of the model (its stage module), whose experts are sharded over the other
-dimensions (``setup_mesh``'s group again, the stage's ranks); nothing is reduced or checked across stages but the
-gradient norm of ``clip_grad_norm_`` (``pipeline_group``), and the state_dict's DTensors live on the stage's
-sub-mesh (``state_mesh``); a ``"tp"`` dimension's data-parallel group is then the stage's ranks of one tp index,
-and a ``"dp_replicate"`` right after ``"pp"`` holds copies of each stage's experts.
+piece of its copy's expert weights (``copies.py``); both, ``"dp_shard"`` right after ``"dp_replicate"`` (HSDP), the
+weights are split over ``"dp_shard"`` and each piece kept whole over ``"dp_replicate"``. An outermost dimension
+named ``"pp"`` holds pipeline stages: each index holds another part of the model (its stage module), whose experts
+are sharded over the other dimensions (``setup_mesh``'s group again, the stage's ranks); nothing is reduced or
+checked across stages but the gradient norm of ``clip_grad_norm_`` (``pipeline_group``), and the state_dict's
+DTensors live on the stage's sub-mesh (``state_mesh``); a ``"tp"`` dimension's data-parallel group is then the
+stage's ranks of one tp index, and a ``"dp_replicate"`` right after ``"pp"`` holds copies of each stage's experts.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -80,21 +83,35 @@ def tp_groups(mesh):
     return _group(mesh, (d,)), dp_group, _group(mesh, copy) if copy != dp else dp_group
 
 
-def copies_name(mesh) -> str | None:
-    """The name of the mesh's dimension of expert copies (``"dp_replicate"`` or ``"dp_shard"``), or None."""
-    return next((name for name in _outers(mesh) if name in COPIES), None)
+def _copy_dims(mesh) -> tuple[int, ...]:
+    """The indices of the mesh's dimensions of expert copies (``"dp_replicate"``, ``"dp_shard"`` or both)."""
+    outers = _outers(mesh)
+    return tuple(i for i, name in enumerate(outers) if name in COPIES)
 
 
 def expert_copies(mesh) -> int:
-    """The size of the mesh's ``"dp_replicate"`` (or ``"dp_shard"``) dimension (1 without one): how many copies of
-    each expert."""
-    name = copies_name(mesh)
-    return mesh.shape[_outers(mesh).index(name)] if name else 1
+    """How many copies of each expert (the size of the mesh's ``"dp_replicate"`` and ``"dp_shard"`` dimensions
+    together; 1 without them)."""
+    return math.prod(mesh.shape[d] for d in _copy_dims(mesh))
 
 
 def copies_split(mesh) -> bool:
     """Whether the copies of each expert split its weights over their ranks (a ``"dp_shard"`` dimension)."""
-    return copies_name(mesh) == SHARD
+    return SHARD in _outers(mesh)
+
+
+def shard_group(mesh):
+    """With ``"dp_shard"``: this rank's group of the ranks that split one copy of its experts (differing only in
+    ``"dp_shard"``), else None."""
+    return _group(mesh, (_outers(mesh).index(SHARD),)) if copies_split(mesh) else None
+
+
+def piece_copies_group(mesh):
+    """With both ``"dp_replicate"`` and ``"dp_shard"`` (HSDP): this rank's group of the ranks holding the same
+    pieces of the experts (differing only in ``"dp_replicate"``), over which their gradients are summed; else
+    None."""
+    outers = _outers(mesh)
+    return _group(mesh, (outers.index(REPLICATE),)) if SHARD in outers and REPLICATE in outers else None
 
 
 def stage_group(mesh):
@@ -121,22 +138,26 @@ def describe(mesh, world: int, copies: int) -> str:
         mesh) else ""
     split = f"{SHARD!r}: its weights split over them, gathered where the layer runs, its gradient reduce-scattered"
     how = split if copies_split(mesh) else f"{REPLICATE!r}: its gradient averaged over them"
+    if copies_split(mesh) and REPLICATE in _outers(mesh):  # (HSDP)
+        parts = mesh.shape[_outers(mesh).index(SHARD)]
+        how = (f"{REPLICATE!r} x {SHARD!r}: its weights split over the {parts} of {SHARD!r}, gathered where the layer "
+               f"runs, its gradient reduce-scattered over them and averaged over {REPLICATE!r}")
     return f"expert parallelism over {world} rank(s){where}" + (
         f", each expert on {copies} ranks ({how})" if copies > 1 else "") + ":"
 
 
 def replicate_group(mesh):
-    """This rank's group of the ranks holding the same experts (differing only in ``"dp_replicate"`` or
+    """This rank's group of the ranks holding the same experts (differing only in ``"dp_replicate"`` and
     ``"dp_shard"``), or None."""
-    name = copies_name(mesh)
-    return _group(mesh, (_outers(mesh).index(name),)) if name else None
+    dims = _copy_dims(mesh)
+    return _group(mesh, dims) if dims else None
 
 
 def replicate_groups(mesh) -> list[list[int]]:
-    """Every group of ranks holding the same experts (differing only in ``"dp_replicate"`` or ``"dp_shard"``;
-    global ranks, in order), or [] without that dimension."""
-    name = copies_name(mesh)
-    return levels.partition(mesh.mesh, (_outers(mesh).index(name),)) if name else []
+    """Every group of ranks holding the same experts (differing only in ``"dp_replicate"`` and ``"dp_shard"``;
+    global ranks, in order), or [] without them."""
+    dims = _copy_dims(mesh)
+    return levels.partition(mesh.mesh, dims) if dims else []
 
 
 def ep_groups(mesh) -> list[list[int]]:
@@ -153,9 +174,11 @@ def ep_shape(mesh) -> tuple[int, ...]:
 
 def _outers(mesh) -> tuple[str, ...]:
     """The mesh's outer dimensions: ``("pp", "dp_replicate")``, ``("pp",)``, ``("dp_replicate",)`` or ``()``
-    (the names its first dimensions have, in that order; ``"dp_shard"`` where ``"dp_replicate"`` would be)."""
+    (the names its first dimensions have, in that order; ``"dp_shard"`` where ``"dp_replicate"`` would be, or
+    right after it: HSDP)."""
     names = tuple(mesh.mesh_dim_names or ())
-    for outers in ((STAGES, REPLICATE), (STAGES, SHARD), (STAGES,), (REPLICATE,), (SHARD,)):
+    for outers in ((STAGES, REPLICATE, SHARD), (STAGES, REPLICATE), (STAGES, SHARD), (STAGES,), (REPLICATE, SHARD),
+                   (REPLICATE,), (SHARD,)):
         if names[:len(outers)] == outers:
             return outers
     return ()
@@ -186,14 +209,10 @@ def _check_mesh(mesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
     offset = _offset(mesh)
-    if REPLICATE in names and SHARD in names:
-        raise ValueError(f"a mesh with both {REPLICATE!r} and {SHARD!r} (copies of the experts kept whole over one, "
-                         f"split over the other) is not supported yet; got {names}: name the copies' dimension "
-                         f"{SHARD!r} (each rank holds a part of its copy's experts) or {REPLICATE!r} (each holds them "
-                         "whole)")
     for outer, size in ((REPLICATE, "copies"), (SHARD, "copies"), (STAGES, "stages")):
         if outer in names[offset:]:
             after = f", or right after {STAGES!r}" if outer in COPIES else ""
+            after += f"; {SHARD!r} right after {REPLICATE!r} where both are" if outer in COPIES else ""
             raise ValueError(f"mesh dimension {outer!r} must come first (outermost{after}: the expert-parallel "
                              f"groups are consecutive ranks); got {names}: e.g. init_device_mesh(device, ({size}, "
                              f"nodes, gpus_per_node), mesh_dim_names=({outer!r}, 'node', 'local'))")

@@ -45,8 +45,8 @@ from . import ted
 from .find_blocks import explain_blocks
 from .grads import GradientSync, fsdp_wraps
 from .hf_tp import take_back_experts
-from .mesh import (check_dedup, describe, ep_shape, expert_copies, level_names, replicate_group, setup_mesh,
-                   stage_group)
+from .mesh import (check_dedup, describe, ep_shape, expert_copies, level_names, piece_copies_group, replicate_group,
+                   setup_mesh, stage_group)
 from moecompile.runtime.placement.replication import check_slots
 from .replicate import check_options, replicable, replicate_layer, setup as replicate_setup
 from .shardable import check_ranks_agree, expert_tensors, identity_shard, identity_slots, rows_home, unshardable
@@ -79,9 +79,10 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     ``compress=q``: each gathered expert sent as the mean expert's residual, its q largest entries (not exact);
     ``reshard_after_forward=True``: the gathered copies freed after forward and gathered again in backward.
     ``mesh``: an outermost dimension named ``"dp_replicate"`` keeps copies of the experts, one per index (each group
-    over the other dimensions; ``mesh.py``); one named ``"pp"`` holds pipeline stages, each index its own stage module
-    (``model``; a ``"dp_replicate"`` may follow it). A ``model`` on the meta device: each rank allocates its expert
-    shards, the rest on ``model.to_empty(device=...)`` (``meta.py``). Other keyword arguments are backend options."""
+    over the other dimensions; ``mesh.py``; ``"dp_shard"``: each copy split over its ranks, ``copies.py``; both:
+    HSDP); one named ``"pp"`` holds pipeline stages, each index its own stage module (``model``; the copies' may
+    follow it). A ``model`` on the meta device: each rank allocates its expert shards, the rest on
+    ``model.to_empty(device=...)`` (``meta.py``). Other keyword arguments are backend options."""
     group = setup_mesh(mesh)
     copies = expert_copies(mesh)
     tp = moe_tp_mod.check(moe_tp, mesh, dedup, swap_every, replication)
@@ -166,7 +167,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         rec.expert_weights = {}
     dense = stage_group(mesh)  # the ranks holding the same dense weights: the world, or a pipeline stage's ranks
     sync = GradientSync(model, divisors, *((tp.dp_group, tp.dp) if tp is not None else (dense, dist.get_world_size(
-                        dense))), expert_group=replicate_group(mesh), copies=copies)
+                        dense))), expert_group=replicate_group(mesh), copies=copies,
+                        piece_group=piece_copies_group(mesh))  # (HSDP: the ranks holding the same pieces)
     model._moe_parallel = ParallelInfo(report, left, world, mesh, group)
     model._moe_parallel.sync, model._moe_parallel.copies = sync, copies
     replicated = {layer.path for layer in replicas}  # (a replicated ModuleList's weights: in its slots)

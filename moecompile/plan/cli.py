@@ -29,7 +29,8 @@ def describe(p: dict) -> str:
         parts.append("domains " + ",".join(f"{k}={v}" for k, v in p["expert_domains"].items())
                      + (" regather" if p["reshard_after_forward"] else ""))
     if p["shard_copies"]:
-        parts.append("copies split" + (" regather" if p["reshard_after_forward"] else ""))
+        parts.append("copies split" + (f" over {p['shard_over']} (HSDP)" if p.get("shard_over") else "")
+                     + (" regather" if p["reshard_after_forward"] else ""))
     if p["replication"]:
         parts.append(f"replicas {p['replication']['slots_per_rank']}/rank")
     return " ".join(parts)

@@ -15,12 +15,14 @@ Per MoE layer and micro-batch (forward; backward counts twice the compute and on
                         after forward and gathered again in backward (``reshard``: two layers' copies at most, and
                         one more gather a layer, started ahead as in forward: less the pre-expert part's backward,
                         twice its forward compute, that it overlaps); split copies (``shard_copies``, a
-                        ``"dp_shard"`` dimension): the group's experts gathered from the N / ep copies' ranks,
-                        (R - 1) / R of them over the slowest level those span, less the pre-expert compute, kept or
-                        gathered again likewise; their gradients reduce-scattered back in each backward
+                        ``"dp_shard"`` dimension): the group's experts gathered from the R = N / ep copies' ranks
+                        (HSDP, ``shard_over``: from the innermost R of them), (R - 1) / R of them over the slowest
+                        level those span, less the pre-expert compute, kept or gathered again likewise; their
+                        gradients reduce-scattered back in each backward
 The step: every layer's forward and backward, the language-model head, and the gradient all-reduce (a ring:
 2 (n - 1) / n of the bytes over the slowest level the replicas span; split copies' experts: none, reduce-scattered
-already). Memory: bf16 weights and gradients (split copies' experts: 1 / R, and their gathered copies), Adam
+already, or under HSDP their pieces over the copies holding the same). Memory: bf16 weights and gradients (split
+copies' experts: 1 / R, and their gathered copies), Adam
 (fp32 master, m, v: 12 bytes a parameter) sharded over the data-parallel replicas (ZeRO-1), activations of every
 layer (attention ``T H (4 + 11 / tp)`` bytes and a dense MLP's ``19 T H I / (4 H) / tp``, Korthikanti et al. with
 flash attention; a MoE layer's by ``moe_layer_activations``).
@@ -57,11 +59,17 @@ class Plan:
     reshard: bool = False  # expert domains, split copies: the gathered weights freed after forward, gathered again
     pp: int = 1  # pipeline stages over the outermost level (ep, tp, dp: inside one stage's GPUs)
     shard_copies: bool = False  # the N / ep copies of the group each split over its copies' ranks ("dp_shard")
+    shard_over: int = 0  # with shard_copies: split over that many copies' ranks only, the innermost, whole over the
+    # rest (HSDP: ("dp_replicate", "dp_shard", ...)); 0: over every copy
+
+    def split(self, gpus: int) -> int:
+        """Over how many ranks each weight of the group's experts is split (1: whole)."""
+        return (self.shard_over or gpus // self.ep) if self.shard_copies else 1
 
     def as_dict(self) -> dict:
         return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
                 "expert_domains": dict(self.expert_domains) if self.expert_domains else None,
-                "reshard_after_forward": self.reshard, "shard_copies": self.shard_copies,
+                "reshard_after_forward": self.reshard, "shard_copies": self.shard_copies, "shard_over": self.shard_over,
                 "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None}
 
 
@@ -70,6 +78,12 @@ def group_counts(cluster: Cluster, size: int, stride: int = 1) -> list[int] | No
     per level (outermost first); None where it does not tile the levels."""
     counts = list(cluster.counts)
     counts[-1] //= stride
+    return tile(counts, size)
+
+
+def tile(counts: list[int], size: int) -> list[int] | None:
+    """A group of ``size`` ranks taken innermost first over levels of ``counts`` ranks: its size per level; None
+    where it does not tile them."""
     out, left = [1] * len(counts), size
     for j in reversed(range(len(counts))):
         take = math.gcd(left, counts[j])
@@ -186,11 +200,13 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         held = plan.slots_per_rank * shape.expert_params() * ELEM
     if plan.shard_copies:  # "dp_shard": the layer's experts gathered from the copies' ranks (their gradients
         # reduce-scattered back in backward), started ahead as expert domains' are, less the pre-expert compute
-        replicas = N // plan.ep
-        counts = [c // e for c, e in zip(cluster.counts, ep_counts)]  # (the levels the group leaves)
+        split = plan.split(N)  # (HSDP: the innermost copies', inside the levels the group leaves)
+        counts = tile([c // e for c, e in zip(cluster.counts, ep_counts)], split)  # (None: they do not tile the levels)
+        if counts is None:
+            return {"invalid": f"copies split over {split} of their {N // plan.ep} ranks do not tile the levels"}
         slow = min((j for j, c in enumerate(counts) if c > 1), key=lambda j: levels[j].GBps, default=len(levels) - 1)
         piece = [0.0] * len(levels)
-        piece[slow] = (replicas - 1) / replicas * expert_bytes
+        piece[slow] = (split - 1) / split * expert_bytes
         allgather = max(0.0, phase("gather", piece) - pre)
         regather = max(0.0, allgather - pre) if plan.reshard else 0.0
     if plan.tp > 1 and plan.moe_tp != "off":  # SSMB: the output all-gathered; TED: the partial sums reduced
@@ -335,10 +351,12 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
     micro = compute + 2 * shape.moe_layers * moe + shape.moe_layers * layer["regather"]
     reduce_s, grads = 0.0, [0.0] * len(cluster.levels)
     dense_bytes = shape.dense_params() / plan.tp * ELEM
-    replicas = 1 if plan.shard_copies else (plan.dp if plan.moe_tp == "ted" else cluster.gpus) // plan.ep
+    split = plan.split(cluster.gpus)  # (split copies: their pieces all-reduced over the copies holding the same)
+    replicas = (plan.dp if plan.moe_tp == "ted" else cluster.gpus) // plan.ep // split
+    expert_bytes /= split
     if plan.slots_per_rank:  # replication's copies sum each rank's fp32 master part, 1/ep of every expert
         expert_bytes = shape.num_experts * shape.expert_params() * 4 / plan.ep
-    expert_stride = plan.ep * (plan.tp if plan.moe_tp == "ted" else 1)
+    expert_stride = plan.ep * (plan.tp if plan.moe_tp == "ted" else 1) * split
     for nbytes, size, stride in ((dense_bytes, plan.dp, plan.tp),
                                  (shape.moe_layers * expert_bytes, replicas, expert_stride)):
         if size <= 1:
@@ -366,8 +384,8 @@ def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float,
     else:
         experts = shape.moe_layers * expert_bytes / ELEM
         expert_optimizer = experts / replicas
-        if plan.shard_copies:  # ("dp_shard": the weights and gradients too; their gathered copies apart)
-            experts = expert_optimizer
+        if plan.shard_copies:  # ("dp_shard": the weights and gradients too, their gathered copies apart; HSDP: the
+            experts = expert_optimizer = experts / plan.split(N)  # optimizer of the pieces it holds)
     weights = (dense + experts) * ELEM + gathered
     optimizer = ADAM_BYTES * (dense / plan.dp + expert_optimizer)
     H = shape.hidden

@@ -48,9 +48,11 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
         return {"not_runnable": f"dedup at {plan.dedup!r}, a level the expert-parallel group does not span"}
     if plan.shard_copies and (copies == 1 or ted or plan.expert_domains or plan.slots_per_rank):
         return {"not_runnable": "split copies need copies of a group without TED, expert domains or replication"}
-    outer = "dp_shard" if plan.shard_copies else "dp_replicate"
-    dims = ([(outer, copies)] if copies > 1 else []) + [(rename[n], c) for n, c in used] + \
-        ([("tp", tp)] if tp > 1 else [])
+    split = plan.split(N)
+    if copies % split:
+        return {"not_runnable": f"copies split over {split} ranks: {split} does not divide the {copies} copies"}
+    outer = [("dp_replicate", copies // split)] * (copies > split) + [("dp_shard", split)] * (split > 1)
+    dims = outer + [(rename[n], c) for n, c in used] + ([("tp", tp)] if tp > 1 else [])
     options = {}
     if tp > 1:
         options["moe_tp"] = plan.moe_tp

@@ -19,7 +19,7 @@ import math
 from moecompile.runtime.comm import expected
 
 from .cluster import Cluster
-from .cost import Plan, evaluate, group_counts, stage_cluster, xmoe_rule
+from .cost import Plan, evaluate, group_counts, stage_cluster, tile, xmoe_rule
 from .run import how_to_run
 from .shapes import MoEShape
 
@@ -52,8 +52,14 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                 out.append(Plan(ep, tp, dp, moe_tp))
                 if moe_tp == "ted":
                     continue
-                if N > ep and tp == 1:  # the copies split ("dp_shard"), their gathers kept or made again
-                    out += [Plan(ep, tp, dp, moe_tp, shard_copies=True, reshard=r) for r in (False, True)]
+                if N > ep and tp == 1:  # the copies split ("dp_shard"; over some, HSDP), their gathers kept or made
+                    # again
+                    copies = [c // e for c, e in zip(cluster.counts, counts)]
+                    for split in (d for d in range(2, N // ep + 1) if (N // ep) % d == 0):
+                        over = 0 if split == N // ep else split
+                        if tile(copies, split) is not None:
+                            out += [Plan(ep, tp, dp, moe_tp, shard_copies=True, shard_over=over, reshard=r)
+                                    for r in (False, True)]
                 for j, name in enumerate(names[:-1]):
                     if counts[j] > 1 and math.prod(counts[j + 1:]) > 1:
                         out.append(Plan(ep, tp, dp, moe_tp, dedup=name))
