@@ -61,7 +61,6 @@ def _piece(model, name, whole, ep_rank):
     return rows.narrow(cut[0], index * p.shape[cut[0]], p.shape[cut[0]]) if cut else rows
 
 
-
 def _train(family, mesh, rank, world, tmp, **options):
     """Three steps over ``mesh`` and in one process, every step checked; returns (sharded model, one-process
     model). Plain Mixtral's optimizer state is saved (torch.distributed.checkpoint) for the parent to load."""
@@ -78,7 +77,7 @@ def _train(family, mesh, rank, world, tmp, **options):
     assert how in str(info), str(info)
     ep_rank, every = dist.get_rank(info.group), dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        if getattr(p, "_moe_sharded", False):  # a quarter of the experts' bytes: half the experts, half of each
+        if getattr(p, "_moe_sharded", False):  # its group's share of the experts (1 / ep), half of each
             assert p.numel() * 2 * info.world == every[name].numel(), (name, p.shape)
             spare = every[name].shape[0] != model.config.n_routed_experts if family == "longcat_flash" else False
             assert spare or torch.equal(p, _piece(model, name, every[name], ep_rank)), name  # (spare rows: after)
