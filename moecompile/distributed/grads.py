@@ -80,12 +80,13 @@ class GradientSync:
             if n not in self.expert_divisors:
                 if self.replicated is not None:
                     self.replicated.add(p, self.size)
-            elif self.experts is not None and not getattr(p, "_moe_replicated", False) and not _split(self.model, n):
-                self.experts.add(p, self.copies * self.expert_divisors[n])
-            elif self.pieces is not None and _split(self.model, n):  # (summed over the other dimension of copies)
-                self.pieces.add(p, self.copies * self.expert_divisors[n])
-            elif self.copies * self.expert_divisors[n] > 1:  # (a replicated expert's slots: see above; a piece)
-                divisor = self.copies * self.expert_divisors[n]
+                continue
+            divisor, piece = self.copies * self.expert_divisors[n], _split(self.model, n)
+            if self.experts is not None and not getattr(p, "_moe_replicated", False) and not piece:
+                self.experts.add(p, divisor)
+            elif self.pieces is not None and piece:  # (HSDP: summed over the other dimension of copies)
+                self.pieces.add(p, divisor)
+            elif divisor > 1:  # (a replicated expert's slots: see above; a piece)
                 p.register_hook(lambda grad, d=divisor: None if grad is None else grad / d)
         self.late += added
         return added
