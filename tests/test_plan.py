@@ -211,12 +211,12 @@ def test_cli_writes_plan_json_and_exits_3_when_nothing_fits(tmp_path):
     # the same global batch a step (1024 sequences, one a GPU): each plan's pipelines run it in micro-batches
     assert all(p["dp"] * p["microbatches"] == 1024 and p["tokens_per_s"] == pytest.approx(1024 * 4096 / p["step_s"])
                for p in result["plans"])
-    # how to run it: 16 pipeline stages of 64 GPUs, in each 8 copies of an 8-rank group of 2 GPUs x 4 tp ranks
-    # (tests/test_dp_replicate.py runs each runnable layout of a small cluster without stages)
-    assert result["plans"][0]["run"] == {"mesh_shape": [16, 8, 2, 4],
-                                         "mesh_dim_names": ["pp", "dp_replicate", "local", "tp"],
-                                         "options": {"moe_tp": "ssmb"}}, result["plans"][0]["run"]
-    assert "run it: mesh = init_device_mesh('cuda', (16, 8, 2, 4)" in run.stdout, run.stdout
+    # how to run it: 16 pipeline stages of 64 GPUs, in each 4 copies of a 16-rank group of 2 nodes x 8 tp ranks,
+    # deduplicated over "node" (tests/test_dp_replicate.py runs each runnable layout of a small cluster without stages)
+    assert result["plans"][0]["run"] == {"mesh_shape": [16, 4, 2, 8],
+                                         "mesh_dim_names": ["pp", "dp_replicate", "node", "tp"],
+                                         "options": {"moe_tp": "ssmb", "dedup": "node"}}, result["plans"][0]["run"]
+    assert "run it: mesh = init_device_mesh('cuda', (16, 4, 2, 8)" in run.stdout, run.stdout
     assert "stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), 16)" in run.stdout
     tiny = tmp_path / "tiny.json"  # 8 GPUs of 8 GB cannot hold DeepSeek-V3
     tiny.write_text(json.dumps({"gpu": {"name": "small", "bf16_tflops": 100, "hbm_TBps": 1, "memory_GB": 8},

@@ -22,10 +22,11 @@ Per MoE layer and micro-batch (forward; backward counts twice the compute and on
 The step: every layer's forward and backward, the language-model head, and the gradient all-reduce (a ring:
 2 (n - 1) / n of the bytes over the slowest level the replicas span; split copies' experts: none, reduce-scattered
 already, or under HSDP their pieces over the copies holding the same). Memory: bf16 weights and gradients (split
-copies' experts: 1 / R, and their gathered copies), Adam
-(fp32 master, m, v: 12 bytes a parameter) sharded over the data-parallel replicas (ZeRO-1), activations of every
-layer (attention ``T H (4 + 11 / tp)`` bytes and a dense MLP's ``19 T H I / (4 H) / tp``, Korthikanti et al. with
-flash attention; a MoE layer's by ``moe_layer_activations``).
+copies' experts: 1 / R, and their gathered copies), Adam (fp32 master, m, v: 12 bytes a parameter): the dense
+layers' sharded over the data-parallel replicas (ZeRO-1, as FSDP2 shards them), the experts' whole on each copy as
+moecompile's runtime keeps it (split copies: 1 / R), activations of every layer (attention ``T H (4 + 11 / tp)``
+bytes and a dense MLP's ``19 T H I / (4 H) / tp``, Korthikanti et al. with flash attention; a MoE layer's by
+``moe_layer_activations``).
 """
 
 from __future__ import annotations
@@ -378,12 +379,10 @@ def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float,
     them); ``in_flight``: micro-batches whose activations are held at once (1F1B's first stage: min(pp, M))."""
     GB = 1e9
     dense = shape.dense_params() / plan.tp
-    replicas = (plan.dp if plan.moe_tp == "ted" else N) // plan.ep
     if plan.slots_per_rank:  # S expert instances a rank; their optimizer on the hosts
         experts, expert_optimizer = shape.moe_layers * plan.slots_per_rank * shape.expert_params(), 0.0
-    else:
-        experts = shape.moe_layers * expert_bytes / ELEM
-        expert_optimizer = experts / replicas
+    else:  # each copy's optimizer holds its experts' state whole, as moecompile's runtime keeps it
+        experts = expert_optimizer = shape.moe_layers * expert_bytes / ELEM
         if plan.shard_copies:  # ("dp_shard": the weights and gradients too, their gathered copies apart; HSDP: the
             experts = expert_optimizer = experts / plan.split(N)  # optimizer of the pieces it holds)
     weights = (dense + experts) * ELEM + gathered
