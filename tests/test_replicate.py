@@ -257,7 +257,7 @@ def _worker(rank, world, tmp):
                                            msg=lambda m: f"{name}: {m}")
             _train(mesh, rank, world, "adaptive", tmp, "sgd")
             copies = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))
-            _train(copies, rank, world, "adaptive", tmp, "sgd", copies=2, explain=True)  # each copy's group of 2 replicates
+            _train(copies, rank, world, "adaptive", tmp, "sgd", copies=2, explain=True)  # each copy's 2 ranks replicate
         else:  # (Mixtral's runs above on a 1-D mesh: test_one_rank_replication)
             _load_saved_on_4(mesh, rank, world, tmp)
             _train(mesh, rank, world, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights
