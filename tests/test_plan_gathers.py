@@ -21,7 +21,7 @@ def test_split_copies_priced_with_their_pieces_and_gathers():
     (every MoE layer's kept for backward, or two: gathered again there); each micro-batch gathers (R - 1) / R of them
     over the slowest level the copies span and reduce-scatters their gradients back, where the copies kept whole
     all-reduce the gradients once a step: the same bytes at one micro-batch a step, one more gather a layer gathering
-    again; Adam's state: 1/R of a whole copy's; run names the dimension "dp_shard"."""
+    again; Adam's state: 1/R of a whole copy's; run names the dimension "dp_shard"; SSMB's copies split too."""
     cluster = read_cluster({"gpu": {"name": "H100", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 80},
                             "levels": [{"name": "node", "count": 4, "alpha_s": 1e-5, "GBps": 25},
                                        {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
@@ -45,7 +45,10 @@ def test_split_copies_priced_with_their_pieces_and_gathers():
         "mesh_shape": [4, 8], "mesh_dim_names": ["dp_shard", "local"], "options": {}}
     assert how_to_run(Plan(8, 1, 32, shard_copies=True, reshard=True), cluster)["options"] == {
         "reshard_after_forward": True}
-    assert any(p["shard_copies"] for p in plan(shape, cluster, 4096)["plans"])
+    split = {p["moe_tp"] for p in plan(shape, cluster, 4096)["plans"] if p["shard_copies"]}
+    assert split == {"off", "ssmb"}, split  # (SSMB: the group's tp ranks split alike, tests/test_dp_shard.py; TED not)
+    assert how_to_run(Plan(8, 2, 16, "ssmb", shard_copies=True), cluster) == {
+        "mesh_shape": [4, 4, 2], "mesh_dim_names": ["dp_shard", "local", "tp"], "options": {"moe_tp": "ssmb"}}
 
 
 def test_hsdp_copies_split_inside_a_node_priced_and_laid_out():

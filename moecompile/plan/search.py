@@ -1,13 +1,13 @@
 """Every plan for a model on a cluster, priced by ``cost.py``, ranked by the time of a step of the same global batch
 among those that fit. Considered: pipeline stages (``pp``, a power of two dividing the outermost level), and in one
-stage's GPUs tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel
-degree dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level
-its group spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size
-its group allows per level (their copies kept for backward, or gathered again there), and where the group has copies
-(tp 1) those split over their ranks ("dp_shard": gathered, kept or again); and replication over a group of
-every power-of-two size (every rank holds S slots, each an instance of some expert: S the least that holds every
-expert once in the group, and twice that; copies of the group over the rest). Dedup and replication are not combined
-with TED (``parallelize`` refuses them).
+stage's GPUs tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel degree
+dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level its group
+spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size its group
+allows per level (their copies kept for backward, or gathered again there), and where the group has copies (tp 1, or
+SSMB) those split over their ranks ("dp_shard", or HSDP: gathered, kept or again); and replication over a group of every
+power-of-two size (every rank holds S slots, each an instance of some expert: S the least that holds every expert once
+in the group, and twice that; copies of the group over the rest). Dedup and replication are not combined with TED
+(``parallelize`` refuses them).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                 out.append(Plan(ep, tp, dp, moe_tp))
                 if moe_tp == "ted":
                     continue
-                if N > ep and tp == 1:  # the copies split ("dp_shard"; over some, HSDP), their gathers kept or made
-                    # again
+                if N > ep and (tp == 1 or moe_tp == "ssmb"):  # the copies split ("dp_shard"; over some, HSDP), their
+                    # gathers kept or made again (tp's ranks inside the group under SSMB; TED's are not split)
                     copies = [c // e for c, e in zip(cluster.counts, counts)]
                     for split in (d for d in range(2, N // ep + 1) if (N // ep) % d == 0):
                         over = 0 if split == N // ep else split
