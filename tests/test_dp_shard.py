@@ -1,23 +1,24 @@
 """Expert copies split over a mesh's outermost ``"dp_shard"`` dimension (FSDP over the copies of the experts,
 torchtitan's dp_shard_mod_ep): world 4 as a (2, 2) ("dp_shard", "ep") mesh. Each expert-parallel group of 2 ranks
 holds every expert once, and the 2 ranks holding the same experts each keep half of each stacked weight (cut along
-dim 1; gate_up_proj along dim 2, H: a checkpoint concatenates gate and up along 2I). Mixtral (stacked experts)
-trains three SGD steps with momentum, each rank on its own batch, beside one process training on the four batches:
-every step's logits, the clipped gradients' norm, the parameters and their momentum after the steps are equal (fp32,
-1e-5), the gathered weights kept for backward and, with ``reshard_after_forward=True``, gathered again there. Each
-rank holds a quarter of the experts' bytes (where "dp_replicate" holds half), its piece's rows and columns of the
+dim 1; gate_up_proj along dim 2, H: a checkpoint concatenates gate and up along 2I). Mixtral (stacked experts) trains
+three SGD steps with momentum, each rank on its own batch, beside one process training on the four batches: every
+step's logits, the clipped gradients' norm, the parameters and their momentum after the steps are equal (fp32, 1e-5),
+the gathered weights kept for backward and, with ``reshard_after_forward=True``, gathered again there. Each rank
+holds a quarter of the experts' bytes (where "dp_replicate" holds half), its piece's rows and columns of the
 one-process weight. The state_dict gives each expert weight as a DTensor Shard(1) (gate_up_proj: Shard(2)) over
 "dp_shard" and Shard(0) over "ep"; a torch.distributed.checkpoint of the weights and of the optimizer saved by the 4
 ranks loads in one process exactly, and a one-process state_dict loads into the pieces. The hand-written ModuleList
 model trains as one process with its experts whole on each copy (not split: said in explain()). Expert swap
 (swap_every=1) trains Mixtral as one process, the copies' pieces swapped alike; LongCat-Flash (identity experts: its
-fused gate_up holds 2 spare rows, split too) trains as one process. Options not built beside "dp_shard"
-(replication, expert domains) and "dp_shard" before "dp_replicate" raise ValueError. save_hf_checkpoint's files load
-by load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
-computes the same gradients. HSDP, a (2, 2, 1) ("dp_replicate", "dp_shard", "ep") mesh: each weight split over
-"dp_shard", each piece whole over "dp_replicate" (its gradient reduce-scattered, then averaged over it), trains as
-one process (reshard_after_forward too), its state_dict Replicate() over "dp_replicate", its checkpoint loading in
-one process."""
+fused gate_up holds 2 spare rows, split too) trains as one process. Options not built beside "dp_shard" (replication,
+expert domains) and "dp_shard" before "dp_replicate" raise ValueError. save_hf_checkpoint's files load by
+load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
+computes the same gradients. A (2, 2) ("dp_shard", "tp") mesh splits the copies of a sequence-sharded (SSMB) group
+(moe_tp="ssmb"; the tp ranks hold the same batch), gathered again in backward, as one process. HSDP, a (2, 2, 1)
+("dp_replicate", "dp_shard", "ep") mesh: each weight split over "dp_shard", each piece whole over "dp_replicate" (its
+gradient reduce-scattered, then averaged over it), trains as one process (reshard_after_forward too), its state_dict
+Replicate() over "dp_replicate", its checkpoint loading in one process."""
 
 import os
 
@@ -61,13 +62,14 @@ def _piece(model, name, whole, ep_rank):
     return rows.narrow(cut[0], index * p.shape[cut[0]], p.shape[cut[0]]) if cut else rows
 
 
-def _train(family, mesh, rank, world, tmp, **options):
+def _train(family, mesh, rank, world, tmp, tp=1, **options):
     """Three steps over ``mesh`` and in one process, every step checked; returns (sharded model, one-process
-    model). Plain Mixtral's optimizer state is saved (torch.distributed.checkpoint) for the parent to load."""
+    model). Plain Mixtral's optimizer state is saved (torch.distributed.checkpoint) for the parent to load. ``tp``:
+    the ranks of one tp group (consecutive) hold the same batch (7 tokens: uneven SSMB slices)."""
     ref, model = _build(family).train(), _build(family).train()
     vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
-    batches = torch.randint(0, vocab, (world, 2, 6), generator=torch.Generator().manual_seed(7))
-    mine, together = batches[rank], batches.flatten(0, 1)
+    batches = torch.randint(0, vocab, (world // tp, 2, 6 if tp == 1 else 7), generator=torch.Generator().manual_seed(7))
+    mine, together = batches[rank // tp], batches.flatten(0, 1)
     moecompile.parallelize(model, mesh, mine, **options)
     info = model._moe_parallel
     hsdp = "dp_replicate" in mesh.mesh_dim_names  # (HSDP: each weight in halves over "dp_shard" too)
@@ -87,7 +89,7 @@ def _train(family, mesh, rank, world, tmp, **options):
     moecompile.comm_stats(reset=True)
     for step in range(STEPS):
         out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
-        torch.testing.assert_close(out.logits, ref_out.logits[rank * 2:rank * 2 + 2], rtol=TOL, atol=TOL,
+        torch.testing.assert_close(out.logits, ref_out.logits[rank // tp * 2:rank // tp * 2 + 2], rtol=TOL, atol=TOL,
                                    msg=lambda m: f"{family} step {step}: {m}")
         out.loss.backward()
         ref_out.loss.backward()
@@ -191,6 +193,10 @@ def _world4(rank, world, tmp):
         model, _ = _train("loop", mesh, rank, world, tmp)  # ModuleList experts: whole on each copy
         assert all("whole on each copy (nn.ModuleList experts are not split)" in r.sharding
                    for r in model._moe_parallel.report.layers), str(model._moe_parallel)
+        tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))  # copies of an SSMB group split
+        model, _ = _train("mixtral", tp, rank, world, tmp, tp=2, moe_tp="ssmb", reshard_after_forward=True)
+        _gathers(model, reshard=True)
+        assert all("sequence-sharded over tp" in r.sharding for r in model._moe_parallel.report.layers)
         hsdp = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "ep"))
         model, _ = _train("mixtral", hsdp, rank, world, tmp, reshard_after_forward=True)
         _gathers(model, reshard=True)
