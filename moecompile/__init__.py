@@ -20,6 +20,7 @@ from .distributed.expert_optimizer import ExpertOptimizer, replication_report
 from .distributed.parallel import parallelize
 from .distributed.stages import PipelineStage, pipeline_stage
 from .distributed.views import expert_parameters
+from .distributed.zero import expert_zero_optimizer
 from .distributed.clip import clip_grad_norm_
 from .distributed.grads import no_sync
 from .distributed.sharded_state import full_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
@@ -30,10 +31,10 @@ from moecompile.runtime.stats import token_drops
 from .plan.routing import record_routing
 
 __all__ = ["moe_backend", "capture", "parallelize", "pipeline_stage", "PipelineStage", "expert_parameters",
-           "clip_grad_norm_", "no_sync", "ExpertOptimizer", "replication_report", "MoEOptions", "ExplainReport",
-           "explain", "token_drops", "comm_stats", "comm_report", "comm_rows", "plot_comm", "get_optimizer_state_dict",
-           "set_optimizer_state_dict", "full_state_dict", "load_hf_checkpoint", "save_hf_checkpoint", "hybrid_topology",
-           "record_routing", "MoECompileError", "MoEFallbackWarning"]
+           "expert_zero_optimizer", "clip_grad_norm_", "no_sync", "ExpertOptimizer", "replication_report", "MoEOptions",
+           "ExplainReport", "explain", "token_drops", "comm_stats", "comm_report", "comm_rows", "plot_comm",
+           "get_optimizer_state_dict", "set_optimizer_state_dict", "full_state_dict", "load_hf_checkpoint",
+           "save_hf_checkpoint", "hybrid_topology", "record_routing", "MoECompileError", "MoEFallbackWarning"]
 
 from . import recompiles as _recompiles
 

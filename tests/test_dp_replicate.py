@@ -12,7 +12,10 @@ TED one (each rank every expert, cut over tp; the state_dict's Replicate over bo
 domains work inside each copy's group: Mixtral with {"ep": 2} trains as one process (each rank gathers its copy's
 experts), and "auto" chooses per copy, every rank making every copy's candidate groups together. Expert swap
 (swap_every=1) trains Mixtral as one process, every copy making the same swaps (chosen on every copy's routing).
-A "dp_replicate" not outermost is refused with ValueError."""
+ZeRO-1 of the experts over "dp_replicate" (moecompile.expert_zero_optimizer: torch's ZeroRedundancyOptimizer over
+its group, each rank holding half of its experts' AdamW state) trains as one process, its consolidated state_dict
+loading back. A "dp_replicate" not
+outermost is refused with ValueError."""
 
 import os
 from datetime import timedelta
@@ -25,6 +28,7 @@ from outer_groups import domains_per_group
 from ranks import spawn
 from ep_checkpoints import TOL, loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import Replicate, Shard
 
 import moecompile
@@ -146,6 +150,52 @@ def _planner_plans_run(rank, world):
     assert copied == {"ted", "domains", "replication"}, seen  # (with copies: not_runnable or not priced before)
 
 
+def _zero_redundancy(mesh, rank, world):
+    """ZeRO-1 of the experts over "dp_replicate": ``moecompile.expert_zero_optimizer``, torch's
+    ZeroRedundancyOptimizer over the group of the copies: each expert weight, the same on both copies, stepped on
+    one copy's rank (its AdamW state there only), then broadcast. Three steps equal one process's AdamW; each rank
+    holds half its experts' state; the state_dict consolidated on a copy's rank loads into a new one, each rank
+    taking its part. A model not parallelized, or without "dp_replicate", is refused naming the fix."""
+    with pytest.raises(ValueError, match="call it after moecompile.parallelize"):
+        moecompile.expert_zero_optimizer(_build("mixtral"), torch.optim.AdamW)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    flat = moecompile.parallelize(_build("mixtral"), init_device_mesh("cpu", (world,)), ids)  # (one copy: "ep" only)
+    with pytest.raises(ValueError, match="add an outermost 'dp_replicate' dimension, or use a plain optimizer"):
+        moecompile.expert_zero_optimizer(flat, torch.optim.AdamW)
+    ref, model = _build("mixtral").train(), _build("mixtral").train()
+    batches = torch.randint(0, model.config.vocab_size, (world, 2, 6), generator=torch.Generator().manual_seed(7))
+    mine, together = batches[rank], batches.flatten(0, 1)
+    moecompile.parallelize(model, mesh, mine)
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    experts, group = moecompile.expert_parameters(model), mesh["dp_replicate"].get_group()
+    kw = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-6}
+    dense = torch.optim.AdamW([p for p in model.parameters() if p not in experts], **kw)
+    zero = moecompile.expert_zero_optimizer(compiled, torch.optim.AdamW, **kw)  # (its model's experts, in order)
+    stepped = [p for p in model.parameters() if p in experts]
+    assert isinstance(zero, ZeroRedundancyOptimizer) and zero.process_group == group
+    assert [id(p) for g in zero.param_groups for p in g["params"]] == [id(p) for p in stepped]
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    for step in range(STEPS):
+        out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
+        torch.testing.assert_close(out.logits, ref_out.logits[rank * 2:rank * 2 + 2], rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"ZeRO step {step}: {m}")
+        out.loss.backward(), ref_out.loss.backward()
+        for opt in (dense, zero, ref_opt):
+            opt.step(), opt.zero_grad()
+    every = dict(ref.named_parameters())
+    for name, value in moecompile.full_state_dict(model).items():
+        torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"ZeRO {name}: {m}")
+    mine_state = {p: s for p, s in zero.optim.state.items() if s}
+    assert 2 * sum(p.numel() for p in mine_state) == sum(p.numel() for p in experts), len(mine_state)
+    zero.consolidate_state_dict(to=0)  # (the copy's first rank; every rank of the group calls it)
+    saved = [zero.state_dict() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(saved, group=group, group_src=0)
+    again = ZeroRedundancyOptimizer(stepped, torch.optim.AdamW, process_group=group, **kw)
+    again.load_state_dict(saved[0])
+    assert {p for p, s in again.optim.state.items() if s} == set(mine_state)
+    assert all(torch.equal(again.optim.state[p]["exp_avg_sq"], s["exp_avg_sq"]) for p, s in mine_state.items())
+
+
 def _world4(rank, world, tmp):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world,
@@ -154,6 +204,7 @@ def _world4(rank, world, tmp):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))
         _bad_input(mesh, rank)
         _planner_plans_run(rank, world)
+        _zero_redundancy(mesh, rank, world)
         domains_per_group(mesh, rank, "dp_replicate")
         model, _ = _train("mixtral", mesh, rank, world, swap_every=1)  # the same swaps in every copy
         swaps = [None] * world

@@ -20,6 +20,7 @@
     replicate.py          adaptive replication: slots per rank, the layer's placement buffers
     replicate_list.py     replication of an ``nn.ModuleList``'s experts: their weights stacked into slots on the list
     expert_optimizer.py   ``ExpertOptimizer``: the host-side optimizer of replicated experts, ``replication_report``
+    zero.py               ``expert_zero_optimizer``: ZeRO-1 of the experts over ``"dp_replicate"`` (torch's)
     calibrate.py          ``python -m moecompile calibrate``: fit the link model (alpha, beta per mesh level)
     comm.py               ``comm_report``, ``comm_rows``, ``plot_comm``: bytes and time per layer and link
 
