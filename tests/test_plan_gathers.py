@@ -1,7 +1,9 @@
 """The planner's plans that gather experts (``moecompile/plan/cost.py``): expert domains and copies of the
 expert-parallel group split over their ranks (``"dp_shard"``), each priced with its gathered weights kept for
-backward or gathered again there: memory, the step's gathers and the bytes per link, and the run that lays it out."""
+backward or gathered again there: memory, the step's gathers and the bytes per link, and the run that lays it out;
+and the copies kept whole with ZeRO-1 of their optimizer state (``zero1``)."""
 
+import dataclasses
 import math
 import os
 
@@ -9,7 +11,7 @@ import pytest
 
 from moecompile.plan import read_cluster, read_config
 from moecompile.plan.cost import Plan, evaluate, stage_shape
-from moecompile.plan.run import how_to_run
+from moecompile.plan.run import code, how_to_run
 from moecompile.plan.search import plan
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "configs")
@@ -92,7 +94,7 @@ def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
                                        {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
     shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
     plans = plan(shape, cluster, 4096)["plans"]
-    key = lambda p: (p["pp"], p["ep"], p["tp"], p["moe_tp"], str(p["expert_domains"]))  # noqa: E731
+    key = lambda p: (p["pp"], p["ep"], p["tp"], p["moe_tp"], str(p["expert_domains"]), p["zero1"])  # noqa: E731
     kept = {key(p): p for p in plans if p["expert_domains"] and not p["reshard_after_forward"]}
     again = {key(p): p for p in plans if p["expert_domains"] and p["reshard_after_forward"]}
     assert kept and set(kept) == set(again)
@@ -114,3 +116,30 @@ def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
         if "not_runnable" not in a["run"]:
             assert a["run"]["options"]["reshard_after_forward"] is True
             assert "reshard_after_forward" not in b["run"]["options"]
+
+
+def test_zero1_prices_the_busiest_copys_share_and_a_broadcast():
+    """ZeRO-1 of the experts over the copies kept whole (``zero1``: ``moecompile.expert_zero_optimizer``, torch's
+    ZeroRedundancyOptimizer): Adam's state of the busiest copy's share of whole tensors (each MoE layer's gate_up,
+    twice its down, the largest first to the rank holding least), the updated experts broadcast once a step
+    ((R - 1) / R of them over the slowest level the copies span); run names the optimizer, the printed code calls
+    it; the search prices the copies kept whole both ways, never split or replicated ones; one copy: not runnable."""
+    cluster = read_cluster({"gpu": {"name": "H100", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 80},
+                            "levels": [{"name": "node", "count": 4, "alpha_s": 1e-5, "GBps": 25},
+                                       {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
+    shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
+    assert [dataclasses.replace(shape, moe_layers=n).zero_share(r) for n, r in ((1, 2), (4, 8), (48, 4))] == [
+        2 / 3, 2 / 12, 1 / 4]  # (one layer: gate_up alone on a rank; 8 tensors on 8 ranks: a gate_up each busiest)
+    whole, zero = (evaluate(shape, cluster, Plan(8, 1, 32, zero1=z), 4096, 1) for z in (False, True))
+    R, L, GB = 4, shape.moe_layers, 1e9
+    eb = shape.num_experts // 8 * shape.expert_params() * 2  # a rank's group share of the experts, bf16
+    assert whole["memory_GB"]["optimizer"] - zero["memory_GB"]["optimizer"] == pytest.approx(6 * L * eb * 3 / 4 / GB)
+    assert zero["bytes_per_link"]["node"] - whole["bytes_per_link"]["node"] == pytest.approx((R - 1) / R * L * eb)
+    assert zero["bytes_per_link"]["local"] == whole["bytes_per_link"]["local"] and zero["step_s"] > whole["step_s"]
+    run = how_to_run(Plan(8, 1, 32, zero1=True), cluster)
+    assert run == {**how_to_run(Plan(8, 1, 32), cluster), "expert_optimizer": "moecompile.expert_zero_optimizer"}
+    assert code(run).endswith("; experts_opt = moecompile.expert_zero_optimizer(model, torch.optim.AdamW)")
+    assert "not_runnable" in how_to_run(Plan(32, 1, 32, zero1=True), cluster)
+    plans = plan(shape, cluster, 4096)["plans"]
+    assert {p["zero1"] for p in plans} == {False, True}
+    assert not any(p["zero1"] and (p["shard_copies"] or p["replication"] or p["ep"] == 32) for p in plans)

@@ -33,6 +33,8 @@ def describe(p: dict) -> str:
                      + (" regather" if p["reshard_after_forward"] else ""))
     if p["replication"]:
         parts.append(f"replicas {p['replication']['slots_per_rank']}/rank")
+    if p.get("zero1"):
+        parts.append("zero1")
     return " ".join(parts)
 
 

@@ -19,14 +19,14 @@ Per MoE layer and micro-batch (forward; backward counts twice the compute and on
                         (HSDP, ``shard_over``: from the innermost R of them), (R - 1) / R of them over the slowest
                         level those span, less the pre-expert compute, kept or gathered again likewise; their
                         gradients reduce-scattered back in each backward
-The step: every layer's forward and backward, the language-model head, and the gradient all-reduce (a ring:
-2 (n - 1) / n of the bytes over the slowest level the replicas span; split copies' experts: none, reduce-scattered
-already, or under HSDP their pieces over the copies holding the same). Memory: bf16 weights and gradients (split
-copies' experts: 1 / R, and their gathered copies), Adam (fp32 master, m, v: 12 bytes a parameter): the dense
-layers' sharded over the data-parallel replicas (ZeRO-1, as FSDP2 shards them), the experts' whole on each copy as
-moecompile's runtime keeps it (split copies: 1 / R), activations of every layer (attention ``T H (4 + 11 / tp)``
-bytes and a dense MLP's ``19 T H I / (4 H) / tp``, Korthikanti et al. with flash attention; a MoE layer's by
-``moe_layer_activations``).
+The step: every layer's forward and backward, the language-model head, and the gradient all-reduce (a ring: 2 (n - 1) /
+n of the bytes over the slowest level the replicas span; split copies' experts: none, reduce-scattered already, or under
+HSDP their pieces over the copies holding the same). Memory: bf16 weights and gradients (split copies' experts: 1 / R,
+and their gathered copies), Adam (fp32 master, m, v: 12 bytes a parameter): the dense layers' sharded over the
+data-parallel replicas (ZeRO-1, as FSDP2 shards them), the experts' whole on each copy kept whole, or (``zero1``) over
+them by ``moecompile.expert_zero_optimizer`` (``MoEShape.zero_share``; the updated weights broadcast once a step: (n -
+1) / n of them), split copies' 1 / R; activations of every layer (attention ``T H (4 + 11 / tp)`` bytes and a dense
+MLP's ``19 T H I / (4 H) / tp``, Korthikanti et al. with flash attention; a MoE layer's by ``moe_layer_activations``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from moecompile.runtime.comm.levels import kind
 from .cluster import Cluster
 from .shapes import MoEShape
 
-ELEM = 2  # bf16
-ADAM_BYTES = 12
+ELEM, ADAM_BYTES = 2, 12  # bf16; Adam's fp32 master, m and v
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,7 @@ class Plan:
     shard_copies: bool = False  # the N / ep copies of the group each split over its copies' ranks ("dp_shard")
     shard_over: int = 0  # with shard_copies: split over that many copies' ranks only, the innermost, whole over the
     # rest (HSDP: ("dp_replicate", "dp_shard", ...)); 0: over every copy
+    zero1: bool = False  # the copies kept whole step their experts under moecompile.expert_zero_optimizer (ZeRO-1)
 
     def split(self, gpus: int) -> int:
         """Over how many ranks each weight of the group's experts is split (1: whole)."""
@@ -69,7 +69,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
-                "expert_domains": dict(self.expert_domains) if self.expert_domains else None,
+                "expert_domains": dict(self.expert_domains) if self.expert_domains else None, "zero1": self.zero1,
                 "reshard_after_forward": self.reshard, "shard_copies": self.shard_copies, "shard_over": self.shard_over,
                 "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None}
 
@@ -358,12 +358,12 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
     if plan.slots_per_rank:  # replication's copies sum each rank's fp32 master part, 1/ep of every expert
         expert_bytes = shape.num_experts * shape.expert_params() * 4 / plan.ep
     expert_stride = plan.ep * (plan.tp if plan.moe_tp == "ted" else 1) * split
-    for nbytes, size, stride in ((dense_bytes, plan.dp, plan.tp),
-                                 (shape.moe_layers * expert_bytes, replicas, expert_stride)):
+    for nbytes, size, stride, times in ((dense_bytes, plan.dp, plan.tp, 2), (shape.moe_layers * expert_bytes, replicas,
+                                                                             expert_stride, 2 + plan.zero1)):
         if size <= 1:
             continue
         counts = group_counts(cluster, size * stride) or list(cluster.counts)
-        ring = 2 * (size - 1) / size * nbytes
+        ring = times * (size - 1) / size * nbytes
         span = [j for j, c in enumerate(counts) if c > 1]
         slowest = min(span, key=lambda j: cluster.levels[j].GBps) if span else len(counts) - 1
         grads[slowest] += ring
@@ -373,16 +373,17 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
 
 def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float, busiest: float = 1.0,
             in_flight: int = 1) -> dict:
-    """GB per GPU; ``gathered``: bytes of other ranks' experts held at once (expert domains: every layer's copies
-    kept for backward, or with reshard two, the running one's and the next one's gather started ahead), counted
-    with the weights; ``busiest``: the busiest rank's routed rows over the mean (its MoE activations grow with
-    them); ``in_flight``: micro-batches whose activations are held at once (1F1B's first stage: min(pp, M))."""
+    """GB per GPU; ``gathered``: other ranks' expert bytes held at once (expert domains: every layer's kept for
+    backward, or with reshard two, the running one's and the next one's), with the weights; ``busiest``: the busiest
+    rank's routed rows over the mean; ``in_flight``: micro-batches' activations held (1F1B's first: min(pp, M))."""
     GB = 1e9
     dense = shape.dense_params() / plan.tp
     if plan.slots_per_rank:  # S expert instances a rank; their optimizer on the hosts
         experts, expert_optimizer = shape.moe_layers * plan.slots_per_rank * shape.expert_params(), 0.0
-    else:  # each copy's optimizer holds its experts' state whole, as moecompile's runtime keeps it
-        experts = expert_optimizer = shape.moe_layers * expert_bytes / ELEM
+    else:  # whole on each copy kept whole, or under ZeRO-1 (expert_zero_optimizer) its share of whole tensors
+        experts = shape.moe_layers * expert_bytes / ELEM
+        expert_optimizer = experts * shape.zero_share((plan.dp if plan.moe_tp == "ted" else N) // plan.ep
+                                                      if plan.zero1 else 1)
         if plan.shard_copies:  # ("dp_shard": the weights and gradients too, their gathered copies apart; HSDP: the
             experts = expert_optimizer = experts / plan.split(N)  # optimizer of the pieces it holds)
     weights = (dense + experts) * ELEM + gathered

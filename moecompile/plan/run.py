@@ -8,7 +8,8 @@ the copies of the group (``N / ep``; none where ep spans every rank; ``"dp_shard
 then the group's levels of more than one
 rank, innermost ``"local"`` and outward ``"node"``, ``"rack"``, ``"pod"`` (the names ``parallelize`` knows; a
 single level keeps the cluster's name), then ``"tp"``; pipeline stages: ``"pp"`` before all, each stage's ranks
-laid out so (``moecompile.pipeline_stage`` cuts the model, each stage module parallelized on the mesh).
+laid out so (``moecompile.pipeline_stage`` cuts the model, each stage module parallelized on the mesh). A ``zero1``
+plan's experts step under ``moecompile.expert_zero_optimizer`` (``run["expert_optimizer"]``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
               for i, (name, _) in enumerate(used)}
     if plan.dedup != "off" and plan.dedup not in rename:
         return {"not_runnable": f"dedup at {plan.dedup!r}, a level the expert-parallel group does not span"}
+    if plan.zero1 and (copies == 1 or plan.shard_copies or plan.slots_per_rank):
+        return {"not_runnable": "ZeRO-1 of the experts needs copies of a group kept whole, without replication"}
     if plan.shard_copies and (copies == 1 or ted or plan.expert_domains or plan.slots_per_rank):
         return {"not_runnable": "split copies need copies of a group without TED, expert domains or replication"}
     split = plan.split(N)
@@ -64,17 +67,22 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
         options["reshard_after_forward"] = True
     if plan.slots_per_rank:
         options.update(replication="adaptive", slots_per_rank=plan.slots_per_rank)
-    return {"mesh_shape": [c for _, c in dims], "mesh_dim_names": [n for n, _ in dims], "options": options}
+    run = {"mesh_shape": [c for _, c in dims], "mesh_dim_names": [n for n, _ in dims], "options": options}
+    return {**run, "expert_optimizer": "moecompile.expert_zero_optimizer"} if plan.zero1 else run
 
 
 def code(run: dict, device: str = "cuda") -> str:
-    """The two lines of Python ``run`` (``how_to_run``'s) stands for."""
+    """The lines of Python ``run`` (``how_to_run``'s) stands for: the mesh, ``parallelize``, and with
+    ``expert_optimizer`` the experts' optimizer."""
     if "not_runnable" in run:
         return f"not runnable with moecompile yet: {run['not_runnable']}"
     args = "".join(f", {k}={v!r}" for k, v in run["options"].items())
     mesh = (f"mesh = init_device_mesh({device!r}, {tuple(run['mesh_shape'])}, "
             f"mesh_dim_names={tuple(run['mesh_dim_names'])}); ")
-    if run["mesh_dim_names"][0] == "pp":  # each rank's stage (docs/expert-parallelism.md, Pipeline stages)
+    staged = run["mesh_dim_names"][0] == "pp"  # each rank's stage (docs/expert-parallelism.md, Pipeline stages)
+    zero = (f"; experts_opt = moecompile.expert_zero_optimizer({'stage' if staged else 'model'}, torch.optim.AdamW)"
+            if run.get("expert_optimizer") else "")  # (ZeRO-1 of the experts over "dp_replicate")
+    if staged:
         return (mesh + f"stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), {run['mesh_shape'][0]}); "
-                f"moecompile.parallelize(stage, mesh, example_stage_input{args})")
-    return mesh + f"moecompile.parallelize(model, mesh, example_ids{args})"
+                f"moecompile.parallelize(stage, mesh, example_stage_input{args})" + zero)
+    return mesh + f"moecompile.parallelize(model, mesh, example_ids{args})" + zero

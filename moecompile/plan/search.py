@@ -4,7 +4,8 @@ stage's GPUs tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; e
 dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level its group
 spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size its group
 allows per level (their copies kept for backward, or gathered again there), and where the group has copies (tp 1, or
-SSMB) those split over their ranks ("dp_shard", or HSDP: gathered, kept or again); and replication over a group of every
+SSMB) those split over their ranks ("dp_shard", or HSDP: gathered, kept or again) or kept whole, their optimizer state
+whole on each or over them (ZeRO-1: ``moecompile.expert_zero_optimizer``); and replication over a group of every
 power-of-two size (every rank holds S slots, each an instance of some expert: S the least that holds every expert once
 in the group, and twice that; copies of the group over the rest). Dedup and replication are not combined with TED
 (``parallelize`` refuses them).
@@ -75,7 +76,9 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                     continue
                 least = max(1, -(-shape.num_experts // ep))  # at least one instance a class
                 out += [Plan(ep, tp, dp, moe_tp, slots_per_rank=s) for s in (least, 2 * least)]
-    return out
+    # and each with copies kept whole once more, its experts' optimizer state over the copies (ZeRO-1)
+    return out + [dataclasses.replace(p, zero1=True) for p in out if not (p.shard_copies or p.slots_per_rank)
+                  and (p.dp if p.moe_tp == "ted" else N) // p.ep > 1]
 
 
 def duplication(shape: MoEShape, cluster: Cluster, routing=None) -> dict[str, float]:

@@ -81,6 +81,17 @@ class MoEShape:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def zero_share(self, copies: int) -> float:
+        """The busiest copy's share of a rank's expert weights under ZeRO-1 over ``copies`` copies
+        (``moecompile.expert_zero_optimizer``: torch's ``ZeroRedundancyOptimizer`` gives each whole tensor, the
+        largest first, to the rank holding least): each MoE layer's stacked gate_up (2 I x H; gate and up fused, as
+        transformers holds them) and down (H x I), up and down for two-matrix experts."""
+        sizes = sorted([self.mats - 1, 1] * self.moe_layers, reverse=True)
+        held = [0] * copies
+        for size in sizes:
+            held[held.index(min(held))] += size
+        return max(held) / sum(sizes)
+
 
 MLA = {"q_lora": "q_lora_rank", "kv_lora": "kv_lora_rank", "qk_nope": "qk_nope_head_dim",
        "qk_rope": "qk_rope_head_dim", "v_head": "v_head_dim"}  # DeepSeek's config fields
