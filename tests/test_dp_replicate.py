@@ -14,8 +14,7 @@ experts), and "auto" chooses per copy, every rank making every copy's candidate 
 (swap_every=1) trains Mixtral as one process, every copy making the same swaps (chosen on every copy's routing).
 ZeRO-1 of the experts over "dp_replicate" (moecompile.expert_zero_optimizer: torch's ZeroRedundancyOptimizer over
 its group, each rank holding half of its experts' AdamW state) trains as one process, its consolidated state_dict
-loading back. A "dp_replicate" not
-outermost is refused with ValueError."""
+loading back. A "dp_replicate" not outermost is refused with ValueError."""
 
 import os
 from datetime import timedelta

@@ -35,8 +35,8 @@ def test_split_copies_priced_with_their_pieces_and_gathers():
     for split, gathered in ((kept, L * eb), (again, 2 * eb)):
         assert whole["memory_GB"]["grads"] - split["memory_GB"]["grads"] == pytest.approx(L * eb * (1 - 1 / R) / GB)
         assert split["memory_GB"]["weights"] - split["memory_GB"]["grads"] == pytest.approx(gathered / GB)
-        # Adam's 12 bytes a parameter (6 a bf16 byte): whole on each copy kept whole (moecompile's runtime keeps
-        # each copy's optimizer state whole: no ZeRO-1 over "dp_replicate"), 1/R of it on a split one
+        # Adam's 12 bytes a parameter (6 a bf16 byte): whole on each copy kept whole (a plain optimizer on each;
+        # ZeRO-1's zero1 plans below), 1/R of it on a split one
         assert whole["memory_GB"]["optimizer"] - split["memory_GB"]["optimizer"] == pytest.approx(
             6 * L * eb * (1 - 1 / R) / GB)
         assert split["layer_s"]["allgather"] > 0 == whole["layer_s"]["allgather"]
