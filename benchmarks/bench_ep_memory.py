@@ -1,8 +1,9 @@
 """Memory of expert parallelism, per rank: parameter, gradient and optimizer-state bytes and process memory, with the
 experts sharded (``moecompile.parallelize``) against every rank holding the whole model (plain data parallelism), and
 with ``--copies C`` > 1 also C copies of the experts over an outermost mesh dimension, each expert-parallel group of
-RANKS / C ranks: kept whole on each copy (``"dp_replicate"``) or split over the copies' ranks (``"dp_shard"``, its
-gathered weights kept for backward or gathered again there: ``reshard_after_forward``).
+RANKS / C ranks: kept whole on each copy (``"dp_replicate"``; with a plain AdamW, or with the experts' state
+partitioned over the copies by ``moecompile.expert_zero_optimizer``, ZeRO-1) or split over the copies' ranks
+(``"dp_shard"``, its gathered weights kept for backward or gathered again there: ``reshard_after_forward``).
 
     python benchmarks/bench_ep_memory.py [--ranks 4] [--copies 2] [--out benchmarks/ep_memory.md]
 
@@ -25,9 +26,10 @@ import tempfile
 import time
 from datetime import timedelta
 
-MODES = ("replicated", "sharded", "dp_replicate", "dp_shard", "dp_shard_reshard")
+MODES = ("replicated", "sharded", "dp_replicate", "dp_replicate_zero", "dp_shard", "dp_shard_reshard")
 LABELS = {"replicated": "every rank holds the whole model", "sharded": "experts sharded over all",
-          "dp_replicate": "copies whole (dp_replicate)", "dp_shard": "copies split (dp_shard)",
+          "dp_replicate": "copies whole (dp_replicate)", "dp_replicate_zero": "copies whole, ZeRO-1 of their experts",
+          "dp_shard": "copies split (dp_shard)",
           "dp_shard_reshard": "split, gathered again in backward"}
 
 
@@ -69,18 +71,24 @@ def _run(mode: str, args) -> None:
         moecompile.parallelize(model, mesh, ids, reshard_after_forward=mode.endswith("reshard"))
     out["rss_parallelized"] = _rss_mb()["VmRSS"]
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode == "dp_replicate_zero":  # the experts' AdamW state partitioned over the copies (expert_zero_optimizer)
+        experts = moecompile.expert_parameters(model)
+        opts = [torch.optim.AdamW([p for p in model.parameters() if p not in experts], lr=1e-3),
+                moecompile.expert_zero_optimizer(model, torch.optim.AdamW, lr=1e-3)]
+    else:
+        opts = [torch.optim.AdamW(model.parameters(), lr=1e-3)]
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         compiled(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - start)
     out["step_s"] = sum(times[1:]) / max(1, len(times) - 1)
     out.update(param_bytes=_nbytes(model.parameters()), grad_bytes=_nbytes(p.grad for p in model.parameters()),
-               optim_bytes=_nbytes(v for s in opt.state.values() for v in s.values()
-                                   if isinstance(v, torch.Tensor) and v.dim() > 0))
+               optim_bytes=_nbytes(v for opt in opts for s in getattr(opt, "optim", opt).state.values()
+                                   for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
     memory = _rss_mb()
     out.update(rss_trained=memory["VmRSS"], rss_peak=memory["VmHWM"])
     every = [None] * world
