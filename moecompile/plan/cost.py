@@ -63,8 +63,10 @@ class Plan:
     # rest (HSDP: ("dp_replicate", "dp_shard", ...)); 0: over every copy
     zero1: bool = False  # the copies kept whole step their experts under moecompile.expert_zero_optimizer (ZeRO-1)
 
-    def split(self, gpus: int) -> int:
-        """Over how many ranks each weight of the group's experts is split (1: whole)."""
+    def copies(self, gpus: int) -> int:  # the expert-parallel group's copies (TED's group: over the dp ranks)
+        return (self.dp if self.moe_tp == "ted" else gpus) // self.ep
+
+    def split(self, gpus: int) -> int:  # over how many ranks each weight of the group's experts is split (1: whole)
         return (self.shard_over or gpus // self.ep) if self.shard_copies else 1
 
     def as_dict(self) -> dict:
@@ -353,8 +355,7 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
     reduce_s, grads = 0.0, [0.0] * len(cluster.levels)
     dense_bytes = shape.dense_params() / plan.tp * ELEM
     split = plan.split(cluster.gpus)  # (split copies: their pieces all-reduced over the copies holding the same)
-    replicas = (plan.dp if plan.moe_tp == "ted" else cluster.gpus) // plan.ep // split
-    expert_bytes /= split
+    replicas, expert_bytes = plan.copies(cluster.gpus) // split, expert_bytes / split
     if plan.slots_per_rank:  # replication's copies sum each rank's fp32 master part, 1/ep of every expert
         expert_bytes = shape.num_experts * shape.expert_params() * 4 / plan.ep
     expert_stride = plan.ep * (plan.tp if plan.moe_tp == "ted" else 1) * split
@@ -382,8 +383,7 @@ def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float,
         experts, expert_optimizer = shape.moe_layers * plan.slots_per_rank * shape.expert_params(), 0.0
     else:  # whole on each copy kept whole, or under ZeRO-1 (expert_zero_optimizer) its share of whole tensors
         experts = shape.moe_layers * expert_bytes / ELEM
-        expert_optimizer = experts * shape.zero_share((plan.dp if plan.moe_tp == "ted" else N) // plan.ep
-                                                      if plan.zero1 else 1)
+        expert_optimizer = experts * shape.zero_share(plan.copies(N) if plan.zero1 else 1)
         if plan.shard_copies:  # ("dp_shard": the weights and gradients too, their gathered copies apart; HSDP: the
             experts = expert_optimizer = experts / plan.split(N)  # optimizer of the pieces it holds)
     weights = (dense + experts) * ELEM + gathered

@@ -30,7 +30,7 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
         return run if "not_runnable" in run else {**run, "mesh_shape": [plan.pp, *run["mesh_shape"]],
                                                   "mesh_dim_names": ["pp", *run["mesh_dim_names"]]}
     N, tp, ted = cluster.gpus, plan.tp, plan.moe_tp == "ted"
-    copies = (plan.dp if ted else N) // plan.ep
+    copies = plan.copies(N)
     if plan.expert_domains and tp > 1:
         return {"not_runnable": "expert domains beside tensor parallelism are not built"}
     if plan.ep == 1 and tp == 1:

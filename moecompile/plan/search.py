@@ -77,8 +77,8 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                 least = max(1, -(-shape.num_experts // ep))  # at least one instance a class
                 out += [Plan(ep, tp, dp, moe_tp, slots_per_rank=s) for s in (least, 2 * least)]
     # and each with copies kept whole once more, its experts' optimizer state over the copies (ZeRO-1)
-    return out + [dataclasses.replace(p, zero1=True) for p in out if not (p.shard_copies or p.slots_per_rank)
-                  and (p.dp if p.moe_tp == "ted" else N) // p.ep > 1]
+    return out + [dataclasses.replace(p, zero1=True) for p in out
+                  if not (p.shard_copies or p.slots_per_rank) and p.copies(N) > 1]
 
 
 def duplication(shape: MoEShape, cluster: Cluster, routing=None) -> dict[str, float]:
