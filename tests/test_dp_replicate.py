@@ -13,8 +13,11 @@ domains work inside each copy's group: Mixtral with {"ep": 2} trains as one proc
 experts), and "auto" chooses per copy, every rank making every copy's candidate groups together. Expert swap
 (swap_every=1) trains Mixtral as one process, every copy making the same swaps (chosen on every copy's routing).
 ZeRO-1 of the experts over "dp_replicate" (moecompile.expert_zero_optimizer: torch's ZeroRedundancyOptimizer over
-its group, each rank holding half of its experts' AdamW state) trains as one process, its consolidated state_dict
-loading back. A "dp_replicate" not outermost is refused with ValueError."""
+its group, each rank holding half of its experts' AdamW state) trains as one process; its state checkpointed with
+moecompile.get_optimizer_state_dict and torch.distributed.checkpoint (each expert's state once, as a DTensor of the
+whole weight) loads into a new ZeRO optimizer and into a plain one, each rank taking the state it steps, and in one
+process equals the one-process AdamW state; torch's own consolidated state_dict loads back too. A "dp_replicate"
+not outermost is refused with ValueError, and so is ZeRO-1 of a model that swaps experts."""
 
 import os
 from datetime import timedelta
@@ -22,13 +25,14 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from clipping import clip_as_one_process
 from outer_groups import domains_per_group
 from ranks import spawn
 from ep_checkpoints import TOL, loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import moecompile
 from moecompile.runtime.comm.cost_model import LinkModel
@@ -149,25 +153,38 @@ def _planner_plans_run(rank, world):
     assert copied == {"ted", "domains", "replication"}, seen  # (with copies: not_runnable or not priced before)
 
 
-def _zero_redundancy(mesh, rank, world):
+ZERO_KW = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-6}
+
+
+def _zero_batches(vocab, world):
+    return torch.randint(0, vocab, (world, 2, 6), generator=torch.Generator().manual_seed(7))
+
+
+def _zero_redundancy(mesh, rank, world, tmp):
     """ZeRO-1 of the experts over "dp_replicate": ``moecompile.expert_zero_optimizer``, torch's
     ZeroRedundancyOptimizer over the group of the copies: each expert weight, the same on both copies, stepped on
     one copy's rank (its AdamW state there only), then broadcast. Three steps equal one process's AdamW; each rank
-    holds half its experts' state; the state_dict consolidated on a copy's rank loads into a new one, each rank
-    taking its part. A model not parallelized, or without "dp_replicate", is refused naming the fix."""
+    holds half its experts' state. Checkpointed with ``moecompile.get_optimizer_state_dict`` (its lr changed first,
+    as a schedule would) and torch.distributed.checkpoint, it loads into a new ZeRO optimizer and into a plain
+    AdamW, each rank's own state exactly, the lr with it (``_zero_in_one_process`` loads it whole); torch's own
+    state_dict consolidated on a copy's rank loads too. A model not parallelized, without "dp_replicate", or
+    swapping experts is refused naming the fix."""
     with pytest.raises(ValueError, match="call it after moecompile.parallelize"):
         moecompile.expert_zero_optimizer(_build("mixtral"), torch.optim.AdamW)
     ids = torch.zeros(1, 4, dtype=torch.long)
     flat = moecompile.parallelize(_build("mixtral"), init_device_mesh("cpu", (world,)), ids)  # (one copy: "ep" only)
     with pytest.raises(ValueError, match="add an outermost 'dp_replicate' dimension, or use a plain optimizer"):
         moecompile.expert_zero_optimizer(flat, torch.optim.AdamW)
+    swapping = moecompile.parallelize(_build("mixtral"), mesh, ids, swap_every=1)
+    with pytest.raises(ValueError, match="use swap_every=0, or a plain optimizer"):
+        moecompile.expert_zero_optimizer(swapping, torch.optim.AdamW)
     ref, model = _build("mixtral").train(), _build("mixtral").train()
-    batches = torch.randint(0, model.config.vocab_size, (world, 2, 6), generator=torch.Generator().manual_seed(7))
+    batches = _zero_batches(model.config.vocab_size, world)
     mine, together = batches[rank], batches.flatten(0, 1)
     moecompile.parallelize(model, mesh, mine)
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     experts, group = moecompile.expert_parameters(model), mesh["dp_replicate"].get_group()
-    kw = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-6}
+    kw = ZERO_KW
     dense = torch.optim.AdamW([p for p in model.parameters() if p not in experts], **kw)
     zero = moecompile.expert_zero_optimizer(compiled, torch.optim.AdamW, **kw)  # (its model's experts, in order)
     stepped = [p for p in model.parameters() if p in experts]
@@ -193,6 +210,52 @@ def _zero_redundancy(mesh, rank, world):
     again.load_state_dict(saved[0])
     assert {p for p, s in again.optim.state.items() if s} == set(mine_state)
     assert all(torch.equal(again.optim.state[p]["exp_avg_sq"], s["exp_avg_sq"]) for p, s in mine_state.items())
+    zero.param_groups[0]["lr"] = 5e-3  # (as an LR schedule sets it)
+    state = moecompile.get_optimizer_state_dict(model, zero)
+    names = {p: n for n, p in model.named_parameters()}
+    assert set(state["state"]) == {names[p] for p in mine_state}  # (each expert's state on one rank of its copies)
+    whole = {n: v.shape for n, v in model.state_dict().items()}  # (every rank calls it)
+    assert all(isinstance(v, DTensor) and v.shape == whole[n] for n, s in state["state"].items()
+               for k, v in s.items() if k != "step"), {n: list(s) for n, s in state["state"].items()}
+    dcp.save({"experts_opt": state, "dense_opt": moecompile.get_optimizer_state_dict(model, dense)},
+             checkpoint_id=f"{tmp}/zero")
+    fresh = moecompile.expert_zero_optimizer(model, torch.optim.AdamW, **kw)
+    plain = torch.optim.AdamW(stepped, **kw)  # (every expert's state on every copy, as without ZeRO)
+    new_dense = torch.optim.AdamW([p for p in model.parameters() if p not in experts], **kw)
+    for opt, own in ((fresh, fresh.optim), (plain, plain)):
+        template = {"experts_opt": moecompile.get_optimizer_state_dict(model, opt),
+                    "dense_opt": moecompile.get_optimizer_state_dict(model, new_dense)}
+        dcp.load(template, checkpoint_id=f"{tmp}/zero")
+        moecompile.set_optimizer_state_dict(model, opt, template["experts_opt"])
+        moecompile.set_optimizer_state_dict(model, new_dense, template["dense_opt"])
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in own.param_groups] == [5e-3]
+        for p, s in mine_state.items():
+            assert all(torch.equal(own.state[p][k], v) for k, v in s.items()), (type(opt).__name__, names[p])
+        assert all(torch.equal(new_dense.state[p][k], v) for p, s in dense.state.items() for k, v in s.items())
+    assert {p for p, s in fresh.optim.state.items() if s} == set(mine_state)
+
+
+def _zero_in_one_process(tmp, world):
+    """The ranks' ZeRO-1 checkpoint (``_zero_redundancy``) in one process with no group: torch's
+    set_optimizer_state_dict of an AdamW over the experts of a model trained the same steps in one process takes
+    its state whole, equal to that AdamW's own."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    ref = _build("mixtral").train()
+    together = _zero_batches(ref.config.vocab_size, world).flatten(0, 1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ZERO_KW)
+    for _ in range(STEPS):
+        ref(together, labels=together).loss.backward()
+        ref_opt.step(), ref_opt.zero_grad()
+    experts = [p for n, p in ref.named_parameters() if ".experts." in n]
+    loaded = torch.optim.AdamW(experts, **ZERO_KW)
+    template = {"experts_opt": get_optimizer_state_dict(ref, loaded)}
+    dcp.load(template, checkpoint_id=f"{tmp}/zero")
+    set_optimizer_state_dict(ref, loaded, template["experts_opt"])
+    assert loaded.param_groups[0]["lr"] == 5e-3 and len(experts) == 4
+    for p in experts:
+        for k, v in ref_opt.state[p].items():
+            torch.testing.assert_close(loaded.state[p][k], v, rtol=TOL, atol=TOL)
 
 
 def _world4(rank, world, tmp):
@@ -203,7 +266,7 @@ def _world4(rank, world, tmp):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))
         _bad_input(mesh, rank)
         _planner_plans_run(rank, world)
-        _zero_redundancy(mesh, rank, world)
+        _zero_redundancy(mesh, rank, world, tmp)
         domains_per_group(mesh, rank, "dp_replicate")
         model, _ = _train("mixtral", mesh, rank, world, swap_every=1)  # the same swaps in every copy
         swaps = [None] * world
@@ -250,6 +313,7 @@ def _world4(rank, world, tmp):
 def test_experts_replicated_over_dp_replicate_train_as_one_process(tmp_path):
     tmp = str(tmp_path)
     spawn(_world4, args=(4, tmp), nprocs=4)
+    _zero_in_one_process(tmp, 4)
     for family in ("mixtral", "loop"):  # the 4 ranks' checkpoint, in one process with no group
         loads_in_one_process(_build(family), tmp, f"ckpt_{family}", f"saved_{family}.pt")
         one = _build(family)  # and save_hf_checkpoint's files (the layers written by the 4 ranks in turn)

@@ -4,8 +4,7 @@
 ``torch.distributed.checkpoint``), and back on load (a DTensor of this mesh, one of another layout gathered whole,
 or a full tensor). A layer that swaps experts holds its rows in slot order: they are exchanged to expert order for
 the state_dict and back on load. The optimizer state of those weights likewise (``get_optimizer_state_dict``,
-``set_optimizer_state_dict``).
-"""
+``set_optimizer_state_dict``; of a ZeroRedundancyOptimizer too, ``zero.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 
 from moecompile.runtime.layouts import contiguous_stride
 
-from . import copies, ted
+from . import copies, ted, zero
 from .gather import whole_on
 from .mesh import stage_group, state_mesh
 
@@ -176,8 +175,9 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
     counts it), so a checkpoint loads into it. Its ``param_groups`` name every rank's parameters, the same on every
     rank (``_every_ranks_groups``). Every rank calls it together; ``optimizer`` None where this rank's part of the
     model trains nothing (``ExpertOptimizer``'s dense part of a pipeline stage whose dense weights are all frozen):
-    no state, the other ranks' groups. ``model``: the model, or the list of stage modules this rank runs (an
-    interleaved pipeline schedule's, one optimizer over them; their parameters keep the model's names)."""
+    no state, the other ranks' groups; a ``ZeroRedundancyOptimizer`` (``expert_zero_optimizer``): the state of the
+    weights this rank steps. ``model``: the model, or the list of stage modules this rank runs (an interleaved
+    pipeline schedule's, one optimizer over them; their parameters keep the model's names)."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     from .swap import paused
@@ -186,8 +186,8 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
     if optimizer is None:
         return {"state": {}, "param_groups": _every_ranks_groups(None)}
     with paused():
-        _init_optim_state(optimizer)
-    saved = optimizer.state_dict()
+        _init_optim_state(zero.local(optimizer))
+    saved = zero.state_dict(optimizer)
     names = _names_by_index(parts, optimizer, saved)
     state = {names[i]: dict(v) for i, v in saved["state"].items()}
     for part in parts:
@@ -253,7 +253,7 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
         _every_name(listed)  # (the other ranks gather every rank's names)
         return
     rank = dist.get_rank(info.group)
-    current = optimizer.state_dict()
+    current = zero.state_dict(optimizer)
     index = {name: i for i, name in _names_by_index(parts, optimizer, current).items()}
     # the parameters other ranks hold (ModuleList experts, other pipeline stages'): theirs to load
     remote = _every_name(set(index) | listed) - set(index)
@@ -279,7 +279,7 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
     # torch pairs the saved groups' parameters with the optimizer's by position: list them in the optimizer's order
     # (after expert swaps a ModuleList's names, in expert order, no longer follow it)
     groups = [{**g, "params": cur["params"]} for g, cur in zip(groups, current["param_groups"])]
-    optimizer.load_state_dict({"state": {index[n]: v for n, v in state.items()}, "param_groups": groups})
+    zero.load_state_dict(optimizer, {"state": {index[n]: v for n, v in state.items()}, "param_groups": groups})
 
 
 def _names_by_index(parts, optimizer, saved) -> dict[int, str]:

@@ -6,8 +6,13 @@ gradients (``grads.py``); a plain optimizer on each would hold the experts' whol
 expert weight is stepped on one rank of its copies, which alone holds its state, and broadcast to the others:
 the state of 1 / copies of the experts' parameters a rank (torch partitions whole tensors: the largest first, each
 to the rank holding least). The planner prices it so (``docs/planner.md``). The dense parameters are the caller's
-(FSDP2, or an optimizer of their own); checkpoint it as torch's: ``consolidate_state_dict(to)``, then
-``state_dict()`` on that rank of the group, ``load_state_dict`` on every rank.
+(FSDP2, or an optimizer of their own).
+
+Checkpoints: ``moecompile.get_optimizer_state_dict(model, opt)`` gives each rank's state as a plain optimizer's
+(``sharded_state.py``): the weights this rank steps, each state tensor a DTensor of the global weight's shape, so a
+``torch.distributed.checkpoint`` of it holds every expert's state once, loads back with
+``set_optimizer_state_dict`` into any number of copies (each rank keeping its own part), into a plain optimizer,
+and in one process. (torch's own ``consolidate_state_dict`` and ``state_dict`` still work: one rank's whole copy.)
 """
 
 from __future__ import annotations
@@ -16,6 +21,37 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .mesh import REPLICATE, SHARD
+
+
+def local(optimizer):
+    """The optimizer that holds this rank's state: a ``ZeroRedundancyOptimizer``'s own (``.optim``), else itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def state_dict(optimizer) -> dict:
+    """``optimizer.state_dict()``; for a ``ZeroRedundancyOptimizer`` (whose own needs the state consolidated on one
+    rank) the same form without a collective: every parameter's index and the groups' hyperparameters as its own
+    (what an LR schedule sets), the state of those this rank steps."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.state_dict()
+    index = optimizer._param_to_index
+    return {"state": {index[p]: s for p, s in optimizer.optim.state.items() if s},
+            "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in optimizer.param_groups]}
+
+
+def load_state_dict(optimizer, saved: dict) -> None:
+    """``optimizer.load_state_dict(saved)``; for a ``ZeroRedundancyOptimizer``, ``saved`` as ``state_dict`` gives it
+    (or a whole one: the state of the weights other ranks step is left to them): this rank's state into its own
+    optimizer, the hyperparameters into both."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.load_state_dict(saved)
+    params, own = optimizer._index_to_param, optimizer.optim
+    mine = {p: i for i, p in enumerate(p for g in own.param_groups for p in g["params"])}
+    state = {mine[params[i]]: v for i, v in saved["state"].items() if params[i] in mine}
+    groups = [{**g, "params": [mine[p] for p in g_own["params"]]} for g, g_own in zip(saved["param_groups"],
+                                                                                      own.param_groups)]
+    own.load_state_dict({"state": state, "param_groups": groups})
+    optimizer._sync_param_groups(own.param_groups, optimizer.param_groups)
 
 
 def expert_zero_optimizer(model, optimizer_class, **kwargs) -> ZeroRedundancyOptimizer:
@@ -39,6 +75,10 @@ def expert_zero_optimizer(model, optimizer_class, **kwargs) -> ZeroRedundancyOpt
     if info.replicas:
         raise ValueError("this model's experts replicate (parallelize(..., replication=...)): moecompile."
                          "ExpertOptimizer keeps their state on the hosts; use it instead")
+    if info.swap is not None:  # (a swap moves the state with the rows, on every rank of the copy alike)
+        raise ValueError("this model swaps experts (parallelize(..., swap_every=N)): a swap moves each expert's "
+                         "optimizer state with its weights, which ZeRO-1 keeps on one copy's rank only; use "
+                         "swap_every=0, or a plain optimizer")
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise ValueError(f"optimizer_class must be a torch.optim.Optimizer class (torch.optim.AdamW...); got "
                          f"{optimizer_class!r}")
