@@ -20,8 +20,9 @@ stage's parameter groups kept; before, the checkpoint kept one stage's and the o
 state loads into each stage too), and ``full_state_dict`` gives each stage's weights whole; ``explain()`` on every
 rank lists each stage's layers. On a (2, 2, 1) ("pp", "dp_replicate", "ep") mesh the Mixtral stages train so with
 their experts copied on the stage's two ranks, also replicated in each copy's 9 slots (and on (1, 2, 2), one step
-of the ModuleList model, half its experts a rank, and of the "gather" model with expert domains, and with expert
-swap (the same swaps in both copies), inside each copy; before, "pp" with "dp_replicate" was refused).
+of the ModuleList model, half its experts a rank, its experts stepped by ``moecompile.expert_zero_optimizer``, and of
+the "gather" model with expert domains, and with expert swap (the same swaps in both copies), inside each copy;
+before, "pp" with "dp_replicate" was refused).
 On a (2, 2) ("pp", "tp") mesh, a stage's two ranks a tp group fed one batch (one process trains on that batch),
 Mixtral's stages (attention tensor-parallel over "tp") under ``moe_tp="ted"`` and the ModuleList model's under
 ``"ssmb"`` train as one process the same way (before, "ted" was refused, and under "ssmb"
@@ -313,11 +314,12 @@ def _dedup_in_one_stage(rank):
                                rtol=TOL, atol=TOL)
 
 
-def _replicas_in_one_stage(rank, kind="modulelist", **options):
+def _replicas_in_one_stage(rank, kind="modulelist", zero=False, **options):
     """A (1, 2, 2) ("pp", "dp_replicate", "ep") mesh: the one stage's experts over 2 ranks, two copies of them (each
     rank holds half the experts, its gradients averaged with its copy's; ``options``: parallelize's, expert domains
     inside each copy's group); one SGD step with clipping on each rank's own batch equals one process on the four
-    batches."""
+    batches. ``zero``: the experts stepped by ``moecompile.expert_zero_optimizer`` (each on one copy's rank, then
+    broadcast over the stage's "dp_replicate" group), as the planner's code for its zero1 plans under "pp" has it."""
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp_replicate", "ep"))
     torch.manual_seed(0)
     whole = TinyMoELM(kind)
@@ -334,7 +336,13 @@ def _replicas_in_one_stage(rank, kind="modulelist", **options):
     _loss(whole(ids.flatten(0, 1)).logits, ids.flatten(0, 1)).backward()
     torch.testing.assert_close(moecompile.clip_grad_norm_(compiled, MAX_NORM),
                                torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM), rtol=TOL, atol=TOL)
-    torch.optim.SGD(model.parameters(), lr=LR).step(), torch.optim.SGD(whole.parameters(), lr=LR).step()
+    if zero:
+        experts = moecompile.expert_zero_optimizer(model, torch.optim.SGD, lr=LR)
+        assert experts.process_group == mesh["dp_replicate"].get_group()
+        experts.step(), torch.optim.SGD([p for p in model.parameters() if id(p) not in held], lr=LR).step()
+    else:
+        torch.optim.SGD(model.parameters(), lr=LR).step()
+    torch.optim.SGD(whole.parameters(), lr=LR).step()
     for name, value in moecompile.full_state_dict(model).items():  # (in expert order)
         torch.testing.assert_close(value, whole.state_dict()[name], rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
     if options.get("swap_every"):  # a swap after the step, the same in both copies
@@ -360,7 +368,7 @@ def _ranks(rank, world, tmp):
         _train("modulelist", mesh, rank, tmp, Schedule1F1B, fsdp=True)
         _train("loop", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4)
         _train("mixtral", mesh, rank, tmp, ScheduleInterleaved1F1B, stages=4, slots=5)  # (one ExpertOptimizer of both)
-        _replicas_in_one_stage(rank)
+        _replicas_in_one_stage(rank, zero=True)
         _replicas_in_one_stage(rank, "gather", expert_domains={"ep": 2})
         _replicas_in_one_stage(rank, "gather", swap_every=1)
         replicas = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "ep"))
