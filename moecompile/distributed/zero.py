@@ -34,7 +34,7 @@ def state_dict(optimizer) -> dict:
     (what an LR schedule sets), the state of those this rank steps."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.state_dict()
-    index = optimizer._param_to_index
+    index = {p: i for i, p in enumerate(_params(optimizer))}
     return {"state": {index[p]: s for p, s in optimizer.optim.state.items() if s},
             "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in optimizer.param_groups]}
 
@@ -45,13 +45,19 @@ def load_state_dict(optimizer, saved: dict) -> None:
     optimizer, the hyperparameters into both."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.load_state_dict(saved)
-    params, own = optimizer._index_to_param, optimizer.optim
-    mine = {p: i for i, p in enumerate(p for g in own.param_groups for p in g["params"])}
+    params, own = _params(optimizer), optimizer.optim
+    mine = {p: i for i, p in enumerate(_params(own))}
     state = {mine[params[i]]: v for i, v in saved["state"].items() if params[i] in mine}
     groups = [{**g, "params": [mine[p] for p in g_own["params"]]} for g, g_own in zip(saved["param_groups"],
                                                                                       own.param_groups)]
     own.load_state_dict({"state": state, "param_groups": groups})
-    optimizer._sync_param_groups(own.param_groups, optimizer.param_groups)
+    for g, g_own in zip(optimizer.param_groups, own.param_groups):  # (what ZeroRedundancyOptimizer reads at a step)
+        g.update((k, v) for k, v in g_own.items() if k != "params")
+
+
+def _params(optimizer) -> list:
+    """The optimizer's parameters in its groups' order: the indices of its state_dict."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def expert_zero_optimizer(model, optimizer_class, **kwargs) -> ZeroRedundancyOptimizer:
