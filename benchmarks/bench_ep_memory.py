@@ -53,6 +53,7 @@ def _run(mode: str, args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import moecompile
+    from moecompile.distributed.zero import local
     from moecompile.models.hf import tiny_model
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
@@ -87,7 +88,7 @@ def _run(mode: str, args) -> None:
         times.append(time.perf_counter() - start)
     out["step_s"] = sum(times[1:]) / max(1, len(times) - 1)
     out.update(param_bytes=_nbytes(model.parameters()), grad_bytes=_nbytes(p.grad for p in model.parameters()),
-               optim_bytes=_nbytes(v for opt in opts for s in getattr(opt, "optim", opt).state.values()
+               optim_bytes=_nbytes(v for opt in opts for s in local(opt).state.values()
                                    for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
     memory = _rss_mb()
     out.update(rss_trained=memory["VmRSS"], rss_peak=memory["VmHWM"])
