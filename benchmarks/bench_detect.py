@@ -1,5 +1,6 @@
 """How long parallelize's detection takes: explain() of the whole model against the MoE blocks traced alone
-(moecompile/distributed/find_blocks.py), side by side, alternating, on tiny models (CPU, one thread).
+(moecompile/distributed/find_blocks.py), each block traced and a block of the code and shapes of one traced before
+taking its report (twins.py), side by side, alternating, on tiny models (CPU, one thread).
 
     python benchmarks/bench_detect.py                      # mixtral, deepseek_v3, qwen3_moe at 2 and 8 layers
     python benchmarks/bench_detect.py --families mixtral --layers 2,16 --repeats 5
@@ -31,22 +32,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, {args.repeats} rounds, median seconds (each round: whole model, then blocks)")
-    print("| family | layers | whole model (s) | blocks alone (s) | ratio | same layers |")
-    print("|---|---|---|---|---|---|")
+    print(f"torch {torch.__version__}, {args.repeats} rounds, median seconds (each round: whole model, each block, "
+          "twins)")
+    print("| family | layers | whole model (s) | each block traced (s) | twins untraced (s) | whole / each | "
+          "whole / twins | same layers |")
+    print("|---|---|---|---|---|---|---|---|")
     for family in args.families.split(","):
         for layers in (int(n) for n in args.layers.split(",")):
             model = hf.tiny_model(family, num_hidden_layers=layers)
             ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-            whole_t, blocks_t, same = [], [], True
+            runs = {"whole": lambda: explain(model, ids), "each": lambda: explain_blocks(model, (ids,), twins=False),
+                    "twins": lambda: explain_blocks(model, (ids,))}
+            times, same = {name: [] for name in runs}, True
             for _ in range(args.repeats):
                 out = {}
-                whole_t.append(_timed(lambda: out.setdefault("whole", explain(model, ids))))
-                blocks_t.append(_timed(lambda: out.setdefault("blocks", explain_blocks(model, (ids,)))))
-                same &= [(r.path, str(r.spec)) for r in out["whole"].layers] == \
-                        [(r.path, str(r.spec)) for r in out["blocks"].layers]
-            w, b = statistics.median(whole_t), statistics.median(blocks_t)
-            print(f"| {family} | {layers} | {w:.2f} | {b:.2f} | {w / b:.1f}x | {same} |")
+                for name, run in runs.items():
+                    times[name].append(_timed(lambda: out.setdefault(name, run())))
+                same &= all([(r.path, str(r.spec)) for r in out["whole"].layers] ==
+                            [(r.path, str(r.spec)) for r in out[name].layers] for name in ("each", "twins"))
+            w, e, t = (statistics.median(times[name]) for name in runs)
+            print(f"| {family} | {layers} | {w:.2f} | {e:.2f} | {t:.2f} | {w / e:.1f}x | {w / t:.1f}x | {same} |")
 
 
 if __name__ == "__main__":

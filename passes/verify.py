@@ -175,9 +175,16 @@ def _proof_key(cand, orig_gm, outside, logits_gm, kept) -> str:
 
     parts = [code_signature(orig_gm), code_signature(logits_gm) if logits_gm is not None else "kept" if kept else "",
              repr([meta(n) for n in outside]),
-             repr([dataclasses.replace(spec, path="") for spec in cand.specs]),
+             repr([dataclasses.replace(spec, path="", shared_experts=tuple(_inside(p, spec.path)
+                                                                           for p in spec.shared_experts))
+                   for spec in cand.specs]),
              repr([{f.name: where(getattr(b, f.name)) for f in dataclasses.fields(b)} for b in cand.bindings])]
     return hashlib.sha1("\n\n".join(parts).encode()).hexdigest()
+
+
+def _inside(path: str, block: str) -> str:
+    """``path`` relative to the block's (a shared expert's: every layer's is its own module)."""
+    return path[len(block):] if block and path.startswith(block + ".") else path
 
 
 def _prove(cand, values, config, proved: dict | None = None):

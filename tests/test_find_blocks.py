@@ -48,12 +48,58 @@ def _traced(report) -> str:
 def test_blocks_alone_find_what_the_whole_model_finds(family):
     model = _build(family)
     whole = explain(model, _ids(model))
-    blocks = explain_blocks(model, (_ids(model),))
-    assert whole.layers and _layers(blocks) == _layers(whole)
+    each = explain_blocks(model, (_ids(model),), twins=False)
+    assert whole.layers and _layers(each) == _layers(whole)
     # only the blocks were traced: one graph each, none with the attention or the embeddings in it
-    assert blocks.num_graphs == len(whole.layers), blocks.num_graphs
-    assert "attn" not in _traced(blocks) and "embed" not in _traced(blocks), _traced(blocks)[:2000]
+    assert each.num_graphs == len(whole.layers), each.num_graphs
+    assert "attn" not in _traced(each) and "embed" not in _traced(each), _traced(each)[:2000]
     assert "embed" in _traced(whole)
+    # the layers are one block repeated: the first traced, the others take its report as their own (twins.py)
+    blocks = explain_blocks(model, (_ids(model),))
+    assert _layers(blocks) == _layers(whole) and [r.proved_as for r in whole.layers][1:] == [whole.layers[0].path]
+    assert blocks.num_graphs == 1 and blocks.counters["blocks.twins"] == len(whole.layers) - 1, blocks.counters
+
+
+def _top_k_1(model):
+    model.model.layers[1].mlp.top_k = model.model.layers[1].mlp.gate.top_k = 1
+
+
+def _hooked(model):
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
+
+
+def _frozen(model):
+    model.model.layers[1].mlp.experts.requires_grad_(False)
+
+
+def _tensor_attribute(model):
+    model.model.layers[1].mlp.experts.table = torch.zeros(3)  # (neither a parameter nor a buffer)
+
+
+@pytest.mark.parametrize("change", [_top_k_1, _hooked, _frozen, _tensor_attribute])
+def test_a_block_that_differs_in_what_a_trace_reads_is_traced_itself(change):
+    """A block differing from the first in anything its trace may read (an attribute's value, a hook, a
+    parameter's requires_grad) or in what the key cannot describe (a plain tensor attribute) is traced itself."""
+    model = _build("mixtral")
+    change(model)
+    whole = explain(model, _ids(model))
+    blocks = explain_blocks(model, (_ids(model),))
+    assert _layers(blocks) == _layers(whole) and len(whole.layers) == 2
+    assert blocks.num_graphs == 2 and "blocks.twins" not in blocks.counters, blocks.counters
+    if change is _top_k_1:
+        assert [r.spec.routing.top_k for r in blocks.layers] == [2, 1]
+
+
+def test_twins_traced_once_on_the_meta_device():
+    """A model built on meta: the second block takes the first's report without its random weights drawn, and
+    its expert weights are its own meta parameters."""
+    model = _build("mixtral")
+    with torch.device("meta"):
+        on_meta = type(model)(model.config)
+    each = explain_blocks(on_meta, (_ids(model),), torch.device("cpu"), twins=False)
+    blocks = explain_blocks(on_meta, (_ids(model),), torch.device("cpu"))
+    assert _layers(blocks) == _layers(each) and len(blocks.layers) == 2 and blocks.num_graphs == 1
+    assert all(w.is_meta for rec in blocks.layers for w in rec.expert_weights.values())
 
 
 def test_experts_stored_flat_are_found_on_the_whole_model():

@@ -35,6 +35,7 @@ from moecompile.passes.report import SkipRecord
 from moecompile.passes.verify import SHARED_PROOFS
 
 from . import meta as meta_mod
+from .twins import Twins
 
 ON_META_LEFT = "a model on the meta device: not found by its blocks traced alone, left whole"
 ON_META = ("moecompile.parallelize of a model on the meta device traces its MoE blocks alone, on random weights "
@@ -42,10 +43,11 @@ ON_META = ("moecompile.parallelize of a model on the meta device traces its MoE 
            "file the model's code with this message")
 
 
-def explain_blocks(model: nn.Module, example_args: tuple, device=None, **options):
+def explain_blocks(model: nn.Module, example_args: tuple, device=None, twins: bool = True, **options):
     """The ``ExplainReport`` of the model's MoE blocks, each traced alone (module docstring), or of the whole
     model where the blocks cannot be told from the module tree. ``device``: where a model on the meta device
-    runs its blocks (``meta.py``); None: the model is not on meta."""
+    runs its blocks (``meta.py``); None: the model is not on meta. ``twins``: a block of the code, attributes and
+    input shapes of one traced before takes its report, untraced (``twins.py``); False: each block traced."""
     from ..explain import explain
 
     holders = _holders(model)
@@ -60,7 +62,7 @@ def explain_blocks(model: nn.Module, example_args: tuple, device=None, **options
     shared = SHARED_PROOFS.set({})  # a layer of the code and shapes of one proved before: proved (as in one graph)
     unexplained: dict[str, str] = {}  # (a model on meta) holder -> why no block holding it was explained
     try:
-        explained = _explain_holders(model, holders, inputs, options, device, unexplained)
+        explained = _explain_holders(model, holders, inputs, options, device, unexplained, Twins(model, twins))
     finally:
         SHARED_PROOFS.reset(shared)
     if explained is None:
@@ -74,7 +76,7 @@ def explain_blocks(model: nn.Module, example_args: tuple, device=None, **options
 
 
 def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options: dict, device=None,
-                     unexplained=None) -> dict | None:
+                     unexplained=None, twins: Twins | None = None) -> dict | None:
     """path -> the report of each module explained alone (module docstring, 3.); None: explain the whole model.
     A model on meta cannot be explained whole: a holder no block explains goes to ``unexplained`` (-> why), and a
     module that never ran as a call (a block calling its experts' other methods) is climbed past."""
@@ -92,7 +94,10 @@ def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options
                 break
             if path not in explained:
                 try:
-                    explained[path] = _explain_one(model, path, inputs[path], options, device)
+                    explained[path] = (twins and twins.report(path, inputs[path])) or _explain_one(
+                        model, path, inputs[path], options, device)
+                    if twins:
+                        twins.add(path, inputs[path], explained[path])
                 except Exception as e:  # (run again alone, a module may meet state its first run left: a KV cache)
                     if device is None:
                         return None

@@ -102,7 +102,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     auto = dedup == "auto" or domains == "auto"  # (the choice reads the example's routing)
     with recording_routing() as routing:  # the torch references record it (Triton kernels would not)
-        report = explain_blocks(model, example_args, device, **({**options, "lowering": "torch"} if auto else options))
+        report = explain_blocks(model, example_args, device, twins=not auto,  # (a block untraced records no routing)
+                                **({**options, "lowering": "torch"} if auto else options))
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     plans, left = [], []
     for rec in report.layers:
