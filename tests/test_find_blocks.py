@@ -60,6 +60,15 @@ def test_blocks_alone_find_what_the_whole_model_finds(family):
     assert blocks.num_graphs == 1 and blocks.counters["blocks.twins"] == len(whole.layers) - 1, blocks.counters
 
 
+def test_twins_of_a_model_never_compiled_before_in_train_mode():
+    """The first thing run on a fresh model in train() mode (a trace leaves attributes on the block it traced:
+    the key is read before)."""
+    model = _build("mixtral").train()
+    blocks = explain_blocks(model, (_ids(model),))
+    assert blocks.num_graphs == 1 and blocks.counters["blocks.twins"] == 1, blocks.counters
+    assert _layers(blocks) == _layers(explain_blocks(model, (_ids(model),), twins=False))
+
+
 def _top_k_1(model):
     model.model.layers[1].mlp.top_k = model.model.layers[1].mlp.gate.top_k = 1
 

@@ -94,10 +94,11 @@ def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options
                 break
             if path not in explained:
                 try:
-                    explained[path] = (twins and twins.report(path, inputs[path])) or _explain_one(
+                    k = twins.key(path, inputs[path]) if twins else None
+                    explained[path] = (twins and twins.report(k, path)) or _explain_one(
                         model, path, inputs[path], options, device)
                     if twins:
-                        twins.add(path, inputs[path], explained[path])
+                        twins.add(k, path, explained[path])
                 except Exception as e:  # (run again alone, a module may meet state its first run left: a KV cache)
                     if device is None:
                         return None

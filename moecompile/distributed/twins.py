@@ -39,17 +39,19 @@ class _Opaque(Exception):
 
 
 class Twins:
-    """The clean reports explained so far, by key; ``report`` of a block of a key seen gives that report renamed."""
+    """The clean reports explained so far, by key: ``key`` of a block before it is explained (a trace leaves
+    attributes on it: Dynamo's ``_is_torch_compile``), ``report`` of a key seen, ``add`` of a block explained."""
 
     def __init__(self, model: nn.Module, enabled: bool = True):
         self.model, self.enabled, self.first = model, enabled, {}  # key -> (path, its report)
 
-    def report(self, path: str, inputs: tuple):
-        """The report of the block at ``path`` called with ``inputs``, from the clean report of a block of its key
-        explained before; None: trace it."""
-        if not self.enabled:
-            return None
-        k = key(self.model.get_submodule(path), inputs)
+    def key(self, path: str, inputs: tuple):
+        """The key of the block at ``path`` called with ``inputs``; None: not to be shared."""
+        return key(self.model.get_submodule(path), inputs) if self.enabled else None
+
+    def report(self, k, path: str):
+        """The report of the block at ``path`` of key ``k``, from the clean report of a block of its key explained
+        before; None: trace it."""
         if k is None or k not in self.first:
             return None
         first_path, first = self.first[k]
@@ -59,11 +61,9 @@ class Twins:
         except _Opaque:
             return None
 
-    def add(self, path: str, inputs: tuple, report) -> None:
-        if self.enabled and clean(report):
-            k = key(self.model.get_submodule(path), inputs)
-            if k is not None:
-                self.first.setdefault(k, (path, report))
+    def add(self, k, path: str, report) -> None:
+        if k is not None and clean(report):
+            self.first.setdefault(k, (path, report))
 
 
 def clean(report) -> bool:
