@@ -18,8 +18,8 @@ def _build(family):
     if family in ("loop", "modulelist"):
         torch.manual_seed(0)
         return TinyMoELM(family)
-    if family == "dbrx":
-        return hf.build_model(hf.walk_config("dbrx"))
+    if family in ("dbrx", "lfm2_moe"):
+        return hf.build_model(hf.walk_config(family))
     return hf.tiny_model(family)
 
 
@@ -44,8 +44,8 @@ def _traced(report) -> str:
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss", "qwen3_moe", "llama4_text", "loop",
-                                    "modulelist"])
-def test_blocks_alone_find_what_the_whole_model_finds(family):
+                                    "modulelist", "lfm2_moe"])  # (lfm2_moe: a short convolution in every layer,
+def test_blocks_alone_find_what_the_whole_model_finds(family):  # no expert holder)
     model = _build(family)
     whole = explain(model, _ids(model))
     each = explain_blocks(model, (_ids(model),), twins=False)

@@ -5,8 +5,10 @@ sharding never reads, cost more than the MoE blocks themselves (a tiny Mixtral: 
 0.76 s per decoder layer). Here:
 
 1. The expert holders, from the module tree: a module with a parameter of 3 or more dimensions (stacked experts,
-   ``[E, ...]``), and a ``ModuleList`` / ``ModuleDict`` of 2 or more modules of one type, each with a matrix, with
-   no such parameter or list below them (one module per expert).
+   ``[E, ...]``) other than a convolution (``nn.Conv1d``...: a Mamba mixer's or a short convolution's, in every
+   layer of hybrid models, whose climb (3.) would trace their decoder layers whole), and a ``ModuleList`` /
+   ``ModuleDict`` of 2 or more modules of one type, each with a matrix, with no such parameter or list below them
+   (one module per expert).
 2. One eager run of the example, without gradients, records the first inputs of every holder's ancestors.
 3. Each holder's parent is explained alone, with its recorded inputs (``explain_calls``: the layers named by their
    path in the model). Where that finds no layer, its parent next, and so on; where it finds layers that do not
@@ -125,11 +127,14 @@ def _explain_one(model: nn.Module, path: str, inputs: tuple, options: dict, devi
     return report
 
 
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
 def _holders(model: nn.Module) -> list[str]:
     """The paths of the modules that may hold experts (module docstring, 1.), deepest first."""
     out = []
     for name, module in model.named_modules():
-        if name and (_stacked(module) or _expert_list(module)):
+        if name and ((_stacked(module) and not isinstance(module, _CONVOLUTIONS)) or _expert_list(module)):
             out.append(name)
     return sorted(out, key=lambda n: -n.count("."))
 
