@@ -1,6 +1,7 @@
 """parallelize's detection on the MoE blocks traced alone (moecompile/distributed/find_blocks.py) finds what
 explain() of the whole model finds: the same layers, paths, specs and expert weights, in the same order; only the
-blocks are traced where the module tree shows them, the whole model where it does not."""
+blocks are traced where the module tree shows them, the whole model where it does not; a block of the code,
+attributes and input shapes of one traced before takes its report untraced (moecompile/distributed/twins.py)."""
 
 import copy
 

@@ -84,13 +84,13 @@ def key(module: nn.Module, inputs: tuple):
                          for k, t in itertools.chain(m._parameters.items(), m._buffers.items()))
             parts.append((name, type(m), attrs, held))
         return tuple(parts), _value(inputs, tensors)
-    except _Opaque:
+    except Exception:  # _Opaque, or a tensor without strides (sparse): traced, as without twins
         return None
 
 
 def _tensor(t: torch.Tensor, tensors: dict) -> tuple:
-    if type(t) not in (torch.Tensor, nn.Parameter, nn.Buffer):
-        raise _Opaque(type(t).__name__)
+    if type(t) not in (torch.Tensor, nn.Parameter, nn.Buffer) or t.layout != torch.strided:
+        raise _Opaque(f"{type(t).__name__} ({t.layout})")
     index = tensors.setdefault(id(t), len(tensors))
     return (type(t), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.layout, t.requires_grad,
             t._is_view(), index)
