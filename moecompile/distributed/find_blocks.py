@@ -77,8 +77,8 @@ def explain_blocks(model: nn.Module, example_args: tuple, device=None, twins: bo
     return report
 
 
-def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options: dict, device=None,
-                     unexplained=None, twins: Twins | None = None) -> dict | None:
+def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options: dict, device, unexplained: dict,
+                     twins: Twins) -> dict | None:
     """path -> the report of each module explained alone (module docstring, 3.); None: explain the whole model.
     A model on meta cannot be explained whole: a holder no block explains goes to ``unexplained`` (-> why), and a
     module that never ran as a call (a block calling its experts' other methods) is climbed past."""
@@ -96,11 +96,9 @@ def _explain_holders(model: nn.Module, holders: list[str], inputs: dict, options
                 break
             if path not in explained:
                 try:
-                    k = twins.key(path, inputs[path]) if twins else None
-                    explained[path] = (twins and twins.report(k, path)) or _explain_one(
-                        model, path, inputs[path], options, device)
-                    if twins:
-                        twins.add(k, path, explained[path])
+                    k = twins.key(path, inputs[path])
+                    explained[path] = twins.report(k, path) or _explain_one(model, path, inputs[path], options, device)
+                    twins.add(k, path, explained[path])
                 except Exception as e:  # (run again alone, a module may meet state its first run left: a KV cache)
                     if device is None:
                         return None
