@@ -79,6 +79,13 @@ def _view(w) -> fx.Node | None:
     return w.meta.get("ep_view") if isinstance(w, fx.Node) else None
 
 
+def _copy_view(w) -> fx.Node | None:
+    """The view a "dp_shard" piece is read through among a role's weights (an ``nn.ModuleList``'s: its local
+    experts'), else None."""
+    views = [_view(n) for n in (w if isinstance(w, (list, tuple)) else [w])]
+    return next((v for v in views if v is not None and view_arg(v, "copy_group", "")), None)
+
+
 def _local_weights(spec, weights: dict):
     """(role -> this rank's weights, the views of the others): a stacked weight's view of its local shard, or the
     ``nn.ModuleList`` entries of the experts held here (a consecutive block; the others are views)."""
@@ -152,14 +159,20 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         again = set()  # gathered weights whose uses up to the experts are computed again in backward
         sent = getattr(torch, spec.compute_dtype) if cast else None  # (gathered weights: in it, half the bytes)
         for role, w in weights.items():  # a "dp_shard" copy's pieces, gathered (moecompile/distributed/copies.py)
-            group = view_arg(_view(w), "copy_group", "") if _view(w) is not None else ""
-            if group:  # (the cut dimension, the one the piece lacks, gathered as dim 0; backward reduce-scatters)
-                piece, whole = example(local[role]).shape, view_arg(_view(w), "full_shape")
-                d = next(d for d in range(1, len(whole)) if piece[d] != whole[d])
-                gathered = torch.ops.moe.domain_gather(mine[role].transpose(0, d), group, layer, sent)
-                gathered.node.meta["moe_reshard"] = reshard = view_arg(_view(w), "reshard", False)
+            view = _copy_view(w)
+            if view is not None:  # (the cut dimension, the one the piece lacks, gathered as dim 0; backward
+                # reduce-scatters); a ModuleList's local pieces stacked, gathered as one and unbound
+                listed = isinstance(mine[role], list)
+                piece = example(local[role][0] if listed else local[role]).shape
+                whole = view_arg(view, "full_shape")
+                d = next(d for d in range(1 - listed, len(whole)) if piece[d] != whole[d]) + listed
+                stacked = torch.stack(mine[role]) if listed else mine[role]
+                gathered = torch.ops.moe.domain_gather(stacked.transpose(0, d), view_arg(view, "copy_group"), layer,
+                                                       sent)
+                gathered.node.meta["moe_reshard"] = reshard = view_arg(view, "reshard", False)
                 again |= {gathered.node} if reshard else set()
-                mine[role] = gathered.transpose(0, d).contiguous()
+                whole = gathered.transpose(0, d).contiguous()
+                mine[role] = [whole[i] for i in range(len(local[role]))] if listed else whole
         if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked, flat and ModuleList experts)
             if e.identity_experts:  # the experts' rows gathered, the spare gate_up rows left (shardable.py)
                 mine = {r: p[:own] for r, p in mine.items()}

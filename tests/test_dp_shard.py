@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from clipping import clip_as_one_process
-from ep_checkpoints import TOL, loads_in_one_process, optimizer_loads_in_one_process, save
+from ep_checkpoints import TOL, loads_in_one_process, optimizer_loads_in_one_process, optimizer_round_trip, save
 from ranks import gloo, spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM
 
 import moecompile
 from moecompile.distributed.copies import cut_of
+from moecompile.distributed.sharded_state import expert_order_names
 from moecompile.models.handwritten import TinyMoELM
 from moecompile.models.hf import build_model, tiny_config, tiny_model, walk_config
 
@@ -52,10 +53,11 @@ def _build(family):
 
 def _piece(model, name, whole, ep_rank):
     """The rows (this rank's experts in its group) and, for a split weight, its copy's half of the dimension cut
-    (the first after the experts' but a fused gate/up weight's 2I) of ``whole`` that ``model``'s ``name`` holds."""
-    p = model.get_parameter(name)
-    rows = whole[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]]
-    cut = [d for d in range(1, p.dim()) if p.shape[d] != rows.shape[d]]
+    (the first after the experts' but a fused gate/up weight's 2I) of ``whole`` that ``model``'s ``name`` holds.
+    ``ep_rank`` None: an nn.ModuleList expert's weight (no experts' dimension; its first dimension cut)."""
+    p, listed = model.get_parameter(name), ep_rank is None
+    rows = whole if listed else whole[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]]
+    cut = [d for d in range(1 - listed, p.dim()) if p.shape[d] != rows.shape[d]]
     assert len(cut) <= 1 and (cut == [2]) == name.endswith("gate_up_proj"), (name, p.shape, rows.shape)
     index = cut_of(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]).index if cut else 0
     assert index == model._moe_parallel.mesh.get_local_rank("dp_shard"), index
@@ -64,7 +66,7 @@ def _piece(model, name, whole, ep_rank):
 
 def _train(family, mesh, rank, world, tmp, tp=1, **options):
     """Three steps over ``mesh`` and in one process, every step checked; returns (sharded model, one-process
-    model). Plain Mixtral's optimizer state is saved (torch.distributed.checkpoint) for the parent to load. ``tp``:
+    model, the sharded model's optimizer). Plain Mixtral's optimizer state is saved (torch.distributed.checkpoint) for the parent to load. ``tp``:
     the ranks of one tp group (consecutive) hold the same batch (7 tokens: uneven SSMB slices)."""
     ref, model = _build(family).train(), _build(family).train()
     vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
@@ -80,9 +82,10 @@ def _train(family, mesh, rank, world, tmp, tp=1, **options):
     ep_rank, every = dist.get_rank(info.group), dict(ref.named_parameters())
     for name, p in model.named_parameters():
         if getattr(p, "_moe_sharded", False):  # its group's share of the experts (1 / ep), half of each
-            assert p.numel() * 2 * info.world == every[name].numel(), (name, p.shape)
+            listed = name in info.module_list_experts  # (a ModuleList expert's weight: half of it)
+            assert p.numel() * 2 * (1 if listed else info.world) == every[name].numel(), (name, p.shape)
             spare = every[name].shape[0] != model.config.n_routed_experts if family == "longcat_flash" else False
-            assert spare or torch.equal(p, _piece(model, name, every[name], ep_rank)), name  # (spare rows: after)
+            assert spare or torch.equal(p, _piece(model, name, every[name], None if listed else ep_rank)), name
     auto = {"lowering": "auto"} if family == "mixtral" and not options else {}  # (forms timed: _gathers)
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True, **auto})
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
@@ -99,8 +102,8 @@ def _train(family, mesh, rank, world, tmp, tp=1, **options):
     for name, p in ref.named_parameters():
         torch.testing.assert_close(full[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{family} {name}: {m}")
     state = moecompile.get_optimizer_state_dict(model, opt)
-    momentum = {}
-    for name, p in model.named_parameters():
+    momentum, order = {}, expert_order_names(model)  # (a swapping ModuleList layer's entries by their experts)
+    for name in map(order.get, dict(model.named_parameters())):
         got = state["state"][name]["momentum_buffer"]
         momentum[name] = got = got.full_tensor() if isinstance(got, DTensor) else got
         torch.testing.assert_close(got, ref_opt.state[every[name]]["momentum_buffer"], rtol=TOL, atol=TOL,
@@ -109,21 +112,42 @@ def _train(family, mesh, rank, world, tmp, tp=1, **options):
         dcp.save(state, checkpoint_id=f"{tmp}/ckpt_swap_optim")
         if rank == 0:
             torch.save(momentum, f"{tmp}/saved_swap_optim.pt")
-    return model, ref
+    return model, ref, opt
 
 
-def _gathers(model, reshard: bool) -> None:
+def _gathers(model, reshard: bool, weights: int = 2) -> None:
     """Every stacked expert weight gathered over the copies once a forward, and once more a backward where resharded
     (counted as domain gathers: the same collective), its gradient reduce-scattered once a backward; none while the
     compile times the layer's forms (each rank with a cache of its own, empty: the timing runs, as often as each
     rank's time budget allows; it ran the gathers until 2026-12-06, ranks pairing one's extra gathers with
-    another's next)."""
+    another's next). ``weights``: the layer's (Mixtral's gate_up_proj and down_proj)."""
     assert all("split over 2 ranks" in r.sharding and ("again in backward" in r.sharding) == reshard
                for r in model._moe_parallel.report.layers), str(model._moe_parallel)
     for layer, stats in moecompile.comm_stats().items():
-        weights = 2  # (Mixtral's gate_up_proj and down_proj)
         assert stats["calls.domain_gather"] == weights * STEPS * (2 if reshard else 1), (layer, reshard, stats)
         assert stats["calls.domain_reduce"] == weights * STEPS, (layer, stats)
+
+
+def _listed(model, ref, opt, tmp, rank) -> None:
+    """nn.ModuleList experts split over the copies (each local expert's weights cut along their first dimension),
+    trained with expert swap (``_train``): the local pieces of a role gathered as one stacked weight, again in
+    backward; the state_dict holds each local expert's weight whole (gathered over the copies, plain, under its
+    expert's name); it round-trips to the same pieces, and its torch.distributed.checkpoint (saved here, loaded in
+    one process by the parent) and the optimizer's (on the same ranks) load back."""
+    info = model._moe_parallel
+    assert info.swap.history, "no expert was swapped"
+    assert all("the 12 weights of its nn.ModuleList experts held here split over 2 ranks" in r.sharding and
+               "whole on each copy" not in r.sharding for r in info.report.layers), str(info)
+    _gathers(model, reshard=True, weights=3)  # (w1, w3, w2)
+    state, pieces = model.state_dict(), {n: p.detach().clone() for n, p in model.named_parameters()}
+    order = expert_order_names(model)  # (the state_dict names each list entry by the expert it holds)
+    listed = [n for n in pieces if n in info.module_list_experts]
+    assert listed and all(not isinstance(state[order[n]], DTensor) and state[order[n]].shape[0] ==
+                          2 * pieces[n].shape[0] for n in listed), listed
+    model.load_state_dict(state)  # (swapped: each expert's whole weight back into its slot's pieces)
+    assert all(torch.equal(p, pieces[n]) for n, p in model.named_parameters())
+    save(model, tmp, rank, "loop")
+    optimizer_round_trip(model, opt, f"{tmp}/ckpt_loop_optim")
 
 
 def _hf_checkpoint(model, mesh, tmp) -> None:
@@ -172,7 +196,7 @@ def _world4(rank, world, tmp):
     with gloo(rank, world, tmp):
         _refused()
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
-        model, ref = _train("mixtral", mesh, rank, world, tmp)
+        model, ref, _ = _train("mixtral", mesh, rank, world, tmp)
         _gathers(model, reshard=False)
         state = model.state_dict()
         stacked = [n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)]
@@ -186,19 +210,17 @@ def _world4(rank, world, tmp):
         ep_rank = dist.get_rank(model._moe_parallel.group)
         assert all(torch.equal(p, _piece(model, n, w.detach(), ep_rank) if n in stacked else w)
                    for (n, p), w in zip(model.named_parameters(), ref.parameters()))
-        model, _ = _train("mixtral", mesh, rank, world, tmp, reshard_after_forward=True, swap_every=1)
+        model, *_ = _train("mixtral", mesh, rank, world, tmp, reshard_after_forward=True, swap_every=1)
         _gathers(model, reshard=True)
         assert model._moe_parallel.swap.history, "no expert was swapped"  # (the copies' pieces swapped alike)
         _train("longcat_flash", mesh, rank, world, tmp)  # identity experts: gate_up's spare rows cut too
-        model, _ = _train("loop", mesh, rank, world, tmp)  # ModuleList experts: whole on each copy
-        assert all("whole on each copy (nn.ModuleList experts are not split)" in r.sharding
-                   for r in model._moe_parallel.report.layers), str(model._moe_parallel)
+        _listed(*_train("loop", mesh, rank, world, tmp, reshard_after_forward=True, swap_every=1), tmp, rank)
         tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))  # copies of an SSMB group split
-        model, _ = _train("mixtral", tp, rank, world, tmp, tp=2, moe_tp="ssmb", reshard_after_forward=True)
+        model, *_ = _train("mixtral", tp, rank, world, tmp, tp=2, moe_tp="ssmb", reshard_after_forward=True)
         _gathers(model, reshard=True)
         assert all("sequence-sharded over tp" in r.sharding for r in model._moe_parallel.report.layers)
         hsdp = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "ep"))
-        model, _ = _train("mixtral", hsdp, rank, world, tmp, reshard_after_forward=True)
+        model, *_ = _train("mixtral", hsdp, rank, world, tmp, reshard_after_forward=True)
         _gathers(model, reshard=True)
         state = model.state_dict()
         assert all(state[n].placements == (Replicate(), Shard(2 if n.endswith("gate_up_proj") else 1), Shard(0))
@@ -211,4 +233,5 @@ def test_experts_split_over_dp_shard_train_as_one_process(tmp_path):
     spawn(_world4, args=(4, tmp), nprocs=4)
     loads_in_one_process(_build("mixtral"), tmp, "ckpt_mixtral", "saved_mixtral.pt")
     loads_in_one_process(_build("mixtral"), tmp, "ckpt_hsdp", "saved_hsdp.pt")
+    loads_in_one_process(_build("loop"), tmp, "ckpt_loop", "saved_loop.pt")
     optimizer_loads_in_one_process(_build("mixtral"), tmp, LR)  # (every momentum exactly as the 4 ranks held it)

@@ -15,10 +15,17 @@ are (``grads.py``): the mean loss's gradient. Under FSDP2's bf16 ``param_dtype``
 (half the bytes), their gradients summed in the pieces' float32.
 
 A weight none of whose dimensions after the experts' the copies divide (a fused gate/up bias: only 2I), or with one
-dimension (a per-expert scale), stays whole on each copy and is averaged as under ``"dp_replicate"``; so do
-``nn.ModuleList`` experts (each an ``nn.Linear`` of its own: not cut). The state_dict gives a cut weight (and its
-optimizer state) as the DTensor ``Shard(d)`` (its cut dimension) over ``"dp_shard"`` and ``Shard(0)`` over the
-expert-parallel dimensions: ``torch.distributed.checkpoint`` saves each piece once and loads on any layout.
+dimension (a per-expert scale), stays whole on each copy and is averaged as under ``"dp_replicate"``. The state_dict
+gives a cut weight (and its optimizer state) as the DTensor ``Shard(d)`` (its cut dimension) over ``"dp_shard"`` and
+``Shard(0)`` over the expert-parallel dimensions: ``torch.distributed.checkpoint`` saves each piece once and loads
+on any layout.
+
+An ``nn.ModuleList`` expert held here (each an ``nn.Linear`` of its own) is cut the same way, each of its weights
+along its first dimension the copies divide (``[I, H]``: I), and read while Dynamo traces through a view of its whole
+shape; the distribute pass stacks the layer's local pieces of a role, gathers them as one stacked weight and unbinds them.
+Its state_dict entry (and optimizer state) is the expert's whole weight, gathered over the copies as a plain tensor
+under the expert's own name, as that of a ModuleList expert held whole (``listed_state``); loading takes this
+rank's piece of it.
 
 Both ``"dp_replicate"`` and ``"dp_shard"`` (in that order, HSDP: e.g. ``("dp_replicate", "dp_shard", "ep")``, the
 copies inside a node splitting their experts, whole over the nodes): each index of the two together is one
@@ -34,6 +41,8 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .mesh import COPIES, REPLICATE, SHARD, copies_split, shard_group
 
@@ -49,10 +58,17 @@ class Cut:
     size: int
     group: str
     reshard: bool = False
+    listed: bool = False  # an nn.ModuleList expert's weight (``dim`` counts from its own first dimension)
 
     def piece(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``whole`` (its copy's shard, or the same shaped optimizer state)."""
         return whole.narrow(self.dim, self.index * self.size, self.size)
+
+    def whole(self, piece: torch.Tensor) -> torch.Tensor:
+        """The copy's whole tensor from every copy's ``piece`` (the copies' ranks call it together)."""
+        parts = [torch.empty_like(piece) for _ in range(self.parts)]
+        dist.all_gather(parts, piece.contiguous(), group=_resolve_process_group(self.group))
+        return torch.cat(parts, self.dim)
 
 
 class Split:
@@ -69,19 +85,33 @@ class Split:
         out.up_transposed = experts.up_transposed
         return out
 
-    def cut(self, module, attr: str, rows: torch.Tensor, role: str) -> torch.Tensor:
+    def cut(self, module, attr: str, rows: torch.Tensor, role: str, listed: bool = False) -> torch.Tensor:
         """This rank's piece of ``rows`` (the copy's shard of ``module``'s weight ``attr`` of ``role``, noted as
         ``_moe_cuts``), cut along the first dimension after the experts' that the copies divide, but a fused
         gate/up weight's 2I (a checkpoint's gate and up weights are concatenated along it: a piece of each would
-        not be a piece of the whole); ``rows`` where none is (a 1-D weight, a fused bias)."""
+        not be a piece of the whole); ``rows`` where none is (a 1-D weight, a fused bias). ``listed``: ``rows`` is
+        one ``nn.ModuleList`` expert's weight (no experts' dimension)."""
         fused = (2 if self.up_transposed else 1) if role == "gate_up" else 1 if role == "gate_up_bias" else None
-        dims = [d for d in range(1, rows.dim()) if d != fused and rows.shape[d] % self.parts == 0]
+        fused = None if fused is None else fused - listed
+        dims = [d for d in range(1 - listed, rows.dim()) if d != fused and rows.shape[d] % self.parts == 0]
         if not dims:
             return rows
         cut = Cut(dims[0], self.parts, self.index, rows.shape[dims[0]] // self.parts, self.group.group_name,
-                  self.reshard)
+                  self.reshard, listed)
         module.__dict__.setdefault("_moe_cuts", {})[attr] = cut
         return cut.piece(rows)
+
+    def cut_expert(self, module, attr: str, role: str) -> bool:
+        """Keep this rank's piece of the ``nn.ModuleList`` expert weight ``attr`` of ``role`` (a new parameter; its
+        state_dict entry the whole weight: ``listed_state``); False where it stays whole (no dimension divides)."""
+        full = module._parameters[attr]
+        piece = self.cut(module, attr, full.detach(), role, listed=True)
+        if cut_of(module, attr) is None:
+            return False
+        module._parameters[attr] = held = nn.Parameter(piece.clone(), full.requires_grad)
+        held._moe_sharded = True
+        listed_state(module, attr)
+        return True
 
     def describe(self, model, held, listed: bool) -> str:
         """What ``explain()`` says of a layer's experts (``listed``: an ``nn.ModuleList``'s): which weights are
@@ -91,9 +121,10 @@ class Split:
             module_name, _, attr = name.rpartition(".")
             (split if cut_of(model.get_submodule(module_name), attr) else whole).append(attr)
         again = "again in backward" if self.reshard else "kept for backward"
-        out = (f"{', '.join(split)} split over {self.parts} ranks ({SHARD!r}: 1/{self.parts} each), gathered "
+        what = f"the {len(split)} weights of its nn.ModuleList experts held here" if listed else ", ".join(split)
+        out = (f"{what} split over {self.parts} ranks ({SHARD!r}: 1/{self.parts} each), gathered "
                f"where the layer runs ({again})") if split else ""
-        why = "nn.ModuleList experts are not split" if listed else f"no dimension {self.parts} divides, or 1-D"
+        why = f"no dimension {self.parts} divides" + ("" if listed else ", or 1-D")
         kept = f"{len(whole)} weight(s) whole on each copy ({why}), averaged over the copies" if whole else ""
         return "; ".join(part for part in (out, kept) if part)
 
@@ -109,6 +140,40 @@ def setup(mesh, reshard_after_forward: bool, **options) -> Split | None:
                          f"of the experts) is not built yet: name the dimension {REPLICATE!r} (each copy whole) for "
                          f"{'them' if len(asked) > 1 else 'it'}, or leave {'them' if len(asked) > 1 else 'it'} out")
     return Split(mesh, reshard_after_forward)
+
+
+def listed_state(module, attr: str) -> None:
+    """The state_dict entry of an ``nn.ModuleList`` expert's piece ``attr``: its copy's whole weight (gathered
+    over the copies: every copy's rank calls ``state_dict()`` together); loading takes this rank's piece of a whole
+    weight (a DTensor: made whole first)."""
+    def save(mod, state_dict, prefix, local_metadata):
+        if prefix + attr in state_dict:
+            state_dict[prefix + attr] = cut_of(mod, attr).whole(state_dict[prefix + attr])
+
+    def load(mod, state_dict, prefix, *_):
+        if prefix + attr in state_dict:
+            value = state_dict[prefix + attr]
+            state_dict[prefix + attr] = mine(value.full_tensor() if hasattr(value, "full_tensor") else value,
+                                             cut_of(mod, attr))
+
+    module.register_state_dict_post_hook(save)
+    module._register_load_state_dict_pre_hook(load, with_module=True)
+
+
+def listed_optimizer_state(model, state: dict, names: dict[str, str], whole: bool) -> None:
+    """The optimizer state (``state``: name -> {key: value}) of ``model``'s ``nn.ModuleList`` expert pieces, in
+    place: each tensor shaped like its piece made the whole weight's (``whole``; every copy's rank calls it
+    together, as ``listed_state``), or a whole one this rank's piece. ``names``: each parameter's name -> its
+    name in ``state`` (in expert order after swaps)."""
+    for name, module in model.named_modules():
+        for attr, cut in getattr(module, "_moe_cuts", {}).items():
+            fqn = f"{name}.{attr}" if name else attr
+            shape = module._parameters[attr].shape
+            for key, value in state.get(names[fqn], {}).items() if cut.listed else ():
+                if whole and isinstance(value, torch.Tensor) and value.shape == shape:
+                    state[names[fqn]][key] = cut.whole(value)
+                elif not whole and isinstance(value, torch.Tensor):
+                    state[names[fqn]][key] = mine(value.full_tensor() if hasattr(value, "full_tensor") else value, cut)
 
 
 def cut_of(module, attr: str) -> Cut | None:

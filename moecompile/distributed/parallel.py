@@ -275,11 +275,12 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     views = moe_tp_mod.view_args(rec.moe_tp, tp)  # the views' moe_tp and tp_group
     local_E = E // world
     mine = range(rank * local_E, (rank + 1) * local_E)
+    split = split and split.for_layer(rec.spec.experts)
     if isinstance(next(iter(params.values())), list):
-        held = _shard_module_list(model, params, mine, group, rec.path, dedup, slots, views, domains, E)
+        held = _shard_module_list(model, params, mine, group, rec.path, dedup, slots, views, domains, E, split)
     else:
         held = _shard_stacked(model, params, mesh, group, rank, world, rec.path, dedup, slots, views, domains, E,
-                              rec.spec.experts.identity_experts, split and split.for_layer(rec.spec.experts))
+                              rec.spec.experts.identity_experts, split)
     names = sorted(n for v in params.values() for n in (v if isinstance(v, list) else [v]))
     listed = names if len(names) <= 4 else names[:2] + [f"... {len(names)} in all"]
     how = "one row per (token, expert)" if dedup == "off" else (
@@ -348,13 +349,14 @@ def _shard_stacked(model, params: dict[str, str], mesh, group, rank, world, laye
 
 
 def _shard_module_list(model, params: dict[str, list[str]], mine: range, group, layer, dedup, slots, views,
-                       domains=None, num_experts=0) -> set[str]:
+                       domains=None, num_experts=0, split=None) -> set[str]:
     """An ``nn.ModuleList`` layer: the weights of the experts other ranks hold are dropped (not parameters here,
     not in this rank's state_dict: ``torch.distributed.checkpoint`` gets each expert from the rank holding it);
     while Dynamo traces, the module reads each as ``moe.ep_remote_expert`` (its shape, no value). With ``slots``
     (the layer swaps experts) the list's entry i is slot i: the state_dict names each by the expert it holds. With
     ``domains`` the remote experts' views name the domain and exchange groups (the distribute pass gathers the
-    domain's experts, stacked, and unbinds them again)."""
+    domain's experts, stacked, and unbinds them again). With ``split`` ("dp_shard": ``copies.py``) each local
+    expert's weights are this rank's pieces, read through views of their whole shape."""
     if slots is not None:
         experts_module(model, next(iter(params.values())), slots)
     group_name, views = domains_mod.view_args(domains, group, views)
@@ -369,8 +371,15 @@ def _shard_module_list(model, params: dict[str, list[str]], mine: range, group, 
             if expert in mine:
                 held.add(name)
                 module_name, _, attr = name.rpartition(".")
-                meta_mod.realize(model.get_submodule(module_name), attr)  # (a model built on meta: meta.py)
-                guard_owned(model.get_submodule(module_name), attr, layer)  # FSDP2 must not take it over
+                module = model.get_submodule(module_name)
+                if split is not None and split.cut_expert(module, attr, role):  # (a lazy weight: its piece alone)
+                    if slots is not None:  # (its view is the layer's first: it carries the placement too)
+                        module.register_buffer(SLOTS, slots, persistent=False)
+                    read_through_view(module, {attr: 1}, group_name, layer, dedup, extra=views,
+                                      full_shapes={attr: like[0]})
+                    continue
+                meta_mod.realize(module, attr)  # (a model built on meta: meta.py)
+                guard_owned(module, attr, layer)  # FSDP2 must not take it over
                 continue
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)

@@ -59,13 +59,14 @@ def read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, 
     ``named_parameters`` and optimizers see the shard. ``extra``: the op's keyword arguments beyond those
     (``moe_tp``, ``tp_group``); ``full_shapes``: name -> the whole weight's shape where the shard is cut in more
     dimensions than the first (tensor-expert parallelism cuts the intermediate one too; ``copies.py`` splits a
-    stacked shard over its copies' ranks)."""
+    stacked shard, or an ``nn.ModuleList`` expert's weight, over its copies' ranks)."""
     extra = extra or {}
     full = {attr: {"full_shape": list(shape)} for attr, shape in (full_shapes or {}).items()}
     for attr, total in rows.items():  # a piece of its copy's shard (a "dp_shard" mesh): gathered by distribute
         cut = cut_of(module, attr)
-        if cut is not None:
-            shape = whole_shape((total, *module._parameters[attr].shape[1:]), cut)
+        if cut is not None:  # (an nn.ModuleList expert's piece: its whole weight's shape is given)
+            shape = full_shapes[attr] if attr in (full_shapes or {}) else whole_shape(
+                (total, *module._parameters[attr].shape[1:]), cut)
             full[attr] = {"full_shape": list(shape), "copy_group": cut.group, "reshard": cut.reshard}
     owned = {attr: module._parameters[attr] for attr in rows}  # the shards made here, for taken_over()
 
