@@ -40,7 +40,7 @@ from .experts import with_param_dtype
 from .graph_utils import example, recompute_between, weight_chain
 from .report import PassReport, block
 from .sequence_shard import cut_before_router
-from .sharded import EP_VIEWS, view_arg
+from .sharded import copy_view, local_weights, view_arg, weight_view
 
 EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
 COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)
@@ -75,46 +75,9 @@ def distribute_moe_pass(gm: fx.GraphModule, example_inputs, *, config, report: P
     return gm
 
 
-def _view(w) -> fx.Node | None:
-    return w.meta.get("ep_view") if isinstance(w, fx.Node) else None
-
-
-def _copy_view(w) -> fx.Node | None:
-    """The view a "dp_shard" piece is read through among a role's weights (an ``nn.ModuleList``'s: its local
-    experts'), else None."""
-    views = [_view(n) for n in (w if isinstance(w, (list, tuple)) else [w])]
-    return next((v for v in views if v is not None and view_arg(v, "copy_group", "")), None)
-
-
-def _local_weights(spec, weights: dict):
-    """(role -> this rank's weights, the views of the others): a stacked weight's view of its local shard, or the
-    ``nn.ModuleList`` entries of the experts held here (a consecutive block; the others are views)."""
-    views, local = [], {}
-    for role, w in weights.items():
-        if isinstance(w, (list, tuple)):  # a local expert's weight: a graph input, or a view of its slice (ted)
-            read = [_view(n) for n in w]
-            remote = [v if v is not None and v.target in EP_VIEWS[2:] else None for v in read]
-            here = [i for i, v in enumerate(remote) if v is None]
-            local[role] = None
-            if any(v is not None for v in read):
-                views += [v for v in read if v is not None]
-                if not here or here != list(range(here[0], here[0] + len(here))):
-                    raise ValueError(f"the experts of the layer held here are not one consecutive block: {here}")
-                local[role] = [w[i] if read[i] is None else read[i].args[0] for i in here]
-        elif _view(w) is not None:
-            views.append(_view(w))
-            local[role] = _view(w).args[0]
-        else:
-            local[role] = None
-    if views and any(v is None for v in local.values()):
-        sharded = sorted(r for r, v in local.items() if v is not None)
-        raise ValueError(f"only some expert weights of the layer are sharded: {sharded}")
-    return local, views
-
-
 def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> None:
     spec, weights = node.meta["moe_spec"], node.meta["moe_weights"]
-    local, views = _local_weights(spec, weights)
+    local, views = local_weights(weights)
     if not views:
         return  # a layer parallelize left whole (replicated)
     e = spec.experts
@@ -159,7 +122,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         again = set()  # gathered weights whose uses up to the experts are computed again in backward
         sent = getattr(torch, spec.compute_dtype) if cast else None  # (gathered weights: in it, half the bytes)
         for role, w in weights.items():  # a "dp_shard" copy's pieces, gathered (moecompile/distributed/copies.py)
-            view = _copy_view(w)
+            view = copy_view(w)
             if view is not None:  # (the cut dimension, the one the piece lacks, gathered as dim 0; backward
                 # reduce-scatters); a ModuleList's local pieces stacked, gathered as one and unbound
                 listed = isinstance(mine[role], list)

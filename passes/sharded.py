@@ -144,6 +144,44 @@ def _standin_name(view: fx.Node) -> str:
     return f"{view.name}_standin"
 
 
+def weight_view(w) -> fx.Node | None:
+    """The view a weight input of a rewritten layer is read through (``ep_view``), or None."""
+    return w.meta.get("ep_view") if isinstance(w, fx.Node) else None
+
+
+def copy_view(w) -> fx.Node | None:
+    """The view a "dp_shard" piece is read through among a role's weights (an ``nn.ModuleList``'s: its local
+    experts'), else None."""
+    views = [weight_view(n) for n in (w if isinstance(w, (list, tuple)) else [w])]
+    return next((v for v in views if v is not None and view_arg(v, "copy_group", "")), None)
+
+
+def local_weights(weights: dict):
+    """(role -> this rank's weights, the views of the others): a stacked weight's view of its local shard, or the
+    ``nn.ModuleList`` entries of the experts held here (a consecutive block; the others are views)."""
+    views, local = [], {}
+    for role, w in weights.items():
+        if isinstance(w, (list, tuple)):  # a local expert's weight: a graph input, or a view of its slice (ted)
+            read = [weight_view(n) for n in w]
+            remote = [v if v is not None and v.target in EP_VIEWS[2:] else None for v in read]
+            here = [i for i, v in enumerate(remote) if v is None]
+            local[role] = None
+            if any(v is not None for v in read):
+                views += [v for v in read if v is not None]
+                if not here or here != list(range(here[0], here[0] + len(here))):
+                    raise ValueError(f"the experts of the layer held here are not one consecutive block: {here}")
+                local[role] = [w[i] if read[i] is None else read[i].args[0] for i in here]
+        elif weight_view(w) is not None:
+            views.append(weight_view(w))
+            local[role] = weight_view(w).args[0]
+        else:
+            local[role] = None
+    if views and any(v is None for v in local.values()):
+        sharded = sorted(r for r, v in local.items() if v is not None)
+        raise ValueError(f"only some expert weights of the layer are sharded: {sharded}")
+    return local, views
+
+
 def remove_standins(graph: fx.Graph) -> None:
     """Take the stand-in placeholders out of ``graph`` again, giving their uses back to the views they stood for
     (the pipeline calls it on a graph it gives up: Dynamo reads that graph's placeholders after the backend)."""

@@ -8,9 +8,11 @@ the gathered weights kept for backward and, with ``reshard_after_forward=True``,
 holds a quarter of the experts' bytes (where "dp_replicate" holds half), its piece's rows and columns of the
 one-process weight. The state_dict gives each expert weight as a DTensor Shard(1) (gate_up_proj: Shard(2)) over
 "dp_shard" and Shard(0) over "ep"; a torch.distributed.checkpoint of the weights and of the optimizer saved by the 4
-ranks loads in one process exactly, and a one-process state_dict loads into the pieces. The hand-written ModuleList
-model trains as one process with its experts whole on each copy (not split: said in explain()). Expert swap
-(swap_every=1) trains Mixtral as one process, the copies' pieces swapped alike; LongCat-Flash (identity experts: its
+ranks loads in one process exactly, and a one-process state_dict loads into the pieces. Expert swap (swap_every=1)
+trains Mixtral as one process, the copies' pieces swapped alike; so does the hand-written ModuleList model, each local
+expert's weights split (along their first dimension; said in explain()), its state_dict each expert's whole weight
+(plain, under its expert's name: a round trip keeps the pieces, its checkpoint loads in one process exactly, the
+optimizer's back on the ranks); LongCat-Flash (identity experts: its
 fused gate_up holds 2 spare rows, split too) trains as one process. Options not built beside "dp_shard" (replication,
 expert domains) and "dp_shard" before "dp_replicate" raise ValueError. save_hf_checkpoint's files load by
 load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
@@ -66,8 +68,9 @@ def _piece(model, name, whole, ep_rank):
 
 def _train(family, mesh, rank, world, tmp, tp=1, **options):
     """Three steps over ``mesh`` and in one process, every step checked; returns (sharded model, one-process
-    model, the sharded model's optimizer). Plain Mixtral's optimizer state is saved (torch.distributed.checkpoint) for the parent to load. ``tp``:
-    the ranks of one tp group (consecutive) hold the same batch (7 tokens: uneven SSMB slices)."""
+    model, the sharded model's optimizer). Plain Mixtral's optimizer state is saved (torch.distributed.checkpoint)
+    for the parent to load. ``tp``: the ranks of one tp group (consecutive) hold the same batch (7 tokens: uneven
+    SSMB slices)."""
     ref, model = _build(family).train(), _build(family).train()
     vocab = model.config.vocab_size if hasattr(model, "config") else model.embed.num_embeddings
     batches = torch.randint(0, vocab, (world // tp, 2, 6 if tp == 1 else 7), generator=torch.Generator().manual_seed(7))

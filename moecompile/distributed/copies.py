@@ -21,11 +21,11 @@ gives a cut weight (and its optimizer state) as the DTensor ``Shard(d)`` (its cu
 on any layout.
 
 An ``nn.ModuleList`` expert held here (each an ``nn.Linear`` of its own) is cut the same way, each of its weights
-along its first dimension the copies divide (``[I, H]``: I), and read while Dynamo traces through a view of its whole
-shape; the distribute pass stacks the layer's local pieces of a role, gathers them as one stacked weight and unbinds them.
-Its state_dict entry (and optimizer state) is the expert's whole weight, gathered over the copies as a plain tensor
-under the expert's own name, as that of a ModuleList expert held whole (``listed_state``); loading takes this
-rank's piece of it.
+along its first dimension the copies divide (``[I, H]``: I), and read while Dynamo traces through a view of its
+whole shape; the distribute pass stacks the layer's local pieces of a role, gathers them as one stacked weight and
+unbinds them. Its state_dict entry (and optimizer state) is the expert's whole weight, gathered over the copies, a
+plain tensor under the expert's own name as that of a ModuleList expert held whole (``listed_state``); loading
+takes this rank's piece of it.
 
 Both ``"dp_replicate"`` and ``"dp_shard"`` (in that order, HSDP: e.g. ``("dp_replicate", "dp_shard", "ep")``, the
 copies inside a node splitting their experts, whole over the nodes): each index of the two together is one

@@ -56,8 +56,7 @@ def to_local(value, total: int, held, mesh, rank, group):
 
 def row_slots(module, attr: str):
     """The placement of a sharded weight's rows (slot of each global row; None: in order): the layer's expert swap
-    placement, or a weight's own, made from it (spare rows of identity experts: ``moecompile/distributed/
-    shardable.py``)."""
+    placement, or a weight's own, made from it (spare rows of identity experts: ``shardable.py``)."""
     own = getattr(module, "_moe_row_slots", {}).get(attr)
     return module._buffers.get(SLOTS) if own is None else own(module._buffers.get(SLOTS))
 
@@ -233,8 +232,7 @@ def _every_ranks_groups(groups: list[dict] | None) -> list[dict]:
 
 
 def _every_name(names: set[str]) -> set[str]:
-    """The parameter names of every rank's model (every rank calls it together): the other pipeline stages' and
-    the other ranks' ModuleList experts too."""
+    """Every rank's parameter names (every rank calls it together): other stages' and ranks' ModuleList experts too."""
     if not dist.is_initialized():
         return names
     every = [None] * dist.get_world_size()
