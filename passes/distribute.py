@@ -134,8 +134,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
                                                        sent)
                 gathered.node.meta["moe_reshard"] = reshard = view_arg(view, "reshard", False)
                 again |= {gathered.node} if reshard else set()
-                whole = gathered.transpose(0, d).contiguous()
-                mine[role] = [whole[i] for i in range(len(local[role]))] if listed else whole
+                copy = gathered.transpose(0, d).contiguous()  # (the copy's whole weights)
+                mine[role] = [copy[i] for i in range(len(local[role]))] if listed else copy
         if domain_size > 1 and not q:  # (runtime/comm/domains.py; stacked, flat and ModuleList experts)
             if e.identity_experts:  # the experts' rows gathered, the spare gate_up rows left (shardable.py)
                 mine = {r: p[:own] for r, p in mine.items()}

@@ -10,9 +10,10 @@ one-process weight. The state_dict gives each expert weight as a DTensor Shard(1
 "dp_shard" and Shard(0) over "ep"; a torch.distributed.checkpoint of the weights and of the optimizer saved by the 4
 ranks loads in one process exactly, and a one-process state_dict loads into the pieces. Expert swap (swap_every=1)
 trains Mixtral as one process, the copies' pieces swapped alike; so does the hand-written ModuleList model, each local
-expert's weights split (along their first dimension; said in explain()), its state_dict each expert's whole weight
-(plain, under its expert's name: a round trip keeps the pieces, its checkpoint loads in one process exactly, the
-optimizer's back on the ranks); LongCat-Flash (identity experts: its
+expert's weights split (along their first dimension; said in explain()), its state_dict each expert's weight as a
+DTensor Shard(0) over the copies (under its expert's name: a round trip keeps the pieces, its checkpoint loads in one
+process exactly, the optimizer's back on the ranks), and built on meta it allocates only its pieces, trains two
+steps as one process and its checkpoint loads into another model built on meta; LongCat-Flash (identity experts: its
 fused gate_up holds 2 spare rows, split too) trains as one process. Options not built beside "dp_shard" (replication,
 expert domains) and "dp_shard" before "dp_replicate" raise ValueError. save_hf_checkpoint's files load by
 load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
@@ -20,7 +21,7 @@ computes the same gradients. A (2, 2) ("dp_shard", "tp") mesh splits the copies 
 (moe_tp="ssmb"; the tp ranks hold the same batch), gathered again in backward, as one process. HSDP, a (2, 2, 1)
 ("dp_replicate", "dp_shard", "ep") mesh: each weight split over "dp_shard", each piece whole over "dp_replicate" (its
 gradient reduce-scattered, then averaged over it), trains as one process (reshard_after_forward too), its state_dict
-Replicate() over "dp_replicate", its checkpoint loading in one process."""
+Replicate() over "dp_replicate", its checkpoint loading in one process; so does the ModuleList model."""
 
 import os
 
@@ -31,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from clipping import clip_as_one_process
 from ep_checkpoints import TOL, loads_in_one_process, optimizer_loads_in_one_process, optimizer_round_trip, save
 from ranks import gloo, spawn
+from test_meta_init import _check as on_meta
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -134,9 +136,10 @@ def _gathers(model, reshard: bool, weights: int = 2) -> None:
 def _listed(model, ref, opt, tmp, rank) -> None:
     """nn.ModuleList experts split over the copies (each local expert's weights cut along their first dimension),
     trained with expert swap (``_train``): the local pieces of a role gathered as one stacked weight, again in
-    backward; the state_dict holds each local expert's weight whole (gathered over the copies, plain, under its
-    expert's name); it round-trips to the same pieces, and its torch.distributed.checkpoint (saved here, loaded in
-    one process by the parent) and the optimizer's (on the same ranks) load back."""
+    backward; the state_dict holds each local expert's weight (under its expert's name) as the DTensor Shard(0)
+    over the copies' sub-mesh of this rank's piece; it round-trips to the same pieces, and its
+    torch.distributed.checkpoint (saved here, loaded in one process by the parent) and the optimizer's (on the same
+    ranks) load back."""
     info = model._moe_parallel
     assert info.swap.history, "no expert was swapped"
     assert all("the 12 weights of its nn.ModuleList experts held here split over 2 ranks" in r.sharding and
@@ -145,8 +148,8 @@ def _listed(model, ref, opt, tmp, rank) -> None:
     state, pieces = model.state_dict(), {n: p.detach().clone() for n, p in model.named_parameters()}
     order = expert_order_names(model)  # (the state_dict names each list entry by the expert it holds)
     listed = [n for n in pieces if n in info.module_list_experts]
-    assert listed and all(not isinstance(state[order[n]], DTensor) and state[order[n]].shape[0] ==
-                          2 * pieces[n].shape[0] for n in listed), listed
+    assert listed and all(state[order[n]].placements == (Shard(0),) and torch.equal(state[order[n]].to_local(),
+                          pieces[n]) and state[order[n]].shape[0] == 2 * pieces[n].shape[0] for n in listed), listed
     model.load_state_dict(state)  # (swapped: each expert's whole weight back into its slot's pieces)
     assert all(torch.equal(p, pieces[n]) for n, p in model.named_parameters())
     save(model, tmp, rank, "loop")
@@ -218,6 +221,7 @@ def _world4(rank, world, tmp):
         assert model._moe_parallel.swap.history, "no expert was swapped"  # (the copies' pieces swapped alike)
         _train("longcat_flash", mesh, rank, world, tmp)  # identity experts: gate_up's spare rows cut too
         _listed(*_train("loop", mesh, rank, world, tmp, reshard_after_forward=True, swap_every=1), tmp, rank)
+        on_meta("loop", rank, world, mesh, tmp)  # built on meta: each rank allocates its pieces (test_meta_init.py)
         tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))  # copies of an SSMB group split
         model, *_ = _train("mixtral", tp, rank, world, tmp, tp=2, moe_tp="ssmb", reshard_after_forward=True)
         _gathers(model, reshard=True)
@@ -229,6 +233,8 @@ def _world4(rank, world, tmp):
         assert all(state[n].placements == (Replicate(), Shard(2 if n.endswith("gate_up_proj") else 1), Shard(0))
                    for n in stacked), stacked
         save(model, tmp, rank, "hsdp")
+        model, *_ = _train("loop", hsdp, rank, world, tmp, reshard_after_forward=True)  # (ModuleList pieces too)
+        _gathers(model, reshard=True, weights=3)
 
 
 def test_experts_split_over_dp_shard_train_as_one_process(tmp_path):

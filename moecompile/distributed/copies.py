@@ -23,9 +23,9 @@ on any layout.
 An ``nn.ModuleList`` expert held here (each an ``nn.Linear`` of its own) is cut the same way, each of its weights
 along its first dimension the copies divide (``[I, H]``: I), and read while Dynamo traces through a view of its
 whole shape; the distribute pass stacks the layer's local pieces of a role, gathers them as one stacked weight and
-unbinds them. Its state_dict entry (and optimizer state) is the expert's whole weight, gathered over the copies, a
-plain tensor under the expert's own name as that of a ModuleList expert held whole (``listed_state``); loading
-takes this rank's piece of it.
+unbinds them. Its state_dict entry (and optimizer state) is the DTensor of the expert's whole weight over the
+copies' sub-mesh (``Shard(d)`` over ``"dp_shard"``, ``Replicate()`` over ``"dp_replicate"``), under the expert's own
+name: each piece is saved once, and no rank holds the expert whole (``listed_state``).
 
 Both ``"dp_replicate"`` and ``"dp_shard"`` (in that order, HSDP: e.g. ``("dp_replicate", "dp_shard", "ep")``, the
 copies inside a node splitting their experts, whole over the nodes): each index of the two together is one
@@ -42,7 +42,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+from moecompile.runtime.layouts import contiguous_stride
 
 from .mesh import COPIES, REPLICATE, SHARD, copies_split, shard_group
 
@@ -64,18 +65,12 @@ class Cut:
         """This rank's piece of ``whole`` (its copy's shard, or the same shaped optimizer state)."""
         return whole.narrow(self.dim, self.index * self.size, self.size)
 
-    def whole(self, piece: torch.Tensor) -> torch.Tensor:
-        """The copy's whole tensor from every copy's ``piece`` (the copies' ranks call it together)."""
-        parts = [torch.empty_like(piece) for _ in range(self.parts)]
-        dist.all_gather(parts, piece.contiguous(), group=_resolve_process_group(self.group))
-        return torch.cat(parts, self.dim)
-
 
 class Split:
     """The copies of a ``"dp_shard"`` mesh (``setup``): ``cut`` keeps this rank's piece of a shard."""
 
     def __init__(self, mesh, reshard: bool):
-        self.group = shard_group(mesh)
+        self.mesh, self.group = mesh, shard_group(mesh)
         self.parts, self.index, self.reshard = dist.get_world_size(self.group), dist.get_rank(self.group), reshard
         self.up_transposed = False  # (the layer's: ``for_layer``)
 
@@ -110,7 +105,7 @@ class Split:
             return False
         module._parameters[attr] = held = nn.Parameter(piece.clone(), full.requires_grad)
         held._moe_sharded = True
-        listed_state(module, attr)
+        listed_state(module, attr, self.mesh)
         return True
 
     def describe(self, model, held, listed: bool) -> str:
@@ -142,38 +137,60 @@ def setup(mesh, reshard_after_forward: bool, **options) -> Split | None:
     return Split(mesh, reshard_after_forward)
 
 
-def listed_state(module, attr: str) -> None:
-    """The state_dict entry of an ``nn.ModuleList`` expert's piece ``attr``: its copy's whole weight (gathered
-    over the copies: every copy's rank calls ``state_dict()`` together); loading takes this rank's piece of a whole
-    weight (a DTensor: made whole first)."""
+def listed_state(module, attr: str, mesh) -> None:
+    """The state_dict entry of an ``nn.ModuleList`` expert's piece ``attr``: the DTensor of the expert's whole
+    weight over the copies (``listed_global``: each piece saved once, no rank holding the expert whole); loading
+    takes this rank's piece of it, of a full tensor, or of another layout's DTensor (``listed_local``)."""
     def save(mod, state_dict, prefix, local_metadata):
         if prefix + attr in state_dict:
-            state_dict[prefix + attr] = cut_of(mod, attr).whole(state_dict[prefix + attr])
+            state_dict[prefix + attr] = listed_global(state_dict[prefix + attr], cut_of(mod, attr), mesh)
 
     def load(mod, state_dict, prefix, *_):
         if prefix + attr in state_dict:
-            value = state_dict[prefix + attr]
-            state_dict[prefix + attr] = mine(value.full_tensor() if hasattr(value, "full_tensor") else value,
-                                             cut_of(mod, attr))
+            state_dict[prefix + attr] = listed_local(state_dict[prefix + attr], cut_of(mod, attr), mesh)
 
     module.register_state_dict_post_hook(save)
     module._register_load_state_dict_pre_hook(load, with_module=True)
 
 
-def listed_optimizer_state(model, state: dict, names: dict[str, str], whole: bool) -> None:
+def copies_mesh(mesh):
+    """The sub-mesh of ``mesh`` whose ranks hold the same experts as this one (its ``"dp_replicate"`` and
+    ``"dp_shard"`` dimensions)."""
+    return mesh[tuple(name for name in mesh.mesh_dim_names if name in COPIES)]
+
+
+def listed_global(piece: torch.Tensor, cut: Cut, mesh):
+    """An ``nn.ModuleList`` expert's piece (or its optimizer state) as the DTensor of the whole weight over the
+    copies' sub-mesh: ``Shard(cut.dim)`` over ``"dp_shard"``, ``Replicate()`` over ``"dp_replicate"``."""
+    from torch.distributed.tensor import DTensor
+
+    sub, shape = copies_mesh(mesh), whole_shape(piece.shape, cut)
+    return DTensor.from_local(piece, sub, placements(sub, cut), run_check=False, shape=shape,
+                              stride=contiguous_stride(shape))
+
+
+def listed_local(value, cut: Cut, mesh):
+    """This rank's piece of ``value`` (``listed_global``'s DTensor, another layout's, or a full tensor); anything
+    else (a step count) as it is."""
+    if hasattr(value, "device_mesh"):
+        value = value.to_local() if value.device_mesh == copies_mesh(mesh) else value.full_tensor()
+    return mine(value, cut)
+
+
+def listed_optimizer_state(model, state: dict, names: dict[str, str], mesh, to_global: bool) -> None:
     """The optimizer state (``state``: name -> {key: value}) of ``model``'s ``nn.ModuleList`` expert pieces, in
-    place: each tensor shaped like its piece made the whole weight's (``whole``; every copy's rank calls it
-    together, as ``listed_state``), or a whole one this rank's piece. ``names``: each parameter's name -> its
-    name in ``state`` (in expert order after swaps)."""
+    place, as their weights in the state_dict: each tensor shaped like its piece made ``listed_global``'s DTensor
+    (``to_global``), or a checkpoint's value this rank's piece (``listed_local``). ``names``: each parameter's
+    name -> its name in ``state`` (in expert order after swaps)."""
     for name, module in model.named_modules():
         for attr, cut in getattr(module, "_moe_cuts", {}).items():
             fqn = f"{name}.{attr}" if name else attr
             shape = module._parameters[attr].shape
             for key, value in state.get(names[fqn], {}).items() if cut.listed else ():
-                if whole and isinstance(value, torch.Tensor) and value.shape == shape:
-                    state[names[fqn]][key] = cut.whole(value)
-                elif not whole and isinstance(value, torch.Tensor):
-                    state[names[fqn]][key] = mine(value.full_tensor() if hasattr(value, "full_tensor") else value, cut)
+                if not isinstance(value, torch.Tensor) or (to_global and value.shape != shape):
+                    continue
+                state[names[fqn]][key] = listed_global(value, cut, mesh) if to_global else listed_local(value, cut,
+                                                                                                          mesh)
 
 
 def cut_of(module, attr: str) -> Cut | None:

@@ -201,7 +201,7 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
             for key, value in state.get(fqn, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == shard.shape:
                     state[fqn][key] = ted.to_whole(value, how)
-        copies.listed_optimizer_state(part, state, expert_order_names(part), whole=True)  # (ModuleList pieces)
+        copies.listed_optimizer_state(part, state, expert_order_names(part), info.mesh, True)  # (ModuleList)
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
     return {"state": state, "param_groups": _every_ranks_groups(groups)}
 
@@ -265,7 +265,7 @@ def set_optimizer_state_dict(model, optimizer, optim_state_dict) -> None:
         for fqn, how in ted.parameters(part).items():
             for key, value in state.get(fqn, {}).items():
                 state[fqn][key] = ted.to_slice(value, part.get_parameter(fqn).shape, how)
-        copies.listed_optimizer_state(part, state, expert_order_names(part), whole=False)
+        copies.listed_optimizer_state(part, state, expert_order_names(part), info.mesh, False)
     unknown = sorted(set(state) - set(index))
     if unknown:
         raise ValueError(f"the optimizer state names parameters the optimizer does not train ({unknown[:3]}...): "
