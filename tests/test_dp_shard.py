@@ -12,9 +12,10 @@ ranks loads in one process exactly, and a one-process state_dict loads into the 
 trains Mixtral as one process, the copies' pieces swapped alike; so does the hand-written ModuleList model, each local
 expert's weights split (along their first dimension; said in explain()), its state_dict each expert's weight as a
 DTensor Shard(0) over the copies (under its expert's name: a round trip keeps the pieces, its checkpoint loads in one
-process exactly, the optimizer's back on the ranks), and built on meta it allocates only its pieces, trains two
-steps as one process and its checkpoint loads into another model built on meta; LongCat-Flash (identity experts: its
-fused gate_up holds 2 spare rows, split too) trains as one process. Options not built beside "dp_shard" (replication,
+process exactly, the optimizer's back on the ranks); built on meta it allocates only its pieces, trains two steps
+as one process and its checkpoint loads into another model built on meta; load_hf_checkpoint reads only each rank's
+half of its experts, and save_hf_checkpoint's files load again. LongCat-Flash (identity experts: its fused gate_up
+holds 2 spare rows, split too) trains as one process. Options not built beside "dp_shard" (replication,
 expert domains) and "dp_shard" before "dp_replicate" raise ValueError. save_hf_checkpoint's files load by
 load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
 computes the same gradients. A (2, 2) ("dp_shard", "tp") mesh splits the copies of a sequence-sharded (SSMB) group
@@ -32,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from clipping import clip_as_one_process
 from ep_checkpoints import TOL, loads_in_one_process, optimizer_loads_in_one_process, optimizer_round_trip, save
 from ranks import gloo, spawn
+from test_hf_checkpoint import _built as hf_built, _equal as hf_equal, _reference as hf_reference
 from test_meta_init import _check as on_meta
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -39,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoModelForCausalLM
 
 import moecompile
+from moecompile.distributed import hf_checkpoint
 from moecompile.distributed.copies import cut_of
 from moecompile.distributed.sharded_state import expert_order_names
 from moecompile.models.handwritten import TinyMoELM
@@ -156,6 +159,27 @@ def _listed(model, ref, opt, tmp, rank) -> None:
     optimizer_round_trip(model, opt, f"{tmp}/ckpt_loop_optim")
 
 
+def _listed_hf(mesh, tmp, rank) -> None:
+    """A safetensors checkpoint of the ModuleList model loads by ``load_hf_checkpoint`` into one built on meta and
+    split over the copies, each rank reading only its half of each of its experts' weights (the DTensor over the
+    copies: transformers' shard-on-read); ``save_hf_checkpoint``'s files of it load again: the same weights."""
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    ref, path = hf_reference("loop", tmp, rank)
+    model = hf_built("loop", mesh, ids)
+    with hf_checkpoint.reads() as reads:
+        moecompile.load_hf_checkpoint(model, path)
+    every = dict(ref.named_parameters())
+    experts = {k: n for k, n in reads.items() if ".experts." in k}
+    mine = {int(k.split(".")[3]) for k in experts}
+    assert mine == set(range(4 * (rank % 2), 4 * (rank % 2) + 4)), sorted(experts)  # its group's 4 experts only
+    assert all(n == [every[k].numel() // 2] for k, n in experts.items()), experts  # each its half
+    hf_equal(model, ref, "loop split over dp_shard")
+    moecompile.save_hf_checkpoint(model, f"{tmp}/loop_split_saved")
+    other = hf_built("loop", mesh, ids)
+    moecompile.load_hf_checkpoint(other, f"{tmp}/loop_split_saved")
+    hf_equal(other, ref, "loop split over dp_shard, saved and loaded again")
+
+
 def _hf_checkpoint(model, mesh, tmp) -> None:
     """``save_hf_checkpoint`` of the split model (each piece sent to the writer once), loaded by
     ``load_hf_checkpoint`` into Mixtral built on meta, parallelized over the same mesh (each rank allocating its
@@ -222,6 +246,7 @@ def _world4(rank, world, tmp):
         _train("longcat_flash", mesh, rank, world, tmp)  # identity experts: gate_up's spare rows cut too
         _listed(*_train("loop", mesh, rank, world, tmp, reshard_after_forward=True, swap_every=1), tmp, rank)
         on_meta("loop", rank, world, mesh, tmp)  # built on meta: each rank allocates its pieces (test_meta_init.py)
+        _listed_hf(mesh, f"{tmp}/hf", rank)  # (the directory of its own: on_meta saved "loop")
         tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))  # copies of an SSMB group split
         model, *_ = _train("mixtral", tp, rank, world, tmp, tp=2, moe_tp="ssmb", reshard_after_forward=True)
         _gathers(model, reshard=True)
