@@ -40,7 +40,7 @@ from .experts import with_param_dtype
 from .graph_utils import example, recompute_between, weight_chain
 from .report import PassReport, block
 from .sequence_shard import cut_before_router
-from .sharded import copy_view, local_weights, view_arg, weight_view
+from .sharded import copy_view, local_weights, view_arg
 
 EXPERT_MLP = (torch.ops.moe.expert_mlp, torch.ops.moe.expert_mlp.default)
 COMBINE = (torch.ops.moe.combine, torch.ops.moe.combine.default)

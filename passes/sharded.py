@@ -128,19 +128,19 @@ def _standin_name(view: fx.Node) -> str:
     compiled below the model's root (the MoE block alone) names its inputs from there: the names are matched
     with as many of the layer path's leading modules dropped as that takes. A local expert's piece of its copy's
     (``"dp_shard"``) likewise, every stand-in of the layer ending in ``copy_``."""
-    ted = "ted_" if view_arg(view, "moe_tp") == "ted" else "copy_" if view_arg(view, "copy_group", "") else ""
+    suffix = "ted_" if view_arg(view, "moe_tp") == "ted" else "copy_" if view_arg(view, "copy_group", "") else ""
     if view.target in EP_VIEWS[2:]:
         like, name, layer = view.args[5].split("."), view.args[6].split("."), view.args[3].split(".")
         for k in range(len(layer) + 1):  # the model's names, then as the layer's own module compiled alone sees them
             like_k, name_k = _dynamo_name(".".join(like[k:])), _dynamo_name(".".join(name[k:]))
             for ph in view.graph.find_nodes(op="placeholder"):
                 if ph.name.endswith(f"_{like_k}_"):
-                    ted = ted or ("copy_" if any(is_ep_view(u) and view_arg(u, "copy_group", "") for u in ph.users)
-                                  else "")  # (the local expert it is named after is a piece)
-                    return ph.name[: len(ph.name) - len(like_k) - 1] + name_k + "_" + ted
+                    piece = any(is_ep_view(u) and view_arg(u, "copy_group", "") for u in ph.users)
+                    suffix = suffix or ("copy_" if piece else "")  # (the local expert it is named after is a piece)
+                    return ph.name[: len(ph.name) - len(like_k) - 1] + name_k + "_" + suffix
     local = view.args[0]
-    if ted and isinstance(local, fx.Node) and local.op == "placeholder" and re.search(r"_modules_\d+_", local.name):
-        return local.name + ted
+    if suffix and isinstance(local, fx.Node) and local.op == "placeholder" and re.search(r"_modules_\d+_", local.name):
+        return local.name + suffix
     return f"{view.name}_standin"
 
 

@@ -98,7 +98,7 @@ class Split:
 
     def cut_expert(self, module, attr: str, role: str) -> bool:
         """Keep this rank's piece of the ``nn.ModuleList`` expert weight ``attr`` of ``role`` (a new parameter; its
-        state_dict entry the whole weight: ``listed_state``); False where it stays whole (no dimension divides)."""
+        state_dict entry: ``listed_state``); False where it stays whole (no dimension divides)."""
         full = module._parameters[attr]
         piece = self.cut(module, attr, full.detach(), role, listed=True)
         if cut_of(module, attr) is None:
@@ -187,10 +187,8 @@ def listed_optimizer_state(model, state: dict, names: dict[str, str], mesh, to_g
             fqn = f"{name}.{attr}" if name else attr
             shape = module._parameters[attr].shape
             for key, value in state.get(names[fqn], {}).items() if cut.listed else ():
-                if not isinstance(value, torch.Tensor) or (to_global and value.shape != shape):
-                    continue
-                state[names[fqn]][key] = listed_global(value, cut, mesh) if to_global else listed_local(value, cut,
-                                                                                                          mesh)
+                if isinstance(value, torch.Tensor) and (value.shape == shape or not to_global):
+                    state[names[fqn]][key] = (listed_global if to_global else listed_local)(value, cut, mesh)
 
 
 def cut_of(module, attr: str) -> Cut | None:
