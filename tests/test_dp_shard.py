@@ -245,7 +245,10 @@ def _world4(rank, world, tmp):
         assert model._moe_parallel.swap.history, "no expert was swapped"  # (the copies' pieces swapped alike)
         _train("longcat_flash", mesh, rank, world, tmp)  # identity experts: gate_up's spare rows cut too
         _listed(*_train("loop", mesh, rank, world, tmp, reshard_after_forward=True, swap_every=1), tmp, rank)
-        on_meta("loop", rank, world, mesh, tmp)  # built on meta: each rank allocates its pieces (test_meta_init.py)
+        built = on_meta("loop", rank, world, mesh, tmp)  # built on meta: each rank allocates its pieces alone
+        whole = dict(_build("loop").named_parameters())  # (test_meta_init.py; its pieces are halves, checked here)
+        listed = [(n, p) for n, p in built.named_parameters() if n in built._moe_parallel.module_list_experts]
+        assert listed and all(2 * p.numel() == whole[n].numel() for n, p in listed), "built on meta: not split"
         _listed_hf(mesh, f"{tmp}/hf", rank)  # (the directory of its own: on_meta saved "loop")
         tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))  # copies of an SSMB group split
         model, *_ = _train("mixtral", tp, rank, world, tmp, tp=2, moe_tp="ssmb", reshard_after_forward=True)

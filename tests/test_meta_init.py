@@ -61,7 +61,7 @@ def _build(kind: str, on_meta: bool) -> torch.nn.Module:
     return model.train()
 
 
-def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **parallel) -> None:
+def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **parallel) -> torch.nn.Module:
     batches = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(5))
     if "moe_tp" in parallel:  # a (1, world) ("dp", "tp") mesh: every rank the same batch
         batches[:] = batches[0]
@@ -117,6 +117,7 @@ def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **paral
         dcp.load(state, checkpoint_id=f"{tmp}/{kind}")
         other.load_state_dict(state)
         _equal(moecompile.full_state_dict(other), ref.state_dict(), f"{kind} checkpoint")
+    return model
 
 
 def _equal(got: dict, want: dict, what: str) -> None:

@@ -182,13 +182,13 @@ def listed_optimizer_state(model, state: dict, names: dict[str, str], mesh, to_g
     place, as their weights in the state_dict: each tensor shaped like its piece made ``listed_global``'s DTensor
     (``to_global``), or a checkpoint's value this rank's piece (``listed_local``). ``names``: each parameter's
     name -> its name in ``state`` (in expert order after swaps)."""
+    convert = listed_global if to_global else listed_local
     for name, module in model.named_modules():
         for attr, cut in getattr(module, "_moe_cuts", {}).items():
-            fqn = f"{name}.{attr}" if name else attr
-            shape = module._parameters[attr].shape
-            for key, value in state.get(names[fqn], {}).items() if cut.listed else ():
-                if isinstance(value, torch.Tensor) and (value.shape == shape or not to_global):
-                    state[names[fqn]][key] = (listed_global if to_global else listed_local)(value, cut, mesh)
+            entry = state.get(names[f"{name}.{attr}" if name else attr], {}) if cut.listed else {}
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and (value.shape == module._parameters[attr].shape or not to_global):
+                    entry[key] = convert(value, cut, mesh)
 
 
 def cut_of(module, attr: str) -> Cut | None:
