@@ -86,7 +86,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     group_name, layer = views[0].args[2:4]
     dedup = view_arg(views[0], "dedup", "off")
     first = next(iter(local.values()))
-    spec, cast = with_param_dtype(spec, layer, example(first[0] if isinstance(first, list) else first).dtype, report)
+    held = example(first[0] if isinstance(first, list) else first).dtype  # (the expert weights' dtype)
+    spec, cast = with_param_dtype(spec, layer, held, report)
     if e.identity_experts and e.storage != "stacked":  # (moecompile/distributed/shardable.py)
         raise NotImplementedError("identity experts run sharded with stacked experts only")
     scale = node.args[9]  # the routing weights, when they scale each expert's input (Llama 4)
@@ -120,7 +121,8 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         mine = {r: [proxy(n) for n in p] if isinstance(p, list) else proxy(p) for r, p in local.items()}
         q = view_arg(views[0], "compress", 0.0)  # SR compression (runtime/comm/compress.py): stacked, ModuleList
         again = set()  # gathered weights whose uses up to the experts are computed again in backward
-        sent = getattr(torch, spec.compute_dtype) if cast else None  # (gathered weights: in it, half the bytes)
+        compute = getattr(torch, spec.compute_dtype) if spec.compute_dtype else held  # gathered weights sent in it
+        sent = compute if compute.itemsize < held.itemsize else None  # (FSDP2's bf16, or the model's own cast)
         for role, w in weights.items():  # a "dp_shard" copy's pieces, gathered (moecompile/distributed/copies.py)
             view = copy_view(w)
             if view is not None:  # (the cut dimension, the one the piece lacks, gathered as dim 0; backward

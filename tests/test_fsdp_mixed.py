@@ -8,8 +8,8 @@ master weights stay float32, and ``explain()`` says the experts compute in bf16;
 compiled in place (torchtitan's way). Mixtral with a linear per expert (``experts_implementation="eager"``) and the
 hand-written ``nn.ModuleList`` of ``nn.Linear`` experts, whose code reads the expert weights in bf16 as under FSDP2
 alone (it stopped before: a bf16 input times a float32 shard), likewise at the first step. With the experts' copies
-split over a "dp_shard" mesh dimension, the pieces are gathered in bf16 (half the bytes) and their gradients
-reduce-scattered in float32; two steps as FSDP2 alone. Without a policy the experts stay in float32
+split over a "dp_shard" mesh dimension (Mixtral and the ``nn.ModuleList`` model), the pieces are gathered in bf16
+(half the bytes) and their gradients reduce-scattered in float32; two steps as FSDP2 alone. Without a policy the experts stay in float32
 (``tests/test_data_parallel.py``, ``tests/test_meta_init.py``)."""
 
 import torch
@@ -140,26 +140,30 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
 
 
 def _split(rank: int, world: int, batches) -> None:
-    """Mixtral with its experts' copies split over "dp_shard" (each rank half of each weight): gathered in bf16, half
-    the bytes of the float32 pieces, their gradients reduce-scattered in float32 to float32 master pieces; both steps
-    as FSDP2 alone, at bf16's tolerance."""
-    want, fsdp, _, _ = _trained(rank, world, "mixtral", False, batches)
-    got, split, ran, backend = _trained(rank, world, "mixtral", True, batches, split=True)
-    assert ran == {(torch.bfloat16, torch.bfloat16)} and backend.report.counters["distribute.param_dtype_layers"], ran
-    for what, g, w in zip(("first logits", "second logits"), got, want):
-        _close(g, w, what, "(dp_shard)")
-    whole = moecompile.full_state_dict(split)
-    for name, value in _experts(fsdp, rank, world).items():
-        _close(whole[name], value, "weights", f"{name} (dp_shard)")
-    layer = "model.layers.0.mlp.experts."
-    pieces = [p for n, p in split.named_parameters() if n.startswith(layer) and getattr(p, "_moe_sharded", False)]
-    assert len(pieces) == 2 and all(p.dtype == torch.float32 for p in pieces), [(p.shape, p.dtype) for p in pieces]
-    stats = moecompile.comm_stats()[layer.removesuffix(".experts.")]
-    sent = sum(v for k, v in stats.items() if k.startswith("domain_gather."))
-    bf16 = sum(p.numel() * world * 2 for p in pieces)  # a step's gathers: the whole weights, 2 bytes an element
-    assert stats["calls.domain_gather"] == 2 * len(batches) and sent == bf16 * len(batches), (sent, bf16, stats)
-    reduced = sum(v for k, v in stats.items() if k.startswith("domain_reduce."))  # (float32: twice the bytes)
-    assert reduced == 2 * bf16 * len(batches), (reduced, bf16, stats)
+    """Mixtral and the hand-written ``nn.ModuleList`` model with their experts' copies split over "dp_shard" (each
+    rank half of each weight): gathered in bf16, half the bytes of the float32 pieces (the ModuleList's were sent in
+    float32 and cast after: its code casts them itself, so the layer's compute dtype came from detection), their
+    gradients reduce-scattered in float32 to float32 master pieces; both steps as FSDP2 alone, at bf16's tolerance."""
+    for kind, layer, weights in (("mixtral", "model.layers.0.mlp", 2), ("loop", "blocks.0", 24)):
+        want, fsdp, _, _ = _trained(rank, world, kind, False, batches)
+        got, split, ran, backend = _trained(rank, world, kind, True, batches, split=True)
+        assert ran == {(torch.bfloat16, torch.bfloat16)} and len(backend.report.layers) == 2, ran
+        assert all(rec.spec.compute_dtype == "bfloat16" for rec in backend.report.layers), backend.report.layers
+        for what, g, w in zip(("first logits", "second logits"), got, want):
+            _close(g, w, what, f"({kind}, dp_shard)")
+        whole = moecompile.full_state_dict(split)
+        for name, value in fsdp.named_parameters():
+            if ".experts." in name:
+                _close(whole[name], value.full_tensor(), "weights", f"{name} (dp_shard)")
+        pieces = [p for n, p in split.named_parameters() if n.startswith(layer) and getattr(p, "_moe_sharded", False)]
+        assert len(pieces) == weights and all(p.dtype == torch.float32 for p in pieces), [p.shape for p in pieces]
+        stats = moecompile.comm_stats()[layer]
+        sent = sum(v for k, v in stats.items() if k.startswith("domain_gather."))
+        bf16 = sum(p.numel() * world * 2 for p in pieces)  # a step's gathers: the whole weights, 2 bytes an element
+        gathers = 2 if kind == "mixtral" else 3  # (a gather a role: gate_up and down, or w1, w3 and w2)
+        assert stats["calls.domain_gather"] == gathers * len(batches) and sent == bf16 * len(batches), (sent, bf16)
+        reduced = sum(v for k, v in stats.items() if k.startswith("domain_reduce."))  # (float32: twice the bytes)
+        assert reduced == 2 * bf16 * len(batches), (reduced, bf16, stats)
 
 
 def test_sharded_experts_compute_in_fsdp2s_param_dtype(tmp_path):
