@@ -125,12 +125,10 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
         sent = compute if compute.itemsize < held.itemsize else None  # (FSDP2's bf16, or the model's own cast)
         for role, w in weights.items():  # a "dp_shard" copy's pieces, gathered (moecompile/distributed/copies.py)
             view = copy_view(w)
-            if view is not None:  # (the cut dimension, the one the piece lacks, gathered as dim 0; backward
-                # reduce-scatters); a ModuleList's local pieces stacked, gathered as one and unbound
+            if view is not None:  # (the cut dimension gathered as dim 0; backward reduce-scatters); a
+                # ModuleList's local pieces stacked (their cut dimension one further), gathered as one and unbound
                 listed = isinstance(mine[role], list)
-                piece = example(local[role][0] if listed else local[role]).shape
-                whole = view_arg(view, "full_shape")
-                d = next(d for d in range(1 - listed, len(whole)) if piece[d] != whole[d]) + listed
+                d = view_arg(view, "copy_dim") + listed
                 stacked = torch.stack(mine[role]) if listed else mine[role]
                 gathered = torch.ops.moe.domain_gather(stacked.transpose(0, d), view_arg(view, "copy_group"), layer,
                                                        sent)

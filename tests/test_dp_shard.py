@@ -19,7 +19,9 @@ holds 2 spare rows, split too) trains as one process. Options not built beside "
 expert domains) and "dp_shard" before "dp_replicate" raise ValueError. save_hf_checkpoint's files load by
 load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
 computes the same gradients. A (2, 2) ("dp_shard", "tp") mesh splits the copies of a sequence-sharded (SSMB) group
-(moe_tp="ssmb"; the tp ranks hold the same batch), gathered again in backward, as one process. HSDP, a (2, 2, 1)
+(moe_tp="ssmb"; the tp ranks hold the same batch), gathered again in backward, as one process; a (2, 1, 2)
+("dp_shard", "ep", "tp") mesh splits TED's slices (moe_tp="ted": each expert's intermediate size cut over tp, each
+slice split over the copies along H), Mixtral and the ModuleList model, as one process. HSDP, a (2, 2, 1)
 ("dp_replicate", "dp_shard", "ep") mesh: each weight split over "dp_shard", each piece whole over "dp_replicate" (its
 gradient reduce-scattered, then averaged over it), trains as one process (reshard_after_forward too), its state_dict
 Replicate() over "dp_replicate", its checkpoint loading in one process; so does the ModuleList model."""
@@ -88,12 +90,13 @@ def _train(family, mesh, rank, world, tmp, tp=1, **options):
            "'dp_shard': its weights split over them")
     assert how in str(info), str(info)
     ep_rank, every = dist.get_rank(info.group), dict(ref.named_parameters())
+    ted = options.get("moe_tp") == "ted"  # (each expert's intermediate size cut over tp too: _ted_pieces)
     for name, p in model.named_parameters():
         if getattr(p, "_moe_sharded", False):  # its group's share of the experts (1 / ep), half of each
-            listed = name in info.module_list_experts  # (a ModuleList expert's weight: half of it)
-            assert p.numel() * 2 * (1 if listed else info.world) == every[name].numel(), (name, p.shape)
+            listed = name in info.module_list_experts  # (a ModuleList expert's weight: half of it, of its tp slice)
+            assert p.numel() * 2 * (tp if listed and ted else 1 if listed else info.world) == every[name].numel()
             spare = every[name].shape[0] != model.config.n_routed_experts if family == "longcat_flash" else False
-            assert spare or torch.equal(p, _piece(model, name, every[name], None if listed else ep_rank)), name
+            assert spare or ted or torch.equal(p, _piece(model, name, every[name], None if listed else ep_rank)), name
     auto = {"lowering": "auto"} if family == "mixtral" and not options else {}  # (forms timed: _gathers)
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True, **auto})
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
@@ -157,6 +160,49 @@ def _listed(model, ref, opt, tmp, rank) -> None:
     assert all(torch.equal(p, pieces[n]) for n, p in model.named_parameters())
     save(model, tmp, rank, "loop")
     optimizer_round_trip(model, opt, f"{tmp}/ckpt_loop_optim")
+
+
+def _ted(family, rank, world, tmp) -> None:
+    """Tensor-expert parallelism beside "dp_shard", a (2, 1, 2) ("dp_shard", "ep", "tp") mesh: each expert's
+    intermediate size cut over tp, and each rank's slice split over the copies along another dimension (H), gathered
+    again in backward; trains as one process (``_train``). The state_dict gives each weight whole along I and split
+    over "dp_shard" (stacked: Shard(d), Shard(0) over "ep", Replicate() over "tp"; a ModuleList expert's: Shard(d)
+    over the copies); full tensors and the state_dict load back into the same pieces; its checkpoint loads in one
+    process (the parent), the optimizer's on the ranks; ``save_hf_checkpoint``'s files load into the model built on
+    meta, each rank reading half of the experts' elements."""
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_shard", "ep", "tp"))
+    model, ref, opt = _train(family, mesh, rank, world, tmp, tp=2, moe_tp="ted", reshard_after_forward=True)
+    _gathers(model, reshard=True, weights=2 if family == "mixtral" else 3)
+    info = model._moe_parallel
+    assert all("cut over tp" in r.sharding and "whole on each copy" not in r.sharding for r in info.report.layers)
+    state, pieces = model.state_dict(), {n: p.detach().clone() for n, p in model.named_parameters()}
+    split = [n for n, p in model.named_parameters() if getattr(p, "_moe_sharded", False)]
+    for name in split:
+        module, _, attr = name.rpartition(".")
+        dim = cut_of(model.get_submodule(module), attr).dim
+        want = (Shard(dim),) if name in info.module_list_experts else (Shard(dim), Shard(0), Replicate())
+        assert state[name].placements == want and state[name].to_local().numel() * 2 == state[name].numel(), name
+    whole = {k: v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in state.items()}
+    for loaded in (whole, {k: v if isinstance(v, DTensor) else v.clone() for k, v in state.items()}):  # (full
+        # tensors; the DTensors; the dense weights copied, not the parameters zeroed below)
+        for p in model.parameters():
+            p.data.zero_()
+        model.load_state_dict(loaded)
+        assert all(torch.equal(p, pieces[n]) for n, p in model.named_parameters()), family
+    save(model, tmp, rank, f"ted_{family}")
+    optimizer_round_trip(model, opt, f"{tmp}/ckpt_ted_{family}_optim")
+    moecompile.save_hf_checkpoint(model, f"{tmp}/hf_ted_{family}")  # loaded into the model built on meta:
+    with torch.device("meta"):  # each rank allocating, and reading, only its pieces
+        fresh = TinyMoELM(family) if family == "loop" else AutoModelForCausalLM.from_config(tiny_config(family))
+    moecompile.parallelize(fresh.train(), mesh, torch.zeros(1, 4, dtype=torch.long), moe_tp="ted")
+    fresh.to_empty(device="cpu")
+    getattr(fresh, "init_weights", lambda: None)()  # (its buffers: the rotary frequencies)
+    with hf_checkpoint.reads() as reads:
+        assert moecompile.load_hf_checkpoint(fresh, f"{tmp}/hf_ted_{family}") == ([], [])
+    read = sum(sum(n) for key, n in reads.items() if ".experts." in key)
+    assert 2 * read == sum(p.numel() for n, p in ref.named_parameters() if ".experts." in n), read  # (half)
+    want, got = moecompile.full_state_dict(model), moecompile.full_state_dict(fresh)
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want), family
 
 
 def _listed_hf(mesh, tmp, rank) -> None:
@@ -254,6 +300,8 @@ def _world4(rank, world, tmp):
         model, *_ = _train("mixtral", tp, rank, world, tmp, tp=2, moe_tp="ssmb", reshard_after_forward=True)
         _gathers(model, reshard=True)
         assert all("sequence-sharded over tp" in r.sharding for r in model._moe_parallel.report.layers)
+        _ted("mixtral", rank, world, tmp)
+        _ted("loop", rank, world, tmp)
         hsdp = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "ep"))
         model, *_ = _train("mixtral", hsdp, rank, world, tmp, reshard_after_forward=True)
         _gathers(model, reshard=True)
@@ -271,4 +319,6 @@ def test_experts_split_over_dp_shard_train_as_one_process(tmp_path):
     loads_in_one_process(_build("mixtral"), tmp, "ckpt_mixtral", "saved_mixtral.pt")
     loads_in_one_process(_build("mixtral"), tmp, "ckpt_hsdp", "saved_hsdp.pt")
     loads_in_one_process(_build("loop"), tmp, "ckpt_loop", "saved_loop.pt")
+    for family in ("mixtral", "loop"):
+        loads_in_one_process(_build(family), tmp, f"ckpt_ted_{family}", f"saved_ted_{family}.pt")
     optimizer_loads_in_one_process(_build("mixtral"), tmp, LR)  # (every momentum exactly as the 4 ranks held it)

@@ -8,8 +8,8 @@ master weights stay float32, and ``explain()`` says the experts compute in bf16;
 compiled in place (torchtitan's way). Mixtral with a linear per expert (``experts_implementation="eager"``) and the
 hand-written ``nn.ModuleList`` of ``nn.Linear`` experts, whose code reads the expert weights in bf16 as under FSDP2
 alone (it stopped before: a bf16 input times a float32 shard), likewise at the first step. With the experts' copies
-split over a "dp_shard" mesh dimension (Mixtral and the ``nn.ModuleList`` model), the pieces are gathered in bf16
-(half the bytes) and their gradients reduce-scattered in float32; two steps as FSDP2 alone. Without a policy the experts stay in float32
+split over a "dp_shard" mesh dimension (Mixtral and the ``nn.ModuleList`` model), the pieces are gathered in
+bf16 (half the bytes) and their gradients reduce-scattered in float32; two steps as FSDP2 alone. Without a policy the experts stay in float32
 (``tests/test_data_parallel.py``, ``tests/test_meta_init.py``)."""
 
 import torch

@@ -48,9 +48,14 @@ def test_split_copies_priced_with_their_pieces_and_gathers():
     assert how_to_run(Plan(8, 1, 32, shard_copies=True, reshard=True), cluster)["options"] == {
         "reshard_after_forward": True}
     split = {p["moe_tp"] for p in plan(shape, cluster, 4096)["plans"] if p["shard_copies"]}
-    assert split == {"off", "ssmb"}, split  # (SSMB: the group's tp ranks split alike, tests/test_dp_shard.py; TED not)
+    assert split == {"off", "ssmb", "ted"}, split  # (SSMB: the group's tp ranks split alike; TED: each tp slice)
     assert how_to_run(Plan(8, 2, 16, "ssmb", shard_copies=True), cluster) == {
         "mesh_shape": [4, 4, 2], "mesh_dim_names": ["dp_shard", "local", "tp"], "options": {"moe_tp": "ssmb"}}
+    ted = [evaluate(shape, cluster, Plan(4, 2, 16, "ted", shard_copies=split), 4096, 1) for split in (False, True)]
+    te = shape.num_experts // 4 * shape.expert_params() * 2 // 2  # a rank's TED share: 1/4 of the experts, half of I
+    assert ted[0]["memory_GB"]["grads"] - ted[1]["memory_GB"]["grads"] == pytest.approx(L * te * (1 - 1 / R) / GB)
+    assert how_to_run(Plan(4, 2, 16, "ted", shard_copies=True), cluster) == {  # (dp / ep = 4 copies, tp innermost)
+        "mesh_shape": [4, 4, 2], "mesh_dim_names": ["dp_shard", "local", "tp"], "options": {"moe_tp": "ted"}}
 
 
 def test_hsdp_copies_split_inside_a_node_priced_and_laid_out():

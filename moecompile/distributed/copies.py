@@ -14,6 +14,10 @@ not kept from forward to backward (gathered again there), as FSDP2's default. Bo
 are (``grads.py``): the mean loss's gradient. Under FSDP2's bf16 ``param_dtype`` the pieces are sent cast to it
 (half the bytes), their gradients summed in the pieces' float32.
 
+Under tensor-expert parallelism (``ted.py``) the copy's shard is a tp slice of each expert (I cut over tp): it is
+split along another dimension (H), never I (a piece of a slice along I would not be one run of the whole weight),
+and its state_dict entry is whole along I (``ted.to_whole``), ``Shard`` of the cut dimension over ``"dp_shard"``.
+
 A weight none of whose dimensions after the experts' the copies divide (a fused gate/up bias: only 2I), or with one
 dimension (a per-expert scale), stays whole on each copy and is averaged as under ``"dp_replicate"``. The state_dict
 gives a cut weight (and its optimizer state) as the DTensor ``Shard(d)`` (its cut dimension) over ``"dp_shard"`` and
@@ -80,15 +84,18 @@ class Split:
         out.up_transposed = experts.up_transposed
         return out
 
-    def cut(self, module, attr: str, rows: torch.Tensor, role: str, listed: bool = False) -> torch.Tensor:
+    def cut(self, module, attr: str, rows: torch.Tensor, role: str, listed: bool = False, ted: int | None = None
+            ) -> torch.Tensor:
         """This rank's piece of ``rows`` (the copy's shard of ``module``'s weight ``attr`` of ``role``, noted as
         ``_moe_cuts``), cut along the first dimension after the experts' that the copies divide, but a fused
         gate/up weight's 2I (a checkpoint's gate and up weights are concatenated along it: a piece of each would
-        not be a piece of the whole); ``rows`` where none is (a 1-D weight, a fused bias). ``listed``: ``rows`` is
-        one ``nn.ModuleList`` expert's weight (no experts' dimension)."""
+        not be a piece of the whole) and ``ted``, the dimension tensor-expert parallelism cut over tp (a piece of
+        a tp slice along it would not be one run of the whole); ``rows`` where none is (a 1-D weight, a fused
+        bias, a bias along I under TED). ``listed``: ``rows`` is one ``nn.ModuleList`` expert's weight (no
+        experts' dimension)."""
         fused = (2 if self.up_transposed else 1) if role == "gate_up" else 1 if role == "gate_up_bias" else None
         fused = None if fused is None else fused - listed
-        dims = [d for d in range(1 - listed, rows.dim()) if d != fused and rows.shape[d] % self.parts == 0]
+        dims = [d for d in range(1 - listed, rows.dim()) if d not in (fused, ted) and rows.shape[d] % self.parts == 0]
         if not dims:
             return rows
         cut = Cut(dims[0], self.parts, self.index, rows.shape[dims[0]] // self.parts, self.group.group_name,
@@ -185,7 +192,8 @@ def listed_optimizer_state(model, state: dict, names: dict[str, str], mesh, to_g
     convert = listed_global if to_global else listed_local
     for name, module in model.named_modules():
         for attr, cut in getattr(module, "_moe_cuts", {}).items():
-            entry = state.get(names[f"{name}.{attr}" if name else attr], {}) if cut.listed else {}
+            ted = attr in getattr(module, "_moe_ted", {})  # (tensor-expert parallel: ted.py converts it)
+            entry = state.get(names[f"{name}.{attr}" if name else attr], {}) if cut.listed and not ted else {}
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and (value.shape == module._parameters[attr].shape or not to_global):
                     entry[key] = convert(value, cut, mesh)

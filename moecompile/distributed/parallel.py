@@ -91,8 +91,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     domains = domains_mod.check(expert_domains, *gathers, mesh, link_model, dedup=dedup != "off",
                                 swap_every=bool(swap_every), replication=replication != "off", moe_tp=tp is not None)
     domains = domains_mod.prepare(mesh, domains, *gathers)  # its Domains, None or "auto"
-    split = copies_mod.setup(mesh, reshard_after_forward, expert_domains=domains is not None, replication=replication
-                             != "off", moe_tp=moe_tp in ("ted", "auto") and tp is not None)  # ("dp_shard": copies.py)
+    split = copies_mod.setup(mesh, reshard_after_forward, expert_domains=domains is not None,
+                             replication=replication != "off")  # ("dp_shard": copies.py)
     check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     device = meta_mod.check(model, mesh, dedup, domains, replication)  # a model built on meta: its device (meta.py)
@@ -154,7 +154,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
         if slots is not None and isinstance(first, list) and list_prefix(first) is None:
             slots, rec.shard_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
         if rec.moe_tp == "ted":
-            held = ted.shard(model, rec, params, mesh, tp)
+            held = ted.shard(model, rec, params, mesh, tp, split and split.for_layer(rec.spec.experts))
         else:
             layer_domains = domains_mod.setup(mesh, rec.domain_sizes, *gathers) if domains == "auto" else domains
             held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, layer_domains, split)

@@ -27,7 +27,8 @@ from torch import nn
 
 from moecompile.runtime.layouts import contiguous_stride
 
-from .mesh import REPLICATE, TP, state_mesh
+from . import copies
+from .mesh import REPLICATE, SHARD, TP, state_mesh
 from .views import read_remote, read_through_view
 
 
@@ -94,8 +95,10 @@ def _mine(value: torch.Tensor, cut, I: int, tp) -> torch.Tensor:
     return value.index_select(dim, positions(kind, I, tp.tp, dist.get_rank(tp.tp_group)).to(value.device))
 
 
-def shard(model, rec, params: dict, mesh, tp) -> set[str]:
-    """Keep this rank's experts (over dp) and intermediate slice (over tp) of one layer; the names held."""
+def shard(model, rec, params: dict, mesh, tp, split=None) -> set[str]:
+    """Keep this rank's experts (over dp) and intermediate slice (over tp) of one layer; the names held. With
+    ``split`` (a ``"dp_shard"`` mesh: ``copies.py``) each slice is this rank's piece of its copy's, cut along a
+    dimension other than I (H: a piece of a slice along I would not be one run of the whole weight)."""
     e, layer = rec.spec.experts, rec.path
     d, E_l = dist.get_rank(tp.ep_group), e.num_experts // tp.ep
     mine = range(d * E_l, (d + 1) * E_l)
@@ -115,12 +118,17 @@ def shard(model, rec, params: dict, mesh, tp) -> set[str]:
                 read_remote(module, attr, like, i, name, group_name, layer, "off", extra)
                 continue
             rows = full.detach() if listed else full.detach()[d * E_l:(d + 1) * E_l]
-            local = nn.Parameter(_mine(rows, cut, e.intermediate, tp).clone(), full.requires_grad)
+            rows = _mine(rows, cut, e.intermediate, tp)
+            if split is not None:  # ("dp_shard": this rank's piece of the slice)
+                rows = split.cut(module, attr, rows, role, listed, ted=cut and cut[0])
+            local = nn.Parameter(rows.clone(), full.requires_grad)
             local._moe_sharded = True
             module._parameters[attr] = local
             read_through_view(module, {attr: 1 if listed else e.num_experts}, group_name, layer, "off",
                               extra=extra, full_shapes={attr: tuple(full.shape)})
-            _state_hooks(module, attr, cut, e.intermediate, tp, None if listed else (e.num_experts, state_mesh(mesh)))
+            piece = copies.cut_of(module, attr)
+            _state_hooks(module, attr, cut, e.intermediate, tp, None if listed else (e.num_experts, state_mesh(mesh)),
+                         None if piece is None else (piece, mesh))
             held.add(name)
     rec.sharding = (f"{E_l} of {e.num_experts} experts on each of {tp.ep} data-parallel ranks, each expert's "
                     f"intermediate size {e.intermediate} cut over tp ({tp.tp} ranks, {e.intermediate // tp.tp} "
@@ -128,14 +136,17 @@ def shard(model, rec, params: dict, mesh, tp) -> set[str]:
                     "(moe_tp='ted')")
     if rec.moe_tp_choice is not None:
         rec.sharding += f"; {rec.moe_tp_choice}"
+    if split is not None:
+        rec.sharding += "; " + split.describe(model, held, isinstance(next(iter(params.values())), list))
     return held
 
 
-def _state_hooks(module, attr, cut, I, tp, stacked) -> None:
-    """state_dict: the weight whole along I (a DTensor over the dp dimensions when ``stacked`` = (E, mesh));
-    load_state_dict: this rank's slice of a DTensor, a full tensor or this rank's whole-I experts. The module
-    keeps how (``_moe_ted``): its optimizer state converts the same way (``sharded_state``)."""
-    how = (cut, I, tp, stacked)
+def _state_hooks(module, attr, cut, I, tp, stacked, piece) -> None:
+    """state_dict: the weight whole along I (a DTensor over the dp dimensions when ``stacked`` = (E, mesh); with
+    ``piece`` = (its ``copies.Cut``, the mesh) over ``"dp_shard"`` too, never whole there); load_state_dict: this
+    rank's slice (and piece) of a DTensor, a full tensor or this rank's whole-I experts. The module keeps how
+    (``_moe_ted``): its optimizer state converts the same way (``sharded_state``)."""
+    how = (cut, I, tp, stacked, piece)
     module.__dict__.setdefault("_moe_ted", {})[attr] = how
 
     def save(mod, state_dict, prefix, local_metadata):
@@ -158,24 +169,27 @@ def parameters(model) -> dict[str, tuple]:
 
 def to_whole(local: torch.Tensor, how) -> torch.Tensor:
     """This rank's slice of a weight (or of its optimizer state) whole along I, for a checkpoint: a DTensor
-    ``Shard(0)`` over the dp dimensions and ``Replicate()`` over tp (and ``"dp_replicate"``) for a stacked weight
-    (every rank calls it)."""
-    cut, I, tp, stacked = how
+    ``Shard(0)`` over the dp dimensions and ``Replicate()`` over tp (and ``"dp_replicate"``) for a stacked weight,
+    a ``"dp_shard"`` piece's ``Shard`` of its cut dimension over ``"dp_shard"`` (a ModuleList expert's piece: the
+    DTensor over the copies, ``copies.listed_global``) (every rank calls it)."""
+    cut, I, tp, stacked, piece = how
     out = _gather_whole(local, cut, I, tp)
+    split, mesh = piece or (None, None)
     if stacked is None:
-        return out
+        return out if split is None else copies.listed_global(out, split, mesh)
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     E, mesh = stacked
-    placements = [Replicate() if name in (TP, REPLICATE) else Shard(0) for name in mesh.mesh_dim_names]
-    shape = (E, *out.shape[1:])
+    placements = [Shard(split.dim) if name == SHARD and split is not None else
+                  Replicate() if name in (TP, REPLICATE, SHARD) else Shard(0) for name in mesh.mesh_dim_names]
+    shape = copies.whole_shape((E, *out.shape[1:]), split)
     return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
 
 
 def to_slice(value, shape, how):
     """This rank's slice (of ``shape``) of a checkpoint's weight or optimizer state: a DTensor, a full tensor or
-    this rank's experts whole along I; anything else (a step count) as it is."""
-    cut, I, tp, stacked = how
+    this rank's experts whole along I (and its copy's whole); anything else (a step count) as it is."""
+    cut, I, tp, stacked, piece = how
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
@@ -185,6 +199,6 @@ def to_slice(value, shape, how):
     if stacked is not None and value.shape[0] == stacked[0] and value.shape[0] != shape[0]:
         d = dist.get_rank(tp.ep_group)
         value = value[d * shape[0]:(d + 1) * shape[0]]
-    if value.shape != shape:
+    if cut is not None and value.shape[cut[0]] != shape[cut[0]]:  # (whole along I: this tp rank's slice)
         value = _mine(value, cut, I, tp)
-    return value
+    return value if piece is None else copies.mine(value, piece[0])

@@ -67,7 +67,8 @@ def read_through_view(module: nn.Module, rows: dict[str, int], group_name: str, 
         if cut is not None:  # (an nn.ModuleList expert's piece: its whole weight's shape is given)
             shape = full_shapes[attr] if attr in (full_shapes or {}) else whole_shape(
                 (total, *module._parameters[attr].shape[1:]), cut)
-            full[attr] = {"full_shape": list(shape), "copy_group": cut.group, "reshard": cut.reshard}
+            full[attr] = {"full_shape": list(shape), "copy_group": cut.group, "reshard": cut.reshard,
+                          "copy_dim": cut.dim}
     owned = {attr: module._parameters[attr] for attr in rows}  # the shards made here, for taken_over()
 
     def view(attr):

@@ -8,10 +8,14 @@
 first; ``count``: workers of that level per worker of the level above; ``alpha_s`` (start-up
 seconds) and ``GBps`` (10^9 bytes per second a GPU sends over that level) may instead come from a calibration
 file (``python -m moecompile calibrate``'s JSON: a level's link is its kind of the same name).
+
+How groups of ranks lay out over the levels, innermost first: ``group_counts`` (an expert-parallel group's ranks
+per level), ``copy_counts`` (its copies'), ``tile``, ``stage_cluster`` (one pipeline stage's GPUs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -111,3 +115,40 @@ def load_json(source, what: str) -> dict:
 def _positive(v, what: str) -> None:
     if not isinstance(v, (int, float)) or not v > 0:
         raise ValueError(f"{what} must be a number > 0, got {v!r}")
+
+
+def group_counts(cluster: Cluster, size: int, stride: int = 1) -> list[int] | None:
+    """A group of ``size`` ranks taken innermost first, every ``stride``-th rank of the innermost level: its size
+    per level (outermost first); None where it does not tile the levels."""
+    counts = list(cluster.counts)
+    counts[-1] //= stride
+    return tile(counts, size)
+
+
+def copy_counts(cluster: Cluster, group: list[int], stride: int = 1) -> list[int]:
+    """The copies of an expert-parallel group of ``group`` ranks per level (``group_counts``'s, every ``stride``-th
+    rank of the innermost level: TED's, one tp index) per level of ``cluster``."""
+    return [c // g // (stride if j == len(group) - 1 else 1) for j, (c, g) in enumerate(zip(cluster.counts, group))]
+
+
+def tile(counts: list[int], size: int) -> list[int] | None:
+    """A group of ``size`` ranks taken innermost first over levels of ``counts`` ranks: its size per level; None
+    where it does not tile them."""
+    out, left = [1] * len(counts), size
+    for j in reversed(range(len(counts))):
+        take = math.gcd(left, counts[j])
+        if take < min(left, counts[j]):
+            return None
+        out[j], left = take, left // take
+        if left == 1:
+            break
+    return out if left == 1 else None
+
+
+def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
+    """The GPUs of one of ``pp`` pipeline stages: the outermost level's count divided by ``pp`` (None where it does
+    not divide)."""
+    if cluster.counts[0] % pp:
+        return None
+    return dataclasses.replace(cluster, levels=(dataclasses.replace(cluster.levels[0], count=cluster.counts[0] // pp),
+                                                *cluster.levels[1:]))

@@ -15,10 +15,10 @@ Per MoE layer and micro-batch (forward; backward counts twice the compute and on
                         after forward and gathered again in backward (``reshard``: two layers' copies at most, and
                         one more gather a layer, started ahead as in forward: less the pre-expert part's backward,
                         twice its forward compute, that it overlaps); split copies (``shard_copies``, a
-                        ``"dp_shard"`` dimension): the group's experts gathered from the R = N / ep copies' ranks
-                        (HSDP, ``shard_over``: from the innermost R of them), (R - 1) / R of them over the slowest
-                        level those span, less the pre-expert compute, kept or gathered again likewise; their
-                        gradients reduce-scattered back in each backward
+                        ``"dp_shard"`` dimension): the group's experts gathered from the R = N / ep (TED: dp /
+                        ep) copies' ranks (HSDP, ``shard_over``: from the innermost R of them), (R - 1) / R of them
+                        over the slowest level those span, less the pre-expert compute, kept or gathered again
+                        likewise; their gradients reduce-scattered back in each backward
 The step: every layer's forward and backward, the language-model head, and the gradient all-reduce (a ring: 2 (n - 1) /
 n of the bytes over the slowest level the replicas span; split copies' experts: none, reduce-scattered already, or under
 HSDP their pieces over the copies holding the same). Memory: bf16 weights and gradients (split copies' experts: 1 / R,
@@ -41,7 +41,7 @@ from moecompile.runtime.comm import expected, hybrid, stream
 from moecompile.runtime.comm.cost_model import LinkModel, price
 from moecompile.runtime.comm.levels import kind
 
-from .cluster import Cluster
+from .cluster import Cluster, copy_counts, group_counts, stage_cluster, tile  # (the groups over the levels)
 from .shapes import MoEShape
 
 ELEM, ADAM_BYTES = 2, 12  # bf16; Adam's fp32 master, m and v
@@ -58,7 +58,7 @@ class Plan:
     slots_per_rank: int = 0
     reshard: bool = False  # expert domains, split copies: the gathered weights freed after forward, gathered again
     pp: int = 1  # pipeline stages over the outermost level (ep, tp, dp: inside one stage's GPUs)
-    shard_copies: bool = False  # the N / ep copies of the group each split over its copies' ranks ("dp_shard")
+    shard_copies: bool = False  # the copies of the group (N / ep; TED: dp / ep) split over their ranks ("dp_shard")
     shard_over: int = 0  # with shard_copies: split over that many copies' ranks only, the innermost, whole over the
     # rest (HSDP: ("dp_replicate", "dp_shard", ...)); 0: over every copy
     zero1: bool = False  # the copies kept whole step their experts under moecompile.expert_zero_optimizer (ZeRO-1)
@@ -67,35 +67,13 @@ class Plan:
         return (self.dp if self.moe_tp == "ted" else gpus) // self.ep
 
     def split(self, gpus: int) -> int:  # over how many ranks each weight of the group's experts is split (1: whole)
-        return (self.shard_over or gpus // self.ep) if self.shard_copies else 1
+        return (self.shard_over or self.copies(gpus)) if self.shard_copies else 1
 
     def as_dict(self) -> dict:
         return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
                 "expert_domains": dict(self.expert_domains) if self.expert_domains else None, "zero1": self.zero1,
                 "reshard_after_forward": self.reshard, "shard_copies": self.shard_copies, "shard_over": self.shard_over,
                 "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None}
-
-
-def group_counts(cluster: Cluster, size: int, stride: int = 1) -> list[int] | None:
-    """A group of ``size`` ranks taken innermost first, every ``stride``-th rank of the innermost level: its size
-    per level (outermost first); None where it does not tile the levels."""
-    counts = list(cluster.counts)
-    counts[-1] //= stride
-    return tile(counts, size)
-
-
-def tile(counts: list[int], size: int) -> list[int] | None:
-    """A group of ``size`` ranks taken innermost first over levels of ``counts`` ranks: its size per level; None
-    where it does not tile them."""
-    out, left = [1] * len(counts), size
-    for j in reversed(range(len(counts))):
-        take = math.gcd(left, counts[j])
-        if take < min(left, counts[j]):
-            return None
-        out[j], left = take, left // take
-        if left == 1:
-            break
-    return out if left == 1 else None
 
 
 def moe_layer_activations(shape: MoEShape, tokens: float, tp_rows: int = 1, tp_inter: int = 1,
@@ -107,15 +85,6 @@ def moe_layer_activations(shape: MoEShape, tokens: float, tp_rows: int = 1, tp_i
     rows = tokens * shape.top_k * (capacity or 1.0) / tp_rows
     inter = shape.intermediate / tp_inter
     return rows * ELEM * (2 * shape.hidden + (shape.mats - 1) * inter + inter)
-
-
-def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
-    """The GPUs of one of ``pp`` pipeline stages: the outermost level's count divided by ``pp`` (None where it does
-    not divide)."""
-    if cluster.counts[0] % pp:
-        return None
-    return dataclasses.replace(cluster, levels=(dataclasses.replace(cluster.levels[0], count=cluster.counts[0] // pp),
-                                                *cluster.levels[1:]))
 
 
 def stage_shape(shape: MoEShape, pp: int) -> MoEShape:
@@ -204,9 +173,9 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     if plan.shard_copies:  # "dp_shard": the layer's experts gathered from the copies' ranks (their gradients
         # reduce-scattered back in backward), started ahead as expert domains' are, less the pre-expert compute
         split = plan.split(N)  # (HSDP: the innermost copies', inside the levels the group leaves)
-        counts = tile([c // e for c, e in zip(cluster.counts, ep_counts)], split)  # (None: they do not tile the levels)
+        counts = tile(copy_counts(cluster, ep_counts, plan.tp if ted else 1), split)  # (None: they do not tile)
         if counts is None:
-            return {"invalid": f"copies split over {split} of their {N // plan.ep} ranks do not tile the levels"}
+            return {"invalid": f"copies split over {split} of their {plan.copies(N)} ranks do not tile the levels"}
         slow = min((j for j, c in enumerate(counts) if c > 1), key=lambda j: levels[j].GBps, default=len(levels) - 1)
         piece = [0.0] * len(levels)
         piece[slow] = (split - 1) / split * expert_bytes

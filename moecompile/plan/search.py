@@ -20,7 +20,7 @@ import math
 from moecompile.runtime.comm import expected
 
 from .cluster import Cluster
-from .cost import Plan, evaluate, group_counts, stage_cluster, tile, xmoe_rule
+from .cost import Plan, copy_counts, evaluate, group_counts, stage_cluster, tile, xmoe_rule
 from .run import how_to_run
 from .shapes import MoEShape
 
@@ -51,16 +51,17 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                 if counts is None:
                     continue
                 out.append(Plan(ep, tp, dp, moe_tp))
-                if moe_tp == "ted":
-                    continue
-                if N > ep and (tp == 1 or moe_tp == "ssmb"):  # the copies split ("dp_shard"; over some, HSDP), their
-                    # gathers kept or made again (tp's ranks inside the group under SSMB; TED's are not split)
-                    copies = [c // e for c, e in zip(cluster.counts, counts)]
-                    for split in (d for d in range(2, N // ep + 1) if (N // ep) % d == 0):
-                        over = 0 if split == N // ep else split
-                        if tile(copies, split) is not None:
+                copies = limit // ep  # (TED's group: one tp index)
+                if copies > 1 and (tp == 1 or moe_tp != "off"):  # the copies split ("dp_shard"; over some, HSDP),
+                    # their gathers kept or made again (tp's ranks inside the group under SSMB; TED: each tp slice)
+                    per_level = copy_counts(cluster, counts, tp if moe_tp == "ted" else 1)
+                    for split in (d for d in range(2, copies + 1) if copies % d == 0):
+                        over = 0 if split == copies else split
+                        if tile(per_level, split) is not None:
                             out += [Plan(ep, tp, dp, moe_tp, shard_copies=True, shard_over=over, reshard=r)
                                     for r in (False, True)]
+                if moe_tp == "ted":
+                    continue
                 for j, name in enumerate(names[:-1]):
                     if counts[j] > 1 and math.prod(counts[j + 1:]) > 1:
                         out.append(Plan(ep, tp, dp, moe_tp, dedup=name))

@@ -52,7 +52,8 @@ def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str,
                    slots: Tensor | None = None, replicas: Tensor | None = None, capacity_factor: float = 0.0,
                    moe_tp: str = "off", tp_group: str = "", full_shape: list[int] | None = None,
                    domain_group: str = "", domain_slots: Tensor | None = None, compress: float = 0.0,
-                   compress_group: str = "", reshard: bool = False, copy_group: str = "") -> Tensor:
+                   compress_group: str = "", reshard: bool = False, copy_group: str = "", copy_dim: int = 0
+                   ) -> Tensor:
     raise RuntimeError(
         f"the experts of MoE layer {layer!r} are sharded over ranks by moecompile.parallelize and only run in a "
         "graph the moe backend rewrote: compile the model with torch.compile(model, backend='moe') (see "
@@ -62,7 +63,8 @@ def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str,
 @register_fake("moe::ep_global_view")
 def _ep_global_view_fake(local, num_experts, group_name, layer, dedup="off", slots=None, replicas=None,
                          capacity_factor=0.0, moe_tp="off", tp_group="", full_shape=None, domain_group="",
-                         domain_slots=None, compress=0.0, compress_group="", reshard=False, copy_group=""):
+                         domain_slots=None, compress=0.0, compress_group="", reshard=False, copy_group="",
+                         copy_dim=0):
     return local.new_empty(full_shape if full_shape is not None else (num_experts, *local.shape[1:]))
 
 

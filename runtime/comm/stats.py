@@ -45,9 +45,10 @@ class CommCounter:
         """The kind of link between two global ranks."""
         if peer == me:
             return "self"
-        if me in self._coords and peer in self._coords:
-            return level_link(self._coords[me], self._coords[peer], self._levels)
-        return "peer"
+        kind = level_link(self._coords[me], self._coords[peer], self._levels) if me in self._coords and \
+            peer in self._coords else "peer"
+        return "peer" if kind == "self" else kind  # (ranks differing only outside the expert-parallel group share
+        # its coordinates: copies of its experts, a "dp_shard" gather's peers)
 
     def add_rows(self, layer: str, phase: str, group, rows_per_rank: list[int], row_bytes: int) -> None:
         """``rows_per_rank[r]`` rows of ``row_bytes`` each sent by this rank to rank r of ``group``."""
