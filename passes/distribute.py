@@ -146,7 +146,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
             for gathered in mine.values():
                 gathered.node.meta["moe_reshard"] = reshard
             if listed and reshard:  # the ModuleList's copies unbound and stacked again: not kept either
-                again = {p.node for p in mine.values()}
+                again |= {p.node for p in mine.values()}
             mine = {r: [p[i] for i in range(local_experts)] if r in listed else p for r, p in mine.items()}
         tensors = expert_tensors(local_spec, mine)
         if again:

@@ -338,16 +338,16 @@ def weight_chain(w, limit: int = 16) -> set[fx.Node] | None:
 
 def recompute_between(sources: set[fx.Node], outputs: list[fx.Node]) -> None:
     """Mark every node on a path from ``sources`` (not themselves) to ``outputs`` for AOT autograd's partitioner to
-    compute again in backward, as ``distribute`` marks a gather of ``reshard_after_forward``."""
+    compute again in backward, as ``distribute`` marks a gather of ``reshard_after_forward``; also between two
+    sources (a ``"dp_shard"`` copy's gather, then an expert domain's gather of what it gathered)."""
     reaches: dict[fx.Node, bool] = {}
 
     def visit(n: fx.Node) -> bool:
-        if n in sources:
-            return True
         if n not in reaches:
             reaches[n] = False  # (a DAG: no cycle reaches it again)
-            reaches[n] = any([visit(a) for a in n.all_input_nodes])  # (a list: every input visited)
-            if reaches[n]:
+            upstream = any([visit(a) for a in n.all_input_nodes])  # (a list: every input visited)
+            reaches[n] = upstream or n in sources
+            if upstream and n not in sources:
                 n.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
         return reaches[n]
 

@@ -15,8 +15,9 @@ DTensor Shard(0) over the copies (under its expert's name: a round trip keeps th
 process exactly, the optimizer's back on the ranks); built on meta it allocates only its pieces, trains two steps
 as one process and its checkpoint loads into another model built on meta; load_hf_checkpoint reads only each rank's
 half of its experts, and save_hf_checkpoint's files load again. LongCat-Flash (identity experts: its fused gate_up
-holds 2 spare rows, split too) trains as one process. Options not built beside "dp_shard" (replication,
-expert domains) and "dp_shard" before "dp_replicate" raise ValueError. save_hf_checkpoint's files load by
+holds 2 spare rows, split too) trains as one process; so do both with expert domains over "ep" (each copy's
+pieces gathered, then the domain's experts; both again in backward). Replication beside "dp_shard" and "dp_shard"
+before "dp_replicate" raise ValueError. save_hf_checkpoint's files load by
 load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
 computes the same gradients. A (2, 2) ("dp_shard", "tp") mesh splits the copies of a sequence-sharded (SSMB) group
 (moe_tp="ssmb"; the tp ranks hold the same batch), gathered again in backward, as one process; a (2, 1, 2)
@@ -131,7 +132,8 @@ def _gathers(model, reshard: bool, weights: int = 2) -> None:
     (counted as domain gathers: the same collective), its gradient reduce-scattered once a backward; none while the
     compile times the layer's forms (each rank with a cache of its own, empty: the timing runs, as often as each
     rank's time budget allows; it ran the gathers until 2026-12-06, ranks pairing one's extra gathers with
-    another's next). ``weights``: the layer's (Mixtral's gate_up_proj and down_proj)."""
+    another's next). ``weights``: the layer's gathers (Mixtral's gate_up_proj and down_proj; with expert domains
+    twice: each gathered over the copies, then over the domain; a ModuleList's 3 roles)."""
     assert all("split over 2 ranks" in r.sharding and ("again in backward" in r.sharding) == reshard
                for r in model._moe_parallel.report.layers), str(model._moe_parallel)
     for layer, stats in moecompile.comm_stats().items():
@@ -259,8 +261,8 @@ def _refused():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
     with pytest.raises(ValueError, match="replication beside a 'dp_shard' mesh dimension .* is not built yet"):
         moecompile.parallelize(tiny_model("mixtral"), mesh, ids, replication="static", slots_per_rank=5)
-    with pytest.raises(ValueError, match="expert_domains beside a 'dp_shard'"):
-        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, expert_domains={"ep": 2})
+    with pytest.raises(ValueError, match="compress beside a 'dp_shard'"):  # (expert domains' compressed gathers)
+        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, expert_domains={"ep": 2}, compress=0.5)
     after = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_shard", "dp_replicate", "ep"))
     with pytest.raises(ValueError, match="'dp_replicate' must come first .*'dp_shard' right after 'dp_replicate'"):
         moecompile.parallelize(tiny_model("mixtral"), after, ids)
@@ -300,6 +302,10 @@ def _world4(rank, world, tmp):
         model, *_ = _train("mixtral", tp, rank, world, tmp, tp=2, moe_tp="ssmb", reshard_after_forward=True)
         _gathers(model, reshard=True)
         assert all("sequence-sharded over tp" in r.sharding for r in model._moe_parallel.report.layers)
+        for family, roles in (("mixtral", 2), ("loop", 3)):  # expert domains of each copy's group: the pieces
+            # gathered over the copies, then the domain's experts over "ep"; both gathered again in backward
+            model, *_ = _train(family, mesh, rank, world, tmp, expert_domains={"ep": 2}, reshard_after_forward=True)
+            _gathers(model, reshard=True, weights=2 * roles)
         _ted("mixtral", rank, world, tmp)
         _ted("loop", rank, world, tmp)
         hsdp = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "ep"))

@@ -17,6 +17,8 @@ are (``grads.py``): the mean loss's gradient. Under FSDP2's bf16 ``param_dtype``
 Under tensor-expert parallelism (``ted.py``) the copy's shard is a tp slice of each expert (I cut over tp): it is
 split along another dimension (H), never I (a piece of a slice along I would not be one run of the whole weight),
 and its state_dict entry is whole along I (``ted.to_whole``), ``Shard`` of the cut dimension over ``"dp_shard"``.
+Beside expert domains (``domains.py``) a layer gathers its pieces over the copies first, then the domain's experts
+from those (both again in backward with ``reshard_after_forward=True``); their compressed gathers are refused.
 
 A weight none of whose dimensions after the experts' the copies divide (a fused gate/up bias: only 2I), or with one
 dimension (a per-expert scale), stays whole on each copy and is averaged as under ``"dp_replicate"``. The state_dict

@@ -91,8 +91,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     domains = domains_mod.check(expert_domains, *gathers, mesh, link_model, dedup=dedup != "off",
                                 swap_every=bool(swap_every), replication=replication != "off", moe_tp=tp is not None)
     domains = domains_mod.prepare(mesh, domains, *gathers)  # its Domains, None or "auto"
-    split = copies_mod.setup(mesh, reshard_after_forward, expert_domains=domains is not None,
-                             replication=replication != "off")  # ("dp_shard": copies.py)
+    split = copies_mod.setup(mesh, reshard_after_forward, replication=replication != "off",  # ("dp_shard": copies.py)
+                             compress=bool(compress))
     check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     device = meta_mod.check(model, mesh, dedup, domains, replication)  # a model built on meta: its device (meta.py)
