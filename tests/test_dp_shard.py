@@ -16,8 +16,8 @@ process exactly, the optimizer's back on the ranks); built on meta it allocates 
 as one process and its checkpoint loads into another model built on meta; load_hf_checkpoint reads only each rank's
 half of its experts, and save_hf_checkpoint's files load again. LongCat-Flash (identity experts: its fused gate_up
 holds 2 spare rows, split too) trains as one process; so do both with expert domains over "ep" (each copy's
-pieces gathered, then the domain's experts; both again in backward). Replication beside "dp_shard" and "dp_shard"
-before "dp_replicate" raise ValueError. save_hf_checkpoint's files load by
+pieces gathered, then the domain's experts; both again in backward). Replication or the domains' compress= beside
+"dp_shard", and "dp_shard" before "dp_replicate", raise ValueError. save_hf_checkpoint's files load by
 load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
 computes the same gradients. A (2, 2) ("dp_shard", "tp") mesh splits the copies of a sequence-sharded (SSMB) group
 (moe_tp="ssmb"; the tp ranks hold the same batch), gathered again in backward, as one process; a (2, 1, 2)
@@ -91,7 +91,8 @@ def _train(family, mesh, rank, world, tmp, tp=1, **options):
            "'dp_shard': its weights split over them")
     assert how in str(info), str(info)
     ep_rank, every = dist.get_rank(info.group), dict(ref.named_parameters())
-    ted = options.get("moe_tp") == "ted"  # (each expert's intermediate size cut over tp too: _ted_pieces)
+    ted = options.get("moe_tp") == "ted"  # (each expert's intermediate size cut over tp too: the values checked
+    # whole by full_state_dict below)
     for name, p in model.named_parameters():
         if getattr(p, "_moe_sharded", False):  # its group's share of the experts (1 / ep), half of each
             listed = name in info.module_list_experts  # (a ModuleList expert's weight: half of it, of its tp slice)

@@ -16,7 +16,10 @@ is not cut.
 
 The state_dict gives each weight whole along I (gathered over tp): a stacked one as the DTensor of its experts,
 ``Shard(0)`` over the dp dimensions and ``Replicate()`` over tp; a ModuleList layer's local experts as full
-tensors. Loading takes a DTensor, a full tensor, or this rank's experts, and keeps this rank's slice.
+tensors. Loading takes a DTensor, a full tensor, or this rank's experts, and keeps this rank's slice. Beside a
+``"dp_shard"`` mesh dimension (``copies.py``) each slice is split again over the copies along another dimension
+than I, and its entry is ``Shard`` of that dimension over ``"dp_shard"`` (a ModuleList expert's: the DTensor over the
+copies), never whole there.
 """
 
 from __future__ import annotations
