@@ -211,7 +211,8 @@ def _ted(family, rank, world, tmp) -> None:
 def _listed_hf(mesh, tmp, rank) -> None:
     """A safetensors checkpoint of the ModuleList model loads by ``load_hf_checkpoint`` into one built on meta and
     split over the copies, each rank reading only its half of each of its experts' weights (the DTensor over the
-    copies: transformers' shard-on-read); ``save_hf_checkpoint``'s files of it load again: the same weights."""
+    copies: transformers' shard-on-read); ``save_hf_checkpoint`` sends each expert's weights to the writer once (not
+    once from each copy's rank), and its files load again: the same weights."""
     ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
     ref, path = hf_reference("loop", tmp, rank)
     model = hf_built("loop", mesh, ids)
@@ -223,7 +224,15 @@ def _listed_hf(mesh, tmp, rank) -> None:
     assert mine == set(range(4 * (rank % 2), 4 * (rank % 2) + 4)), sorted(experts)  # its group's 4 experts only
     assert all(n == [every[k].numel() // 2] for k, n in experts.items()), experts  # each its half
     hf_equal(model, ref, "loop split over dp_shard")
-    moecompile.save_hf_checkpoint(model, f"{tmp}/loop_split_saved")
+    sent, gather_object = [], dist.gather_object  # (each expert's weights sent to the writer: how many)
+    dist.gather_object = lambda obj, *args, **kwargs: (sent.append(len(obj)), gather_object(obj, *args, **kwargs))[1]
+    try:
+        moecompile.save_hf_checkpoint(model, f"{tmp}/loop_split_saved")
+    finally:
+        dist.gather_object = gather_object
+    total = torch.tensor(sum(sent))
+    dist.all_reduce(total)  # each expert's weights whole on one rank of its copies, sent by it alone (by both before)
+    assert total == len(model._moe_parallel.module_list_experts), (total, sent)
     other = hf_built("loop", mesh, ids)
     moecompile.load_hf_checkpoint(other, f"{tmp}/loop_split_saved")
     hf_equal(other, ref, "loop split over dp_shard, saved and loaded again")

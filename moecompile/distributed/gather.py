@@ -9,6 +9,12 @@ import torch
 import torch.distributed as dist
 
 
+def first_rank(value) -> int | None:
+    """The first global rank of a DTensor's mesh (an ``nn.ModuleList`` expert split over its copies: whole there
+    alone), None for a plain tensor (this rank's own)."""
+    return int(value.device_mesh.mesh.min()) if hasattr(value, "device_mesh") else None
+
+
 def whole_on(value, dst: int | None):
     """``value`` (a state_dict entry: a DTensor or a plain tensor) whole, as a CPU tensor, on global rank ``dst``,
     None on the other ranks (every rank of the DTensor's mesh calls it together); ``dst=None``: on every rank (an

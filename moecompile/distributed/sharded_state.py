@@ -16,7 +16,7 @@ import torch.distributed as dist
 from moecompile.runtime.layouts import contiguous_stride
 
 from . import copies, ted, zero
-from .gather import whole_on
+from .gather import first_rank, whole_on
 from .mesh import stage_group, state_mesh
 
 SLOTS = "moe_expert_slots"  # the buffer holding a swapping layer's placement (expert -> slot)
@@ -333,8 +333,7 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     transformers' ``save_pretrained(path, state_dict=...)`` or ``torch.save``, where the model fits in host memory
     (else ``moecompile.save_hf_checkpoint``, a layer at a time, or ``torch.distributed.checkpoint``). Stacked, flat
     and tensor-parallel weights are DTensors in ``state_dict()``: each is gathered whole; an ``nn.ModuleList``
-    layer's experts are each in their own rank's: they are sent to every rank (an ``all_gather_object`` per decoder
-    layer: ``whole_groups``). Under pipeline stages (``"pp"``): the stage module's, on the stage's ranks."""
+    layer's experts are sent to every rank (``whole_groups``). Under pipeline stages: the stage module's."""
     return {name: value for _, weights in whole_groups(model) for name, value in weights.items()}
 
 
@@ -342,8 +341,8 @@ def whole_groups(model, writers: list[int] | None = None):
     """``full_state_dict``'s weights a group at a time, for a writer that holds one group, not the model: (the
     group's name, {name: whole CPU tensor}): each weight outside the decoder layers alone, then each decoder layer's
     (``<...>.layers.<i>.``, its own ``state_dict()`` taken in its turn: a swapping layer's experts put in expert order
-    one layer at a time), then the experts of ``nn.ModuleList`` layers outside decoder layers (rank by rank different:
-    one group, last); every rank iterates them together (the gathers are collectives). ``writers`` (global ranks):
+    one layer at a time), then the experts of ``nn.ModuleList`` layers outside decoder layers (one group, last);
+    every rank iterates them together (the gathers are collectives). ``writers`` (global ranks):
     the i-th group is sent to ``writers[i % len(writers)]`` alone (``gather.whole_on``: no device holds more than its
     shards and one shard more), the others get None for it; None: every rank gets every group."""
     model = unwrapped(model)  # (a compiled model's state_dict names its weights "_orig_mod.<name>")
@@ -360,11 +359,12 @@ def whole_groups(model, writers: list[int] | None = None):
     me = dist.get_rank() if dist.is_initialized() else 0
     for i, (prefix, take) in enumerate(groups):
         dst, state = writers[i % len(writers)] if writers else None, take()
-        out = {name: whole_on(value, None if name in listed else dst) for name, value in state.items()}
+        out = {name: whole_on(value, first_rank(value) if name in listed else dst) for name, value in state.items()}
         del state  # (a swapping layer's experts in expert order: dropped before the next layer's are made)
         if listed:  # an nn.ModuleList layer's experts, each in its own rank's: sent to every rank, or to dst
             group = stage_group(info.mesh)  # the world (a "dp_replicate" copy sends the same ones again), the stage
-            mine, every = {name: out[name] for name in out if name in listed}, [None] * dist.get_world_size(group)
+            mine = {name: v for name, v in out.items() if name in listed and v is not None}  # (split over copies:
+            every = [None] * dist.get_world_size(group)  # whole on their first rank only, sent by it alone)
             if dst is None:
                 dist.all_gather_object(every, mine, group=group)
             else:
