@@ -153,11 +153,12 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             first[0] if isinstance(first, list) else first).device) if swap_every and world > 1 else None
         if slots is not None and isinstance(first, list) and list_prefix(first) is None:
             slots, rec.shard_note = None, "its experts' weights are not named <list>.<i>.<weight>: not swapped"
+        layer_split = split and split.for_layer(rec.spec.experts)  # ("dp_shard": where its fused weight holds 2I)
         if rec.moe_tp == "ted":
-            held = ted.shard(model, rec, params, mesh, tp, split and split.for_layer(rec.spec.experts))
+            held = ted.shard(model, rec, params, mesh, tp, layer_split)
         else:
             layer_domains = domains_mod.setup(mesh, rec.domain_sizes, *gathers) if domains == "auto" else domains
-            held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, layer_domains, split)
+            held = _shard_layer(model, rec, params, mesh, group, rank, world, slots, tp, layer_domains, layer_split)
             if domains == "auto":
                 rec.sharding += "; " + rec.domain_reason
         divisors.update(dict.fromkeys(held, _divisor(tp, rec.moe_tp, world, copies)))
@@ -275,7 +276,6 @@ def _shard_layer(model, rec, params: dict, mesh, group, rank: int, world: int, s
     views = moe_tp_mod.view_args(rec.moe_tp, tp)  # the views' moe_tp and tp_group
     local_E = E // world
     mine = range(rank * local_E, (rank + 1) * local_E)
-    split = split and split.for_layer(rec.spec.experts)
     if isinstance(next(iter(params.values())), list):
         held = _shard_module_list(model, params, mine, group, rec.path, dedup, slots, views, domains, E, split)
     else:

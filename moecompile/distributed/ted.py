@@ -31,7 +31,7 @@ from torch import nn
 from moecompile.runtime.layouts import contiguous_stride
 
 from . import copies
-from .mesh import REPLICATE, SHARD, TP, state_mesh
+from .mesh import TP, state_mesh
 from .views import read_remote, read_through_view
 
 
@@ -180,11 +180,11 @@ def to_whole(local: torch.Tensor, how) -> torch.Tensor:
     split, mesh = piece or (None, None)
     if stacked is None:
         return out if split is None else copies.listed_global(out, split, mesh)
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
-    E, mesh = stacked
-    placements = [Shard(split.dim) if name == SHARD and split is not None else
-                  Replicate() if name in (TP, REPLICATE, SHARD) else Shard(0) for name in mesh.mesh_dim_names]
+    E, mesh = stacked  # (a copy's placements, whole along I: replicated over tp)
+    placements = [Replicate() if name == TP else p
+                  for name, p in zip(mesh.mesh_dim_names, copies.placements(mesh, split))]
     shape = copies.whole_shape((E, *out.shape[1:]), split)
     return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
 

@@ -51,7 +51,7 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                 if counts is None:
                     continue
                 out.append(Plan(ep, tp, dp, moe_tp))
-                copies = limit // ep  # (TED's group: one tp index)
+                copies = out[-1].copies(N)  # (TED's group: one tp index)
                 if copies > 1 and (tp == 1 or moe_tp != "off"):  # the copies split ("dp_shard"; over some, HSDP),
                     # their gathers kept or made again (tp's ranks inside the group under SSMB; TED: each tp slice)
                     per_level = copy_counts(cluster, counts, tp if moe_tp == "ted" else 1)
