@@ -186,12 +186,18 @@ def _ted(family, rank, world, tmp) -> None:
         want = (Shard(dim),) if name in info.module_list_experts else (Shard(dim), Shard(0), Replicate())
         assert state[name].placements == want and state[name].to_local().numel() * 2 == state[name].numel(), name
     whole = {k: v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in state.items()}
+    gathered, full_tensor = [], DTensor.full_tensor  # (the state_dict's own DTensors load without a gather)
     for loaded in (whole, {k: v if isinstance(v, DTensor) else v.clone() for k, v in state.items()}):  # (full
         # tensors; the DTensors; the dense weights copied, not the parameters zeroed below)
         for p in model.parameters():
             p.data.zero_()
-        model.load_state_dict(loaded)
+        DTensor.full_tensor = lambda self, *a, **k: (gathered.append(self.shape), full_tensor(self, *a, **k))[1]
+        try:
+            model.load_state_dict(loaded)
+        finally:
+            DTensor.full_tensor = full_tensor
         assert all(torch.equal(p, pieces[n]) for n, p in model.named_parameters()), family
+    assert not gathered, gathered
     save(model, tmp, rank, f"ted_{family}")
     optimizer_round_trip(model, opt, f"{tmp}/ckpt_ted_{family}_optim")
     moecompile.save_hf_checkpoint(model, f"{tmp}/hf_ted_{family}")  # loaded into the model built on meta:

@@ -16,10 +16,10 @@ is not cut.
 
 The state_dict gives each weight whole along I (gathered over tp): a stacked one as the DTensor of its experts,
 ``Shard(0)`` over the dp dimensions and ``Replicate()`` over tp; a ModuleList layer's local experts as full
-tensors. Loading takes a DTensor, a full tensor, or this rank's experts, and keeps this rank's slice. Beside a
-``"dp_shard"`` mesh dimension (``copies.py``) each slice is split again over the copies along another dimension
-than I, and its entry is ``Shard`` of that dimension over ``"dp_shard"`` (a ModuleList expert's: the DTensor over the
-copies), never whole there.
+tensors. Loading takes a DTensor (the state_dict's layout by its local part, never gathered; another layout's
+whole), a full tensor, or this rank's experts, and keeps this rank's slice. Beside a ``"dp_shard"`` mesh dimension
+(``copies.py``) each slice is split again over the copies along another dimension than I, and its entry is ``Shard``
+of that dimension over ``"dp_shard"`` (a ModuleList expert's: the DTensor over the copies), never whole there.
 """
 
 from __future__ import annotations
@@ -180,13 +180,26 @@ def to_whole(local: torch.Tensor, how) -> torch.Tensor:
     split, mesh = piece or (None, None)
     if stacked is None:
         return out if split is None else copies.listed_global(out, split, mesh)
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 
-    E, mesh = stacked  # (a copy's placements, whole along I: replicated over tp)
-    placements = [Replicate() if name == TP else p
-                  for name, p in zip(mesh.mesh_dim_names, copies.placements(mesh, split))]
-    shape = copies.whole_shape((E, *out.shape[1:]), split)
+    mesh, placements = _layout(how)
+    shape = copies.whole_shape((stacked[0], *out.shape[1:]), split)
     return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
+
+
+def _layout(how) -> tuple | None:
+    """The mesh and placements of ``to_whole``'s DTensor (None where it gives a full tensor): a stacked weight's
+    are a copy's (``copies.placements``) whole along I, replicated over tp; a split ModuleList expert's are
+    ``copies.listed_global``'s."""
+    _, _, _, stacked, piece = how
+    split, mesh = piece or (None, None)
+    if stacked is None:
+        return None if split is None else (copies.copies_mesh(mesh), copies.placements(copies.copies_mesh(mesh), split))
+    from torch.distributed.tensor import Replicate
+
+    mesh = stacked[1]
+    return mesh, [Replicate() if name == TP else p
+                  for name, p in zip(mesh.mesh_dim_names, copies.placements(mesh, split))]
 
 
 def to_slice(value, shape, how):
@@ -195,8 +208,10 @@ def to_slice(value, shape, how):
     cut, I, tp, stacked, piece = how
     from torch.distributed.tensor import DTensor
 
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
+    if isinstance(value, DTensor):  # to_whole's layout (a checkpoint of this model): this rank's part as it is,
+        layout = _layout(how)  # never the whole weight on every rank; another layout's gathered whole
+        ours = layout is not None and value.device_mesh == layout[0] and tuple(value.placements) == tuple(layout[1])
+        value = value.to_local() if ours else value.full_tensor()
     if not isinstance(value, torch.Tensor) or value.dim() != len(shape):
         return value
     if stacked is not None and value.shape[0] == stacked[0] and value.shape[0] != shape[0]:
