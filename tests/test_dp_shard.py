@@ -16,9 +16,10 @@ process exactly, the optimizer's back on the ranks); built on meta it allocates 
 as one process and its checkpoint loads into another model built on meta; load_hf_checkpoint reads only each rank's
 half of its experts, and save_hf_checkpoint's files load again. LongCat-Flash (identity experts: its fused gate_up
 holds 2 spare rows, split too) trains as one process; so do both with expert domains over "ep" (each copy's
-pieces gathered, then the domain's experts; both again in backward). Replication or the domains' compress= beside
-"dp_shard", and "dp_shard" before "dp_replicate", raise ValueError. save_hf_checkpoint's files load by
-load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then
+pieces gathered, then the domain's experts; both again in backward). The domains' compress= beside "dp_shard", and
+"dp_shard" before "dp_replicate", raise ValueError (replication beside it: tests/test_replicate.py).
+save_hf_checkpoint's files load by load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under
+FSDP2, exactly, and it then
 computes the same gradients. A (2, 2) ("dp_shard", "tp") mesh splits the copies of a sequence-sharded (SSMB) group
 (moe_tp="ssmb"; the tp ranks hold the same batch), gathered again in backward, as one process; a (2, 1, 2)
 ("dp_shard", "ep", "tp") mesh splits TED's slices (moe_tp="ted": each expert's intermediate size cut over tp, each
@@ -275,8 +276,6 @@ def _hf_checkpoint(model, mesh, tmp) -> None:
 def _refused():
     ids = torch.zeros(1, 4, dtype=torch.long)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
-    with pytest.raises(ValueError, match="replication beside a 'dp_shard' mesh dimension .* is not built yet"):
-        moecompile.parallelize(tiny_model("mixtral"), mesh, ids, replication="static", slots_per_rank=5)
     with pytest.raises(ValueError, match="compress beside a 'dp_shard'"):  # (expert domains' compressed gathers)
         moecompile.parallelize(tiny_model("mixtral"), mesh, ids, expert_domains={"ep": 2}, compress=0.5)
     after = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_shard", "dp_replicate", "ep"))

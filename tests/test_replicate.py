@@ -29,7 +29,9 @@ entries whole, Mixtral's stacked ones DTensors over the ranks' hosts) adaptive w
 One rank: a step after two micro-batches (gradient accumulation) places by both's routing. World 4 as a (2, 2)
 ("dp_replicate", "ep") mesh: each copy's 2 ranks replicate the experts (5 slots each) by their own routing (the copies'
 placements differ), the master parts' gradients summed over the copies; adaptive with SGD trains as one process and
-resumes from its checkpoint (every copy's placement kept) bit for bit.
+resumes from its checkpoint (every copy's placement kept) bit for bit. So does a (2, 2) ("dp_shard", "ep") mesh, whose
+replicating layers are not split over "dp_shard" (whole on each copy, as explain() says); the hand-written ModuleList
+model too (adaptive, AdamW).
 """
 
 import pytest
@@ -135,9 +137,12 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral", co
     model, compiled, opt = _replicated(mesh, mine, group, mode, optimizer, family)
     checkpoint = mode == "adaptive" and optimizer == "sgd"
     what = f"{family} {mode} {optimizer} {copies} copies"
-    ckpt = f"{tmp}/ckpt{world}{family}" + (f"_{copies}copies" if copies > 1 else "")
+    ckpt = f"{tmp}/ckpt{world}{family}" + (f"_{copies}{mesh.mesh_dim_names[0]}" if copies > 1 else "")
     info = model._moe_parallel
     assert len(info.replicas) == len(info.report.layers) and not info.left, str(info)
+    split = "dp_shard" in (mesh.mesh_dim_names or ())  # (replicating layers whole on each copy all the same: said)
+    assert not split or all("whole on each of the 2 ranks of 'dp_shard' (not split" in r.sharding
+                            for r in info.report.layers), str(info)
     slots = {n: p for n, p in model.named_parameters() if getattr(p, "_moe_replicated", False)}
     assert slots and all(p.shape[0] == S * _rows(ref, n) // E for n, p in slots.items())
     cls, kwargs = OPTIMIZERS[optimizer]
@@ -258,6 +263,10 @@ def _worker(rank, world, tmp):
             _train(mesh, rank, world, "adaptive", tmp, "sgd")
             copies = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))
             _train(copies, rank, world, "adaptive", tmp, "sgd", copies=2, explain=True)  # each copy's 2 ranks replicate
+            split = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))  # (its replicating layers
+            # whole on each copy, as under "dp_replicate")
+            _train(split, rank, world, "adaptive", tmp, "sgd", copies=2)
+            _train(split, rank, world, "adaptive", tmp, "adamw", "loop", copies=2)
         else:  # (Mixtral's runs above on a 1-D mesh: test_one_rank_replication)
             _load_saved_on_4(mesh, rank, world, tmp)
             _train(mesh, rank, world, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights

@@ -18,7 +18,10 @@ Under tensor-expert parallelism (``ted.py``) the copy's shard is a tp slice of e
 split along another dimension (H), never I (a piece of a slice along I would not be one run of the whole weight),
 and its state_dict entry is whole along I (``ted.to_whole``), ``Shard`` of the cut dimension over ``"dp_shard"``.
 Beside expert domains (``domains.py``) a layer gathers its pieces over the copies first, then the domain's experts
-from those (both again in backward with ``reshard_after_forward=True``); their compressed gathers are refused.
+from those (both again in backward with ``reshard_after_forward=True``); their compressed gathers are refused. A
+layer whose experts replicate (``replicate.py``) is not split: each copy's ranks hold its slots and master parts
+whole, as under ``"dp_replicate"`` (each copy placing by its own routing, the parts' gradients summed over the
+copies); the other layers of the model are split.
 
 A weight none of whose dimensions after the experts' the copies divide (a fused gate/up bias: only 2I), or with one
 dimension (a per-expert scale), stays whole on each copy and is averaged as under ``"dp_replicate"``. The state_dict
@@ -131,6 +134,11 @@ class Split:
         why = f"no dimension {self.parts} divides" + ("" if listed else ", or 1-D")
         kept = f"{len(whole)} weight(s) whole on each copy ({why}), averaged over the copies" if whole else ""
         return "; ".join(part for part in (out, kept) if part)
+
+    def replicated(self) -> str:
+        """What ``explain()`` says of a layer whose experts replicate (``replicate.py``) beside the split copies."""
+        return (f"its slots and master parts whole on each of the {self.parts} ranks of {SHARD!r} (not split: "
+                "replication places whole experts in the slots), the master parts' gradients summed over the copies")
 
 
 def setup(mesh, reshard_after_forward: bool, **options) -> Split | None:

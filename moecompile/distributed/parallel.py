@@ -91,8 +91,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     domains = domains_mod.check(expert_domains, *gathers, mesh, link_model, dedup=dedup != "off",
                                 swap_every=bool(swap_every), replication=replication != "off", moe_tp=tp is not None)
     domains = domains_mod.prepare(mesh, domains, *gathers)  # its Domains, None or "auto"
-    split = copies_mod.setup(mesh, reshard_after_forward, replication=replication != "off",  # ("dp_shard": copies.py)
-                             compress=bool(compress))
+    split = copies_mod.setup(mesh, reshard_after_forward, compress=bool(compress))  # ("dp_shard": copies.py)
     check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
     device = meta_mod.check(model, mesh, dedup, domains, replication)  # a model built on meta: its device (meta.py)
@@ -147,6 +146,8 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
             replicas.append(layer)
             if tp is not None:
                 rec.sharding += "; " + moe_tp_mod.describe(rec.moe_tp, tp)
+            if split:  # ("dp_shard": each copy's slots whole all the same)
+                rec.sharding += "; " + split.replicated()
             continue
         first = next(iter(params.values()))
         slots = torch.arange(rec.spec.experts.num_experts, device=model.get_parameter(
