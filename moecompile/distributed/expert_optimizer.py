@@ -5,9 +5,10 @@ are a fixed part of each expert on each rank's host (``runtime/placement/expert_
 class. Each ``step()``, per layer: the slot gradients are summed over each expert's instances (inside a rank,
 then over its consecutive hosting ranks), each rank collects its part of every expert's gradient, steps it, and
 sends the updated weights to the slots of the next placement (``"adaptive"``: the paper's Algorithm 1 on the
-step's routing; ``"static"``: the same placement), which the next forward uses. Beside ``"dp_replicate"`` each
-copy of the experts does so in its own group, placing by its own routing; the master parts' gradients are summed
-over the copies (each slot's was divided by their number in backward), so every copy steps the same master weights.
+step's routing; ``"static"``: the same placement), which the next forward uses. Beside copies (``"dp_replicate"``,
+``"dp_shard"`` or both) each copy of the experts does so in its own group, placing by its own routing; the master
+parts' gradients are summed over the copies (each slot's was divided by their number in backward), so every copy
+steps the same master weights.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
                        ([p for p in part.parameters() if id(p) not in replicated and p.requires_grad]
                         for part in parts)]
         self.experts = optimizer_class([layer.part.master for layer in self.layers], **kwargs)
-        # the same parts in every copy of the experts ("dp_replicate"), or None (every layer's: one mesh)
+        # the same parts in every copy of the experts ("dp_replicate", "dp_shard"), or None (every layer's: one mesh)
         self._copies = self.layers[0].hosts.copies
         self._stages = pipeline_group(infos[0].mesh)
         self._syncs = [info.sync for info in infos]  # (check_reduced: no no_sync window left open at a step)
@@ -188,7 +189,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         """For ``torch.distributed.checkpoint``: the dense optimizer's state by parameter name
         (``moecompile.get_optimizer_state_dict``), each replicated layer's master weights and their optimizer
         state, per weight a DTensor ``Shard(1)`` of its ``[E, R, ...]`` (each rank's rows), its current placement
-        (a list: it is per slot; beside ``"dp_replicate"`` a list of every copy's, each copy placing its own), the
+        (a list: it is per slot; beside copies of the experts a list of every copy's, each copy placing its own), the
         experts' group hyperparameters (lr...) and the step count. A fresh
         optimizer gets its state made first (a zero step, as torch does), so a checkpoint loads into it. Every rank
         calls it together."""

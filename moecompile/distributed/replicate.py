@@ -38,10 +38,11 @@ MODES = ("off", "static", "adaptive")
 @dataclass
 class Hosts:
     """What every replicating layer of a rank shares: ``mesh``, the expert-parallel group's hosts in order (the
-    master parts' DTensors: every rank's, or under ``"pp"`` the stage's, beside ``"dp_replicate"`` the copy's),
+    master parts' DTensors: every rank's, or under ``"pp"`` the stage's, beside copies of the experts the copy's),
     ``groups``, the process groups of every run of consecutive ranks of the group (the instances' gradient sums; its
-    ``group``, ``rank``, ``world``), and ``copies``: with ``"dp_replicate"``, the group of the ranks holding the
-    same master parts in every copy (their gradients summed over it; one that takes host tensors), else None."""
+    ``group``, ``rank``, ``world``), and ``copies``: with ``"dp_replicate"`` or ``"dp_shard"`` (a replicating layer
+    is whole on each copy), the group of the ranks holding the same master parts in every copy (their gradients
+    summed over it; one that takes host tensors), else None."""
 
     mesh: object
     groups: Groups
