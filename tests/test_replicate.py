@@ -142,7 +142,7 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral", co
     assert len(info.replicas) == len(info.report.layers) and not info.left, str(info)
     split = "dp_shard" in (mesh.mesh_dim_names or ())  # (replicating layers whole on each copy all the same: said)
     assert not split or all("whole on each of the 2 ranks of 'dp_shard' (not split" in r.sharding
-                            for r in info.report.layers), str(info)
+                            for r in info.report.layers) and "a replicating layer's whole on each" in str(info), str(info)
     slots = {n: p for n, p in model.named_parameters() if getattr(p, "_moe_replicated", False)}
     assert slots and all(p.shape[0] == S * _rows(ref, n) // E for n, p in slots.items())
     cls, kwargs = OPTIMIZERS[optimizer]

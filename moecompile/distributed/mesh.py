@@ -132,8 +132,9 @@ def state_mesh(mesh):
     return mesh[tuple(mesh.mesh_dim_names[1:])] if _staged(mesh) else mesh
 
 
-def describe(mesh, world: int, copies: int) -> str:
-    """The first line of ``ParallelInfo``'s report."""
+def describe(mesh, world: int, copies: int, replicating: bool = False) -> str:
+    """The first line of ``ParallelInfo``'s report (``replicating``: some layer's experts replicate, whole on each
+    copy)."""
     where = f", the ranks of index {mesh.get_local_rank(STAGES)} of {STAGES!r} (a pipeline stage's)" if _staged(
         mesh) else ""
     split = f"{SHARD!r}: its weights split over them, gathered where the layer runs, its gradient reduce-scattered"
@@ -142,6 +143,7 @@ def describe(mesh, world: int, copies: int) -> str:
         parts = mesh.shape[_outers(mesh).index(SHARD)]
         how = (f"{REPLICATE!r} x {SHARD!r}: its weights split over the {parts} of {SHARD!r}, gathered where the layer "
                f"runs, its gradient reduce-scattered over them and averaged over {REPLICATE!r}")
+    how += "; a replicating layer's whole on each" if replicating and copies_split(mesh) else ""
     return f"expert parallelism over {world} rank(s){where}" + (
         f", each expert on {copies} ranks ({how})" if copies > 1 else "") + ":"
 

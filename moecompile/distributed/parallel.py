@@ -206,7 +206,7 @@ class ParallelInfo:
         self.sync = None  # the GradientSync of its parameters' gradients (grads.py)
 
     def __str__(self) -> str:
-        lines = [describe(self.mesh, self.world, self.copies)]
+        lines = [describe(self.mesh, self.world, self.copies, bool(self.replicas))]
         lines += [f"  sharded {r.path}: {r.sharding}" for r in self.report.layers if r.sharding]
         lines += [f"  left whole (replicated) {path}: {why}" for path, why in self.left]
         if self.fsdp_left_out and self.sync is not None and fsdp_wraps(self.sync.model):
