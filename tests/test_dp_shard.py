@@ -1,32 +1,31 @@
 """Expert copies split over a mesh's outermost ``"dp_shard"`` dimension (FSDP over the copies of the experts,
-torchtitan's dp_shard_mod_ep): world 4 as a (2, 2) ("dp_shard", "ep") mesh. Each expert-parallel group of 2 ranks
-holds every expert once, and the 2 ranks holding the same experts each keep half of each stacked weight (cut along
-dim 1; gate_up_proj along dim 2, H: a checkpoint concatenates gate and up along 2I). Mixtral (stacked experts) trains
-three SGD steps with momentum, each rank on its own batch, beside one process training on the four batches: every
-step's logits, the clipped gradients' norm, the parameters and their momentum after the steps are equal (fp32, 1e-5),
-the gathered weights kept for backward and, with ``reshard_after_forward=True``, gathered again there. Each rank
-holds a quarter of the experts' bytes (where "dp_replicate" holds half), its piece's rows and columns of the
-one-process weight. The state_dict gives each expert weight as a DTensor Shard(1) (gate_up_proj: Shard(2)) over
-"dp_shard" and Shard(0) over "ep"; a torch.distributed.checkpoint of the weights and of the optimizer saved by the 4
-ranks loads in one process exactly, and a one-process state_dict loads into the pieces. Expert swap (swap_every=1)
-trains Mixtral as one process, the copies' pieces swapped alike; so does the hand-written ModuleList model, each local
-expert's weights split (along their first dimension; said in explain()), its state_dict each expert's weight as a
-DTensor Shard(0) over the copies (under its expert's name: a round trip keeps the pieces, its checkpoint loads in one
-process exactly, the optimizer's back on the ranks); built on meta it allocates only its pieces, trains two steps
-as one process and its checkpoint loads into another model built on meta; load_hf_checkpoint reads only each rank's
-half of its experts, and save_hf_checkpoint's files load again. LongCat-Flash (identity experts: its fused gate_up
-holds 2 spare rows, split too) trains as one process; so do both with expert domains over "ep" (each copy's
-pieces gathered, then the domain's experts; both again in backward). The domains' compress= beside "dp_shard", and
-"dp_shard" before "dp_replicate", raise ValueError (replication beside it: tests/test_replicate.py).
-save_hf_checkpoint's files load by load_hf_checkpoint into Mixtral built on meta (each rank allocating its pieces) under
-FSDP2, exactly, and it then
-computes the same gradients. A (2, 2) ("dp_shard", "tp") mesh splits the copies of a sequence-sharded (SSMB) group
-(moe_tp="ssmb"; the tp ranks hold the same batch), gathered again in backward, as one process; a (2, 1, 2)
-("dp_shard", "ep", "tp") mesh splits TED's slices (moe_tp="ted": each expert's intermediate size cut over tp, each
-slice split over the copies along H), Mixtral and the ModuleList model, as one process. HSDP, a (2, 2, 1)
-("dp_replicate", "dp_shard", "ep") mesh: each weight split over "dp_shard", each piece whole over "dp_replicate" (its
-gradient reduce-scattered, then averaged over it), trains as one process (reshard_after_forward too), its state_dict
-Replicate() over "dp_replicate", its checkpoint loading in one process; so does the ModuleList model."""
+torchtitan's dp_shard_mod_ep): world 4 as a (2, 2) ("dp_shard", "ep") mesh. Each expert-parallel group of 2 ranks holds
+every expert once, and the 2 ranks holding the same experts each keep half of each stacked weight (cut along dim 1;
+gate_up_proj along dim 2, H: a checkpoint concatenates gate and up along 2I). Mixtral (stacked experts) trains three SGD
+steps with momentum, each rank on its own batch, beside one process training on the four batches: every step's logits,
+the clipped gradients' norm, the parameters and their momentum after the steps are equal (fp32, 1e-5), the gathered
+weights kept for backward and, with ``reshard_after_forward=True``, gathered again there. Each rank holds a quarter of
+the experts' bytes (where "dp_replicate" holds half), its piece's rows and columns of the one-process weight. The
+state_dict gives each expert weight as a DTensor Shard(1) (gate_up_proj: Shard(2)) over "dp_shard" and Shard(0) over
+"ep"; a torch.distributed.checkpoint of the weights and of the optimizer saved by the 4 ranks loads in one process
+exactly, and a one-process state_dict loads into the pieces. Expert swap (swap_every=1) trains Mixtral as one process,
+the copies' pieces swapped alike; so does the hand-written ModuleList model, each local expert's weights split (along
+their first dimension; said in explain()), its state_dict each expert's weight as a DTensor Shard(0) over the copies
+(under its expert's name: a round trip keeps the pieces, its checkpoint loads in one process exactly, the optimizer's
+back on the ranks); built on meta it allocates only its pieces, trains two steps as one process and its checkpoint loads
+into another model built on meta; load_hf_checkpoint reads only each rank's half of its experts, and
+save_hf_checkpoint's files load again. LongCat-Flash (identity experts: its fused gate_up holds 2 spare rows, split too)
+trains as one process; so do both with expert domains over "ep" (each copy's pieces gathered, then the domain's experts;
+both again in backward). The domains' compress= beside "dp_shard", and "dp_shard" before "dp_replicate", raise
+ValueError (replication beside it: tests/test_replicate.py). save_hf_checkpoint's files load by load_hf_checkpoint into
+Mixtral built on meta (each rank allocating its pieces) under FSDP2, exactly, and it then computes the same gradients. A
+(2, 2) ("dp_shard", "tp") mesh splits the copies of a sequence-sharded (SSMB) group (moe_tp="ssmb"; the tp ranks hold
+the same batch), gathered again in backward, as one process; a (2, 1, 2) ("dp_shard", "ep", "tp") mesh splits TED's
+slices (moe_tp="ted": each expert's intermediate size cut over tp, each slice split over the copies along H), Mixtral
+and the ModuleList model, as one process. HSDP, a (2, 2, 1) ("dp_replicate", "dp_shard", "ep") mesh: each weight split
+over "dp_shard", each piece whole over "dp_replicate" (its gradient reduce-scattered, then averaged over it), trains as
+one process (reshard_after_forward too), its state_dict Replicate() over "dp_replicate", its checkpoint loading in one
+process; so does the ModuleList model."""
 
 import os
 
