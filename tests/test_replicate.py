@@ -31,7 +31,10 @@ One rank: a step after two micro-batches (gradient accumulation) places by both'
 placements differ), the master parts' gradients summed over the copies; adaptive with SGD trains as one process and
 resumes from its checkpoint (every copy's placement kept) bit for bit. So does a (2, 2) ("dp_shard", "ep") mesh, whose
 replicating layers are not split over "dp_shard" (whole on each copy, as explain() says); the hand-written ModuleList
-model too (adaptive, AdamW).
+model too (adaptive, AdamW), and with its first layer not replicating (a frozen expert weight) and split over
+"dp_shard" beside the replicating second: ExpertOptimizer's clipped norm (the split pieces counted over the copies),
+logits and weights as one process, also after its checkpoint loads into a fresh ExpertOptimizer
+(tests/replicate_split.py).
 """
 
 import pytest
@@ -47,6 +50,7 @@ from moecompile.models.hf import tiny_model
 from moecompile.runtime.placement.replicas import POPULARITY
 from moecompile.runtime.placement.replication import schedule, uniform
 
+from replicate_split import beside_split_layers
 from test_parallelize import LR, TOL, _batches, _build, _init
 
 E = 8  # tiny Mixtral's experts
@@ -267,6 +271,7 @@ def _worker(rank, world, tmp):
             # whole on each copy, as under "dp_replicate")
             _train(split, rank, world, "adaptive", tmp, "sgd", copies=2)
             _train(split, rank, world, "adaptive", tmp, "adamw", "loop", copies=2)
+            beside_split_layers(split, rank, world, tmp)
         else:  # (Mixtral's runs above on a 1-D mesh: test_one_rank_replication)
             _load_saved_on_4(mesh, rank, world, tmp)
             _train(mesh, rank, world, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights

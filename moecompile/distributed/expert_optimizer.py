@@ -22,7 +22,7 @@ from moecompile.runtime.placement.expert_state import collect, distribute, reduc
 from moecompile.runtime.placement.replication import schedule, uniform
 
 from .grads import check_reduced
-from .mesh import pipeline_group
+from .mesh import pipeline_group, shard_group
 from .replicate import REPLICAS
 
 
@@ -73,6 +73,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         # the same parts in every copy of the experts ("dp_replicate", "dp_shard"), or None (every layer's: one mesh)
         self._copies = self.layers[0].hosts.copies
         self._stages = pipeline_group(infos[0].mesh)
+        self._shard = shard_group(infos[0].mesh)  # ("dp_shard": the ranks splitting a copy of the other layers)
         self._syncs = [info.sync for info in infos]  # (check_reduced: no no_sync window left open at a step)
         self.defaults = dict(self.experts.defaults)
         self._local = []  # the sharded experts' weights held here (not replicated)
@@ -167,16 +168,22 @@ class ExpertOptimizer(torch.optim.Optimizer):
         (before clipping, the same on every rank). Call it after backward and before ``step``, every rank
         together: it sums the experts' gradients over their instances first (``step`` then does not again). The
         norm: the data-parallel parameters' gradients (the same on every rank) once, the expert shards held here
-        and this rank's part of every replicated expert's gradient summed over the ranks."""
+        (a layer's pieces split over ``"dp_shard"``: summed over the copies too) and this rank's part of every
+        replicated expert's gradient summed over the ranks."""
         from .clip import clip_together
+        from .copies import pieces
 
         check_reduced(self._syncs, "ExpertOptimizer.clip_grad_norm_")
         self._gather()
         local_ids = {id(p) for p in self._local}
+        split = {id(p) for part in self._parts for p in pieces(part)}  # ("dp_shard": held once over the copies too)
         shared = [p.grad for d in self.denses if d is not None for g in d.param_groups for p in g["params"]
                   if p.grad is not None and id(p) not in local_ids]
-        own = [p.grad for p in self._local if p.grad is not None] + [layer.part.master.grad for layer in self.layers]
-        return clip_together(shared, own, self.group, max_norm, norm_type, stages=self._stages)
+        own = [p.grad for p in self._local if p.grad is not None and id(p) not in split]
+        own += [layer.part.master.grad for layer in self.layers]
+        split_grads = [p.grad for p in self._local if p.grad is not None and id(p) in split]
+        return clip_together(shared, own, self.group, max_norm, norm_type, stages=self._stages,
+                             split=(split_grads, self._shard))
 
     def _state_bytes(self, layer) -> int:
         """Bytes per expert parameter of its master weight and optimizer state (what a coupled design moves)."""

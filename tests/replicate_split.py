@@ -1,0 +1,51 @@
+"""Replication beside layers split over "dp_shard" (tests/test_replicate.py's world 4 runs it)."""
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import moecompile
+
+from test_parallelize import LR, TOL, _batches, _build
+
+MAX_NORM = 0.25  # (the hand-written model's one-process norm is above it at every step)
+
+
+def beside_split_layers(mesh, rank, world, tmp):
+    """On (2, 2) ("dp_shard", "ep"), the ModuleList model's first layer with a frozen expert weight (sharded without
+    replication, its weights split over "dp_shard") and its second replicating (whole on each copy): ExpertOptimizer
+    with SGD and clip_grad_norm_ trains four steps as one process does (the norm counts the split pieces once), the
+    last by a fresh ExpertOptimizer that loaded the first's torch.distributed.checkpoint (momentum of both kinds)."""
+    def built():
+        model = _build("loop").train()
+        model.blocks[0].experts[1].w3.weight.requires_grad_(False)
+        return model
+
+    ref, model = built(), built()
+    batches = _batches(ref, world)
+    mine, together = batches[rank], batches.flatten(0, 1)
+    moecompile.parallelize(model, mesh, mine, replication="adaptive", slots_per_rank=5)
+    info = model._moe_parallel
+    first, second = info.report.layers
+    assert "not replicated" in first.sharding and "split over 2 ranks ('dp_shard'" in first.sharding, str(info)
+    assert "slots" in second.sharding and "not split" in second.sharding and len(info.replicas) == 1, str(info)
+    compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+    opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+    rows = slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
+    for step in range(4):
+        if step == 3:  # (a fresh optimizer, its state from the checkpoint)
+            dcp.save({"optim": opt.state_dict()}, checkpoint_id=f"{tmp}/split_optim")
+            opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
+            state = {"optim": opt.state_dict()}
+            dcp.load(state, checkpoint_id=f"{tmp}/split_optim")
+            opt.load_state_dict(state["optim"])
+        out, ref_out = compiled(mine, labels=mine), ref(together, labels=together)
+        torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=TOL, atol=TOL, msg=lambda m: f"{step}: {m}")
+        out.loss.backward(), ref_out.loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        assert ref_norm > MAX_NORM, ref_norm  # (clipping does something)
+        torch.testing.assert_close(opt.clip_grad_norm_(MAX_NORM), ref_norm, rtol=TOL, atol=TOL)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    state = moecompile.full_state_dict(model)  # (the sharded layer's experts: each rank's own in its state_dict)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
