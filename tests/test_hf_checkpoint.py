@@ -22,6 +22,8 @@ at the safetensors slices (elements per tensor):
     loop       the hand-written ``nn.ModuleList`` experts (a state_dict saved by safetensors, no transformers
                names): each rank reads its experts' tensors only; the others' come back as unexpected keys;
                saved (every rank's experts sent to the writer) and loaded into another such model
+    replicated Mixtral and the ModuleList model with replication="adaptive" (built, not on meta): a replicating
+               layer's weights loaded together once all are read, a fused gate_up read whole
     stages     two pipeline stages of Mixtral (a (2, 1) ("pp", "ep") mesh), each loaded and saved by its rank: each
                stage's first rank writes its files, rank 0 the index; from_pretrained reads the whole model
 
@@ -257,6 +259,21 @@ def _fsdp_ted_stacked_loop(rank: int, world: int, mesh, tmp: str) -> None:
     _equal(other, ref, "loop saved and loaded again")
 
 
+def _replicated(rank: int, world: int, mesh, tmp: str) -> None:
+    """Replicating layers (``replication="adaptive"``) load a layer's weights together, once all are read: Mixtral
+    (its fused gate_up read whole: its hosts' rows run across gate and up) and the ModuleList model."""
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    for kind in ("mixtral", "loop"):  # (their checkpoints: written by _mixtral and _fsdp_ted_stacked_loop)
+        torch.manual_seed(0)
+        ref = TinyMoELM("loop") if kind == "loop" else hf.build_model(_config(kind))
+        torch.manual_seed(1)
+        model = TinyMoELM("loop") if kind == "loop" else hf.build_model(_config(kind))
+        moecompile.parallelize(model.train(), mesh, ids, replication="adaptive", slots_per_rank=5)
+        assert len(model._moe_parallel.replicas) == 2, str(model._moe_parallel)
+        assert moecompile.load_hf_checkpoint(model, f"{tmp}/{kind}") == ([], []), kind
+        _equal(model, ref, f"{kind} replicated")
+
+
 def _stages(rank: int, world: int, tmp: str) -> None:
     """Two pipeline stages (a ("pp", "ep") = (2, 1) mesh), each parallelized, loaded and saved by its rank: each
     stage's first rank writes its weights, rank 0 the index; transformers reads the model whole."""
@@ -295,6 +312,7 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
         _deepseek_fp8(rank, world, mesh, tmp)
         _mixtral(rank, world, mesh, tmp)
         _fsdp_ted_stacked_loop(rank, world, mesh, tmp)
+        _replicated(rank, world, mesh, tmp)
         _stages(rank, world, tmp)
 
 

@@ -40,6 +40,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from . import fp8_read
 from .mesh import stage_group
+from .replicate import state_keys
 from .sharded_state import unwrapped, whole_groups
 
 INDEX = "model.safetensors.index.json"
@@ -68,7 +69,7 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
     converters = [t for t in transforms if isinstance(t, hf_loading.WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", None)
-    loaded = set()
+    loaded, together, pending = set(), state_keys(model), {}  # (a replicating layer's weights: loaded at once)
 
     def name_of(key: str) -> tuple[str, str | None]:
         """The model's name for checkpoint ``key``, and the converter's pattern it matched (None: renamed only)."""
@@ -92,7 +93,10 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
             else:  # the n-th tensor of a converter's list: its sharding tells whether this rank holds it
                 load = loads.setdefault(name, copy.deepcopy(by_pattern[pattern]))
                 index = len(load.collected_tensors.get(pattern, []))
-            cut = DtensorShardOperation(ref) if isinstance(ref, DTensor) else None
+            # a replicating layer's fused gate/up weight is read whole: its hosts' rows run across gate and up, which
+            # transformers' shard-on-read cuts each on its own (replicate.py cuts it from the whole)
+            fused = name in together and pattern in by_pattern and len(by_pattern[pattern].source_patterns) > 1
+            cut = DtensorShardOperation(ref) if isinstance(ref, DTensor) and not fused else None
             load.add_tensor(name, key, pattern,
                             hf_loading.spawn_materialize(None, tensors[key], device, ref.dtype, cut, index))
         for first, load in loads.items():  # one weight (or a few, split from one tensor) read and loaded at a time
@@ -104,6 +108,12 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
                                  "configuration?") from e
             state = {name: _as_target(name, value[0] if isinstance(value, list) else value, target[name][0], path)
                      for name, value in converted.items()}
+            layer = next((together[name] for name in state if name in together), None)
+            if layer is not None:  # held until every weight of its layer is read (left out where some never is)
+                pending.setdefault(layer, {}).update(state)
+                if not layer <= pending[layer].keys():
+                    continue
+                state = pending.pop(layer)
             model.load_state_dict(state, strict=False)  # (every rank in the same order: swapped layers exchange)
             loaded |= state.keys()
     loaded |= _tie(model, loaded, target)
@@ -253,10 +263,12 @@ def _opened(files: list[str]):
 
 def _as_target(name: str, value: torch.Tensor, ref, path) -> torch.Tensor:
     """``value`` (this rank's piece of weight ``name``) as ``load_state_dict`` takes it for ``ref``, the model's
-    state_dict entry: a DTensor's local shard wrapped as that DTensor."""
+    state_dict entry: a DTensor's local shard wrapped as that DTensor; a weight read whole, as it is."""
     from torch.distributed.tensor import DTensor
 
     want = ref.to_local().shape if isinstance(ref, DTensor) else ref.shape
+    if isinstance(ref, DTensor) and value.shape == ref.shape:
+        return value
     if value.shape != want:
         raise ValueError(f"{path}: {name} is {tuple(value.shape)} on this rank from the checkpoint, the model "
                          f"holds {tuple(want)}: a checkpoint of another configuration?")

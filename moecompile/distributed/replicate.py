@@ -167,6 +167,20 @@ def replicate_layer(model, rec, params: dict[str, str], hosts: Hosts, slots_per_
     return layer, rows
 
 
+def state_keys(model) -> dict[str, frozenset[str]]:
+    """Each state_dict key of a replicating layer of ``model`` -> every key of that layer (its weights load
+    together: the master parts hold them side by side); {} without replication."""
+    info = getattr(model, "_moe_parallel", None)
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for layer in getattr(info, "replicas", []):
+        prefix = names[id(layer.module)] + "." if names[id(layer.module)] else ""
+        rels = layer.attrs if layer.experts is None else [rel for role in layer.experts for rel in role]
+        keys = frozenset(prefix + rel for rel in rels)
+        out.update(dict.fromkeys(keys, keys))
+    return out
+
+
 def host_mesh(group, every: list[list[int]]):
     """The hosts of ``group`` (one of the expert-parallel groups ``every``) as a 1-D DeviceMesh: over ``group``
     where it takes CPU tensors (gloo, or "cpu:gloo,cuda:nccl"), else over a gloo group of its ranks, made once for
