@@ -116,6 +116,11 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
                 state = pending.pop(layer)
             model.load_state_dict(state, strict=False)  # (every rank in the same order: swapped layers exchange)
             loaded |= state.keys()
+    if pending and not strict:  # a replicating layer the checkpoint holds some weights of: the rest keep theirs
+        current = model.state_dict()  # (every rank: the same layers are pending on each)
+        for layer, state in pending.items():
+            model.load_state_dict({**{k: current[k] for k in layer - state.keys()}, **state}, strict=False)
+            loaded |= state.keys()
     loaded |= _tie(model, loaded, target)
     missing = sorted(set(target) - loaded)
     if strict and missing:
