@@ -58,12 +58,20 @@ def clip_grad_norm_(model: nn.Module | list[nn.Module], max_norm: float, norm_ty
                          "are summed over the instances by moecompile.ExpertOptimizer; clip with its "
                          "opt.clip_grad_norm_(max_norm) instead")
     experts = {id(p) for part in parts for p in expert_parameters(part)}
-    split = {id(p) for part in parts for p in pieces(part)}  # ("dp_shard": held once over the copies too)
     with_grad = [p for part in parts for p in part.parameters() if p.grad is not None]
-    return clip_together([p.grad for p in with_grad if id(p) not in experts],
-                         [p.grad for p in with_grad if id(p) in experts and id(p) not in split], infos[0].group,
-                         max_norm, norm_type, error_if_nonfinite, stages=pipeline_group(infos[0].mesh),
-                         split=([p.grad for p in with_grad if id(p) in split], shard_group(infos[0].mesh)))
+    held, split = expert_grads(parts, [p for p in with_grad if id(p) in experts])
+    return clip_together([p.grad for p in with_grad if id(p) not in experts], held, infos[0].group, max_norm,
+                         norm_type, error_if_nonfinite, stages=pipeline_group(infos[0].mesh),
+                         split=(split, shard_group(infos[0].mesh)))
+
+
+def expert_grads(parts: list[nn.Module], params: list) -> tuple[list, list]:
+    """The gradients of the expert weights ``params`` of ``parts`` (those with one): held once over the
+    expert-parallel group, and this rank's pieces of a copy split over ``"dp_shard"`` (held once over the copies
+    too: ``clip_together``'s ``split``)."""
+    split = {id(p) for part in parts for p in pieces(part)}
+    with_grad = [p for p in params if p.grad is not None]
+    return [p.grad for p in with_grad if id(p) not in split], [p.grad for p in with_grad if id(p) in split]
 
 
 @torch.no_grad()

@@ -170,20 +170,17 @@ class ExpertOptimizer(torch.optim.Optimizer):
         norm: the data-parallel parameters' gradients (the same on every rank) once, the expert shards held here
         (a layer's pieces split over ``"dp_shard"``: summed over the copies too) and this rank's part of every
         replicated expert's gradient summed over the ranks."""
-        from .clip import clip_together
-        from .copies import pieces
+        from .clip import clip_together, expert_grads
 
         check_reduced(self._syncs, "ExpertOptimizer.clip_grad_norm_")
         self._gather()
         local_ids = {id(p) for p in self._local}
-        split = {id(p) for part in self._parts for p in pieces(part)}  # ("dp_shard": held once over the copies too)
         shared = [p.grad for d in self.denses if d is not None for g in d.param_groups for p in g["params"]
                   if p.grad is not None and id(p) not in local_ids]
-        own = [p.grad for p in self._local if p.grad is not None and id(p) not in split]
+        own, split = expert_grads(self._parts, self._local)
         own += [layer.part.master.grad for layer in self.layers]
-        split_grads = [p.grad for p in self._local if p.grad is not None and id(p) in split]
         return clip_together(shared, own, self.group, max_norm, norm_type, stages=self._stages,
-                             split=(split_grads, self._shard))
+                             split=(split, self._shard))
 
     def _state_bytes(self, layer) -> int:
         """Bytes per expert parameter of its master weight and optimizer state (what a coupled design moves)."""

@@ -111,16 +111,17 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
             layer = next((together[name] for name in state if name in together), None)
             if layer is not None:  # held until every weight of its layer is read (left out where some never is)
                 pending.setdefault(layer, {}).update(state)
-                if not layer <= pending[layer].keys():
+                if not layer[0] <= pending[layer].keys():
                     continue
                 state = pending.pop(layer)
             model.load_state_dict(state, strict=False)  # (every rank in the same order: swapped layers exchange)
             loaded |= state.keys()
-    if pending and not strict:  # a replicating layer the checkpoint holds some weights of: the rest keep theirs
-        current = model.state_dict()  # (every rank: the same layers are pending on each)
-        for layer, state in pending.items():
-            model.load_state_dict({**{k: current[k] for k in layer - state.keys()}, **state}, strict=False)
-            loaded |= state.keys()
+    # a replicating layer the checkpoint holds some weights of: with strict=False the rest keep their values (every
+    # rank: the same layers are pending on each; strict raises below)
+    for (keys, where), state in ({} if strict else pending).items():
+        current = model.get_submodule(where).state_dict(prefix=f"{where}." if where else "")  # (that layer's alone)
+        model.load_state_dict({**{k: current[k] for k in keys - state.keys()}, **state}, strict=False)
+        loaded |= state.keys()
     loaded |= _tie(model, loaded, target)
     missing = sorted(set(target) - loaded)
     if strict and missing:

@@ -167,9 +167,9 @@ def replicate_layer(model, rec, params: dict[str, str], hosts: Hosts, slots_per_
     return layer, rows
 
 
-def state_keys(model) -> dict[str, frozenset[str]]:
-    """Each state_dict key of a replicating layer of ``model`` -> every key of that layer (its weights load
-    together: the master parts hold them side by side); {} without replication."""
+def state_keys(model) -> dict[str, tuple[frozenset[str], str]]:
+    """Each state_dict key of a replicating layer of ``model`` -> (every key of that layer, the name of the module
+    holding them): its weights load together, the master parts holding them side by side; {} without replication."""
     info = getattr(model, "_moe_parallel", None)
     names = {id(m): n for n, m in model.named_modules()}
     out = {}
@@ -177,7 +177,7 @@ def state_keys(model) -> dict[str, frozenset[str]]:
         prefix = names[id(layer.module)] + "." if names[id(layer.module)] else ""
         rels = layer.attrs if layer.experts is None else [rel for role in layer.experts for rel in role]
         keys = frozenset(prefix + rel for rel in rels)
-        out.update(dict.fromkeys(keys, keys))
+        out.update(dict.fromkeys(keys, (keys, names[id(layer.module)])))
     return out
 
 
