@@ -19,12 +19,14 @@ allocated sharded; the full state_dict loaded with ``set_model_state_dict``). Tw
               (``nonzero()``: no meta kernel can say how many)
 
 Mixtral trains the same under TED (``moe_tp="ted"`` on a (1, 2) ("dp", "tp") mesh: the experts' intermediate size
-cut over tp, from the unallocated weights). DBRX's flat ``[E * ffn, H]`` experts, on meta: found through its list of
-decoder blocks (each block run on random weights), sharded; JetMoE's MLPs are sharded, its attention experts (routed
-outside their module, which they call by other methods than forward) left whole, allocated by ``to_empty``. Bad
-input, on the ranks: ``dedup="auto"`` and ``replication`` on a meta model raise, naming the fix; so does a model whose
-experts the module tree does not show, ``to_empty`` to another device than the experts', and a forward before
-``to_empty``. A failing rank fails the test; the group has a timeout.
+cut over tp, from the unallocated weights), and both models replicating (``replication="adaptive"`` and ``"static"``,
+ExpertOptimizer's SGD; Mixtral's checkpoint loads into another model so built); replicating Mixtral initialized by
+``init_weights()`` alone trains as one process holding each expert's first instance (``_initialized``). DBRX's
+flat ``[E * ffn, H]`` experts, on meta: found through its list of decoder blocks (each block run on random weights),
+sharded; JetMoE's MLPs are sharded, its attention experts (routed outside their module, which they call by other
+methods than forward) left whole, allocated by ``to_empty``. Bad input, on the ranks: ``dedup="auto"`` on a meta
+model raises, naming the fix; so does a model whose experts the module tree does not show, ``to_empty`` to another
+device than the experts', and a forward before ``to_empty``. A failing rank fails the test; the group has a timeout.
 
 Without a process group: the expert weights the sharding cuts are zero-stride views of one element until it copies
 a rank's rows out, those it leaves whole are allocated after, the rest stays on meta for ``to_empty``, which keeps
@@ -70,7 +72,8 @@ def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **paral
     moecompile.parallelize(model, mesh, batches[rank], **parallel)
     info = model._moe_parallel
     assert not info.left and len(info.report.layers) == 2, info.left
-    want = "intermediate size 16 cut over tp" if "moe_tp" in parallel else "4 of 8 experts on each of 2 ranks"
+    want = "intermediate size 16 cut over tp" if "moe_tp" in parallel else \
+        "5 expert slots on each of 2 ranks" if "replication" in parallel else "4 of 8 experts on each of 2 ranks"
     assert all(want in rec.sharding for rec in info.report.layers), str(info)
     experts = moecompile.expert_parameters(model)  # allocated (this rank's shards); the rest still on meta
     allocated = [t for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
@@ -93,31 +96,38 @@ def _check(kind: str, rank: int, world: int, mesh, tmp=None, fsdp=False, **paral
     else:
         model.load_state_dict(ref.state_dict())
     compiled = torch.compile(model, backend="moe", options=OPTIONS)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9) if "replication" in parallel \
+        else torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    _steps(compiled, opt, ref, ref_opt, batches, rank, kind)
+    _equal(moecompile.full_state_dict(compiled), ref.state_dict(), kind)
+    if tmp is not None:  # its checkpoint (after swaps) loads into another model built on meta and parallelized
+        where = f"{tmp}/{kind}{'-replicated' if 'replication' in parallel else ''}"
+        dcp.save(model.state_dict(), checkpoint_id=where)
+        other = _build(kind, on_meta=True)
+        moecompile.parallelize(other, mesh, batches[rank], **parallel).to_empty(device="cpu")
+        state = other.state_dict()
+        dcp.load(state, checkpoint_id=where)
+        other.load_state_dict(state)
+        _equal(moecompile.full_state_dict(other), ref.state_dict(), f"{kind} checkpoint")
+    return model
+
+
+def _steps(compiled, opt, ref, ref_opt, batches, rank: int, what: str) -> None:
+    """``STEPS`` steps of the model, each rank on its batch, and of the one process on every batch: equal logits."""
     for _ in range(STEPS):
         out = compiled(batches[rank], labels=batches[rank])
         out.loss.backward()
         ref_out = ref(batches.flatten(0, 1), labels=batches.flatten(0, 1))
         ref_out.loss.backward()
-        torch.testing.assert_close(out.logits, ref_out.logits.view(world, *out.logits.shape)[rank], atol=TOL,
-                                   rtol=TOL, msg=lambda m: f"{kind} logits: {m}")
+        torch.testing.assert_close(out.logits, ref_out.logits.view(len(batches), *out.logits.shape)[rank], atol=TOL,
+                                   rtol=TOL, msg=lambda m: f"{what} logits: {m}")
         for p in ref.parameters():  # an expert no row reached: a zero gradient where .grad was None, as the
             if p.grad is None:  # rewritten layer gives on one device too (docs/detection.md)
                 p.grad = torch.zeros_like(p)
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    _equal(moecompile.full_state_dict(compiled), ref.state_dict(), kind)
-    if tmp is not None:  # its checkpoint (after swaps) loads into another model built on meta and parallelized
-        dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/{kind}")
-        other = _build(kind, on_meta=True)
-        moecompile.parallelize(other, mesh, batches[rank], **parallel).to_empty(device="cpu")
-        state = other.state_dict()
-        dcp.load(state, checkpoint_id=f"{tmp}/{kind}")
-        other.load_state_dict(state)
-        _equal(moecompile.full_state_dict(other), ref.state_dict(), f"{kind} checkpoint")
-    return model
 
 
 def _equal(got: dict, want: dict, what: str) -> None:
@@ -126,9 +136,47 @@ def _equal(got: dict, want: dict, what: str) -> None:
         torch.testing.assert_close(got[name], value, atol=TOL, rtol=TOL, msg=lambda m: f"{what} {name}: {m}")
 
 
+def _initialized(rank: int, world: int, mesh) -> None:
+    """Replicating layers of a model built on meta, initialized in place (transformers' ``init_weights()``), not
+    loaded: a forward before ExpertOptimizer raises, naming the fix; ExpertOptimizer takes each expert from its first
+    instance, so every instance of it agrees, the master weights hold the initialization (not what ``to_empty``
+    left), and the model trains as one process holding those weights. The ModuleList's experts, which in-place
+    initialization cannot reach, still refuse a forward after ExpertOptimizer, naming the fix."""
+    ids = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(7))
+    model = moecompile.parallelize(_build("mixtral", on_meta=True), mesh, ids[rank], replication="adaptive",
+                                   slots_per_rank=5).to_empty(device="cpu")
+    layer = model._moe_parallel.replicas[0]
+    assert layer.part.master.shape == (8, layer.part.numel // world)  # (1/W of each expert; nothing whole)
+    torch.manual_seed(3)  # (every rank the same dense weights)
+    model.init_weights()
+    compiled = torch.compile(model, backend="moe", options=OPTIONS)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp .*hold no values: load them .*then build "
+                                         r"moecompile.ExpertOptimizer"):
+        compiled(ids[rank])
+    experts = model.model.layers[0].mlp.experts
+    placed = layer.placement.tolist()
+    firsts = [placed.index(e) - rank * 5 for e in set(placed) if rank * 5 <= placed.index(e) < (rank + 1) * 5]
+    initialized = experts.down_proj.detach()[firsts].clone()  # (this rank's first instances, as init_weights left them)
+    opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR)
+    whole = moecompile.full_state_dict(model)
+    torch.testing.assert_close(experts.down_proj[firsts], initialized, rtol=0, atol=0)
+    torch.testing.assert_close(experts.down_proj, whole["model.layers.0.mlp.experts.down_proj"][placed[rank * 5:][:5]],
+                               rtol=0, atol=0)  # (every instance its expert's first)
+    assert 0.01 < float(whole["model.layers.1.mlp.experts.down_proj"].std()) < 0.03  # (init_weights' std 0.02)
+    ref = _build("mixtral", on_meta=False)
+    ref.load_state_dict(whole)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    _steps(compiled, opt, ref, ref_opt, ids, rank, "initialized")
+    _equal(moecompile.full_state_dict(compiled), ref.state_dict(), "initialized")
+    loop = moecompile.parallelize(_build("loop", on_meta=True), mesh, ids[rank], replication="static",
+                                  slots_per_rank=5).to_empty(device="cpu")
+    moecompile.ExpertOptimizer(loop, torch.optim.SGD, lr=LR)  # (its slots not written: nothing taken)
+    with pytest.raises(ValueError, match=r"blocks.0 .*hold no values.*blocks.0.experts.moe_slots_"):
+        torch.compile(loop, backend="moe", options=OPTIONS)(ids[rank])
+
+
 def _refusals(mesh) -> None:
-    for asked, says in [({"dedup": "auto"}, "does not have"), ({"replication": "adaptive", "slots_per_rank": 5},
-                                                               "holds none")]:
+    for asked, says in [({"dedup": "auto"}, "does not have")]:
         with pytest.raises(ValueError, match=says):
             moecompile.parallelize(_build("mixtral", on_meta=True), mesh, torch.ones(1, 4, dtype=torch.long), **asked)
     with torch.device("meta"):
@@ -175,6 +223,9 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
         _check("mixtral", rank, world, mesh, fsdp=True)
         tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
         _check("mixtral", rank, world, tp, moe_tp="ted")  # (the intermediate size cut too)
+        _check("mixtral", rank, world, mesh, tmp, replication="adaptive", slots_per_rank=5)
+        _check("loop", rank, world, mesh, replication="static", slots_per_rank=5)  # (a ModuleList's slots)
+        _initialized(rank, world, mesh)
         _refusals(mesh)
         _dbrx(mesh)
         _jetmoe(mesh)

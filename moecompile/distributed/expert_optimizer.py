@@ -23,7 +23,7 @@ from moecompile.runtime.placement.replication import schedule, uniform
 
 from .grads import check_reduced
 from .mesh import pipeline_group, shard_group
-from .replicate import REPLICAS
+from .replicate import REPLICAS, from_slots
 
 
 class ExpertOptimizer(torch.optim.Optimizer):
@@ -84,6 +84,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
         self._gathered: dict[str, dict] | None = None  # layer -> bytes, once the expert gradients are collected
         self.steps = 0
         self.history: list[dict[str, dict]] = []  # per step: layer -> what it routed, moved and placed (``step``)
+        for layer in self.layers:  # (built on meta, initialized in place: the master weights from the slots)
+            if layer.unset:
+                from_slots(layer, self.group)
         for info in infos:
             info.expert_optimizer = self
         forget([layer.path for layer in self.layers])  # (counts another model with these layer names left)

@@ -46,7 +46,7 @@ def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def check(model: nn.Module, mesh, dedup: str, domains, replication: str) -> torch.device | None:
+def check(model: nn.Module, mesh, dedup: str, domains) -> torch.device | None:
     """The device a model on meta is allocated on (``device_of``), None for a model not on meta; ValueError naming
     the fix for what a model on meta cannot ask (its weights hold no values to route by)."""
     if not on_meta(model):
@@ -56,10 +56,6 @@ def check(model: nn.Module, mesh, dedup: str, domains, replication: str) -> torc
         raise ValueError(f"{' and '.join(a for a in asked if a)} chooses from the routing of the example, which a "
                          "model on the meta device does not have (its weights hold no values): name the level "
                          "(dedup='node', expert_domains={level: size}) or build the model on a device")
-    if replication != "off":
-        raise ValueError(f"replication={replication!r} copies each expert's weights to the hosts as parallelize "
-                         "runs, and a model on the meta device holds none: build the model on a device (or "
-                         "replication='off')")
     return device_of(mesh)
 
 
@@ -219,6 +215,14 @@ def _refuse_unallocated(model: nn.Module, args) -> None:
                          f"still on meta ({left[0]}{', ...' if len(left) > 1 else ''}): allocate them with "
                          "model.to_empty(device=...) (after FSDP2's fully_shard where wanted), then initialize or "
                          "load them")
+    unset = [layer for layer in getattr(getattr(model, "_moe_parallel", None), "replicas", []) if layer.unset]
+    if unset:
+        raise ValueError(f"the expert weights of {unset[0].path} (replicating, in a model moecompile.parallelize "
+                         "sharded on the meta device) hold no values: load them (load_state_dict, "
+                         "torch.distributed.checkpoint, moecompile.load_hf_checkpoint), or initialize its slot "
+                         f"weights in place ({', '.join(unset[0].names)}: transformers' init_weights() does for "
+                         "stacked experts) and then build moecompile.ExpertOptimizer, which makes each expert's "
+                         "instances agree")
     model._moe_unallocated.remove()
 
 

@@ -94,7 +94,7 @@ def parallelize(model: nn.Module, mesh, *example_args, dedup: str = "off", link_
     split = copies_mod.setup(mesh, reshard_after_forward, compress=bool(compress))  # ("dp_shard": copies.py)
     check_dedup(dedup, mesh)
     check_options(replication, slots_per_rank, capacity_factor, dedup, swap_every)
-    device = meta_mod.check(model, mesh, dedup, domains, replication)  # a model built on meta: its device (meta.py)
+    device = meta_mod.check(model, mesh, dedup, domains)  # a model built on meta: its device (meta.py)
     if not isinstance(swap_every, int) or swap_every < 0:
         raise ValueError(f"swap_every must be a whole number of optimizer steps >= 0 (0: never); got {swap_every!r}")
     link = _link_model(link_model) if dedup == "auto" or link_model is not None else None

@@ -30,6 +30,7 @@ from moecompile.runtime.placement.replication import uniform
 
 from . import replicate_list
 from .mesh import _timeout, ep_groups, replicate_group, replicate_groups
+from .meta import LAZY
 
 REPLICAS = "moe_slot_experts"  # the buffer holding a replicating layer's placement (slot -> expert)
 MODES = ("off", "static", "adaptive")
@@ -76,6 +77,8 @@ class ReplicaLayer:
     hosts: Hosts  # the expert-parallel group's hosts and the groups that sum the instances' gradients
     names: list[str] = None  # the slot weights' parameter names in the model
     experts: list[list[str]] | None = None  # a ModuleList's: per weight, each expert's name in the list
+    unset: bool = False  # built on meta: no values yet (``from_slots``); a load sets them
+    versions: list[int] | None = None  # built on meta: the slot weights' ``_version`` as allocated
 
     @property
     def host_mesh(self):
@@ -128,6 +131,8 @@ def replicate_layer(model, rec, params: dict[str, str], hosts: Hosts, slots_per_
     E = rec.spec.experts.num_experts
     S = slots_per_rank
     names, experts = list(params.values()), None
+    first = names[0][0] if isinstance(names[0], list) else names[0]
+    unset = getattr(model.get_parameter(first), LAZY, False)  # (built on meta: its weights hold no values yet)
     if isinstance(names[0], list):  # a ModuleList's experts: their weights stacked, the slots on the list
         module, attrs, full, experts, grads = replicate_list.stack(model, params)
         prefix = next(n for n, m in model.named_modules() if m is module)
@@ -155,7 +160,9 @@ def replicate_layer(model, rec, params: dict[str, str], hosts: Hosts, slots_per_
         replicate_list.read_from_slots(module, attrs, experts, rec.path, group.group_name)
     _refuse_other_optimizers()
     layer = ReplicaLayer(rec.path, module, attrs, part, placement, S, adaptive, capacity_factor or 0.0, hosts,
-                         names, experts)
+                         names, experts, unset)
+    if unset:  # (``from_slots``: written in place since, by the user's initialization)
+        layer.versions = [p._version for p in layer.slot_parameters()]
     module.register_state_dict_post_hook(_state(layer, group))
     module._register_load_state_dict_pre_hook(_load(layer, group), with_module=True)
     module._moe_rows = {}  # not sharded by rows: the optimizer state is ExpertOptimizer's
@@ -179,6 +186,36 @@ def state_keys(model) -> dict[str, tuple[frozenset[str], str]]:
         keys = frozenset(prefix + rel for rel in rels)
         out.update(dict.fromkeys(keys, (keys, names[id(layer.module)])))
     return out
+
+
+def from_slots(layer: ReplicaLayer, group) -> bool:
+    """A layer built on meta (``unset``) whose slot weights were all initialized in place since (transformers'
+    ``init_weights()``): each expert's master weights taken from its first instance (the placement's first slot
+    holding it), the same in every copy of the experts (the first copy's), and sent to every instance, so that
+    they agree. Every rank of ``group`` (the expert-parallel group) calls it together; False, nothing changed,
+    where some rank's slot weights were not all written (a load may still set them)."""
+    written = all(p._version != v for p, v in zip(layer.slot_parameters(), layer.versions))
+    agreed = torch.tensor([int(written)])
+    for among in (layer.host_mesh.get_group(), layer.hosts.copies):  # (host tensors: gloo groups)
+        if among is not None:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=among)
+    if not agreed.item():
+        return False
+    from moecompile.runtime.placement.expert_state import collect, distribute, reduce_instances
+
+    S, rank, placement = layer.slots_per_rank, layer.part.rank, layer.placement.cpu()
+    chosen = torch.zeros(placement.numel(), dtype=torch.bool)
+    chosen[[placement.tolist().index(e) for e in torch.unique(placement).tolist()]] = True  # each expert's first
+    with torch.no_grad():
+        rows = layer.part.flatten([p.reshape(S, -1) for p in layer.slot_parameters()]).float()
+        rows *= chosen[rank * S:(rank + 1) * S, None].to(rows.device)
+        layer.part.master.copy_(collect(reduce_instances(rows, layer.placement, layer.hosts.groups),
+                                        layer.placement, layer.part, group))
+        if layer.hosts.copies is not None:
+            dist.broadcast(layer.part.master.data, group=layer.hosts.copies, group_src=0)
+        layer.write_slots(distribute(layer.part, layer.placement, group, rows.device))
+    layer.unset = False
+    return True
 
 
 def host_mesh(group, every: list[list[int]]):
@@ -281,6 +318,7 @@ def _load(layer: ReplicaLayer, group):
         values = [state_dict[k] for k in keys]
         with torch.no_grad():
             layer.part.master.copy_(layer.part.part_of(values, layer.host_mesh))
+        layer.unset = False
         if any(isinstance(v, DTensor) for v in values):
             device = layer.slot_parameters()[0].device
             rows = layer.part.unflatten(distribute(layer.part, layer.placement, group, device))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .meta import LAZY
+
 
 def container(names: list[str]) -> tuple[str, list[str]] | None:
     """``names[i]`` = ``<path>.<key_i>.<rest>`` with one ``path`` and ``rest`` and distinct keys (a ModuleList's
@@ -49,9 +51,18 @@ def stack(model: nn.Module, params: dict[str, list[str]]):
     found = [container(names) for names in params.values()]
     module = model.get_submodule(found[0][0])
     attrs = ["moe_slots_" + rel[0].split(".", 1)[1].replace(".", "_") for _, rel in found]
-    full = [torch.stack([model.get_parameter(n).detach() for n in names]) for names in params.values()]
+    full = [_stacked([model.get_parameter(n) for n in names]) for names in params.values()]
     grads = [model.get_parameter(names[0]).requires_grad for names in params.values()]
     return module, attrs, full, [rel for _, rel in found], grads
+
+
+def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """``weights`` stacked ``[E, ...]``; of a model built on meta, not yet allocated (one element each, expanded:
+    ``meta.LAZY``), one element expanded too, so that only this rank's slots and master part are ever allocated."""
+    if all(getattr(w, LAZY, False) for w in weights):
+        one = weights[0].detach()[(0,) * weights[0].dim()]  # (its one element)
+        return one.reshape((1,) * (weights[0].dim() + 1)).expand(len(weights), *weights[0].shape)
+    return torch.stack([w.detach() for w in weights])
 
 
 def read_from_slots(module: nn.Module, attrs: list[str], experts: list[list[str]], layer: str, group_name: str

@@ -65,8 +65,7 @@ class ExpertPartition:
             self.bounds.append(self.bounds[-1] + sum((cut[r + 1] - cut[r]) * size for cut, size in zip(self.rows, row)))
         self.order = torch.cat(order)  # position in ``flatten``'s rows -> element of the weights laid end to end
         self.inverse = torch.argsort(self.order)
-        lo, hi = self.bounds[rank], self.bounds[rank + 1]
-        part = self.flatten(full)[:, lo:hi].to("cpu", torch.float32).clone()
+        part = self.part_of(full)  # (a new tensor of the rank's columns alone: no weight flattened whole)
         if torch.cuda.is_available():
             part = part.pin_memory()
         self.master = torch.nn.Parameter(part)
