@@ -1,6 +1,8 @@
-"""Replication beside layers split over "dp_shard" (tests/test_replicate.py's world 4 runs it)."""
+"""What tests/test_replicate.py's world 4 runs beside its own: replication beside layers split over "dp_shard", and a
+model built on meta replicating in two copies of the experts, initialized in place."""
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import moecompile
@@ -49,3 +51,26 @@ def beside_split_layers(mesh, rank, world, tmp):
     state = moecompile.full_state_dict(model)  # (the sharded layer's experts: each rank's own in its state_dict)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+
+
+def initialized_on_meta(mesh, rank, world):
+    """On (2, 2) ("dp_replicate", "ep"): Mixtral built on meta, replicating, each rank's ``init_weights()`` drawing
+    other values: ExpertOptimizer gives every instance of an expert, in both copies, the first copy's first instance's
+    draw (the experts' whole weights the same on every rank), and a step runs."""
+    from test_meta_init import OPTIONS, _build as meta_build
+
+    ids = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(7))
+    model = moecompile.parallelize(meta_build("mixtral", on_meta=True), mesh, ids[rank], replication="adaptive",
+                                   slots_per_rank=5).to_empty(device="cpu")
+    torch.manual_seed(100 + rank)
+    model.init_weights()
+    opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR)
+    whole = moecompile.full_state_dict(model)["model.layers.0.mlp.experts.down_proj"]
+    every = [torch.empty_like(whole) for _ in range(world)]
+    dist.all_gather(every, whole)
+    assert all(torch.equal(w, whole) for w in every), "the copies' experts differ"
+    local, placement = mesh["ep"].get_local_rank(), model._moe_parallel.replicas[0].placement
+    torch.testing.assert_close(model.model.layers[0].mlp.experts.down_proj, whole[placement[local * 5:][:5]], rtol=0,
+                               atol=0)
+    torch.compile(model, backend="moe", options=OPTIONS)(ids[rank], labels=ids[rank]).loss.backward()
+    opt.step()

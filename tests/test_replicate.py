@@ -29,7 +29,9 @@ entries whole, Mixtral's stacked ones DTensors over the ranks' hosts) adaptive w
 One rank: a step after two micro-batches (gradient accumulation) places by both's routing. World 4 as a (2, 2)
 ("dp_replicate", "ep") mesh: each copy's 2 ranks replicate the experts (5 slots each) by their own routing (the copies'
 placements differ), the master parts' gradients summed over the copies; adaptive with SGD trains as one process and
-resumes from its checkpoint (every copy's placement kept) bit for bit. So does a (2, 2) ("dp_shard", "ep") mesh, whose
+resumes from its checkpoint (every copy's placement kept) bit for bit; Mixtral built on meta and initialized in place,
+each rank drawing other values, holds the first copy's first instance of each expert everywhere once ExpertOptimizer is
+built (tests/replicate_split.py). So does a (2, 2) ("dp_shard", "ep") mesh, whose
 replicating layers are not split over "dp_shard" (whole on each copy, as explain() says); the hand-written ModuleList
 model too (adaptive, AdamW), and with its first layer not replicating (a frozen expert weight) and split over
 "dp_shard" beside the replicating second: ExpertOptimizer's clipped norm (the split pieces counted over the copies),
@@ -50,7 +52,7 @@ from moecompile.models.hf import tiny_model
 from moecompile.runtime.placement.replicas import POPULARITY
 from moecompile.runtime.placement.replication import schedule, uniform
 
-from replicate_split import beside_split_layers
+from replicate_split import beside_split_layers, initialized_on_meta
 from test_parallelize import LR, TOL, _batches, _build, _init
 
 E = 8  # tiny Mixtral's experts
@@ -267,6 +269,7 @@ def _worker(rank, world, tmp):
             _train(mesh, rank, world, "adaptive", tmp, "sgd")
             copies = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "ep"))
             _train(copies, rank, world, "adaptive", tmp, "sgd", copies=2, explain=True)  # each copy's 2 ranks replicate
+            initialized_on_meta(copies, rank, world)
             split = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))  # (its replicating layers
             # whole on each copy, as under "dp_replicate")
             _train(split, rank, world, "adaptive", tmp, "sgd", copies=2)
