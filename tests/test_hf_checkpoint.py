@@ -23,8 +23,9 @@ at the safetensors slices (elements per tensor):
                names): each rank reads its experts' tensors only; the others' come back as unexpected keys;
                saved (every rank's experts sent to the writer) and loaded into another such model
     replicated Mixtral and the ModuleList model with replication="adaptive" (built, not on meta): a replicating
-               layer's weights loaded together once all are read, a fused gate_up read whole; strict=False from a
-               checkpoint without some of a layer's weights: the rest loaded, those kept
+               layer's weights loaded together once all are read, each rank reading its rows of the fused gate_up;
+               strict=False from a checkpoint without some of a layer's weights: the rest loaded, those kept
+               (tests/hf_replicated.py)
     stages     two pipeline stages of Mixtral (a (2, 1) ("pp", "ep") mesh), each loaded and saved by its rank: each
                stage's first rank writes its files, rank 0 the index; from_pretrained reads the whole model
 
@@ -51,6 +52,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from hf_replicated import replicated
 from quantize import fp8_blocks
 from ranks import gloo, spawn
 from safetensors.torch import save_file
@@ -260,33 +262,6 @@ def _fsdp_ted_stacked_loop(rank: int, world: int, mesh, tmp: str) -> None:
     _equal(other, ref, "loop saved and loaded again")
 
 
-def _replicated(rank: int, world: int, mesh, tmp: str) -> None:
-    """Replicating layers (``replication="adaptive"``) load a layer's weights together, once all are read: Mixtral
-    (its fused gate_up read whole: its hosts' rows run across gate and up) and the ModuleList model; from a checkpoint
-    without some of a layer's weights (``strict=False``), the rest of that layer, the others keeping their values."""
-    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
-    for kind in ("mixtral", "loop"):  # (their checkpoints: written by _mixtral and _fsdp_ted_stacked_loop)
-        torch.manual_seed(0)
-        ref = TinyMoELM("loop") if kind == "loop" else hf.build_model(_config(kind))
-        torch.manual_seed(1)
-        model = TinyMoELM("loop") if kind == "loop" else hf.build_model(_config(kind))
-        moecompile.parallelize(model.train(), mesh, ids, replication="adaptive", slots_per_rank=5)
-        assert len(model._moe_parallel.replicas) == 2, str(model._moe_parallel)
-        if kind == "loop":  # (the first layer's down weights left out)
-            gone = sorted(k for k in ref.state_dict() if k.startswith("blocks.0.experts.") and k.endswith("w2.weight"))
-            if rank == 0:
-                os.makedirs(f"{tmp}/loop_part")
-                kept = {k: v for k, v in ref.state_dict().items() if k not in gone}
-                save_file(kept, f"{tmp}/loop_part/model.safetensors")
-            dist.barrier()
-            before = moecompile.full_state_dict(model)
-            assert moecompile.load_hf_checkpoint(model, f"{tmp}/loop_part", strict=False) == (gone, [])
-            got = moecompile.full_state_dict(model)
-            assert all(torch.equal(got[k], before[k] if k in gone else v) for k, v in ref.state_dict().items())
-        assert moecompile.load_hf_checkpoint(model, f"{tmp}/{kind}") == ([], []), kind
-        _equal(model, ref, f"{kind} replicated")
-
-
 def _stages(rank: int, world: int, tmp: str) -> None:
     """Two pipeline stages (a ("pp", "ep") = (2, 1) mesh), each parallelized, loaded and saved by its rank: each
     stage's first rank writes its weights, rank 0 the index; transformers reads the model whole."""
@@ -325,7 +300,7 @@ def _ranks(rank: int, world: int, tmp: str) -> None:
         _deepseek_fp8(rank, world, mesh, tmp)
         _mixtral(rank, world, mesh, tmp)
         _fsdp_ted_stacked_loop(rank, world, mesh, tmp)
-        _replicated(rank, world, mesh, tmp)
+        replicated(rank, world, mesh, tmp, _config, _equal)
         _stages(rank, world, tmp)
 
 
@@ -398,3 +373,13 @@ def test_bad_checkpoints_are_refused_naming_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"is \(8, 48, 32\) on this rank from the checkpoint, the model holds "
                                          r"\(8, 32, 32\): a checkpoint of another configuration"):
         moecompile.load_hf_checkpoint(model, tmp_path / "other")
+
+
+def test_a_fused_weight_is_read_in_each_ranks_rows():
+    """A replicating layer's fused weight (gate and up, 3 rows each, concatenated) cut over 4 hosts in ``torch.chunk``
+    parts of 2 rows: each rank reads of each source the rows inside its part (rank 1: gate's last, up's first)."""
+    rows = [[hf_checkpoint._FusedRows.rows(6, 2, source, rank, 4) for source in (0, 1)] for rank in range(4)]
+    assert rows == [[(0, 2), (0, 0)], [(2, 3), (0, 1)], [(3, 3), (1, 3)], [(3, 3), (3, 3)]]
+    one = torch.arange(12.0).view(3, 4)  # one expert's gate, [3, 4], of the layer's [E, 6, 4]
+    assert torch.equal(hf_checkpoint._FusedRows(1, 2, 3, 3).shard_tensor(one), one[2:3])
+    assert hf_checkpoint._FusedRows(1, 3, 3, 3).shard_tensor(one).shape == (0, 4)  # (nothing read)

@@ -93,10 +93,11 @@ def load_hf_checkpoint(model, path, *, strict: bool = True) -> _IncompatibleKeys
             else:  # the n-th tensor of a converter's list: its sharding tells whether this rank holds it
                 load = loads.setdefault(name, copy.deepcopy(by_pattern[pattern]))
                 index = len(load.collected_tensors.get(pattern, []))
-            # a replicating layer's fused gate/up weight is read whole: its hosts' rows run across gate and up, which
-            # transformers' shard-on-read cuts each on its own (replicate.py cuts it from the whole)
+            # a replicating layer's fused gate/up weight: its hosts' rows run across gate and up, which transformers'
+            # shard-on-read would cut each on its own (_FusedRows reads each source's share of the rows)
             fused = name in together and pattern in by_pattern and len(by_pattern[pattern].source_patterns) > 1
-            cut = DtensorShardOperation(ref) if isinstance(ref, DTensor) and not fused else None
+            cut = DtensorShardOperation(ref) if isinstance(ref, DTensor) and not fused else \
+                _FusedRows.of(ref, by_pattern[pattern], pattern) if fused else None
             load.add_tensor(name, key, pattern,
                             hf_loading.spawn_materialize(None, tensors[key], device, ref.dtype, cut, index))
         for first, load in loads.items():  # one weight (or a few, split from one tensor) read and loaded at a time
@@ -265,6 +266,51 @@ def _opened(files: list[str]):
         if _RECORDS:
             tensors = {key: _Recorded(key, piece, _RECORDS[-1]) for key, piece in tensors.items()}
         yield tensors
+
+
+class _FusedRows:
+    """Shard-on-read of one source of a replicating layer's fused weight (gate and up concatenated along the
+    dimension the hosts cut, ``Shard(d)`` of the layer's ``[E, ...]`` over its hosts' 1-D mesh): of this source's
+    rows along it, those inside this rank's ``torch.chunk`` part of the fused dimension (none, some or all), so a
+    rank reads 1/W of the weight, the concatenation then this rank's piece."""
+
+    def __init__(self, dim: int, lo: int, hi: int, ndim: int):
+        self.dim, self.lo, self.hi, self.ndim = dim, lo, hi, ndim  # (lo, hi: within this source's rows)
+
+    @classmethod
+    def of(cls, ref, converter, pattern: str):
+        """The cut of ``pattern``'s tensors for the DTensor ``ref``; None (read whole) unless the converter
+        concatenates equal sources along the dimension ``ref`` cuts."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        joins = [op for op in converter.operations if type(op).__name__ == "Concatenate"]
+        if not (isinstance(ref, DTensor) and len(ref.placements) == 1 and isinstance(ref.placements[0], Shard)):
+            return None
+        dim, count = ref.placements[0].dim, len(converter.source_patterns)
+        if len(joins) != 1 or joins[0].dim != dim or ref.shape[dim] % count:
+            return None
+        rows = cls.rows(ref.shape[dim], count, converter.source_patterns.index(pattern),
+                        ref.device_mesh.get_local_rank(), ref.device_mesh.size())
+        return cls(dim, *rows, ref.ndim)
+
+    @staticmethod
+    def rows(size: int, count: int, position: int, rank: int, world: int) -> tuple[int, int]:
+        """Of ``count`` equal sources concatenated into ``size`` rows, the rows of the one at ``position`` that
+        fall in ``rank``'s ``torch.chunk`` part of ``world`` (lo == hi: none)."""
+        from moecompile.runtime.placement.expert_state import bounds
+
+        width, cut = size // count, bounds(size, world)
+        lo = min(max(cut[rank] - position * width, 0), width)
+        return lo, max(min(cut[rank + 1] - position * width, width), lo)
+
+    def shard_tensor(self, source, tensor_idx=None, device=None, dtype=None) -> torch.Tensor:
+        shape = list(source.shape) if isinstance(source, torch.Tensor) else source.get_shape()
+        d = self.dim - (self.ndim - len(shape))  # (one expert's tensor: no expert dimension)
+        if self.hi == self.lo:  # (none of this source's rows: nothing read)
+            return torch.empty([0 if i == d else n for i, n in enumerate(shape)], device=device, dtype=dtype)
+        index = [slice(None)] * len(shape)
+        index[d] = slice(self.lo, self.hi)
+        return source[tuple(index)].to(device=device, dtype=dtype)
 
 
 def _as_target(name: str, value: torch.Tensor, ref, path) -> torch.Tensor:
