@@ -54,17 +54,13 @@ class ExpertPartition:
         self.rank, self.world = rank, world
         row = [math.prod(shape[1:]) for shape in self.shapes]  # elements of one row of each weight
         self.rows = [bounds(shape[0], world) for shape in self.shapes]  # each weight's rows of each rank
-        starts = [0]
-        for shape in self.shapes:
-            starts.append(starts[-1] + math.prod(shape))
-        self.numel = starts[-1]
-        order, self.bounds = [], [0]
-        for r in range(world):
-            for start, cut, size in zip(starts, self.rows, row):
-                order.append(torch.arange(start + cut[r] * size, start + cut[r + 1] * size))
-            self.bounds.append(self.bounds[-1] + sum((cut[r + 1] - cut[r]) * size for cut, size in zip(self.rows, row)))
-        self.order = torch.cat(order)  # position in ``flatten``'s rows -> element of the weights laid end to end
-        self.inverse = torch.argsort(self.order)
+        self.numel = sum(math.prod(shape) for shape in self.shapes)
+        # per rank, per weight: the elements of one expert's weight in the rank's rows (a run: no index tensor,
+        # which for one DeepSeek-V3 expert would be 44 M int64 elements a layer)
+        self.runs = [[(cut[r] * size, cut[r + 1] * size) for cut, size in zip(self.rows, row)] for r in range(world)]
+        self.bounds = [0]
+        for runs in self.runs:
+            self.bounds.append(self.bounds[-1] + sum(hi - lo for lo, hi in runs))
         part = self.part_of(full)  # (a new tensor of the rank's columns alone: no weight flattened whole)
         if torch.cuda.is_available():
             part = part.pin_memory()
@@ -74,18 +70,18 @@ class ExpertPartition:
         """``n`` experts' weights (each ``[n, ...]``, its elements per expert in the weight's order) as ``[n, P]``
         rows in rank order."""
         n = weights[0].shape[0]
-        rows = torch.cat([w.detach().reshape(n, -1) for w in weights], 1)
-        return rows[:, self.order.to(rows.device)]
+        flat = [w.detach().reshape(n, -1) for w in weights]
+        return torch.cat([w[:, lo:hi] for runs in self.runs for w, (lo, hi) in zip(flat, runs)], 1)
 
     def unflatten(self, rows: Tensor) -> list[Tensor]:
         """``[n, P]`` rows (rank order) as the layer's weights, each ``[n, ...]`` in its dtype."""
-        rows = rows[:, self.inverse.to(rows.device)]
-        out, at = [], 0
-        for shape, dtype in zip(self.shapes, self.dtypes):
-            size = math.prod(shape)
-            out.append(rows[:, at:at + size].reshape(rows.shape[0], *shape).to(dtype))
-            at += size
-        return out
+        pieces, at = [[] for _ in self.shapes], 0  # per weight, its run of each rank's columns
+        for runs in self.runs:
+            for i, (lo, hi) in enumerate(runs):
+                pieces[i].append(rows[:, at:at + hi - lo])
+                at += hi - lo
+        return [torch.cat(p, 1).reshape(rows.shape[0], *shape).to(dtype)
+                for p, shape, dtype in zip(pieces, self.shapes, self.dtypes)]
 
     def pieces(self, part: Tensor) -> list[Tensor]:
         """This rank's ``[E, P_w]`` part (``master``, or optimizer state shaped like it) as its piece of each
