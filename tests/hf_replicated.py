@@ -43,3 +43,24 @@ def replicated(rank: int, world: int, mesh, tmp: str, config, equal) -> None:
             fused = [sum(reads.get(f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight", [0])[0] for w in
                          ("w1", "w3")) for i in (0, 1) for e in range(8)]
             assert fused == [ref.config.intermediate_size * ref.config.hidden_size] * 16, fused
+
+
+def in_shares(mesh, rank: int, tmp: str) -> None:
+    """On (2, 2) ("dp_shard", "ep") (tests/test_replicate.py's world 4 runs it): replicated Mixtral, its master parts
+    split in shares over "dp_shard", loads a transformers checkpoint as the one process's weights, each rank reading
+    its share of the fused gate_up's rows: a quarter of every expert's w1 and w3 together."""
+    torch.manual_seed(0)
+    ref = hf.build_model(hf.tiny_config("mixtral"))
+    if rank == 0:
+        ref.save_pretrained(f"{tmp}/hf_mixtral")
+    dist.barrier()
+    torch.manual_seed(1)
+    model = moecompile.parallelize(hf.build_model(hf.tiny_config("mixtral")).train(), mesh,
+                                   torch.randint(1, 64, (2, 6)), replication="adaptive", slots_per_rank=5)
+    with hf_checkpoint.reads() as reads:
+        assert moecompile.load_hf_checkpoint(model, f"{tmp}/hf_mixtral") == ([], [])
+    got = moecompile.full_state_dict(model)
+    assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+    fused = [sum(reads.get(f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight", [0])[0] for w in ("w1", "w3"))
+             for i in (0, 1) for e in range(8)]
+    assert fused == [ref.config.intermediate_size * ref.config.hidden_size // 2] * 16, fused

@@ -29,7 +29,8 @@ def beside_split_layers(mesh, rank, world, tmp):
     info = model._moe_parallel
     first, second = info.report.layers
     assert "not replicated" in first.sharding and "split over 2 ranks ('dp_shard'" in first.sharding, str(info)
-    assert "slots" in second.sharding and "not split" in second.sharding and len(info.replicas) == 1, str(info)
+    assert "slots whole" in second.sharding and "split over them (1/2" in second.sharding, str(info)
+    assert "1/4 of each expert on each rank's host" in second.sharding and len(info.replicas) == 1, str(info)
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     opt = moecompile.ExpertOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR, momentum=0.9)
@@ -54,9 +55,10 @@ def beside_split_layers(mesh, rank, world, tmp):
 
 
 def initialized_on_meta(mesh, rank, world):
-    """On (2, 2) ("dp_replicate", "ep"): Mixtral built on meta, replicating, each rank's ``init_weights()`` drawing
-    other values: ExpertOptimizer gives every instance of an expert, in both copies, the first copy's first instance's
-    draw (the experts' whole weights the same on every rank), and a step runs."""
+    """On (2, 2) ("dp_replicate", "ep") or ("dp_shard", "ep") (the master parts in shares): Mixtral built on meta,
+    replicating, each rank's ``init_weights()`` drawing other values: ExpertOptimizer gives every instance of an
+    expert, in both copies, the first copy's first instance's draw (the experts' whole weights the same on every
+    rank), and a step runs."""
     from test_meta_init import OPTIONS, _build as meta_build
 
     ids = torch.randint(1, 64, (world, 2, 6), generator=torch.Generator().manual_seed(7))

@@ -378,7 +378,8 @@ def test_bad_checkpoints_are_refused_naming_the_fix(tmp_path):
 def test_a_fused_weight_is_read_in_each_ranks_rows():
     """A replicating layer's fused weight (gate and up, 3 rows each, concatenated) cut over 4 hosts in ``torch.chunk``
     parts of 2 rows: each rank reads of each source the rows inside its part (rank 1: gate's last, up's first)."""
-    rows = [[hf_checkpoint._FusedRows.rows(6, 2, source, rank, 4) for source in (0, 1)] for rank in range(4)]
+    rows = [[hf_checkpoint._FusedRows.rows(6, 2, source, lo, min(lo + 2, 6)) for source in (0, 1)]
+            for lo in (0, 2, 4, 6)]
     assert rows == [[(0, 2), (0, 0)], [(2, 3), (0, 1)], [(3, 3), (1, 3)], [(3, 3), (3, 3)]]
     one = torch.arange(12.0).view(3, 4)  # one expert's gate, [3, 4], of the layer's [E, 6, 4]
     assert torch.equal(hf_checkpoint._FusedRows(1, 2, 3, 3).shard_tensor(one), one[2:3])

@@ -31,12 +31,13 @@ One rank: a step after two micro-batches (gradient accumulation) places by both'
 placements differ), the master parts' gradients summed over the copies; adaptive with SGD trains as one process and
 resumes from its checkpoint (every copy's placement kept) bit for bit; Mixtral built on meta and initialized in place,
 each rank drawing other values, holds the first copy's first instance of each expert everywhere once ExpertOptimizer is
-built (tests/replicate_split.py). So does a (2, 2) ("dp_shard", "ep") mesh, whose
-replicating layers are not split over "dp_shard" (whole on each copy, as explain() says); the hand-written ModuleList
-model too (adaptive, AdamW), and with its first layer not replicating (a frozen expert weight) and split over
-"dp_shard" beside the replicating second: ExpertOptimizer's clipped norm (the split pieces counted over the copies),
-logits and weights as one process, also after its checkpoint loads into a fresh ExpertOptimizer
-(tests/replicate_split.py).
+built (tests/replicate_split.py). So does a (2, 2) ("dp_shard", "ep") mesh, whose replicating layers keep their
+slots whole on each copy and split each rank's master part and optimizer state in shares over "dp_shard" (each rank
+half of its part, as explain() says; world 2 loads its checkpoint; built on meta and initialized in place, and loaded
+from a transformers checkpoint read in shares: tests/hf_replicated.py); the hand-written ModuleList model too
+(adaptive, AdamW), and with its first layer not replicating (a frozen expert weight) and split over "dp_shard" beside
+the replicating second: ExpertOptimizer's clipped norm (the split pieces and shares counted over the copies), logits
+and weights as one process, also after its checkpoint loads into a fresh ExpertOptimizer (tests/replicate_split.py).
 """
 
 import pytest
@@ -52,6 +53,7 @@ from moecompile.models.hf import tiny_model
 from moecompile.runtime.placement.replicas import POPULARITY
 from moecompile.runtime.placement.replication import schedule, uniform
 
+from hf_replicated import in_shares
 from replicate_split import beside_split_layers, initialized_on_meta
 from test_parallelize import LR, TOL, _batches, _build, _init
 
@@ -146,9 +148,14 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral", co
     ckpt = f"{tmp}/ckpt{world}{family}" + (f"_{copies}{mesh.mesh_dim_names[0]}" if copies > 1 else "")
     info = model._moe_parallel
     assert len(info.replicas) == len(info.report.layers) and not info.left, str(info)
-    split = "dp_shard" in (mesh.mesh_dim_names or ())  # (replicating layers whole on each copy all the same: said)
-    assert not split or all("whole on each of the 2 ranks of 'dp_shard' (not split" in r.sharding
-                            for r in info.report.layers) and "a replicating layer's whole on each" in str(info), str(info)
+    split = "dp_shard" in (mesh.mesh_dim_names or ())  # (replicating layers' slots whole on each copy: said)
+    assert not split or all("master part and its optimizer state split over them (1/2 each" in r.sharding
+                            for r in info.report.layers), str(info)
+    assert not split or "a replicating layer's slots whole on" in str(info), str(info)
+    for layer in info.replicas if split else []:  # (each rank of a copy keeps half of its master part)
+        part = layer.part
+        assert part.master.shape[1] == part.width[part.index] < part.bounds[ep_rank + 1] - part.bounds[ep_rank]
+        assert sum(part.width) == part.bounds[ep_rank + 1] - part.bounds[ep_rank], part.width
     slots = {n: p for n, p in model.named_parameters() if getattr(p, "_moe_replicated", False)}
     assert slots and all(p.shape[0] == S * _rows(ref, n) // E for n, p in slots.items())
     cls, kwargs = OPTIMIZERS[optimizer]
@@ -201,7 +208,8 @@ def _train(mesh, rank, world, mode, tmp, optimizer="adamw", family="mixtral", co
         every = [None] * world
         dist.all_gather_object(every, placements)
         assert every[0] != every[group] and every[0] == every[1], every
-        assert all(h["bytes"]["copies"] > 0 for step in opt.history for h in step.values()), opt.history
+        moved = "share" if split else "copies"  # ("dp_shard": the shares' reduce-scatter and all-gather)
+        assert all(h["bytes"][moved] > 0 for step in opt.history for h in step.values()), opt.history
     held = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.load_state_dict(state)
     assert all(torch.equal(p, held[n]) for n, p in model.named_parameters())
@@ -275,8 +283,11 @@ def _worker(rank, world, tmp):
             _train(split, rank, world, "adaptive", tmp, "sgd", copies=2)
             _train(split, rank, world, "adaptive", tmp, "adamw", "loop", copies=2)
             beside_split_layers(split, rank, world, tmp)
+            in_shares(split, rank, tmp)  # (a transformers checkpoint read in shares)
+            initialized_on_meta(split, rank, world)  # (the first copy's instances, into shares)
         else:  # (Mixtral's runs above on a 1-D mesh: test_one_rank_replication)
             _load_saved_on_4(mesh, rank, world, tmp)
+            _load_saved_on_4(mesh, rank, world, tmp, "ckpt4mixtral_2dp_shard")  # (saved in shares)
             _train(mesh, rank, world, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights
             _train(mesh, rank, world, "adaptive", tmp, "sgd", "loop", explain=True)  # an nn.ModuleList of experts
             _module_list(mesh, rank, world)
@@ -308,13 +319,15 @@ def _module_list(mesh, rank, world):
         model(torch.zeros(1, 4, dtype=torch.long))
 
 
-def _load_saved_on_4(mesh, rank, world, tmp):
+def _load_saved_on_4(mesh, rank, world, tmp, saved="ckpt4mixtral"):
     """The checkpoint saved on 4 ranks (3 slots each) loads on 2 (5 slots each): the master weights and momenta
-    whole as saved, the experts evenly placed, and training goes on."""
+    whole as saved, the experts evenly placed, and training goes on. ``saved="ckpt4mixtral_2dp_shard"``: the one
+    saved on (2, 2) ("dp_shard", "ep"), its master parts split in shares over "dp_shard" (5 slots each: the first
+    copy's placement taken)."""
     mine = _batches(_build("mixtral"), world)[rank]
     model, compiled, opt = _replicated(mesh, mine, world, "adaptive", "sgd")
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(state, checkpoint_id=f"{tmp}/ckpt4mixtral")
+    dcp.load(state, checkpoint_id=f"{tmp}/{saved}")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     now = model.state_dict()
@@ -326,7 +339,8 @@ def _load_saved_on_4(mesh, rank, world, tmp):
             for attr, value in entry[key].items():  # per weight
                 assert torch.equal(mine_now[path][key][attr].full_tensor(), value.full_tensor()), (path, key, attr)
     for layer in opt.layers:
-        assert torch.equal(layer.placement, uniform(E, world, E // world + 1))
+        want = state["optim"]["placement"][layer.path][0] if "dp_shard" in saved else uniform(E, world, E // world + 1)
+        assert torch.equal(layer.placement, torch.as_tensor(want)), (saved, layer.placement)
     out = compiled(mine, labels=mine)
     out.loss.backward()
     opt.step(), opt.zero_grad()
@@ -370,25 +384,3 @@ def _accumulate(mesh):
         assert opt.history[-1][layer.path]["popularity"] == both.tolist()
         assert torch.equal(layer.placement, schedule(both, 1, E + 1)), (layer.placement, both)
         assert layer.path not in POPULARITY
-
-
-def test_which_module_list_layers_replicate():
-    """A ModuleList (or ModuleDict) layer replicates where each role's weights are ``<list>.<expert>.<weight>`` in one
-    list, alike in shape, dtype and requires_grad; otherwise it is sharded without replication, saying why."""
-    from moecompile.distributed.replicate import replicable
-    from moecompile.distributed.replicate_list import container
-
-    assert container(["b.experts.0.w1.weight", "b.experts.1.w1.weight"]) == ("b.experts", ["0.w1.weight",
-                                                                                           "1.w1.weight"])
-    assert container(["m.experts.expert_0.wi.weight", "m.experts.expert_1.wi.weight"])[0] == "m.experts"
-    for names in (["b.experts.0.w1.weight", "b.experts.0.w1.weight"], ["b.experts.0.w1.weight", "c.experts.1.w1.weight"],
-                  ["b.experts.0.w1.weight", "b.experts.1.w2.weight"], ["b.experts.0.w1.weight"]):
-        assert container(names) is None, names
-    model = _build("loop")
-    params = {role: [f"blocks.0.experts.{i}.{w}.weight" for i in range(E)] for role, w in
-              (("gate", "w1"), ("up", "w3"), ("down", "w2"))}
-    assert replicable(model, params) == ""
-    model.blocks[0].experts[5].w1.weight.requires_grad_(False)  # one expert frozen, the others not
-    assert "differ in shape, dtype or requires_grad" in replicable(model, params)
-    params["gate"] = [n.replace("blocks.0", f"blocks.{i % 2}") for i, n in enumerate(params["gate"])]
-    assert "not named <list>.<expert>.<weight> alike" in replicable(model, params)

@@ -1,5 +1,6 @@
 """The placement scheduler, row routing and gradient sources of adaptive expert replication (pure functions,
-``runtime/placement/replication.py``), against hand-worked cases and a row-by-row reference."""
+``runtime/placement/replication.py``), against hand-worked cases and a row-by-row reference; which ``nn.ModuleList``
+layers replicate (``moecompile/distributed/replicate_list.py``)."""
 
 import pytest
 import torch
@@ -128,3 +129,28 @@ def test_gradient_sources():
             served = torch.bincount(others, minlength=W)
             assert int(served.max()) <= -(-(W - len(hosts)) // len(hosts)), (placement, e, sources)
     assert consecutive_groups(4) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+
+
+def test_which_module_list_layers_replicate():
+    """A ModuleList (or ModuleDict) layer replicates where each role's weights are ``<list>.<expert>.<weight>`` in one
+    list, alike in shape, dtype and requires_grad; otherwise it is sharded without replication, saying why."""
+    from test_parallelize import _build
+
+    from moecompile.distributed.replicate import replicable
+    from moecompile.distributed.replicate_list import container
+
+    assert container(["b.experts.0.w1.weight", "b.experts.1.w1.weight"]) == ("b.experts", ["0.w1.weight",
+                                                                                           "1.w1.weight"])
+    assert container(["m.experts.expert_0.wi.weight", "m.experts.expert_1.wi.weight"])[0] == "m.experts"
+    for names in (["b.experts.0.w1.weight", "b.experts.0.w1.weight"],
+                  ["b.experts.0.w1.weight", "c.experts.1.w1.weight"],
+                  ["b.experts.0.w1.weight", "b.experts.1.w2.weight"], ["b.experts.0.w1.weight"]):
+        assert container(names) is None, names
+    model = _build("loop")
+    params = {role: [f"blocks.0.experts.{i}.{w}.weight" for i in range(8)] for role, w in
+              (("gate", "w1"), ("up", "w3"), ("down", "w2"))}
+    assert replicable(model, params) == ""
+    model.blocks[0].experts[5].w1.weight.requires_grad_(False)  # one expert frozen, the others not
+    assert "differ in shape, dtype or requires_grad" in replicable(model, params)
+    params["gate"] = [n.replace("blocks.0", f"blocks.{i % 2}") for i, n in enumerate(params["gate"])]
+    assert "not named <list>.<expert>.<weight> alike" in replicable(model, params)

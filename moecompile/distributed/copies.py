@@ -19,9 +19,10 @@ split along another dimension (H), never I (a piece of a slice along I would not
 and its state_dict entry is whole along I (``ted.to_whole``), ``Shard`` of the cut dimension over ``"dp_shard"``.
 Beside expert domains (``domains.py``) a layer gathers its pieces over the copies first, then the domain's experts
 from those (both again in backward with ``reshard_after_forward=True``); their compressed gathers are refused. A
-layer whose experts replicate (``replicate.py``) is not split: each copy's ranks hold its slots and master parts
-whole, as under ``"dp_replicate"`` (each copy placing by its own routing, the parts' gradients summed over the
-copies); the other layers of the model are split.
+layer whose experts replicate (``replicate.py``) keeps its slots whole on each copy (each copy placing by its own
+routing), and splits each rank's master part and its optimizer state over ``"dp_shard"`` (``ExpertPartition``'s
+shares: the part's gradient reduce-scattered, the updated part all-gathered); the other layers of the model are
+split.
 
 A weight none of whose dimensions after the experts' the copies divide (a fused gate/up bias: only 2I), or with one
 dimension (a per-expert scale), stays whole on each copy and is averaged as under ``"dp_replicate"``. The state_dict
@@ -137,8 +138,9 @@ class Split:
 
     def replicated(self) -> str:
         """What ``explain()`` says of a layer whose experts replicate (``replicate.py``) beside the split copies."""
-        return (f"its slots and master parts whole on each of the {self.parts} ranks of {SHARD!r} (not split: "
-                "replication places whole experts in the slots), the master parts' gradients summed over the copies")
+        return (f"its slots whole on each of the {self.parts} ranks of {SHARD!r} (replication places whole experts "
+                f"in the slots), each rank's master part and its optimizer state split over them (1/{self.parts} "
+                "each: reduce-scattered after the collect, all-gathered before the distribute)")
 
 
 def setup(mesh, reshard_after_forward: bool, **options) -> Split | None:

@@ -111,7 +111,8 @@ class ExpertOptimizer(torch.optim.Optimizer):
         step), ``rows_per_slot`` (what each instance received), ``dropped`` (rows past a capacity) and ``bytes``:
         this rank's bytes per phase (``reduce``: its all-reduce inputs; ``collect``, ``distribute``: sent to
         other ranks; ``*.local``: the parts that stayed on the rank; ``distribute.copy``: the weights copied into
-        the rank's further instances of an expert)."""
+        the rank's further instances of an expert; ``copies``: the master gradient's all-reduce over copies of the
+        experts; ``share``: under ``"dp_shard"``, the reduce-scatter and all-gather of the master part's shares)."""
         from .sharded_state import check_not_moved  # here: imported first, sharded_state meets its cycle via views
 
         check_reduced(self._syncs, "ExpertOptimizer.step")
@@ -156,9 +157,10 @@ class ExpertOptimizer(torch.optim.Optimizer):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layer.slot_parameters()]
             rows = layer.part.flatten([g.reshape(S, -1) for g in grads])
             reduced = reduce_instances(rows, layer.placement, layer.hosts.groups)
-            layer.part.master.grad = collect(reduced, layer.placement, layer.part, self.group)
-            if self._copies is not None:  # every copy's share (each divided by the copies in backward)
-                dist.all_reduce(layer.part.master.grad, group=self._copies)
+            # this rank's part ("dp_shard": its share, summed over the ranks splitting the part)
+            layer.part.master.grad = layer.part.scatter(collect(reduced, layer.placement, layer.part, self.group))
+            if layer.hosts.same is not None:  # every copy's (each divided by the copies in backward)
+                dist.all_reduce(layer.part.master.grad, group=layer.hosts.same)
                 expert_state.BYTES["copies"] += layer.part.master.grad.numel() * layer.part.master.grad.element_size()
             moved[layer.path] = _delta(before)
         self._gathered = moved
@@ -181,7 +183,8 @@ class ExpertOptimizer(torch.optim.Optimizer):
         shared = [p.grad for d in self.denses if d is not None for g in d.param_groups for p in g["params"]
                   if p.grad is not None and id(p) not in local_ids]
         own, split = expert_grads(self._parts, self._local)
-        own += [layer.part.master.grad for layer in self.layers]
+        own += [layer.part.master.grad for layer in self.layers if layer.hosts.split is None]
+        split += [layer.part.master.grad for layer in self.layers if layer.hosts.split is not None]  # (shares)
         return clip_together(shared, own, self.group, max_norm, norm_type, stages=self._stages,
                              split=(split, self._shard))
 

@@ -281,27 +281,28 @@ class _FusedRows:
     def of(cls, ref, converter, pattern: str):
         """The cut of ``pattern``'s tensors for the DTensor ``ref``; None (read whole) unless the converter
         concatenates equal sources along the dimension ``ref`` cuts."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         joins = [op for op in converter.operations if type(op).__name__ == "Concatenate"]
-        if not (isinstance(ref, DTensor) and len(ref.placements) == 1 and isinstance(ref.placements[0], Shard)):
+        if not isinstance(ref, DTensor) or not all(isinstance(p, (Shard, Replicate)) for p in ref.placements):
             return None
-        dim, count = ref.placements[0].dim, len(converter.source_patterns)
-        if len(joins) != 1 or joins[0].dim != dim or ref.shape[dim] % count:
+        dims = {p.dim for p in ref.placements if isinstance(p, Shard)}  # (nested over "dp_shard": one dimension)
+        dim, count = (dims.pop() if len(dims) == 1 else None), len(converter.source_patterns)
+        if dim is None or len(joins) != 1 or joins[0].dim != dim or ref.shape[dim] % count:
             return None
-        rows = cls.rows(ref.shape[dim], count, converter.source_patterns.index(pattern),
-                        ref.device_mesh.get_local_rank(), ref.device_mesh.size())
+        size, start = compute_local_shape_and_global_offset(ref.shape, ref.device_mesh, ref.placements)
+        rows = cls.rows(ref.shape[dim], count, converter.source_patterns.index(pattern), start[dim],
+                        start[dim] + size[dim])
         return cls(dim, *rows, ref.ndim)
 
     @staticmethod
-    def rows(size: int, count: int, position: int, rank: int, world: int) -> tuple[int, int]:
-        """Of ``count`` equal sources concatenated into ``size`` rows, the rows of the one at ``position`` that
-        fall in ``rank``'s ``torch.chunk`` part of ``world`` (lo == hi: none)."""
-        from moecompile.runtime.placement.expert_state import bounds
-
-        width, cut = size // count, bounds(size, world)
-        lo = min(max(cut[rank] - position * width, 0), width)
-        return lo, max(min(cut[rank + 1] - position * width, width), lo)
+    def rows(size: int, count: int, position: int, lo: int, hi: int) -> tuple[int, int]:
+        """Of ``count`` equal sources concatenated into ``size`` rows, the rows of the one at ``position`` inside
+        ``[lo, hi)`` (this rank's), as rows of that source (lo == hi: none)."""
+        width, begin = size // count, position * (size // count)
+        first = min(max(lo - begin, 0), width)
+        return first, max(min(hi - begin, width), first)
 
     def shard_tensor(self, source, tensor_idx=None, device=None, dtype=None) -> torch.Tensor:
         shape = list(source.shape) if isinstance(source, torch.Tensor) else source.get_shape()

@@ -143,7 +143,7 @@ def describe(mesh, world: int, copies: int, replicating: bool = False) -> str:
         parts = mesh.shape[_outers(mesh).index(SHARD)]
         how = (f"{REPLICATE!r} x {SHARD!r}: its weights split over the {parts} of {SHARD!r}, gathered where the layer "
                f"runs, its gradient reduce-scattered over them and averaged over {REPLICATE!r}")
-    how += "; a replicating layer's whole on each" if replicating and copies_split(mesh) else ""
+    how += "; a replicating layer's slots whole on each" if replicating and copies_split(mesh) else ""
     return f"expert parallelism over {world} rank(s){where}" + (
         f", each expert on {copies} ranks ({how})" if copies > 1 else "") + ":"
 

@@ -25,11 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 import moecompile.runtime.placement.replicas  # noqa: F401  (registers moe::ep_to_instances)
+from moecompile.runtime.comm import levels
 from moecompile.runtime.placement.expert_state import ExpertPartition, Groups
 from moecompile.runtime.placement.replication import uniform
 
 from . import replicate_list
-from .mesh import _timeout, ep_groups, replicate_group, replicate_groups
+from .mesh import (REPLICATE, SHARD, _timeout, copies_split, ep_groups, ep_shape, replicate_group,
+                   replicate_groups)
 from .meta import LAZY
 
 REPLICAS = "moe_slot_experts"  # the buffer holding a replicating layer's placement (slot -> expert)
@@ -41,13 +43,24 @@ class Hosts:
     """What every replicating layer of a rank shares: ``mesh``, the expert-parallel group's hosts in order (the
     master parts' DTensors: every rank's, or under ``"pp"`` the stage's, beside copies of the experts the copy's),
     ``groups``, the process groups of every run of consecutive ranks of the group (the instances' gradient sums; its
-    ``group``, ``rank``, ``world``), and ``copies``: with ``"dp_replicate"`` or ``"dp_shard"`` (a replicating layer
-    is whole on each copy), the group of the ranks holding the same master parts in every copy (their gradients
-    summed over it; one that takes host tensors), else None."""
+    ``group``, ``rank``, ``world``), and ``copies``: with ``"dp_replicate"`` or ``"dp_shard"`` (a replicating layer's
+    slots are whole on each copy), the group of the ranks at the same place in every copy (one that takes host
+    tensors), else None. Under ``"dp_shard"`` those ranks split the master part they hold in shares: ``split``, the
+    ranks differing in ``"dp_shard"`` alone (the shares' reduce-scatter and all-gather), and ``mesh`` the hosts as
+    ("dp_replicate", "ep", "dp_shard") (the first under HSDP only), each share a nested ``Shard``; ``same``: the
+    ranks holding the same master weights (their gradients summed over it): ``copies``, or under HSDP the ranks
+    differing in ``"dp_replicate"`` alone, or None."""
 
     mesh: object
     groups: Groups
     copies: object = None
+    split: object = None
+    same: object = None
+
+    def share(self) -> tuple | None:
+        """(this rank's index, the count, the group) of the ranks splitting its master parts, or None."""
+        return None if self.split is None else (dist.get_rank(self.split), dist.get_world_size(self.split),
+                                                self.split)
 
 
 def setup(mesh, group) -> Hosts:
@@ -58,7 +71,30 @@ def setup(mesh, group) -> Hosts:
     copies = replicate_group(mesh)
     if copies is not None and "gloo" not in str(dist.get_backend(copies)):
         copies = _gloo_group(replicate_groups(mesh))  # (NCCL alone sums no host tensor)
-    return Hosts(host_mesh(group, every), Groups(group, timeout=_timeout(), every=every), copies)
+    hosts = Hosts(host_mesh(group, every), Groups(group, timeout=_timeout(), every=every), copies, same=copies)
+    if copies_split(mesh):  # ("dp_shard": each rank of a copy keeps a share of the master part they hold)
+        hosts.mesh, hosts.split, hosts.same = _shared_hosts(mesh, every)
+    return hosts
+
+
+def _shared_hosts(mesh, every: list[list[int]]):
+    """Under ``"dp_shard"``: the hosts' mesh ("dp_replicate", "ep", "dp_shard") of this rank's stage (the first
+    under HSDP only), this rank's ``split`` group and its ``same`` group (``Hosts``), gloo groups made on every
+    rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = tuple(mesh.mesh_dim_names)
+    ranks, at = mesh.mesh, names.index(SHARD)
+    held = ranks[tuple((ranks == dist.get_rank()).nonzero()[0][:1].tolist())] if names[0] == "pp" else ranks
+    outer = held.dim() - len(ep_shape(mesh))  # ("dp_replicate" and "dp_shard", or "dp_shard")
+    held = held.reshape(*held.shape[:outer], -1)  # (the expert-parallel ranks in order)
+    split = _gloo_group(levels.partition(ranks, (at,)))
+    if outer == 2:  # HSDP
+        same = _gloo_group(levels.partition(ranks, (names.index(REPLICATE),)))
+        return (DeviceMesh.from_group([same, _gloo_group(every), split], "cpu", mesh=held.permute(0, 2, 1),
+                                      mesh_dim_names=(REPLICATE, "ep", SHARD)), split, same)
+    return (DeviceMesh.from_group([_gloo_group(every), split], "cpu", mesh=held.permute(1, 0),
+                                  mesh_dim_names=("ep", SHARD)), split, None)
 
 
 @dataclass
@@ -145,7 +181,7 @@ def replicate_layer(model, rec, params: dict[str, str], hosts: Hosts, slots_per_
     per_expert = [w.detach() if w.shape[0] == E and w.dim() > 1 else w.detach().reshape(E, w.shape[0] // E,
                                                                                           *w.shape[1:])
                   for w in full]  # [E, R, ...]: a stacked weight as it is, a flat one's rows per expert
-    part = ExpertPartition(per_expert, rank, world)
+    part = ExpertPartition(per_expert, rank, world, split=hosts.share())
     placement = uniform(E, world, S)
     mine = placement[rank * S:(rank + 1) * S]
     rows = {}
@@ -170,7 +206,7 @@ def replicate_layer(model, rec, params: dict[str, str], hosts: Hosts, slots_per_
                     f"{'in proportion to the routing of each step' if adaptive else 'evenly, never moved'} "
                     f"(replication={'adaptive' if adaptive else 'static'}), each routed row to one instance of "
                     f"its expert, {'dropless' if not capacity_factor else f'capacity factor {capacity_factor}'}; "
-                    "master weights and optimizer state: 1/W of each expert on each rank's host")
+                    f"master weights and optimizer state: 1/{world * part.count} of each expert on each rank's host")
     return layer, rows
 
 
@@ -196,7 +232,7 @@ def from_slots(layer: ReplicaLayer, group) -> bool:
     where some rank's slot weights were not all written (a load may still set them)."""
     written = all(p._version != v for p, v in zip(layer.slot_parameters(), layer.versions))
     agreed = torch.tensor([int(written)])
-    for among in (layer.host_mesh.get_group(), layer.hosts.copies):  # (host tensors: gloo groups)
+    for among in (*layer.host_mesh.get_all_groups(), layer.hosts.copies):  # (host tensors: gloo groups)
         if among is not None:
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=among)
     if not agreed.item():
@@ -209,10 +245,11 @@ def from_slots(layer: ReplicaLayer, group) -> bool:
     with torch.no_grad():
         rows = layer.part.flatten([p.reshape(S, -1) for p in layer.slot_parameters()]).float()
         rows *= chosen[rank * S:(rank + 1) * S, None].to(rows.device)
-        layer.part.master.copy_(collect(reduce_instances(rows, layer.placement, layer.hosts.groups),
-                                        layer.placement, layer.part, group))
+        whole = collect(reduce_instances(rows, layer.placement, layer.hosts.groups), layer.placement, layer.part,
+                        group)  # (this rank's [E, P_w] part)
         if layer.hosts.copies is not None:
-            dist.broadcast(layer.part.master.data, group=layer.hosts.copies, group_src=0)
+            dist.broadcast(whole, group=layer.hosts.copies, group_src=0)
+        layer.part.master.copy_(layer.part.share(whole))
         layer.write_slots(distribute(layer.part, layer.placement, group, rows.device))
     layer.unset = False
     return True
@@ -266,8 +303,8 @@ def _whole(layer: ReplicaLayer, group) -> list[torch.Tensor]:
     """The layer's weights whole, ``[E, ...]`` each, from every rank's master part (every rank calls it)."""
     part, device = layer.part, layer.slot_parameters()[0].device  # (NCCL gathers device tensors)
     E, size = part.master.shape[0], part.bounds[1] - part.bounds[0]  # every part padded to the first's size
-    mine = torch.zeros(E, size, device=device)
-    mine[:, :part.master.shape[1]] = part.master.detach()
+    mine, held = torch.zeros(E, size, device=device), part.whole()  # (this rank's part, from its shares)
+    mine[:, :held.shape[1]] = held
     parts = [torch.empty_like(mine) for _ in range(part.world)]
     dist.all_gather(parts, mine, group=group)
     flat = torch.cat([p[:, :part.bounds[r + 1] - part.bounds[r]] for r, p in enumerate(parts)], 1)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moecompile.runtime.placement.expert_state import host_placements
+
 from .meta import LAZY
 
 
@@ -105,18 +107,19 @@ def read_from_slots(module: nn.Module, attrs: list[str], experts: list[list[str]
 def to_experts(state_dict: dict, prefix: str, attrs: list[str], experts: list[list[str]], pieces: list, mesh
                ) -> None:
     """The state_dict's slot weights (``prefix + attr``, dropped) as each expert's weight under its own name, the
-    DTensor ``Shard(0)`` of its ``[R, ...]`` over ``mesh`` from ``pieces`` (per role: the DTensor ``Shard(1)`` of
-    the whole ``[E, R, ...]``, ``ExpertPartition.dtensors``), expert by expert."""
-    from torch.distributed.tensor import DTensor, Shard
+    DTensor ``Shard(0)`` of its ``[R, ...]`` over ``mesh`` (``host_placements``) from ``pieces`` (per role: the
+    DTensor ``Shard(1)`` of the whole ``[E, R, ...]``, ``ExpertPartition.dtensors``), expert by expert."""
+    from torch.distributed.tensor import DTensor
 
     from moecompile.runtime.layouts import contiguous_stride
 
+    rows = host_placements(mesh, 0)
     for attr in attrs:
         state_dict.pop(prefix + attr, None)
     for i in range(len(experts[0])):
         for rels, piece in zip(experts, pieces):
             local, whole = piece.to_local(), tuple(piece.shape[1:])
-            state_dict[prefix + rels[i]] = DTensor.from_local(local[i].contiguous(), mesh, [Shard(0)], run_check=False,
+            state_dict[prefix + rels[i]] = DTensor.from_local(local[i].contiguous(), mesh, rows, run_check=False,
                                                               shape=whole, stride=contiguous_stride(whole))
 
 
@@ -125,10 +128,11 @@ def from_experts(state_dict: dict, prefix: str, attrs: list[str], experts: list[
     """Each expert's weights in ``state_dict`` (whole, or DTensors ``Shard(0)`` as ``to_experts`` gave them) as the
     layer's ``[E, ...]`` weights under the slot names (whole, or the DTensors ``Shard(1)``), the experts' keys
     dropped; False where the state holds none of them."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     from moecompile.runtime.layouts import contiguous_stride
 
+    rows = host_placements(mesh, 0)
     keys = [[prefix + rel for rel in rels] for rels in experts]
     present = [k for role in keys for k in role if k in state_dict]
     if not present:
@@ -138,14 +142,14 @@ def from_experts(state_dict: dict, prefix: str, attrs: list[str], experts: list[
         raise ValueError(f"the state of {path} holds some of its experts' weights, not all: {missing[:4]} missing")
     for attr, role in zip(attrs, keys):
         values = [state_dict.pop(k) for k in role]
-        if not all(isinstance(v, DTensor) and v.device_mesh == mesh and tuple(v.placements) == (Shard(0),)
+        if not all(isinstance(v, DTensor) and v.device_mesh == mesh and tuple(v.placements) == tuple(rows)
                    for v in values):  # whole tensors, or DTensors of other placements: made whole
             values = [v.full_tensor() if isinstance(v, DTensor) else v for v in values]
         if isinstance(values[0], DTensor):
             whole = (len(values), *values[0].shape)
             local = torch.stack([v.to_local() for v in values])
-            state_dict[prefix + attr] = DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=whole,
-                                                           stride=contiguous_stride(whole))
+            state_dict[prefix + attr] = DTensor.from_local(local, mesh, host_placements(mesh, 1), run_check=False,
+                                                           shape=whole, stride=contiguous_stride(whole))
         else:
             state_dict[prefix + attr] = torch.stack(values)
     return True

@@ -51,7 +51,7 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
         return {"not_runnable": "ZeRO-1 of the experts needs copies of a group kept whole, without replication"}
     if plan.shard_copies and (copies == 1 or plan.expert_domains or plan.slots_per_rank):
         return {"not_runnable": "split copies need copies of a group; beside expert domains or replication the planner "
-                "does not price them (parallelize runs both; a replicating layer is whole on each copy all the same)"}
+                "does not price them (parallelize runs both)"}
     split = plan.split(N)
     if copies % split:
         return {"not_runnable": f"copies split over {split} ranks: {split} does not divide the {copies} copies"}

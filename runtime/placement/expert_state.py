@@ -6,8 +6,10 @@ One step of a layer, given this rank's slot gradients ``[S, P]`` (P: one expert'
 
     1 reduce_instances   sum an expert's instances on the rank, all-reduce over the consecutive ranks hosting it
     2 collect            each rank takes its part of every expert's gradient from one hosting rank (get_source)
-    3 host step          the user's optimizer over the rank's [E, P_w] master part
-    4 distribute         each rank sends its updated parts to the ranks hosting the expert next; slots written
+    3 host step          the user's optimizer over the rank's [E, P_w] master part ("dp_shard": its share, the
+                         part's gradient reduce-scattered over the copies first, ``ExpertPartition.scatter``)
+    4 distribute         each rank sends its updated parts (from its shares: ``whole``) to the ranks hosting the
+                         expert next; slots written
 
 In both exchanges a rank sends one message to each other rank (every expert's parts stacked in expert order).
 ``BYTES`` counts what each phase moves (phase -> bytes, this rank; ``.local``: stayed on the rank;
@@ -45,10 +47,15 @@ class ExpertPartition:
 
     The layer's ``[n, P]`` rows (``flatten``: n experts' weights, P elements each) are in rank order: rank 0's
     part of every weight, then rank 1's...; ``bounds[r]`` is where rank r's begins, so ``master`` is the rank's
-    columns of ``flatten(weights)``."""
+    columns of ``flatten(weights)``, or, where copies of the group split it (``split``: ``"dp_shard"``), the
+    rank's share of those columns: of each weight, its ``torch.chunk`` share of the part's rows (its DTensor piece
+    nested under the part's, ``host_placements``)."""
 
-    def __init__(self, full: list[Tensor], rank: int, world: int):
-        """``full``: the layer's expert weights, each ``[E, R, ...]``, the same on every rank."""
+    def __init__(self, full: list[Tensor], rank: int, world: int, split: tuple | None = None):
+        """``full``: the layer's expert weights, each ``[E, R, ...]``, the same on every rank. ``split``: (this
+        rank's index, their count, their group) among the ranks holding the same part in the copies that split it
+        (``"dp_shard"``): each keeps, as ``master``, its ``torch.chunk`` share of the part's rows of each weight
+        (``share``; ``whole`` and ``scatter`` move between the part and the shares over the group)."""
         self.shapes = [tuple(w.shape[1:]) for w in full]
         self.dtypes = [w.dtype for w in full]
         self.rank, self.world = rank, world
@@ -61,6 +68,18 @@ class ExpertPartition:
         self.bounds = [0]
         for runs in self.runs:
             self.bounds.append(self.bounds[-1] + sum(hi - lo for lo, hi in runs))
+        self.index, self.count, self.split_group = split or (0, 1, None)
+        self.own = []  # per weight: the rows this rank keeps (its part's, or its share of them)
+        self.shares = [[] for _ in range(self.count)]  # per share: its runs of columns of the rank's [E, P_w] part
+        at = 0
+        for cut, size in zip(self.rows, row):
+            n = cut[rank + 1] - cut[rank]
+            sub = bounds(n, self.count)
+            for d, runs in enumerate(self.shares):
+                runs.append((at + sub[d] * size, at + sub[d + 1] * size))
+            self.own.append((cut[rank] + sub[self.index], cut[rank] + sub[self.index + 1]))
+            at += n * size
+        self.width = [sum(hi - lo for lo, hi in runs) for runs in self.shares]  # each share's columns
         part = self.part_of(full)  # (a new tensor of the rank's columns alone: no weight flattened whole)
         if torch.cuda.is_available():
             part = part.pin_memory()
@@ -87,41 +106,90 @@ class ExpertPartition:
         """This rank's ``[E, P_w]`` part (``master``, or optimizer state shaped like it) as its piece of each
         weight, ``[E, its rows, ...]``."""
         out, at = [], 0
-        for shape, cut in zip(self.shapes, self.rows):
-            n = cut[self.rank + 1] - cut[self.rank]
+        for shape, (lo, hi) in zip(self.shapes, self.own):
+            n = hi - lo
             size = n * math.prod(shape[1:])
             out.append(part[:, at:at + size].reshape(part.shape[0], n, *shape[1:]))
             at += size
         return out
 
     def dtensors(self, part: Tensor, mesh) -> list:
-        """``pieces(part)`` as DTensors ``Shard(1)`` of each whole weight ``[E, R, ...]`` over ``mesh`` (every
-        rank, in order)."""
-        from torch.distributed.tensor import DTensor, Shard
+        """``pieces(part)`` as DTensors of each whole weight ``[E, R, ...]`` over ``mesh`` (the hosts: every rank
+        of the group, in order; with shares, ``host_placements``), ``Shard(1)``."""
+        from torch.distributed.tensor import DTensor
 
         out = []
         for piece, shape in zip(self.pieces(part), self.shapes):
             whole = (part.shape[0], *shape)
-            out.append(DTensor.from_local(piece.contiguous(), mesh, [Shard(1)], run_check=False, shape=whole,
-                                          stride=contiguous_stride(whole)))
+            out.append(DTensor.from_local(piece.contiguous(), mesh, host_placements(mesh, 1), run_check=False,
+                                          shape=whole, stride=contiguous_stride(whole)))
         return out
 
     def part_of(self, values: list, mesh=None) -> Tensor:
-        """This rank's ``[E, P_w]`` part of the weights ``values`` (each whole ``[E, R, ...]``, or a DTensor of
-        one: on ``mesh``, as ``dtensors`` made it, its local piece; else gathered first), fp32 on the host."""
-        from torch.distributed.tensor import DTensor, Shard
+        """This rank's ``[E, P_w]`` part (or its share) of the weights ``values`` (each whole ``[E, R, ...]``, or a
+        DTensor of one: on ``mesh``, as ``dtensors`` made it, its local piece; else gathered first), fp32 on the
+        host."""
+        from torch.distributed.tensor import DTensor
 
         out = []
-        for value, shape, cut in zip(values, self.shapes, self.rows):
+        for value, shape, (lo, hi) in zip(values, self.shapes, self.own):
             if isinstance(value, DTensor):
-                if value.device_mesh == mesh and tuple(value.placements) == (Shard(1),):
+                if value.device_mesh == mesh and tuple(value.placements) == tuple(host_placements(mesh, 1)):
                     piece = value.to_local()
                 else:
                     value = value.full_tensor()
             if not isinstance(value, DTensor):
-                piece = value.reshape(-1, *shape)[:, cut[self.rank]:cut[self.rank + 1]]  # (a flat weight too)
+                piece = value.reshape(-1, *shape)[:, lo:hi]  # (a flat weight too)
             out.append(piece.detach().reshape(piece.shape[0], -1).to("cpu", torch.float32))
         return torch.cat(out, 1)
+
+    def share(self, part: Tensor) -> Tensor:
+        """This rank's share of its ``[E, P_w]`` part (the part itself without shares)."""
+        if self.count == 1:
+            return part
+        return torch.cat([part[:, lo:hi] for lo, hi in self.shares[self.index]], 1)
+
+    def scatter(self, part: Tensor) -> Tensor:
+        """This rank's share of ``part`` (``[E, P_w]``) summed over the ranks splitting it (every one calls it
+        together; without shares, ``part``): one reduce-scatter, each share padded to the widest."""
+        if self.count == 1:
+            return part
+        wide = max(self.width)
+        stacked = part.new_zeros(self.count, part.shape[0], wide)
+        for d, runs in enumerate(self.shares):
+            stacked[d, :, :self.width[d]] = torch.cat([part[:, lo:hi] for lo, hi in runs], 1)
+        out = part.new_empty(part.shape[0], wide)
+        dist.reduce_scatter_tensor(out, stacked.view(-1, wide), group=self.split_group)
+        BYTES["share"] += stacked.numel() * stacked.element_size()
+        return out[:, :self.width[self.index]].contiguous()
+
+    def whole(self) -> Tensor:
+        """This rank's ``[E, P_w]`` part of ``master`` (detached), gathered from every share (one all-gather; every
+        rank splitting it calls it together; without shares, ``master`` itself)."""
+        mine = self.master.detach()
+        if self.count == 1:
+            return mine
+        padded = mine.new_zeros(mine.shape[0], max(self.width))
+        padded[:, :mine.shape[1]] = mine
+        every = mine.new_empty(self.count, *padded.shape)
+        dist.all_gather_into_tensor(every.view(-1, padded.shape[1]), padded, group=self.split_group)
+        BYTES["share"] += every.numel() * every.element_size()
+        out = mine.new_empty(mine.shape[0], self.bounds[self.rank + 1] - self.bounds[self.rank])
+        for d, runs in enumerate(self.shares):
+            at = 0
+            for lo, hi in runs:
+                out[:, lo:hi] = every[d, :, at:at + hi - lo]
+                at += hi - lo
+        return out
+
+
+def host_placements(mesh, dim: int) -> list:
+    """The placements of a replicating layer's weights over its hosts' ``mesh`` (``dim``: the rows, 1 in ``[E, R,
+    ...]``, 0 in one expert's ``[R, ...]``): ``Shard(dim)`` over the expert-parallel ranks and, nested, over
+    ``"dp_shard"`` (each its share of a part), ``Replicate()`` over ``"dp_replicate"``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if name == "dp_replicate" else Shard(dim) for name in mesh.mesh_dim_names or ("ep",)]
 
 
 class Groups:
@@ -165,7 +233,8 @@ def collect(reduced: dict[int, Tensor], placement_N: Tensor, part: ExpertPartiti
     message to each other rank, its parts of every expert this rank is the source of (experts in order)."""
     rank, world = part.rank, part.world
     S = placement_N.numel() // world
-    out = torch.empty_like(part.master, device=next(iter(reduced.values())).device if reduced else "cpu")
+    out = torch.empty(part.master.shape[0], part.bounds[rank + 1] - part.bounds[rank], dtype=torch.float32,
+                      device=next(iter(reduced.values())).device if reduced else "cpu")
     sends, recvs = defaultdict(list), defaultdict(list)  # other rank -> the experts going to it, from it
     for e in range(part.master.shape[0]):
         for dest, source in enumerate(gradient_sources(placement_N, e, world, S)):
@@ -206,7 +275,7 @@ def distribute(part: ExpertPartition, placement_N: Tensor, group, device) -> Ten
     mine = placement_N[rank * S:(rank + 1) * S].cpu()
     hosted = torch.unique(mine).tolist()  # in order
     assembled = torch.empty(len(hosted), part.numel, dtype=torch.float32, device=device)
-    master = part.master.detach().to(device)  # this rank's parts, copied to the device once (on the host: none)
+    master = part.whole().to(device)  # this rank's parts (from its shares), on the device once (on the host: none)
     lo, hi = part.bounds[rank], part.bounds[rank + 1]
     assembled[:, lo:hi] = master[hosted]
     BYTES["distribute.local"] += len(hosted) * (hi - lo) * 4
