@@ -3,7 +3,10 @@ experts sharded (``moecompile.parallelize``) against every rank holding the whol
 with ``--copies C`` > 1 also C copies of the experts over an outermost mesh dimension, each expert-parallel group of
 RANKS / C ranks: kept whole on each copy (``"dp_replicate"``; with a plain AdamW, or with the experts' state
 partitioned over the copies by ``moecompile.expert_zero_optimizer``, ZeRO-1) or split over the copies' ranks
-(``"dp_shard"``, its gathered weights kept for backward or gathered again there: ``reshard_after_forward``).
+(``"dp_shard"``, its gathered weights kept for backward or gathered again there: ``reshard_after_forward``), and
+the experts replicating in each copy (``replication="adaptive"``, E / group + 1 slots a rank, ``ExpertOptimizer``'s
+AdamW: the master weights and their state on the host, whole on each copy under ``"dp_replicate"``, in shares over
+``"dp_shard"``).
 
     python benchmarks/bench_ep_memory.py [--ranks 4] [--copies 2] [--out benchmarks/ep_memory.md]
 
@@ -26,11 +29,14 @@ import tempfile
 import time
 from datetime import timedelta
 
-MODES = ("replicated", "sharded", "dp_replicate", "dp_replicate_zero", "dp_shard", "dp_shard_reshard")
+MODES = ("replicated", "sharded", "dp_replicate", "dp_replicate_zero", "dp_shard", "dp_shard_reshard",
+         "dp_replicate_slots", "dp_shard_slots")
 LABELS = {"replicated": "every rank holds the whole model", "sharded": "experts sharded over all",
           "dp_replicate": "copies whole (dp_replicate)", "dp_replicate_zero": "copies whole, ZeRO-1 of their experts",
           "dp_shard": "copies split (dp_shard)",
-          "dp_shard_reshard": "split, gathered again in backward"}
+          "dp_shard_reshard": "split, gathered again in backward",
+          "dp_replicate_slots": "replicating, copies whole (dp_replicate)",
+          "dp_shard_slots": "replicating, master parts in shares (dp_shard)"}
 
 
 def _rss_mb() -> dict[str, float]:
@@ -69,13 +75,17 @@ def _run(mode: str, args) -> None:
     elif mode != "replicated":  # copies of the experts over the outermost dimension
         names = ("dp_shard" if "shard" in mode else "dp_replicate", "ep")
         mesh = init_device_mesh("cpu", (args.copies, world // args.copies), mesh_dim_names=names)
-        moecompile.parallelize(model, mesh, ids, reshard_after_forward=mode.endswith("reshard"))
+        slots = dict(replication="adaptive", slots_per_rank=args.experts * args.copies // world + 1) if mode.endswith(
+            "slots") else {}
+        moecompile.parallelize(model, mesh, ids, reshard_after_forward=mode.endswith("reshard"), **slots)
     out["rss_parallelized"] = _rss_mb()["VmRSS"]
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager"})
     if mode == "dp_replicate_zero":  # the experts' AdamW state partitioned over the copies (expert_zero_optimizer)
         experts = moecompile.expert_parameters(model)
         opts = [torch.optim.AdamW([p for p in model.parameters() if p not in experts], lr=1e-3),
                 moecompile.expert_zero_optimizer(model, torch.optim.AdamW, lr=1e-3)]
+    elif mode.endswith("slots"):  # (the experts' master weights and AdamW state on the host: ExpertOptimizer)
+        opts = [moecompile.ExpertOptimizer(model, torch.optim.AdamW, lr=1e-3)]
     else:
         opts = [torch.optim.AdamW(model.parameters(), lr=1e-3)]
     times = []
@@ -87,9 +97,13 @@ def _run(mode: str, args) -> None:
             opt.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - start)
     out["step_s"] = sum(times[1:]) / max(1, len(times) - 1)
+    held = [o for opt in opts for o in ([opt.dense, opt.experts] if mode.endswith("slots") else [local(opt)])
+            if o is not None]
+    masters = [layer.part.master for layer in opts[0].layers] if mode.endswith("slots") else []
     out.update(param_bytes=_nbytes(model.parameters()), grad_bytes=_nbytes(p.grad for p in model.parameters()),
-               optim_bytes=_nbytes(v for opt in opts for s in local(opt).state.values()
-                                   for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
+               optim_bytes=_nbytes(v for opt in held for s in opt.state.values()
+                                   for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+               master_bytes=_nbytes(masters))
     memory = _rss_mb()
     out.update(rss_trained=memory["VmRSS"], rss_peak=memory["VmHWM"])
     every = [None] * world
@@ -103,7 +117,9 @@ def _run(mode: str, args) -> None:
 def _table(results: dict, args) -> str:
     mb = lambda b: f"{b / 2 ** 20:.1f}"  # noqa: E731
     rows = [("parameters (MiB)", "param_bytes", mb), ("gradients (MiB)", "grad_bytes", mb),
-            ("AdamW state (MiB)", "optim_bytes", mb), ("resident after build (MiB)", "rss_built", "{:.0f}".format),
+            ("AdamW state (MiB)", "optim_bytes", mb),
+            ("replicating experts' master weights, host (MiB)", "master_bytes", mb),
+            ("resident after build (MiB)", "rss_built", "{:.0f}".format),
             ("resident after parallelize (MiB)", "rss_parallelized", "{:.0f}".format),
             ("resident after the steps (MiB)", "rss_trained", "{:.0f}".format),
             ("peak resident (MiB)", "rss_peak", "{:.0f}".format),
@@ -119,8 +135,8 @@ def _table(results: dict, args) -> str:
              "| per rank | " + " | ".join(LABELS[m] for m in modes) + " |", "|---" * (len(modes) + 1) + "|"]
     for label, key, fmt in rows + [("peak resident, largest of the ranks (MiB)", "", "{:.0f}".format)]:
         values = [max(r["rss_peak"] for r in results[m]) if not key else results[m][0][key] for m in modes]
-        lines.append(f"| {label} | {fmt(values[0])} | " + " | ".join(f"{fmt(v)} ({v / values[0]:.2f})"
-                                                                    for v in values[1:]) + " |")
+        ratio = (lambda v: f" ({v / values[0]:.2f})") if values[0] else (lambda v: "")  # noqa: E731
+        lines.append(f"| {label} | {fmt(values[0])} | " + " | ".join(f"{fmt(v)}{ratio(v)}" for v in values[1:]) + " |")
     return "\n".join(lines)
 
 

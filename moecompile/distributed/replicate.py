@@ -30,8 +30,8 @@ from moecompile.runtime.placement.expert_state import ExpertPartition, Groups
 from moecompile.runtime.placement.replication import uniform
 
 from . import replicate_list
-from .mesh import (REPLICATE, SHARD, _timeout, copies_split, ep_groups, ep_shape, replicate_group,
-                   replicate_groups)
+from .mesh import (REPLICATE, SHARD, _timeout, copies_split, ep_groups, ep_shape, piece_copies_group,
+                   replicate_group, replicate_groups, shard_group)
 from .meta import LAZY
 
 REPLICAS = "moe_slot_experts"  # the buffer holding a replicating layer's placement (slot -> expert)
@@ -73,14 +73,14 @@ def setup(mesh, group) -> Hosts:
         copies = _gloo_group(replicate_groups(mesh))  # (NCCL alone sums no host tensor)
     hosts = Hosts(host_mesh(group, every), Groups(group, timeout=_timeout(), every=every), copies, same=copies)
     if copies_split(mesh):  # ("dp_shard": each rank of a copy keeps a share of the master part they hold)
-        hosts.mesh, hosts.split, hosts.same = _shared_hosts(mesh, every)
+        hosts.mesh, hosts.split, hosts.same = _shared_hosts(mesh, group, every)
     return hosts
 
 
-def _shared_hosts(mesh, every: list[list[int]]):
+def _shared_hosts(mesh, group, every: list[list[int]]):
     """Under ``"dp_shard"``: the hosts' mesh ("dp_replicate", "ep", "dp_shard") of this rank's stage (the first
-    under HSDP only), this rank's ``split`` group and its ``same`` group (``Hosts``), gloo groups made on every
-    rank."""
+    under HSDP only), this rank's ``split`` group and its ``same`` group (``Hosts``): the mesh's groups where they
+    take CPU tensors, else gloo groups of their ranks, made on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
 
     names = tuple(mesh.mesh_dim_names)
@@ -88,13 +88,14 @@ def _shared_hosts(mesh, every: list[list[int]]):
     held = ranks[tuple((ranks == dist.get_rank()).nonzero()[0][:1].tolist())] if names[0] == "pp" else ranks
     outer = held.dim() - len(ep_shape(mesh))  # ("dp_replicate" and "dp_shard", or "dp_shard")
     held = held.reshape(*held.shape[:outer], -1)  # (the expert-parallel ranks in order)
-    split = _gloo_group(levels.partition(ranks, (at,)))
+    host = lambda made, dims: made if "gloo" in str(dist.get_backend(made)) else _gloo_group(  # noqa: E731
+        levels.partition(ranks, dims) if dims else every)
+    ep, split = host(group, ()), host(shard_group(mesh), (at,))
     if outer == 2:  # HSDP
-        same = _gloo_group(levels.partition(ranks, (names.index(REPLICATE),)))
-        return (DeviceMesh.from_group([same, _gloo_group(every), split], "cpu", mesh=held.permute(0, 2, 1),
+        same = host(piece_copies_group(mesh), (names.index(REPLICATE),))
+        return (DeviceMesh.from_group([same, ep, split], "cpu", mesh=held.permute(0, 2, 1),
                                       mesh_dim_names=(REPLICATE, "ep", SHARD)), split, same)
-    return (DeviceMesh.from_group([_gloo_group(every), split], "cpu", mesh=held.permute(1, 0),
-                                  mesh_dim_names=("ep", SHARD)), split, None)
+    return DeviceMesh.from_group([ep, split], "cpu", mesh=held.permute(1, 0), mesh_dim_names=("ep", SHARD)), split, None
 
 
 @dataclass

@@ -159,7 +159,7 @@ class ExpertPartition:
         for d, runs in enumerate(self.shares):
             stacked[d, :, :self.width[d]] = torch.cat([part[:, lo:hi] for lo, hi in runs], 1)
         out = part.new_empty(part.shape[0], wide)
-        dist.reduce_scatter_tensor(out, stacked.view(-1, wide), group=self.split_group)
+        dist.reduce_scatter_single(out, stacked.view(-1, wide), group=self.split_group)
         BYTES["share"] += stacked.numel() * stacked.element_size()
         return out[:, :self.width[self.index]].contiguous()
 
@@ -172,7 +172,7 @@ class ExpertPartition:
         padded = mine.new_zeros(mine.shape[0], max(self.width))
         padded[:, :mine.shape[1]] = mine
         every = mine.new_empty(self.count, *padded.shape)
-        dist.all_gather_into_tensor(every.view(-1, padded.shape[1]), padded, group=self.split_group)
+        dist.all_gather_single(every.view(-1, padded.shape[1]), padded, group=self.split_group)
         BYTES["share"] += every.numel() * every.element_size()
         out = mine.new_empty(mine.shape[0], self.bounds[self.rank + 1] - self.bounds[self.rank])
         for d, runs in enumerate(self.shares):
