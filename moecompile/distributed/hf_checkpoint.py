@@ -270,9 +270,10 @@ def _opened(files: list[str]):
 
 class _FusedRows:
     """Shard-on-read of one source of a replicating layer's fused weight (gate and up concatenated along the
-    dimension the hosts cut, ``Shard(d)`` of the layer's ``[E, ...]`` over its hosts' 1-D mesh): of this source's
-    rows along it, those inside this rank's ``torch.chunk`` part of the fused dimension (none, some or all), so a
-    rank reads 1/W of the weight, the concatenation then this rank's piece."""
+    dimension the hosts cut, ``Shard(d)`` of the layer's ``[E, ...]`` over its hosts' mesh, nested over
+    ``"dp_shard"`` where the master parts are in shares): of this source's rows along it, those inside this rank's
+    piece of the fused dimension (none, some or all), so a rank reads its 1/W of the weight (1/(W R) in shares),
+    the concatenation then this rank's piece."""
 
     def __init__(self, dim: int, lo: int, hi: int, ndim: int):
         self.dim, self.lo, self.hi, self.ndim = dim, lo, hi, ndim  # (lo, hi: within this source's rows)
