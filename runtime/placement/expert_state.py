@@ -143,11 +143,11 @@ class ExpertPartition:
             out.append(piece.detach().reshape(piece.shape[0], -1).to("cpu", torch.float32))
         return torch.cat(out, 1)
 
-    def share(self, part: Tensor) -> Tensor:
-        """This rank's share of its ``[E, P_w]`` part (the part itself without shares)."""
+    def share(self, part: Tensor, index: int | None = None) -> Tensor:
+        """This rank's share (``index``: that share) of its ``[E, P_w]`` part (the part itself without shares)."""
         if self.count == 1:
             return part
-        return torch.cat([part[:, lo:hi] for lo, hi in self.shares[self.index]], 1)
+        return torch.cat([part[:, lo:hi] for lo, hi in self.shares[self.index if index is None else index]], 1)
 
     def scatter(self, part: Tensor) -> Tensor:
         """This rank's share of ``part`` (``[E, P_w]``) summed over the ranks splitting it (every one calls it
@@ -156,8 +156,8 @@ class ExpertPartition:
             return part
         wide = max(self.width)
         stacked = part.new_zeros(self.count, part.shape[0], wide)
-        for d, runs in enumerate(self.shares):
-            stacked[d, :, :self.width[d]] = torch.cat([part[:, lo:hi] for lo, hi in runs], 1)
+        for d in range(self.count):
+            stacked[d, :, :self.width[d]] = self.share(part, d)
         out = part.new_empty(part.shape[0], wide)
         dist.reduce_scatter_single(out, stacked.view(-1, wide), group=self.split_group)
         BYTES["share"] += stacked.numel() * stacked.element_size()
