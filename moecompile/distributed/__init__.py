@@ -3,6 +3,7 @@
     parallel.py           ``moecompile.parallelize``: detect, check every rank agrees, shard experts, set up dedup,
                           swap or replication, data-parallel gradients for the rest
     stages.py             ``moecompile.pipeline_stage``: one pipeline stage of a transformers model, names kept;
+                          ``stage_carry.py``: what a stage hands on beside hidden states (Gemma 4, ZAYA, Inkling 2);
                           ``moecompile.PipelineStage``: torch's, the stage's gradients reduced once a step
     find_blocks.py        parallelize's detection: the MoE blocks traced alone (the whole model where it must)
     mesh.py               mesh level names, the process groups of each collective kind (made once, with timeouts)

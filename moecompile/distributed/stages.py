@@ -24,8 +24,11 @@ routing, Qwen4-exp's per-layer embeddings) have every stage but the last hand on
 runs its decoder's forward on the first stream (its masks and positions; the ids as ``ple_input_ids`` where the
 decoder takes them), and a forward pre-hook on each of the model's layers (``_carried``: inert unless a stage
 passes ``_CARRY`` through the decoder's keyword arguments) gives its first layer the streams and every layer the ids.
+Decoders passing more than hidden states from layer to layer (Gemma 4's per-layer inputs, ZAYA's router states,
+Inkling 2's block states) have every stage but the last hand that on beside them: ``stage_carry``.
 Where the model cannot be cut so, a ``ValueError`` says why: no ``ModuleList`` of decoder layers, a decoder whose
-forward runs weights beside its embedding, layers, final norm and hyper-connection head (``_check_cut``), the input
+forward runs weights beside its embedding, layers, final norm, hyper-connection head and those ``stage_carry`` hands
+on (``_check_cut``), the input
 embedding tied to the head (``tie_word_embeddings``) across two stages, whose ranks would train two copies of it
 apart, a stage starting at a layer that reuses the top-k of the layer before it (a "shared" indexer layer), or a
 stream model's last stage without a layer.
@@ -46,6 +49,7 @@ import torch
 from torch import nn
 from torch.distributed import pipelining
 
+from . import stage_carry
 from .grads import holding
 from .sharded_state import unwrapped
 
@@ -70,7 +74,10 @@ def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] |
         raise ValueError("pipeline_stage: the model was parallelized already: cut it first, then parallelize each "
                          "stage module over the whole mesh (its outermost dimension \"pp\")")
     path, decoder, attr = _decoder(model)
-    total = len(getattr(decoder, attr))
+    every = getattr(decoder, attr)
+    total = len(every)
+    carry = stage_carry.kind(decoder, every) if count > 1 else None  # (one stage: the decoder as it is)
+    stage_carry.check(decoder, carry)
     if layers is None:
         share, extra = divmod(total, count)
         start = index * share + min(index, extra)
@@ -87,7 +94,6 @@ def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] |
         warnings.warn("pipeline_stage: config.output_router_logits is on, but the router logits stay in each stage "
                       "(a stage passes on its hidden states only): the last stage gives the logits, and no stage the "
                       "load-balancing loss of every layer's routers", UserWarning, stacklevel=2)
-    every = getattr(decoder, attr)
     if not first and layers and getattr(getattr(every[layers[0]], "self_attn", None), "skip_topk", False):
         raise ValueError(f"pipeline_stage: layer {layers[0]} reuses the top-k of the indexer layer before it "
                          "(config.indexer_types: 'shared'), which a stage does not hand on: start each stage at a "
@@ -96,11 +102,15 @@ def pipeline_stage(model: nn.Module, index: int, count: int, layers: list[int] |
     if streams and count > 1 and last and not layers:
         raise ValueError("pipeline_stage: the last stage of a model whose layers hand on streams of hidden states "
                          f"({', '.join(_AFTER)}) needs a layer: give it one (layers=[...])")
-    stage = _shell(model, path, decoder, attr, list(layers), first, last)
+    if carry:  # (the model's tap and hooks first: the stage's copy of the decoder shares the tap)
+        stage_carry.hook(decoder, every, layers, carry)
+    stage = _shell(model, path, decoder, attr, list(layers), first, last, carry)
     stage.__class__ = _stage_class(type(model))
     stage.stage_path, stage.stage_first, stage.stage_last, stage.stage_layers = path, first, last, list(layers)
     stage.stage_width = decoder.get_input_embeddings().embedding_dim
-    stage.stage_streams = streams
+    stage.stage_streams, stage.stage_kind, stage.stage_attr = streams, carry, attr
+    if carry:
+        stage.__dict__["_moe_whole"] = decoder  # (not a child: the stage holds the decoder's copy)
     takes_ids = len(every) > 0 and "input_ids" in inspect.signature(type(every[0]).forward).parameters
     stage.stage_ple = bool(getattr(decoder.config, "ple_layer_ids", None))  # (per-layer inputs of the ids: _IDS)
     stage.stage_ids = count > 1 and not last and (takes_ids or stage.stage_ple)  # (every stage hands the ids on)
@@ -119,8 +129,20 @@ class _Stage:
     whose layers hand on streams of hidden states (DeepSeek-V4's hyper-connections, [B, T, n, H]) has them go to its
     next stage's first layer as they are (the decoder's own start makes them from one stream, ignored there)."""
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor):
         first, last = self.stage_first, self.stage_last
+        if self.stage_kind:  # (stage_carry: a decoder passing more than hidden states from layer to layer)
+            shell = self.get_submodule(self.stage_path) if self.stage_path else self
+            if last and self.stage_path:  # a causal LM: the logits
+                def call(**inputs):
+                    return super(_Stage, self).forward(**inputs, use_cache=False).logits
+            else:
+                forward = shell.forward if self.stage_path else super().forward
+
+                def call(**inputs):
+                    return forward(**inputs, use_cache=False).last_hidden_state
+            return stage_carry.run(self, shell, call, x, carried)
+        ids = carried[0] if carried else None
         ids = x if first else ids
         streams = self.stage_streams and not first
         if streams and not self.stage_layers:  # (a middle stage without layers: handed on as it came)
@@ -178,14 +200,18 @@ def _decoder(model: nn.Module) -> tuple[str, nn.Module, str]:
 
 
 def _check_cut(decoder: nn.Module, attr: str) -> None:
-    """Refuse a decoder whose forward runs weights other than its input embedding, its layers and one final norm
-    (weights of its own, hyper-connections' heads, per-layer inputs made from the token ids): what passes from layer
-    to layer may then be more than the hidden states a stage hands on."""
+    """Refuse a decoder whose forward runs weights other than its input embedding, its layers, one final norm, a
+    hyper-connection head (``_AFTER``) and, where ``stage_carry`` knows its kind, the weights it places (weights of its
+    own, per-layer inputs made from the token ids): what passes from layer to layer may then be more than a stage
+    hands on."""
     embedding = decoder.get_input_embeddings()
     weighted = [name for name, child in decoder.named_children()
                 if child is not embedding and name != attr and any(True for _ in child.parameters())]
     norms = [name for name in weighted if "Norm" in type(getattr(decoder, name)).__name__]
-    extra = [name for name in weighted if name not in norms[:1] and name not in _AFTER] + list(decoder._parameters)
+    known = _AFTER
+    if stage_carry.kind(decoder, getattr(decoder, attr)):  # (handed on between stages: stage_carry)
+        known += (*stage_carry.BEFORE, *stage_carry.BEFORE_PARAMETERS, stage_carry.BLOCKS_AFTER)
+    extra = [name for name in [*weighted, *decoder._parameters] if name not in norms[:1] and name not in known]
     if extra:
         raise ValueError(f"pipeline_stage: {type(decoder).__name__}'s forward runs weights beside its input "
                          f"embedding, its {attr} and one final norm ({', '.join(extra)}): what passes from layer to "
@@ -208,10 +234,12 @@ def _copy(module: nn.Module) -> nn.Module:
     return shell
 
 
-def _shell(model: nn.Module, path: str, decoder: nn.Module, attr: str, layers: list[int], first: bool, last: bool):
+def _shell(model: nn.Module, path: str, decoder: nn.Module, attr: str, layers: list[int], first: bool, last: bool,
+           carry: str | None = None):
     """The stage's copy of ``model``: it and its decoder copied (``_copy``), the decoder's layers cut to ``layers``
-    (kept under their indices), its embedding dropped unless ``first``, every other child with weights (the final
-    norm) an ``nn.Identity`` unless ``last``, the modules beside the decoder (the head) dropped unless ``last``."""
+    (kept under their indices), its embedding (and the weights it runs before its layers: ``carry``) dropped unless
+    ``first``, every other child with weights (the final norm) an ``nn.Identity`` unless ``last``, the modules beside
+    the decoder (the head) dropped unless ``last``; ``stage_carry.prepare`` for ``carry``."""
     root = node = _copy(model)
     if path:  # a causal LM: its decoder one of its children
         node = root._modules[path] = _copy(model._modules[path])
@@ -224,10 +252,12 @@ def _shell(model: nn.Module, path: str, decoder: nn.Module, attr: str, layers: l
     for name, child in list(node._modules.items()):
         if name == attr or child is None:
             continue
-        if child is embedding:
+        if child is embedding or (carry and name in stage_carry.BEFORE):
             node._modules[name] = child if first else None
         elif not last and any(True for _ in child.parameters()):  # the final norm (_check_cut)
             node._modules[name] = nn.Identity()
+    if carry:
+        stage_carry.prepare(node, carry, first, last)
     if path and not last:  # the head and any other weights beside the decoder
         root._parameters.clear()
         for name in root._modules:
