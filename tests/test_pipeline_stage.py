@@ -127,6 +127,8 @@ def test_a_decoder_running_weights_it_does_not_hand_on_is_refused_naming_them():
     with pytest.raises(ValueError, match="num_kv_shared_layers layers reuse the keys and values of earlier layers"):
         moecompile.pipeline_stage(model, 0, 2)
     assert moecompile.pipeline_stage(model, 0, 1).stage_kind is None  # (one stage: the decoder as it is)
+    with pytest.raises(ValueError, match=r"a later stage of this model takes \(hidden states, router states\)"):
+        moecompile.pipeline_stage(_untied("zaya"), 1, 2)(torch.zeros(2, SEQ, 32))
 
 
 def test_bad_cuts_are_refused():

@@ -164,6 +164,9 @@ def run(stage, decoder: nn.Module, call, x: torch.Tensor, carried: tuple):
     what, first, last, layers = stage.stage_kind, stage.stage_first, stage.stage_last, stage.stage_layers
     tap, n = decoder.__dict__["_moe_stage_tap"], len(layers)
     extra = carried[0] if carried else None
+    if not first and len(carried) != 1:
+        raise ValueError(f"pipeline_stage: a later stage of this model takes (hidden states, {_TAKES[what]}), as the "
+                         f"stage before it gives them; got {1 + len(carried)} tensors")
     inputs = {"input_ids": x} if first else {"inputs_embeds": x}
     if what == "per_layer":
         if first:
@@ -198,6 +201,9 @@ def run(stage, decoder: nn.Module, call, x: torch.Tensor, carried: tuple):
     finally:
         tap.clear()
     return result
+
+
+_TAKES = {"per_layer": "per-layer inputs", "router": "router states", "blocks": "block states"}
 
 
 def _sent(*tensors: torch.Tensor) -> tuple:
