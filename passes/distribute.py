@@ -81,7 +81,7 @@ def _shard_experts(gm: fx.GraphModule, node: fx.Node, report: PassReport) -> Non
     if not views:
         return  # a layer parallelize left whole (replicated)
     e = spec.experts
-    if e.storage not in ("stacked", "flat", "modulelist"):
+    if e.storage not in ("stacked", "flat", "modulelist", "rows"):
         raise NotImplementedError(f"{e.storage} expert storage cannot run sharded yet")
     group_name, layer = views[0].args[2:4]
     dedup = view_arg(views[0], "dedup", "off")

@@ -39,9 +39,9 @@ def unshardable(rec, world: int) -> str:
     if e.num_experts % world:
         raise ValueError(f"MoE layer {rec.path} has {e.num_experts} experts, which do not divide over the mesh's "
                          f"{world} ranks: use a mesh whose size divides {e.num_experts}")
-    if e.storage not in ("stacked", "flat", "modulelist"):
-        return (f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters, flat [E * R, ...] ones "
-                "and ModuleLists are)")
+    if e.storage not in ("stacked", "flat", "modulelist", "rows"):
+        return (f"{e.storage} expert storage is not sharded yet (stacked [E, ...] parameters, flat [E * R, ...] ones, "
+                "[E, C] rows and ModuleLists are)")
     if e.identity_experts and (e.storage != "stacked" or e.identity_experts % world):
         return (f"a layer with identity experts is sharded with stacked experts and a number of identity experts "
                 f"({e.identity_experts}) that divides over the {world} ranks")
