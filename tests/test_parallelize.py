@@ -15,15 +15,13 @@ torch.distributed.checkpoints of Mixtral (stacked experts) and of the ModuleList
 under its own name), and refuses bad input (experts that do not divide over the mesh, unknown mesh dimension names
 or dedup levels, a mesh of some ranks, ranks holding different models or training other parameters) with ValueError.
 
-One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, Doge (each
-expert a row of two [E, H] embeddings) with swaps (in float64, against one process running each rank's batch alone:
-its routing mixes a batch's tokens), Mixtral with
-its experts frozen (they stay so, no gradient computed for them), Mixtral under gradient checkpointing
-(checkpoint_exchanges "recompute": the exchanges run twice a step; "save": once), loads both world-4 checkpoints and
-finds exactly the parameters saved, trains at four sequence lengths in two graphs after torch._dynamo.reset(), then
-one rank dies: the other raises within the process group's timeout. The
-test process itself trains Mixtral on a one-rank mesh against one process, then loads the checkpoints (the one saved
-after expert swaps too) without any process group. A failing rank fails the test.
+One world-2 group (a 1-D mesh) trains dbrx (flat [E * ffn, H] expert weights) the same way with swaps, Doge's row
+experts with swaps (tests/ep_rows.py), Mixtral with its experts frozen (they stay so, no gradient computed for
+them), Mixtral under gradient checkpointing (checkpoint_exchanges "recompute": the exchanges run twice a step;
+"save": once), loads both world-4 checkpoints and finds exactly the parameters saved, trains at four sequence
+lengths in two graphs after torch._dynamo.reset(), then one rank dies: the other raises within the process group's
+timeout. The test process itself trains Mixtral on a one-rank mesh against one process, then loads the checkpoints
+(the one saved after expert swaps too) without any process group. A failing rank fails the test.
 """
 
 import os
@@ -37,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from ranks import spawn
 from clipping import clip_as_one_process
 from test_recompiles import lengths_after_dynamo_reset
+from ep_rows import train_doge
 from ep_checkpoints import TOL, check_after_swaps, loads_in_one_process, optimizer_loads_in_one_process, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -352,37 +351,6 @@ def _load_checkpoints_on_world2(mesh, rank, world, tmp):
     return model
 
 
-def _train_doge(mesh, rank, world):
-    """Doge, each expert a row of two [E, H] embeddings ("rows" storage), experts swapping ranks every step. Its
-    routing mixes the tokens of a batch (transformers' note on its router), so the one process runs each rank's
-    batch alone and trains on the mean of their losses; float64 (its attention amplifies float32 rounding, as the
-    family walk finds), compiled by Inductor (torch's aot_eager fails its backward here with or without moecompile:
-    a view of softplus_backward's output, whose strides differ from its fake tensor's)."""
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(hf.build_model(hf.walk_config("doge"), dtype=torch.float64).train())
-    model, ref = models
-    batches = _batches(model, world)
-    mine = batches[rank]
-    moecompile.parallelize(model, mesh, mine, swap_every=1)
-    info = model._moe_parallel
-    assert not info.left and len(info.report.layers) == 2, str(info)
-    compiled = torch.compile(model, backend="moe", options={"strict": True})
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, ref))
-    for step in range(STEPS):
-        out = compiled(mine, labels=mine)
-        refs = [ref(batch, labels=batch) for batch in batches]
-        torch.testing.assert_close(out.logits, refs[rank].logits, rtol=TOL, atol=TOL, msg=lambda m: f"{step}: {m}")
-        out.loss.backward()
-        (sum(r.loss for r in refs) / world).backward()
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    assert info.swap.history, "no expert was swapped"
-    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(state[name], p.detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
-
-
 def _world2(rank, world, tmp):
     _init(rank, world, tmp, timeout=DEAD_RANK_TIMEOUT)
     try:
@@ -390,7 +358,7 @@ def _world2(rank, world, tmp):
         with pytest.raises(ValueError, match="dedup='node' needs a mesh of several levels"):
             moecompile.parallelize(tiny_model("mixtral"), mesh, torch.zeros(1, 4, dtype=torch.long), dedup="node")
         _train_against_one_process("dbrx", mesh, rank, world, swap_every=1, tmp=tmp)  # flat [E * ffn, H] weights
-        _train_doge(mesh, rank, world)  # [E, H] rows
+        train_doge(mesh, rank, world, _batches, STEPS, LR)  # [E, H] rows (tests/ep_rows.py)
         _train_against_one_process("mixtral", mesh, rank, world, frozen=True)  # no expert gradient computed
         for how in ("recompute", "save"):
             model = _train_against_one_process("mixtral", mesh, rank, world, checkpointing=how)[0]

@@ -118,6 +118,24 @@ def test_a_decoder_passing_more_than_hidden_states_hands_it_on_compiled(family):
     torch.testing.assert_close(_run([model], ids, weight)[0], logits, rtol=0, atol=0)
 
 
+def test_gemma_4_without_per_layer_inputs_is_cut_as_the_others():
+    """Gemma 4 built without per-layer inputs (``hidden_size_per_layer_input=0``): its decoder hands on hidden states
+    alone and is cut as any other, no carry."""
+    config = hf.walk_config("gemma4_text")
+    config.hidden_size_per_layer_input, config.tie_word_embeddings = 0, False
+    model = hf.build_model(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(2, SEQ, config.vocab_size, generator=torch.Generator().manual_seed(1))
+    logits, grads = _run([model], ids, weight)
+    parts = [moecompile.pipeline_stage(model, i, 2) for i in range(2)]
+    assert [part.stage_kind for part in parts] == [None, None]
+    got, got_grads = _run(parts, ids, weight)
+    torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_a_decoder_running_weights_it_does_not_hand_on_is_refused_naming_them():
     model = _untied("zaya")
     model.model.mixer = torch.nn.Linear(4, 4)  # (a weight of the decoder's own that no stage knows how to place)
@@ -194,7 +212,8 @@ def test_per_layer_embeddings_of_the_token_ids_reach_a_later_stage():
     config = hf.walk_config("qwen4_exp_text")
     values = {k: v for k, v in config.to_dict().items()
               if k not in ("model_type", "transformers_version", "number_of_conv_states")}
-    model = hf.build_model(type(config)(**{**values, "ple_layer_ids": [1], "tie_word_embeddings": False})).train()
+    model = hf.build_model(type(config)(**{**values, "ple_layer_ids": [1], "tie_word_embeddings": False,
+                                           "ngram_vocab_size_base": 1024})).train()  # (its 20 M rows: 2.5 GB)
     assert hasattr(model.model.layers[0], "ple")
     ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     weight = torch.randn(2, SEQ, model.config.vocab_size, generator=torch.Generator().manual_seed(1))

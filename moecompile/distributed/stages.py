@@ -27,11 +27,10 @@ passes ``_CARRY`` through the decoder's keyword arguments) gives its first layer
 Decoders passing more than hidden states from layer to layer (Gemma 4's per-layer inputs, ZAYA's router states,
 Inkling 2's block states) have every stage but the last hand that on beside them: ``stage_carry``.
 Where the model cannot be cut so, a ``ValueError`` says why: no ``ModuleList`` of decoder layers, a decoder whose
-forward runs weights beside its embedding, layers, final norm, hyper-connection head and those ``stage_carry`` hands
-on (``_check_cut``), the input
-embedding tied to the head (``tie_word_embeddings``) across two stages, whose ranks would train two copies of it
-apart, a stage starting at a layer that reuses the top-k of the layer before it (a "shared" indexer layer), or a
-stream model's last stage without a layer.
+forward runs weights beside its embedding, layers, final norm, hyper-connection head and those ``stage_carry``
+places (``_check_cut``), the input embedding tied to the head (``tie_word_embeddings``) across two stages, whose
+ranks would train two copies of it apart, a stage starting at a layer that reuses the top-k of the layer before it
+(a "shared" indexer layer), or a stream model's last stage without a layer.
 
 Not carried between stages: a padding mask (each stage makes the causal mask; pack sequences), the router logits
 of ``output_router_logits`` (each stage sees its own layers only: a warning says so), key/value caches (training
