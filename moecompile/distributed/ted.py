@@ -194,7 +194,10 @@ def _layout(how) -> tuple | None:
     _, _, _, stacked, piece = how
     split, mesh = piece or (None, None)
     if stacked is None:
-        return None if split is None else (copies.copies_mesh(mesh), copies.placements(copies.copies_mesh(mesh), split))
+        if split is None:
+            return None
+        sub = copies.copies_mesh(mesh)
+        return sub, copies.placements(sub, split)
     from torch.distributed.tensor import Replicate
 
     mesh = stacked[1]
