@@ -300,28 +300,40 @@ def _streams_pipeline(rank, tmp):
         pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
         model, ref = _untied("deepseek_v4"), _untied("deepseek_v4")
         batches = torch.randint(0, model.config.vocab_size, (2, 4, SEQ), generator=torch.Generator().manual_seed(0))
-        loss = lambda logits, target: logits.float().square().mean()  # noqa: E731
         stage = moecompile.pipeline_stage(model, pp, 2, layers=[[], [0, 1]][pp])
         example = (batches[ep][:2],) if pp == 0 else (torch.randn(2, SEQ, 4, model.config.hidden_size),
                                                       batches[ep][:2])  # (streams and ids)
-        moecompile.parallelize(stage, mesh, *example)
         backend = RecordingBackend(inner="aot_eager", lowering="grouped")
-        run = moecompile.PipelineStage(torch.compile(stage, backend=backend), pp, 2, torch.device("cpu"),
-                                       group=mesh.get_group("pp"))
-        schedule = ScheduleGPipe(run, n_microbatches=2, loss_fn=loss)
-        schedule.step(batches[ep]) if pp == 0 else schedule.step(target=batches[ep])
-        (sum(loss(ref(half).logits, None) for batch in batches for half in batch.chunk(2)) / 4).backward()
-        want = dict(ref.named_parameters())
-        for name, p in stage.named_parameters():
-            grad = p.grad
-            if grad is not None and getattr(p, "_moe_sharded", False):  # (this rank's experts: all of them gathered)
-                parts = [torch.empty_like(grad) for _ in range(2)]
-                dist.all_gather(parts, grad.contiguous(), group=mesh.get_group("ep"))
-                grad = torch.cat(parts)
-            assert (grad is None) == (want[name].grad is None), name  # (the hash layer's router takes none)
+        for name, grad, want in _scheduled(stage, ref, example, mesh, batches, backend):
+            assert (grad is None) == (want is None), name  # (the hash layer's router takes none)
             if grad is not None:
-                torch.testing.assert_close(grad, want[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert len(backend.report.layers) == 2 * pp and not backend.report.failures, backend.report.failures
+
+
+def _scheduled(stage, ref, example, mesh, batches, backend):
+    """``stage`` parallelized on ``example`` over a ("pp", "ep") ``mesh`` and compiled with ``backend``, two steps
+    of torch's ``ScheduleGPipe`` (each "ep" rank its batch of ``batches``, two microbatches), ``ref`` run on every
+    batch as one process: (name, this stage's gradient, its experts gathered over "ep", the one process's) of each
+    of the stage's parameters."""
+    pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
+    loss = lambda logits, target: logits.float().square().mean()  # noqa: E731
+    moecompile.parallelize(stage, mesh, *example)
+    run = moecompile.PipelineStage(torch.compile(stage, backend=backend), pp, 2, torch.device("cpu"),
+                                   group=mesh.get_group("pp"))
+    schedule = ScheduleGPipe(run, n_microbatches=2, loss_fn=loss)
+    schedule.step(batches[ep]) if pp == 0 else schedule.step(target=batches[ep])
+    (sum(loss(ref(half).logits, None) for batch in batches for half in batch.chunk(2)) / 4).backward()
+    want = dict(ref.named_parameters())
+    out = []
+    for name, p in stage.named_parameters():
+        grad = p.grad
+        if grad is not None and getattr(p, "_moe_sharded", False):  # (this rank's experts: all of them gathered)
+            parts = [torch.empty_like(grad) for _ in range(2)]
+            dist.all_gather(parts, grad.contiguous(), group=mesh.get_group("ep"))
+            grad = torch.cat(parts)
+        out.append((name, grad, want[name].grad))
+    return out
 
 
 def test_streams_and_token_ids_cross_a_pipeline_schedule(tmp_path):
@@ -342,27 +354,14 @@ def _carry_pipelines(rank, tmp):
             model, ref = _untied(family), _untied(family)
             ref.load_state_dict(model.state_dict())
             batches = torch.randint(0, 100, (2, 4, SEQ), generator=torch.Generator().manual_seed(0))
-            loss = lambda logits, target: logits.float().square().mean()  # noqa: E731
             stage = moecompile.pipeline_stage(model, pp, 2)
             example = (batches[ep][:2],) if pp == 0 else tuple(
                 v.detach() for v in moecompile.pipeline_stage(model, 0, 2)(batches[ep][:2]))  # (hidden, carry)
-            moecompile.parallelize(stage, mesh, *example)
             backend = RecordingBackend(inner="aot_eager", lowering="grouped")
-            run = moecompile.PipelineStage(torch.compile(stage, backend=backend), pp, 2, torch.device("cpu"),
-                                           group=mesh.get_group("pp"))
-            schedule = ScheduleGPipe(run, n_microbatches=2, loss_fn=loss)
-            schedule.step(batches[ep]) if pp == 0 else schedule.step(target=batches[ep])
-            (sum(loss(ref(half).logits, None) for batch in batches for half in batch.chunk(2)) / 4).backward()
-            want = dict(ref.named_parameters())
-            for name, p in stage.named_parameters():
-                grad = p.grad
-                if grad is not None and getattr(p, "_moe_sharded", False):  # (this rank's experts: all gathered)
-                    parts = [torch.empty_like(grad) for _ in range(2)]
-                    dist.all_gather(parts, grad.contiguous(), group=mesh.get_group("ep"))
-                    grad = torch.cat(parts)
-                assert (grad is None) == (want[name].grad is None), f"{family} {name}"
+            for name, grad, want in _scheduled(stage, ref, example, mesh, batches, backend):
+                assert (grad is None) == (want is None), f"{family} {name}"
                 if grad is not None:
-                    assert normwise(grad, want[name].grad) <= 1e-5, f"{family} {name}"
+                    assert normwise(grad, want) <= 1e-5, f"{family} {name}"
             assert len(backend.report.layers) == 1 and not backend.report.failures, backend.report.failures
 
 
