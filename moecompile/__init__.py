@@ -34,8 +34,20 @@ __all__ = ["moe_backend", "capture", "parallelize", "pipeline_stage", "PipelineS
            "expert_zero_optimizer", "clip_grad_norm_", "no_sync", "ExpertOptimizer", "replication_report", "MoEOptions",
            "ExplainReport", "explain", "token_drops", "comm_stats", "comm_report", "comm_rows", "plot_comm",
            "get_optimizer_state_dict", "set_optimizer_state_dict", "full_state_dict", "load_hf_checkpoint",
-           "save_hf_checkpoint", "hybrid_topology", "record_routing", "MoECompileError", "MoEFallbackWarning"]
+           "save_hf_checkpoint", "hybrid_topology", "record_routing", "MoECompileError", "MoEFallbackWarning",
+           "ExpertParallelTrainer"]
+
 
 from . import recompiles as _recompiles
 
 _recompiles.install()  # a rewrite lost to Dynamo's recompile limit is warned about, and explain() lists it
+
+
+def __getattr__(name: str):
+    """``moecompile.ExpertParallelTrainer``, imported when first asked for (it imports transformers, which the
+    backend itself does not need)."""
+    if name == "ExpertParallelTrainer":
+        from .distributed.hf_trainer import ExpertParallelTrainer
+
+        return ExpertParallelTrainer
+    raise AttributeError(f"module 'moecompile' has no attribute {name!r}")

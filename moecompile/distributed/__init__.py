@@ -12,6 +12,7 @@
     grads.py              data-parallel gradients of the parameters that are not sharded, the experts' divisors,
                           ``moecompile.no_sync`` (gradient accumulation without the reductions)
     clip.py               ``clip_grad_norm_``: the gradients' norm one process would compute, on every rank
+    hf_trainer.py         ``moecompile.ExpertParallelTrainer``: transformers' ``Trainer`` for an expert-parallel model
     moe_tp.py             ``moe_tp``: how the MoE blocks meet a "tp" mesh dimension (SSMB, TED, "auto")
     ted.py                tensor-expert parallelism: experts over dp, their intermediate size over tp
     sharded_state.py      state_dict / optimizer state of sharded experts as DTensors in expert order

@@ -207,7 +207,8 @@ class NotUnderDDP:
         raise ValueError("this model was given to moecompile.parallelize, whose ranks hold different experts and "
                          "which already averages the other gradients over the ranks as DistributedDataParallel "
                          "does: DDP would overwrite every rank's experts with rank 0's. Train the model itself, "
-                         "torch.compile(model, backend='moe'), without DistributedDataParallel")
+                         "torch.compile(model, backend='moe'), without DistributedDataParallel (with transformers' "
+                         "Trainer: moecompile.ExpertParallelTrainer)")
 
 
 def refuse_ddp(model: nn.Module) -> None:

@@ -1,0 +1,158 @@
+"""``moecompile.ExpertParallelTrainer``: transformers' ``Trainer`` for a model ``moecompile.parallelize`` sharded.
+
+    model = moecompile.parallelize(model, mesh, example_input_ids)      # under torchrun, every rank
+    model.compile(backend="moe")                                         # in place: the model stays a PreTrainedModel
+    trainer = moecompile.ExpertParallelTrainer(model=model, args=TrainingArguments(...), train_dataset=data)
+    trainer.train()                                                      # save_model, checkpoints and resume too
+    trainer.save_model("out")                                            # every rank (the gathers are collective)
+
+The plain ``Trainer`` cannot train such a model: accelerate wraps it in ``DistributedDataParallel``, which would
+overwrite every rank's experts with rank 0's (``parallelize`` makes that wrap raise), and its gradient clipping
+takes each rank's norm of the experts it holds, so the ranks would scale their replicated weights by different
+factors. This subclass changes only what expert parallelism needs, each the way one process holding the whole
+model would have it:
+
+    wrapping       none: ``parallelize`` already averages the replicated gradients over the ranks as DDP would
+                   (``grads.py``); transformers' own broadcast of replicated parameters is skipped with it
+    accumulation   the micro-batches before the last run inside ``moecompile.no_sync`` (one reduction a step)
+    clipping       ``moecompile.clip_grad_norm_``: the whole model's norm, the same on every rank (also the norm
+                   logged as ``grad_norm``)
+    saving         ``moecompile.save_hf_checkpoint``: a transformers checkpoint (``from_pretrained`` loads it), each
+                   decoder layer gathered to one rank's host in turn; the tokenizer and arguments by rank 0
+    checkpoints    the model as above; the optimizer's state by ``torch.distributed.checkpoint`` (each rank writes
+                   its experts' state: ``moecompile.get_optimizer_state_dict``), in ``<checkpoint>/optimizer``;
+                   ``resume_from_checkpoint`` and ``load_best_model_at_end`` read them back
+                   (``load_hf_checkpoint``, ``set_optimizer_state_dict``), on any number of ranks
+
+Refused, with the reason: a model not given to ``parallelize``, a run whose world is not the model's mesh, a mesh
+with ``"tp"`` or ``"pp"`` dimensions (the Trainer deals a batch to every rank), replicated experts
+(``replication=``: they step with ``moecompile.ExpertOptimizer``), fp16 (each rank's loss scaler would skip the
+step alone on an overflow in its own experts' gradients: use bf16, which needs no scaler).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+
+from .clip import clip_grad_norm_
+from .grads import no_sync
+from .hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from .sharded_state import get_optimizer_state_dict, parts_of, set_optimizer_state_dict
+
+OPTIMIZER_DIR = "optimizer"  # the folder of a checkpoint holding the optimizer's state (torch.distributed.checkpoint)
+
+
+class ExpertParallelTrainer(Trainer):
+    """transformers' ``Trainer`` for a model ``moecompile.parallelize`` sharded over every rank of a ``torchrun``
+    job (the module's docstring says what it changes). Takes ``Trainer``'s arguments."""
+
+    def __init__(self, model=None, args=None, *rest, **kwargs):
+        _check(model, args)
+        super().__init__(model, args, *rest, **kwargs)
+        # transformers' flag for a model that owns its placement and gradient reduction: accelerate then leaves it
+        # unwrapped (no DistributedDataParallel), and every rank takes part in _save (our gathers are collective)
+        self.is_distributed_loading_by_transformers = True
+
+    def _sync_replicated_trainable_parameters(self, model) -> None:
+        """Nothing: ``parallelize``'s gradient sync averages the replicated gradients, and transformers' broadcast
+        from rank 0 would overwrite each rank's experts."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step; a micro-batch before the step's last runs inside ``moecompile.no_sync``."""
+        waiting = not self.accelerator.sync_gradients
+        with no_sync(self.model) if waiting else contextlib.nullcontext():
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def _clip_grad_norm(self, model):
+        self.accelerator.unscale_gradients()
+        return clip_grad_norm_(self.model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:  # (not clipped: the norm alone; a factor of 1 scales nothing)
+            grad_norm = clip_grad_norm_(self.model, math.inf)
+        return grad_norm
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The model as a transformers checkpoint, every rank taking part; the tokenizer and the arguments by rank 0
+        (as ``Trainer._save``)."""
+        if state_dict is not None:
+            raise ValueError("ExpertParallelTrainer saves the model it trains: it takes no state_dict")
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        save_hf_checkpoint(self.model, output_dir)
+        if not self.args.should_save:
+            return
+        tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        state = get_optimizer_state_dict(self.model, _inner(self.optimizer))
+        dcp.save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if checkpoint is None:
+            return
+        folder = os.path.join(checkpoint, OPTIMIZER_DIR)
+        if not os.path.isdir(folder):
+            raise ValueError(f"{checkpoint} has no {OPTIMIZER_DIR}/ folder: it was not written by "
+                             "ExpertParallelTrainer, so the optimizer's state cannot be resumed from it")
+        optimizer = _inner(self.optimizer)
+        state = get_optimizer_state_dict(self.model, optimizer)  # (the layout to read into)
+        dcp.load(state, checkpoint_id=folder)
+        set_optimizer_state_dict(self.model, optimizer, state)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        load_hf_checkpoint(self.model if model is None else model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        load_hf_checkpoint(self.model, self.state.best_model_checkpoint)
+
+
+def _inner(optimizer):
+    """The torch optimizer under accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _check(model, args) -> None:
+    """Refuse what the module's docstring lists, saying why."""
+    try:
+        _, infos = parts_of(model)
+    except ValueError:
+        raise ValueError("ExpertParallelTrainer trains a model given to moecompile.parallelize (under torchrun): "
+                         "for a model it did not shard use transformers' Trainer") from None
+    info = infos[0]
+    if info.replicas:
+        raise ValueError("ExpertParallelTrainer: this model's experts are replicated (parallelize(..., "
+                         "replication=...)): they step with moecompile.ExpertOptimizer, which the Trainer does not "
+                         "drive; train it with your own loop, or parallelize without replication")
+    names = tuple(info.mesh.mesh_dim_names or ())
+    for dim, why in (("tp", "tensor-parallel ranks share their batch"), ("pp", "pipeline stages pass activations")):
+        if dim in names:
+            raise ValueError(f"ExpertParallelTrainer: the model's mesh has a {dim!r} dimension ({names}), but the "
+                             f"Trainer gives every rank its own batch and {why}: train it with your own loop")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    launched = args.world_size if args is not None else world
+    if info.mesh.size() != world or launched != world:
+        raise ValueError(f"ExpertParallelTrainer: the model was sharded over {info.mesh.size()} ranks, but this "
+                         f"run has {world} (the Trainer's world_size {launched}): launch with torchrun over the ranks "
+                         "of the model's mesh")
+    if args is not None and args.fp16:
+        raise ValueError("ExpertParallelTrainer refuses fp16: each rank's loss scaler would skip a step alone when "
+                         "its own experts' gradients overflow, and the ranks' replicated weights would part; use "
+                         "bf16=True (no loss scaler)")

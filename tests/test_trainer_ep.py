@@ -1,0 +1,134 @@
+"""``moecompile.ExpertParallelTrainer``: transformers' Trainer training an expert-parallel model (gloo, world 2).
+
+Against the plain Trainer on both ranks training the whole model (accelerate wraps it in DistributedDataParallel:
+each rank its own batches, the gradients averaged, as one process stepping on both): a tiny Mixtral sharded by
+``parallelize`` and compiled in place, SGD with momentum, two micro-batches a step (the first inside
+``moecompile.no_sync``: one all-reduce a step), clipping at a norm every step exceeds: the logged losses and
+gradient norms (the whole model's, the same on both ranks), every weight after 4 steps (``full_state_dict``) and
+``evaluate()``'s loss are DDP's. Checkpoints every 2 steps: each is a transformers checkpoint (``from_pretrained``
+in one process reads the trained weights) with the optimizer's state in ``optimizer/``
+(``torch.distributed.checkpoint``, each rank its experts' momentum); a fresh model resumed from step 2 ends at step
+4 with the weights of the run that went on. ``save_model()`` writes the same. ``load_best_model_at_end`` (a
+callback makes the first of two checkpoints the best) ends with its weights. The plain Trainer refuses the
+parallelized model (DDP's wrap raises, naming ExpertParallelTrainer); the subclass refuses a model ``parallelize``
+did not shard, and fp16. A failing rank fails the test; the group has a timeout."""
+
+import copy
+import os
+
+import pytest
+import torch
+from ranks import gloo, spawn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import Dataset
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+import moecompile
+from moecompile.models.hf import tiny_model
+
+TOL = 1e-5
+STEPS, BATCH, ACCUMULATE = 4, 2, 2
+
+
+class _Rows(Dataset):
+    def __len__(self):
+        return STEPS * BATCH * ACCUMULATE * 2  # (2 ranks)
+
+    def __getitem__(self, i):
+        ids = torch.randint(3, 128, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _args(out, **more) -> TrainingArguments:
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
+                             learning_rate=0.1, optim="sgd", optim_args="momentum=0.9", max_grad_norm=0.5,
+                             logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                             **{"save_strategy": "no", "max_steps": STEPS, **more})
+
+
+def _logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def _parallel_model(mesh):
+    model = tiny_model("mixtral").train()
+    moecompile.parallelize(model, mesh, torch.randint(3, 128, (BATCH, 8)))
+    model.compile(backend="moe", options={"inner": "aot_eager", "lowering": "grouped"})
+    return model
+
+
+class _FirstIsBest(TrainerCallback):
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics["eval_order"] = -state.global_step  # (the earliest evaluation scores best)
+
+
+def _best_model_at_end(model, tmp):
+    """``load_best_model_at_end``: the model ends with the best checkpoint's weights (the first of two, here)."""
+    args = _args(f"{tmp}/best", max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps",
+                 eval_steps=1, load_best_model_at_end=True, metric_for_best_model="order")
+    trainer = moecompile.ExpertParallelTrainer(model=model, args=args, train_dataset=_Rows(), eval_dataset=_Rows(),
+                                               callbacks=[_FirstIsBest()])
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == f"{tmp}/best/checkpoint-1", trainer.state.best_model_checkpoint
+    want = AutoModelForCausalLM.from_pretrained(f"{tmp}/best/checkpoint-1").state_dict()
+    second = AutoModelForCausalLM.from_pretrained(f"{tmp}/best/checkpoint-2").state_dict()
+    assert any(not torch.equal(want[k], v) for k, v in second.items())
+    assert all(torch.equal(want[k], v) for k, v in moecompile.full_state_dict(model).items())
+
+
+def _ranks(rank, world, tmp):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    with gloo(rank, world, tmp):
+        mesh = init_device_mesh("cpu", (world,))
+        whole = tiny_model("mixtral").train()
+        ref = Trainer(model=copy.deepcopy(whole), args=_args(f"{tmp}/ddp"), train_dataset=_Rows())
+        ref.train()
+        assert type(ref.model_wrapped).__name__ == "DistributedDataParallel"
+        norms = _logged(ref, "grad_norm")
+        assert len(norms) == STEPS and min(norms) > 0.5, norms  # (every step clipped)
+
+        model = _parallel_model(mesh)
+        trainer = moecompile.ExpertParallelTrainer(model=model, train_dataset=_Rows(),
+                                                   args=_args(f"{tmp}/ep", save_strategy="steps", save_steps=2))
+        trainer.train()
+        assert trainer.model_wrapped is model  # (not wrapped in DDP)
+        reductions = [h.reductions for h in model._moe_parallel.sync.held_backs()]
+        assert reductions == [STEPS], reductions  # (a step's first micro-batch held its gradients)
+        assert _logged(trainer, "loss") == pytest.approx(_logged(ref, "loss"), rel=TOL, abs=TOL)
+        assert _logged(trainer, "grad_norm") == pytest.approx(norms, rel=TOL, abs=TOL)
+        evaluated = trainer.evaluate(_Rows())["eval_loss"]  # (each rank its batches; gathered: every rank's loss)
+        assert evaluated == pytest.approx(ref.evaluate(_Rows())["eval_loss"], rel=TOL, abs=TOL)
+        trained = moecompile.full_state_dict(model)
+        want = ref.model.state_dict()
+        assert trained.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(trained[name], value, rtol=TOL, atol=TOL, msg=name)
+
+        resumed = _parallel_model(mesh)  # (fresh weights: the checkpoint's must replace them)
+        again = moecompile.ExpertParallelTrainer(model=resumed, train_dataset=_Rows(), args=_args(f"{tmp}/again"))
+        again.train(resume_from_checkpoint=f"{tmp}/ep/checkpoint-2")
+        # (its log: steps 1 and 2 read from the checkpoint's trainer_state.json, then its own)
+        assert _logged(again, "loss") == pytest.approx(_logged(trainer, "loss"), rel=TOL, abs=TOL)
+        for name, value in moecompile.full_state_dict(resumed).items():
+            torch.testing.assert_close(value, trained[name], rtol=TOL, atol=TOL, msg=name)
+        trainer.save_model(f"{tmp}/saved")
+        _best_model_at_end(resumed, tmp)
+
+        with pytest.raises(ValueError, match="ExpertParallelTrainer"):  # DDP's wrap raises
+            Trainer(model=_parallel_model(mesh), args=_args(f"{tmp}/plain"), train_dataset=_Rows()).train()
+        with pytest.raises(ValueError, match="a model given to moecompile.parallelize"):
+            moecompile.ExpertParallelTrainer(model=copy.deepcopy(whole), args=_args(f"{tmp}/x"))
+        with pytest.raises(ValueError, match="refuses fp16: each rank's loss scaler would skip a step alone"):
+            moecompile.ExpertParallelTrainer(model=model, args=_args(f"{tmp}/x", fp16=True))
+    if rank == 0:
+        torch.save(trained, f"{tmp}/trained.pt")
+
+
+def test_the_trainer_trains_an_expert_parallel_model_as_ddp_trains_the_whole(tmp_path):
+    spawn(_ranks, args=(2, str(tmp_path)), nprocs=2)
+    trained = torch.load(tmp_path / "trained.pt")
+    for folder in ("ep/checkpoint-4", "saved"):  # transformers checkpoints of the trained model, read in one process
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder).state_dict()
+        assert loaded.keys() == trained.keys(), folder
+        assert all(torch.equal(loaded[k], v) for k, v in trained.items()), folder
+    assert os.path.isdir(tmp_path / "ep/checkpoint-2/optimizer")
