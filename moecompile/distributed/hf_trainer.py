@@ -69,6 +69,12 @@ class ExpertParallelTrainer(Trainer):
         with no_sync(self.model) if waiting else contextlib.nullcontext():
             return super().training_step(model, inputs, num_items_in_batch)
 
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """Nothing: transformers' ``no_sync`` for a model FSDP2 wraps (it reads a config of its own loading);
+        ``training_step``'s ``moecompile.no_sync`` holds back FSDP2's reductions too."""
+        yield
+
     def _clip_grad_norm(self, model):
         self.accelerator.unscale_gradients()
         return clip_grad_norm_(self.model, self.args.max_grad_norm)
