@@ -104,8 +104,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
         """The dense optimizers' parameter groups, then the experts' (the dicts they step with)."""
         return [g for d in self.denses if d is not None for g in d.param_groups] + self.experts.param_groups
 
-    def step(self) -> None:
-        """Every rank calls it together, after backward. Appends to ``history``, per layer: ``instances`` (per
+    def step(self, closure=None):
+        """Every rank calls it together, after backward (``closure``: as torch's optimizers take it, run first to
+        compute the loss and gradients; its loss is returned). Appends to ``history``, per layer: ``instances`` (per
         expert, of the placement it made for the next step), ``popularity`` (rows routed to each expert, every
         rank's, in the forwards since the last ``step`` or ``zero_grad``: every micro-batch of an accumulated
         step), ``rows_per_slot`` (what each instance received), ``dropped`` (rows past a capacity) and ``bytes``:
@@ -115,6 +116,10 @@ class ExpertOptimizer(torch.optim.Optimizer):
         experts; ``share``: under ``"dp_shard"``, the reduce-scatter and all-gather of the master part's shares)."""
         from .sharded_state import check_not_moved  # here: imported first, sharded_state meets its cycle via views
 
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         check_reduced(self._syncs, "ExpertOptimizer.step")
         check_not_moved([(layer.module, REPLICAS, layer.placement) for layer in self.layers])
         moved = self._gather()
@@ -144,6 +149,7 @@ class ExpertOptimizer(torch.optim.Optimizer):
         self.steps += 1
         self.history.append(placed)
         forget(placed)
+        return loss
 
     def _gather(self) -> dict[str, dict]:
         """Each layer's expert gradients summed over their instances and collected into the master parts (once

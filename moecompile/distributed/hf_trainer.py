@@ -13,7 +13,8 @@ factors. This subclass changes only what expert parallelism needs, each the way 
 model would have it:
 
     wrapping       none: ``parallelize`` already averages the replicated gradients over the ranks as DDP would
-                   (``grads.py``); transformers' own broadcast of replicated parameters is skipped with it
+                   (``grads.py``); transformers' own broadcast of replicated parameters is skipped with it, and the
+                   model is not moved (``parallelize`` placed it; a model on another device is refused)
     accumulation   the micro-batches before the last run inside ``moecompile.no_sync`` (one reduction a step)
     clipping       ``moecompile.clip_grad_norm_``: the whole model's norm, the same on every rank (also the norm
                    logged as ``grad_norm``)
@@ -23,11 +24,18 @@ model would have it:
                    its experts' state: ``moecompile.get_optimizer_state_dict``), in ``<checkpoint>/optimizer``;
                    ``resume_from_checkpoint`` and ``load_best_model_at_end`` read them back
                    (``load_hf_checkpoint``, ``set_optimizer_state_dict``), on any number of ranks
+    replication    replicated experts (``parallelize(..., replication="adaptive")``) step with the
+                   ``moecompile.ExpertOptimizer`` given as ``optimizers=(opt, None)``: it clips, and checkpoints its
+                   master weights, their state and the placement (``opt.state_dict()``); accelerate's wrapper does
+                   not round-trip its state (that would make it by a zero step, counted in Adam's bias correction)
 
 Refused, with the reason: a model not given to ``parallelize``, a run whose world is not the model's mesh, a mesh
-with ``"tp"`` or ``"pp"`` dimensions (the Trainer deals a batch to every rank), replicated experts
-(``replication=``: they step with ``moecompile.ExpertOptimizer``), fp16 (each rank's loss scaler would skip the
-step alone on an overflow in its own experts' gradients: use bf16, which needs no scaler).
+with ``"tp"`` or ``"pp"`` dimensions (the Trainer deals a batch to every rank), replicated experts without an
+``ExpertOptimizer``, fp16 (each rank's loss scaler would skip the step alone on an overflow in its own experts'
+gradients: use bf16, which needs no scaler).
+
+It overrides private methods of transformers 5.23's ``Trainer`` (``_clip_grad_norm``, ``_save``,
+``_load_from_checkpoint``, ...): ``tests/test_trainer_ep.py`` fails where a later transformers changes them.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from .clip import clip_grad_norm_
+from .expert_optimizer import ExpertOptimizer
 from .grads import no_sync
 from .hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from .sharded_state import get_optimizer_state_dict, parts_of, set_optimizer_state_dict
@@ -53,11 +62,29 @@ class ExpertParallelTrainer(Trainer):
     job (the module's docstring says what it changes). Takes ``Trainer``'s arguments."""
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
-        _check(model, args)
+        replicated = _check(model, args)
         super().__init__(model, args, *rest, **kwargs)
+        if replicated and not isinstance(self.optimizer, ExpertOptimizer):
+            raise ValueError("ExpertParallelTrainer: this model's experts are replicated (parallelize(..., "
+                             "replication=...)), so moecompile.ExpertOptimizer steps them: pass optimizers=("
+                             "moecompile.ExpertOptimizer(model, torch.optim.AdamW, lr=...), None)")
         # transformers' flag for a model that owns its placement and gradient reduction: accelerate then leaves it
         # unwrapped (no DistributedDataParallel), and every rank takes part in _save (our gathers are collective)
         self.is_distributed_loading_by_transformers = True
+        if isinstance(self.optimizer, ExpertOptimizer):
+            # accelerate's wrapper would round-trip a fresh optimizer's state_dict() to move it to the device:
+            # ExpertOptimizer's (for torch.distributed.checkpoint) makes the state by a zero step first, which
+            # would count a step in Adam's bias correction. The Trainer moves each batch to the device itself.
+            self.accelerator.device_placement = False
+
+    def _move_model_to_device(self, model, device) -> None:
+        """Nothing, or a ``ValueError``: ``parallelize`` placed the model on its device (its buffers must stay the
+        ones it registered; ``model.to`` would replace some)."""
+        held, want = {p.device for p in model.parameters()}, torch.device(device)
+        if any(d.type != want.type or want.type != "cpu" and want.index not in (None, d.index) for d in held):
+            raise ValueError(f"ExpertParallelTrainer: the model is on {sorted(map(str, held))} but the Trainer runs on "
+                             f"{device}: move the model to its device before moecompile.parallelize (as "
+                             "examples/train_trainer_ep.py does)")
 
     def _sync_replicated_trainable_parameters(self, model) -> None:
         """Nothing: ``parallelize``'s gradient sync averages the replicated gradients, and transformers' broadcast
@@ -77,12 +104,18 @@ class ExpertParallelTrainer(Trainer):
 
     def _clip_grad_norm(self, model):
         self.accelerator.unscale_gradients()
-        return clip_grad_norm_(self.model, self.args.max_grad_norm)
+        return self._clip(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:  # (not clipped: the norm alone; a factor of 1 scales nothing)
-            grad_norm = clip_grad_norm_(self.model, math.inf)
+            grad_norm = self._clip(math.inf)
         return grad_norm
+
+    def _clip(self, max_norm: float):
+        optimizer = _inner(self.optimizer)
+        if isinstance(optimizer, ExpertOptimizer):  # (the replicated experts' gradients: their instances' sum)
+            return optimizer.clip_grad_norm_(max_norm)
+        return clip_grad_norm_(self.model, max_norm)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The model as a transformers checkpoint, every rank taking part; the tokenizer and the arguments by rank 0
@@ -103,8 +136,8 @@ class ExpertParallelTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         import torch.distributed.checkpoint as dcp
 
-        state = get_optimizer_state_dict(self.model, _inner(self.optimizer))
-        dcp.save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        dcp.save(_optimizer_state(self.model, _inner(self.optimizer)),
+                 checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
@@ -118,9 +151,12 @@ class ExpertParallelTrainer(Trainer):
             raise ValueError(f"{checkpoint} has no {OPTIMIZER_DIR}/ folder: it was not written by "
                              "ExpertParallelTrainer, so the optimizer's state cannot be resumed from it")
         optimizer = _inner(self.optimizer)
-        state = get_optimizer_state_dict(self.model, optimizer)  # (the layout to read into)
+        state = _optimizer_state(self.model, optimizer)  # (the layout to read into)
         dcp.load(state, checkpoint_id=folder)
-        set_optimizer_state_dict(self.model, optimizer, state)
+        if isinstance(optimizer, ExpertOptimizer):
+            optimizer.load_state_dict(state)
+        else:
+            set_optimizer_state_dict(self.model, optimizer, state)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -135,18 +171,21 @@ def _inner(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _check(model, args) -> None:
-    """Refuse what the module's docstring lists, saying why."""
+def _optimizer_state(model, optimizer) -> dict:
+    """The optimizer's state for ``torch.distributed.checkpoint`` (every rank together)."""
+    if isinstance(optimizer, ExpertOptimizer):
+        return optimizer.state_dict()
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def _check(model, args) -> bool:
+    """Refuse what the module's docstring lists, saying why; whether the model's experts are replicated."""
     try:
         _, infos = parts_of(model)
     except ValueError:
         raise ValueError("ExpertParallelTrainer trains a model given to moecompile.parallelize (under torchrun): "
                          "for a model it did not shard use transformers' Trainer") from None
     info = infos[0]
-    if info.replicas:
-        raise ValueError("ExpertParallelTrainer: this model's experts are replicated (parallelize(..., "
-                         "replication=...)): they step with moecompile.ExpertOptimizer, which the Trainer does not "
-                         "drive; train it with your own loop, or parallelize without replication")
     names = tuple(info.mesh.mesh_dim_names or ())
     for dim, why in (("tp", "tensor-parallel ranks share their batch"), ("pp", "pipeline stages pass activations")):
         if dim in names:
@@ -162,3 +201,4 @@ def _check(model, args) -> None:
         raise ValueError("ExpertParallelTrainer refuses fp16: each rank's loss scaler would skip a step alone when "
                          "its own experts' gradients overflow, and the ranks' replicated weights would part; use "
                          "bf16=True (no loss scaler)")
+    return bool(info.replicas)
