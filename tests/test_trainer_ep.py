@@ -20,6 +20,7 @@ import os
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from ranks import gloo, spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -53,9 +54,12 @@ def _logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
-def _parallel_model(mesh, fsdp: bool = False, **options):
+def _parallel_model(mesh, fsdp: bool = False, lora=None, **options):
     model = tiny_model("mixtral").train()
     moecompile.parallelize(model, mesh, torch.randint(3, 128, (BATCH, 8)), **options)
+    if lora is not None:  # (peft's adapters on attention, added after parallelize, the same on every rank)
+        torch.manual_seed(1)
+        model = get_peft_model(model, lora)
     for module in [*model.model.layers, model] if fsdp else ():  # FSDP2 of the rest (the experts left out)
         fully_shard(module, mesh=mesh)
     model.compile(backend="moe", options={"inner": "aot_eager", "lowering": "grouped"})
@@ -109,6 +113,30 @@ def _replicated(mesh, tmp, whole):
         moecompile.ExpertParallelTrainer(model=model, args=_args(f"{tmp}/x"))
 
 
+def _adapters(mesh, tmp, whole):
+    """peft's LoRA on attention: as the plain Trainer's PeftModel under DDP; checkpoints and ``save_model`` hold the
+    adapters (as the Trainer writes them), and resuming reads them back."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    ref = Trainer(model=get_peft_model(copy.deepcopy(whole), lora), args=_args(f"{tmp}/ddp_lora"),
+                  train_dataset=_Rows())
+    ref.train()
+    adapters = []
+    for out, resume in (("lora", None), ("lora_again", f"{tmp}/lora/checkpoint-2")):
+        model = _parallel_model(mesh, lora=lora)
+        trainer = moecompile.ExpertParallelTrainer(model=model, args=_args(f"{tmp}/{out}", save_strategy="steps",
+                                                                           save_steps=2), train_dataset=_Rows())
+        trainer.train(resume_from_checkpoint=resume)
+        assert _logged(trainer, "loss") == pytest.approx(_logged(ref, "loss"), rel=TOL, abs=TOL), out
+        adapters.append({n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n})
+    want = {n: p for n, p in ref.model.named_parameters() if "lora_" in n}
+    assert adapters[0].keys() == adapters[1].keys() == want.keys() and want
+    for name, value in want.items():
+        torch.testing.assert_close(adapters[0][name], value, rtol=TOL, atol=TOL, msg=name)
+        torch.testing.assert_close(adapters[1][name], adapters[0][name], rtol=TOL, atol=TOL, msg=name)
+    trainer.save_model(f"{tmp}/lora_saved")  # (rank 0 writes: the test process reads it)
+
+
 def _ranks(rank, world, tmp):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     with gloo(rank, world, tmp):
@@ -153,6 +181,7 @@ def _ranks(rank, world, tmp):
         fsdp.save_model(f"{tmp}/fsdp_saved")
         _best_model_at_end(resumed, tmp)
         _replicated(mesh, tmp, whole)
+        _adapters(mesh, tmp, whole)
 
         with pytest.raises(ValueError, match="ExpertParallelTrainer"):  # DDP's wrap raises
             Trainer(model=_parallel_model(mesh), args=_args(f"{tmp}/plain"), train_dataset=_Rows()).train()
@@ -174,3 +203,4 @@ def test_the_trainer_trains_an_expert_parallel_model_as_ddp_trains_the_whole(tmp
             torch.testing.assert_close(loaded[name], value, rtol=TOL if folder == "fsdp_saved" else 0,
                                        atol=TOL if folder == "fsdp_saved" else 0, msg=f"{folder}: {name}")
     assert os.path.isdir(tmp_path / "ep/checkpoint-2/optimizer")
+    assert os.path.isfile(tmp_path / "lora_saved/adapter_model.safetensors")  # (the adapters, as the Trainer saves)

@@ -24,6 +24,8 @@ model would have it:
                    its experts' state: ``moecompile.get_optimizer_state_dict``), in ``<checkpoint>/optimizer``;
                    ``resume_from_checkpoint`` and ``load_best_model_at_end`` read them back
                    (``load_hf_checkpoint``, ``set_optimizer_state_dict``), on any number of ranks
+    peft           a ``PeftModel`` of the parallelized model (adapters on its dense layers): its adapters are
+                   saved and resumed as the Trainer does (they are not sharded); its optimizer's state as above
     replication    replicated experts (``parallelize(..., replication="adaptive")``) step with the
                    ``moecompile.ExpertOptimizer`` given as ``optimizers=(opt, None)``: it clips, and checkpoints its
                    master weights, their state and the placement (``opt.state_dict()``); accelerate's wrapper does
@@ -47,6 +49,7 @@ import os
 import torch
 import torch.distributed as dist
 from transformers import Trainer
+from transformers.trainer_utils import _is_peft_model
 
 from .clip import clip_grad_norm_
 from .expert_optimizer import ExpertOptimizer
@@ -119,7 +122,9 @@ class ExpertParallelTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The model as a transformers checkpoint, every rank taking part; the tokenizer and the arguments by rank 0
-        (as ``Trainer._save``)."""
+        (as ``Trainer._save``). A peft model saves its adapters as the Trainer does (they are not sharded)."""
+        if _is_peft_model(self.model):
+            return super()._save(output_dir, state_dict)
         if state_dict is not None:
             raise ValueError("ExpertParallelTrainer saves the model it trains: it takes no state_dict")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -160,9 +165,14 @@ class ExpertParallelTrainer(Trainer):
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        load_hf_checkpoint(self.model if model is None else model, resume_from_checkpoint)
+        model = self.model if model is None else model
+        if _is_peft_model(model):  # (its adapters, as the Trainer reads them)
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_hf_checkpoint(model, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
+        if _is_peft_model(self.model):
+            return super()._load_best_model()
         load_hf_checkpoint(self.model, self.state.best_model_checkpoint)
 
 
