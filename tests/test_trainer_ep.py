@@ -8,12 +8,13 @@ gradient norms (the whole model's, the same on both ranks), every weight after 4
 ``evaluate()``'s loss are DDP's. Checkpoints every 2 steps: each is a transformers checkpoint (``from_pretrained``
 in one process reads the trained weights) with the optimizer's state in ``optimizer/``
 (``torch.distributed.checkpoint``, each rank its experts' momentum); a fresh model resumed from step 2 ends at step
-4 with the weights of the run that went on. ``save_model()`` writes the same. ``load_best_model_at_end`` (a
-callback makes the first of two checkpoints the best) ends with its weights. The model's dense weights sharded by
-FSDP2's ``fully_shard`` (each decoder layer and the model; the experts left to parallelize) train as DDP's too and
-save the same weights. The plain Trainer refuses the
-parallelized model (DDP's wrap raises, naming ExpertParallelTrainer); the subclass refuses a model ``parallelize``
-did not shard, and fp16. A failing rank fails the test; the group has a timeout."""
+4 with the weights of the run that went on. ``save_model()`` writes the same. ``load_best_model_at_end`` (a callback
+makes the first of two checkpoints the best) ends with its weights. The model's dense weights sharded by FSDP2's
+``fully_shard`` (each decoder layer and the model; the experts left to parallelize) train as DDP's too and save the
+same weights. Replicated experts under ``moecompile.ExpertOptimizer`` and peft's LoRA adapters: ``_replicated`` and
+``_adapters`` below. The plain Trainer refuses the parallelized model (DDP's wrap raises, naming ExpertParallelTrainer);
+the subclass refuses a model ``parallelize`` did not shard, fp16 and accelerate's compile (``torch_compile=True``).
+A failing rank fails the test; the group has a timeout."""
 
 import copy
 import os
@@ -189,6 +190,8 @@ def _ranks(rank, world, tmp):
             moecompile.ExpertParallelTrainer(model=copy.deepcopy(whole), args=_args(f"{tmp}/x"))
         with pytest.raises(ValueError, match="refuses fp16: each rank's loss scaler would skip a step alone"):
             moecompile.ExpertParallelTrainer(model=model, args=_args(f"{tmp}/x", fp16=True))
+        with pytest.raises(ValueError, match=r"torch_compile=True\) has accelerate compile .* model.compile\("):
+            moecompile.ExpertParallelTrainer(model=model, args=_args(f"{tmp}/x", torch_compile=True))
     if rank == 0:
         torch.save(trained, f"{tmp}/trained.pt")
 

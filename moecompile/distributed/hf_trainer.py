@@ -33,8 +33,9 @@ model would have it:
 
 Refused, with the reason: a model not given to ``parallelize``, a run whose world is not the model's mesh, a mesh
 with ``"tp"`` or ``"pp"`` dimensions (the Trainer deals a batch to every rank), replicated experts without an
-``ExpertOptimizer``, fp16 (each rank's loss scaler would skip the step alone on an overflow in its own experts'
-gradients: use bf16, which needs no scaler).
+``ExpertOptimizer``, ``torch_compile=True`` (accelerate's backends cannot run sharded experts), fp16 (each rank's
+loss scaler would skip the step alone on an overflow in its own experts' gradients: use bf16, which needs no
+scaler), a model on another device than the Trainer's.
 
 It overrides private methods of transformers 5.23's ``Trainer`` (``_clip_grad_norm``, ``_save``,
 ``_load_from_checkpoint``, ...): ``tests/test_trainer_ep.py`` fails where a later transformers changes them.
@@ -207,6 +208,11 @@ def _check(model, args) -> bool:
         raise ValueError(f"ExpertParallelTrainer: the model was sharded over {info.mesh.size()} ranks, but this "
                          f"run has {world} (the Trainer's world_size {launched}): launch with torchrun over the ranks "
                          "of the model's mesh")
+    if args is not None and args.torch_compile:
+        raise ValueError("ExpertParallelTrainer: TrainingArguments(torch_compile=True) has accelerate compile the "
+                         "model with a backend of its own list, which cannot run the sharded experts (only "
+                         "backend='moe' rewrites them): leave torch_compile off and compile the model in place, "
+                         "model.compile(backend='moe'), before the Trainer")
     if args is not None and args.fp16:
         raise ValueError("ExpertParallelTrainer refuses fp16: each rank's loss scaler would skip a step alone when "
                          "its own experts' gradients overflow, and the ranks' replicated weights would part; use "
