@@ -17,7 +17,8 @@ the step on that rank alone (the other steps: the replicas part), and FSDP's Sha
 its overflow flag, skip it on both (no weight changes, the scale halves on both).
 
 DistributedDataParallel of the model, or of a module above or holding its experts, raises saying why before it
-broadcasts anything (no weight changes). A failing rank fails the test; the group has a timeout.
+broadcasts anything (no weight changes). Compiled by another backend (``aot_eager``: the sharded experts' view left
+in the graph), training raises naming ``backend='moe'``. A failing rank fails the test; the group has a timeout.
 
 Parameters taking a gradient after ``parallelize`` (peft's LoRA adapters added to the sharded model, its experts and
 embedding unfrozen after a frozen start): averaged as those it saw (each rank kept its own gradient before, and the
@@ -111,6 +112,9 @@ def _loss_scaling(rank, mesh):
         with pytest.raises(ValueError, match="without DistributedDataParallel"):
             DistributedDataParallel(wrapped)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    with pytest.raises(RuntimeError, match="only run in a graph the moe backend rewrote: compile the model with"):
+        torch.compile(model, backend="aot_eager")(ids, labels=ids).loss.backward()  # (was: "no autograd formula")
+    torch._dynamo.reset()
     compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for scaler in (torch.amp.GradScaler("cpu"), ShardedGradScaler(device="cpu")):

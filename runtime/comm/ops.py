@@ -54,10 +54,26 @@ def ep_global_view(local: Tensor, num_experts: int, group_name: str, layer: str,
                    domain_group: str = "", domain_slots: Tensor | None = None, compress: float = 0.0,
                    compress_group: str = "", reshard: bool = False, copy_group: str = "", copy_dim: int = 0
                    ) -> Tensor:
-    raise RuntimeError(
-        f"the experts of MoE layer {layer!r} are sharded over ranks by moecompile.parallelize and only run in a "
-        "graph the moe backend rewrote: compile the model with torch.compile(model, backend='moe') (see "
-        "moecompile.explain(model, ...) for why a layer was not rewritten)")
+    raise RuntimeError(_not_rewritten(layer))
+
+
+def _not_rewritten(layer: str) -> str:
+    return (f"the experts of MoE layer {layer!r} are sharded over ranks by moecompile.parallelize and only run in a "
+            "graph the moe backend rewrote: compile the model with torch.compile(model, backend='moe') (see "
+            "moecompile.explain(model, ...) for why a layer was not rewritten)")
+
+
+def _view_setup(ctx, inputs, output) -> None:
+    ctx.layer = inputs[3]
+
+
+def _view_backward(ctx, grad):
+    """A graph another backend compiles (``backend="inductor"``, accelerate's ``torch_compile=True``) keeps the view:
+    tracing its backward says why, as running it does (before: torch's "no autograd formula was registered")."""
+    raise RuntimeError(_not_rewritten(ctx.layer))
+
+
+register_autograd("moe::ep_global_view", _view_backward, setup_context=_view_setup)
 
 
 @register_fake("moe::ep_global_view")
