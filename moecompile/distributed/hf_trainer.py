@@ -85,7 +85,7 @@ class ExpertParallelTrainer(Trainer):
         """Nothing, or a ``ValueError``: ``parallelize`` placed the model on its device (its buffers must stay the
         ones it registered; ``model.to`` would replace some)."""
         held, want = {p.device for p in model.parameters()}, torch.device(device)
-        if any(d.type != want.type or want.type != "cpu" and want.index not in (None, d.index) for d in held):
+        if any(d.type != want.type or (want.type != "cpu" and want.index not in (None, d.index)) for d in held):
             raise ValueError(f"ExpertParallelTrainer: the model is on {sorted(map(str, held))} but the Trainer runs on "
                              f"{device}: move the model to its device before moecompile.parallelize (as "
                              "examples/train_trainer_ep.py does)")
