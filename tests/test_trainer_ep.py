@@ -12,9 +12,10 @@ in one process reads the trained weights) with the optimizer's state in ``optimi
 makes the first of two checkpoints the best) ends with its weights. The model's dense weights sharded by FSDP2's
 ``fully_shard`` (each decoder layer and the model; the experts left to parallelize) train as DDP's too and save the
 same weights. Replicated experts under ``moecompile.ExpertOptimizer`` and peft's LoRA adapters: ``_replicated`` and
-``_adapters`` below. The plain Trainer refuses the parallelized model (DDP's wrap raises, naming ExpertParallelTrainer);
-the subclass refuses a model ``parallelize`` did not shard, fp16 and accelerate's compile (``torch_compile=True``).
-A failing rank fails the test; the group has a timeout."""
+``_adapters`` below; an accelerate loop preparing the optimizer and data, not the model: ``_accelerate_loop``. The
+plain Trainer refuses the parallelized model (DDP's wrap raises, naming ExpertParallelTrainer); the subclass refuses
+a model ``parallelize`` did not shard, fp16 and accelerate's compile (``torch_compile=True``). A failing rank fails
+the test; the group has a timeout."""
 
 import copy
 import os
@@ -138,6 +139,41 @@ def _adapters(mesh, tmp, whole):
     trainer.save_model(f"{tmp}/lora_saved")  # (rank 0 writes: the test process reads it)
 
 
+def _accelerate_loop(mesh, whole):
+    """A loop of accelerate's (the README's recipe): the optimizer and data loader prepared, not the model (its DDP
+    would overwrite the experts), clipping by ``moecompile.clip_grad_norm_``: the losses, norms and weights of the
+    same loop with the whole model prepared (DDP) and ``accelerator.clip_grad_norm_``."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    results = []
+    for model in (copy.deepcopy(whole), _parallel_model(mesh)):
+        parallel = hasattr(model, "_moe_parallel")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = torch.utils.data.DataLoader(_Rows(), batch_size=BATCH)
+        if parallel:
+            opt, loader = accelerator.prepare(opt, loader)
+        else:
+            model, opt, loader = accelerator.prepare(model, opt, loader)
+        losses, norms = [], []
+        for batch in loader:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            clip = moecompile.clip_grad_norm_(model, 0.5) if parallel else \
+                accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+            norms.append(float(clip))
+        state = moecompile.full_state_dict(model) if parallel else accelerator.unwrap_model(model).state_dict()
+        results.append((losses, norms, state))
+    (losses, norms, want), (got_losses, got_norms, got) = results
+    assert got_losses == pytest.approx(losses, rel=TOL, abs=TOL) and len(losses) == len(_Rows()) // (2 * BATCH)
+    assert got_norms == pytest.approx(norms, rel=TOL, abs=TOL) and min(norms) > 0.5, norms
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=TOL, atol=TOL, msg=name)
+
+
 def _ranks(rank, world, tmp):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     with gloo(rank, world, tmp):
@@ -183,6 +219,7 @@ def _ranks(rank, world, tmp):
         _best_model_at_end(resumed, tmp)
         _replicated(mesh, tmp, whole)
         _adapters(mesh, tmp, whole)
+        _accelerate_loop(mesh, whole)
 
         with pytest.raises(ValueError, match="ExpertParallelTrainer"):  # DDP's wrap raises
             Trainer(model=_parallel_model(mesh), args=_args(f"{tmp}/plain"), train_dataset=_Rows()).train()
