@@ -23,7 +23,8 @@ model would have it:
     checkpoints    the model as above; the optimizer's state by ``torch.distributed.checkpoint`` (each rank writes
                    its experts' state: ``moecompile.get_optimizer_state_dict``), in ``<checkpoint>/optimizer``;
                    ``resume_from_checkpoint`` and ``load_best_model_at_end`` read them back
-                   (``load_hf_checkpoint``, ``set_optimizer_state_dict``), on any number of ranks
+                   (``load_hf_checkpoint``, ``set_optimizer_state_dict``), which reshard for another number of
+                   ranks (a 2-rank checkpoint resumed on 4: run by hand, not compared)
     peft           a ``PeftModel`` of the parallelized model (adapters on its dense layers): its adapters are
                    saved and resumed as the Trainer does (they are not sharded); its optimizer's state as above
     replication    replicated experts (``parallelize(..., replication="adaptive")``) step with the
