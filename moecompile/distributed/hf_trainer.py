@@ -51,6 +51,7 @@ import os
 import torch
 import torch.distributed as dist
 from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import _is_peft_model
 
 from .clip import clip_grad_norm_
@@ -138,7 +139,7 @@ class ExpertParallelTrainer(Trainer):
             self.processing_class.save_pretrained(output_dir)
         elif tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -146,7 +147,7 @@ class ExpertParallelTrainer(Trainer):
         dcp.save(_optimizer_state(self.model, _inner(self.optimizer)),
                  checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         import torch.distributed.checkpoint as dcp
@@ -164,7 +165,7 @@ class ExpertParallelTrainer(Trainer):
             optimizer.load_state_dict(state)
         else:
             set_optimizer_state_dict(self.model, optimizer, state)
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         model = self.model if model is None else model
