@@ -1,5 +1,6 @@
-"""What tests/test_replicate.py's world 4 runs beside its own: replication beside layers split over "dp_shard", and a
-model built on meta replicating in two copies of the experts, initialized in place."""
+"""What tests/test_replicate.py runs beside its own: replication beside layers split over "dp_shard", a model built on
+meta replicating in two copies of the experts, initialized in place (world 4), and a state taken before training
+(one rank)."""
 
 import torch
 import torch.distributed as dist
@@ -76,3 +77,32 @@ def initialized_on_meta(mesh, rank, world):
                                atol=0)
     torch.compile(model, backend="moe", options=OPTIONS)(ids[rank], labels=ids[rank]).loss.backward()
     opt.step()
+
+
+def state_before_training(mesh, tmp):
+    """An ExpertOptimizer (AdamW) that gives its ``state_dict()`` before any step (an initial checkpoint; accelerate's
+    round trip, ``load_state_dict(state_dict())``) keeps no state, and trains bit for bit as one that did not; so does
+    one that loads that initial checkpoint. (Kept, the state a zero step makes counted in Adam's bias correction.)"""
+    batch = _batches(_build("mixtral"), 1)[0]
+    runs = []
+    for how in ("plain", "saved", "loaded"):
+        model = moecompile.parallelize(_build("mixtral").train(), mesh, batch, replication="adaptive",
+                                       slots_per_rank=9)
+        compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+        opt = moecompile.ExpertOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        if how != "plain":
+            state = {"optim": opt.state_dict()}
+            assert state["optim"]["experts"] and state["optim"]["dense"]["state"]  # (what a checkpoint loads into)
+            if how == "saved":
+                dcp.save(state, checkpoint_id=f"{tmp}/before_training")
+                opt.load_state_dict(opt.state_dict())
+            else:
+                dcp.load(state, checkpoint_id=f"{tmp}/before_training")
+                opt.load_state_dict(state["optim"])
+            assert not opt.experts.state and not opt.dense.state, how
+        for _ in range(2):
+            compiled(batch, labels=batch).loss.backward()
+            opt.step(), opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()] + [layer.part.master for layer in opt.layers])
+    for how, run in zip(("saved", "loaded"), runs[1:]):
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0])), how

@@ -26,7 +26,8 @@ With "adaptive" and SGD, a torch.distributed.checkpoint saved after step 1 and l
 schedule continues bit for bit across the placement changes of steps 2 and 3 (the experts' lr as scheduled); world 2 (a
 1-D mesh) loads world 4's. World 2 and one rank also train dbrx (flat [E x ffn, H] expert weights: its state_dict
 entries whole, Mixtral's stacked ones DTensors over the ranks' hosts) adaptive with SGD, checkpoint and resume included.
-One rank: a step after two micro-batches (gradient accumulation) places by both's routing. World 4 as a (2, 2)
+One rank: a step after two micro-batches (gradient accumulation) places by both's routing; a state taken before
+training changes nothing (tests/replicate_split.py). World 4 as a (2, 2)
 ("dp_replicate", "ep") mesh: each copy's 2 ranks replicate the experts (5 slots each) by their own routing (the copies'
 placements differ), the master parts' gradients summed over the copies; adaptive with SGD trains as one process and
 resumes from its checkpoint (every copy's placement kept) bit for bit; Mixtral built on meta and initialized in place,
@@ -54,7 +55,7 @@ from moecompile.runtime.placement.replicas import POPULARITY
 from moecompile.runtime.placement.replication import schedule, uniform
 
 from hf_replicated import in_shares
-from replicate_split import beside_split_layers, initialized_on_meta
+from replicate_split import beside_split_layers, initialized_on_meta, state_before_training
 from test_parallelize import LR, TOL, _batches, _build, _init
 
 E = 8  # tiny Mixtral's experts
@@ -361,6 +362,7 @@ def test_one_rank_replication(tmp_path):
             _train(mesh, 0, 1, "adaptive", tmp, optimizer, explain=optimizer == "adamw")
         _train(mesh, 0, 1, "adaptive", tmp, "sgd", "dbrx")  # flat [E x ffn, H] expert weights
         _accumulate(mesh)
+        state_before_training(mesh, tmp)
     finally:
         dist.destroy_process_group()
 

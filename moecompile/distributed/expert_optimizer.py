@@ -206,22 +206,22 @@ class ExpertOptimizer(torch.optim.Optimizer):
         (``moecompile.get_optimizer_state_dict``), each replicated layer's master weights and their optimizer
         state, per weight a DTensor ``Shard(1)`` of its ``[E, R, ...]`` (each rank's rows), its current placement
         (a list: it is per slot; beside copies of the experts a list of every copy's, each copy placing its own), the
-        experts' group hyperparameters (lr...) and the step count. A fresh
-        optimizer gets its state made first (a zero step, as torch does), so a checkpoint loads into it. Every rank
-        calls it together."""
-        from torch.distributed.checkpoint.state_dict import _init_optim_state
-
+        experts' group hyperparameters (lr...) and the step count. An optimizer that has not stepped gives the
+        state a zero step would make (so that a checkpoint loads into it) but keeps none itself: calling it before
+        training (an initial checkpoint, accelerate's ``prepare``) leaves the first update as it was (a zero step
+        would count in Adam's bias correction). Every rank calls it together."""
         from .sharded_state import get_optimizer_state_dict
+        from .zero import state_made
 
-        _init_optim_state(self.experts)
         experts = {}
-        for layer in self.layers:
-            master = layer.part.master
-            entry = {"master": self._global(layer, master.detach())}
-            for key, value in self.experts.state[master].items():
-                part = isinstance(value, torch.Tensor) and value.shape == master.shape
-                entry[key] = self._global(layer, value) if part else value
-            experts[layer.path] = entry
+        with state_made(self.experts):
+            for layer in self.layers:
+                master = layer.part.master
+                entry = {"master": self._global(layer, master.detach())}
+                for key, value in self.experts.state[master].items():
+                    part = isinstance(value, torch.Tensor) and value.shape == master.shape
+                    entry[key] = self._global(layer, value) if part else value
+                experts[layer.path] = entry
         placement = {layer.path: layer.placement.tolist() for layer in self.layers}
         if self._copies is not None:  # every copy's (a checkpoint keeps one value under the key)
             every = [None] * dist.get_world_size(self._copies)
@@ -238,7 +238,10 @@ class ExpertOptimizer(torch.optim.Optimizer):
         """Load what ``state_dict`` gave (through ``torch.distributed.checkpoint``): the master parts, their
         optimizer state and the placement, then this rank's slots from them, as the step that saved it left them:
         a resumed run continues bit for bit. Saved on another number of ranks or slots, the parts are cut anew
-        (DCP reshards the DTensors) and the experts start evenly placed. Every rank calls it together."""
+        (DCP reshards the DTensors) and the experts start evenly placed. A state saved before any step loads as one:
+        the weights and placement, no optimizer state (its zeros would count a step). The experts' state stays on the
+        host whatever device the given tensors are on (accelerate's wrapper moves a state to the device and loads
+        it back). Every rank calls it together."""
         from .sharded_state import set_optimizer_state_dict
 
         n = len(self._parts)
@@ -254,8 +257,8 @@ class ExpertOptimizer(torch.optim.Optimizer):
 
             def local(value):  # a per-weight dict (as _global made it): this rank's part; a scalar as it is
                 if isinstance(value, dict):
-                    return layer.part.part_of([value[a] for a in layer.attrs], layer.host_mesh)
-                return value.clone() if isinstance(value, torch.Tensor) else value
+                    return layer.part.part_of([value[a] for a in layer.attrs], layer.host_mesh).to(master.device)
+                return value.to(master.device, copy=True) if isinstance(value, torch.Tensor) else value
 
             with torch.no_grad():
                 master.copy_(local(entry["master"]))
@@ -274,6 +277,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.experts.param_groups, state.get("expert_groups", [])):
             group.update(saved)  # its hyperparameters as saved (a learning-rate schedule's lr)
         self.steps = int(state["steps"])
+        if self.steps == 0:  # saved before any step: the state a zero step made for loading, not kept
+            for opt in [self.experts, *(d for d in self.denses if d is not None)]:
+                opt.state.clear()
 
     def _global(self, layer, part: torch.Tensor) -> dict:
         """This rank's ``[E, P_w]`` part (master weights or optimizer state) as one DTensor ``Shard(1)`` per

@@ -30,7 +30,7 @@ model would have it:
     replication    replicated experts (``parallelize(..., replication="adaptive")``) step with the
                    ``moecompile.ExpertOptimizer`` given as ``optimizers=(opt, None)``: it clips, and checkpoints its
                    master weights, their state and the placement (``opt.state_dict()``); accelerate's wrapper does
-                   not round-trip its state (that would make it by a zero step, counted in Adam's bias correction)
+                   not carry its state, kept on the host, to the device and back
 
 Refused, with the reason: a model not given to ``parallelize``, a run whose world is not the model's mesh, a mesh
 with ``"tp"`` or ``"pp"`` dimensions (the Trainer deals a batch to every rank), replicated experts without an
@@ -78,9 +78,9 @@ class ExpertParallelTrainer(Trainer):
         # unwrapped (no DistributedDataParallel), and every rank takes part in _save (our gathers are collective)
         self.is_distributed_loading_by_transformers = True
         if isinstance(self.optimizer, ExpertOptimizer):
-            # accelerate's wrapper would round-trip a fresh optimizer's state_dict() to move it to the device:
-            # ExpertOptimizer's (for torch.distributed.checkpoint) makes the state by a zero step first, which
-            # would count a step in Adam's bias correction. The Trainer moves each batch to the device itself.
+            # accelerate's wrapper would carry the optimizer's state_dict() to the device and load it back: the
+            # experts' master weights and state live on the host (on CPU the round trip is exact, tested in
+            # tests/replicate_split.py; on CUDA it is not run). The Trainer moves each batch to the device itself.
             self.accelerator.device_placement = False
 
     def _move_model_to_device(self, model, device) -> None:

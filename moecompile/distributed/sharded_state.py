@@ -170,23 +170,20 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
     a ``torch.distributed.checkpoint`` of it loads on any number of ranks, and in one process (torch's
     ``set_optimizer_state_dict``). Each rank's plain shard under one key would be kept once by the checkpoint:
     the other ranks' state lost. (ModuleList experts keep their own keys, one rank each.) An optimizer that has
-    not stepped gets its state made first, by a step with zero gradients and lr 0 (as torch does; no expert swap
-    counts it), so a checkpoint loads into it. Its ``param_groups`` name every rank's parameters, the same on every
+    not stepped gives the state a step with zero gradients and lr 0 makes (so that a checkpoint loads into it; no
+    expert swap counts it) but keeps none (torch's keeps it: an initial checkpoint changed Adam's first update). Its ``param_groups`` name every rank's parameters, the same on every
     rank (``_every_ranks_groups``). Every rank calls it together; ``optimizer`` None where this rank's part of the
     model trains nothing (``ExpertOptimizer``'s dense part of a pipeline stage whose dense weights are all frozen):
     no state, the other ranks' groups; a ``ZeroRedundancyOptimizer`` (``expert_zero_optimizer``): the state of the
     weights this rank steps. ``model``: the model, or the list of stage modules this rank runs (an interleaved
     pipeline schedule's, one optimizer over them; their parameters keep the model's names)."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
     from .swap import paused
 
     parts, (info, *_) = parts_of(model)
     if optimizer is None:
         return {"state": {}, "param_groups": _every_ranks_groups(None)}
-    with paused():
-        _init_optim_state(zero.local(optimizer))
-    saved = zero.state_dict(optimizer)
+    with paused(), zero.state_made(optimizer):
+        saved = zero.state_dict(optimizer)
     names = _names_by_index(parts, optimizer, saved)
     state = {names[i]: dict(v) for i, v in saved["state"].items()}
     for part in parts:

@@ -17,6 +17,8 @@ and in one process. (torch's own ``consolidate_state_dict`` and ``state_dict`` s
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -26,6 +28,24 @@ from .mesh import REPLICATE, SHARD
 def local(optimizer):
     """The optimizer that holds this rank's state: a ``ZeroRedundancyOptimizer``'s own (``.optim``), else itself."""
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+@contextlib.contextmanager
+def state_made(optimizer):
+    """While inside, the state of ``optimizer`` (``local``'s) is made if it has not stepped: by a step with zero
+    gradients and lr 0, as ``torch.distributed.checkpoint`` makes it, so that a checkpoint loads into it. After, a
+    fresh optimizer holds none again (a state dict taken inside keeps it): torch's keeps it, and its step counts in
+    Adam's bias correction, so an initial checkpoint would change the first update."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    own = local(optimizer)
+    fresh = not own.state
+    _init_optim_state(own)
+    try:
+        yield
+    finally:
+        if fresh:
+            own.state.clear()
 
 
 def state_dict(optimizer) -> dict:
