@@ -27,16 +27,21 @@ model would have it:
                    ranks (a 2-rank checkpoint resumed on 4: run by hand, not compared)
     peft           a ``PeftModel`` of the parallelized model (adapters on its dense layers): its adapters are
                    saved and resumed as the Trainer does (they are not sharded); its optimizer's state as above
+    "tp"           a mesh with a ``"tp"`` dimension (``moe_tp``): the ranks of a tp group read the same batches
+                   (the data are dealt over the other dimensions, and metrics gathered from one rank of each); a
+                   model transformers made tensor-parallel (``from_pretrained(path, tp_plan="auto")``) trains and
+                   checkpoints so too (the Trainer's own handling of such a model is kept out)
     replication    replicated experts (``parallelize(..., replication="adaptive")``) step with the
                    ``moecompile.ExpertOptimizer`` given as ``optimizers=(opt, None)``: it clips, and checkpoints its
                    master weights, their state and the placement (``opt.state_dict()``); accelerate's wrapper does
                    not carry its state, kept on the host, to the device and back
 
 Refused, with the reason: a model not given to ``parallelize``, a run whose world is not the model's mesh, a mesh
-with ``"tp"`` or ``"pp"`` dimensions (the Trainer deals a batch to every rank), replicated experts without an
-``ExpertOptimizer``, ``torch_compile=True`` (accelerate's backends cannot run sharded experts), fp16 (each rank's
-loss scaler would skip the step alone on an overflow in its own experts' gradients: use bf16, which needs no
-scaler), a model on another device than the Trainer's.
+with a ``"pp"`` dimension (the Trainer runs the whole model on every rank), ``parallelism_config`` (the model's mesh
+says which ranks share a batch), replicated experts without an ``ExpertOptimizer``, ``torch_compile=True``
+(accelerate's backends cannot run sharded experts), fp16 (each rank's loss scaler would skip the step alone on an
+overflow in its own experts' gradients: use bf16, which needs no scaler), a model on another device than the
+Trainer's.
 
 It overrides private methods of transformers 5.23's ``Trainer`` (``_clip_grad_norm``, ``_save``,
 ``_load_from_checkpoint``, ...): ``tests/test_trainer_ep.py`` fails where a later transformers changes them.
@@ -45,6 +50,7 @@ It overrides private methods of transformers 5.23's ``Trainer`` (``_clip_grad_no
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -69,7 +75,8 @@ class ExpertParallelTrainer(Trainer):
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
         replicated = _check(model, args)
-        super().__init__(model, args, *rest, **kwargs)
+        with _unmarked(model):
+            super().__init__(model, args, *rest, **kwargs)
         if replicated and not isinstance(self.optimizer, ExpertOptimizer):
             raise ValueError("ExpertParallelTrainer: this model's experts are replicated (parallelize(..., "
                              "replication=...)), so moecompile.ExpertOptimizer steps them: pass optimizers=("
@@ -77,11 +84,27 @@ class ExpertParallelTrainer(Trainer):
         # transformers' flag for a model that owns its placement and gradient reduction: accelerate then leaves it
         # unwrapped (no DistributedDataParallel), and every rank takes part in _save (our gathers are collective)
         self.is_distributed_loading_by_transformers = True
+        self._data = _DataRanks(parts_of(self.model)[1][0].mesh)
+        if self._data.tp > 1:  # the ranks of a "tp" group read the same batches; metrics keep one copy of each
+            self._data.deal(self.accelerator)  # (and the Trainer's hold on accelerate's gather, as it made it:)
+            self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
+                                                     use_gather_object=self.args.eval_use_gather_object)
         if isinstance(self.optimizer, ExpertOptimizer):
             # accelerate's wrapper would carry the optimizer's state_dict() to the device and load it back: the
             # experts' master weights and state live on the host (on CPU the round trip is exact, tested in
             # tests/replicate_split.py; on CUDA it is not run). The Trainer moves each batch to the device itself.
             self.accelerator.device_placement = False
+
+    def get_tp_size(self) -> int:
+        """1: each rank of a tp group computes the whole loss of their shared batch, and transformers' loss is then
+        right as it is. (With ``average_tokens_across_devices`` the ranks' summed token counts and the loss's scale by
+        the ranks both count a tp group's ranks, and the factor cancels; without, each rank takes its own tokens'
+        mean, which the tp size would divide.)"""
+        return 1
+
+    def get_total_train_batch_size(self, args) -> int:
+        """The samples of a step: the ranks of a tp group share theirs."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self._data.size
 
     def _move_model_to_device(self, model, device) -> None:
         """Nothing, or a ``ValueError``: ``parallelize`` placed the model on its device (its buffers must stay the
@@ -179,6 +202,97 @@ class ExpertParallelTrainer(Trainer):
         load_hf_checkpoint(self.model, self.state.best_model_checkpoint)
 
 
+@contextlib.contextmanager
+def _unmarked(model):
+    """While inside, a model transformers sharded in ``from_pretrained`` (``tp_plan=...``) reads as one it did not:
+    the Trainer would give accelerate a ``ParallelismConfig`` of its tp size (accelerate then deals the data by a
+    mesh of its own, and refuses it on CPU) and refuse checkpoints it could not resume (these resume). The model's
+    mesh says which ranks share a batch instead (``get_tp_size``, ``_DataRanks``)."""
+    held = parts_of(model)[0][0]
+    marks = {name: held.__dict__[name] for name in ("_tp_size", "_is_distributed_loading_by_transformers")
+             if name in held.__dict__}
+    for name in marks:
+        setattr(held, name, None if name == "_tp_size" else False)
+    try:
+        yield
+    finally:
+        held.__dict__.update(marks)
+
+
+class _DataRanks:
+    """Which batches a rank reads on ``mesh``: the ranks that differ only in their ``"tp"`` coordinate read the same
+    ones (``moe_tp``: a tp group's MoE blocks and dense layers see the same tokens), so the data are dealt over the
+    other dimensions: ``size`` ways, this rank taking ``index`` (its coordinates there, row-major)."""
+
+    def __init__(self, mesh):
+        names, shape = list(mesh.mesh_dim_names or ()), mesh.mesh.shape
+        self.tp = shape[names.index("tp")] if "tp" in names else 1
+        self.mesh, self.size = mesh.mesh, mesh.size() // self.tp
+        self.index = self._index((mesh.mesh == dist.get_rank()).nonzero()[0].tolist(), names, shape)
+        every = {int(mesh.mesh[tuple(c)]): c.tolist() for c in (mesh.mesh >= 0).nonzero()}
+        # (the ranks whose pieces a metric keeps: tp coordinate 0, by data index)
+        self.kept = sorted((self._index(c, names, shape), r) for r, c in every.items()
+                           if "tp" not in names or c[names.index("tp")] == 0)
+
+    @staticmethod
+    def _index(coords, names, shape) -> int:
+        index = 0
+        for c, name, n in zip(coords, names, shape):
+            index = index if name == "tp" else index * n + c
+        return index
+
+    def deal(self, accelerator) -> None:
+        """Make ``accelerator`` deal its data loaders ``size`` ways (its own deals them over every rank) and gather
+        metrics from one rank of each tp group (its own gathers every rank's copy, and cuts the last batch's padding
+        from the front of them)."""
+        import accelerate.accelerator as module
+
+        prepare, gather_for_metrics = accelerator.prepare_data_loader, accelerator.gather_for_metrics
+
+        @contextlib.contextmanager
+        def patched(name, replacement):
+            held = getattr(module, name)
+            setattr(module, name, replacement)
+            try:
+                yield
+            finally:
+                setattr(module, name, held)
+
+        def dealt(*args, **kwargs):
+            inner = module.prepare_data_loader
+            with patched("prepare_data_loader", lambda *a, **k: inner(
+                    *a, **{**k, "num_processes": self.size, "process_index": self.index, "torch_device_mesh": None})):
+                return prepare(*args, **kwargs)
+
+        def one_copy(input_data, use_gather_object=False):
+            gather, held = accelerator.gather, accelerator.__dict__.get("gather")
+            accelerator.gather = lambda data: self._kept_tensors(gather(data))
+            try:
+                with patched("gather_object", self._kept_objects):
+                    return gather_for_metrics(input_data, use_gather_object)
+            finally:
+                if held is None:
+                    del accelerator.gather  # (the class's again)
+                else:
+                    accelerator.gather = held
+
+        accelerator.prepare_data_loader, accelerator.gather_for_metrics = dealt, one_copy
+
+    def _kept_tensors(self, gathered):
+        """Of accelerate's ``gather`` (every rank's rows, in rank order, as many from each): the kept ranks'."""
+        from accelerate.utils import recursively_apply
+
+        world = self.mesh.numel()
+        return recursively_apply(lambda t: torch.cat([t.chunk(world)[r] for _, r in self.kept]), gathered)
+
+    def _kept_objects(self, data) -> list:
+        """Of every rank's ``data`` (an iterable), the kept ranks' items in one list, as accelerate's
+        ``gather_object`` joins every rank's."""
+        every = [None] * self.mesh.numel()
+        dist.all_gather_object(every, data)
+        return [x for _, r in self.kept for x in every[r]]
+
+
 def _inner(optimizer):
     """The torch optimizer under accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
@@ -200,16 +314,20 @@ def _check(model, args) -> bool:
                          "for a model it did not shard use transformers' Trainer") from None
     info = infos[0]
     names = tuple(info.mesh.mesh_dim_names or ())
-    for dim, why in (("tp", "tensor-parallel ranks share their batch"), ("pp", "pipeline stages pass activations")):
-        if dim in names:
-            raise ValueError(f"ExpertParallelTrainer: the model's mesh has a {dim!r} dimension ({names}), but the "
-                             f"Trainer gives every rank its own batch and {why}: train it with your own loop")
+    if "pp" in names:
+        raise ValueError(f"ExpertParallelTrainer: the model's mesh has a 'pp' dimension ({names}), but the Trainer "
+                         "runs the whole model on every rank and pipeline stages pass activations: train the stages "
+                         "with torch's pipeline schedules (moecompile.pipeline_stage, README)")
     world = dist.get_world_size() if dist.is_initialized() else 1
     launched = args.world_size if args is not None else world
     if info.mesh.size() != world or launched != world:
         raise ValueError(f"ExpertParallelTrainer: the model was sharded over {info.mesh.size()} ranks, but this "
                          f"run has {world} (the Trainer's world_size {launched}): launch with torchrun over the ranks "
                          "of the model's mesh")
+    if args is not None and args.parallelism_config is not None:
+        raise ValueError("ExpertParallelTrainer: leave TrainingArguments(parallelism_config=...) unset: the model's "
+                         "mesh says which ranks share a batch (its 'tp' dimension), and accelerate's own mesh would "
+                         "deal the data otherwise")
     if args is not None and args.torch_compile:
         raise ValueError("ExpertParallelTrainer: TrainingArguments(torch_compile=True) has accelerate compile the "
                          "model with a backend of its own list, which cannot run the sharded experts (only "
