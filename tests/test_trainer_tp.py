@@ -8,13 +8,14 @@ different ones, every sample read; the logged losses and gradient norms and ever
 one process training on both pairs' batches at once (per-device batch 2 x 2); ``evaluate()``'s loss is its, and
 ``predict()`` on 13 rows (the last batch padded across the ranks: accelerate cuts the padding from the gathered rows)
 gives its 13 rows of logits and labels once each; a fresh model resumed from the step-2 checkpoint ends with the same
-weights. On (1, 4), a model transformers made tensor-parallel itself (``from_pretrained(path, tp_plan="auto")``:
+weights; ``full_state_dict`` prints no torch note on gathering over two mesh dimensions. On (1, 4), a model transformers made tensor-parallel itself (``from_pretrained(path, tp_plan="auto")``:
 attention, embedding and head DTensors over the 4 ranks) under ``moe_tp="ted"``: the same losses and weights as one
 process, its checkpoints written (the plain Trainer refuses checkpoints of such a model) and read by
 ``from_pretrained`` in one process. ``TrainingArguments(parallelism_config=...)`` is refused. A failing rank fails
 the test; the group has a timeout."""
 
 import copy
+import logging.handlers
 import os
 
 import pytest
@@ -78,9 +79,12 @@ def _sequence_sharded(rank, tmp):
     names = [f"pair {rank // 2} row {i}" for i in range(2)]  # (objects, as eval_use_gather_object gathers them)
     assert trainer.accelerator.gather_for_metrics(names, use_gather_object=True) == [
         f"pair {p} row {i}" for p in range(2) for i in range(2)]
+    said = logging.handlers.BufferingHandler(100)  # (torch's note on gathering over two mesh dimensions: not shown)
+    logging.getLogger("torch.distributed.tensor._redistribute").addHandler(said)
     result = {"loss": _logged(trainer, "loss"), "norm": _logged(trainer, "grad_norm"),
               "eval": trainer.evaluate(_Read(16, 1000))["eval_loss"], "logits": torch.as_tensor(predicted.predictions),
               "labels": torch.as_tensor(predicted.label_ids), "weights": moecompile.full_state_dict(trainer.model)}
+    assert not said.buffer, [r.getMessage() for r in said.buffer]
     alone = moecompile.ExpertParallelTrainer(model=_parallel_model(mesh, moe_tp="ssmb"), train_dataset=_Rows(),
                                              args=_unclipped(f"{tmp}/alone"))
     alone.train()  # (each rank the mean loss of its own batch)

@@ -3,7 +3,9 @@ place as it arrives. ``DTensor.full_tensor()`` all-gathers the weight whole onto
 DeepSeek-V3 layer's stacked ``gate_up_proj``: 15 GB in bf16 on each GPU); a checkpoint writer needs it on one host,
 and the devices need hold no more than their shards (the receiver one shard more, as it arrives)."""
 
+import contextlib
 import itertools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,8 @@ def whole_on(value, dst: int | None):
     backend, on_host = str(dist.get_backend()), local.device.type == "cpu"
     if dst is None or any(type(p) not in (Shard, Replicate) for p in value.placements) or (
             on_host and "gloo" not in backend):  # (host shards where the world's group moves no CPU tensor)
-        whole = value.full_tensor().detach()
+        with _one_by_one_said():
+            whole = value.full_tensor().detach()
         return whole.cpu() if dst in (None, me) else None
     mesh, placements = value.device_mesh, value.placements
     ranks = mesh.mesh
@@ -61,3 +64,19 @@ def whole_on(value, dst: int | None):
             dist.recv(piece, src)
         whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].copy_(piece)
     return whole
+
+
+@contextlib.contextmanager
+def _one_by_one_said():
+    """While inside, torch's note that a weight sharded over several mesh dimensions is gathered by one all-gather a
+    dimension (suboptimal for a mesh it did not flatten) is not printed: these gathers are a checkpoint's, once."""
+    class _Drop(logging.Filter):
+        def filter(self, record):
+            return not str(record.msg).startswith("While redistributing from")
+
+    logger, drop = logging.getLogger("torch.distributed.tensor._redistribute"), _Drop()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
