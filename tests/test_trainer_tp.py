@@ -2,17 +2,19 @@
 one process.
 
 The ranks of a ``"tp"`` group must read the same batches (their MoE blocks cut one batch's tokens, or each expert,
-between them); the Trainer deals the data over the mesh's other dimensions and counts a tp group's tokens once. On
+between them); the Trainer deals the data over the mesh's other dimensions and counts a step's samples over them. On
 ("dp", "tp") = (2, 2), a tiny Mixtral under ``moe_tp="ssmb"``: each tp pair read the same samples, the two pairs
-different ones, every sample read; the logged losses and gradient norms and every weight after 4 steps are those of
-one process training on both pairs' batches at once (per-device batch 2 x 2); ``evaluate()``'s loss is its, and
+different ones, every sample read; the logged losses and gradient norms and every weight after 4 steps are those of one
+process training on both pairs' batches at once (per-device batch 2 x 2); ``evaluate()``'s loss is its, and
 ``predict()`` on 13 rows (the last batch padded across the ranks: accelerate cuts the padding from the gathered rows)
 gives its 13 rows of logits and labels once each; a fresh model resumed from the step-2 checkpoint ends with the same
-weights; ``full_state_dict`` prints no torch note on gathering over two mesh dimensions. On (1, 4), a model transformers made tensor-parallel itself (``from_pretrained(path, tp_plan="auto")``:
+weights; without token averaging (each rank its own batch's mean, unclipped) too; metrics gathered as objects
+(``eval_use_gather_object``) hold each pair's once; ``full_state_dict`` prints no torch note on gathering over two mesh
+dimensions. On (1, 4), a model transformers made tensor-parallel itself (``from_pretrained(path, tp_plan="auto")``:
 attention, embedding and head DTensors over the 4 ranks) under ``moe_tp="ted"``: the same losses and weights as one
-process, its checkpoints written (the plain Trainer refuses checkpoints of such a model) and read by
-``from_pretrained`` in one process. ``TrainingArguments(parallelism_config=...)`` is refused. A failing rank fails
-the test; the group has a timeout."""
+process, its checkpoints written (the plain Trainer refuses checkpoints of such a model) and read by ``from_pretrained``
+in one process. ``TrainingArguments(parallelism_config=...)`` is refused. A failing rank fails the test; the group has a
+timeout."""
 
 import copy
 import logging.handlers
