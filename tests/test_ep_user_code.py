@@ -17,7 +17,7 @@ the step on that rank alone (the other steps: the replicas part), and FSDP's Sha
 its overflow flag, skip it on both (no weight changes, the scale halves on both).
 
 DistributedDataParallel of the model, or of a module above or holding its experts, raises saying why before it
-broadcasts anything (no weight changes). Compiled by another backend (``aot_eager``: the sharded experts' view left
+broadcasts anything (no weight changes); so does ``parallelize`` of a model FSDP2 shards already. Compiled by another backend (``aot_eager``: the sharded experts' view left
 in the graph), training raises naming ``backend='moe'``. A failing rank fails the test; the group has a timeout.
 
 Parameters taking a gradient after ``parallelize`` (peft's LoRA adapters added to the sharded model, its experts and
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
@@ -104,8 +105,12 @@ def _save_pretrained(rank, world, mesh, tmp):
 def _loss_scaling(rank, mesh):
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    model = tiny_model("mixtral").train()
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(rank))
+    sharded_first = tiny_model("mixtral")
+    fully_shard(sharded_first.model.layers[1], mesh=mesh)  # (FSDP2 before parallelize: its forward failed inside)
+    with pytest.raises(ValueError, match=r"FSDP2 already shards \['model.layers.1'\] .* parallelize the model first"):
+        moecompile.parallelize(sharded_first, mesh, ids)
+    model = tiny_model("mixtral").train()
     moecompile.parallelize(model, mesh, ids)
     before = [p.detach().clone() for p in model.parameters()]
     for wrapped in (model, model.model, model.model.layers[1].mlp):  # (DDP would broadcast rank 0's experts)

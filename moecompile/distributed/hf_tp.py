@@ -23,7 +23,9 @@ EXPERT_STYLES = ("moe_tp_experts",)  # transformers' styles of a whole experts m
 
 def take_back_experts(model: nn.Module, tp_group) -> list[str]:
     """Undo transformers' tensor parallelism of each experts module of ``model`` (none without a plan); returns
-    their names. ``tp_group``: the mesh's tp group (None on a mesh without ``"tp"``)."""
+    their names. ``tp_group``: the mesh's tp group (None on a mesh without ``"tp"``). A model FSDP2 sharded first
+    is refused (``ValueError``)."""
+    _check_not_fully_sharded(model)
     plan = getattr(model, "_tp_plan", None) or {}
     if not plan or not any(hasattr(p, "full_tensor") for p in model.parameters()):
         return []  # not loaded tensor-parallel
@@ -55,6 +57,20 @@ def _check_no_expert_parallel(model) -> None:
         raise ValueError("this model was loaded with transformers' expert parallelism (DistributedConfig(ep_size="
                          f"{config.ep_size})), and moecompile.parallelize shards the experts too: load it without "
                          "ep_size (tp_plan='auto' alone), and let parallelize place the experts")
+
+
+def _check_not_fully_sharded(model) -> None:
+    """``parallelize`` takes the experts out of the modules before FSDP2 shards the rest: a module ``fully_shard``
+    already holds would keep the experts in its parameter groups (its first forward failed in torch's FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [name or "the model" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        more = "..." if len(sharded) > 3 else ""
+        raise ValueError(f"moecompile.parallelize: FSDP2 already shards {sharded[:3]}{more} (fully_shard, or "
+                         "transformers' from_pretrained with DistributedConfig(fsdp_size=... or dp_replicate_size=...)"
+                         "): parallelize the model first, then fully_shard its decoder layers and the model "
+                         "(fully_shard leaves out the experts parallelize took)")
 
 
 def _check_same_tp(model, tp_group) -> None:
