@@ -2,10 +2,10 @@
 one process.
 
 The ranks of a ``"tp"`` group must read the same batches (their MoE blocks cut one batch's tokens, or each expert,
-between them); the Trainer deals the data over the mesh's other dimensions and counts a step's samples over them. On
-("dp", "tp") = (2, 2), a tiny Mixtral under ``moe_tp="ssmb"``: each tp pair read the same samples, the two pairs
-different ones, every sample read; the logged losses and gradient norms and every weight after 4 steps are those of one
-process training on both pairs' batches at once (per-device batch 2 x 2); ``evaluate()``'s loss is its, and
+between them); the Trainer deals the data over the mesh's other dimensions and counts a step's samples and tokens over
+them. On ("dp", "tp") = (2, 2), a tiny Mixtral under ``moe_tp="ssmb"``: each tp pair read the same samples, the two
+pairs different ones, every sample read; the logged losses and gradient norms and every weight after 4 steps are those
+of one process training on both pairs' batches at once (per-device batch 2 x 2); ``evaluate()``'s loss is its, and
 ``predict()`` on 13 rows (the last batch padded across the ranks: accelerate cuts the padding from the gathered rows)
 gives its 13 rows of logits and labels once each; a fresh model resumed from the step-2 checkpoint ends with the same
 weights; without token averaging (each rank its own batch's mean, unclipped) too; metrics gathered as objects
@@ -70,7 +70,8 @@ def _sequence_sharded(rank, tmp):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     data = _Read(len(_Rows()))
     trainer = moecompile.ExpertParallelTrainer(model=_parallel_model(mesh, moe_tp="ssmb"), train_dataset=data,
-                                               args=_args(f"{tmp}/ssmb", save_strategy="steps", save_steps=2))
+                                               args=_args(f"{tmp}/ssmb", save_strategy="steps", save_steps=2,
+                                                          include_num_input_tokens_seen="all"))
     trainer.train()
     assert trainer.get_total_train_batch_size(trainer.args) == 2 * BATCH * ACCUMULATE  # (the two pairs' batches)
     read = [None] * WORLD
@@ -84,6 +85,7 @@ def _sequence_sharded(rank, tmp):
     said = logging.handlers.BufferingHandler(100)  # (torch's note on gathering over two mesh dimensions: not shown)
     logging.getLogger("torch.distributed.tensor._redistribute").addHandler(said)
     result = {"loss": _logged(trainer, "loss"), "norm": _logged(trainer, "grad_norm"),
+              "tokens": trainer.state.num_input_tokens_seen,
               "eval": trainer.evaluate(_Read(16, 1000))["eval_loss"], "logits": torch.as_tensor(predicted.predictions),
               "labels": torch.as_tensor(predicted.label_ids), "weights": moecompile.full_state_dict(trainer.model)}
     assert not said.buffer, [r.getMessage() for r in said.buffer]
@@ -136,13 +138,14 @@ def test_the_trainer_deals_a_batch_to_each_tp_group_and_trains_as_one_process(tm
     results = torch.load(f"{tmp}/results.pt")
 
     whole = tiny_model("mixtral").train()
-    args = _args(f"{tmp}/one")
+    args = _args(f"{tmp}/one", include_num_input_tokens_seen="all")
     args.per_device_train_batch_size = 2 * BATCH  # (both tp pairs' batches)
     ref = Trainer(model=whole, args=args, train_dataset=_Rows())
     ref.train()
     got = results["ssmb"]
     _close(got["loss"], _logged(ref, "loss"), "losses")
     _close(got["norm"], _logged(ref, "grad_norm"), "gradient norms")
+    assert got["tokens"] == ref.state.num_input_tokens_seen == len(_Rows()) * 8, got["tokens"]
     _close(got["eval"], ref.evaluate(_Read(16, 1000))["eval_loss"], "evaluate")
     predicted = ref.predict(_Read(13, 1000))
     assert got["logits"].shape[0] == got["labels"].shape[0] == 13

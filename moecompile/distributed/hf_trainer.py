@@ -28,9 +28,9 @@ model would have it:
     peft           a ``PeftModel`` of the parallelized model (adapters on its dense layers): its adapters are
                    saved and resumed as the Trainer does (they are not sharded); its optimizer's state as above
     "tp"           a mesh with a ``"tp"`` dimension (``moe_tp``): the ranks of a tp group read the same batches
-                   (the data are dealt over the other dimensions, and metrics gathered from one rank of each); a
-                   model transformers made tensor-parallel (``from_pretrained(path, tp_plan="auto")``) trains and
-                   checkpoints so too (the Trainer's own handling of such a model is kept out)
+                   (the data are dealt over the other dimensions, metrics gathered from one rank of each, samples
+                   and tokens counted once); a model transformers made tensor-parallel (``from_pretrained(path,
+                   tp_plan="auto")``) trains and checkpoints so too (the Trainer's own handling of it kept out)
     replication    replicated experts (``parallelize(..., replication="adaptive")``) step with the
                    ``moecompile.ExpertOptimizer`` given as ``optimizers=(opt, None)``: it clips, and checkpoints its
                    master weights, their state and the placement (``opt.state_dict()``); accelerate's wrapper does
@@ -105,6 +105,13 @@ class ExpertParallelTrainer(Trainer):
     def get_total_train_batch_size(self, args) -> int:
         """The samples of a step: the ranks of a tp group share theirs."""
         return self._train_batch_size * args.gradient_accumulation_steps * self._data.size
+
+    def _track_num_input_tokens(self, inputs):
+        """Trainer's count of the tokens seen, each tp group's batch counted once (the count is summed over the
+        ranks, and every rank of a tp group read the same tokens)."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self._data.tp
 
     def _move_model_to_device(self, model, device) -> None:
         """Nothing, or a ``ValueError``: ``parallelize`` placed the model on its device (its buffers must stay the
