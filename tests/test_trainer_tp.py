@@ -13,8 +13,9 @@ weights; without token averaging (each rank its own batch's mean, unclipped) too
 dimensions. On (1, 4), a model transformers made tensor-parallel itself (``from_pretrained(path, tp_plan="auto")``:
 attention, embedding and head DTensors over the 4 ranks) under ``moe_tp="ted"``: the same losses and weights as one
 process, its checkpoints written (the plain Trainer refuses checkpoints of such a model) and read by ``from_pretrained``
-in one process. ``TrainingArguments(parallelism_config=...)`` is refused. A failing rank fails the test; the group has a
-timeout."""
+in one process. ``TrainingArguments(parallelism_config=...)`` is refused. The README's own accelerate loop on (2, 2),
+its data dealt over "dp" by a ``DistributedSampler``, as one process (losses, weights). A failing rank fails the test;
+the group has a timeout."""
 
 import copy
 import logging.handlers
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from ranks import gloo, spawn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 from transformers import AutoModelForCausalLM, Trainer
 
 import moecompile
@@ -56,6 +57,28 @@ def _four_kv_heads():
     config.num_key_value_heads = 4
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).train()
+
+
+def _own_loop(model, sampler, batch=BATCH):
+    """A loop of accelerate's (the README's recipe): the optimizer prepared, not the model; the batches of
+    ``sampler``; SGD with momentum, clipped by ``moecompile.clip_grad_norm_`` (one process: torch's). Each step's
+    loss averaged over the ranks, and the weights after."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    opt = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    losses = []
+    for rows in torch.utils.data.DataLoader(_Rows(), batch_size=batch, sampler=sampler):
+        loss = model(**rows).loss
+        accelerator.backward(loss)
+        if dist.is_initialized():
+            moecompile.clip_grad_norm_(model, 0.5)
+            dist.all_reduce(loss := loss.detach().clone(), op=dist.ReduceOp.AVG)  # (a tp group's alike)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step(), opt.zero_grad()
+        losses.append(float(loss))
+    return losses, (moecompile.full_state_dict(model) if dist.is_initialized() else model.state_dict())
 
 
 def _unclipped(out):
@@ -93,6 +116,8 @@ def _sequence_sharded(rank, tmp):
                                              args=_unclipped(f"{tmp}/alone"))
     alone.train()  # (each rank the mean loss of its own batch)
     result["alone"] = (_logged(alone, "loss"), moecompile.full_state_dict(alone.model))
+    result["own loop"] = _own_loop(_parallel_model(mesh, moe_tp="ssmb"), DistributedSampler(
+        _Rows(), num_replicas=mesh["dp"].size(), rank=mesh.get_local_rank("dp"), shuffle=False))
     resumed = _parallel_model(mesh, moe_tp="ssmb")
     again = moecompile.ExpertParallelTrainer(model=resumed, train_dataset=_Rows(), args=_args(f"{tmp}/again"))
     again.train(resume_from_checkpoint=f"{tmp}/ssmb/checkpoint-2")
@@ -163,6 +188,12 @@ def test_the_trainer_deals_a_batch_to_each_tp_group_and_trains_as_one_process(tm
     _close(losses, _logged(ref, "loss"), "losses, each rank's mean")
     for name, value in whole.state_dict().items():
         torch.testing.assert_close(weights[name], value, rtol=TOL, atol=TOL, msg=name)
+
+    whole = tiny_model("mixtral").train()  # (the same rows in one batch of 2 x 2: 0, 1, 2, 3, ...)
+    losses, weights = _own_loop(whole, torch.utils.data.SequentialSampler(_Rows()), 2 * BATCH)
+    _close(results["ssmb"]["own loop"][0], losses, "an own loop's losses")
+    for name, value in weights.items():
+        torch.testing.assert_close(results["ssmb"]["own loop"][1][name], value, rtol=TOL, atol=TOL, msg=name)
 
     whole = AutoModelForCausalLM.from_pretrained(f"{tmp}/kv4", dtype=torch.float32).train()
     ref = Trainer(model=whole, args=_args(f"{tmp}/one_kv4"), train_dataset=_Rows())
