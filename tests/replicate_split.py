@@ -80,29 +80,55 @@ def initialized_on_meta(mesh, rank, world):
 
 
 def state_before_training(mesh, tmp):
-    """An ExpertOptimizer (AdamW) that gives its ``state_dict()`` before any step (an initial checkpoint; accelerate's
-    round trip, ``load_state_dict(state_dict())``) keeps no state, and trains bit for bit as one that did not; so does
-    one that loads that initial checkpoint. (Kept, the state a zero step makes counted in Adam's bias correction.)"""
+    """An optimizer (AdamW) that gives its state before any step (an initial checkpoint; accelerate's round trip,
+    ``load_state_dict(state_dict())``) keeps no state, and trains bit for bit as one that did not; so does one that
+    loads that initial checkpoint. (Kept, the state a zero step makes counted in Adam's bias correction.) An
+    ExpertOptimizer of replicated experts, and torch's AdamW of a sharded model through
+    ``moecompile.get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (the state saved with step 0)."""
     batch = _batches(_build("mixtral"), 1)[0]
-    runs = []
-    for how in ("plain", "saved", "loaded"):
-        model = moecompile.parallelize(_build("mixtral").train(), mesh, batch, replication="adaptive",
-                                       slots_per_rank=9)
-        compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
-        opt = moecompile.ExpertOptimizer(model, torch.optim.AdamW, lr=1e-2)
-        if how != "plain":
-            state = {"optim": opt.state_dict()}
-            assert state["optim"]["experts"] and state["optim"]["dense"]["state"]  # (what a checkpoint loads into)
-            if how == "saved":
-                dcp.save(state, checkpoint_id=f"{tmp}/before_training")
-                opt.load_state_dict(opt.state_dict())
-            else:
-                dcp.load(state, checkpoint_id=f"{tmp}/before_training")
-                opt.load_state_dict(state["optim"])
-            assert not opt.experts.state and not opt.dense.state, how
-        for _ in range(2):
-            compiled(batch, labels=batch).loss.backward()
-            opt.step(), opt.zero_grad()
-        runs.append([p.detach().clone() for p in model.parameters()] + [layer.part.master for layer in opt.layers])
-    for how, run in zip(("saved", "loaded"), runs[1:]):
-        assert all(torch.equal(a, b) for a, b in zip(run, runs[0])), how
+    for replicated in (True, False):
+        runs = []
+        for how in ("plain", "saved", "loaded"):
+            model, opt = _adamw(mesh, batch, replicated)
+            compiled = torch.compile(model, backend="moe", options={"inner": "aot_eager", "strict": True})
+            if how != "plain":
+                state = {"optim": _state(model, opt)}
+                assert state["optim"]["experts" if replicated else "state"]  # (what a checkpoint loads into)
+                if how == "saved":
+                    dcp.save(state, checkpoint_id=f"{tmp}/before_training{replicated}")
+                    _load(model, opt, _state(model, opt))
+                else:
+                    dcp.load(state, checkpoint_id=f"{tmp}/before_training{replicated}")
+                    _load(model, opt, state["optim"])
+                if replicated:
+                    assert not opt.experts.state and not opt.dense.state, how
+                else:  # (torch's AdamW loads the state it was given: step 0, zero moments)
+                    assert opt.state and all(float(s["step"]) == 0 for s in opt.state.values()), how
+            for _ in range(2):
+                compiled(batch, labels=batch).loss.backward()
+                opt.step(), opt.zero_grad()
+            runs.append([p.detach().clone() for p in model.parameters()] + [
+                layer.part.master for layer in (opt.layers if replicated else [])])
+        for how, run in zip(("saved", "loaded"), runs[1:]):
+            assert all(torch.equal(a, b) for a, b in zip(run, runs[0])), (how, replicated)
+
+
+def _adamw(mesh, batch, replicated):
+    model = _build("mixtral").train()
+    if replicated:
+        moecompile.parallelize(model, mesh, batch, replication="adaptive", slots_per_rank=9)
+        return model, moecompile.ExpertOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    moecompile.parallelize(model, mesh, batch)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _state(model, opt):
+    return opt.state_dict() if isinstance(opt, moecompile.ExpertOptimizer) else \
+        moecompile.get_optimizer_state_dict(model, opt)
+
+
+def _load(model, opt, state):
+    if isinstance(opt, moecompile.ExpertOptimizer):
+        opt.load_state_dict(state)
+    else:
+        moecompile.set_optimizer_state_dict(model, opt, state)

@@ -170,9 +170,10 @@ def get_optimizer_state_dict(model, optimizer) -> dict:
     a ``torch.distributed.checkpoint`` of it loads on any number of ranks, and in one process (torch's
     ``set_optimizer_state_dict``). Each rank's plain shard under one key would be kept once by the checkpoint:
     the other ranks' state lost. (ModuleList experts keep their own keys, one rank each.) An optimizer that has
-    not stepped gives the state a step with zero gradients and lr 0 makes (so that a checkpoint loads into it; no
-    expert swap counts it) but keeps none (torch's keeps it: an initial checkpoint changed Adam's first update). Its ``param_groups`` name every rank's parameters, the same on every
-    rank (``_every_ranks_groups``). Every rank calls it together; ``optimizer`` None where this rank's part of the
+    not stepped gives the state a step with zero gradients and lr 0 makes, its step count 0 (so that a checkpoint
+    loads into it; no expert swap counts it), but keeps none (torch's keeps it: an initial checkpoint changed Adam's
+    first update; ``zero.state_made``). Its ``param_groups`` name every rank's parameters, the same on every rank
+    (``_every_ranks_groups``). Every rank calls it together; ``optimizer`` None where this rank's part of the
     model trains nothing (``ExpertOptimizer``'s dense part of a pipeline stage whose dense weights are all frozen):
     no state, the other ranks' groups; a ``ZeroRedundancyOptimizer`` (``expert_zero_optimizer``): the state of the
     weights this rank steps. ``model``: the model, or the list of stage modules this rank runs (an interleaved

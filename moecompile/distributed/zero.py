@@ -33,7 +33,8 @@ def local(optimizer):
 @contextlib.contextmanager
 def state_made(optimizer):
     """While inside, the state of ``optimizer`` (``local``'s) is made if it has not stepped: by a step with zero
-    gradients and lr 0, as ``torch.distributed.checkpoint`` makes it, so that a checkpoint loads into it. After, a
+    gradients and lr 0, as ``torch.distributed.checkpoint`` makes it, so that a checkpoint loads into it, its step
+    counts set back to 0 (Adam's moments are zeros, as before any step: a state saved so loads as none). After, a
     fresh optimizer holds none again (a state dict taken inside keeps it): torch's keeps it, and its step counts in
     Adam's bias correction, so an initial checkpoint would change the first update."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -41,6 +42,10 @@ def state_made(optimizer):
     own = local(optimizer)
     fresh = not own.state
     _init_optim_state(own)
+    for state in own.state.values() if fresh else ():
+        if "step" in state:
+            step = state["step"]
+            state["step"] = torch.zeros_like(step) if isinstance(step, torch.Tensor) else 0
     try:
         yield
     finally:
