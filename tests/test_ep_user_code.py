@@ -17,8 +17,9 @@ the step on that rank alone (the other steps: the replicas part), and FSDP's Sha
 its overflow flag, skip it on both (no weight changes, the scale halves on both).
 
 DistributedDataParallel of the model, or of a module above or holding its experts, raises saying why before it
-broadcasts anything (no weight changes); so does ``parallelize`` of a model FSDP2 shards already. Compiled by another backend (``aot_eager``: the sharded experts' view left
-in the graph), training raises naming ``backend='moe'``. A failing rank fails the test; the group has a timeout.
+broadcasts anything (no weight changes); so does ``parallelize`` of a model FSDP2 shards already. Compiled by another
+backend (``aot_eager``: the sharded experts' view left in the graph), training raises naming ``backend='moe'``. A
+failing rank fails the test; the group has a timeout.
 
 Parameters taking a gradient after ``parallelize`` (peft's LoRA adapters added to the sharded model, its experts and
 embedding unfrozen after a frozen start): averaged as those it saw (each rank kept its own gradient before, and the

@@ -239,9 +239,9 @@ class ExpertOptimizer(torch.optim.Optimizer):
         optimizer state and the placement, then this rank's slots from them, as the step that saved it left them:
         a resumed run continues bit for bit. Saved on another number of ranks or slots, the parts are cut anew
         (DCP reshards the DTensors) and the experts start evenly placed. A state saved before any step loads as one:
-        the weights and placement, no optimizer state (its zeros would count a step). The experts' state stays on the
-        host whatever device the given tensors are on (accelerate's wrapper moves a state to the device and loads
-        it back). Every rank calls it together."""
+        the weights and placement, no optimizer state (what a zero step made for loading). The experts' state stays
+        on the host whatever device the given tensors are on (accelerate's wrapper moves a state to the device and
+        loads it back). Every rank calls it together."""
         from .sharded_state import set_optimizer_state_dict
 
         n = len(self._parts)

@@ -34,9 +34,9 @@ def local(optimizer):
 def state_made(optimizer):
     """While inside, the state of ``optimizer`` (``local``'s) is made if it has not stepped: by a step with zero
     gradients and lr 0, as ``torch.distributed.checkpoint`` makes it, so that a checkpoint loads into it, its step
-    counts set back to 0 (Adam's moments are zeros, as before any step: a state saved so loads as none). After, a
-    fresh optimizer holds none again (a state dict taken inside keeps it): torch's keeps it, and its step counts in
-    Adam's bias correction, so an initial checkpoint would change the first update."""
+    counts set back to 0 (Adam's zero moments at step 0 step as no state does; SGD's zero momentum buffer does so only
+    without ``dampening``). After, a fresh optimizer holds none again (a state dict taken inside keeps it): torch's
+    keeps it, and its step counts in Adam's bias correction, so an initial checkpoint would change the first update."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     own = local(optimizer)
