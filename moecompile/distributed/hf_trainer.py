@@ -64,6 +64,7 @@ from .clip import clip_grad_norm_
 from .expert_optimizer import ExpertOptimizer
 from .grads import no_sync
 from .hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from .mesh import tp_dim
 from .sharded_state import get_optimizer_state_dict, parts_of, set_optimizer_state_dict
 
 OPTIMIZER_DIR = "optimizer"  # the folder of a checkpoint holding the optimizer's state (torch.distributed.checkpoint)
@@ -74,17 +75,17 @@ class ExpertParallelTrainer(Trainer):
     job (the module's docstring says what it changes). Takes ``Trainer``'s arguments."""
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
-        replicated = _check(model, args)
-        with _unmarked(model):
+        held, info = _check(model, args)
+        with _unmarked(held):
             super().__init__(model, args, *rest, **kwargs)
-        if replicated and not isinstance(self.optimizer, ExpertOptimizer):
+        if info.replicas and not isinstance(self.optimizer, ExpertOptimizer):
             raise ValueError("ExpertParallelTrainer: this model's experts are replicated (parallelize(..., "
                              "replication=...)), so moecompile.ExpertOptimizer steps them: pass optimizers=("
                              "moecompile.ExpertOptimizer(model, torch.optim.AdamW, lr=...), None)")
         # transformers' flag for a model that owns its placement and gradient reduction: accelerate then leaves it
         # unwrapped (no DistributedDataParallel), and every rank takes part in _save (our gathers are collective)
         self.is_distributed_loading_by_transformers = True
-        self._data = _DataRanks(parts_of(self.model)[1][0].mesh)
+        self._data = _DataRanks(info.mesh)
         if self._data.tp > 1:  # the ranks of a "tp" group read the same batches; metrics keep one copy of each
             self._data.deal(self.accelerator)  # (and the Trainer's hold on accelerate's gather, as it made it:)
             self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
@@ -210,12 +211,12 @@ class ExpertParallelTrainer(Trainer):
 
 
 @contextlib.contextmanager
-def _unmarked(model):
-    """While inside, a model transformers sharded in ``from_pretrained`` (``tp_plan=...``) reads as one it did not:
+def _unmarked(held):
+    """While inside, a model transformers sharded in ``from_pretrained`` (``tp_plan=...``; ``held``: the module
+    ``parallelize`` was given, under a peft or compile wrapper) reads as one it did not:
     the Trainer would give accelerate a ``ParallelismConfig`` of its tp size (accelerate then deals the data by a
     mesh of its own, and refuses it on CPU) and refuse checkpoints it could not resume (these resume). The model's
     mesh says which ranks share a batch instead (``get_tp_size``, ``_DataRanks``)."""
-    held = parts_of(model)[0][0]
     marks = {name: held.__dict__[name] for name in ("_tp_size", "_is_distributed_loading_by_transformers")
              if name in held.__dict__}
     for name in marks:
@@ -229,24 +230,15 @@ def _unmarked(model):
 class _DataRanks:
     """Which batches a rank reads on ``mesh``: the ranks that differ only in their ``"tp"`` coordinate read the same
     ones (``moe_tp``: a tp group's MoE blocks and dense layers see the same tokens), so the data are dealt over the
-    other dimensions: ``size`` ways, this rank taking ``index`` (its coordinates there, row-major)."""
+    other dimensions: ``size`` ways, this rank taking ``index`` (its place among the ranks of its tp coordinate, in
+    mesh order); ``kept``: the ranks of tp coordinate 0 in that order (whose pieces a metric keeps)."""
 
     def __init__(self, mesh):
-        names, shape = list(mesh.mesh_dim_names or ()), mesh.mesh.shape
-        self.tp = shape[names.index("tp")] if "tp" in names else 1
-        self.mesh, self.size = mesh.mesh, mesh.size() // self.tp
-        self.index = self._index((mesh.mesh == dist.get_rank()).nonzero()[0].tolist(), names, shape)
-        every = {int(mesh.mesh[tuple(c)]): c.tolist() for c in (mesh.mesh >= 0).nonzero()}
-        # (the ranks whose pieces a metric keeps: tp coordinate 0, by data index)
-        self.kept = sorted((self._index(c, names, shape), r) for r, c in every.items()
-                           if "tp" not in names or c[names.index("tp")] == 0)
-
-    @staticmethod
-    def _index(coords, names, shape) -> int:
-        index = 0
-        for c, name, n in zip(coords, names, shape):
-            index = index if name == "tp" else index * n + c
-        return index
+        d, ranks, rank = tp_dim(mesh), mesh.mesh, dist.get_rank()
+        self.tp, self.world = (ranks.shape[d] if d is not None else 1), ranks.numel()
+        mine = ranks.select(d, int((ranks == rank).nonzero()[0][d])) if d is not None else ranks
+        self.size, self.index = mine.numel(), mine.flatten().tolist().index(rank)
+        self.kept = (ranks.select(d, 0) if d is not None else ranks).flatten().tolist()
 
     def deal(self, accelerator) -> None:
         """Make ``accelerator`` deal its data loaders ``size`` ways (its own deals them over every rank) and gather
@@ -289,15 +281,14 @@ class _DataRanks:
         """Of accelerate's ``gather`` (every rank's rows, in rank order, as many from each): the kept ranks'."""
         from accelerate.utils import recursively_apply
 
-        world = self.mesh.numel()
-        return recursively_apply(lambda t: torch.cat([t.chunk(world)[r] for _, r in self.kept]), gathered)
+        return recursively_apply(lambda t: torch.cat([t.chunk(self.world)[r] for r in self.kept]), gathered)
 
     def _kept_objects(self, data) -> list:
         """Of every rank's ``data`` (an iterable), the kept ranks' items in one list, as accelerate's
         ``gather_object`` joins every rank's."""
-        every = [None] * self.mesh.numel()
+        every = [None] * self.world
         dist.all_gather_object(every, data)
-        return [x for _, r in self.kept for x in every[r]]
+        return [x for r in self.kept for x in every[r]]
 
 
 def _inner(optimizer):
@@ -312,10 +303,11 @@ def _optimizer_state(model, optimizer) -> dict:
     return get_optimizer_state_dict(model, optimizer)
 
 
-def _check(model, args) -> bool:
-    """Refuse what the module's docstring lists, saying why; whether the model's experts are replicated."""
+def _check(model, args):
+    """Refuse what the module's docstring lists, saying why; the module ``parallelize`` was given and its
+    ``ParallelInfo``."""
     try:
-        _, infos = parts_of(model)
+        (held, *_), infos = parts_of(model)
     except ValueError:
         raise ValueError("ExpertParallelTrainer trains a model given to moecompile.parallelize (under torchrun): "
                          "for a model it did not shard use transformers' Trainer") from None
@@ -344,4 +336,4 @@ def _check(model, args) -> bool:
         raise ValueError("ExpertParallelTrainer refuses fp16: each rank's loss scaler would skip a step alone when "
                          "its own experts' gradients overflow, and the ranks' replicated weights would part; use "
                          "bf16=True (no loss scaler)")
-    return bool(info.replicas)
+    return held, info
