@@ -166,6 +166,8 @@ SAVED_CASES = (  # (mesh dims, their names, parallelize's options, whether tp ra
     ((2, 2), ("node", "local"), {"expert_domains": {"local": 2}}, False, "save"),
     ((2, 2), ("dp", "tp"), {"moe_tp": "ted"}, True, "save"),
     ((2, 2), ("node", "local"), {"expert_domains": {"local": 2}}, False, "recompute"),
+    ((2, 2), ("dp", "tp"), {"moe_tp": "ssmb"}, True, "save"),
+    ((2, 2), ("dp_shard", "ep"), {}, False, "recompute"),
 )
 
 
@@ -177,7 +179,9 @@ def _saved_exchanges(rank, world, tmp):
     saved outputs; with "recompute" they run twice a step), and the logits and every weight after the step equal
     one process's on all the batches (fp32, 1e-5; sharded weights gathered whole). Expert domains with "recompute"
     too: equal to one process, the region's gathers run again in backward, each started ahead of its wait
-    (passes/regather.py: never waited for right after its start)."""
+    (passes/regather.py: never waited for right after its start). So too SSMB over "tp" with "save" (its tp
+    gather kept), and expert copies split over "dp_shard" with "recompute" (their pieces gathered again): every
+    layout the planner prices with recomputation (replication, with its ExpertOptimizer, checked by hand)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -229,7 +233,7 @@ def _saved_exchanges(rank, world, tmp):
 
 
 def test_saved_exchanges_run_once_a_step_and_train_as_one_process(tmp_path):
-    """dedup, expert domains and TED, each with checkpoint_exchanges="save" (one spawn for the three)."""
+    """dedup, expert domains, TED, SSMB and split copies under checkpointing (one spawn for every case)."""
     from ranks import spawn
 
     spawn(_saved_exchanges, args=(4, str(tmp_path)), nprocs=4)

@@ -35,6 +35,8 @@ def describe(p: dict) -> str:
         parts.append(f"replicas {p['replication']['slots_per_rank']}/rank")
     if p.get("zero1"):
         parts.append("zero1")
+    if p.get("recompute", "off") != "off":
+        parts.append("recompute" + (" save" if p["recompute"] == "save" else ""))
     return " ".join(parts)
 
 

@@ -27,6 +27,9 @@ data-parallel replicas (ZeRO-1, as FSDP2 shards them), the experts' whole on eac
 them by ``moecompile.expert_zero_optimizer`` (``MoEShape.zero_share``; the updated weights broadcast once a step: (n -
 1) / n of them), split copies' 1 / R; activations of every layer (attention ``T H (4 + 11 / tp)`` bytes and a dense
 MLP's ``19 T H I / (4 H) / tp``, Korthikanti et al. with flash attention; a MoE layer's by ``moe_layer_activations``).
+Recomputation (``recompute``: every decoder layer activation-checkpointed): each layer's input kept (T H), one layer's
+activations again in backward, with "save" each MoE layer's exchanged rows too; the layers' forward runs once more, and
+with "recompute" each MoE layer's collectives (replication's but once a step) and its gathers, two layers' copies held.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class Plan:
     shard_over: int = 0  # with shard_copies: split over that many copies' ranks only, the innermost, whole over the
     # rest (HSDP: ("dp_replicate", "dp_shard", ...)); 0: over every copy
     zero1: bool = False  # the copies kept whole step their experts under moecompile.expert_zero_optimizer (ZeRO-1)
+    recompute: str = "off"  # every decoder layer activation-checkpointed: "recompute" (its MoE collectives run again
+    # in backward: checkpoint_exchanges="recompute") or "save" (their outputs kept for backward); "off": none
 
     def copies(self, gpus: int) -> int:  # the expert-parallel group's copies (TED's group: over the dp ranks)
         return (self.dp if self.moe_tp == "ted" else gpus) // self.ep
@@ -73,7 +78,8 @@ class Plan:
         return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
                 "expert_domains": dict(self.expert_domains) if self.expert_domains else None, "zero1": self.zero1,
                 "reshard_after_forward": self.reshard, "shard_copies": self.shard_copies, "shard_over": self.shard_over,
-                "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None}
+                "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None,
+                "recompute": self.recompute}
 
 
 def moe_layer_activations(shape: MoEShape, tokens: float, tp_rows: int = 1, tp_inter: int = 1,
@@ -187,8 +193,12 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     inter = I / tp_inter
     flops = 2 * rows * busiest * shape.mats * H * inter
     experts = _roofline(cluster, flops, held + rows * busiest * ELEM * (2 * H + shape.mats * inter))
+    # activation checkpointing: backward runs each layer's forward again, and with it (unless their outputs are
+    # kept) the layer's collectives but replication's, once a step
+    again = plan.recompute == "recompute"
     layer = {"dispatch": dispatch, "experts": experts, "combine": combine, "allgather": allgather,
-             "total": dispatch + experts + combine + allgather, "regather": regather}
+             "total": dispatch + experts + combine + allgather, "regather": regather,
+             "rerun": dispatch + combine + allgather - replication if again else 0.0}
     per_micro, reduce_s, grads_level = _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes)
     per_step = 2 * shape.moe_layers * replication  # replication's weights in, gradients out: once a step
     hop = T * H * ELEM if plan.pp > 1 else 0.0  # a micro-batch's activations to the next stage (its gradient back)
@@ -197,15 +207,20 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     # per micro-batch: each MoE layer's exchange (its dispatch and combine) twice (forward, backward), its gather once
     # each way (the backward's reduce-scatter; reshard: and the gather again), the tp collective each way, the
     # stages' activations and gradients; per step: replication's phases, the gradient all-reduces
-    bytes_per_link = {lv.name: micro * (shape.moe_layers * ((2 + plan.reshard) * g + 2 * (x + t)) + 2 * hop * (j == 0))
+    bytes_per_link = {lv.name: micro * (shape.moe_layers * ((2 + plan.reshard + again) * g + (2 + again) * (x + t))
+                                        + 2 * hop * (j == 0))
                       + 2 * shape.moe_layers * rep + r for j, (lv, x, g, t, rep, r) in enumerate(zip(
                           levels, sent["exchange"], sent["gather"], sent["tp"], sent["replication"], grads_level))}
     # layers' gathered copies at once: kept, every layer's at the end of forward; freed, the running layer's and the
-    # next one's, started ahead
-    copies = 2 if plan.reshard else max(2, shape.moe_layers)
+    # next one's, started ahead (so too where checkpointing keeps none: gathered again in the recomputed forward)
+    copies = 2 if plan.reshard or again else max(2, shape.moe_layers)
     gathered = copies * (expert_bytes if plan.shard_copies else held - expert_bytes)  # (a copy's whole experts)
+    # "save": a MoE layer's exchanges' outputs kept, the rows its experts received and those it got back (and the
+    # tp collective's output)
+    saved = ((1 + busiest) * rows * row_bytes * (math.prod(ep_counts) > 1) + T * H * ELEM * (plan.tp > 1 and
+             plan.moe_tp != "off")) if plan.recompute == "save" else 0.0
     memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, 0.0 if plan.slots_per_rank else gathered,
-                     busiest, min(plan.pp, micro))
+                     busiest, min(plan.pp, micro), saved)
     return {**plan.as_dict(), "microbatches": micro, "layer_s": layer, "step_s": step,
             "tokens_per_s": sequences * seq / step, "bytes_per_link": bytes_per_link, "memory_GB": memory,
             "fits": memory["total"] <= cluster.memory_GB}
@@ -318,9 +333,10 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
                        shape.mats * H * shape.shared_intermediate * ELEM / plan.tp)
     head = _roofline(cluster, 2 * T * shape.vocab * H / plan.tp, shape.vocab * H * ELEM / plan.tp)
     moe = layer["dispatch"] + layer["combine"] + layer["allgather"]
-    compute = 3 * (shape.layers * pre + (shape.layers - shape.moe_layers) * dense_mlp + shape.moe_layers *
-                   (shared + layer["experts"]) + head)
-    micro = compute + 2 * shape.moe_layers * moe + shape.moe_layers * layer["regather"]
+    layers = shape.layers * pre + (shape.layers - shape.moe_layers) * dense_mlp + shape.moe_layers * (
+        shared + layer["experts"])  # (forward; backward twice that, and the layers' forward again when recomputed)
+    compute = 3 * (layers + head) + layers * (plan.recompute != "off")
+    micro = compute + 2 * shape.moe_layers * moe + shape.moe_layers * (layer["regather"] + layer["rerun"])
     reduce_s, grads = 0.0, [0.0] * len(cluster.levels)
     dense_bytes = shape.dense_params() / plan.tp * ELEM
     split = plan.split(cluster.gpus)  # (split copies: their pieces all-reduced over the copies holding the same)
@@ -342,10 +358,11 @@ def _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes) -> tuple[float
 
 
 def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float, busiest: float = 1.0,
-            in_flight: int = 1) -> dict:
+            in_flight: int = 1, saved: float = 0.0) -> dict:
     """GB per GPU; ``gathered``: other ranks' expert bytes held at once (expert domains: every layer's kept for
     backward, or with reshard two, the running one's and the next one's), with the weights; ``busiest``: the busiest
-    rank's routed rows over the mean; ``in_flight``: micro-batches' activations held (1F1B's first: min(pp, M))."""
+    rank's routed rows over the mean; ``in_flight``: micro-batches' activations held (1F1B's first: min(pp, M));
+    ``saved``: a MoE layer's exchanges' outputs kept by activation checkpointing (``recompute="save"``)."""
     GB = 1e9
     dense = shape.dense_params() / plan.tp
     if plan.slots_per_rank:  # S expert instances a rank; their optimizer on the hosts
@@ -361,8 +378,13 @@ def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float,
     attention = T * H * (4 + 11 / plan.tp)
     mlp = 19 * T * shape.dense_intermediate / 4 / plan.tp
     moe_layer = moe_layer_activations(shape, T * busiest, tp_rows, tp_inter)
-    activations = in_flight * (shape.layers * attention + (shape.layers - shape.moe_layers) * mlp +
-                               shape.moe_layers * moe_layer)
+    if plan.recompute == "off":
+        activations = in_flight * (shape.layers * attention + (shape.layers - shape.moe_layers) * mlp +
+                                   shape.moe_layers * moe_layer)
+    else:  # each decoder layer's input (and "save": a MoE layer's exchanges' outputs), and in backward the layer
+        # recomputed whole (Korthikanti et al.'s full recomputation)
+        activations = in_flight * (shape.layers * T * H * ELEM + shape.moe_layers * saved) + attention + max(
+            moe_layer, mlp if shape.layers > shape.moe_layers else 0.0)
     out = {"weights": weights / GB, "grads": (weights - gathered) / GB, "optimizer": optimizer / GB,
            "activations": activations / GB, "moe_layer_activations": moe_layer / GB}
     out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]

@@ -9,7 +9,10 @@ then the group's levels of more than one
 rank, innermost ``"local"`` and outward ``"node"``, ``"rack"``, ``"pod"`` (the names ``parallelize`` knows; a
 single level keeps the cluster's name), then ``"tp"``; pipeline stages: ``"pp"`` before all, each stage's ranks
 laid out so (``moecompile.pipeline_stage`` cuts the model, each stage module parallelized on the mesh). A ``zero1``
-plan's experts step under ``moecompile.expert_zero_optimizer`` (``run["expert_optimizer"]``).
+plan's experts step under ``moecompile.expert_zero_optimizer`` (``run["expert_optimizer"]``). A ``recompute`` plan
+checkpoints every decoder layer (``run["activation_checkpointing"]``: transformers'
+``model.activation_checkpointing_enable()``), with ``"save"`` compiled with ``checkpoint_exchanges="save"``
+(``run["compile_options"]``).
 """
 
 from __future__ import annotations
@@ -69,20 +72,30 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
     if plan.slots_per_rank:
         options.update(replication="adaptive", slots_per_rank=plan.slots_per_rank)
     run = {"mesh_shape": [c for _, c in dims], "mesh_dim_names": [n for n, _ in dims], "options": options}
+    if plan.recompute != "off":
+        run["activation_checkpointing"] = True
+    if plan.recompute == "save":
+        run["compile_options"] = {"checkpoint_exchanges": "save"}
     return {**run, "expert_optimizer": "moecompile.expert_zero_optimizer"} if plan.zero1 else run
 
 
 def code(run: dict, device: str = "cuda") -> str:
     """The lines of Python ``run`` (``how_to_run``'s) stands for: the mesh, ``parallelize``, and with
-    ``expert_optimizer`` the experts' optimizer."""
+    ``expert_optimizer`` the experts' optimizer; with ``activation_checkpointing`` transformers' checkpointing of the
+    decoder layers first, with ``compile_options`` the ``torch.compile`` call."""
     if "not_runnable" in run:
         return f"not runnable with moecompile yet: {run['not_runnable']}"
     args = "".join(f", {k}={v!r}" for k, v in run["options"].items())
     mesh = (f"mesh = init_device_mesh({device!r}, {tuple(run['mesh_shape'])}, "
             f"mesh_dim_names={tuple(run['mesh_dim_names'])}); ")
     staged = run["mesh_dim_names"][0] == "pp"  # each rank's stage (docs/expert-parallelism.md, Pipeline stages)
-    zero = (f"; experts_opt = moecompile.expert_zero_optimizer({'stage' if staged else 'model'}, torch.optim.AdamW)"
+    held = "stage" if staged else "model"
+    zero = (f"; experts_opt = moecompile.expert_zero_optimizer({held}, torch.optim.AdamW)"
             if run.get("expert_optimizer") else "")  # (ZeRO-1 of the experts over "dp_replicate")
+    if run.get("compile_options"):
+        zero += f"; compiled = torch.compile({held}, backend='moe', options={run['compile_options']!r})"
+    if run.get("activation_checkpointing"):
+        mesh = "model.activation_checkpointing_enable(); " + mesh
     if staged:
         return (mesh + f"stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), {run['mesh_shape'][0]}); "
                 f"moecompile.parallelize(stage, mesh, example_stage_input{args})" + zero)

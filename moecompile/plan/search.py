@@ -8,7 +8,9 @@ SSMB) those split over their ranks ("dp_shard", or HSDP: gathered, kept or again
 whole on each or over them (ZeRO-1: ``moecompile.expert_zero_optimizer``); and replication over a group of every
 power-of-two size (every rank holds S slots, each an instance of some expert: S the least that holds every expert once
 in the group, and twice that; copies of the group over the rest). Dedup and replication are not combined with TED
-(``parallelize`` refuses them).
+(``parallelize`` refuses them). Each plan also with every decoder layer activation-checkpointed, its MoE collectives
+run again in backward or their outputs kept (``recompute``; not beside gathers made again in backward, which
+recomputation makes already).
 """
 
 from __future__ import annotations
@@ -78,8 +80,12 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                 least = max(1, -(-shape.num_experts // ep))  # at least one instance a class
                 out += [Plan(ep, tp, dp, moe_tp, slots_per_rank=s) for s in (least, 2 * least)]
     # and each with copies kept whole once more, its experts' optimizer state over the copies (ZeRO-1)
-    return out + [dataclasses.replace(p, zero1=True) for p in out
-                  if not (p.shard_copies or p.slots_per_rank) and p.copies(N) > 1]
+    out += [dataclasses.replace(p, zero1=True) for p in out
+            if not (p.shard_copies or p.slots_per_rank) and p.copies(N) > 1]
+    # and each with its decoder layers recomputed in backward, the collectives again or their outputs kept (where it
+    # has any)
+    return out + [dataclasses.replace(p, recompute=r) for p in out if not p.reshard for r in ("recompute", "save")
+                  if r == "recompute" or p.ep > 1 or p.moe_tp != "off" or p.shard_copies]
 
 
 def duplication(shape: MoEShape, cluster: Cluster, routing=None) -> dict[str, float]:
