@@ -99,7 +99,8 @@ def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
                                        {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
     shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
     plans = [p for p in plan(shape, cluster, 4096)["plans"] if p["recompute"] == "off"]  # (test_plan_recompute)
-    key = lambda p: (p["pp"], p["ep"], p["tp"], p["moe_tp"], str(p["expert_domains"]), p["zero1"])  # noqa: E731
+    key = lambda p: (p["pp"], p["virtual_stages"], p["ep"], p["tp"], p["moe_tp"],  # noqa: E731
+                     str(p["expert_domains"]), p["zero1"])
     kept = {key(p): p for p in plans if p["expert_domains"] and not p["reshard_after_forward"]}
     again = {key(p): p for p in plans if p["expert_domains"] and p["reshard_after_forward"]}
     assert kept and set(kept) == set(again)
@@ -111,7 +112,7 @@ def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
         saved = b["memory_GB"]["weights"] - a["memory_GB"]["weights"]
         stage = stage_shape(shape, a["pp"])  # (the busiest stage's layers; every micro-batch regathers)
         assert saved == pytest.approx((stage.moe_layers - 2) * others / 1e9, rel=1e-6), (k, saved)
-        slots = a["microbatches"] + a["pp"] - 1
+        slots = a["microbatches"] + (a["pp"] - 1) / a["virtual_stages"]  # (1F1B; interleaved: test_plan_interleaved)
         assert a["step_s"] - b["step_s"] == pytest.approx(slots * stage.moe_layers * a["layer_s"]["regather"],
                                                           rel=1e-6)
         gather, regather = a["layer_s"]["allgather"], a["layer_s"]["regather"]

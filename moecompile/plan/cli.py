@@ -18,7 +18,8 @@ NO_FIT = 3
 
 
 def describe(p: dict) -> str:
-    parts = ([f"pp {p['pp']}"] if p["pp"] > 1 else []) + [f"ep {p['ep']}", f"tp {p['tp']}", f"dp {p['dp']}"]
+    parts = ([f"pp {p['pp']}" + (f"x{p['virtual_stages']}" if p.get("virtual_stages", 1) > 1 else "")]
+             if p["pp"] > 1 else []) + [f"ep {p['ep']}", f"tp {p['tp']}", f"dp {p['dp']}"]
     if p["microbatches"] > 1:
         parts.append(f"x{p['microbatches']} mb")
     if p["tp"] > 1:

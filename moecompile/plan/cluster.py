@@ -16,6 +16,7 @@ per level), ``copy_counts`` (its copies'), ``tile``, ``stage_cluster`` (one pipe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ def tile(counts: list[int], size: int) -> list[int] | None:
     return out if left == 1 else None
 
 
+@functools.lru_cache(maxsize=256)
 def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
     """The GPUs of one of ``pp`` pipeline stages: the outermost level's count divided by ``pp`` (None where it does
     not divide)."""

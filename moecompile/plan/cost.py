@@ -34,7 +34,6 @@ with "recompute" each MoE layer's collectives (replication's but once a step) an
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -45,6 +44,8 @@ from moecompile.runtime.comm.cost_model import LinkModel, price
 from moecompile.runtime.comm.levels import kind
 
 from .cluster import Cluster, copy_counts, group_counts, stage_cluster, tile  # (the groups over the levels)
+from . import schedule
+from .schedule import stage_shape  # (re-exported: the busiest rank's layers)
 from .shapes import MoEShape
 
 ELEM, ADAM_BYTES = 2, 12  # bf16; Adam's fp32 master, m and v
@@ -61,6 +62,7 @@ class Plan:
     slots_per_rank: int = 0
     reshard: bool = False  # expert domains, split copies: the gathered weights freed after forward, gathered again
     pp: int = 1  # pipeline stages over the outermost level (ep, tp, dp: inside one stage's GPUs)
+    virtual: int = 1  # stages a rank holds (interleaved 1F1B: the model cut into pp x virtual stages)
     shard_copies: bool = False  # the copies of the group (N / ep; TED: dp / ep) split over their ranks ("dp_shard")
     shard_over: int = 0  # with shard_copies: split over that many copies' ranks only, the innermost, whole over the
     # rest (HSDP: ("dp_replicate", "dp_shard", ...)); 0: over every copy
@@ -75,7 +77,8 @@ class Plan:
         return (self.shard_over or self.copies(gpus)) if self.shard_copies else 1
 
     def as_dict(self) -> dict:
-        return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "dp": self.dp, "moe_tp": self.moe_tp, "dedup": self.dedup,
+        return {"pp": self.pp, "virtual_stages": self.virtual, "ep": self.ep, "tp": self.tp, "dp": self.dp,
+                "moe_tp": self.moe_tp, "dedup": self.dedup,
                 "expert_domains": dict(self.expert_domains) if self.expert_domains else None, "zero1": self.zero1,
                 "reshard_after_forward": self.reshard, "shard_copies": self.shard_copies, "shard_over": self.shard_over,
                 "replication": {"slots_per_rank": self.slots_per_rank} if self.slots_per_rank else None,
@@ -93,15 +96,6 @@ def moe_layer_activations(shape: MoEShape, tokens: float, tp_rows: int = 1, tp_i
     return rows * ELEM * (2 * shape.hidden + (shape.mats - 1) * inter + inter)
 
 
-def stage_shape(shape: MoEShape, pp: int) -> MoEShape:
-    """The busiest of ``pp`` pipeline stages' part of the model: ceil(L / pp) layers, ceil(L_moe / pp) of them MoE,
-    the head (its compute) and one vocab x hidden matrix (the first stage's embedding or the last's head)."""
-    if pp == 1:
-        return shape
-    layers = -(-shape.layers // pp)
-    return dataclasses.replace(shape, layers=layers, moe_layers=min(layers, -(-shape.moe_layers // pp)), embeddings=1)
-
-
 def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batch: int, routing=None,
              global_batch: int | None = None) -> dict:
     """The plan's entry of plan.json (``layer_s``, ``step_s``, ``microbatches``, ``tokens_per_s``,
@@ -109,7 +103,8 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     ``routing``: a measured ``plan.routing.Routing`` (uniform routing where None): the exchanges' busiest rank and
     the experts' busiest rank's rows. A step is ``global_batch`` sequences (default: one micro-batch a GPU), each of
     the plan's ``dp`` pipelines (data-parallel ranks) running M micro-batches of ``micro_batch``: M after another
-    (gradient accumulation), or under ``pp`` stages 1F1B's M + pp - 1 slots of its busiest stage."""
+    (gradient accumulation), or under ``pp`` stages 1F1B's M + pp - 1 slots of its busiest stage (``virtual``
+    stages a rank: the interleaved schedule's M + (pp - 1) / virtual, ``schedule.py``)."""
     whole, shape, cluster = cluster, stage_shape(shape, plan.pp), stage_cluster(cluster, plan.pp)
     if cluster is None:
         return {"invalid": f"{plan.pp} pipeline stages do not divide the outermost level ({whole.counts[0]})"}
@@ -118,6 +113,8 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         return {"invalid": f"a global batch of {sequences} sequences is no whole number of micro-batches of "
                            f"{micro_batch} for each of {plan.dp} pipelines"}
     micro = sequences // (plan.dp * micro_batch)
+    if schedule.runs(plan.pp, plan.virtual, micro):
+        return {"invalid": schedule.runs(plan.pp, plan.virtual, micro)}
     N, levels = cluster.gpus, cluster.levels
     ted = plan.moe_tp == "ted"
     ep_counts = group_counts(cluster, plan.ep, plan.tp if ted else 1)
@@ -201,14 +198,14 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
              "rerun": dispatch + combine + allgather - replication if again else 0.0}
     per_micro, reduce_s, grads_level = _step(shape, cluster, plan, T, seq, layer, pre, expert_bytes)
     per_step = 2 * shape.moe_layers * replication  # replication's weights in, gradients out: once a step
-    hop = T * H * ELEM if plan.pp > 1 else 0.0  # a micro-batch's activations to the next stage (its gradient back)
-    per_micro += 2 * whole.levels[0].seconds(hop) - per_step
-    step = (micro + plan.pp - 1) * per_micro + per_step + reduce_s
+    hop = T * H * ELEM if plan.pp > 1 else 0.0  # a micro-batch's activations to the next stage (its gradient back),
+    per_micro += 2 * plan.virtual * whole.levels[0].seconds(hop) - per_step  # from each of the rank's stages
+    step = schedule.slots(plan.pp, plan.virtual, micro) * per_micro + per_step + reduce_s
     # per micro-batch: each MoE layer's exchange (its dispatch and combine) twice (forward, backward), its gather once
     # each way (the backward's reduce-scatter; reshard: and the gather again), the tp collective each way, the
     # stages' activations and gradients; per step: replication's phases, the gradient all-reduces
     bytes_per_link = {lv.name: micro * (shape.moe_layers * ((2 + plan.reshard + again) * g + (2 + again) * (x + t))
-                                        + 2 * hop * (j == 0))
+                                        + 2 * plan.virtual * hop * (j == 0))
                       + 2 * shape.moe_layers * rep + r for j, (lv, x, g, t, rep, r) in enumerate(zip(
                           levels, sent["exchange"], sent["gather"], sent["tp"], sent["replication"], grads_level))}
     # layers' gathered copies at once: kept, every layer's at the end of forward; freed, the running layer's and the
@@ -220,7 +217,7 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     saved = ((1 + busiest) * rows * row_bytes * (math.prod(ep_counts) > 1) + T * H * ELEM * (plan.tp > 1 and
              plan.moe_tp != "off")) if plan.recompute == "save" else 0.0
     memory = _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, 0.0 if plan.slots_per_rank else gathered,
-                     busiest, min(plan.pp, micro), saved)
+                     busiest, schedule.in_flight(plan.pp, plan.virtual, micro), saved)
     return {**plan.as_dict(), "microbatches": micro, "layer_s": layer, "step_s": step,
             "tokens_per_s": sequences * seq / step, "bytes_per_link": bytes_per_link, "memory_GB": memory,
             "fits": memory["total"] <= cluster.memory_GB}
@@ -361,7 +358,7 @@ def _memory(shape, plan, N, T, expert_bytes, tp_rows, tp_inter, gathered: float,
             in_flight: int = 1, saved: float = 0.0) -> dict:
     """GB per GPU; ``gathered``: other ranks' expert bytes held at once (expert domains: every layer's kept for
     backward, or with reshard two, the running one's and the next one's), with the weights; ``busiest``: the busiest
-    rank's routed rows over the mean; ``in_flight``: micro-batches' activations held (1F1B's first: min(pp, M));
+    rank's routed rows over the mean; ``in_flight``: micro-batches' activations held (``schedule.in_flight``);
     ``saved``: a MoE layer's exchanges' outputs kept by activation checkpointing (``recompute="save"``)."""
     GB = 1e9
     dense = shape.dense_params() / plan.tp

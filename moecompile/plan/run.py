@@ -12,7 +12,8 @@ laid out so (``moecompile.pipeline_stage`` cuts the model, each stage module par
 plan's experts step under ``moecompile.expert_zero_optimizer`` (``run["expert_optimizer"]``). A ``recompute`` plan
 checkpoints every decoder layer (``run["activation_checkpointing"]``: transformers'
 ``model.activation_checkpointing_enable()``), with ``"save"`` compiled with ``checkpoint_exchanges="save"``
-(``run["compile_options"]``).
+(``run["compile_options"]``). Several stages a rank (``virtual``): ``run["virtual_stages"]``, the model cut into
+``pp x virtual`` stages, rank r's r, r + pp, ... (``ScheduleInterleaved1F1B``'s order).
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
     """``{"mesh_shape": [...], "mesh_dim_names": [...], "options": {...}}`` (``parallelize``'s keyword arguments),
     or ``{"not_runnable": why}``. Pipeline stages: an outermost ``"pp"`` dimension, each stage's mesh after it."""
     if plan.pp > 1:
-        run = how_to_run(dataclasses.replace(plan, pp=1), stage_cluster(cluster, plan.pp))
+        if plan.virtual > 1 and plan.zero1:
+            return {"not_runnable": "ZeRO-1 of the experts of several stages a rank is not built "
+                                    "(moecompile.expert_zero_optimizer takes one module)"}
+        run = how_to_run(dataclasses.replace(plan, pp=1, virtual=1), stage_cluster(cluster, plan.pp))
         return run if "not_runnable" in run else {**run, "mesh_shape": [plan.pp, *run["mesh_shape"]],
-                                                  "mesh_dim_names": ["pp", *run["mesh_dim_names"]]}
+                                                  "mesh_dim_names": ["pp", *run["mesh_dim_names"]],
+                                                  **({"virtual_stages": plan.virtual} if plan.virtual > 1 else {})}
     N, tp, ted = cluster.gpus, plan.tp, plan.moe_tp == "ted"
     copies = plan.copies(N)
     if plan.expert_domains and tp > 1:
@@ -96,7 +101,12 @@ def code(run: dict, device: str = "cuda") -> str:
         zero += f"; compiled = torch.compile({held}, backend='moe', options={run['compile_options']!r})"
     if run.get("activation_checkpointing"):
         mesh = "model.activation_checkpointing_enable(); " + mesh
+    virtual, pp = run.get("virtual_stages", 1), run["mesh_shape"][0]
+    if staged and virtual > 1:  # (rank r's stages r, r + pp, ...: torch's ScheduleInterleaved1F1B's order)
+        return (mesh + f"stages = [moecompile.parallelize(moecompile.pipeline_stage(model, mesh.get_local_rank('pp') + "
+                f"{pp} * i, {pp * virtual}), mesh, example_stage_input[i]{args}) for i in range({virtual})]"
+                + zero.replace("(stage,", "(stages,"))
     if staged:
-        return (mesh + f"stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), {run['mesh_shape'][0]}); "
+        return (mesh + f"stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), {pp}); "
                 f"moecompile.parallelize(stage, mesh, example_stage_input{args})" + zero)
     return mesh + f"moecompile.parallelize(model, mesh, example_ids{args})" + zero

@@ -10,7 +10,7 @@ power-of-two size (every rank holds S slots, each an instance of some expert: S 
 in the group, and twice that; copies of the group over the rest). Dedup and replication are not combined with TED
 (``parallelize`` refuses them). Each plan also with every decoder layer activation-checkpointed, its MoE collectives
 run again in backward or their outputs kept (``recompute``; not beside gathers made again in backward, which
-recomputation makes already).
+recomputation makes already). With pipeline stages, each rank holding one stage (1F1B) or two (interleaved).
 """
 
 from __future__ import annotations
@@ -27,14 +27,18 @@ from .run import how_to_run
 from .shapes import MoEShape
 
 
+VIRTUAL = (1, 2)  # stages a rank holds under pipeline stages (2: torch's ScheduleInterleaved1F1B; 4 not priced)
+
+
 def candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
     """Every plan: for each number of pipeline stages (a power of two dividing the outermost level, at most the
-    layers), the plans of one stage's GPUs."""
+    layers; each rank holding 1 or 2 of pp x that many, at most the layers), the plans of one stage's GPUs."""
     out = []
     for pp in (1 << i for i in range(int(math.log2(cluster.counts[0])) + 1)):
         stage = stage_cluster(cluster, pp)
-        if stage is not None and pp <= shape.layers:
-            out += [dataclasses.replace(p, pp=pp) for p in _stage_candidates(shape, stage)]
+        if stage is not None and pp <= shape.layers:  # (and each rank holding several stages, interleaved)
+            out += [dataclasses.replace(p, pp=pp, virtual=v) for v in VIRTUAL if v == 1 or 1 < pp and pp * v <=
+                    shape.layers for p in _stage_candidates(shape, stage)]
     return out
 
 
