@@ -16,8 +16,9 @@ ZeRO-1 of the experts over "dp_replicate" (moecompile.expert_zero_optimizer: tor
 its group, each rank holding half of its experts' AdamW state) trains as one process; its state checkpointed with
 moecompile.get_optimizer_state_dict and torch.distributed.checkpoint (each expert's state once, as a DTensor of the
 whole weight) loads into a new ZeRO optimizer and into a plain one, each rank taking the state it steps, and in one
-process equals the one-process AdamW state; torch's own consolidated state_dict loads back too. A "dp_replicate"
-not outermost is refused with ValueError, and so is ZeRO-1 of a model that swaps experts."""
+process equals the one-process AdamW state; torch's own consolidated state_dict loads back too; of the two stage
+modules a rank holds under an interleaved schedule, it steps both as one process. A "dp_replicate" not outermost is
+refused with ValueError, and so is ZeRO-1 of a model that swaps experts."""
 
 import os
 from datetime import timedelta
@@ -235,6 +236,39 @@ def _zero_redundancy(mesh, rank, world, tmp):
     assert {p for p, s in fresh.optim.state.items() if s} == set(mine_state)
 
 
+def _zero_of_stages(mesh, rank, world):
+    """ZeRO-1 of two stage modules a rank holds (an interleaved schedule's: the planner's zero1 plans with two stages
+    a rank): one ``expert_zero_optimizer`` of the list steps both stages' experts, in order, each on one copy's rank.
+    The stages run one after the other on this rank's batch; an AdamW step equals one process's on every batch, and
+    the optimizer's state dict of the list names each expert state this rank holds by its model name."""
+    ref, model = _build("mixtral").train(), _build("mixtral").train()
+    mine, together = (lambda b: (b[rank], b.flatten(0, 1)))(_zero_batches(ref.config.vocab_size, world))
+    cut = [moecompile.pipeline_stage(model, i, 2) for i in range(2)]
+    hidden = torch.randn(*mine.shape, ref.config.hidden_size)
+    stages = [moecompile.parallelize(s, mesh, x) for s, x in zip(cut, (mine, hidden))]
+    compiled = [torch.compile(s, backend="moe", options={"inner": "aot_eager", "strict": True}) for s in stages]
+    zero = moecompile.expert_zero_optimizer(compiled, torch.optim.AdamW, **ZERO_KW)
+    experts = set().union(*map(moecompile.expert_parameters, stages))
+    assert [id(p) for g in zero.param_groups for p in g["params"]] == [id(p) for s in stages for p in s.parameters()
+                                                                      if p in experts]
+    dense = torch.optim.AdamW([p for s in stages for p in s.parameters() if p not in experts], **ZERO_KW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ZERO_KW)
+
+    def loss(logits, ids):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    loss(compiled[1](compiled[0](mine)), mine).backward()
+    loss(ref(together).logits, together).backward()
+    for opt in (zero, dense, ref_opt):
+        opt.step()
+    every = dict(ref.named_parameters())
+    for name, value in (kv for s in stages for kv in moecompile.full_state_dict(s).items()):
+        torch.testing.assert_close(value, every[name].detach(), rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+    state = moecompile.get_optimizer_state_dict(stages, zero)["state"]
+    names = {p: n for s in stages for n, p in s.named_parameters()}
+    assert set(state) == {names[p] for p, s in zero.optim.state.items() if s} and state, sorted(state)
+
+
 def _zero_in_one_process(tmp, world):
     """The ranks' ZeRO-1 checkpoint (``_zero_redundancy``) in one process with no group: torch's
     set_optimizer_state_dict of an AdamW over the experts of a model trained the same steps in one process takes
@@ -267,6 +301,7 @@ def _world4(rank, world, tmp):
         _bad_input(mesh, rank)
         _planner_plans_run(rank, world)
         _zero_redundancy(mesh, rank, world, tmp)
+        _zero_of_stages(mesh, rank, world)
         domains_per_group(mesh, rank, "dp_replicate")
         model, _ = _train("mixtral", mesh, rank, world, swap_every=1)  # the same swaps in every copy
         swaps = [None] * world

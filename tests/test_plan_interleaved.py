@@ -70,7 +70,7 @@ def test_interleaving_shrinks_the_bubble_and_sends_each_micro_batch_more_often()
 def test_micro_batch_counts_torch_refuses_and_the_run():
     """torch's interleaved schedule runs M micro-batches in max(1, M // pp) rounds, which must divide M (its
     docstring: pp 4 runs 10 and 3); a plan that would not is not priced. The run cuts pp x virtual stages, rank r
-    parallelizing r, r + pp, ...; ZeRO-1 of several stages a rank is not built."""
+    parallelizing r, r + pp, ...; ZeRO-1 of the experts, one optimizer over the list of the rank's stages."""
     assert runs(4, 2, 10) is None and runs(4, 2, 3) is None and runs(4, 1, 9) is None
     assert "do not divide" in runs(4, 2, 9)
     cluster, shape = read_cluster(CLUSTER), read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
@@ -79,7 +79,8 @@ def test_micro_batch_counts_torch_refuses_and_the_run():
     assert run == {"mesh_shape": [4, 8], "mesh_dim_names": ["pp", "local"], "options": {}, "virtual_stages": 2}
     assert code(run).endswith("stages = [moecompile.parallelize(moecompile.pipeline_stage(model, "
                               "mesh.get_local_rank('pp') + 4 * i, 8), mesh, example_stage_input[i]) for i in range(2)]")
-    assert "not_runnable" in how_to_run(Plan(8, 1, 8, pp=4, virtual=2, zero1=True), cluster)
+    zero = code(how_to_run(Plan(4, 1, 8, pp=4, virtual=2, zero1=True), cluster))  # (2 copies of each expert)
+    assert zero.endswith("; experts_opt = moecompile.expert_zero_optimizer(stages, torch.optim.AdamW)"), zero
     assert describe(evaluate(shape, cluster, Plan(8, 1, 8, pp=4, virtual=2), 4096, 1)).startswith("pp 4x2 ep 8")
     plans = candidates(shape, cluster)
     assert {p.virtual for p in plans if p.pp > 1} == {1, 2} and {p.virtual for p in plans if p.pp == 1} == {1}

@@ -88,14 +88,18 @@ def _params(optimizer) -> list:
 def expert_zero_optimizer(model, optimizer_class, **kwargs) -> ZeroRedundancyOptimizer:
     """A ``ZeroRedundancyOptimizer`` of ``optimizer_class(**kwargs)`` over the expert weights ``moecompile.
     parallelize`` gave this rank (in the model's order, the same on every copy), partitioned over its
-    ``"dp_replicate"`` group. ValueError, naming the fix, for a model with nothing to partition so."""
-    from .sharded_state import unwrapped
+    ``"dp_replicate"`` group. ``model``: the model, or the list of stage modules this rank runs (an interleaved
+    pipeline schedule's, each parallelized on the same mesh: one optimizer over their experts, in the list's order).
+    ValueError, naming the fix, for a model with nothing to partition so."""
+    from .sharded_state import parts_of, unwrapped
     from .views import expert_parameters
 
-    info = getattr(model, "_moe_parallel", None)
-    if info is None:
+    held = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not held or any(getattr(unwrapped(m), "_moe_parallel", None) is None for m in held):
         raise ValueError("expert_zero_optimizer(model, ...) steps the experts moecompile.parallelize sharded: call it "
                          "after moecompile.parallelize(model, mesh, ...)")
+    parts, infos = parts_of(held)
+    info = infos[0]
     names = info.mesh.mesh_dim_names or ()
     if REPLICATE not in names or SHARD in names:
         raise ValueError(f"expert_zero_optimizer partitions the experts' optimizer state over the copies of a "
@@ -103,16 +107,16 @@ def expert_zero_optimizer(model, optimizer_class, **kwargs) -> ZeroRedundancyOpt
                          + (f"under {SHARD!r} the state is split with the weights already, use a plain optimizer"
                             if SHARD in names else f"add an outermost {REPLICATE!r} dimension, or use a plain "
                                                    "optimizer (one copy of each expert: nothing to partition)"))
-    if info.replicas:
+    if any(i.replicas for i in infos):
         raise ValueError("this model's experts replicate (parallelize(..., replication=...)): moecompile."
                          "ExpertOptimizer keeps their state on the hosts; use it instead")
-    if info.swap is not None:  # (a swap moves the state with the rows, on every rank of the copy alike)
+    if any(i.swap is not None for i in infos):  # (a swap moves the state with the rows, on every rank of the copy)
         raise ValueError("this model swaps experts (parallelize(..., swap_every=N)): a swap moves each expert's "
                          "optimizer state with its weights, which ZeRO-1 keeps on one copy's rank only; use "
                          "swap_every=0, or a plain optimizer")
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise ValueError(f"optimizer_class must be a torch.optim.Optimizer class (torch.optim.AdamW...); got "
                          f"{optimizer_class!r}")
-    experts = expert_parameters(model)
-    params = [p for p in unwrapped(model).parameters() if p in experts and p.requires_grad]
+    experts = set().union(*(expert_parameters(m) for m in held))
+    params = [p for part in parts for p in part.parameters() if p in experts and p.requires_grad]
     return ZeroRedundancyOptimizer(params, optimizer_class, process_group=info.mesh[REPLICATE].get_group(), **kwargs)

@@ -30,9 +30,6 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
     """``{"mesh_shape": [...], "mesh_dim_names": [...], "options": {...}}`` (``parallelize``'s keyword arguments),
     or ``{"not_runnable": why}``. Pipeline stages: an outermost ``"pp"`` dimension, each stage's mesh after it."""
     if plan.pp > 1:
-        if plan.virtual > 1 and plan.zero1:
-            return {"not_runnable": "ZeRO-1 of the experts of several stages a rank is not built "
-                                    "(moecompile.expert_zero_optimizer takes one module)"}
         run = how_to_run(dataclasses.replace(plan, pp=1, virtual=1), stage_cluster(cluster, plan.pp))
         return run if "not_runnable" in run else {**run, "mesh_shape": [plan.pp, *run["mesh_shape"]],
                                                   "mesh_dim_names": ["pp", *run["mesh_dim_names"]],
