@@ -98,7 +98,8 @@ def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
                             "levels": [{"name": "node", "count": 4, "alpha_s": 1e-5, "GBps": 25},
                                        {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
     shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
-    plans = [p for p in plan(shape, cluster, 4096)["plans"] if p["recompute"] == "off"]  # (test_plan_recompute)
+    plans = [p for p in plan(shape, cluster, 4096)["plans"]  # (recomputed: test_plan_recompute; split: below)
+             if p["recompute"] == "off" and not p["shard_copies"]]
     key = lambda p: (p["pp"], p["virtual_stages"], p["ep"], p["tp"], p["moe_tp"],  # noqa: E731
                      str(p["expert_domains"]), p["zero1"])
     kept = {key(p): p for p in plans if p["expert_domains"] and not p["reshard_after_forward"]}
@@ -122,6 +123,36 @@ def test_expert_domains_priced_with_their_copies_kept_or_gathered_again():
         if "not_runnable" not in a["run"]:
             assert a["run"]["options"]["reshard_after_forward"] is True
             assert "reshard_after_forward" not in b["run"]["options"]
+
+
+def test_split_copies_beside_expert_domains():
+    """Expert domains with the group's copies split over their ranks: a rank keeps 1/R of its experts, each layer
+    gathers its copy's pieces first and then the domain's experts from those (the domain's whole experts held, every
+    MoE layer's kept for backward or two gathered again), the pieces' and the domain's bytes both; the run lays out
+    "dp_shard" beside the domains, as parallelize runs them."""
+    cluster = read_cluster({"gpu": {"name": "H100", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 80},
+                            "levels": [{"name": "node", "count": 4, "alpha_s": 1e-5, "GBps": 25},
+                                       {"name": "local", "count": 8, "alpha_s": 3e-6, "GBps": 450}]})
+    shape = read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
+    L, R, GB, domains = shape.moe_layers, 4, 1e9, (("local", 2),)
+    eb = shape.num_experts // 8 * shape.expert_params() * 2  # a rank's group share of the experts, bf16
+    for r in (False, True):
+        plain, split, dom, both = (evaluate(shape, cluster, Plan(8, 1, 32, expert_domains=d, shard_copies=c,
+                                                                 reshard=r), 4096, 1)
+                                   for d, c in ((None, False), (None, True), (domains, False), (domains, True)))
+        assert both["memory_GB"]["grads"] == pytest.approx(dom["memory_GB"]["grads"] - L * eb * (1 - 1 / R) / GB)
+        held = both["memory_GB"]["weights"] - both["memory_GB"]["grads"]
+        assert held == pytest.approx((2 if r else L) * 2 * eb / GB)  # (the domain's two ranks' experts a layer)
+        assert both["memory_GB"]["optimizer"] == pytest.approx(split["memory_GB"]["optimizer"])
+        for level in ("node", "local"):  # the pieces' bytes and the domain's, its exchange's as the domain's
+            assert both["bytes_per_link"][level] == pytest.approx(
+                split["bytes_per_link"][level] + dom["bytes_per_link"][level] - plain["bytes_per_link"][level])
+        assert both["layer_s"]["allgather"] >= max(split["layer_s"]["allgather"], dom["layer_s"]["allgather"])
+        assert both["layer_s"]["dispatch"] == dom["layer_s"]["dispatch"]
+    run = how_to_run(Plan(8, 1, 32, expert_domains=domains, shard_copies=True), cluster)
+    assert run == {"mesh_shape": [4, 8], "mesh_dim_names": ["dp_shard", "local"],
+                   "options": {"expert_domains": {"local": 2}}}
+    assert any(p["shard_copies"] and p["expert_domains"] for p in plan(shape, cluster, 4096)["plans"])
 
 
 def test_zero1_prices_the_busiest_copys_share_and_a_broadcast():

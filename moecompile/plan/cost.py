@@ -136,7 +136,8 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
 
     pre = _roofline(cluster, (2 * T * shape.attention_params() + shape.attention_core_flops(T, seq)) / plan.tp,
                     T * H * ELEM * 4)
-    allgather = regather = replication = 0.0  # (regather: the backward's gather again, reshard_after_forward)
+    allgather = regather = replication = domain_ag = 0.0  # (regather: the backward's gather again,
+    # reshard_after_forward; domain_ag: expert domains' gather, before the compute that hides it)
     held = expert_bytes
     if plan.expert_domains:
         sizes = dict(plan.expert_domains)
@@ -148,8 +149,9 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
             rows_out = [b * offrank / (1 - 1 / domains) for b in rows_out]
         for what, nbytes in (("gather", gather), ("exchange", rows_out), ("exchange", rows_out)):  # rows, outputs
             phase(what, nbytes)
-        dispatch, combine, allgather = domain_times(levels, ep_counts, domain_counts, rows * row_bytes,
-                                                    expert_bytes, pre, E // plan.ep, offrank)
+        dispatch, combine, domain_ag = domain_times(levels, ep_counts, domain_counts, rows * row_bytes,
+                                                    expert_bytes, 0.0, E // plan.ep, offrank)
+        allgather = max(0.0, domain_ag - pre)
         held = expert_bytes * math.prod(domain_counts)
         # (the forward's gather less 2 pre: the backward's gather again, started ahead, beside the pre-expert
         # part's backward)
@@ -174,7 +176,8 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         allgather += replication  # (shown with the layer's gather; once a step, not a micro-batch: below)
         held = plan.slots_per_rank * shape.expert_params() * ELEM
     if plan.shard_copies:  # "dp_shard": the layer's experts gathered from the copies' ranks (their gradients
-        # reduce-scattered back in backward), started ahead as expert domains' are, less the pre-expert compute
+        # reduce-scattered back in backward), started ahead as expert domains' are, less the pre-expert compute;
+        # beside expert domains, before the domain's gather (which takes the gathered copy)
         split = plan.split(N)  # (HSDP: the innermost copies', inside the levels the group leaves)
         counts = tile(copy_counts(cluster, ep_counts, plan.tp if ted else 1), split)  # (None: they do not tile)
         if counts is None:
@@ -182,7 +185,7 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         slow = min((j for j, c in enumerate(counts) if c > 1), key=lambda j: levels[j].GBps, default=len(levels) - 1)
         piece = [0.0] * len(levels)
         piece[slow] = (split - 1) / split * expert_bytes
-        allgather = max(0.0, phase("gather", piece) - pre)
+        allgather = max(0.0, phase("gather", piece) + domain_ag - pre)
         regather = max(0.0, allgather - pre) if plan.reshard else 0.0
     if plan.tp > 1 and plan.moe_tp != "off":  # SSMB: the output all-gathered; TED: the partial sums reduced
         tp_bytes = [0.0] * (len(levels) - 1) + [(plan.tp - 1) / plan.tp * T * H * ELEM * (2 if ted else 1)]
@@ -211,7 +214,8 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
     # layers' gathered copies at once: kept, every layer's at the end of forward; freed, the running layer's and the
     # next one's, started ahead (so too where checkpointing keeps none: gathered again in the recomputed forward)
     copies = 2 if plan.reshard or again else max(2, shape.moe_layers)
-    gathered = copies * (expert_bytes if plan.shard_copies else held - expert_bytes)  # (a copy's whole experts)
+    gathered = copies * (held if plan.shard_copies else held - expert_bytes)  # (a copy's whole experts; its
+    # domain's with expert domains)
     # "save": a MoE layer's exchanges' outputs kept, the rows its experts received and those it got back (and the
     # tp collective's output)
     saved = ((1 + busiest) * rows * row_bytes * (math.prod(ep_counts) > 1) + T * H * ELEM * (plan.tp > 1 and
@@ -286,6 +290,13 @@ def domain_times(levels, counts, domain_counts, data_bytes: float, expert_bytes:
     (after its per-expert counts; ``offrank``: the busiest rank's share of D it sends or receives there, uniform
     routing's 1 - 1 / domains where None); ``expert_bytes``: its experts (P_E), gathered from the domain's others.
     Priced by ``stream.price``, as ``expert_domains="auto"`` prices a measured routing, on ``link_model``."""
+    a2a, back, ag = _domain_times(tuple(levels), tuple(counts), tuple(domain_counts), data_bytes, expert_bytes,
+                                  experts_per_rank, offrank)
+    return a2a - back, back, max(0.0, ag - pre)
+
+
+@functools.lru_cache(maxsize=4096)  # (the planner prices each domain's layer for several plans alike)
+def _domain_times(levels, counts, domain_counts, data_bytes, expert_bytes, experts_per_rank, offrank):
     used = [j for j, c in enumerate(counts) if c > 1]
     if not used:
         return 0.0, 0.0, 0.0
@@ -294,7 +305,7 @@ def domain_times(levels, counts, domain_counts, data_bytes: float, expert_bytes:
     rows = data_bytes * (1 - math.prod(domains) / math.prod(sizes) if offrank is None else offrank)
     p = stream.price(link, names, sizes, domains, expert_bytes, rows, experts_per_rank)
     back = link.time(kind(names, stream.spanned(hybrid.groups(0, sizes, domains)[1], sizes)), rows) if p.a2a else 0.0
-    return p.a2a - back, back, max(0.0, p.ag - pre)
+    return p.a2a, back, p.ag
 
 
 def best_domain(levels, counts, data_bytes: float, expert_bytes: float, pre: float) -> tuple[list[int], float]:

@@ -54,9 +54,9 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
         return {"not_runnable": f"dedup at {plan.dedup!r}, a level the expert-parallel group does not span"}
     if plan.zero1 and (copies == 1 or plan.shard_copies or plan.slots_per_rank):
         return {"not_runnable": "ZeRO-1 of the experts needs copies of a group kept whole, without replication"}
-    if plan.shard_copies and (copies == 1 or plan.expert_domains or plan.slots_per_rank):
-        return {"not_runnable": "split copies need copies of a group; beside expert domains or replication the planner "
-                "does not price them (parallelize runs both)"}
+    if plan.shard_copies and (copies == 1 or plan.slots_per_rank):
+        return {"not_runnable": "split copies need copies of a group; beside replication the planner does not price "
+                "them (parallelize runs both)"}
     split = plan.split(N)
     if copies % split:
         return {"not_runnable": f"copies split over {split} ranks: {split} does not divide the {copies} copies"}

@@ -3,9 +3,9 @@ among those that fit. Considered: pipeline stages (``pp``, a power of two dividi
 stage's GPUs tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel degree
 dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level its group
 spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size its group
-allows per level (their copies kept for backward, or gathered again there), and where the group has copies (tp 1, or
-SSMB) those split over their ranks ("dp_shard", or HSDP: gathered, kept or again) or kept whole, their optimizer state
-whole on each or over them (ZeRO-1: ``moecompile.expert_zero_optimizer``); and replication over a group of every
+allows per level (their copies kept for backward, or gathered again there; the group's copies split too), and where
+the group has copies (tp 1, or SSMB) those split over their ranks ("dp_shard", or HSDP: gathered, kept or again) or
+kept whole, their optimizer state whole on each or over them (ZeRO-1: ``moecompile.expert_zero_optimizer``); and replication over a group of every
 power-of-two size (every rank holds S slots, each an instance of some expert: S the least that holds every expert once
 in the group, and twice that; copies of the group over the rest). Dedup and replication are not combined with TED
 (``parallelize`` refuses them). Each plan also with every decoder layer activation-checkpointed, its MoE collectives
@@ -71,10 +71,13 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                 for j, name in enumerate(names[:-1]):
                     if counts[j] > 1 and math.prod(counts[j + 1:]) > 1:
                         out.append(Plan(ep, tp, dp, moe_tp, dedup=name))
+                split = copies > 1 and tile(copy_counts(cluster, counts, 1), copies) is not None
                 for sizes in itertools.product(*[[d for d in range(1, c + 1) if c % d == 0] for c in counts]):
-                    if math.prod(sizes) > 1:  # the gathered copies kept for backward, or gathered again there
-                        out += [Plan(ep, tp, dp, moe_tp, expert_domains=tuple(
-                            (n, s) for n, s in zip(names, sizes) if s > 1), reshard=r) for r in (False, True)]
+                    if math.prod(sizes) > 1:  # the gathered copies kept for backward, or gathered again there;
+                        # and with the copies split over their ranks, gathered first
+                        domains = tuple((n, s) for n, s in zip(names, sizes) if s > 1)
+                        out += [Plan(ep, tp, dp, moe_tp, expert_domains=domains, reshard=r, shard_copies=c)
+                                for r in (False, True) for c in (False, True)[:1 + split]]
 
             for ep in (1 << i for i in range(1, int(math.log2(N)) + 1)) if moe_tp != "ted" else ():
                 # replication: S slots on every rank of a group of ep (each a class's instance), copies of the
