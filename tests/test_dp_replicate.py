@@ -152,6 +152,7 @@ def _planner_plans_run(rank, world):
             assert torch.isfinite(loss), run
     assert len(seen) >= 15 and ran, seen  # off, dedup, SSMB, TED, domains, replication, with and without copies
     assert copied == {"ted", "domains", "replication"}, seen  # (with copies: not_runnable or not priced before)
+    assert any("dp_shard" in k and "expert_domains" in k for k in seen), seen  # (split copies beside domains)
 
 
 ZERO_KW = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-6}
