@@ -216,9 +216,13 @@ def test_cli_writes_plan_json_and_exits_3_when_nothing_fits(tmp_path):
     # deduplicated over "node" (tests/test_dp_replicate.py runs each runnable layout of a small cluster without stages)
     assert result["plans"][0]["run"] == {"mesh_shape": [16, 4, 2, 8],
                                          "mesh_dim_names": ["pp", "dp_replicate", "node", "tp"],
-                                         "options": {"moe_tp": "ssmb", "dedup": "node"}}, result["plans"][0]["run"]
+                                         "options": {"moe_tp": "ssmb", "dedup": "node"},
+                                         "schedule": {"class": "Schedule1F1B", "n_microbatches": 128}}, result[
+                                             "plans"][0]["run"]  # (its 128 micro-batches a step under torch's 1F1B)
     assert "run it: mesh = init_device_mesh('cuda', (16, 4, 2, 8)" in run.stdout, run.stdout
     assert "stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), 16)" in run.stdout
+    assert ("schedule = Schedule1F1B(moecompile.PipelineStage(torch.compile(stage, backend='moe'), mesh.get_local_rank("
+            "'pp'), 16, device, group=mesh.get_group('pp')), n_microbatches=128, loss_fn=loss_fn)") in run.stdout
     tiny = tmp_path / "tiny.json"  # 8 GPUs of 8 GB cannot hold DeepSeek-V3
     tiny.write_text(json.dumps({"gpu": {"name": "small", "bf16_tflops": 100, "hbm_TBps": 1, "memory_GB": 8},
                                 "levels": [{"name": "local", "count": 8, "alpha_s": 1e-6, "GBps": 100}]}))

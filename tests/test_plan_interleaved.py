@@ -16,7 +16,7 @@ from moecompile.plan.cli import describe
 from moecompile.plan.cost import Plan, evaluate
 from moecompile.plan.run import code, how_to_run
 from moecompile.plan.schedule import in_flight, runs, stage_shape
-from moecompile.plan.search import candidates
+from moecompile.plan.search import candidates, plan
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "configs")
 CLUSTER = {"gpu": {"name": "H100", "bf16_tflops": 800, "hbm_TBps": 3.35, "memory_GB": 80},
@@ -84,3 +84,9 @@ def test_micro_batch_counts_torch_refuses_and_the_run():
     assert describe(evaluate(shape, cluster, Plan(8, 1, 8, pp=4, virtual=2), 4096, 1)).startswith("pp 4x2 ep 8")
     plans = candidates(shape, cluster)
     assert {p.virtual for p in plans if p.pp > 1} == {1, 2} and {p.virtual for p in plans if p.pp == 1} == {1}
+    two = next(p for p in plan(shape, cluster, 4096)["plans"] if p["virtual_stages"] == 2 and "not_runnable" not in
+               p["run"])  # (the micro-batches priced, under torch's interleaved schedule of the rank's stages)
+    assert two["run"]["schedule"] == {"class": "ScheduleInterleaved1F1B", "n_microbatches": two["microbatches"]}
+    assert f"ScheduleInterleaved1F1B([moecompile.PipelineStage(torch.compile(s, backend='moe'), mesh.get_local_rank(" \
+           f"'pp') + {two['pp']} * i, {2 * two['pp']}, device, group=mesh.get_group('pp')) for i, s in enumerate(" \
+           f"stages)], n_microbatches={two['microbatches']}" in code(two["run"])

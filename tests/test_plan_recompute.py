@@ -102,9 +102,10 @@ def test_a_recomputing_plan_says_how_to_run_it():
     assert code(again).startswith("model.activation_checkpointing_enable(); mesh = init_device_mesh(")
     assert code(kept).endswith("; compiled = torch.compile(model, backend='moe', "
                                "options={'checkpoint_exchanges': 'save'})")
-    staged = code(how_to_run(Plan(8, 1, 8, recompute="save", pp=4), cluster))
+    staged = code({**how_to_run(Plan(8, 1, 8, recompute="save", pp=4), cluster),
+                   "schedule": {"class": "Schedule1F1B", "n_microbatches": 8}})
     assert staged.startswith("model.activation_checkpointing_enable(); mesh = ") and "stage = moecompile" in staged
-    assert "torch.compile(stage, backend='moe'" in staged
+    assert "PipelineStage(torch.compile(stage, backend='moe', options={'checkpoint_exchanges': 'save'})" in staged
     assert describe({**evaluate(read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json")), cluster,
                                 Plan(8, 1, 32, recompute="save"), T, 1)}).endswith("recompute save")
 

@@ -84,26 +84,40 @@ def how_to_run(plan: Plan, cluster: Cluster) -> dict:
 def code(run: dict, device: str = "cuda") -> str:
     """The lines of Python ``run`` (``how_to_run``'s) stands for: the mesh, ``parallelize``, and with
     ``expert_optimizer`` the experts' optimizer; with ``activation_checkpointing`` transformers' checkpointing of the
-    decoder layers first, with ``compile_options`` the ``torch.compile`` call."""
+    decoder layers first, with ``compile_options`` the ``torch.compile`` call; under pipeline stages, with
+    ``schedule`` (``search.plan``'s), the stages' ``moecompile.PipelineStage`` and torch's schedule."""
     if "not_runnable" in run:
         return f"not runnable with moecompile yet: {run['not_runnable']}"
     args = "".join(f", {k}={v!r}" for k, v in run["options"].items())
     mesh = (f"mesh = init_device_mesh({device!r}, {tuple(run['mesh_shape'])}, "
             f"mesh_dim_names={tuple(run['mesh_dim_names'])}); ")
-    staged = run["mesh_dim_names"][0] == "pp"  # each rank's stage (docs/expert-parallelism.md, Pipeline stages)
-    held = "stage" if staged else "model"
-    zero = (f"; experts_opt = moecompile.expert_zero_optimizer({held}, torch.optim.AdamW)"
-            if run.get("expert_optimizer") else "")  # (ZeRO-1 of the experts over "dp_replicate")
-    if run.get("compile_options"):
-        zero += f"; compiled = torch.compile({held}, backend='moe', options={run['compile_options']!r})"
     if run.get("activation_checkpointing"):
         mesh = "model.activation_checkpointing_enable(); " + mesh
-    virtual, pp = run.get("virtual_stages", 1), run["mesh_shape"][0]
-    if staged and virtual > 1:  # (rank r's stages r, r + pp, ...: torch's ScheduleInterleaved1F1B's order)
-        return (mesh + f"stages = [moecompile.parallelize(moecompile.pipeline_stage(model, mesh.get_local_rank('pp') + "
-                f"{pp} * i, {pp * virtual}), mesh, example_stage_input[i]{args}) for i in range({virtual})]"
-                + zero.replace("(stage,", "(stages,"))
-    if staged:
-        return (mesh + f"stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), {pp}); "
-                f"moecompile.parallelize(stage, mesh, example_stage_input{args})" + zero)
-    return mesh + f"moecompile.parallelize(model, mesh, example_ids{args})" + zero
+    options = f", options={run['compile_options']!r}" if run.get("compile_options") else ""
+
+    def zero(held: str) -> str:  # (ZeRO-1 of the experts over "dp_replicate")
+        return f"; experts_opt = moecompile.expert_zero_optimizer({held}, torch.optim.AdamW)" if run.get(
+            "expert_optimizer") else ""
+
+    if run["mesh_dim_names"][0] != "pp":
+        return (mesh + f"moecompile.parallelize(model, mesh, example_ids{args})" + zero("model")
+                + (f"; compiled = torch.compile(model, backend='moe'{options})" if options else ""))
+    virtual, pp = run.get("virtual_stages", 1), run["mesh_shape"][0]  # (docs/expert-parallelism.md, Pipeline stages)
+    schedule = run.get("schedule")
+
+    def stage(module: str, index: str) -> str:
+        return (f"moecompile.PipelineStage(torch.compile({module}, backend='moe'{options}), {index}, {pp * virtual}, "
+                "device, group=mesh.get_group('pp'))")
+
+    if virtual > 1:  # (rank r's stages r, r + pp, ...: torch's ScheduleInterleaved1F1B's order)
+        out = (mesh + f"stages = [moecompile.parallelize(moecompile.pipeline_stage(model, mesh.get_local_rank('pp') + "
+               f"{pp} * i, {pp * virtual}), mesh, example_stage_input[i]{args}) for i in range({virtual})]"
+               + zero("stages"))
+        runs = "[" + stage("s", f"mesh.get_local_rank('pp') + {pp} * i") + " for i, s in enumerate(stages)]"
+    else:
+        out = (mesh + f"stage = moecompile.pipeline_stage(model, mesh.get_local_rank('pp'), {pp}); "
+               f"moecompile.parallelize(stage, mesh, example_stage_input{args})" + zero("stage"))
+        runs = stage("stage", "mesh.get_local_rank('pp')")
+    if schedule:
+        out += f"; schedule = {schedule['class']}({runs}, n_microbatches={schedule['n_microbatches']}, loss_fn=loss_fn)"
+    return out

@@ -127,7 +127,11 @@ def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1, rout
     for candidate in candidates(shape, cluster):
         priced = evaluate(shape, cluster, candidate, seq, micro_batch, routing, global_batch)
         if "invalid" not in priced:
-            plans.append({**priced, "run": how_to_run(candidate, cluster)})
+            run = how_to_run(candidate, cluster)
+            if candidate.pp > 1 and "not_runnable" not in run:  # (torch's schedule of the micro-batches priced)
+                run["schedule"] = {"class": "ScheduleInterleaved1F1B" if candidate.virtual > 1 else "Schedule1F1B",
+                                   "n_microbatches": priced["microbatches"]}
+            plans.append({**priced, "run": run})
     if not plans:
         raise ValueError(f"no expert-parallel degree of {shape.num_experts} experts tiles {cluster.gpus} GPUs "
                          f"laid out as {cluster.counts} with a global batch of {global_batch} sequences in "
