@@ -1,16 +1,17 @@
 """Every plan for a model on a cluster, priced by ``cost.py``, ranked by the time of a step of the same global batch
 among those that fit. Considered: pipeline stages (``pp``, a power of two dividing the outermost level), and in one
-stage's GPUs tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel degree
-dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level its group
-spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size its group
-allows per level (their copies kept for backward, or gathered again there; the group's copies split too), and where
-the group has copies (tp 1, or SSMB) those split over their ranks ("dp_shard", or HSDP: gathered, kept or again) or
-kept whole, their optimizer state whole on each or over them (ZeRO-1: ``moecompile.expert_zero_optimizer``); and
-replication over a group of every power-of-two size (every rank holds S slots, each an instance of some expert: S the
-least that holds every expert once in the group, and twice that; copies of the group over the rest). Dedup and replication are not combined with TED
-(``parallelize`` refuses them). Each plan also with every decoder layer activation-checkpointed, its MoE collectives
-run again in backward or their outputs kept (``recompute``; not beside gathers made again in backward, which
-recomputation makes already). With pipeline stages, each rank holding one stage (1F1B) or two (interleaved).
+stage's GPUs tensor-parallel sizes 1, 2, 4, 8 that divide the innermost level; every power-of-two expert-parallel
+degree dividing the experts and the GPUs (under TED: the data-parallel ranks); for each, dedup off and at every level
+its group spans with a level below it, ``moe_tp`` "ssmb", "ted" and "off" where tp > 1, expert domains of every size
+its group allows per level (their copies kept for backward, or gathered again there; the group's copies split too),
+and where the group has copies (tp 1, or SSMB) those split over their ranks ("dp_shard", or HSDP: gathered, kept or
+again) or kept whole, their optimizer state whole on each or over them (ZeRO-1:
+``moecompile.expert_zero_optimizer``); and replication over a group of every power-of-two size (every rank holds S
+slots, each an instance of some expert: S the least that holds every expert once in the group, and twice that; copies
+of the group over the rest). Dedup and replication are not combined with TED (``parallelize`` refuses them). Each
+plan also with every decoder layer activation-checkpointed, its MoE collectives run again in backward or their
+outputs kept (``recompute``; not beside gathers made again in backward, which recomputation makes already). With
+pipeline stages, each rank holding one stage (1F1B) or two (interleaved).
 """
 
 from __future__ import annotations
