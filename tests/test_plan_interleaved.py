@@ -70,7 +70,8 @@ def test_interleaving_shrinks_the_bubble_and_sends_each_micro_batch_more_often()
 def test_micro_batch_counts_torch_refuses_and_the_run():
     """torch's interleaved schedule runs M micro-batches in max(1, M // pp) rounds, which must divide M (its
     docstring: pp 4 runs 10 and 3); a plan that would not is not priced. The run cuts pp x virtual stages, rank r
-    parallelizing r, r + pp, ...; ZeRO-1 of the experts, one optimizer over the list of the rank's stages."""
+    parallelizing r, r + pp, ...; ZeRO-1 of the experts, one optimizer over the list of the rank's stages; torch's
+    schedule of the micro-batches priced (GPipe's where fewer than the stages: torch's 1F1B refuses them)."""
     assert runs(4, 2, 10) is None and runs(4, 2, 3) is None and runs(4, 1, 9) is None
     assert "do not divide" in runs(4, 2, 9)
     cluster, shape = read_cluster(CLUSTER), read_config(os.path.join(CONFIGS, "qwen3_30b_a3b.json"))
@@ -87,6 +88,9 @@ def test_micro_batch_counts_torch_refuses_and_the_run():
     two = next(p for p in plan(shape, cluster, 4096)["plans"] if p["virtual_stages"] == 2 and "not_runnable" not in
                p["run"])  # (the micro-batches priced, under torch's interleaved schedule of the rank's stages)
     assert two["run"]["schedule"] == {"class": "ScheduleInterleaved1F1B", "n_microbatches": two["microbatches"]}
+    few = [p for p in plan(shape, cluster, 4096, global_batch=16)["plans"] if p["pp"] > p["microbatches"]
+           and p["virtual_stages"] == 1 and "not_runnable" not in p["run"]]  # (torch's 1F1B refuses M < pp)
+    assert few and all(p["run"]["schedule"]["class"] == "ScheduleGPipe" for p in few)
     assert f"ScheduleInterleaved1F1B([moecompile.PipelineStage(torch.compile(s, backend='moe'), mesh.get_local_rank(" \
            f"'pp') + {two['pp']} * i, {2 * two['pp']}, device, group=mesh.get_group('pp')) for i, s in enumerate(" \
            f"stages)], n_microbatches={two['microbatches']}" in code(two["run"])

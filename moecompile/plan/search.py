@@ -129,9 +129,11 @@ def plan(shape: MoEShape, cluster: Cluster, seq: int, micro_batch: int = 1, rout
         priced = evaluate(shape, cluster, candidate, seq, micro_batch, routing, global_batch)
         if "invalid" not in priced:
             run = how_to_run(candidate, cluster)
-            if candidate.pp > 1 and "not_runnable" not in run:  # (torch's schedule of the micro-batches priced)
-                run["schedule"] = {"class": "ScheduleInterleaved1F1B" if candidate.virtual > 1 else "Schedule1F1B",
-                                   "n_microbatches": priced["microbatches"]}
+            if candidate.pp > 1 and "not_runnable" not in run:  # (torch's schedule of the micro-batches priced;
+                # its 1F1B refuses fewer than the stages, where GPipe's takes the same slots and memory)
+                M = priced["microbatches"]
+                run["schedule"] = {"class": "ScheduleInterleaved1F1B" if candidate.virtual > 1 else "Schedule1F1B"
+                                   if M >= candidate.pp else "ScheduleGPipe", "n_microbatches": M}
             plans.append({**priced, "run": run})
     if not plans:
         raise ValueError(f"no expert-parallel degree of {shape.num_experts} experts tiles {cluster.gpus} GPUs "
