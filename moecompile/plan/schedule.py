@@ -26,8 +26,8 @@ def stage_shape(shape: MoEShape, pp: int) -> MoEShape:
 
 
 def runs(pp: int, virtual: int, micro: int) -> str | None:
-    """Why torch's schedule cannot run ``micro`` micro-batches so, or None: the interleaved one splits them into
-    rounds of ``micro // pp`` (at least one), which must divide them."""
+    """Why torch's schedule cannot run ``micro`` micro-batches so, or None: the interleaved one runs them in
+    max(1, micro // pp) rounds, whose number must divide them."""
     rounds = max(1, micro // pp)
     if virtual > 1 and micro % rounds:
         return (f"torch's ScheduleInterleaved1F1B runs {micro} micro-batches in {rounds} rounds, which do not divide "
