@@ -113,8 +113,9 @@ def evaluate(shape: MoEShape, cluster: Cluster, plan: Plan, seq: int, micro_batc
         return {"invalid": f"a global batch of {sequences} sequences is no whole number of micro-batches of "
                            f"{micro_batch} for each of {plan.dp} pipelines"}
     micro = sequences // (plan.dp * micro_batch)
-    if schedule.runs(plan.pp, plan.virtual, micro):
-        return {"invalid": schedule.runs(plan.pp, plan.virtual, micro)}
+    refused = schedule.runs(plan.pp, plan.virtual, micro)
+    if refused:
+        return {"invalid": refused}
     N, levels = cluster.gpus, cluster.levels
     ted = plan.moe_tp == "ted"
     ep_counts = group_counts(cluster, plan.ep, plan.tp if ted else 1)

@@ -59,9 +59,9 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                     continue
                 out.append(Plan(ep, tp, dp, moe_tp))
                 copies = out[-1].copies(N)  # (TED's group: one tp index)
+                per_level = copy_counts(cluster, counts, tp if moe_tp == "ted" else 1)  # (the copies' ranks)
                 if copies > 1 and (tp == 1 or moe_tp != "off"):  # the copies split ("dp_shard"; over some, HSDP),
                     # their gathers kept or made again (tp's ranks inside the group under SSMB; TED: each tp slice)
-                    per_level = copy_counts(cluster, counts, tp if moe_tp == "ted" else 1)
                     for split in (d for d in range(2, copies + 1) if copies % d == 0):
                         over = 0 if split == copies else split
                         if tile(per_level, split) is not None:
@@ -72,7 +72,7 @@ def _stage_candidates(shape: MoEShape, cluster: Cluster) -> list[Plan]:
                 for j, name in enumerate(names[:-1]):
                     if counts[j] > 1 and math.prod(counts[j + 1:]) > 1:
                         out.append(Plan(ep, tp, dp, moe_tp, dedup=name))
-                split = copies > 1 and tile(copy_counts(cluster, counts, 1), copies) is not None
+                split = copies > 1 and tile(per_level, copies) is not None
                 for sizes in itertools.product(*[[d for d in range(1, c + 1) if c % d == 0] for c in counts]):
                     if math.prod(sizes) > 1:  # the gathered copies kept for backward, or gathered again there;
                         # and with the copies split over their ranks, gathered first
